@@ -1,0 +1,488 @@
+"""Uneven all-to-all: plans, the direct and ring patterns, autograd, async handles.
+
+Legend: R rows (dim 0), P ranks in the group, S segments per peer, B bytes.
+
+Rows of ``x_R*`` are grouped by destination in rank order: ``send_counts[p]`` rows go
+to rank p. The result holds the rows received from rank 0, then rank 1, and so on.
+
+* ``direct`` issues one ``all_to_all_single`` (never the list form, which gloo rejects
+  for uneven sizes).
+* ``ring`` runs P-1 rounds; in round i a rank sends to rank+i and receives from rank-i
+  (AdaQP's order: each round pairs every rank with exactly one sender and one receiver).
+
+Both give identical results. The exchange is differentiable: the backward pass is the
+same exchange with send and receive counts swapped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .dist import CommError, comm_guard
+
+PATTERNS = ("direct", "ring")
+
+# dtype codes carried in the plan header so that ranks can check they agree
+_DTYPE_CODES = {
+    torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4,
+    torch.uint8: 5, torch.int8: 6, torch.int16: 7, torch.int32: 8, torch.int64: 9,
+    torch.bool: 10,
+}
+_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+
+# header status codes (one per rank, all-gathered so every rank raises the same error)
+_OK, _BAD_LEN, _NEGATIVE, _ROWS, _BAD_RECV = 0, 1, 2, 3, 4
+
+
+# --------------------------------------------------------------------------- plans
+@dataclass(frozen=True)
+class A2APlan:
+    """Counts and offsets of one exchange, as seen by one rank; reusable while counts hold.
+
+    send_counts[p]: rows this rank sends to p; recv_counts[p]: rows it receives from p.
+    """
+
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
+    rank: int
+    send_offsets: tuple[int, ...] = field(init=False, repr=False)
+    recv_offsets: tuple[int, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.send_counts) != len(self.recv_counts):
+            raise ValueError(f"send_counts has {len(self.send_counts)} entries, recv_counts "
+                             f"{len(self.recv_counts)}: both need one per rank")
+        if any(c < 0 for c in self.send_counts) or any(c < 0 for c in self.recv_counts):
+            raise ValueError(f"counts must be >= 0, got send {self.send_counts} recv {self.recv_counts}")
+        if not 0 <= self.rank < len(self.send_counts):
+            raise ValueError(f"rank {self.rank} outside a world of {len(self.send_counts)}")
+        object.__setattr__(self, "send_counts", tuple(int(c) for c in self.send_counts))
+        object.__setattr__(self, "recv_counts", tuple(int(c) for c in self.recv_counts))
+        object.__setattr__(self, "send_offsets", _offsets(self.send_counts))
+        object.__setattr__(self, "recv_offsets", _offsets(self.recv_counts))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.send_counts)
+
+    @property
+    def total_send(self) -> int:
+        return self.send_offsets[-1]
+
+    @property
+    def total_recv(self) -> int:
+        return self.recv_offsets[-1]
+
+    def reversed(self) -> "A2APlan":
+        """The plan of the reverse exchange (the backward pass)."""
+        return A2APlan(self.recv_counts, self.send_counts, self.rank)
+
+    def ring_rounds(self) -> list[tuple[int, int]]:
+        """[(dst, src)] for rounds 1..P-1 of the ring pattern."""
+        P, r = self.world_size, self.rank
+        return [((r + i) % P, (r - i) % P) for i in range(1, P)]
+
+
+def _offsets(counts: Sequence[int]) -> tuple[int, ...]:
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + int(c))
+    return tuple(out)
+
+
+def make_plan(send_counts: Sequence[int], *, group=None, rows: int | None = None,
+              dtype: torch.dtype | None = None, row_numel: int | None = None,
+              recv_counts: Sequence[int] | None = None) -> A2APlan:
+    """Build a plan by exchanging counts once (one small all_gather).
+
+    Every rank takes part even when its own input is wrong, so that a bad count list,
+    a row total that does not match ``rows``, or a dtype / row shape that differs between
+    ranks raises the same ValueError on every rank instead of leaving peers hanging.
+    ``recv_counts``, when given, is checked against what the peers declare.
+    """
+    P = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    counts = [int(c) for c in send_counts]
+    status = _OK
+    if len(counts) != P:
+        status = _BAD_LEN
+    elif any(c < 0 for c in counts):
+        status = _NEGATIVE
+    elif rows is not None and sum(counts) != rows:
+        status = _ROWS
+    elif recv_counts is not None and len(recv_counts) != P:
+        status = _BAD_RECV
+    head = [status, len(counts), _DTYPE_CODES.get(dtype, 0) if dtype is not None else 0,
+            -1 if row_numel is None else int(row_numel), -1 if rows is None else int(rows)]
+    body = counts if status == _OK else [0] * P
+    mine = torch.tensor(head + body, dtype=torch.int64)
+    allv = [torch.empty_like(mine) for _ in range(P)]
+    with comm_guard("exchanging all_to_all counts", group):
+        dist.all_gather(allv, mine, group=group)
+    M = torch.stack(allv)  # [P, 5 + P]
+    bad = [(r, int(M[r, 0])) for r in range(P) if int(M[r, 0]) != _OK]
+    if bad:
+        why = {
+            _BAD_LEN: lambda r: f"rank {r} gave {int(M[r, 1])} send counts for a group of {P}",
+            _NEGATIVE: lambda r: f"rank {r} gave a negative send count",
+            _ROWS: lambda r: f"rank {r}'s send counts sum to a different number of rows than its tensor has ({int(M[r, 4])})",
+            _BAD_RECV: lambda r: f"rank {r} gave recv_counts of the wrong length",
+        }
+        raise ValueError("all_to_all: counts disagree between ranks: "
+                         + "; ".join(why[s](r) for r, s in bad))
+    codes = {int(M[r, 2]) for r in range(P)} - {0}
+    if len(codes) > 1:
+        names = {r: str(_CODE_DTYPES.get(int(M[r, 2]), "?")) for r in range(P)}
+        raise ValueError(f"all_to_all: tensors have different dtypes on different ranks: {names}")
+    numels = {int(M[r, 3]) for r in range(P)} - {-1}
+    if len(numels) > 1:
+        raise ValueError("all_to_all: rows have different sizes on different ranks "
+                         f"(elements per row: {[int(M[r, 3]) for r in range(P)]}); "
+                         "every rank must send rows of the same trailing shape")
+    matrix = M[:, 5:]
+    recv = tuple(int(matrix[p, me]) for p in range(P))
+    if recv_counts is not None and tuple(int(c) for c in recv_counts) != recv:
+        raise ValueError(f"all_to_all: rank {me} expected to receive {tuple(recv_counts)} rows "
+                         f"but its peers send {recv}")
+    return A2APlan(tuple(counts), recv, me)
+
+
+# --------------------------------------------------------------------------- counters
+@dataclass
+class CommStats:
+    """Per-peer bytes and per-round times; cheap enough to stay on (a few adds per call).
+
+    ``round_time_s[0]`` is the local copy / whole direct exchange, ``round_time_s[i]`` the
+    accumulated time of ring round i.
+    """
+
+    world_size: int
+    bytes_sent: list[int] = field(default_factory=list)
+    bytes_recv: list[int] = field(default_factory=list)
+    round_time_s: list[float] = field(default_factory=list)
+    calls: int = 0
+    time_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        P = self.world_size
+        self.bytes_sent = self.bytes_sent or [0] * P
+        self.bytes_recv = self.bytes_recv or [0] * P
+        self.round_time_s = self.round_time_s or [0.0] * P
+
+    def reset(self) -> None:
+        self.__init__(self.world_size)  # type: ignore[misc]
+
+    @property
+    def total_bytes_sent(self) -> int:
+        return sum(self.bytes_sent)
+
+    def as_dict(self) -> dict:
+        return {"calls": self.calls, "time_s": self.time_s, "bytes_sent": list(self.bytes_sent),
+                "bytes_recv": list(self.bytes_recv), "round_time_s": list(self.round_time_s)}
+
+
+def _record_bytes(stats: CommStats | None, plan: A2APlan, row_bytes: int) -> None:
+    if stats is None:
+        return
+    for p in range(plan.world_size):
+        if p != plan.rank:
+            stats.bytes_sent[p] += plan.send_counts[p] * row_bytes
+            stats.bytes_recv[p] += plan.recv_counts[p] * row_bytes
+    stats.calls += 1
+
+
+# --------------------------------------------------------------------------- exchange
+def _global(group, r: int) -> int:
+    return r if group is None else dist.get_global_rank(group, r)
+
+
+def _row_numel(x: torch.Tensor) -> int:
+    return int(torch.Size(x.shape[1:]).numel())
+
+
+def _check_x(x: torch.Tensor, plan: A2APlan) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"all_to_all expects a tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError("all_to_all expects a tensor of at least one dimension (rows first)")
+    if x.shape[0] != plan.total_send:
+        raise ValueError(f"all_to_all: tensor has {x.shape[0]} rows but the send counts "
+                         f"{plan.send_counts} sum to {plan.total_send}")
+
+
+def _ring(x: torch.Tensor, out: torch.Tensor, plan: A2APlan, group, stats: CommStats | None) -> None:
+    so, ro, me = plan.send_offsets, plan.recv_offsets, plan.rank
+    t0 = time.perf_counter()
+    out[ro[me]:ro[me + 1]].copy_(x[so[me]:so[me + 1]])
+    if stats is not None:
+        stats.round_time_s[0] += time.perf_counter() - t0
+    for i, (dst, src) in enumerate(plan.ring_rounds(), start=1):
+        t = time.perf_counter()
+        reqs = []
+        with comm_guard(f"all_to_all ring round {i} (send to rank {dst}, receive from rank {src})", group):
+            if plan.send_counts[dst] > 0:
+                reqs.append(dist.isend(x[so[dst]:so[dst + 1]], _global(group, dst), group=group))
+            if plan.recv_counts[src] > 0:
+                reqs.append(dist.irecv(out[ro[src]:ro[src + 1]], _global(group, src), group=group))
+            for r in reqs:
+                r.wait()
+        if stats is not None:
+            stats.round_time_s[i] += time.perf_counter() - t
+
+
+def _exchange(x: torch.Tensor, plan: A2APlan, group, pattern: str,
+              stats: CommStats | None) -> torch.Tensor:
+    """Blocking exchange (no autograd)."""
+    h = _start(x, plan, group, pattern, stats)
+    return h._finish()
+
+
+class _RawHandle:
+    """An exchange in flight; ``_finish`` blocks until the received tensor is complete."""
+
+    def __init__(self, out: torch.Tensor, plan: A2APlan, stats: CommStats | None, t0: float,
+                 work=None, thread: threading.Thread | None = None, err: list | None = None,
+                 what: str = "all_to_all"):
+        self.out, self.plan, self.stats, self.t0 = out, plan, stats, t0
+        self._work, self._thread, self._err, self._what = work, thread, err, what
+        self._done = False
+
+    def _finish(self) -> torch.Tensor:
+        if not self._done:
+            if self._work is not None:
+                with comm_guard(self._what):
+                    self._work.wait()
+            if self._thread is not None:
+                self._thread.join()
+                if self._err:
+                    raise self._err[0]
+            if self.stats is not None:
+                dt = time.perf_counter() - self.t0
+                self.stats.time_s += dt
+                if self._work is not None:
+                    self.stats.round_time_s[0] += dt
+            self._done = True
+        return self.out
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        if self._work is not None:
+            return bool(self._work.is_completed())
+        return self._thread is None or not self._thread.is_alive()
+
+
+def _start(x: torch.Tensor, plan: A2APlan, group, pattern: str, stats: CommStats | None,
+           background: bool = False) -> _RawHandle:
+    if pattern not in PATTERNS:
+        raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
+    _check_x(x, plan)
+    x = x.contiguous()
+    out = x.new_empty((plan.total_recv, *x.shape[1:]))
+    row_bytes = _row_numel(x) * x.element_size()
+    _record_bytes(stats, plan, row_bytes)
+    t0 = time.perf_counter()
+    if plan.world_size == 1:
+        out.copy_(x)
+        return _RawHandle(out, plan, stats, t0)
+    if pattern == "direct":
+        with comm_guard("all_to_all (direct)", group):
+            work = dist.all_to_all_single(out, x, list(plan.recv_counts), list(plan.send_counts),
+                                          group=group, async_op=True)
+        return _RawHandle(out, plan, stats, t0, work=work, what="all_to_all (direct)")
+    if not background:
+        _ring(x, out, plan, group, stats)
+        return _RawHandle(out, plan, stats, t0)
+    err: list = []
+
+    def run() -> None:
+        try:
+            _ring(x, out, plan, group, stats)
+        except BaseException as e:  # re-raised in the caller's thread by wait()
+            err.append(e)
+
+    th = threading.Thread(target=run, name="commsched-ring", daemon=True)
+    th.start()
+    return _RawHandle(out, plan, stats, t0, thread=th, err=err)
+
+
+class _A2AFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, plan, group, pattern, stats):  # noqa: D401
+        ctx.plan, ctx.group, ctx.pattern, ctx.stats = plan, group, pattern, stats
+        return _exchange(x, plan, group, pattern, stats)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _exchange(g.contiguous(), ctx.plan.reversed(), ctx.group, ctx.pattern, ctx.stats), None, None, None, None
+
+
+class _WaitFn(torch.autograd.Function):
+    """Joins an async exchange into the autograd graph: forward waits, backward reverses."""
+
+    @staticmethod
+    def forward(ctx, x, handle, group, pattern):
+        ctx.plan, ctx.group, ctx.pattern, ctx.stats = handle.plan, group, pattern, handle.stats
+        return handle._finish()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _exchange(g.contiguous(), ctx.plan.reversed(), ctx.group, ctx.pattern, ctx.stats), None, None, None
+
+
+def _resolve_plan(x: torch.Tensor, send_counts, group) -> A2APlan:
+    if isinstance(send_counts, A2APlan):
+        return send_counts
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"all_to_all expects a tensor, got {type(x).__name__}")
+    if x.dtype not in _DTYPE_CODES:
+        raise TypeError(f"all_to_all: unsupported dtype {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError("all_to_all expects a tensor of at least one dimension (rows first)")
+    return make_plan(send_counts, group=group, rows=x.shape[0], dtype=x.dtype,
+                     row_numel=_row_numel(x))
+
+
+def all_to_all(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *, group=None,
+               pattern: str = "direct", stats: CommStats | None = None) -> torch.Tensor:
+    """Uneven all-to-all of the rows of ``x_RD`` (see the module docstring).
+
+    ``send_counts`` is a list with one count per rank, or an :class:`A2APlan` to reuse
+    (no count exchange then). Returns a new tensor [sum(recv_counts), *x.shape[1:]].
+    Differentiable. Disagreeing counts, dtypes or row shapes raise ValueError on every rank;
+    a dead or stuck peer raises :class:`CommError` within the group's timeout.
+    """
+    plan = _resolve_plan(x_RD, send_counts, group)
+    if x_RD.requires_grad and torch.is_grad_enabled():
+        return _A2AFn.apply(x_RD, plan, group, pattern, stats)
+    return _exchange(x_RD, plan, group, pattern, stats)
+
+
+class A2AHandle:
+    """An all-to-all in flight. ``wait()`` returns the received rows (differentiable)."""
+
+    def __init__(self, x: torch.Tensor, raw: _RawHandle, group, pattern: str,
+                 post: Callable[[torch.Tensor], object] | None = None):
+        self._x, self._raw, self._group, self._pattern, self._post = x, raw, group, pattern, post
+        self._result = None
+
+    @property
+    def plan(self) -> A2APlan:
+        return self._raw.plan
+
+    def is_completed(self) -> bool:
+        return self._raw.is_completed()
+
+    def wait(self):
+        if self._result is None:
+            if self._x.requires_grad and torch.is_grad_enabled():
+                out = _WaitFn.apply(self._x, self._raw, self._group, self._pattern)
+            else:
+                out = self._raw._finish()
+            self._result = self._post(out) if self._post is not None else out
+        return self._result
+
+
+def all_to_all_async(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *, group=None,
+                     pattern: str = "direct", stats: CommStats | None = None) -> A2AHandle:
+    """Start an all-to-all and return at once; compute while the bytes move, then ``wait()``.
+
+    The direct pattern uses the backend's asynchronous all_to_all_single; the ring pattern
+    runs its rounds on a background thread. Do not issue other collectives on the same
+    group from another thread while a ring exchange is in flight.
+    """
+    plan = _resolve_plan(x_RD, send_counts, group)
+    raw = _start(x_RD, plan, group, pattern, stats, background=True)
+    return A2AHandle(x_RD, raw, group, pattern)
+
+
+# --------------------------------------------------------------------------- segments
+@dataclass(frozen=True)
+class SegmentLayout:
+    """Byte sizes of the segments exchanged with each peer: ``sizes[p][s]``.
+
+    Both sides derive it from metadata they share (for example group counts and their
+    bit widths), so no size exchange is needed while it does not change.
+    """
+
+    sizes: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", tuple(tuple(int(b) for b in row) for row in self.sizes))
+        if any(b < 0 for row in self.sizes for b in row):
+            raise ValueError(f"segment sizes must be >= 0, got {self.sizes}")
+
+    def peer_totals(self) -> tuple[int, ...]:
+        return tuple(sum(row) for row in self.sizes)
+
+
+def segment_plan(send: SegmentLayout, recv: SegmentLayout, rank: int) -> A2APlan:
+    """A byte-level plan built from two layouts, without any communication."""
+    return A2APlan(send.peer_totals(), recv.peer_totals(), rank)
+
+
+def _split_segments(buf_B: torch.Tensor, layout: SegmentLayout) -> list[list[torch.Tensor]]:
+    out, off = [], 0
+    for row in layout.sizes:
+        segs = []
+        for b in row:
+            segs.append(buf_B[off:off + b])
+            off += b
+        out.append(segs)
+    return out
+
+
+def pack_segments(send_segments: Sequence[Sequence[torch.Tensor]]) -> tuple[torch.Tensor, SegmentLayout]:
+    """Concatenate per-peer byte segments into one uint8 buffer, peers in rank order."""
+    flat, sizes = [], []
+    for p, segs in enumerate(send_segments):
+        row = []
+        for s, t in enumerate(segs):
+            if t.dtype != torch.uint8 or t.dim() != 1:
+                raise TypeError(f"segment {s} for peer {p} must be a 1-D uint8 tensor, got "
+                                f"{t.dtype} of shape {tuple(t.shape)}")
+            flat.append(t)
+            row.append(t.numel())
+        sizes.append(tuple(row))
+    buf = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+    return buf, SegmentLayout(tuple(sizes))
+
+
+def exchange_segments(send_segments: Sequence[Sequence[torch.Tensor]], recv_layout: SegmentLayout,
+                      *, group=None, pattern: str = "direct", stats: CommStats | None = None,
+                      async_op: bool = False, validate: bool = False):
+    """Send several byte segments per peer as one message per peer.
+
+    ``send_segments[p]`` is the list of 1-D uint8 tensors for rank p; ``recv_layout``
+    the sizes this rank expects from each peer. Returns ``recv[p][s]`` (views into one
+    buffer), or a handle whose ``wait()`` returns it when ``async_op``. With
+    ``validate`` the byte counts are checked against the peers' (one small all_gather),
+    which is worth doing the first time a layout is used.
+    """
+    buf, send_layout = pack_segments(send_segments)
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    if len(send_layout.sizes) != len(recv_layout.sizes):
+        raise ValueError(f"{len(send_layout.sizes)} peers in send_segments but "
+                         f"{len(recv_layout.sizes)} in recv_layout")
+    if validate:
+        plan = make_plan(send_layout.peer_totals(), group=group, rows=buf.numel(),
+                         dtype=torch.uint8, row_numel=1, recv_counts=recv_layout.peer_totals())
+    else:
+        plan = segment_plan(send_layout, recv_layout, rank)
+    raw = _start(buf, plan, group, pattern, stats, background=async_op)
+    if not async_op:
+        return _split_segments(raw._finish(), recv_layout)
+    return A2AHandle(buf, raw, group, pattern, post=lambda out: _split_segments(out, recv_layout))
+
+
+__all__ = [
+    "A2APlan", "A2AHandle", "CommError", "CommStats", "SegmentLayout", "all_to_all",
+    "all_to_all_async", "exchange_segments", "make_plan", "pack_segments", "segment_plan",
+    "PATTERNS",
+]

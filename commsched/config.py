@@ -1,0 +1,59 @@
+"""Environment variables, read in this one place.
+
+| variable                | meaning                                             | default |
+|-------------------------|-----------------------------------------------------|---------|
+| COMMSCHED_TIMEOUT_S     | timeout of every collective, seconds                | 120     |
+| COMMSCHED_BACKEND       | force a torch.distributed backend (gloo, nccl)      | auto    |
+| COMMSCHED_PROGRESS      | 0 disables progress bars                            | 1       |
+| RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT | set by torchrun  |         |
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    timeout_s: float
+    backend: str | None
+    progress: bool
+    rank: int | None
+    world_size: int | None
+    local_rank: int | None
+
+
+def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
+    """Read every environment variable commsched uses (pass ``environ`` to test)."""
+    env = os.environ if environ is None else environ
+
+    def _int(name: str) -> int | None:
+        v = env.get(name)
+        if v is None or v == "":
+            return None
+        try:
+            return int(v)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+
+    raw_t = env.get("COMMSCHED_TIMEOUT_S", "")
+    try:
+        timeout_s = float(raw_t) if raw_t else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"COMMSCHED_TIMEOUT_S={raw_t!r} is not a number of seconds") from None
+    if not timeout_s > 0:
+        raise ValueError(f"COMMSCHED_TIMEOUT_S must be > 0, got {timeout_s}")
+    backend = env.get("COMMSCHED_BACKEND") or None
+    if backend is not None and backend not in ("gloo", "nccl", "mpi"):
+        raise ValueError(f"COMMSCHED_BACKEND={backend!r}: expected gloo, nccl or mpi")
+    return EnvConfig(
+        timeout_s=timeout_s,
+        backend=backend,
+        progress=env.get("COMMSCHED_PROGRESS", "1") not in ("0", "false", "no"),
+        rank=_int("RANK"),
+        world_size=_int("WORLD_SIZE"),
+        local_rank=_int("LOCAL_RANK"),
+    )

@@ -1,0 +1,128 @@
+"""Process-group set-up and guards shared by every front-end.
+
+Every collective commsched issues runs under the process group's timeout, and every
+failure of one is turned into a :class:`CommError` that names this rank, the peer when
+known, and the cause.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from .config import read_env
+
+
+class CommError(RuntimeError):
+    """A collective failed: a peer died, timed out, or the ranks disagreed."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@contextmanager
+def comm_guard(what: str, group=None) -> Iterator[None]:
+    """Re-raise any failure inside as a CommError that says where and why."""
+    try:
+        yield
+    except CommError:
+        raise
+    except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
+        msg = str(e).strip().splitlines()
+        cause = msg[0] if msg else type(e).__name__
+        low = str(e).lower()
+        if "timeout" in low or "timed out" in low:
+            hint = "a peer did not take part within the timeout (dead, hung or out of step)"
+        elif "connection" in low or "closed" in low or "reset" in low or "broken pipe" in low:
+            hint = "a peer process died or closed its connection"
+        else:
+            hint = "the collective failed"
+        raise CommError(f"rank {_rank()}: {what} failed: {hint}: {cause}") from e
+
+
+def default_backend() -> str:
+    env = read_env()
+    if env.backend:
+        return env.backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> tuple[int, int]:
+    """Initialise the default process group from torchrun's environment.
+
+    Returns (rank, world_size). Works without torchrun too (single process, world 1).
+    Idempotent: an already initialised group is kept.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    env = read_env()
+    t = timeout_s if timeout_s is not None else env.timeout_s
+    backend = backend or default_backend()
+    if env.world_size is None:
+        # single process without torchrun: a private file store, world of one
+        import tempfile
+
+        f = tempfile.NamedTemporaryFile(prefix="commsched-pg-", delete=False)
+        f.close()
+        dist.init_process_group(backend, init_method=f"file://{f.name}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=t))
+    else:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=t))
+    if backend == "nccl" and env.local_rank is not None:
+        torch.cuda.set_device(env.local_rank)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def config_digest(config: Any) -> str:
+    """Stable digest of a config (dataclass, dict or any JSON-able value)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    blob = json.dumps(config, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def check_same_config(config: Any, group=None, what: str = "configuration") -> None:
+    """Stop every rank with one clear error when ranks were started with different configs.
+
+    All ranks take part; those that differ from rank 0 are named. Raises ValueError.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    digest = config_digest(config)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    with comm_guard(f"comparing the {what} across ranks", group):
+        dist.all_gather_object(gathered, (digest, config if _small(config) else None), group=group)
+    gathered = [(d, _as_dict(c)) for d, c in gathered]
+    ref = gathered[0][0]
+    bad = [r for r, (d, _) in enumerate(gathered) if d != ref]
+    if bad:
+        detail = ""
+        c0, cb = gathered[0][1], gathered[bad[0]][1]
+        if isinstance(c0, dict) and isinstance(cb, dict):
+            diffs = sorted(k for k in set(c0) | set(cb) if c0.get(k) != cb.get(k))
+            detail = "; differing: " + ", ".join(f"{k}: rank 0 has {c0.get(k)!r}, rank {bad[0]} has {cb.get(k)!r}" for k in diffs[:5])
+        raise ValueError(f"ranks {bad} were started with a {what} different from rank 0's{detail}. "
+                         "Start every rank with the same arguments.")
+
+
+def _small(config: Any) -> bool:
+    import dataclasses
+
+    return isinstance(config, dict) or (dataclasses.is_dataclass(config) and not isinstance(config, type))
+
+
+def _as_dict(config: Any) -> Any:
+    import dataclasses
+
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return dataclasses.asdict(config)
+    return config

@@ -1,0 +1,1 @@
+"""Triton GPU kernels (installed as ``commsched.kernels``). Each kernel names the torch reference it must equal."""

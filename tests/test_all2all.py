@@ -1,0 +1,200 @@
+"""all_to_all against a slow point-to-point reference, on 2, 3 and 4 gloo ranks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commsched import A2APlan, CommError, CommStats, SegmentLayout, all_to_all, all_to_all_async, exchange_segments
+from tests.mp import assert_case, run_cases, run_ranks
+
+DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+
+
+def _counts(world: int, seed: int) -> list[list[int]]:
+    """Count matrix C[src][dst] with zeros, and rank world-1 sending nothing."""
+    g = torch.Generator().manual_seed(seed)
+    C = torch.randint(0, 5, (world, world), generator=g)
+    C[world - 1, :] = 0  # one rank sends nothing
+    C[0, world - 1] = 0  # a zero-size split inside a non-empty send
+    return C.tolist()
+
+
+def _rows(src: int, n: int, d: int, dtype: torch.dtype, tag: int) -> torch.Tensor:
+    base = torch.arange(n * d, dtype=torch.float32).reshape(n, d) + 1000 * src + 100000 * tag
+    if dtype == torch.uint8:
+        return (base % 251).to(torch.uint8)
+    return (base / 7.0).to(dtype)
+
+
+def _reference(x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+    """Slow reference: blocking send/recv of each (src, dst) pair in one global order."""
+    P, me = dist.get_world_size(), dist.get_rank()
+    so = [0]
+    for c in send:
+        so.append(so[-1] + c)
+    parts = []
+    for src in range(P):
+        part = x.new_empty((recv[src], *x.shape[1:]))
+        parts.append(part)
+    for src in range(P):
+        for dst in range(P):
+            if src == dst:
+                if src == me:
+                    parts[me].copy_(x[so[me]:so[me + 1]])
+                continue
+            if src == me and send[dst] > 0:
+                dist.send(x[so[dst]:so[dst + 1]].contiguous(), dst)
+            if dst == me and recv[src] > 0:
+                dist.recv(parts[src], src)
+    return torch.cat(parts)
+
+
+def _case_exchange(rank: int, world: int) -> None:
+    for seed in range(2):
+        C = _counts(world, seed)
+        send = C[rank]
+        recv = [C[p][rank] for p in range(world)]
+        for dtype in DTYPES:
+            for d in (1, 5):
+                x = _rows(rank, sum(send), d, dtype, seed)
+                ref = _reference(x, send, recv)
+                for pattern in ("direct", "ring"):
+                    got = all_to_all(x, send, pattern=pattern)
+                    assert got.dtype == dtype and got.shape == ref.shape, (got.shape, ref.shape)
+                    assert torch.equal(got, ref), (pattern, dtype, d)
+                    h = all_to_all_async(x, send, pattern=pattern)
+                    assert torch.equal(h.wait(), ref), ("async", pattern, dtype, d)
+
+
+def _case_backward(rank: int, world: int) -> None:
+    C = _counts(world, 7)
+    send = C[rank]
+    recv = [C[p][rank] for p in range(world)]
+    for pattern in ("direct", "ring"):
+        for use_async in (False, True):
+            x = _rows(rank, sum(send), 3, torch.float32, 1).requires_grad_(True)
+            w = _rows(rank + 10, sum(recv), 3, torch.float32, 2)
+            out = all_to_all_async(x, send, pattern=pattern).wait() if use_async else \
+                all_to_all(x, send, pattern=pattern)
+            (out * w).sum().backward()
+            expected = _reference(w, recv, send)  # gradient = reverse exchange of w
+            assert torch.equal(x.grad, expected), (pattern, use_async)
+
+
+def _case_plan_reuse_and_stats(rank: int, world: int) -> None:
+    C = _counts(world, 3)
+    send = C[rank]
+    recv = [C[p][rank] for p in range(world)]
+    plan = A2APlan(tuple(send), tuple(recv), rank)
+    stats = CommStats(world)
+    x = _rows(rank, sum(send), 4, torch.float32, 3)
+    ref = _reference(x, send, recv)
+    for pattern in ("direct", "ring"):
+        assert torch.equal(all_to_all(x, plan, pattern=pattern, stats=stats), ref)
+    assert stats.calls == 2
+    for p in range(world):
+        if p != rank:
+            assert stats.bytes_sent[p] == 2 * send[p] * 4 * 4
+            assert stats.bytes_recv[p] == 2 * recv[p] * 4 * 4
+    assert stats.bytes_sent[rank] == 0
+    assert stats.time_s > 0 and len(stats.round_time_s) == world
+
+
+def _case_segments(rank: int, world: int) -> None:
+    # peer p gets segments of sizes (rank + p) % 3 and 2 * p + rank: both sides derive them
+    def sizes(src: int, dst: int) -> tuple[int, int]:
+        return ((src + dst) % 3, 2 * dst + src)
+
+    send = [[torch.full((b,), (rank * 16 + p * 4 + s) % 256, dtype=torch.uint8)
+             for s, b in enumerate(sizes(rank, p))] for p in range(world)]
+    layout = SegmentLayout(tuple(sizes(p, rank) for p in range(world)))
+    for pattern in ("direct", "ring"):
+        for async_op in (False, True):
+            got = exchange_segments(send, layout, pattern=pattern, async_op=async_op,
+                                    validate=not async_op)
+            if async_op:
+                got = got.wait()
+            for p in range(world):
+                for s, b in enumerate(sizes(p, rank)):
+                    assert got[p][s].numel() == b
+                    assert bool((got[p][s] == (p * 16 + rank * 4 + s) % 256).all())
+
+
+def _case_bad_counts(rank: int, world: int) -> None:
+    x = torch.zeros(world, 2)
+    send = [1] * world if rank != 1 else [1] * (world - 1)  # rank 1 gives too few
+    with pytest.raises(ValueError, match="rank 1 gave"):
+        all_to_all(x if rank != 1 else torch.zeros(world - 1, 2), send)
+    # rows that do not match the counts, on one rank only
+    with pytest.raises(ValueError, match="sum to a different number of rows"):
+        all_to_all(torch.zeros(world + (rank == 0), 2), [1] * world)
+
+
+def _case_bad_dtype_shape(rank: int, world: int) -> None:
+    dtype = torch.float32 if rank else torch.float64
+    with pytest.raises(ValueError, match="different dtypes"):
+        all_to_all(torch.zeros(world, 2, dtype=dtype), [1] * world)
+    with pytest.raises(ValueError, match="different sizes"):
+        all_to_all(torch.zeros(world, 2 + rank), [1] * world)
+    with pytest.raises(TypeError):
+        all_to_all([1, 2], [1] * world)  # type: ignore[arg-type]
+
+
+CASES = [("exchange", _case_exchange), ("backward", _case_backward),
+         ("plan_reuse_and_stats", _case_plan_reuse_and_stats), ("segments", _case_segments),
+         ("bad_counts", _case_bad_counts), ("bad_dtype_shape", _case_bad_dtype_shape)]
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"world{w}")
+def results(request):
+    return run_cases(request.param, CASES, timeout_s=240)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c, _ in CASES])
+def test_all_to_all(results, case):
+    assert_case(results, case)
+
+
+def _dead_peer(rank: int, world: int) -> str | None:
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)  # dies without a word
+    try:
+        all_to_all(torch.zeros(world, 3), [1] * world)
+    except CommError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_dead_peer_gives_clear_error():
+    res = run_ranks(2, _dead_peer, allow_missing=[1], pg_timeout_s=5, timeout_s=60)
+    msg = res[0]
+    assert msg is not None and msg.startswith("rank 0:"), msg
+    assert "all_to_all" in msg
+
+
+def test_plan_offsets_and_reverse():
+    p = A2APlan((2, 0, 3), (1, 4, 0), 1)
+    assert p.send_offsets == (0, 2, 2, 5) and p.recv_offsets == (0, 1, 5, 5)
+    assert p.total_send == 5 and p.total_recv == 5
+    r = p.reversed()
+    assert r.send_counts == (1, 4, 0) and r.recv_counts == (2, 0, 3)
+    assert p.ring_rounds() == [(2, 0), (0, 2)]
+    with pytest.raises(ValueError):
+        A2APlan((1, -1), (0, 0), 0)
+    with pytest.raises(ValueError):
+        A2APlan((1,), (0, 0), 0)
+    with pytest.raises(ValueError):
+        A2APlan((1, 1), (0, 0), 2)
+
+
+def test_segment_layout_validation():
+    with pytest.raises(ValueError):
+        SegmentLayout(((1, -2),))
+    assert SegmentLayout(((1, 2), (3,))).peer_totals() == (3, 3)
