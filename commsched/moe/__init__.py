@@ -1,0 +1,28 @@
+"""Mixture-of-Experts front-end: expert-parallel layer, Lina's training schedule,
+popularity estimation and expert placement for inference.
+
+Names are resolved lazily from their submodules; importing ``commsched.moe`` runs nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> submodule, for training (router, dispatcher, expert layer, model, schedule)
+_TRAIN_EXPORTS: dict[str, str] = {}
+
+# name -> submodule, for inference (placement, popularity estimation, traces, runtime)
+_INFER_EXPORTS: dict[str, str] = {
+    "plan_placement": "placement",
+    "Placement": "placement",
+}
+
+_EXPORTS = {**_TRAIN_EXPORTS, **_INFER_EXPORTS}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,35 @@
+"""Message quantization (codec) and adaptive bit-width assignment.
+
+Names are resolved lazily from their submodules, so importing ``commsched.quant`` runs
+nothing and pulls in neither the solver nor the kernels until they are used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> submodule, for the codec (stochastic quantization, packing, kernels dispatch)
+_CODEC_EXPORTS: dict[str, str] = {
+    "quantize": "codec",
+    "dequantize": "codec",
+    "QuantizedRows": "codec",
+    "META_BYTES": "codec",
+}
+
+# name -> submodule, for the bit-width assignment problem and its solvers
+_ASSIGN_EXPORTS: dict[str, str] = {
+    "MessageGroup": "assign",
+    "Channel": "assign",
+    "assign_bitwidths": "assign",
+    "BitwidthAssignment": "assign",
+}
+
+_EXPORTS = {**_CODEC_EXPORTS, **_ASSIGN_EXPORTS}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
