@@ -30,7 +30,7 @@ class LinkCost:
 
 
 def fit_link_cost(nbytes: Sequence[float], times_s: Sequence[float]) -> LinkCost:
-    """Least-squares fit of time = gamma + theta * bytes, with gamma, theta >= 0.
+    """Weighted least-squares fit of time = gamma + theta * bytes, with gamma, theta >= 0.
 
     Needs at least two distinct sizes. Raises ValueError on mismatched, empty or
     non-finite input.
@@ -45,15 +45,20 @@ def fit_link_cost(nbytes: Sequence[float], times_s: Sequence[float]) -> LinkCost
         raise ValueError("fit_link_cost got non-finite sizes or times")
     if (x < 0).any() or (y < 0).any():
         raise ValueError("fit_link_cost got negative sizes or times")
-    xm, ym = x.mean(), y.mean()
-    var = ((x - xm) ** 2).sum()
-    theta = float(((x - xm) * (y - ym)).sum() / var)
+    # Timing noise is multiplicative (a fraction of the time), so weigh each sample by
+    # 1/time^2: relative errors count equally and the small-message latency is not
+    # swamped by the large messages.
+    w = 1.0 / torch.clamp(y, min=1e-12) ** 2
+    sw = w.sum()
+    xm, ym = (w * x).sum() / sw, (w * y).sum() / sw
+    var = (w * (x - xm) ** 2).sum()
+    theta = float((w * (x - xm) * (y - ym)).sum() / var)
     gamma = float(ym - theta * xm)
     if theta < 0:  # no size dependence measurable: all latency
-        theta, gamma = 0.0, float(ym)
+        theta, gamma = 0.0, float(y.mean())
     elif gamma < 0:  # refit through the origin
         gamma = 0.0
-        theta = float((x * y).sum() / (x * x).sum())
+        theta = float((w * x * y).sum() / (w * x * x).sum())
     return LinkCost(gamma=gamma, theta=theta)
 
 

@@ -89,7 +89,7 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = DEFAULT_T
                     if any(s == "err" for s, _ in results.values()):
                         break
                     raise AssertionError(f"ranks {dead} died with exit codes "
-                                         f"{[procs[r].exitcode for r in dead]} and no traceback")
+                                         f"{[procs[r].exitcode for r in dead]} and no traceback") from None
                 continue
             results[rank] = (status, payload)
             if status == "err":

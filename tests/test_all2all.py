@@ -8,7 +8,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commsched import A2APlan, CommError, CommStats, SegmentLayout, all_to_all, all_to_all_async, exchange_segments
+from commsched import (
+    A2APlan,
+    CommError,
+    CommStats,
+    SegmentLayout,
+    all_to_all,
+    all_to_all_async,
+    exchange_segments,
+)
 from tests.mp import assert_case, run_cases, run_ranks
 
 DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
