@@ -1,0 +1,296 @@
+"""Expert placement planners: hand-worked cases, brute force on tiny instances, properties."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from commsched.moe import Placement, plan_placement
+from commsched.moe.placement import (
+    device_loads,
+    greedy_placement,
+    imbalance,
+    lower_bound,
+    pack_lpt,
+    replica_counts_greedy,
+    split_offsets,
+    split_tokens,
+    split_tokens_reference,
+    static_placement,
+)
+
+TOL = 1e-9
+
+
+def brute_force_optimum(load, N, S) -> float:
+    """Smallest maximum device load over every placement (each expert on a non-empty set
+    of distinct devices, at most S experts per device). Tiny instances only."""
+    E = len(load)
+    subsets = [tuple(d for d in range(N) if m >> d & 1) for m in range(1, 2 ** N)]
+    best = float("inf")
+    for combo in itertools.product(subsets, repeat=E):
+        held = [0] * N
+        for s in combo:
+            for d in s:
+                held[d] += 1
+        if max(held) <= S:
+            best = min(best, float(device_loads(combo, load, N).max()))
+    return best
+
+
+def check_valid(p: Placement, load, N, S) -> None:
+    assert p.num_experts == len(load) and p.num_devices == N
+    for devs in p.replicas:
+        assert len(devs) >= 1 and len(set(devs)) == len(devs)
+        assert list(devs) == sorted(devs) and all(0 <= d < N for d in devs)
+    assert all(len(x) <= S for x in p.device_experts)
+    np.testing.assert_allclose(p.device_load, device_loads(p.replicas, load, N), rtol=1e-12)
+    assert sum(p.device_load) == pytest.approx(float(np.sum(load)), rel=1e-9, abs=1e-9)
+
+
+# --------------------------------------------------------------------------- hand-worked
+def test_greedy_hand_worked_replicates_the_hot_expert():
+    # spare slots: 2. Expert 0 (6) -> 2 replicas of 3; then expert 1 (2, lowest id of the
+    # ties) -> 2 replicas of 1. LPT: 3->d0, 3->d1, 2(e2)->d0, 2(e3)->d1, 1->d0, 1->d1.
+    p = greedy_placement([6, 2, 2, 2], 2, 3)
+    assert p.replicas == ((0, 1), (0, 1), (0,), (1,))
+    assert p.device_load == (6.0, 6.0)
+    assert lower_bound([6, 2, 2, 2], 2, 3) == 6.0
+    assert plan_placement([6, 2, 2, 2], 2, 3).max_load == 6.0
+
+
+def test_plan_beats_greedy_hand_worked():
+    # load [9, 4, 7], 2 devices x 2 slots. Greedy gives the one spare slot to expert 0
+    # (9 -> 4.5 per replica), then packs 7 (e2) -> d0, 4.5 -> d1, 4.5 -> d0, 4 -> d1:
+    # loads (11.5, 8.5). Better: no replica at all, {9} | {4, 7}: (9, 11), which is the
+    # optimum (every split of {9, 4, 7} over two devices has a side >= 11 unless 9 or 7
+    # is split, and splitting either leaves 4.5+7 or 3.5+9 >= 11.5 on one side).
+    load = [9, 4, 7]
+    g = greedy_placement(load, 2, 2)
+    assert g.replicas == ((0, 1), (1,), (0,)) and g.device_load == (11.5, 8.5)
+    p = plan_placement(load, 2, 2)
+    assert p.max_load == 11.0 == brute_force_optimum(load, 2, 2)
+    assert lower_bound(load, 2, 2) == 10.0  # mean 10 > largest per-replica load 7
+
+
+def test_plan_replicates_a_cold_expert_when_that_balances():
+    # [4, 4, 1] on 2 x 2: greedy replicates expert 0 and ends at (6, 3); splitting the
+    # small expert 2 instead gives (4.5, 4.5) = the mean, the optimum.
+    g = greedy_placement([4, 4, 1], 2, 2)
+    assert g.max_load == 6.0
+    p = plan_placement([4, 4, 1], 2, 2)
+    assert p.device_load == (4.5, 4.5)
+    assert p.replicas[2] == (0, 1)
+
+
+def test_popular_expert_gets_more_replicas():
+    # 12 slots for 8 experts: the hot expert goes on every device (25 per replica); the
+    # others share the remaining 8 slots. Total 150, mean 37.5; with 25 on each device the
+    # other two slots of a device must stay under 12.5, which 10 + 5 breaks: 37.5 is not
+    # reachable, (35 + 5) = 40 is.
+    load = [100, 10, 10, 10, 5, 5, 5, 5]
+    p = plan_placement(load, 4, 3)
+    counts = p.replica_counts
+    assert counts[0] == 4 and counts[0] > max(counts[1:])
+    assert lower_bound(load, 4, 3) == 37.5
+    assert p.max_load == 40.0
+
+
+def test_one_device_and_zero_loads():
+    p = plan_placement([3, 0, 2], 1, 3)
+    assert p.replicas == ((0,), (0,), (0,)) and p.device_load == (5.0,)
+    z = plan_placement([0, 0, 0, 0], 2, 2)
+    check_valid(z, [0, 0, 0, 0], 2, 2)
+    assert z.imbalance == 1.0 and z.max_load == 0.0
+
+
+def test_replica_counts_greedy_apportionment():
+    assert replica_counts_greedy([6, 2, 2, 2], 6, 2).tolist() == [2, 2, 1, 1]
+    assert replica_counts_greedy([6, 3], 10, 3).tolist() == [3, 3]  # capped at N
+    assert replica_counts_greedy([1, 9], 2, 4).tolist() == [1, 1]
+    with pytest.raises(ValueError, match="fewer than"):
+        replica_counts_greedy([1, 2, 3], 2, 4)
+
+
+def test_pack_lpt_drops_a_replica_with_no_room_but_keeps_every_expert():
+    # 2 devices x 3 slots; expert 0 wants 2 replicas but by the time its second replica
+    # comes, device 1 is full and device 0 already holds it: that replica is dropped.
+    load = [2, 10, 1.5, 1.2, 1.1]
+    p = pack_lpt(load, [2, 1, 1, 1, 1], 2, 3)
+    check_valid(p, load, 2, 3)
+    assert p.replica_counts[0] == 1
+
+
+def test_static_layout():
+    p = static_placement(8, 4, load_E=[8, 1, 1, 1, 1, 1, 1, 2])
+    assert p.replicas == ((0,), (0,), (1,), (1,), (2,), (2,), (3,), (3,))
+    assert p.device_load == (9.0, 2.0, 2.0, 3.0)
+    assert p.imbalance == pytest.approx(9 / 4)
+    q = static_placement(5, 2)
+    assert q.replicas == ((0,), (0,), (0,), (1,), (1,)) and q.device_load == (0.0, 0.0)
+    assert q.slots_per_device == 3
+    with pytest.raises(ValueError, match="too small"):
+        static_placement(8, 4, slots_per_device=1)
+    with pytest.raises(ValueError, match="entries"):
+        static_placement(4, 2, load_E=[1, 2])
+
+
+def test_with_load_reevaluates_the_layout():
+    p = plan_placement([10, 1, 1, 1], 2, 3)
+    q = p.with_load([1, 1, 1, 10])
+    assert q.replicas == p.replicas
+    np.testing.assert_allclose(q.device_load, device_loads(p.replicas, [1, 1, 1, 10], 2))
+    with pytest.raises(ValueError, match="entries"):
+        p.with_load([1, 2])
+
+
+def test_imbalance():
+    assert imbalance([3, 1]) == 1.5
+    assert imbalance([0, 0]) == 1.0
+
+
+# --------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("load, match", [
+    ([1, -2, 3], r"load_E\[1\] is -2"),
+    ([1, float("nan")], r"load_E\[1\] is nan"),
+    ([float("inf"), 1], r"load_E\[0\] is inf"),
+    ([], "empty"),
+    ([[1, 2], [3, 4]], "one-dimensional"),
+])
+def test_bad_loads(load, match):
+    with pytest.raises(ValueError, match=match):
+        plan_placement(load, 2, 2)
+
+
+def test_bad_sizes():
+    with pytest.raises(ValueError, match="cannot hold 5 experts.*at least 3"):
+        plan_placement([1] * 5, 2, 2)
+    with pytest.raises(ValueError, match="num_devices must be at least 1"):
+        plan_placement([1], 0, 2)
+    with pytest.raises(TypeError, match="slots_per_device must be an int"):
+        plan_placement([1], 1, 2.5)
+    with pytest.raises(TypeError, match="num_devices must be an int"):
+        plan_placement([1], True, 2)
+    with pytest.raises(TypeError, match="sequence of numbers"):
+        plan_placement(["a", object()], 2, 2)
+
+
+def test_placement_rejects_inconsistent_layouts():
+    with pytest.raises(ValueError, match="no replica"):
+        Placement(((0,), ()), (1.0, 0.0), 2)
+    with pytest.raises(ValueError, match="twice"):
+        Placement(((0, 0),), (1.0, 0.0), 2)
+    with pytest.raises(ValueError, match="outside"):
+        Placement(((2,),), (1.0, 0.0), 2)
+    with pytest.raises(ValueError, match="more than slots_per_device=1"):
+        Placement(((0,), (0,)), (1.0, 0.0), 1)
+
+
+# --------------------------------------------------------------------------- properties
+loads_st = st.lists(st.one_of(st.integers(0, 1000).map(float),
+                              st.floats(0, 1e6, allow_nan=False, allow_infinity=False)),
+                    min_size=1, max_size=12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(load=loads_st, N=st.integers(1, 5), S=st.integers(1, 6))
+def test_plan_properties(load, N, S):
+    assume(N * S >= len(load))
+    p = plan_placement(load, N, S)
+    g = greedy_placement(load, N, S)
+    check_valid(p, load, N, S)
+    check_valid(g, load, N, S)
+    lb = lower_bound(load, N, S)
+    scale = max(1.0, sum(load))
+    assert p.max_load <= g.max_load + TOL * scale  # never worse than the EPLB-style greedy
+    assert p.max_load >= lb - TOL * scale          # never below the lower bound
+
+
+@settings(max_examples=60, deadline=None)
+@given(load=st.lists(st.integers(0, 20).map(float), min_size=1, max_size=4),
+       N=st.integers(1, 3), S=st.integers(1, 3))
+def test_plan_against_brute_force(load, N, S):
+    assume(N * S >= len(load))
+    opt = brute_force_optimum(load, N, S)
+    lb = lower_bound(load, N, S)
+    p = plan_placement(load, N, S)
+    assert lb <= opt + TOL and opt <= p.max_load + TOL
+    assert p.max_load <= greedy_placement(load, N, S).max_load + TOL
+
+
+def test_plan_often_strictly_better_than_greedy():
+    """On skewed random loads the planner beats the greedy in most instances (measured:
+    about 97% for 16 experts on 4 x 6, log-normal sigma 1.5; docs/moe_inference.md)."""
+    rng = np.random.default_rng(0)
+    strictly, n = 0, 40
+    for _ in range(n):
+        load = rng.lognormal(0.0, 1.5, 16) * 100
+        p, g = plan_placement(load, 4, 6), greedy_placement(load, 4, 6)
+        assert p.max_load <= g.max_load + TOL * load.sum()
+        strictly += p.max_load < g.max_load * (1 - 1e-9)
+    assert strictly >= n // 2
+
+
+# --------------------------------------------------------------------------- token split
+def test_split_tokens_hand_worked():
+    p = Placement(((0, 2), (1,), (0, 1, 2)), (0.0, 0.0, 0.0), 3)
+    ex = np.array([0, 0, 1, 0, 2, 2, 2, 2])
+    assert split_tokens(ex, p).tolist() == [0, 2, 1, 0, 0, 1, 2, 0]
+    assert split_tokens(ex, p, offset_E=[1, 0, 2]).tolist() == [2, 0, 1, 2, 2, 0, 1, 2]
+    k2 = np.array([[0, 2], [0, 1]])
+    assert split_tokens(k2, p).tolist() == [[0, 0], [2, 1]]
+
+
+def test_split_tokens_errors():
+    p = static_placement(2, 2)
+    with pytest.raises(ValueError, match="0..1"):
+        split_tokens([0, 2], p)
+    with pytest.raises(TypeError, match="integers"):
+        split_tokens(np.array([0.5]), p)
+    with pytest.raises(ValueError, match="offset_E"):
+        split_tokens([0, 1], p, offset_E=[0])
+    with pytest.raises(TypeError, match="Placement"):
+        split_tokens([0], [[0], [1]])
+
+
+@st.composite
+def placements_and_tokens(draw):
+    N = draw(st.integers(1, 4))
+    E = draw(st.integers(1, 6))
+    reps = [sorted(draw(st.sets(st.integers(0, N - 1), min_size=1))) for _ in range(E)]
+    p = Placement(tuple(tuple(r) for r in reps), (0.0,) * N, E)
+    ex = draw(st.lists(st.integers(0, E - 1), max_size=40))
+    off = draw(st.lists(st.integers(0, 7), min_size=E, max_size=E))
+    return p, np.array(ex, dtype=np.int64), np.array(off)
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=placements_and_tokens())
+def test_split_tokens_matches_reference_and_is_even(case):
+    p, ex, off = case
+    got = split_tokens(ex, p, off)
+    assert got.tolist() == split_tokens_reference(ex, p, off).tolist()
+    for e in range(p.num_experts):
+        devs = got[ex == e]
+        assert set(devs.tolist()) <= set(p.replicas[e])
+        per = [int((devs == d).sum()) for d in p.replicas[e]]
+        assert max(per) - min(per) <= 1
+
+
+def test_split_offsets_balance_across_ranks():
+    p = Placement(((0, 1, 2),), (0.0, 0.0, 0.0), 1)
+    rank_tokens = [np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(1, np.int64)]
+    counts = [[len(t)] for t in rank_tokens]
+    off = split_offsets(counts)
+    assert off.tolist() == [[0], [2], [4]]
+    devs = np.concatenate([split_tokens(t, p, off[r]) for r, t in enumerate(rank_tokens)])
+    assert sorted(np.bincount(devs, minlength=3).tolist()) == [1, 2, 2]
+    # without offsets every rank starts at replica 0: device 0 would get 3 of 5
+    plain = np.concatenate([split_tokens(t, p) for t in rank_tokens])
+    assert np.bincount(plain, minlength=3).tolist() == [3, 2, 0]
+    with pytest.raises(ValueError, match="non-negative"):
+        split_offsets([[-1]])
