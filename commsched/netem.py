@@ -1,0 +1,665 @@
+"""Bandwidth emulation: run commands behind rate-limited links inside network namespaces.
+
+Two layouts, both built from scratch for one command and removed after it:
+
+* **loopback** (default, ``--hosts 1``): one fresh network namespace whose loopback is
+  up and limited by a ``tbf`` (token bucket) qdisc. Every byte that any process in the
+  namespace sends to any other crosses that one qdisc once, so all ranks *share* RATE.
+* **hosts** (``--hosts K``, K >= 2): K host namespaces and one bridge namespace. Host i
+  has one veth link ``cs0`` with address ``10.213.0.(i+1)/24`` whose other end sits on
+  a bridge in the bridge namespace. Both ends of every link carry a ``tbf``, so each host
+  sends at most RATE and receives at most RATE, like a machine on a switch. The command
+  runs once per host, with placeholders filled in (see :data:`PLACEHOLDERS`).
+
+Nothing is added to the root namespace: the addresses exist only inside the namespaces
+created here, which have no route anywhere else. The namespaces are deleted when the
+command ends, fails, or this process receives SIGINT, SIGTERM or SIGHUP.
+
+``--delay MS`` needs the ``netem`` qdisc (``sch_netem``); kernels without it are told so
+with a non-zero exit rather than running without the delay.
+
+The pure helpers (rate parsing, tbf sizing, command building, requirement checks) have
+no side effects and are tested without root; :func:`main` and :class:`Emulation` act.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+# --------------------------------------------------------------------------- constants
+NETNS_PREFIX = "commsched"          # namespaces are named commsched-<pid>-<role>
+SUBNET_PREFIX = "10.213.0."         # emulated host i has SUBNET_PREFIX + str(i + 1)
+SUBNET_BITS = 24
+MAX_HOSTS = 250
+HOST_IFNAME = "cs0"                 # the host side of each emulated link
+BRIDGE_IFNAME = "br0"
+LOOPBACK_MTU = 65536                # Linux default for lo
+VETH_MTU = 1500
+SLOW_LOOPBACK_BPS = 50_000_000      # below this, lo runs at VETH_MTU so bursts stay small
+BURST_TIME_S = 0.002                # tbf bucket: 2 ms of traffic at the rate ...
+BURST_SLACK_BYTES = 1024            # ... but at least one full packet plus headers
+QUEUE_TIME_S = 0.02                 # tbf queue: 20 ms of traffic beyond the bucket
+RDZV_PORT = 29400                   # free in a fresh namespace by construction
+STOP_GRACE_S = 10.0                 # SIGTERM -> SIGKILL grace for the command
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+# placeholders filled in per host in --hosts mode (plain substring replacement)
+PLACEHOLDERS = {
+    "{host}": "index of this host, 0..K-1",
+    "{hosts}": "K, the number of emulated hosts",
+    "{addr}": "this host's address",
+    "{addr0}": "host 0's address (a rendezvous point)",
+    "{is_host0}": "1 on host 0, else 0",
+}
+
+_RATE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)\s*$")
+# tc(8) rate units, to bits per second; SI prefixes are powers of 1000, IEC of 1024
+_RATE_UNITS: dict[str, float] = {
+    "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+    "kibit": 1024, "mibit": 1024**2, "gibit": 1024**3, "tibit": 1024**4,
+    "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
+    "kibps": 8 * 1024, "mibps": 8 * 1024**2, "gibps": 8 * 1024**3, "tibps": 8 * 1024**4,
+}
+_UNSHAPED = ("none", "off", "unlimited")
+
+
+class NetemError(RuntimeError):
+    """Emulation could not be set up here (missing privilege, tool or kernel feature)."""
+
+
+# --------------------------------------------------------------------------- pure helpers
+def parse_rate(text: str) -> int:
+    """A tc-style rate (``1gbit``, ``200mbit``, ``500kbit``, ``10mbps``) in bits per second.
+
+    ``bit`` units count bits, ``bps`` units count bytes (as in tc); k/m/g/t are powers of
+    1000, ki/mi/gi/ti powers of 1024. A bare number is refused as ambiguous.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"rate must be a string such as '1gbit', got {type(text).__name__}")
+    m = _RATE_RE.match(text.lower())
+    if not m:
+        raise ValueError(f"cannot read rate {text!r}; write it as tc does, e.g. 1gbit, 200mbit, 500kbit")
+    num, unit = m.groups()
+    if unit == "":
+        raise ValueError(f"rate {text!r} has no unit; write e.g. {text.strip()}mbit (bits/s) "
+                         f"or {text.strip()}mbps (bytes/s)")
+    if unit not in _RATE_UNITS:
+        raise ValueError(f"unknown rate unit {unit!r} in {text!r}; use one of "
+                         + ", ".join(_RATE_UNITS))
+    bps = float(num) * _RATE_UNITS[unit]
+    if bps < 8000:
+        raise ValueError(f"rate {text!r} is below 8kbit; tbf cannot shape that usefully")
+    return int(round(bps))
+
+
+def parse_optional_rate(text: str | None) -> int | None:
+    """:func:`parse_rate`, with None / ``none`` / ``off`` / ``unlimited`` meaning unshaped."""
+    if text is None or text.strip().lower() in _UNSHAPED:
+        return None
+    return parse_rate(text)
+
+
+def format_rate(bps: int | None) -> str:
+    """Bits per second as a short tc rate: 1000000000 -> '1gbit', 2.5e8 -> '250mbit'."""
+    if bps is None:
+        return "unshaped"
+    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
+        if bps >= scale and bps % scale == 0:
+            return f"{bps // scale}{unit}"
+    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
+        if bps >= scale:
+            return f"{bps / scale:.6g}{unit}"
+    return f"{bps}bit"
+
+
+@dataclass(frozen=True)
+class TbfParams:
+    """One token bucket: ``rate_bps`` bits/s, a bucket of ``burst_bytes`` and a queue of
+    ``limit_bytes`` (bucket plus waiting packets)."""
+
+    rate_bps: int
+    burst_bytes: int
+    limit_bytes: int
+
+
+def tbf_params(rate_bps: int, mtu: int) -> TbfParams:
+    """Size a tbf for ``rate_bps`` on a device of this MTU.
+
+    The bucket must hold one whole packet (else tbf drops it) and need not be larger than
+    :data:`BURST_TIME_S` of traffic, which bounds the unshaped head start to that much over
+    any interval. The queue holds :data:`QUEUE_TIME_S` more, enough that TCP is not
+    starved by drops, short enough to keep the added latency small.
+    """
+    if rate_bps <= 0:
+        raise ValueError(f"rate must be > 0 bits/s, got {rate_bps}")
+    if mtu < 68:
+        raise ValueError(f"mtu must be >= 68 bytes, got {mtu}")
+    rate_Bps = rate_bps / 8
+    burst = max(mtu + BURST_SLACK_BYTES, int(rate_Bps * BURST_TIME_S))
+    limit = burst + max(2 * (mtu + BURST_SLACK_BYTES), int(rate_Bps * QUEUE_TIME_S))
+    return TbfParams(rate_bps, burst, limit)
+
+
+def loopback_mtu(rate_bps: int | None) -> int:
+    """MTU for a shaped loopback: the default, except at slow rates where a 64 KiB packet
+    would be a long unshaped burst."""
+    if rate_bps is not None and rate_bps < SLOW_LOOPBACK_BPS:
+        return VETH_MTU
+    return LOOPBACK_MTU
+
+
+def netns_cmd(ns: str, argv: Sequence[str]) -> list[str]:
+    """``argv`` run inside namespace ``ns``."""
+    return ["ip", "netns", "exec", ns, *argv]
+
+
+def shaping_commands(ns: str, dev: str, rate_bps: int | None, mtu: int,
+                     delay_ms: float | None = None) -> list[list[str]]:
+    """tc commands (run in ``ns``) limiting the egress of ``dev``; [] when unshaped and
+    undelayed. With a delay, netem is the root and the tbf its child."""
+    cmds: list[list[str]] = []
+    tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev]
+    tbf: list[str] = []
+    if rate_bps is not None:
+        p = tbf_params(rate_bps, mtu)
+        tbf = ["tbf", "rate", f"{p.rate_bps}bit", "burst", str(p.burst_bytes),
+               "limit", str(p.limit_bytes)]
+    if delay_ms is not None and delay_ms > 0:
+        cmds.append(tc + ["root", "handle", "1:", "netem", "delay", f"{delay_ms:g}ms",
+                          "limit", "100000"])
+        if tbf:
+            cmds.append(tc + ["parent", "1:1", "handle", "10:", *tbf])
+    elif tbf:
+        cmds.append(tc + ["root", "handle", "1:", *tbf])
+    return cmds
+
+
+@dataclass(frozen=True)
+class NetSpec:
+    """What to emulate. ``rate_bps`` None: links are not limited (hosts still emulated).
+    ``hosts`` 1: a shaped loopback; K >= 2: K hosts on a bridge. ``delay_ms``: one-way
+    delay added to every packet (needs sch_netem). ``tag`` makes the names unique."""
+
+    rate_bps: int | None
+    hosts: int = 1
+    delay_ms: float | None = None
+    tag: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hosts, int) or not 1 <= self.hosts <= MAX_HOSTS:
+            raise ValueError(f"hosts must be an integer in 1..{MAX_HOSTS}, got {self.hosts!r}")
+        if self.delay_ms is not None and not self.delay_ms >= 0:
+            raise ValueError(f"delay must be >= 0 ms, got {self.delay_ms}")
+        if self.rate_bps is not None and self.rate_bps <= 0:
+            raise ValueError(f"rate must be > 0 bits/s, got {self.rate_bps}")
+        if not re.fullmatch(r"[A-Za-z0-9_]*", self.tag):
+            raise ValueError(f"tag must be letters, digits or _, got {self.tag!r}")
+
+
+@dataclass(frozen=True)
+class NetPlan:
+    """The namespaces of one emulation and the commands that build them, in order."""
+
+    host_ns: tuple[str, ...]          # where the command runs, one per host
+    bridge_ns: str | None             # hosts mode only
+    addresses: tuple[str, ...]        # per host: its address (127.0.0.1 in loopback mode)
+    ifname: str                       # the interface the command's traffic leaves by
+    setup: tuple[tuple[str, ...], ...] = field(default=())
+
+    @property
+    def namespaces(self) -> tuple[str, ...]:
+        return self.host_ns + ((self.bridge_ns,) if self.bridge_ns else ())
+
+
+def host_address(i: int) -> str:
+    if not 0 <= i < MAX_HOSTS:
+        raise ValueError(f"host index must be in 0..{MAX_HOSTS - 1}, got {i}")
+    return f"{SUBNET_PREFIX}{i + 1}"
+
+
+def plan_network(spec: NetSpec) -> NetPlan:
+    """Names and set-up commands for ``spec`` (nothing is run here)."""
+    base = f"{NETNS_PREFIX}-{spec.tag}" if spec.tag else NETNS_PREFIX
+    cmds: list[list[str]] = []
+    if spec.hosts == 1:
+        ns = f"{base}-lo"
+        mtu = loopback_mtu(spec.rate_bps)
+        cmds.append(["ip", "netns", "add", ns])
+        if mtu != LOOPBACK_MTU:
+            cmds.append(netns_cmd(ns, ["ip", "link", "set", "dev", "lo", "mtu", str(mtu)]))
+        cmds.append(netns_cmd(ns, ["ip", "link", "set", "dev", "lo", "up"]))
+        cmds += shaping_commands(ns, "lo", spec.rate_bps, mtu, spec.delay_ms)
+        return NetPlan((ns,), None, ("127.0.0.1",), "lo", tuple(map(tuple, cmds)))
+    br = f"{base}-br"
+    hosts = tuple(f"{base}-h{i}" for i in range(spec.hosts))
+    addrs = tuple(host_address(i) for i in range(spec.hosts))
+    cmds.append(["ip", "netns", "add", br])
+    cmds += [["ip", "netns", "add", h] for h in hosts]
+    cmds.append(netns_cmd(br, ["ip", "link", "add", BRIDGE_IFNAME, "type", "bridge"]))
+    cmds.append(netns_cmd(br, ["ip", "link", "set", "dev", BRIDGE_IFNAME, "up"]))
+    for i, (h, a) in enumerate(zip(hosts, addrs)):
+        port = f"h{i}"  # bridge-side end of host i's link
+        cmds.append(netns_cmd(br, ["ip", "link", "add", port, "type", "veth",
+                                   "peer", "name", HOST_IFNAME, "netns", h]))
+        cmds.append(netns_cmd(br, ["ip", "link", "set", "dev", port, "master", BRIDGE_IFNAME]))
+        cmds.append(netns_cmd(br, ["ip", "link", "set", "dev", port, "up"]))
+        cmds.append(netns_cmd(h, ["ip", "link", "set", "dev", "lo", "up"]))
+        cmds.append(netns_cmd(h, ["ip", "addr", "add", f"{a}/{SUBNET_BITS}", "dev", HOST_IFNAME]))
+        cmds.append(netns_cmd(h, ["ip", "link", "set", "dev", HOST_IFNAME, "up"]))
+        # host -> bridge (upload) carries the one-way delay; bridge -> host (download) the rate only
+        cmds += shaping_commands(h, HOST_IFNAME, spec.rate_bps, VETH_MTU, spec.delay_ms)
+        cmds += shaping_commands(br, port, spec.rate_bps, VETH_MTU, None)
+    return NetPlan(hosts, br, addrs, HOST_IFNAME, tuple(map(tuple, cmds)))
+
+
+def teardown_commands(plan: NetPlan) -> list[list[str]]:
+    """Deleting the namespaces deletes their links, bridge, addresses and qdiscs."""
+    return [["ip", "netns", "delete", ns] for ns in plan.namespaces]
+
+
+def fill_placeholders(argv: Sequence[str], host: int, addresses: Sequence[str]) -> list[str]:
+    """``argv`` for host ``host`` with each :data:`PLACEHOLDERS` key replaced."""
+    values = {"{host}": str(host), "{hosts}": str(len(addresses)), "{addr}": addresses[host],
+              "{addr0}": addresses[0], "{is_host0}": "1" if host == 0 else "0"}
+    out = []
+    for a in argv:
+        for k, v in values.items():
+            a = a.replace(k, v)
+        out.append(a)
+    return out
+
+
+def child_env(plan: NetPlan, base: dict[str, str]) -> dict[str, str]:
+    """The environment of the emulated command: gloo / tensorpipe bound to the emulated
+    interface (the machine's hostname resolves to an address that does not exist inside)."""
+    env = dict(base)
+    env["GLOO_SOCKET_IFNAME"] = plan.ifname
+    env["TP_SOCKET_IFNAME"] = plan.ifname
+    return env
+
+
+def check_requirements(euid: int, which: Callable[[str], str | None] = shutil.which) -> str | None:
+    """Why emulation cannot run here, or None when it can (root and ``ip``/``tc`` found)."""
+    problems = []
+    if euid != 0:
+        problems.append(f"it needs root to create network namespaces and qdiscs (effective uid is {euid}); "
+                        "run it as root (e.g. with sudo)")
+    missing = [t for t in ("ip", "tc") if which(t) is None]
+    if missing:
+        problems.append(f"the {' and '.join(repr(t) for t in missing)} command{'s are' if len(missing) > 1 else ' is'} "
+                        "missing; install iproute2 (e.g. apt-get install iproute2)")
+    if not problems:
+        return None
+    return "bandwidth emulation is unavailable: " + "; ".join(problems)
+
+
+def exit_code(returncodes: Sequence[int | None]) -> int:
+    """One exit status for several commands: the first failure (signals as 128+N), else 0."""
+    for rc in returncodes:
+        if rc is None:
+            continue
+        if rc < 0:
+            return 128 - rc
+        if rc != 0:
+            return rc
+    return 0
+
+
+# --------------------------------------------------------------------------- acting
+def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if check and p.returncode != 0:
+        msg = (p.stderr or p.stdout).strip().splitlines()
+        raise NetemError(f"`{' '.join(cmd)}` failed: {msg[-1] if msg else f'exit {p.returncode}'}")
+    return p
+
+
+def _explain_setup_failure(err: NetemError, spec: NetSpec) -> NetemError:
+    text = str(err)
+    if "netem" in text and "unknown" in text.lower():
+        return NetemError(f"--delay is not supported on this machine: the kernel has no netem "
+                          f"qdisc (sch_netem), which adding a delay needs. Run without --delay. ({text})")
+    if "tbf" in text and "unknown" in text.lower():
+        return NetemError(f"the kernel has no tbf qdisc (sch_tbf), which rate limiting needs ({text})")
+    return err
+
+
+def list_namespaces() -> list[str]:
+    p = _run(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
+
+
+class Emulation:
+    """Context manager: builds ``plan_network(spec)`` on enter, deletes every namespace it
+    created on exit (also after a failed set-up)."""
+
+    def __init__(self, spec: NetSpec):
+        self.spec = spec
+        self.plan = plan_network(spec)
+        self.created: list[str] = []
+
+    def __enter__(self) -> "Emulation":
+        try:
+            for cmd in self.plan.setup:
+                if cmd[:3] == ("ip", "netns", "add"):
+                    if cmd[3] in list_namespaces():
+                        raise NetemError(f"network namespace {cmd[3]} already exists; "
+                                         f"remove it with `ip netns delete {cmd[3]}`")
+                    _run(cmd)
+                    self.created.append(cmd[3])
+                else:
+                    _run(cmd)
+        except BaseException as e:
+            self.close()
+            if isinstance(e, NetemError):
+                raise _explain_setup_failure(e, self.spec) from None
+            raise
+        return self
+
+    def close(self) -> list[str]:
+        """Delete the namespaces created; return the ones that could not be deleted."""
+        left = []
+        for ns in reversed(self.created):
+            if _run(["ip", "netns", "delete", ns], check=False).returncode != 0:
+                left.append(ns)
+        self.created = []
+        return left
+
+    def __exit__(self, *exc) -> None:
+        left = self.close()
+        if left:
+            print(f"commsched netem: could not delete namespaces {left}; remove them with "
+                  f"`ip netns delete NAME`", file=sys.stderr)
+
+
+class _Stop(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop_all(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:  # the group may hold children that outlive the leader
+        _signal_group(p, signal.SIGKILL)
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def run_emulated(spec: NetSpec, argv: Sequence[str], env: dict[str, str] | None = None,
+                 grace_s: float = STOP_GRACE_S) -> int:
+    """Run ``argv`` inside the emulation (once per host in hosts mode); return its status.
+
+    SIGINT/SIGTERM/SIGHUP stop the command (SIGTERM to its process group, SIGKILL after
+    ``grace_s``) and the namespaces are deleted before returning 128+signal. When one
+    host's command fails, the others are stopped.
+    """
+    if not argv:
+        raise ValueError("no command given; put it after --, e.g. commsched netem --rate 1gbit -- python x.py")
+    state = {"armed": True}
+    old: dict[int, object] = {}
+
+    def on_signal(signum, frame):
+        if state["armed"]:  # later signals must not interrupt the clean-up
+            state["armed"] = False
+            raise _Stop(signum)
+
+    try:
+        if _is_main_thread():
+            for s in STOP_SIGNALS:
+                old[s] = signal.signal(s, on_signal)
+        with Emulation(spec) as em:
+            procs: list[subprocess.Popen] = []
+            try:
+                e = child_env(em.plan, dict(os.environ if env is None else env))
+                for i, ns in enumerate(em.plan.host_ns):
+                    cmd = netns_cmd(ns, fill_placeholders(argv, i, em.plan.addresses))
+                    procs.append(subprocess.Popen(cmd, env=e, start_new_session=True))
+                while True:
+                    rcs = [p.poll() for p in procs]
+                    if all(rc is not None for rc in rcs):
+                        return exit_code(rcs)
+                    if any(rc not in (None, 0) for rc in rcs):
+                        state["armed"] = False
+                        _stop_all(procs, grace_s)
+                        return exit_code(rcs)
+                    time.sleep(0.05)
+            except BaseException:
+                state["armed"] = False
+                _stop_all(procs, grace_s)
+                raise
+            finally:
+                state["armed"] = False
+    except _Stop as st:
+        return 128 + st.signum
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _is_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def delay_supported() -> bool:
+    """Whether this kernel has the netem qdisc (probed in a throwaway namespace; root)."""
+    spec = NetSpec(rate_bps=None, hosts=1, delay_ms=1.0, tag=f"probe{os.getpid()}")
+    try:
+        with Emulation(spec):
+            return True
+    except NetemError:
+        return False
+
+
+def stale_namespaces(names: Sequence[str], alive: Callable[[int], bool]) -> list[str]:
+    """Our namespaces (``commsched-<pid>...``) whose creating process ``alive`` says is gone."""
+    out = []
+    for n in names:
+        m = re.fullmatch(rf"{NETNS_PREFIX}-(?:probe)?([0-9]+)-(lo|br|h[0-9]+)", n)
+        if m and not alive(int(m.group(1))):
+            out.append(n)
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# --------------------------------------------------------------------------- bench glue
+# run this file's main() without importing the commsched package: python -c _STANDALONE PATH ARGS...
+_STANDALONE = ("import importlib.util as u, sys; s = u.spec_from_file_location('_commsched_netem', sys.argv[1]); "
+               "m = u.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m); "
+               "sys.exit(m.main(sys.argv[2:]))")
+
+
+class EmulationUnavailable(NetemError):
+    """A bench asked for emulation that this machine cannot provide."""
+
+
+def netem_prefix(rate_bps: int | None, hosts: int = 1, delay_ms: float | None = None,
+                 python: str = sys.executable) -> list[str]:
+    """The ``commsched netem ... --`` prefix that runs a command under this emulation.
+
+    It loads this file on its own (:data:`_STANDALONE`) rather than ``-m commsched.netem``:
+    importing the package imports torch, seconds per run on a busy machine, and the
+    emulator needs only the standard library.
+    """
+    cmd = [python, "-c", _STANDALONE, os.path.abspath(__file__),
+           "--rate", "none" if rate_bps is None else f"{rate_bps}bit"]
+    if delay_ms:
+        cmd += ["--delay", f"{delay_ms:g}"]
+    if hosts > 1:
+        cmd += ["--hosts", str(hosts)]
+    return cmd + ["--"]
+
+
+def bench_context(workload, argv: Sequence[str], *, euid: int | None = None,
+                  which: Callable[[str], str | None] = shutil.which,
+                  probe_delay: Callable[[], bool] | None = None):
+    """Take ``--bandwidth RATE``, ``--hosts K`` and ``--delay MS`` out of a bench command
+    line; return ``(RunContext, remaining argv)``.
+
+    ``workload`` is a name from ``commsched.bench.WORKLOADS`` or a ``Workload``. Explicit
+    emulation that this machine cannot provide raises :class:`EmulationUnavailable`
+    (never a silent unshaped run). Without ``--bandwidth``, a workload's
+    ``default_bandwidth`` is used when emulation is available; otherwise the run is
+    unshaped and the context's note says so. ``--bandwidth none`` asks for no shaping.
+    In hosts mode ``--nproc`` is the number of processes per host.
+    """
+    from .bench import RunContext, Workload, load_workload, torchrun_command
+
+    name = workload.name if isinstance(workload, Workload) else str(workload)
+    p = argparse.ArgumentParser(prog=f"commsched bench {name}", add_help=False, allow_abbrev=False)
+    p.add_argument("--bandwidth", default=None)
+    p.add_argument("--hosts", type=int, default=None)
+    p.add_argument("--delay", type=float, default=None)
+    ns, rest = p.parse_known_args(list(argv))
+    flags = tuple(a for k, v in (("--bandwidth", ns.bandwidth), ("--hosts", ns.hosts), ("--delay", ns.delay))
+                  if v is not None for a in (k, str(v)))
+    if isinstance(workload, Workload):
+        wl = workload
+    else:
+        try:
+            wl = load_workload(name)
+        except ValueError:
+            wl = None  # run_bench reports the unknown workload
+    rate = parse_optional_rate(ns.bandwidth)
+    hosts = 1 if ns.hosts is None else ns.hosts
+    if not 1 <= hosts <= MAX_HOSTS:
+        raise ValueError(f"--hosts must be in 1..{MAX_HOSTS}, got {hosts}")
+    if ns.delay is not None and not ns.delay >= 0:
+        raise ValueError(f"--delay must be >= 0 ms, got {ns.delay}")
+    problem = check_requirements(os.geteuid() if euid is None else euid, which)
+    inline = wl is not None and wl.inline is not None
+    notes = []
+    if ns.bandwidth is None and wl is not None and wl.default_bandwidth:
+        if inline:
+            notes.append(f"the workload's default regime ({wl.default_bandwidth}) does not apply: "
+                         "it runs inline in this process")
+        elif problem is None:
+            rate = parse_rate(wl.default_bandwidth)
+            notes.append(f"rate {wl.default_bandwidth} is this workload's default regime "
+                         "(--bandwidth none runs unshaped)")
+        else:
+            notes.append(f"the workload's default regime ({wl.default_bandwidth}) was NOT emulated "
+                         f"({problem}); this run is unshaped")
+    wanted = rate is not None or hosts > 1 or bool(ns.delay)
+    if not wanted:
+        return RunContext(note="; ".join(notes), flags=flags), rest
+    if inline:
+        raise ValueError(f"workload {name!r} runs inline in this process; --bandwidth, --hosts and "
+                         "--delay apply only to workloads whose variants run under torchrun")
+    if problem:
+        raise EmulationUnavailable(f"{problem}. commsched bench refuses --bandwidth/--hosts/--delay "
+                                   "rather than run unshaped; drop them for an unshaped run")
+    if ns.delay and not (probe_delay or delay_supported)():
+        raise EmulationUnavailable("--delay is not supported on this machine: the kernel has no "
+                                   "netem qdisc (sch_netem); run without --delay")
+    prefix = netem_prefix(rate, hosts, ns.delay)
+    info = {"mode": "hosts" if hosts > 1 else "loopback", "hosts": hosts,
+            "rate_bps": rate, "delay_ms": ns.delay,
+            "nproc_meaning": "processes per host" if hosts > 1 else "processes (ranks)",
+            "layout": (f"{hosts} host namespaces on a bridge, each link limited to the rate in both "
+                       "directions" if hosts > 1 else
+                       "one namespace; all ranks share one loopback limited to the rate")}
+    if hosts == 1:
+        return RunContext(wrap=lambda cmd: prefix + list(cmd), bandwidth=format_rate(rate) if rate else None,
+                          note="; ".join(notes), hosts=1, delay_ms=ns.delay, rate_bps=rate,
+                          info=info, flags=flags), rest
+
+    def launch(variant, nproc: int, out_dir) -> list[str]:
+        return prefix + torchrun_command(variant, nproc, out_dir, nnodes=hosts, node_rank="{host}",
+                                         rdzv_endpoint=f"{{addr0}}:{RDZV_PORT}", local_addr="{addr}",
+                                         rdzv_conf="is_host={is_host0}")
+
+    return RunContext(bandwidth=format_rate(rate) if rate else None, note="; ".join(notes), hosts=hosts,
+                      delay_ms=ns.delay, rate_bps=rate, launch=launch, info=info, flags=flags), rest
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ph = "; ".join(f"{k}: {v}" for k, v in PLACEHOLDERS.items())
+    p = argparse.ArgumentParser(
+        prog="commsched netem",
+        description="Run COMMAND behind an emulated, rate-limited network (needs root, ip and tc).",
+        epilog=f"In --hosts mode COMMAND runs once per host with placeholders filled in: {ph}.",
+        allow_abbrev=False)
+    p.add_argument("--rate", help="link rate in tc syntax: 1gbit, 200mbit, 500kbit; 'none' for unlimited links")
+    p.add_argument("--delay", type=float, default=None, metavar="MS",
+                   help="one-way delay in milliseconds (needs the netem qdisc; refused when missing)")
+    p.add_argument("--hosts", type=int, default=1, metavar="K",
+                   help="1 (default): one namespace with a shaped loopback; K >= 2: K hosts on a bridge")
+    p.add_argument("--cleanup", action="store_true",
+                   help="delete namespaces left behind by commsched netem processes that no longer exist, then exit")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    cmd = list(a.command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    problem = check_requirements(os.geteuid())
+    if problem:
+        print(f"commsched netem: {problem}", file=sys.stderr)
+        return 2
+    if a.cleanup:
+        gone = stale_namespaces(list_namespaces(), _pid_alive)
+        for ns in gone:
+            _run(["ip", "netns", "delete", ns], check=False)
+        print(f"commsched netem: deleted {len(gone)} stale namespace(s)" + (f": {', '.join(gone)}" if gone else ""))
+        return 0
+    if a.rate is None:
+        p.error("--rate is required (e.g. --rate 1gbit, or --rate none for unlimited links)")
+    if not cmd:
+        p.error("no command given; put it after --, e.g. commsched netem --rate 1gbit -- python x.py")
+    try:
+        spec = NetSpec(parse_optional_rate(a.rate), a.hosts, a.delay, tag=str(os.getpid()))
+        return run_emulated(spec, cmd)
+    except (ValueError, NetemError) as e:
+        print(f"commsched netem: {e}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["NetSpec", "NetPlan", "NetemError", "TbfParams", "Emulation", "parse_rate",
+           "parse_optional_rate", "format_rate", "tbf_params", "plan_network", "teardown_commands",
+           "fill_placeholders", "check_requirements", "run_emulated", "delay_supported",
+           "bench_context", "netem_prefix", "EmulationUnavailable", "main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

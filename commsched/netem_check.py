@@ -1,0 +1,101 @@
+"""A small torchrun-launchable check: one uneven ``all_to_all`` across every rank.
+
+Each rank sends ``count(src, dst)`` rows to every rank (zero included), each row holding
+a value that names its source, destination and index, so the receiver checks every
+element. Rank 0 writes ``metrics.json`` with the verdict, the IPv4 addresses each rank
+found on its interfaces (which shows the ranks were spread over emulated hosts), the
+exchange time, and a measured time breakdown (``init``, ``comm``, ``verify``).
+
+    torchrun --standalone --nproc_per_node 2 -m commsched.netem_check --out DIR
+    commsched netem --rate 200mbit --hosts 2 -- torchrun --nnodes 2 ... -m commsched.netem_check --out DIR
+
+Legend: R rows, D row width.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import socket
+import struct
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .all2all import all_to_all
+from .dist import init_distributed
+
+SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+def rows_between(src: int, dst: int, scale: int) -> int:
+    """Rows rank ``src`` sends to rank ``dst``: uneven, zero for some pairs."""
+    return ((src * 7 + dst * 3) % 4) * scale
+
+
+def row_values_RD(src: int, dst: int, scale: int, dim: int) -> torch.Tensor:
+    """The rows ``src`` sends to ``dst``: row j holds src*1e6 + dst*1e3 + j (float64, exact)."""
+    n = rows_between(src, dst, scale)
+    base = src * 1_000_000 + dst * 1_000
+    return (base + torch.arange(n, dtype=torch.float64)).unsqueeze(1).repeat(1, dim)
+
+
+def local_ipv4_addresses() -> list[str]:
+    """IPv4 addresses of this network namespace's interfaces, loopback excluded."""
+    out = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue  # no IPv4 address on this interface
+            addr = socket.inet_ntoa(raw[20:24])
+            if not addr.startswith("127."):
+                out.append(addr)
+    return sorted(out)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scale", type=int, default=16, help="rows per unit of the uneven count pattern")
+    p.add_argument("--dim", type=int, default=8, help="row width D")
+    p.add_argument("--pattern", default="direct", choices=("direct", "ring"))
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    me, world = init_distributed()
+    t_init = time.perf_counter() - t0
+    x_RD = torch.cat([row_values_RD(me, d, a.scale, a.dim) for d in range(world)])
+    counts = [rows_between(me, d, a.scale) for d in range(world)]
+    dist.barrier()
+    t = time.perf_counter()
+    y_RD = all_to_all(x_RD, counts, pattern=a.pattern)
+    t_comm = time.perf_counter() - t
+    t = time.perf_counter()
+    want_RD = torch.cat([row_values_RD(s, me, a.scale, a.dim) for s in range(world)])
+    ok = y_RD.shape == want_RD.shape and bool(torch.equal(y_RD, want_RD))
+    t_verify = time.perf_counter() - t
+    info = {"ok": ok, "addresses": local_ipv4_addresses(),
+            "times": [t_init, t_comm, t_verify], "bytes_sent": int(x_RD.numel() * 8)}
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, info)
+    if me == 0:
+        m = {"world_size": world, "pattern": a.pattern,
+             "ok": all(g["ok"] for g in gathered),
+             "bad_ranks": [r for r, g in enumerate(gathered) if not g["ok"]],
+             "addresses_by_rank": [g["addresses"] for g in gathered],
+             "a2a_time_s": max(g["times"][1] for g in gathered),
+             "bytes_sent_total": sum(g["bytes_sent"] for g in gathered),
+             "breakdown_s": {k: max(g["times"][i] for g in gathered)
+                             for i, k in enumerate(("init", "comm", "verify"))}}
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "metrics.json").write_text(json.dumps(m, indent=2))
+        print(f"netem_check: world {world}, ok={m['ok']}, addresses {m['addresses_by_rank']}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
