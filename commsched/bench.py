@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
@@ -122,9 +123,11 @@ def _get(d: dict, dotted: str) -> Any:
 
 
 def torchrun_command(variant: Variant, nproc: int, out_dir: Path, *, nnodes: int = 1,
-                     node_rank: int = 0, rdzv_endpoint: str | None = None) -> list[str]:
+                     node_rank: int | str = 0, rdzv_endpoint: str | None = None,
+                     local_addr: str | None = None, rdzv_conf: str | None = None) -> list[str]:
     """The command that runs one variant: ``--standalone`` on one node, c10d rendezvous
-    at ``rdzv_endpoint`` across several."""
+    at ``rdzv_endpoint`` across several (``local_addr``: this node's address;
+    ``rdzv_conf``: e.g. ``is_host=1`` on the node that hosts the rendezvous store)."""
     if nnodes == 1 and rdzv_endpoint is None:
         launch = ["--standalone", f"--nproc_per_node={nproc}"]
     else:
@@ -133,33 +136,100 @@ def torchrun_command(variant: Variant, nproc: int, out_dir: Path, *, nnodes: int
         launch = [f"--nnodes={nnodes}", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
                   f"--rdzv-endpoint={rdzv_endpoint}", f"--node-rank={node_rank}",
                   "--rdzv-id=commsched"]
+        if local_addr is not None:
+            launch.append(f"--local-addr={local_addr}")
+        if rdzv_conf is not None:
+            launch.append(f"--rdzv-conf={rdzv_conf}")
     return [sys.executable, "-m", "torch.distributed.run", *launch,
             "-m", variant.module, *variant.args, "--out", str(out_dir)]
 
 
 @dataclass
 class RunContext:
-    """How variant commands are launched; the bandwidth emulator replaces ``wrap``."""
+    """How variant commands are launched; the bandwidth emulator replaces ``wrap``.
+
+    ``wrap`` turns the one-node torchrun command into the command actually run;
+    ``launch`` (hosts mode), when set, builds the whole command from (variant, nproc per
+    host, out_dir) instead. ``bandwidth`` is the emulated rate as text (None: unshaped),
+    ``rate_bps`` the same in bits/s, ``hosts`` the emulated hosts (1: one machine),
+    ``note`` a remark recorded in the summary, ``info`` details of the emulation,
+    ``flags`` the bench options the emulator consumed (so the summary can quote them).
+    """
 
     wrap: Callable[[list[str]], list[str]] = lambda cmd: cmd
     bandwidth: str | None = None
     note: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    hosts: int = 1
+    delay_ms: float | None = None
+    rate_bps: int | None = None
+    launch: Callable[[Variant, int, Path], list[str]] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    flags: tuple[str, ...] = ()
+
+    def command(self, variant: Variant, nproc: int, out_dir: Path) -> list[str]:
+        if self.launch is not None:
+            return self.launch(variant, nproc, out_dir)
+        return self.wrap(torchrun_command(variant, nproc, out_dir))
+
+
+STOP_GRACE_S = 15.0  # SIGTERM -> SIGKILL: time for the emulator to remove its namespaces
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """Stop a variant's process tree politely (SIGTERM), so that a wrapper such as
+    ``commsched netem`` can clean up, then SIGKILL what is left."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
 
 
 def run_variant(variant: Variant, nproc: int, out_dir: Path, ctx: RunContext,
-                timeout_s: float) -> dict:
+                timeout_s: float, tick: Callable[[float], None] | None = None) -> dict:
+    """Run one variant to completion and return its metrics (its ``metrics.json``).
+
+    The command runs in its own process group with output in ``out_dir/log.txt``;
+    ``tick(elapsed_s)`` is called about once a second while it runs. On timeout or
+    interruption the group gets SIGTERM, then SIGKILL after :data:`STOP_GRACE_S`.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = ctx.wrap(torchrun_command(variant, nproc, out_dir))
+    cmd = ctx.command(variant, nproc, out_dir)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                COMMSCHED_PROGRESS="0", **ctx.env)
     log = out_dir / "log.txt"
     t0 = time.perf_counter()
     with open(log, "w") as f:
+        f.write("# " + shlex.join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"variant {variant.name} ran past {timeout_s:.0f} s; log: {log}") from None
+            while True:
+                try:
+                    proc.wait(timeout=1.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                elapsed = time.perf_counter() - t0
+                if tick is not None:
+                    tick(elapsed)
+                if elapsed > timeout_s:
+                    _stop(proc)
+                    raise RuntimeError(f"variant {variant.name} ran past {timeout_s:.0f} s; log: {log}")
+        except BaseException:
+            _stop(proc)
+            raise
     if proc.returncode != 0:
         tail = log.read_text().strip().splitlines()[-15:]
         raise RuntimeError(f"variant {variant.name} failed (exit {proc.returncode}); log: {log}\n"
@@ -201,13 +271,62 @@ def _fmt(x: Any) -> str:
     return str(x)
 
 
+def breakdown_medians(runs: dict[str, list[dict]], key: str = "breakdown_s") -> dict[str, dict[str, float]]:
+    """Per variant, the median over repeats of each part of its ``breakdown_s`` dict
+    (seconds). Variants without one are left out; parts are kept in first-seen order."""
+    out: dict[str, dict[str, float]] = {}
+    for v, rs in runs.items():
+        parts: list[str] = []
+        for r in rs:
+            b = r.get(key)
+            if isinstance(b, dict):
+                parts += [k for k, x in b.items() if k not in parts and isinstance(x, (int, float))]
+        if parts:
+            out[v] = {k: median_of(rs, f"{key}.{k}") or 0.0 for k in parts}
+    return out
+
+
+def plot_breakdown(medians: dict[str, dict[str, float]], path: Path, title: str = "") -> Path:
+    """One stacked bar per variant, one segment per part of its time breakdown (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = list(medians)
+    parts: list[str] = []
+    for m in medians.values():
+        parts += [k for k in m if k not in parts]
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(variants) + 2.5), 4.0))
+    bottom = [0.0] * len(variants)
+    for k in parts:
+        vals = [medians[v].get(k, 0.0) for v in variants]
+        ax.bar(variants, vals, bottom=bottom, label=k)
+        bottom = [b + x for b, x in zip(bottom, vals)]
+    ax.set_ylabel("seconds (median over repeats)")
+    ax.set_title(title or "time breakdown per variant")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def summary_markdown(workload: Workload, summary: dict, meta: dict) -> str:
     keys = workload.key_metrics
     lines = [f"# commsched bench {workload.name}", "",
              f"- command: `{meta['command']}`",
              f"- machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores",
-             f"- emulated rate: {meta.get('bandwidth') or 'none (unshaped)'}",
-             f"- repeats: {meta['repeat']} (interleaved)"]
+             f"- emulated rate: {meta.get('bandwidth') or 'none (unshaped)'}"]
+    emu = meta.get("emulation") or {}
+    if emu:
+        lines.append(f"- emulated network: {emu.get('layout')}"
+                     + (f", one-way delay {emu['delay_ms']:g} ms" if emu.get("delay_ms") else ""))
+    hosts = meta.get("hosts", 1)
+    lines.append(f"- processes: {meta['nproc']}" + (f" per host x {hosts} hosts = {meta['nproc'] * hosts} ranks"
+                                                    if hosts > 1 else ""))
+    lines.append(f"- repeats: {meta['repeat']} (interleaved)")
     if meta.get("note"):
         lines.append(f"- note: {meta['note']}")
     lines += ["", "| variant | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
@@ -226,8 +345,14 @@ def summary_markdown(workload: Workload, summary: dict, meta: dict) -> str:
 
 
 def build_parser(workload: Workload) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"commsched bench {workload.name}", description=workload.description)
-    p.add_argument("--nproc", type=int, default=4, help="processes (ranks) per run (default 4)")
+    p = argparse.ArgumentParser(
+        prog=f"commsched bench {workload.name}", description=workload.description,
+        epilog="Emulation (handled before these options; needs root, ip and tc): --bandwidth RATE "
+               "(e.g. 1gbit; 'none' for unshaped), --hosts K (K emulated hosts; --nproc is then per "
+               "host), --delay MS (needs the netem qdisc)."
+               + (f" Default regime of this workload: {workload.default_bandwidth}." if workload.default_bandwidth else ""))
+    p.add_argument("--nproc", type=int, default=4,
+                   help="processes (ranks) per run; with --hosts K, processes per host (default 4)")
     p.add_argument("--repeat", type=int, default=1, help="interleaved repetitions of every variant")
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/bench-<workload>-<time>)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per variant run")
@@ -236,28 +361,97 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
     return p
 
 
-def run_bench(name: str, argv: Sequence[str], ctx: RunContext | None = None,
+class _Progress:
+    """A tqdm bar over the runs (lines instead when progress is off or tqdm is missing)."""
+
+    def __init__(self, total: int, name: str, say: Callable[[str], None] | None, enabled: bool):
+        self.say = say or (lambda s: print(s, file=sys.stderr, flush=True))
+        self.bar = None
+        self.current = ""
+        if enabled and say is None:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc=f"bench {name}", unit="run", file=sys.stderr,
+                                dynamic_ncols=True, leave=True)
+            except ImportError:
+                self.bar = None
+
+    def start(self, line: str, short: str = "") -> None:
+        """A run begins: ``line`` for line-mode progress, ``short`` beside the bar."""
+        self.current = short or line
+        if self.bar is not None:
+            self.bar.set_postfix_str(self.current)
+        else:
+            self.say(line)
+
+    def tick(self, elapsed_s: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{self.current} ({elapsed_s:.0f} s)")
+
+    def done(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def write(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stderr)
+        else:
+            self.say(msg)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_bench(name: "str | Workload", argv: Sequence[str], ctx: RunContext | None = None,
               progress: Callable[[str], None] | None = None) -> dict:
-    """Parse ``argv`` for workload ``name``, run its variants, write the summary; return it."""
-    workload = load_workload(name)
-    args = build_parser(workload).parse_args(list(argv))
+    """Parse ``argv`` for workload ``name`` (a name in :data:`WORKLOADS` or a
+    :class:`Workload`), run its variants, write the summary; return it.
+
+    Without ``ctx``, the emulation options (``--bandwidth``, ``--hosts``, ``--delay``) are
+    taken from ``argv`` by ``commsched.netem.bench_context``. ``progress`` receives
+    progress lines (default: a tqdm bar on stderr, unless COMMSCHED_PROGRESS=0).
+    """
+    workload = name if isinstance(name, Workload) else load_workload(name)
+    name = workload.name
+    argv = list(argv)
+    if ctx is None:
+        from .netem import bench_context
+
+        ctx, argv = bench_context(workload, argv)
+    args = build_parser(workload).parse_args(argv)
     if args.nproc < 1 or args.repeat < 1:
         raise ValueError("--nproc and --repeat must be >= 1")
-    ctx = ctx or RunContext()
+    if workload.inline is not None and (ctx.bandwidth or ctx.hosts > 1 or ctx.delay_ms):
+        raise ValueError(f"workload {name!r} runs inline in this process; it cannot run under an "
+                         "emulated network (drop --bandwidth/--hosts/--delay)")
+    # what the workload may read when building its variants
+    args.hosts, args.bandwidth, args.rate_bps = ctx.hosts, ctx.bandwidth, ctx.rate_bps
     out = args.out or Path("runs") / f"bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
-    say = progress or (lambda s: print(s, file=sys.stderr, flush=True))
+    from .config import read_env
+
+    show = read_env().progress
     runs: dict[str, list[dict]] = {}
+    commands: dict[str, str] = {}
     t0 = time.perf_counter()
+    if ctx.note:
+        (progress or (lambda s: print(s, file=sys.stderr, flush=True)))(f"[bench {name}] note: {ctx.note}")
     if workload.inline is not None:
-        for rep in range(args.repeat):
-            say(f"[bench {name}] repeat {rep + 1}/{args.repeat}")
-            res = workload.inline(args, out / f"rep{rep}", say)
-            for v, m in res.items():
-                d = out / v / f"rep{rep}"
-                d.mkdir(parents=True, exist_ok=True)
-                (d / "metrics.json").write_text(json.dumps(m, indent=2))
-                runs.setdefault(v, []).append(m)
+        bar = _Progress(args.repeat, name, progress, show)
+        try:
+            for rep in range(args.repeat):
+                bar.start(f"[bench {name}] repeat {rep + 1}/{args.repeat}", f"repeat {rep + 1}")
+                res = workload.inline(args, out / f"rep{rep}", bar.write)
+                for v, m in res.items():
+                    d = out / v / f"rep{rep}"
+                    d.mkdir(parents=True, exist_ok=True)
+                    (d / "metrics.json").write_text(json.dumps(m, indent=2))
+                    runs.setdefault(v, []).append(m)
+                bar.done()
+        finally:
+            bar.close()
     else:
         assert workload.variants is not None
         variants = workload.variants(args)
@@ -269,27 +463,46 @@ def run_bench(name: str, argv: Sequence[str], ctx: RunContext | None = None,
                                  f"{[v.name for v in variants]}")
             variants = [v for v in variants if v.name in keep]
         total = len(variants) * args.repeat
+        bar = _Progress(total, name, progress, show)
         k = 0
-        for rep in range(args.repeat):
-            for v in variants:
-                k += 1
-                say(f"[bench {name}] run {k}/{total}: {v.name} (repeat {rep + 1}) "
-                    f"elapsed {time.perf_counter() - t0:.0f} s")
-                m = run_variant(v, v.nproc or args.nproc, out / v.name / f"rep{rep}", ctx, args.timeout)
-                runs.setdefault(v.name, []).append(m)
+        try:
+            for rep in range(args.repeat):
+                for v in variants:
+                    k += 1
+                    bar.start(f"[bench {name}] run {k}/{total}: {v.name} (repeat {rep + 1}) "
+                              f"elapsed {time.perf_counter() - t0:.0f} s", f"{v.name} rep {rep + 1}")
+                    d = out / v.name / f"rep{rep}"
+                    commands.setdefault(v.name, shlex.join(ctx.command(v, v.nproc or args.nproc, d)))
+                    m = run_variant(v, v.nproc or args.nproc, d, ctx, args.timeout, tick=bar.tick)
+                    runs.setdefault(v.name, []).append(m)
+                    bar.done()
+        finally:
+            bar.close()
     summary = summarize_runs(workload, runs)
     if workload.summarize is not None:
         summary.update(workload.summarize(runs, args, out))
-    meta = {"workload": name, "command": "commsched bench " + name + " " + shlex.join(list(argv)),
-            "machine": machine_info(), "bandwidth": ctx.bandwidth, "note": ctx.note,
-            "repeat": args.repeat, "nproc": args.nproc, "wall_s": time.perf_counter() - t0,
+    bd = breakdown_medians(runs)
+    if bd:
+        png = plot_breakdown(bd, out / "breakdown.png", title=f"{name}: time breakdown (median)")
+        summary["breakdown_s"] = bd
+        summary.setdefault("plots", []).append(str(png))
+    meta = {"workload": name,
+            "command": "commsched bench " + name + " " + shlex.join([*ctx.flags, *argv]),
+            "variant_commands": commands,
+            "machine": machine_info(), "bandwidth": ctx.bandwidth, "rate_bps": ctx.rate_bps,
+            "hosts": ctx.hosts, "delay_ms": ctx.delay_ms, "emulation": ctx.info, "note": ctx.note,
+            "repeat": args.repeat, "nproc": args.nproc,
+            "nproc_meaning": "processes per host" if ctx.hosts > 1 else "processes (ranks)",
+            "wall_s": time.perf_counter() - t0,
             "args": {k: str(v) for k, v in vars(args).items()}}
     summary["meta"] = meta
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     (out / "summary.md").write_text(summary_markdown(workload, summary, meta))
-    say(f"[bench {name}] done in {meta['wall_s']:.0f} s; summary: {out / 'summary.md'}")
+    (progress or (lambda s: print(s, file=sys.stderr, flush=True)))(
+        f"[bench {name}] done in {meta['wall_s']:.0f} s; summary: {out / 'summary.md'}")
     return summary
 
 
 __all__ = ["RunContext", "Variant", "Workload", "WORKLOADS", "load_workload", "run_bench",
-           "summarize_runs", "summary_markdown", "torchrun_command", "machine_info"]
+           "summarize_runs", "summary_markdown", "torchrun_command", "machine_info",
+           "breakdown_medians", "plot_breakdown", "run_variant"]

@@ -52,12 +52,12 @@ def _bench(argv: Sequence[str]) -> int:
         netem = importlib.import_module("commsched.netem")
     except ModuleNotFoundError:
         netem = None
-    if netem is not None and hasattr(netem, "bench_context"):
-        ctx, rest = netem.bench_context(name, rest)  # consumes --bandwidth / --hosts / --delay
-    elif any(a.startswith(("--bandwidth", "--hosts")) for a in rest):
+    if netem is None and any(a.startswith(("--bandwidth", "--hosts")) for a in rest):
         raise SystemExit("commsched bench: --bandwidth/--hosts need the bandwidth emulator, "
                          "which this build does not have")
     try:
+        if netem is not None and hasattr(netem, "bench_context"):
+            ctx, rest = netem.bench_context(name, rest)  # consumes --bandwidth / --hosts / --delay
         run_bench(name, rest, ctx)
     except ValueError as e:
         print(f"commsched bench: {e}", file=sys.stderr)
