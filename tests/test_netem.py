@@ -1,0 +1,441 @@
+"""Bandwidth emulation: pure helpers (milliseconds), then root tests that build real
+namespaces (skipped with a reason without root, ip or tc; CI runs them as root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from commsched import netem
+from commsched.bench import Variant, Workload, run_bench
+from commsched.netem import (
+    EmulationUnavailable,
+    NetSpec,
+    bench_context,
+    check_requirements,
+    exit_code,
+    fill_placeholders,
+    format_rate,
+    loopback_mtu,
+    netem_prefix,
+    parse_optional_rate,
+    parse_rate,
+    plan_network,
+    shaping_commands,
+    stale_namespaces,
+    tbf_params,
+    teardown_commands,
+)
+
+ALL_TOOLS = {"ip": "/usr/sbin/ip", "tc": "/usr/sbin/tc"}.get
+NO_TC = {"ip": "/usr/sbin/ip"}.get
+
+
+# --------------------------------------------------------------------------- rates
+@pytest.mark.parametrize("text,bps", [
+    ("1gbit", 10**9), ("200mbit", 200 * 10**6), ("500kbit", 500_000), ("1.5gbit", 1_500_000_000),
+    ("10mbps", 80 * 10**6), ("8kibit", 8192), ("1mibit", 1024**2), ("1GBit", 10**9),
+    (" 100mbit ", 10**8), ("8000bit", 8000), ("1kbps", 8000),
+])
+def test_parse_rate(text, bps):
+    assert parse_rate(text) == bps
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("100", "no unit"), ("", "cannot read"), ("fast", "cannot read"), ("1gbyte", "unknown rate unit"),
+    ("10bit", "below 8kbit"), ("-1gbit", "cannot read"), ("1 g bit", "cannot read"),
+])
+def test_parse_rate_rejects(text, msg):
+    with pytest.raises(ValueError, match=msg):
+        parse_rate(text)
+
+
+def test_parse_rate_type():
+    with pytest.raises(TypeError, match="string"):
+        parse_rate(1000)
+
+
+def test_optional_rate_and_format():
+    for t in (None, "none", "OFF", "unlimited"):
+        assert parse_optional_rate(t) is None
+    assert parse_optional_rate("1gbit") == 10**9
+    assert format_rate(10**9) == "1gbit"
+    assert format_rate(250 * 10**6) == "250mbit"
+    assert format_rate(1_500_000_000) == "1500mbit"
+    assert format_rate(1_234_567) == "1.23457mbit"
+    assert format_rate(500) == "500bit"
+    assert format_rate(None) == "unshaped"
+    for t in ("1gbit", "200mbit", "500kbit", "3gbit"):
+        assert parse_rate(format_rate(parse_rate(t))) == parse_rate(t)
+
+
+# --------------------------------------------------------------------------- tbf sizing
+def test_tbf_params_hand_worked():
+    # 1 Gbit/s = 125e6 B/s: bucket 2 ms = 250000 B (> 1500 + 1024); queue 20 ms = 2.5e6 B
+    assert tbf_params(10**9, 1500) == netem.TbfParams(10**9, 250_000, 2_750_000)
+    # 200 Mbit/s on lo: 2 ms = 50000 B is less than one 64 KiB packet, so the packet wins
+    p = tbf_params(200 * 10**6, 65536)
+    assert p.burst_bytes == 65536 + 1024
+    assert p.limit_bytes == 66560 + max(2 * 66560, 500_000)
+    for rate in (10**5, 10**7, 10**9, 10**10):
+        for mtu in (1500, 65536):
+            q = tbf_params(rate, mtu)
+            assert q.burst_bytes >= mtu + netem.BURST_SLACK_BYTES  # a whole packet fits
+            assert q.burst_bytes <= max(mtu + netem.BURST_SLACK_BYTES, rate / 8 * netem.BURST_TIME_S) + 1
+            assert q.limit_bytes > q.burst_bytes
+
+
+def test_tbf_params_rejects():
+    with pytest.raises(ValueError, match="rate"):
+        tbf_params(0, 1500)
+    with pytest.raises(ValueError, match="mtu"):
+        tbf_params(10**6, 10)
+
+
+def test_loopback_mtu():
+    assert loopback_mtu(10**6) == 1500
+    assert loopback_mtu(10**9) == 65536
+    assert loopback_mtu(None) == 65536
+
+
+# --------------------------------------------------------------------------- commands
+def test_shaping_commands():
+    assert shaping_commands("ns", "lo", None, 65536) == []
+    [cmd] = shaping_commands("ns", "lo", 10**9, 1500)
+    assert cmd == ["ip", "netns", "exec", "ns", "tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:",
+                   "tbf", "rate", "1000000000bit", "burst", "250000", "limit", "2750000"]
+    netem_cmd, tbf_cmd = shaping_commands("ns", "cs0", 10**9, 1500, delay_ms=2.5)
+    assert netem_cmd[9:] == ["root", "handle", "1:", "netem", "delay", "2.5ms", "limit", "100000"]
+    assert tbf_cmd[9:13] == ["parent", "1:1", "handle", "10:"] and tbf_cmd[13] == "tbf"
+    [only_delay] = shaping_commands("ns", "lo", None, 1500, delay_ms=1)
+    assert "netem" in only_delay and "tbf" not in only_delay
+
+
+def test_plan_loopback():
+    plan = plan_network(NetSpec(200 * 10**6, tag="42"))
+    assert plan.host_ns == ("commsched-42-lo",) and plan.bridge_ns is None
+    assert plan.addresses == ("127.0.0.1",) and plan.ifname == "lo"
+    assert plan.setup[0] == ("ip", "netns", "add", "commsched-42-lo")
+    assert plan.setup[1] == ("ip", "netns", "exec", "commsched-42-lo", "ip", "link", "set", "dev", "lo", "up")
+    assert "tbf" in plan.setup[2] and "200000000bit" in plan.setup[2]
+    assert teardown_commands(plan) == [["ip", "netns", "delete", "commsched-42-lo"]]
+    slow = plan_network(NetSpec(10**6, tag="42"))
+    assert ("ip", "netns", "exec", "commsched-42-lo", "ip", "link", "set", "dev", "lo", "mtu", "1500") in slow.setup
+
+
+def test_plan_hosts_stays_inside_its_namespaces():
+    plan = plan_network(NetSpec(10**9, hosts=3, tag="7"))
+    assert plan.host_ns == ("commsched-7-h0", "commsched-7-h1", "commsched-7-h2")
+    assert plan.bridge_ns == "commsched-7-br"
+    assert plan.addresses == ("10.213.0.1", "10.213.0.2", "10.213.0.3")
+    assert plan.ifname == "cs0"
+    ours = set(plan.namespaces)
+    for cmd in plan.setup:
+        # every command creates one of our namespaces or runs inside one: none touches the root namespace
+        assert cmd[:3] in (("ip", "netns", "add"), ("ip", "netns", "exec")), cmd
+        assert cmd[3] in ours, cmd
+    tbfs = [c for c in plan.setup if "tbf" in c]
+    # each host's link is limited in both directions: host egress (cs0) and bridge egress (h<i>)
+    assert sorted((c[3], c[8]) for c in tbfs) == sorted(
+        [(h, "cs0") for h in plan.host_ns] + [("commsched-7-br", f"h{i}") for i in range(3)])
+    addr_cmds = [c for c in plan.setup if c[4:7] == ("ip", "addr", "add")]
+    assert [c[7] for c in addr_cmds] == ["10.213.0.1/24", "10.213.0.2/24", "10.213.0.3/24"]
+    assert {c[3] for c in addr_cmds} == set(plan.host_ns)
+    assert len(teardown_commands(plan)) == 4
+
+
+def test_netspec_validation():
+    for bad in (dict(hosts=0), dict(hosts=251), dict(delay_ms=-1), dict(rate_bps=0), dict(tag="a-b")):
+        kw = dict(rate_bps=10**6)
+        kw.update(bad)
+        with pytest.raises(ValueError):
+            NetSpec(**kw)
+
+
+def test_fill_placeholders():
+    argv = ["run", "--rank={host}/{hosts}", "{addr}", "ep={addr0}:1", "is_host={is_host0}", "{literal}"]
+    addrs = ("10.213.0.1", "10.213.0.2")
+    assert fill_placeholders(argv, 1, addrs) == ["run", "--rank=1/2", "10.213.0.2", "ep=10.213.0.1:1",
+                                                 "is_host=0", "{literal}"]
+    assert fill_placeholders(argv, 0, addrs)[4] == "is_host=1"
+
+
+def test_exit_code():
+    assert exit_code([0, 0]) == 0
+    assert exit_code([0, None, 3]) == 3
+    assert exit_code([-15, 1]) == 143
+    assert exit_code([]) == 0
+
+
+def test_stale_namespaces():
+    names = ["commsched-100-lo", "commsched-200-h0", "commsched-200-br", "commsched-probe300-lo",
+             "other-100-lo", "commsched-100-eth"]
+    alive = {200}.__contains__
+    assert stale_namespaces(names, alive) == ["commsched-100-lo", "commsched-probe300-lo"]
+
+
+# --------------------------------------------------------------------------- requirements
+def test_requirements_without_root():
+    msg = check_requirements(1000, ALL_TOOLS)
+    assert msg and "needs root" in msg and "uid is 1000" in msg
+    assert check_requirements(0, ALL_TOOLS) is None
+    msg = check_requirements(0, NO_TC)
+    assert "'tc' command is missing" in msg and "iproute2" in msg
+    msg = check_requirements(1000, lambda t: None)
+    assert "root" in msg and "'ip' and 'tc' commands are missing" in msg
+
+
+def test_main_without_root_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(netem.os, "geteuid", lambda: 1000)
+    assert netem.main(["--rate", "1gbit", "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert "commsched netem: bandwidth emulation is unavailable" in err and "needs root" in err
+
+
+# --------------------------------------------------------------------------- bench context
+def _workload(**kw) -> Workload:
+    base = dict(name="fake", description="d", key_metrics=("t",),
+                variants=lambda a: [Variant("v", "commsched.netem_check")])
+    base.update(kw)
+    return Workload(**base)
+
+
+def test_bench_context_unshaped_passthrough():
+    ctx, rest = bench_context(_workload(), ["--nproc", "2", "--out", "x"], euid=1000, which=ALL_TOOLS)
+    assert rest == ["--nproc", "2", "--out", "x"]
+    assert ctx.bandwidth is None and ctx.hosts == 1 and ctx.wrap(["a"]) == ["a"] and ctx.note == ""
+
+
+def test_bench_context_refuses_without_root():
+    for flags in (["--bandwidth", "1gbit"], ["--hosts", "2"], ["--delay", "3"]):
+        with pytest.raises(EmulationUnavailable, match="needs root.*refuses"):
+            bench_context(_workload(), flags + ["--nproc", "2"], euid=1000, which=ALL_TOOLS)
+    with pytest.raises(EmulationUnavailable, match="'tc' command is missing"):
+        bench_context(_workload(), ["--bandwidth", "1gbit"], euid=0, which=NO_TC)
+
+
+def test_bench_context_loopback():
+    ctx, rest = bench_context(_workload(), ["--nproc", "2", "--bandwidth", "1gbit"], euid=0, which=ALL_TOOLS)
+    assert rest == ["--nproc", "2"]
+    assert ctx.bandwidth == "1gbit" and ctx.rate_bps == 10**9 and ctx.hosts == 1
+    assert ctx.flags == ("--bandwidth", "1gbit")
+    cmd = ctx.wrap(["torchrun", "x"])
+    assert cmd == netem_prefix(10**9) + ["torchrun", "x"]
+    assert cmd[-5:] == ["--rate", "1000000000bit", "--", "torchrun", "x"]
+
+
+def test_bench_context_hosts_launch():
+    ctx, rest = bench_context(_workload(), ["--hosts", "2", "--bandwidth", "200mbit", "--nproc", "3"],
+                              euid=0, which=ALL_TOOLS)
+    assert rest == ["--nproc", "3"] and ctx.hosts == 2 and ctx.info["nproc_meaning"] == "processes per host"
+    cmd = ctx.command(Variant("v", "commsched.netem_check", ("--scale", "2")), 3, Path("/o"))
+    i = cmd.index("--")
+    assert cmd[i - 2:i] == ["--hosts", "2"] and "200000000bit" in cmd[:i]
+    inner = cmd[i + 1:]
+    for a in ("--nnodes=2", "--nproc_per_node=3", "--rdzv-backend=c10d", "--rdzv-endpoint={addr0}:29400",
+              "--local-addr={addr}", "--rdzv-conf=is_host={is_host0}", "--node-rank={host}"):
+        assert a in inner
+    assert inner[-5:] == ["commsched.netem_check", "--scale", "2", "--out", "/o"]
+
+
+def test_bench_context_default_regime():
+    wl = _workload(default_bandwidth="200mbit")
+    ctx, _ = bench_context(wl, ["--nproc", "2"], euid=0, which=ALL_TOOLS)
+    assert ctx.bandwidth == "200mbit" and "default regime" in ctx.note
+    ctx, _ = bench_context(wl, ["--nproc", "2"], euid=1000, which=ALL_TOOLS)
+    assert ctx.bandwidth is None and "NOT emulated" in ctx.note and "unshaped" in ctx.note
+    ctx, _ = bench_context(wl, ["--bandwidth", "none"], euid=0, which=ALL_TOOLS)
+    assert ctx.bandwidth is None and ctx.note == ""
+
+
+def test_bench_context_inline_and_delay():
+    inline = _workload(variants=None, inline=lambda a, o, p: {}, default_bandwidth="1gbit")
+    with pytest.raises(ValueError, match="inline"):
+        bench_context(inline, ["--bandwidth", "1gbit"], euid=0, which=ALL_TOOLS)
+    ctx, _ = bench_context(inline, [], euid=0, which=ALL_TOOLS)
+    assert ctx.bandwidth is None and "does not apply" in ctx.note
+    with pytest.raises(EmulationUnavailable, match="--delay is not supported"):
+        bench_context(_workload(), ["--bandwidth", "1gbit", "--delay", "2"], euid=0, which=ALL_TOOLS,
+                      probe_delay=lambda: False)
+    ctx, _ = bench_context(_workload(), ["--bandwidth", "1gbit", "--delay", "2"], euid=0, which=ALL_TOOLS,
+                           probe_delay=lambda: True)
+    assert ctx.delay_ms == 2 and ctx.wrap(["c"])[-4:-1] == ["--delay", "2", "--"]
+    with pytest.raises(ValueError, match="hosts"):
+        bench_context(_workload(), ["--hosts", "0"], euid=0, which=ALL_TOOLS)
+
+
+def test_cli_bench_refuses_bandwidth_without_root(monkeypatch, capsys, tmp_path):
+    from commsched.cli import main as cli_main
+
+    monkeypatch.setattr(netem.os, "geteuid", lambda: 1000)
+    rc = cli_main(["bench", "all2all", "--nproc", "2", "--bandwidth", "1gbit", "--out", str(tmp_path / "b")])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "needs root" in err and "rather than run unshaped" in err
+    assert not (tmp_path / "b").exists()
+
+
+# --------------------------------------------------------------------------- root: real namespaces
+PROBLEM = check_requirements(os.geteuid())
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _netem(args: list[str], cmd: list[str], **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "commsched.netem", *args, "--", *cmd],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+# receiver in the main thread, sender in a thread: bits per second over one TCP stream
+SOCKET_RATE = textwrap.dedent("""
+    import socket, sys, threading, time
+    n, host = int(sys.argv[1]), sys.argv[2]
+    srv = socket.socket(); srv.bind((host, 0)); srv.listen(1); port = srv.getsockname()[1]
+    def send():
+        with socket.create_connection((host, port)) as c:
+            c.sendall(b"\\0" * n)
+    threading.Thread(target=send, daemon=True).start()
+    conn, _ = srv.accept(); buf = bytearray(1 << 20); got = conn.recv_into(buf); t = time.perf_counter()
+    while got < n:
+        k = conn.recv_into(buf)
+        if not k:
+            break
+        got += k
+    print(got * 8 / (time.perf_counter() - t))
+""")
+
+
+@pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+@pytest.mark.root
+def test_shaped_loopback_delivers_the_rate():
+    """200mbit on the loopback, measured with a TCP socket pair inside the namespace."""
+    rate = 200 * 10**6
+    p = _netem(["--rate", "200mbit"], [sys.executable, "-c", SOCKET_RATE, str(rate // 8), "127.0.0.1"])
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    measured = float(out.strip())
+    assert 0.8 * rate <= measured <= 1.2 * rate, f"measured {measured / 1e6:.1f} Mbit/s for a 200mbit loopback"
+
+
+@pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+@pytest.mark.root
+def test_hosts_link_is_shaped_and_namespaces_go(tmp_path):
+    """Host 1 sends to host 0 over the emulated link at 200mbit; all namespaces go afterwards."""
+    rate = 200 * 10**6
+    recv = textwrap.dedent("""
+        import socket, sys, time
+        n = int(sys.argv[1]); srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((sys.argv[2], 5001)); srv.listen(1); conn, _ = srv.accept()
+        buf = bytearray(1 << 20); got = conn.recv_into(buf); t = time.perf_counter()
+        while got < n:
+            k = conn.recv_into(buf)
+            if not k:
+                break
+            got += k
+        print(got * 8 / (time.perf_counter() - t))
+    """)
+    send = textwrap.dedent("""
+        import socket, sys, time
+        for _ in range(200):
+            try:
+                c = socket.create_connection((sys.argv[2], 5001)); break
+            except OSError:
+                time.sleep(0.05)
+        c.sendall(b"\\0" * int(sys.argv[1])); c.close()
+    """)
+    (tmp_path / "recv.py").write_text(recv)
+    (tmp_path / "send.py").write_text(send)
+    script = (f"ip netns identify $$ > {tmp_path}/ns{{host}}; "
+              f"if [ {{host}} = 0 ]; then exec {sys.executable} {tmp_path}/recv.py {rate // 8} {{addr0}} > {tmp_path}/rate; "
+              f"else exec {sys.executable} {tmp_path}/send.py {rate // 8} {{addr0}}; fi")
+    p = _netem(["--rate", "200mbit", "--hosts", "2"], ["sh", "-c", script])
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    measured = float((tmp_path / "rate").read_text())
+    assert 0.8 * rate <= measured <= 1.2 * rate, f"measured {measured / 1e6:.1f} Mbit/s on a 200mbit host link"
+    hosts = [(tmp_path / f"ns{i}").read_text().strip() for i in range(2)]
+    assert hosts[0].endswith("-h0") and hosts[1].endswith("-h1")
+    left = _namespaces()
+    assert not {*hosts, hosts[0][:-3] + "-br"} & left
+
+
+@pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+@pytest.mark.root
+def test_namespace_removed_when_command_fails(tmp_path):
+    p = _netem(["--rate", "100mbit"], ["sh", "-c", f"ip netns identify $$ > {tmp_path}/ns; exit 3"])
+    p.communicate(timeout=30)
+    assert p.returncode == 3
+    ns = (tmp_path / "ns").read_text().strip()
+    assert ns.startswith("commsched-") and ns not in _namespaces()
+    # hosts mode: host 1 fails, host 0 would sleep on; it is stopped and everything goes
+    p = _netem(["--rate", "none", "--hosts", "2"],
+               ["sh", "-c", f"ip netns identify $$ > {tmp_path}/h{{host}}; [ {{host}} = 1 ] && exit 5; exec sleep 60"])
+    t = time.monotonic()
+    p.communicate(timeout=30)
+    assert p.returncode == 5 and time.monotonic() - t < 20
+    names = {(tmp_path / f"h{i}").read_text().strip() for i in range(2)}
+    assert not names & _namespaces()
+
+
+@pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+@pytest.mark.root
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_namespace_removed_on_signal(tmp_path, sig):
+    p = _netem(["--rate", "100mbit"], ["sh", "-c", f"ip netns identify $$ > {tmp_path}/ns; echo $$ > {tmp_path}/pid; exec sleep 60"])
+    for _ in range(200):
+        if (tmp_path / "pid").exists() and (tmp_path / "pid").read_text().strip():
+            break
+        time.sleep(0.05)
+    ns = (tmp_path / "ns").read_text().strip()
+    assert ns in _namespaces()
+    p.send_signal(sig)
+    p.communicate(timeout=30)
+    assert p.returncode == 128 + sig
+    assert ns not in _namespaces()
+    child = int((tmp_path / "pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
+
+
+@pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+@pytest.mark.root
+def test_delay_supported_or_refused_clearly():
+    before = _namespaces()
+    p = _netem(["--rate", "100mbit", "--delay", "5"], ["true"])
+    _, err = p.communicate(timeout=30)
+    if netem.delay_supported():
+        assert p.returncode == 0, err
+    else:
+        assert p.returncode == 2 and "--delay is not supported on this machine" in err
+    assert not {n for n in _namespaces() - before if n.startswith("commsched-")}
+
+
+@pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+@pytest.mark.root
+@pytest.mark.slow
+def test_two_hosts_two_processes_all_to_all(tmp_path):
+    """A 2-host x 2-process torchrun job (c10d rendezvous at host 0) completes an uneven
+    all_to_all across the emulated hosts, launched by the bench runner."""
+    wl = Workload(name="netem-check", description="check", key_metrics=("a2a_time_s",),
+                  variants=lambda a: [Variant("direct", "commsched.netem_check", ("--scale", "4"))])
+    lines: list[str] = []
+    s = run_bench(wl, ["--hosts", "2", "--bandwidth", "200mbit", "--nproc", "2", "--out", str(tmp_path),
+                       "--timeout", "120"], progress=lines.append)
+    m = json.loads((tmp_path / "direct" / "rep0" / "metrics.json").read_text())
+    assert m["ok"] and m["world_size"] == 4 and m["bad_ranks"] == []
+    addrs = [a[0] for a in m["addresses_by_rank"]]
+    assert sorted(addrs) == ["10.213.0.1", "10.213.0.1", "10.213.0.2", "10.213.0.2"]
+    assert s["meta"]["hosts"] == 2 and s["meta"]["bandwidth"] == "200mbit"
+    assert "2 per host x 2 hosts = 4 ranks" in (tmp_path / "summary.md").read_text()
+    assert "--nnodes=2" in s["meta"]["variant_commands"]["direct"]
