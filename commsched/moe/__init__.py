@@ -16,6 +16,23 @@ _TRAIN_EXPORTS: dict[str, str] = {}
 _INFER_EXPORTS: dict[str, str] = {
     "plan_placement": "placement",
     "Placement": "placement",
+    "greedy_placement": "placement",
+    "static_placement": "placement",
+    "lower_bound": "placement",
+    "split_tokens": "placement",
+    "split_offsets": "placement",
+    "PopularityEstimator": "popularity",
+    "topk_overlap": "popularity",
+    "estimation_accuracy": "popularity",
+    "ReplanDecision": "popularity",
+    "phase2_decision": "popularity",
+    "two_phase_placement": "popularity",
+    "RoutingTrace": "traces",
+    "load_trace": "traces",
+    "save_trace": "traces",
+    "trace_stats": "traces",
+    "SyntheticTraceConfig": "traces",
+    "synthetic_trace": "traces",
 }
 
 _EXPORTS = {**_TRAIN_EXPORTS, **_INFER_EXPORTS}
