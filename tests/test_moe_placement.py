@@ -294,3 +294,25 @@ def test_split_offsets_balance_across_ranks():
     assert np.bincount(plain, minlength=3).tolist() == [3, 2, 0]
     with pytest.raises(ValueError, match="non-negative"):
         split_offsets([[-1]])
+
+
+def test_placement_report_smoke():
+    """The report behind docs/moe_inference.md runs end to end on a tiny configuration and
+    its figures are consistent with each other."""
+    from commsched.moe.placement_report import ReportConfig, run_report, to_markdown
+
+    cfg = ReportConfig(num_tokens=8192, max_batches=3, max_path=3, presets=("default",),
+                       planner_shapes=((8, 4, 3),), planner_loads=("zipf1.2",),
+                       planner_instances=3)
+    rep = run_report(cfg)
+    (tr,) = rep["traces"]
+    assert set(tr["accuracy_topk"]) == {1, 2, 3} and tr["test_batches"] == 3
+    imb = tr["imbalance_mean"]
+    assert 1.0 <= imb["oracle"] <= imb["oracle-greedy"] + 1e-9
+    assert imb["oracle"] <= min(imb["static"], imb["eplb"], imb["lina"]) + 1e-9
+    replans = [row["replan_frac"] for row in tr["threshold_sweep"]]
+    assert replans == sorted(replans) and replans[0] == 0.0
+    (row,) = rep["planner"]
+    assert 1.0 - 1e-9 <= row["plan_over_lb_mean"] <= row["greedy_over_lb_mean"] + 1e-9
+    md = to_markdown(rep, "cmd")
+    assert "| oracle |" in md and "`cmd`" in md

@@ -38,7 +38,12 @@ __all__ = [
     "ReplanDecision",
     "phase2_decision",
     "two_phase_placement",
+    "DEFAULT_REPLAN_THRESHOLD",
 ]
+
+# phase-2 threshold on the top-2k overlap (Lina does not publish one); chosen from the
+# sweep of ``python -m commsched.moe.placement_report`` (docs/moe_inference.md)
+DEFAULT_REPLAN_THRESHOLD = 0.75
 
 
 def _path_codes(top1_TM: np.ndarray, E: int) -> np.ndarray:
