@@ -1,0 +1,387 @@
+"""Token dispatch to experts: the local reference and the expert-parallel exchange.
+
+Legend: T tokens, D model width, E experts in the layer, P ranks of the expert-parallel
+(EP) group, L = E / P experts per rank, K choices per token, A kept (token, expert)
+assignments of this rank, C chunks of the pipelined exchange, R rows received.
+
+Three paths compute the same thing, ``out[t] = sum_k gate[t, k] * expert_{e[t, k]}(x[t])``:
+
+* :func:`local_moe` -- the reference: every expert is held here, no communication.
+* :func:`ep_moe` with ``pipeline=False`` -- the plain expert-parallel path: rows go to the
+  rank that owns their expert through the uneven ``commsched.all_to_all`` (differentiable),
+  experts run, rows come back through the reverse exchange, the gates weight them. With
+  ``chunks > 1`` it does the same chunk by chunk, one after another.
+* :func:`ep_moe` with ``pipeline=True`` -- the fast path: tokens are cut into C chunks,
+  every chunk's exchange is started at once, and expert compute on a chunk starts as soon
+  as it has landed while later chunks are still on the wire; the combine exchange of a
+  chunk starts as soon as its experts are done. The backward pass is pipelined the same
+  way (a custom autograd function), so gradients flow chunk by chunk too.
+
+Rows sent by a rank are ordered by (chunk, expert); chunk c holds the tokens
+``[c*T/C, (c+1)*T/C)``. Expert e lives on EP rank ``e // L``. One small exchange of
+counts per layer call tells every rank how many rows of each chunk and local expert it
+will receive from each peer.
+
+An :class:`A2AObserver` (the priority scheduler, or :class:`A2ATimer`) is told when each
+exchange starts and ends and when the expert block of a backward pass starts and ends.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..all2all import A2APlan, all_to_all, all_to_all_async
+from .experts import ExpertFFN, expert_apply
+from .router import Routing
+
+
+# --------------------------------------------------------------------------- observers
+class A2AObserver(Protocol):
+    """Told about the expert exchanges of a layer (used by the priority scheduler)."""
+
+    def a2a_begin(self, nbytes: int) -> object: ...
+
+    def a2a_end(self, token: object) -> None: ...
+
+    def block_begin(self) -> None: ...
+
+    def block_end(self) -> None: ...
+
+
+@dataclass
+class A2ATimer:
+    """An observer that adds up exchange time (wall time from start to completion seen by
+    this rank, overlapping exchanges counted once) and bytes sent to peers."""
+
+    time_s: float = 0.0
+    bytes_sent: int = 0
+    calls: int = 0
+    intervals: list[tuple[float, float, int]] | None = None  # (start, end, bytes) when recording
+    _open: dict[int, tuple[float, int]] = field(default_factory=dict)
+    _next: int = 0
+    _busy_since: float | None = None
+
+    def a2a_begin(self, nbytes: int) -> object:
+        t = time.perf_counter()
+        tok = self._next
+        self._next += 1
+        if not self._open:
+            self._busy_since = t
+        self._open[tok] = (t, nbytes)
+        self.bytes_sent += nbytes
+        self.calls += 1
+        return tok
+
+    def a2a_end(self, token: object) -> None:
+        t = time.perf_counter()
+        t0, nbytes = self._open.pop(token)  # type: ignore[arg-type]
+        if self.intervals is not None:
+            self.intervals.append((t0, t, nbytes))
+        if not self._open and self._busy_since is not None:
+            self.time_s += t - self._busy_since
+            self._busy_since = None
+
+    def block_begin(self) -> None:
+        pass
+
+    def block_end(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.time_s, self.bytes_sent, self.calls = 0.0, 0, 0
+        if self.intervals is not None:
+            self.intervals = []
+
+
+# --------------------------------------------------------------------------- placement of experts
+@dataclass(frozen=True)
+class ExpertGroup:
+    """Experts spread over the P ranks of an EP process group, L = E / P on each, in blocks."""
+
+    num_experts: int
+    size: int
+    rank: int
+    group: object | None = None  # torch.distributed process group; None: the default group
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or self.num_experts % self.size:
+            raise ValueError(f"{self.num_experts} experts cannot be split evenly over an expert-parallel "
+                             f"group of {self.size} ranks; choose num_experts as a multiple of the group size")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} outside an expert-parallel group of {self.size}")
+
+    @property
+    def num_local(self) -> int:
+        return self.num_experts // self.size
+
+    @property
+    def first(self) -> int:
+        return self.rank * self.num_local
+
+
+# --------------------------------------------------------------------------- token side
+@dataclass
+class Assignments:
+    """This rank's kept (token, expert) choices, sorted by (chunk, expert).
+
+    token_A: int64 token of each row; expert_A: int64 expert; gate_A: float gate
+    (differentiable); counts_CE: int64 [C, E] rows per chunk and expert.
+    """
+
+    token_A: torch.Tensor
+    expert_A: torch.Tensor
+    gate_A: torch.Tensor
+    counts_CE: torch.Tensor
+
+
+def sort_assignments(routing: Routing, num_experts: int, chunks: int = 1) -> Assignments:
+    """Flatten the kept choices and order them by (chunk of their token, expert)."""
+    T, K = routing.expert_TK.shape
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    token_TK = torch.arange(T).unsqueeze(1).expand(T, K)
+    keep = routing.keep_TK.reshape(-1)
+    token_A = token_TK.reshape(-1)[keep]
+    expert_A = routing.expert_TK.reshape(-1)[keep]
+    gate_A = routing.gate_TK.reshape(-1)[keep]
+    chunk_A = token_A * chunks // max(T, 1)
+    key_A = chunk_A * num_experts + expert_A
+    order = torch.sort(key_A, stable=True).indices
+    counts = torch.bincount(key_A, minlength=chunks * num_experts).reshape(chunks, num_experts)
+    return Assignments(token_A[order], expert_A[order], gate_A[order], counts)
+
+
+def combine(rows_AD: torch.Tensor, asg: Assignments, num_tokens: int) -> torch.Tensor:
+    """``out[t] = sum of gate * row`` over the rows of token t; returns [T, D]."""
+    weighted = rows_AD * asg.gate_A.to(rows_AD.dtype).unsqueeze(1)
+    out = rows_AD.new_zeros((num_tokens, rows_AD.shape[1]))
+    return out.index_add(0, asg.token_A, weighted)
+
+
+# --------------------------------------------------------------------------- reference
+def local_moe(x_TD: torch.Tensor, routing: Routing, experts: ExpertFFN) -> torch.Tensor:
+    """Every expert held here; no communication. The reference the EP paths must equal."""
+    E = experts.num_experts
+    if experts.first != 0 or experts.num_local != E:
+        raise ValueError("local_moe needs all experts on this rank (ExpertFFN with first=0, num_local=E)")
+    asg = sort_assignments(routing, E)
+    y_AD = experts(x_TD[asg.token_A], asg.counts_CE[0].tolist())
+    return combine(y_AD, asg, x_TD.shape[0])
+
+
+# --------------------------------------------------------------------------- exchange plan
+@dataclass
+class ChunkPlan:
+    """One chunk's exchange as seen by this rank.
+
+    plan: the dispatch exchange (send rows to expert owners); rows [send_lo, send_hi) of
+    the sorted send buffer; recv_PL[p][j]: rows of local expert j from peer p;
+    perm_R: received (source-major) rows -> expert-major; inv_R: the inverse.
+    """
+
+    plan: A2APlan
+    send_lo: int
+    send_hi: int
+    recv_PL: list[list[int]]
+    counts_L: list[int]
+    perm_R: torch.Tensor
+    inv_R: torch.Tensor
+
+
+def _regroup(recv_PL: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Permutation taking source-major rows (peer, then expert) to expert-major rows."""
+    P, L = len(recv_PL), len(recv_PL[0]) if recv_PL else 0
+    off, offs = 0, [[0] * L for _ in range(P)]
+    for p in range(P):
+        for j in range(L):
+            offs[p][j] = off
+            off += recv_PL[p][j]
+    parts = [torch.arange(offs[p][j], offs[p][j] + recv_PL[p][j]) for j in range(L) for p in range(P)
+             if recv_PL[p][j]]
+    perm = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel())
+    return perm, inv
+
+
+def exchange_counts(counts_CE: torch.Tensor, eg: ExpertGroup,
+                    observer: A2AObserver | None = None) -> list[list[list[int]]]:
+    """Tell each expert owner how many rows of each chunk and local expert it gets.
+
+    Returns recv[c][p][j] (rows of chunk c for local expert j from peer p). One small
+    equal-split all_to_all on the EP group.
+    """
+    C, E = counts_CE.shape
+    P, L = eg.size, eg.num_local
+    send = counts_CE.reshape(C, P, L).permute(1, 0, 2).reshape(P, C * L).contiguous()
+    plan = A2APlan((1,) * P, (1,) * P, eg.rank)
+    tok = observer.a2a_begin(send.numel() * 8) if observer is not None else None
+    got = all_to_all(send, plan, group=eg.group).reshape(P, C, L)
+    if observer is not None:
+        observer.a2a_end(tok)
+    g = got.permute(1, 0, 2).tolist()  # [C][P][L]
+    return g
+
+
+def build_chunk_plans(asg: Assignments, eg: ExpertGroup,
+                      observer: A2AObserver | None = None) -> list[ChunkPlan]:
+    C = asg.counts_CE.shape[0]
+    P, L = eg.size, eg.num_local
+    recv = exchange_counts(asg.counts_CE, eg, observer)
+    per_rank_CP = asg.counts_CE.reshape(C, P, L).sum(dim=2).tolist()
+    plans, lo = [], 0
+    for c in range(C):
+        send_P = per_rank_CP[c]
+        recv_P = [sum(recv[c][p]) for p in range(P)]
+        perm, inv = _regroup(recv[c])
+        counts_L = [sum(recv[c][p][j] for p in range(P)) for j in range(L)]
+        hi = lo + sum(send_P)
+        plans.append(ChunkPlan(A2APlan(tuple(send_P), tuple(recv_P), eg.rank), lo, hi, recv[c],
+                               counts_L, perm, inv))
+        lo = hi
+    return plans
+
+
+def _peer_bytes(plan: A2APlan, row_bytes: int) -> int:
+    return (plan.total_send - plan.send_counts[plan.rank]) * row_bytes
+
+
+# --------------------------------------------------------------------------- plain EP path
+def _observed(x: torch.Tensor, plan: A2APlan, group, observer: A2AObserver | None) -> torch.Tensor:
+    tok = observer.a2a_begin(_peer_bytes(plan, x[0].numel() * x.element_size() if x.shape[0] else 0)) \
+        if observer is not None else None
+    out = all_to_all(x, plan, group=group)
+    if observer is not None:
+        observer.a2a_end(tok)
+    return out
+
+
+class _ObservedA2A(torch.autograd.Function):
+    """Differentiable exchange that reports to an observer; ``role`` marks the expert block
+    of the backward pass (it opens at the combine exchange and closes after the dispatch)."""
+
+    @staticmethod
+    def forward(ctx, x, plan, group, observer, role):
+        ctx.plan, ctx.group, ctx.observer, ctx.role = plan, group, observer, role
+        return _observed(x, plan, group, observer)
+
+    @staticmethod
+    def backward(ctx, g):
+        obs = ctx.observer
+        if obs is not None and ctx.role == "combine":
+            obs.block_begin()
+        out = _observed(g.contiguous(), ctx.plan.reversed(), ctx.group, obs)
+        if obs is not None and ctx.role == "dispatch":
+            obs.block_end()
+        return out, None, None, None, None
+
+
+def _plain_chunks(x_send: torch.Tensor, plans: Sequence[ChunkPlan], experts: ExpertFFN, eg: ExpertGroup,
+                  observer: A2AObserver | None) -> torch.Tensor:
+    outs = []
+    for cp in plans:
+        xc = x_send[cp.send_lo:cp.send_hi]
+        xr = _ObservedA2A.apply(xc, cp.plan, eg.group, observer, "dispatch")
+        y = experts(xr[cp.perm_R], cp.counts_L)
+        outs.append(_ObservedA2A.apply(y[cp.inv_R], cp.plan.reversed(), eg.group, observer, "combine"))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+# --------------------------------------------------------------------------- pipelined EP path
+class _Pipeline:
+    """What the pipelined function needs besides tensors (plans, group, observer)."""
+
+    def __init__(self, plans: Sequence[ChunkPlan], eg: ExpertGroup, observer: A2AObserver | None):
+        self.plans, self.eg, self.observer = list(plans), eg, observer
+
+    def start(self, x: torch.Tensor, plan: A2APlan):
+        obs = self.observer
+        row_bytes = x[0].numel() * x.element_size() if x.shape[0] else 0
+        tok = obs.a2a_begin(_peer_bytes(plan, row_bytes)) if obs is not None else None
+        return all_to_all_async(x.contiguous(), plan, group=self.eg.group), tok
+
+    def finish(self, handle) -> torch.Tensor:
+        h, tok = handle
+        out = h.wait()
+        if self.observer is not None:
+            self.observer.a2a_end(tok)
+        return out
+
+
+class _PipelinedExperts(torch.autograd.Function):
+    """x_send [A, D] (sorted by chunk, expert) -> expert outputs [A, D] in the same order,
+    with every chunk's exchange overlapping the expert compute of the chunks before it."""
+
+    @staticmethod
+    def forward(ctx, x_send, pipe: _Pipeline, *params):
+        pd = [p.detach().requires_grad_(True) for p in params]
+        sends = [pipe.start(x_send[cp.send_lo:cp.send_hi], cp.plan) for cp in pipe.plans]
+        saved, backs = [], []
+        for cp, h in zip(pipe.plans, sends):
+            xe = pipe.finish(h)[cp.perm_R].requires_grad_(True)
+            with torch.enable_grad():
+                y = expert_apply(xe, cp.counts_L, *pd)
+            saved.append((xe, y))
+            backs.append(pipe.start(y.detach()[cp.inv_R], cp.plan.reversed()))
+        outs = [pipe.finish(h) for h in backs]
+        ctx.pipe, ctx.saved, ctx.pd = pipe, saved, pd
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    @staticmethod
+    def backward(ctx, g_send):
+        pipe, saved, pd = ctx.pipe, ctx.saved, ctx.pd
+        obs = pipe.observer
+        if obs is not None:
+            obs.block_begin()
+        g_send = g_send.contiguous()
+        sends = [pipe.start(g_send[cp.send_lo:cp.send_hi], cp.plan) for cp in pipe.plans]
+        g_params: list[torch.Tensor | None] = [None] * len(pd)
+        backs = []
+        for cp, h, (xe, y) in zip(pipe.plans, sends, saved):
+            ge = pipe.finish(h)[cp.perm_R]
+            if y.requires_grad and y.shape[0] > 0:
+                grads = torch.autograd.grad(y, [xe, *pd], ge, allow_unused=True)
+                gx = grads[0] if grads[0] is not None else torch.zeros_like(xe)
+                for i, gp in enumerate(grads[1:]):
+                    if gp is not None:
+                        g_params[i] = gp if g_params[i] is None else g_params[i] + gp
+            else:
+                gx = torch.zeros_like(xe)
+            backs.append(pipe.start(gx.detach()[cp.inv_R], cp.plan.reversed()))
+        outs = [pipe.finish(h) for h in backs]
+        ctx.saved = None
+        if obs is not None:
+            obs.block_end()
+        g_x = outs[0] if len(outs) == 1 else torch.cat(outs)
+        g_params = [torch.zeros_like(p) if g is None else g for p, g in zip(pd, g_params)]
+        return (g_x, None, *g_params)
+
+
+# --------------------------------------------------------------------------- EP entry point
+def ep_moe(x_TD: torch.Tensor, routing: Routing, experts: ExpertFFN, eg: ExpertGroup, *,
+           chunks: int = 1, pipeline: bool = False,
+           observer: A2AObserver | None = None) -> torch.Tensor:
+    """Expert-parallel MoE over ``eg`` (see the module docstring). Collective on the EP group:
+    every rank of it must call this, with the same ``chunks``."""
+    if experts.num_experts != eg.num_experts or experts.first != eg.first or experts.num_local != eg.num_local:
+        raise ValueError(f"this rank holds experts [{experts.first}, {experts.first + experts.num_local}) "
+                         f"but the expert group places [{eg.first}, {eg.first + eg.num_local}) here")
+    if eg.size > 1 and not dist.is_initialized():
+        raise ValueError("expert parallelism over more than one rank needs torch.distributed initialised")
+    asg = sort_assignments(routing, eg.num_experts, chunks)
+    plans = build_chunk_plans(asg, eg, observer)
+    x_send = x_TD[asg.token_A]
+    if pipeline:
+        y_send = _PipelinedExperts.apply(x_send, _Pipeline(plans, eg, observer), *experts.params())
+    else:
+        y_send = _plain_chunks(x_send, plans, experts, eg, observer)
+    return combine(y_send, asg, x_TD.shape[0])
+
+
+__all__ = ["A2AObserver", "A2ATimer", "Assignments", "ChunkPlan", "ExpertGroup", "build_chunk_plans",
+           "combine", "ep_moe", "exchange_counts", "local_moe", "sort_assignments"]

@@ -1,0 +1,66 @@
+"""The MoE feed-forward layer: router, dispatch (local or expert-parallel), experts, combine.
+
+Legend: B batch, S sequence, D model width, T = B*S tokens, E experts.
+
+``MoELayer(d_model, d_hidden, router_cfg)`` holds every expert and dispatches locally
+(the reference). Pass ``expert_group=ExpertGroup(E, P, rank, group)`` to hold only this
+rank's block of E / P experts and exchange tokens over that process group; ``chunks`` and
+``pipeline`` select the pipelined exchange (see :mod:`commsched.moe.dispatch`).
+The forward pass returns ``(y, aux_loss)``; add ``aux_weight * aux_loss`` to the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .dispatch import A2AObserver, ExpertGroup, ep_moe, local_moe
+from .experts import ExpertFFN
+from .router import Router, RouterConfig, Routing
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """How tokens reach experts: ``chunks`` of the exchange and whether they are pipelined."""
+
+    chunks: int = 1
+    pipeline: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunks, int) or self.chunks < 1:
+            raise ValueError(f"chunks must be a positive integer, got {self.chunks!r}")
+
+
+class MoELayer(nn.Module):
+    def __init__(self, d_model: int, d_hidden: int, router_cfg: RouterConfig, *,
+                 expert_group: ExpertGroup | None = None, dispatch: DispatchConfig = DispatchConfig(),
+                 observer: A2AObserver | None = None):
+        super().__init__()
+        E = router_cfg.num_experts
+        if expert_group is not None and expert_group.num_experts != E:
+            raise ValueError(f"expert group is for {expert_group.num_experts} experts, the router for {E}")
+        self.router_cfg, self.expert_group, self.dispatch = router_cfg, expert_group, dispatch
+        self.observer = observer
+        self.router = Router(d_model, router_cfg)
+        if expert_group is None:
+            self.experts = ExpertFFN(E, d_model, d_hidden)
+        else:
+            self.experts = ExpertFFN(E, d_model, d_hidden, expert_group.first, expert_group.num_local)
+        self.last_routing: Routing | None = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        D = x.shape[-1]
+        x_TD = x.reshape(-1, D)
+        routing = self.router(x_TD)
+        self.last_routing = routing
+        if self.expert_group is None:
+            y_TD = local_moe(x_TD, routing, self.experts)
+        else:
+            y_TD = ep_moe(x_TD, routing, self.experts, self.expert_group, chunks=self.dispatch.chunks,
+                          pipeline=self.dispatch.pipeline, observer=self.observer)
+        return y_TD.reshape(x.shape), routing.aux_loss
+
+
+__all__ = ["DispatchConfig", "MoELayer"]
