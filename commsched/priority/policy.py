@@ -1,0 +1,165 @@
+"""The launch policy of one rank's communication (pure: no process group, no clock).
+
+A policy is a small state machine. It is told what happens (an all-to-all wants the link,
+a gradient micro-op became ready, an operation finished, the expert block of a backward
+pass began or ended, the backward pass ended) and :meth:`Policy.next_ops` answers which
+operations to launch now, all-to-alls first. The discrete-event simulator
+(:mod:`commsched.priority.sim`) and the executor on real process groups
+(:mod:`commsched.priority.executor`) drive the same class.
+
+Allreduce operations carry a sequence number and are launched strictly in that order
+(every rank uses the same order, so the collectives match); a policy only decides *when*.
+
+Policies (:func:`make_policy`):
+
+* ``lina`` -- all-to-all first: an allreduce micro-op is launched only when no all-to-all
+  is waiting or in flight, not inside an expert block (between the combine and dispatch
+  exchanges of an MoE layer in the backward pass, where the next all-to-all is moments
+  away), and only while the bytes of allreduce in flight stay within the credit (one
+  micro-op may always be in flight, whatever its size). Once the backward pass has
+  ended, nothing holds allreduce back except the credit.
+* ``fifo`` -- every operation is launched as soon as it is ready (DDP's behaviour).
+* ``serial`` -- allreduce waits until the backward pass has ended (no overlap at all; the
+  all-to-all then runs alone, which is how its uncontended time is measured).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Hashable
+
+POLICIES = ("lina", "fifo", "serial")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """An operation to launch now: ``kind`` is ``"a2a"`` (key = the caller's key) or
+    ``"allreduce"`` (key = its sequence number)."""
+
+    kind: str
+    key: Hashable
+    nbytes: int
+
+
+class Policy:
+    """See the module docstring. ``credit_bytes=None``: no bound on bytes in flight."""
+
+    def __init__(self, name: str = "lina", *, credit_bytes: int | None = None, hold_for_a2a: bool = True,
+                 hold_in_block: bool = True, defer_to_end: bool = False):
+        if credit_bytes is not None and credit_bytes < 1:
+            raise ValueError(f"credit_bytes must be >= 1 or None, got {credit_bytes}")
+        self.name = name
+        self.credit_bytes = credit_bytes
+        self.hold_for_a2a, self.hold_in_block, self.defer_to_end = hold_for_a2a, hold_in_block, defer_to_end
+        self.begin_step(0)
+
+    # ------------------------------------------------------------------ events
+    def begin_step(self, num_allreduce: int) -> None:
+        """A new step with ``num_allreduce`` allreduce operations (sequence 0..n-1)."""
+        if num_allreduce < 0:
+            raise ValueError("num_allreduce must be >= 0")
+        self._n = num_allreduce
+        self._next = 0
+        self._ready: dict[int, int] = {}
+        self._ar_inflight: dict[int, int] = {}
+        self._ar_done = 0
+        self._a2a_wait: deque[tuple[Hashable, int]] = deque()
+        self._a2a_inflight: set[Hashable] = set()
+        self._block = 0
+        self._ended = False
+
+    def a2a_waiting(self, key: Hashable, nbytes: int = 0) -> None:
+        if key in self._a2a_inflight or any(k == key for k, _ in self._a2a_wait):
+            raise ValueError(f"all-to-all {key!r} is already known to the policy")
+        self._a2a_wait.append((key, nbytes))
+
+    def a2a_done(self, key: Hashable) -> None:
+        if key not in self._a2a_inflight:
+            raise ValueError(f"all-to-all {key!r} finished but was never launched")
+        self._a2a_inflight.discard(key)
+
+    def allreduce_ready(self, seq: int, nbytes: int) -> None:
+        if not 0 <= seq < self._n:
+            raise ValueError(f"allreduce {seq} outside this step's 0..{self._n - 1}")
+        if seq in self._ready or seq < self._next:
+            raise ValueError(f"allreduce {seq} was already ready")
+        self._ready[seq] = nbytes
+
+    def allreduce_done(self, seq: int) -> None:
+        if seq not in self._ar_inflight:
+            raise ValueError(f"allreduce {seq} finished but was never launched")
+        del self._ar_inflight[seq]
+        self._ar_done += 1
+
+    def block_begin(self) -> None:
+        self._block += 1
+
+    def block_end(self) -> None:
+        self._block = max(0, self._block - 1)
+
+    def end_backward(self) -> None:
+        """No more all-to-all this step: drain allreduce (credit permitting)."""
+        self._ended = True
+        self._block = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def a2a_busy(self) -> bool:
+        return bool(self._a2a_wait or self._a2a_inflight)
+
+    @property
+    def allreduce_inflight_bytes(self) -> int:
+        return sum(self._ar_inflight.values())
+
+    @property
+    def allreduce_inflight(self) -> tuple[int, ...]:
+        return tuple(sorted(self._ar_inflight))
+
+    @property
+    def allreduce_pending(self) -> int:
+        """Allreduce operations not yet launched (ready or not)."""
+        return self._n - self._next
+
+    @property
+    def finished(self) -> bool:
+        return self._ar_done == self._n and not self.a2a_busy
+
+    def _may_launch(self, nbytes: int) -> bool:
+        if self.defer_to_end and not self._ended:
+            return False
+        if self.hold_for_a2a and self.a2a_busy:
+            return False
+        if self.hold_in_block and self._block > 0:
+            return False
+        if self.credit_bytes is not None and self._ar_inflight:
+            return self.allreduce_inflight_bytes + nbytes <= self.credit_bytes
+        return True
+
+    def next_ops(self) -> list[Launch]:
+        """Operations to launch now, in order: waiting all-to-alls, then allreduce in sequence."""
+        out = []
+        while self._a2a_wait:
+            key, nb = self._a2a_wait.popleft()
+            self._a2a_inflight.add(key)
+            out.append(Launch("a2a", key, nb))
+        while self._next in self._ready and self._may_launch(self._ready[self._next]):
+            nb = self._ready.pop(self._next)
+            self._ar_inflight[self._next] = nb
+            out.append(Launch("allreduce", self._next, nb))
+            self._next += 1
+        return out
+
+
+def make_policy(name: str, credit_bytes: int | None = None) -> Policy:
+    """``lina`` (credit: ``credit_bytes``), ``fifo`` or ``serial``; see the module docstring."""
+    if name == "lina":
+        return Policy("lina", credit_bytes=credit_bytes)
+    if name == "fifo":
+        return Policy("fifo", credit_bytes=None, hold_for_a2a=False, hold_in_block=False)
+    if name == "serial":
+        return Policy("serial", credit_bytes=None, hold_for_a2a=False, hold_in_block=False, defer_to_end=True)
+    raise ValueError(f"unknown schedule {name!r}; choose one of {POLICIES}")
+
+
+__all__ = ["Launch", "POLICIES", "Policy", "make_policy"]

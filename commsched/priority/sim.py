@@ -1,0 +1,260 @@
+"""A deterministic discrete-event simulator of one rank's backward pass under a policy.
+
+The script is what the compute thread does, in order: :class:`Compute` (busy for some
+seconds, after which some gradient tensors are ready), :class:`AllToAll` (blocking: the
+compute thread waits until it is done), and :class:`BlockBegin` / :class:`BlockEnd` around
+the expert block of an MoE layer. After the last item the backward pass ends (the policy
+is told) and the step ends when every allreduce is done (the optimizer waits for them).
+
+The link is shared fairly (processor sharing): with n operations in flight each moves at
+``bandwidth / n``; every operation also costs ``latency_s`` of link time, as though it
+were ``latency_s * bandwidth`` bytes longer. Operations are never preempted: once
+launched, an allreduce keeps its share until done -- which is why the policy matters.
+
+Gradients become allreduce operations through :mod:`commsched.priority.partition`:
+micro-ops (``lina``, ``serial``) or fused buckets (``fifo``), in the order the tensors
+become ready. Nothing here is random and no clock is read, so a scenario always gives the
+same timeline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+from .partition import CommOp, bucket, partition
+from .policy import make_policy
+
+_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class Compute:
+    seconds: float
+    grads: tuple[int, ...] = ()  # bytes of the gradient tensors ready when this ends
+
+
+@dataclass(frozen=True)
+class AllToAll:
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BlockBegin:
+    pass
+
+
+@dataclass(frozen=True)
+class BlockEnd:
+    pass
+
+
+Item = Union[Compute, AllToAll, BlockBegin, BlockEnd]
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth_Bps: float
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_Bps > 0:
+            raise ValueError(f"bandwidth must be > 0 bytes/s, got {self.bandwidth_Bps}")
+        if self.latency_s < 0:
+            raise ValueError(f"latency must be >= 0 s, got {self.latency_s}")
+
+    def alone_s(self, nbytes: int) -> float:
+        """Time of one operation with the link to itself."""
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+
+@dataclass
+class SimOp:
+    kind: str  # "a2a" or "allreduce"
+    key: int   # a2a: its index in the script; allreduce: its sequence number
+    nbytes: int
+    ready_s: float
+    start_s: float = float("nan")
+    end_s: float = float("nan")
+
+    @property
+    def wait_s(self) -> float:
+        return self.start_s - self.ready_s
+
+    def overlaps(self, other: "SimOp") -> bool:
+        return self.start_s < other.end_s - _EPS and other.start_s < self.end_s - _EPS
+
+
+@dataclass
+class SimResult:
+    schedule: str
+    link: Link
+    ops: list[SimOp] = field(default_factory=list)
+    compute_end_s: float = 0.0
+    step_s: float = 0.0
+
+    @property
+    def a2a(self) -> list[SimOp]:
+        return [o for o in self.ops if o.kind == "a2a"]
+
+    @property
+    def allreduce(self) -> list[SimOp]:
+        return [o for o in self.ops if o.kind == "allreduce"]
+
+    @property
+    def a2a_time_s(self) -> float:
+        """Total time the compute thread waited for all-to-alls (arrival to completion)."""
+        return sum(o.end_s - o.ready_s for o in self.a2a)
+
+    def allreduce_during(self, a2a_op: SimOp) -> list[SimOp]:
+        """Allreduce operations on the link at some moment while ``a2a_op`` was waiting or moving."""
+        window = SimOp("a2a", a2a_op.key, a2a_op.nbytes, a2a_op.ready_s, a2a_op.ready_s, a2a_op.end_s)
+        return [o for o in self.allreduce if o.overlaps(window)]
+
+    def link_idle_with_allreduce_pending(self, after_s: float = 0.0) -> float:
+        """Seconds after ``after_s`` during which the link carried nothing although some
+        allreduce was ready and not yet launched (0 when the policy never starves it)."""
+        points = sorted({after_s, *(x for o in self.ops for x in (o.ready_s, o.start_s, o.end_s) if x > after_s)})
+        idle = 0.0
+        for a, b in zip(points, points[1:]):
+            m = (a + b) / 2
+            busy = any(o.start_s <= m < o.end_s for o in self.ops)
+            waiting = any(o.ready_s <= m < o.start_s for o in self.allreduce)
+            if not busy and waiting:
+                idle += b - a
+        return idle
+
+
+def allreduce_ops(grad_bytes: Sequence[int], schedule: str, *, microop_bytes: int,
+                  bucket_bytes: int | None = None, element_size: int = 4) -> list[CommOp]:
+    """The allreduce operations a schedule cuts these gradients into (in readiness order)."""
+    numels = [b // element_size for b in grad_bytes]
+    if schedule == "fifo":
+        return bucket(numels, element_size, bucket_bytes or microop_bytes)
+    return partition(numels, element_size, microop_bytes)
+
+
+def simulate(script: Sequence[Item], schedule: str, link: Link, *, microop_bytes: int,
+             credit_bytes: int | None = None, bucket_bytes: int | None = None,
+             element_size: int = 4) -> SimResult:
+    """Run ``script`` under ``schedule`` (lina, fifo or serial); see the module docstring.
+
+    ``credit_bytes`` (lina) defaults to one micro-op; ``bucket_bytes`` (fifo) to 25 micro-ops.
+    """
+    grad_bytes = [b for it in script if isinstance(it, Compute) for b in it.grads]
+    if any(b % element_size for b in grad_bytes):
+        raise ValueError(f"gradient sizes must be multiples of element_size={element_size}")
+    ops = allreduce_ops(grad_bytes, schedule, microop_bytes=microop_bytes,
+                        bucket_bytes=bucket_bytes or 25 * microop_bytes, element_size=element_size)
+    pol = make_policy(schedule, credit_bytes if credit_bytes is not None else microop_bytes)
+    pol.begin_step(len(ops))
+    missing = [len(op.tensors) for op in ops]
+    ops_of_tensor: dict[int, list[int]] = {}
+    for op in ops:
+        for t in op.tensors:
+            ops_of_tensor.setdefault(t, []).append(op.seq)
+    bw = link.bandwidth_Bps
+    res = SimResult(schedule, link)
+    rec: dict[tuple[str, int], SimOp] = {}
+    inflight: dict[tuple[str, int], float] = {}  # remaining link work in bytes
+    t, pc, next_tensor = 0.0, 0, 0
+    busy_until: float | None = None
+    pending_grads: tuple[int, ...] = ()
+    blocked_on: tuple[str, int] | None = None
+    ended = False
+
+    def pump() -> None:
+        for launch in pol.next_ops():
+            k = launch.key if launch.kind == "a2a" else ("allreduce", int(launch.key))  # type: ignore[arg-type]
+            rec[k].start_s = t
+            inflight[k] = rec[k].nbytes + link.latency_s * bw
+
+    while True:
+        while busy_until is None and blocked_on is None and pc < len(script):
+            item = script[pc]
+            pc += 1
+            if isinstance(item, Compute):
+                if item.seconds < 0:
+                    raise ValueError(f"compute of {item.seconds} s in the script")
+                busy_until, pending_grads = t + item.seconds, item.grads
+            elif isinstance(item, AllToAll):
+                key = ("a2a", pc - 1)
+                rec[key] = SimOp("a2a", pc - 1, item.nbytes, t)
+                res.ops.append(rec[key])
+                pol.a2a_waiting(key, item.nbytes)
+                blocked_on = key
+            elif isinstance(item, BlockBegin):
+                pol.block_begin()
+            elif isinstance(item, BlockEnd):
+                pol.block_end()
+            else:
+                raise TypeError(f"unknown script item {item!r}")
+        if not ended and pc == len(script) and busy_until is None and blocked_on is None:
+            pol.end_backward()
+            ended, res.compute_end_s = True, t
+        pump()
+        if ended and not inflight and pol.allreduce_pending == 0:
+            break
+        cands = [] if busy_until is None else [busy_until]
+        if inflight:
+            cands.append(t + min(inflight.values()) * len(inflight) / bw)
+        if not cands:
+            raise RuntimeError(f"simulation stuck at t={t}: {pol.allreduce_pending} allreduce held, nothing running")
+        t_next = max(t, min(cands))
+        if inflight:
+            moved = (t_next - t) * bw / len(inflight)
+            for k in inflight:
+                inflight[k] -= moved
+        t = t_next
+        for k in sorted(k for k, rem in inflight.items() if rem <= _EPS * max(1.0, rec[k].nbytes)):
+            del inflight[k]
+            rec[k].end_s = t
+            if k[0] == "a2a":
+                pol.a2a_done(k)
+                if blocked_on == k:
+                    blocked_on = None
+            else:
+                pol.allreduce_done(k[1])
+        if busy_until is not None and busy_until <= t + _EPS:
+            busy_until = None
+            for _ in pending_grads:
+                for seq in ops_of_tensor.get(next_tensor, []):
+                    missing[seq] -= 1
+                    if missing[seq] == 0:
+                        rec[("allreduce", seq)] = SimOp("allreduce", seq, ops[seq].nbytes, t)
+                        res.ops.append(rec[("allreduce", seq)])
+                        pol.allreduce_ready(seq, ops[seq].nbytes)
+                next_tensor += 1
+            pending_grads = ()
+    res.step_s = max([res.compute_end_s] + [o.end_s for o in res.ops])
+    return res
+
+
+def moe_backward_script(layers: Sequence[str], *, a2a_bytes: int, expert_s: float, dense_s: float,
+                        attn_s: float, dense_grad_bytes: int, attn_grad_bytes: int,
+                        router_grad_bytes: int = 0, a2a_chunks: int = 1) -> list[Item]:
+    """The backward pass of a transformer whose blocks are ``"moe"`` or ``"dense"`` (listed
+    from the first block; the backward pass visits them last to first). An MoE block is
+    the expert block (combine exchange, expert compute, dispatch exchange, each cut into
+    ``a2a_chunks``), then its attention; a dense block is its FFN, then its attention."""
+    out: list[Item] = []
+    for kind in reversed(layers):
+        if kind == "moe":
+            out.append(BlockBegin())
+            per = a2a_bytes // a2a_chunks
+            for _ in range(a2a_chunks):
+                out.append(AllToAll(per))
+            for _ in range(a2a_chunks):
+                out += [Compute(expert_s / a2a_chunks), AllToAll(per)]
+            out.append(BlockEnd())
+            out.append(Compute(0.0, (router_grad_bytes,) if router_grad_bytes else ()))
+        elif kind == "dense":
+            out.append(Compute(dense_s, (dense_grad_bytes,)))
+        else:
+            raise ValueError(f"block kind must be 'moe' or 'dense', got {kind!r}")
+        out.append(Compute(attn_s, (attn_grad_bytes,)))
+    return out
+
+
+__all__ = ["AllToAll", "BlockBegin", "BlockEnd", "Compute", "Link", "SimOp", "SimResult", "allreduce_ops",
+           "moe_backward_script", "simulate"]

@@ -1,0 +1,240 @@
+"""Micro-op partitioning, the launch policies and the discrete-event simulator (pure, ms)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from commsched.priority.partition import bucket, partition, split_equal
+from commsched.priority.policy import Policy, make_policy
+from commsched.priority.sim import (
+    AllToAll,
+    BlockBegin,
+    BlockEnd,
+    Compute,
+    Link,
+    moe_backward_script,
+    simulate,
+)
+
+
+# --------------------------------------------------------------------------- partitioning
+def test_split_equal_sizes_differ_by_at_most_one_element():
+    assert split_equal(10, 4, 16) == [(0, 4), (4, 3), (7, 3)]
+    assert split_equal(8, 4, 16) == [(0, 4), (4, 4)]
+    assert split_equal(3, 4, 100) == [(0, 3)]
+    assert split_equal(0, 4, 16) == []
+    for n in (1, 7, 33, 1000):
+        parts = split_equal(n, 2, 30)
+        assert sum(k for _, k in parts) == n and max(k for _, k in parts) * 2 <= 30
+        assert max(k for _, k in parts) - min(k for _, k in parts) <= 1
+
+
+def test_partition_never_fuses_tensors_and_keeps_order():
+    ops = partition([10, 3, 0, 5], 4, 16)
+    assert [op.seq for op in ops] == list(range(len(ops)))
+    assert [op.tensors for op in ops] == [(0,), (0,), (0,), (1,), (3,), (3,)]
+    assert [op.nbytes for op in ops] == [16, 12, 12, 12, 12, 8]
+    assert all(len(op.pieces) == 1 for op in ops)
+
+
+def test_bucket_fuses_consecutive_tensors_up_to_the_size():
+    ops = bucket([2, 2, 5, 1, 1], 4, 16)
+    assert [op.tensors for op in ops] == [(0, 1), (2,), (3, 4)]
+    assert [op.nbytes for op in ops] == [16, 20, 8]
+
+
+def test_partition_errors_speak():
+    with pytest.raises(ValueError, match="at least one element"):
+        partition([4], 4, 2)
+    with pytest.raises(ValueError, match=">= 0"):
+        partition([-1], 4, 16)
+
+
+# --------------------------------------------------------------------------- policy
+def test_lina_policy_holds_for_a2a_block_and_credit():
+    p = make_policy("lina", credit_bytes=100)
+    p.begin_step(4)
+    p.allreduce_ready(1, 60)
+    assert p.next_ops() == []  # fixed order: 0 first
+    p.allreduce_ready(0, 60)
+    p.a2a_waiting("x", 500)
+    launched = p.next_ops()
+    assert [(l.kind, l.key) for l in launched] == [("a2a", "x")]  # a2a first, allreduce held
+    p.a2a_done("x")
+    assert [(l.kind, l.key) for l in p.next_ops()] == [("allreduce", 0)]  # credit: 60 + 60 > 100
+    p.allreduce_done(0)
+    p.block_begin()
+    assert p.next_ops() == []
+    p.block_end()
+    assert [l.key for l in p.next_ops()] == [1]
+    p.allreduce_ready(2, 500)  # larger than the credit: waits until nothing is in flight
+    assert p.next_ops() == []
+    p.allreduce_done(1)
+    assert [l.key for l in p.next_ops()] == [2]
+    p.allreduce_done(2)
+    p.allreduce_ready(3, 1)
+    p.end_backward()
+    assert [l.key for l in p.next_ops()] == [3]
+    p.allreduce_done(3)
+    assert p.finished
+
+
+def test_fifo_and_serial_policies():
+    f = make_policy("fifo")
+    f.begin_step(2)
+    f.a2a_waiting("a")
+    f.allreduce_ready(0, 10)
+    f.allreduce_ready(1, 10)
+    assert [(l.kind, l.key) for l in f.next_ops()] == [("a2a", "a"), ("allreduce", 0), ("allreduce", 1)]
+    s = make_policy("serial")
+    s.begin_step(1)
+    s.allreduce_ready(0, 10)
+    assert s.next_ops() == []
+    s.end_backward()
+    assert [l.key for l in s.next_ops()] == [0]
+
+
+def test_policy_errors_speak():
+    with pytest.raises(ValueError, match="unknown schedule"):
+        make_policy("lifo")
+    p = Policy(credit_bytes=10)
+    p.begin_step(1)
+    with pytest.raises(ValueError, match="outside"):
+        p.allreduce_ready(3, 1)
+    with pytest.raises(ValueError, match="never launched"):
+        p.allreduce_done(0)
+    with pytest.raises(ValueError, match="never launched"):
+        p.a2a_done("nope")
+
+
+# --------------------------------------------------------------------------- simulator: hand-worked
+LINK = Link(bandwidth_Bps=1000.0)
+HAND = [Compute(1.0, (200,)), AllToAll(500), Compute(1.0, (100,))]
+
+
+def test_sim_hand_worked_lina():
+    r = simulate(HAND, "lina", LINK, microop_bytes=100)
+    a2a = r.a2a[0]
+    assert (a2a.ready_s, a2a.start_s, a2a.end_s) == (1.0, 1.0, 1.5)  # alone on the link
+    ar = sorted(r.allreduce, key=lambda o: o.key)
+    assert [x for o in ar for x in (o.start_s, o.end_s)] == pytest.approx([1.5, 1.6, 1.6, 1.7, 2.5, 2.6])
+    assert r.compute_end_s == pytest.approx(2.5) and r.step_s == pytest.approx(2.6)
+
+
+def test_sim_hand_worked_fifo_shares_the_link():
+    r = simulate(HAND, "fifo", LINK, microop_bytes=100, bucket_bytes=200)
+    a2a = r.a2a[0]
+    # bucket 0 (200 B) and the a2a share 1000 B/s: bucket done at 1.4, a2a at 1.7
+    assert a2a.end_s == pytest.approx(1.7)
+    spans = sorted((o.start_s, o.end_s) for o in r.allreduce)
+    assert [x for sp in spans for x in sp] == pytest.approx([1.0, 1.4, 2.7, 2.8])
+    assert r.step_s == pytest.approx(2.8)
+
+
+def test_sim_hand_worked_serial():
+    r = simulate(HAND, "serial", LINK, microop_bytes=100)
+    assert r.a2a[0].end_s == pytest.approx(1.5)
+    assert all(o.start_s == pytest.approx(2.5) for o in r.allreduce)
+    assert r.step_s == pytest.approx(2.8)  # three 100 B ops sharing the link from 2.5
+
+
+# --------------------------------------------------------------------------- simulator: scenarios
+_EXPERT_S = 1.0
+
+
+def _scenario(**kw):
+    base = dict(a2a_bytes=4000, expert_s=_EXPERT_S, dense_s=2.0, attn_s=1.5, dense_grad_bytes=6000,
+                attn_grad_bytes=3000, router_grad_bytes=400)
+    base.update(kw)
+    return moe_backward_script(["dense", "moe"] * 3, **base)
+
+
+SCENARIOS = [
+    dict(),
+    dict(a2a_chunks=3),
+    dict(attn_s=0.2, dense_s=0.3),          # little compute to hide allreduce behind
+    dict(dense_grad_bytes=20000),           # allreduce much larger than the all-to-all
+]
+
+
+@pytest.mark.parametrize("kw", SCENARIOS, ids=range(len(SCENARIOS)))
+@pytest.mark.parametrize("latency", [0.0, 0.05])
+def test_no_a2a_waits_behind_more_than_one_micro_op(kw, latency):
+    link = Link(1000.0, latency)
+    micro = 500
+    r = simulate(_scenario(**kw), "lina", link, microop_bytes=micro)
+    assert r.a2a and r.allreduce
+    for a in r.a2a:
+        during = r.allreduce_during(a)
+        assert len(during) <= 1, (a, during)
+        assert all(o.start_s < a.ready_s for o in during)  # none launched after the a2a came
+        assert a.start_s == a.ready_s
+        assert a.end_s - a.ready_s <= link.alone_s(a.nbytes) + link.alone_s(micro) + 1e-9
+
+
+@pytest.mark.parametrize("kw", SCENARIOS, ids=range(len(SCENARIOS)))
+def test_allreduce_never_starves_once_a2a_finish(kw):
+    r = simulate(_scenario(**kw), "lina", LINK, microop_bytes=500)
+    last_a2a = max(o.end_s for o in r.a2a)
+    assert r.link_idle_with_allreduce_pending(last_a2a) == pytest.approx(0.0, abs=1e-9)
+    assert all(math.isfinite(o.end_s) for o in r.allreduce)
+    total = sum(o.nbytes for o in r.allreduce)
+    assert total == sum(b for it in _scenario(**kw) if isinstance(it, Compute) for b in it.grads)
+
+
+def test_fifo_violates_what_lina_guarantees():
+    """The properties above are not vacuous: fifo breaks them in the same scenario."""
+    r = simulate(_scenario(), "fifo", LINK, microop_bytes=500, bucket_bytes=8000)
+    assert any(r.a2a[i].end_s - r.a2a[i].ready_s > LINK.alone_s(r.a2a[i].nbytes) + LINK.alone_s(500) + 1e-9
+               for i in range(len(r.a2a)))
+
+
+@pytest.mark.parametrize("kw", SCENARIOS, ids=range(len(SCENARIOS)))
+def test_lina_all_to_all_runs_at_its_alone_time_and_step_not_slower(kw):
+    script = _scenario(**kw)
+    lina = simulate(script, "lina", LINK, microop_bytes=500)
+    fifo = simulate(script, "fifo", LINK, microop_bytes=500, bucket_bytes=8000)
+    serial = simulate(script, "serial", LINK, microop_bytes=500)
+    alone = sum(LINK.alone_s(o.nbytes) for o in serial.a2a)
+    assert serial.a2a_time_s == pytest.approx(alone)
+    assert lina.a2a_time_s <= alone + len(lina.a2a) * LINK.alone_s(500) + 1e-9
+    assert fifo.a2a_time_s > lina.a2a_time_s
+    assert lina.step_s <= serial.step_s + 1e-9
+    if kw in (SCENARIOS[0], SCENARIOS[1]):  # enough compute to hide the allreduce behind
+        assert lina.step_s < fifo.step_s
+    else:
+        # bandwidth-bound: lina leaves the link idle during expert compute (its price for
+        # keeping the next all-to-all clear); it loses at most that much to fifo
+        expert_s = 3 * _EXPERT_S  # three MoE blocks
+        assert lina.step_s <= fifo.step_s + expert_s + 1e-9
+
+
+def test_no_allreduce_starts_inside_an_expert_block():
+    script = _scenario()
+    r = simulate(script, "lina", LINK, microop_bytes=500)
+    # block windows: from the arrival of a block's first a2a to the end of its last
+    blocks, idx, start = [], 0, None
+    for it in script:
+        if isinstance(it, BlockBegin):
+            start = r.a2a[idx].ready_s
+        elif isinstance(it, AllToAll):
+            idx += 1
+        elif isinstance(it, BlockEnd):
+            blocks.append((start, r.a2a[idx - 1].end_s))
+    assert len(blocks) == 3
+    for s, e in blocks:
+        assert not any(s < o.start_s < e for o in r.allreduce), (s, e)
+
+
+def test_sim_is_deterministic_and_validates():
+    a = simulate(_scenario(), "lina", LINK, microop_bytes=500)
+    b = simulate(_scenario(), "lina", LINK, microop_bytes=500)
+    assert [(o.kind, o.key, o.start_s, o.end_s) for o in a.ops] == [(o.kind, o.key, o.start_s, o.end_s) for o in b.ops]
+    with pytest.raises(ValueError, match="bandwidth"):
+        Link(0.0)
+    with pytest.raises(ValueError, match="multiples"):
+        simulate([Compute(1.0, (3,))], "lina", LINK, microop_bytes=100)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        simulate(HAND, "random", LINK, microop_bytes=100)
