@@ -285,7 +285,7 @@ class SyntheticTraceConfig:
     from q_{c,l} without replacement.
 
     The defaults (16 experts, top-2, Zipf 1.2, stickiness 0.39) give a busiest expert
-    about 4.3x the mean load and about 42% top-1 same-expert stickiness, in the range
+    about 4.2x the mean load and about 42% top-1 same-expert stickiness, in the range
     Lina reports (docs/moe_inference.md has the measured values and a milder preset).
     """
 
