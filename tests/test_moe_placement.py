@@ -177,6 +177,8 @@ def test_bad_sizes():
         plan_placement([1], True, 2)
     with pytest.raises(TypeError, match="sequence of numbers"):
         plan_placement(["a", object()], 2, 2)
+    with pytest.raises(ValueError, match="max_candidates >= 1"):
+        plan_placement([1, 2], 2, 2, max_candidates=0)
 
 
 def test_placement_rejects_inconsistent_layouts():

@@ -470,6 +470,9 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
     load = _check_load(load_E)
     E = load.size
     N, S = _check_sizes(E, num_devices, slots_per_device)
+    if max_candidates < 1 or refine < 0 or (max_steps is not None and max_steps < 0):
+        raise ValueError(f"need max_candidates >= 1, refine >= 0 and max_steps >= 0; got "
+                         f"{max_candidates}, {refine}, {max_steps}")
     steps = 20 * N * S if max_steps is None else max_steps
     greedy = greedy_placement(load, N, S)
     if N == 1 or load.sum() == 0.0:
