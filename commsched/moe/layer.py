@@ -35,13 +35,14 @@ class DispatchConfig:
 
 class MoELayer(nn.Module):
     def __init__(self, d_model: int, d_hidden: int, router_cfg: RouterConfig, *,
-                 expert_group: ExpertGroup | None = None, dispatch: DispatchConfig = DispatchConfig(),
+                 expert_group: ExpertGroup | None = None, dispatch: DispatchConfig | None = None,
                  observer: A2AObserver | None = None):
         super().__init__()
         E = router_cfg.num_experts
         if expert_group is not None and expert_group.num_experts != E:
             raise ValueError(f"expert group is for {expert_group.num_experts} experts, the router for {E}")
-        self.router_cfg, self.expert_group, self.dispatch = router_cfg, expert_group, dispatch
+        self.router_cfg, self.expert_group = router_cfg, expert_group
+        self.dispatch = dispatch or DispatchConfig()
         self.observer = observer
         self.router = Router(d_model, router_cfg)
         if expert_group is None:

@@ -1,0 +1,143 @@
+"""A small byte-level transformer language model whose feed-forward layers are MoE.
+
+Legend: B batch, S sequence, D model width, V = 256 byte values.
+
+Pre-norm blocks: ``x + attn(ln(x))`` then ``x + ffn(ln(x))``; the FFN of every
+``moe_every``-th block is an :class:`~commsched.moe.layer.MoELayer` (GShard/Switch put one
+in every other block), the others are dense. Causal self-attention uses
+``scaled_dot_product_attention``. ``forward(tokens_BS)`` returns ``(logits_BSV, aux)``
+with ``aux`` the mean load-balancing loss of the MoE layers.
+
+Parameters are created in a fixed order from the global random stream, so every rank
+that seeds it alike builds identical non-expert weights, and an expert-parallel model
+holds exactly its block of the experts a single-process model holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .dispatch import A2AObserver, ExpertGroup
+from .layer import DispatchConfig, MoELayer
+from .router import RouterConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab: int = 256
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    seq_len: int = 64
+    d_ff: int = 128          # hidden width of the dense FFNs
+    expert_hidden: int = 128  # hidden width of each expert
+    num_experts: int = 4
+    k: int = 1
+    capacity_factor: float | None = None
+    moe_every: int = 2       # block i is MoE when (i + 1) % moe_every == 0
+    aux_weight: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
+        if self.n_layers < 1 or self.moe_every < 1:
+            raise ValueError("n_layers and moe_every must be >= 1")
+        if not any(self.is_moe(i) for i in range(self.n_layers)):
+            raise ValueError(f"no MoE block: n_layers={self.n_layers} with moe_every={self.moe_every}")
+        RouterConfig(self.num_experts, self.k, self.capacity_factor)  # validates
+
+    def is_moe(self, i: int) -> bool:
+        return (i + 1) % self.moe_every == 0
+
+    @property
+    def router(self) -> RouterConfig:
+        return RouterConfig(self.num_experts, self.k, self.capacity_factor)
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        q, k, v = self.qkv(x_BSD).view(B, S, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, S, D))
+
+
+class DenseFFN(nn.Module):
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.fc2(F.gelu(self.fc1(x))), None
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, ffn: nn.Module):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.ffn = ffn
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = x + self.attn(self.ln1(x))
+        y, aux = self.ffn(self.ln2(x))
+        return x + y, aux
+
+
+class MoETransformerLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, expert_group: ExpertGroup | None = None,
+                 dispatch: DispatchConfig | None = None, observer: A2AObserver | None = None):
+        super().__init__()
+        self.cfg = cfg
+        dispatch = dispatch or DispatchConfig()
+        D = cfg.d_model
+        self.tok = nn.Embedding(cfg.vocab, D)
+        self.pos = nn.Parameter(torch.randn(cfg.seq_len, D) * 0.02)
+        blocks = []
+        for i in range(cfg.n_layers):
+            if cfg.is_moe(i):
+                ffn: nn.Module = MoELayer(D, cfg.expert_hidden, cfg.router, expert_group=expert_group,
+                                          dispatch=dispatch, observer=observer)
+            else:
+                ffn = DenseFFN(D, cfg.d_ff)
+            blocks.append(Block(D, cfg.n_heads, ffn))
+        self.blocks = nn.ModuleList(blocks)
+        self.ln_f = nn.LayerNorm(D)
+        self.head = nn.Linear(D, cfg.vocab)
+
+    def moe_layers(self) -> list[nn.Module]:
+        return [b.ffn for i, b in enumerate(self.blocks) if self.cfg.is_moe(i)]
+
+    def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        S = tokens_BS.shape[1]
+        if S > self.cfg.seq_len:
+            raise ValueError(f"sequence of {S} tokens is longer than the model's seq_len={self.cfg.seq_len}")
+        x = self.tok(tokens_BS) + self.pos[:S]
+        auxes = []
+        for b in self.blocks:
+            x, aux = b(x)
+            if aux is not None:
+                auxes.append(aux)
+        logits = self.head(self.ln_f(x))
+        return logits, torch.stack(auxes).mean()
+
+    def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(total loss, language-model cross-entropy) of one batch."""
+        logits, aux = self(tokens_BS)
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets_BS.reshape(-1))
+        return ce + self.cfg.aux_weight * aux, ce
+
+
+__all__ = ["Attention", "Block", "DenseFFN", "ModelConfig", "MoETransformerLM"]
