@@ -10,7 +10,20 @@ from typing import Any
 
 # name -> submodule
 _EXPORTS: dict[str, str] = {
-    "load_graph": "data",
+    # graphs
+    "Graph": "data", "GraphSource": "data", "SyntheticSpec": "data", "load_graph": "data",
+    "load_dataset": "data", "synthetic_graph": "data", "from_pyg": "data", "from_edges": "data",
+    "save_graph": "data", "graph_fingerprint": "data",
+    # partitioning
+    "PartitionBook": "book", "build_book": "book", "build_books": "book",
+    "partition_nodes": "partition", "make_parts": "partition", "PartData": "partition",
+    "save_partition": "partition", "load_part": "partition",
+    # exchange, layers, training
+    "HaloExchange": "halo", "VanillaExchange": "halo", "EXCHANGES": "halo",
+    "make_exchange": "halo", "DistMessagePassing": "layers", "GCNConv": "layers",
+    "SAGEConv": "layers", "DistGNN": "layers", "LocalGraph": "layers", "CONVS": "layers",
+    "build_model": "layers", "Breakdown": "timing", "BREAKDOWN_KEYS": "timing",
+    "TrainConfig": "trainer", "Trainer": "trainer", "run_training": "trainer",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -14,7 +14,9 @@ Malformed input is rejected with one ``ValueError`` line that names the offendin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import math
 import os
@@ -414,9 +416,10 @@ def load_dataset(name: str, data_root: str | os.PathLike, *, split: int = 0,
 
         with tempfile.TemporaryDirectory(prefix="commsched-planetoid-") as tmp:
             shutil.copytree(src / "raw", Path(tmp) / pname / "raw")
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                    contextlib.redirect_stderr(io.StringIO()):  # PyG prints "Processing..."
                 warnings.simplefilter("ignore")
-                data = Planetoid(tmp, pname, log=False)[0]
+                data = Planetoid(tmp, pname)[0]
         g = from_pyg(data, split=split, directed=directed, name=key)
         if normalize_features:
             x = g.x_NF

@@ -1,0 +1,183 @@
+"""Halo exchange: owned boundary rows forward, their gradients backward, as autograd.
+
+Legend: n owned nodes of this rank, R remote (halo) nodes, T rows sent per exchange,
+F feature width of the layer input.
+
+A layer calls ``handle = exchange.start(h_nF, layer)``, may compute whatever needs no
+remote rows (the central aggregation), then ``h_RF = handle.wait()``. The result is
+differentiable: in backward the gradient of the remote rows goes back to their owners,
+which add it into the rows they sent (``index_add`` at ``send_idx``).
+
+The exchange is a *strategy*: :class:`HaloExchange` is the transport-agnostic base
+(gather, autograd, timing); a subclass implements :meth:`HaloExchange.transfer` (how a
+block of rows crosses the wire for one layer and direction). :class:`VanillaExchange`
+sends full-precision rows with one ``commsched.all_to_all``; AdaQP's quantized
+multi-width exchange is another subclass registered in :data:`EXCHANGES`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ..all2all import A2APlan, CommStats, all_to_all, all_to_all_async, make_plan
+from .book import PartitionBook
+from .timing import Breakdown
+
+DIRECTIONS = ("forward", "backward")
+
+
+class Pending:
+    """Rows in flight; ``wait()`` returns them (a plain tensor, no autograd)."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor]):
+        self._fn = fn
+        self._out: torch.Tensor | None = None
+
+    @classmethod
+    def ready(cls, t: torch.Tensor) -> "Pending":
+        p = cls(lambda: t)
+        p._out = t
+        return p
+
+    def wait(self) -> torch.Tensor:
+        if self._out is None:
+            self._out = self._fn()
+        return self._out
+
+
+class HaloExchange:
+    """Base strategy. Subclasses override :meth:`transfer`; everything else is shared.
+
+    ``stats`` (bytes per peer, see :class:`commsched.CommStats`) and ``timer`` are
+    attached by the trainer for training epochs and detached (None / a scratch timer)
+    for evaluation, so that only training traffic is counted.
+    """
+
+    name = "base"
+
+    def __init__(self, book: PartitionBook, *, group=None, pattern: str = "direct"):
+        self.book = book
+        self.group = group
+        self.pattern = pattern
+        self.plan = A2APlan(book.send_counts, book.recv_counts, book.rank)
+        self.send_idx = torch.from_numpy(book.send_idx)
+        self.stats: CommStats | None = None
+        self.timer = Breakdown()
+
+    @property
+    def world_size(self) -> int:
+        return self.book.num_parts
+
+    def validate(self) -> None:
+        """Check once, collectively, that every rank's book agrees with its peers'
+        (send counts of each pair match the receiver's expectation)."""
+        if self.world_size > 1:
+            make_plan(self.book.send_counts, group=self.group, recv_counts=self.book.recv_counts)
+
+    # ---- the pluggable part ------------------------------------------------------------
+    def transfer(self, rows: torch.Tensor, layer: int, direction: str) -> Pending:
+        """Move ``rows`` for ``layer`` in ``direction``.
+
+        forward: ``rows`` [T, F] are the sent rows grouped by destination peer
+        (``plan.send_counts``); returns the remote rows [R, F] grouped by source peer.
+        backward: ``rows`` [R, F] are gradients of the remote rows; returns [T, F], the
+        gradients of the rows this rank sent. ``rows`` never requires grad.
+        """
+        raise NotImplementedError
+
+    # ---- shared machinery --------------------------------------------------------------
+    def start(self, h_nF: torch.Tensor, layer: int) -> "HaloHandle":
+        if h_nF.shape[0] != self.book.num_owned:
+            raise ValueError(f"halo exchange expects the {self.book.num_owned} owned rows, got "
+                             f"{h_nF.shape[0]}")
+        rows = h_nF.detach().index_select(0, self.send_idx)
+        t = time.perf_counter()
+        pend = self._transfer(rows, layer, "forward")
+        self.timer.add("comm", time.perf_counter() - t)
+        return HaloHandle(self, h_nF, layer, pend)
+
+    def _transfer(self, rows: torch.Tensor, layer: int, direction: str) -> Pending:
+        if self.world_size == 1:  # nothing to send, nobody to wait for
+            n = self.book.num_remote if direction == "forward" else int(self.send_idx.numel())
+            return Pending.ready(rows.new_zeros((n, *rows.shape[1:])))
+        return self.transfer(rows, layer, direction)
+
+    def _wait(self, pend: Pending) -> torch.Tensor:
+        t = time.perf_counter()
+        out = pend.wait()
+        self.timer.add("comm", time.perf_counter() - t)
+        return out
+
+    def backward_rows(self, g_RF: torch.Tensor, layer: int) -> torch.Tensor:
+        """Send the remote rows' gradients to their owners; return [n, F] gradient of the
+        owned rows (sum over the peers each row was sent to)."""
+        t = time.perf_counter()
+        pend = self._transfer(g_RF.contiguous(), layer, "backward")
+        rows = pend.wait()
+        self.timer.add("comm", time.perf_counter() - t)
+        out = g_RF.new_zeros((self.book.num_owned, *g_RF.shape[1:]))
+        return out.index_add_(0, self.send_idx, rows)
+
+
+class HaloHandle:
+    """A forward exchange in flight; ``wait()`` returns the remote rows [R, F]."""
+
+    def __init__(self, ex: HaloExchange, h_nF: torch.Tensor, layer: int, pend: Pending):
+        self._ex, self._h, self._layer, self._pend = ex, h_nF, layer, pend
+        self._out: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._out is None:
+            if self._h.requires_grad and torch.is_grad_enabled():
+                self._out = _HaloFn.apply(self._h, self._ex, self._layer, self._pend)
+            else:
+                self._out = self._ex._wait(self._pend)
+        return self._out
+
+
+class _HaloFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_nF, ex, layer, pend):  # noqa: D401
+        ctx.ex, ctx.layer = ex, layer
+        return ex._wait(pend)
+
+    @staticmethod
+    def backward(ctx, g_RF):
+        return ctx.ex.backward_rows(g_RF, ctx.layer), None, None, None
+
+
+class VanillaExchange(HaloExchange):
+    """Full-precision rows, one uneven all_to_all per layer and direction."""
+
+    name = "vanilla"
+
+    def __init__(self, book: PartitionBook, *, group=None, pattern: str = "direct",
+                 asynchronous: bool = False):
+        super().__init__(book, group=group, pattern=pattern)
+        self.asynchronous = asynchronous
+
+    def transfer(self, rows: torch.Tensor, layer: int, direction: str) -> Pending:
+        plan = self.plan if direction == "forward" else self.plan.reversed()
+        if self.asynchronous and direction == "forward":
+            h = all_to_all_async(rows, plan, group=self.group, pattern=self.pattern, stats=self.stats)
+            return Pending(h.wait)
+        return Pending.ready(all_to_all(rows, plan, group=self.group, pattern=self.pattern,
+                                        stats=self.stats))
+
+
+# mode -> strategy class; AdaQP's modes add their classes here
+EXCHANGES: dict[str, type[HaloExchange]] = {"vanilla": VanillaExchange}
+
+
+def make_exchange(mode: str, book: PartitionBook, **kw) -> HaloExchange:
+    if mode not in EXCHANGES:
+        raise ValueError(f"--mode {mode} is not implemented yet (available: "
+                         f"{', '.join(sorted(EXCHANGES))}; the AdaQP modes come with issue 7)")
+    return EXCHANGES[mode](book, **kw)
+
+
+__all__ = ["DIRECTIONS", "EXCHANGES", "HaloExchange", "HaloHandle", "Pending",
+           "VanillaExchange", "make_exchange"]

@@ -1,0 +1,259 @@
+"""Node partitioning (METIS through pymetis, or random) and partition folders.
+
+Legend: N global nodes, P parts, F features, n owned nodes of one part.
+
+A partition folder holds ``meta.json`` (graph identity, part count, method, sizes) and
+one ``part-NNNNN.pt`` per part with everything its rank needs and nothing more: the
+partition book (global ids, local edges, global degrees, send/receive lists) and the
+owned nodes' features, labels and masks. So a rank loads only its own part.
+``load_part`` refuses a folder made for another graph or another world size.
+
+``main(argv)`` is ``commsched partition``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .book import PartitionBook, build_books
+from .data import Graph, GraphSource, clean_edges, graph_fingerprint, load_source
+
+METHODS = ("metis", "random")
+FORMAT_VERSION = 1
+
+
+# --------------------------------------------------------------------------- partitioning
+def partition_nodes(g: Graph, num_parts: int, method: str = "metis", seed: int = 0) -> np.ndarray:
+    """Owner of every node, int64 [N], deterministic in ``seed``.
+
+    ``metis`` minimises the edge cut of the undirected graph with balanced part sizes;
+    ``random`` deals a random permutation of the nodes round-robin (balanced, no locality).
+    """
+    if method not in METHODS:
+        raise ValueError(f"partition method must be one of {METHODS}, got {method!r}")
+    if num_parts < 1:
+        raise ValueError(f"number of parts must be >= 1, got {num_parts}")
+    N = g.num_nodes
+    if num_parts > N:
+        raise ValueError(f"cannot cut {N} nodes into {num_parts} parts")
+    if num_parts == 1:
+        return np.zeros(N, dtype=np.int64)
+    if method == "random":
+        perm = np.random.default_rng(seed).permutation(N)
+        parts = np.empty(N, dtype=np.int64)
+        parts[perm] = np.arange(N) % num_parts
+        return parts
+    import pymetis
+
+    ei = g.edge_index_2E.numpy()
+    if g.directed:  # METIS needs a symmetric adjacency
+        ei = clean_edges(ei.T, N, directed=False)
+    # ei is sorted by target: rows of the CSR are targets, columns their sources
+    xadj = np.zeros(N + 1, dtype=np.int64)
+    np.cumsum(np.bincount(ei[1], minlength=N), out=xadj[1:])
+    opts = pymetis.Options(seed=int(seed))
+    _, parts = pymetis.part_graph(num_parts, xadj=xadj, adjncy=ei[0], options=opts)
+    return np.asarray(parts, dtype=np.int64)
+
+
+# --------------------------------------------------------------------------- one rank's data
+@dataclass(frozen=True, eq=False)
+class PartData:
+    """Everything one rank needs to train on its part.
+
+    ``x_nF``, ``y_n`` and the masks are the owned nodes in the book's local order
+    (central, then marginal). ``totals`` holds the global train/val/test node counts.
+    """
+
+    book: PartitionBook
+    x_nF: torch.Tensor
+    y_n: torch.Tensor
+    train_mask: torch.Tensor
+    val_mask: torch.Tensor
+    test_mask: torch.Tensor
+    num_classes: int
+    fingerprint: str
+    name: str
+    totals: dict[str, int]
+
+    @property
+    def num_features(self) -> int:
+        return int(self.x_nF.shape[1])
+
+
+def _graph_totals(g: Graph) -> dict[str, int]:
+    return {"train": int(g.train_mask.sum()), "val": int(g.val_mask.sum()),
+            "test": int(g.test_mask.sum()), "nodes": g.num_nodes, "edges": g.num_edges}
+
+
+def make_parts(g: Graph, parts: np.ndarray, num_parts: int,
+               fingerprint: str | None = None) -> list[PartData]:
+    """Books and owned data of every part of ``g`` under ``parts``."""
+    parts = np.asarray(parts, dtype=np.int64)
+    if parts.shape != (g.num_nodes,):
+        raise ValueError(f"parts must have one entry per node ({g.num_nodes}), got {parts.shape}")
+    ei = g.edge_index_2E.numpy()
+    books = build_books(ei[0], ei[1], parts, num_parts)
+    fp = fingerprint or graph_fingerprint(g)
+    totals = _graph_totals(g)
+    out = []
+    for b in books:
+        own = torch.from_numpy(b.owned_ids)
+        out.append(PartData(b, g.x_NF[own].contiguous(), g.y_N[own].contiguous(),
+                            g.train_mask[own].contiguous(), g.val_mask[own].contiguous(),
+                            g.test_mask[own].contiguous(), g.num_classes, fp, g.name, totals))
+    return out
+
+
+def edge_cut(g: Graph, parts: np.ndarray) -> int:
+    """Directed edges whose endpoints lie in different parts."""
+    ei = g.edge_index_2E.numpy()
+    return int((parts[ei[0]] != parts[ei[1]]).sum())
+
+
+# --------------------------------------------------------------------------- folders
+def _part_file(folder: Path, rank: int) -> Path:
+    return folder / f"part-{rank:05d}.pt"
+
+
+def _to_record(p: PartData) -> dict:
+    b = p.book
+    t = torch.from_numpy
+    rec = {"format": FORMAT_VERSION, "rank": b.rank, "num_parts": b.num_parts,
+           "num_nodes": b.num_nodes, "num_central": b.num_central, "num_marginal": b.num_marginal,
+           "global_ids": t(b.global_ids), "edge_src": t(b.edge_src), "edge_dst": t(b.edge_dst),
+           "in_degree": t(b.in_degree), "send_idx": t(b.send_idx),
+           "send_counts": list(b.send_counts), "recv_counts": list(b.recv_counts),
+           "x": p.x_nF, "y": p.y_n, "train_mask": p.train_mask, "val_mask": p.val_mask,
+           "test_mask": p.test_mask, "num_classes": p.num_classes, "fingerprint": p.fingerprint,
+           "name": p.name, "totals": dict(p.totals)}
+    for k, v in b.send_coef_sq.items():
+        rec[f"send_coef_sq_{k}"] = t(v)
+    return rec
+
+
+def _from_record(rec: dict) -> PartData:
+    n = lambda k: rec[k].numpy()  # noqa: E731
+    coef = {k[len("send_coef_sq_"):]: rec[k].numpy() for k in rec if k.startswith("send_coef_sq_")}
+    book = PartitionBook(rank=rec["rank"], num_parts=rec["num_parts"], num_nodes=rec["num_nodes"],
+                         global_ids=n("global_ids"), num_central=rec["num_central"],
+                         num_marginal=rec["num_marginal"], edge_src=n("edge_src"),
+                         edge_dst=n("edge_dst"), in_degree=n("in_degree"), send_idx=n("send_idx"),
+                         send_counts=tuple(rec["send_counts"]), recv_counts=tuple(rec["recv_counts"]),
+                         send_coef_sq=coef)
+    return PartData(book, rec["x"], rec["y"], rec["train_mask"], rec["val_mask"], rec["test_mask"],
+                    int(rec["num_classes"]), rec["fingerprint"], rec["name"], dict(rec["totals"]))
+
+
+def save_partition(folder: str | os.PathLike, g: Graph, parts: np.ndarray, num_parts: int, *,
+                   method: str, seed: int, source: GraphSource | None = None) -> dict:
+    """Write a partition folder for ``g``; returns the metadata written to meta.json."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fp = graph_fingerprint(g)
+    pdata = make_parts(g, parts, num_parts, fingerprint=fp)
+    # remove part files of an older, larger partition in the same folder
+    for old in folder.glob("part-*.pt"):
+        old.unlink()
+    for p in pdata:
+        tmp = _part_file(folder, p.book.rank).with_suffix(".tmp")
+        torch.save(_to_record(p), tmp)
+        os.replace(tmp, _part_file(folder, p.book.rank))
+    meta = {"format": FORMAT_VERSION, "num_parts": num_parts, "method": method, "seed": seed,
+            "fingerprint": fp, "source_id": source.identity() if source is not None else None,
+            "graph": g.summary(), "edge_cut": edge_cut(g, parts),
+            "parts": [p.book.summary() for p in pdata]}
+    tmp = folder / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, folder / "meta.json")
+    return meta
+
+
+def read_meta(folder: str | os.PathLike) -> dict:
+    folder = Path(folder)
+    f = folder / "meta.json"
+    if not f.is_file():
+        raise ValueError(f"partition folder {folder}: no meta.json (make one with `commsched partition`)")
+    meta = json.loads(f.read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"partition folder {folder}: format {meta.get('format')!r}, this build "
+                         f"reads format {FORMAT_VERSION}; re-run `commsched partition`")
+    return meta
+
+
+def check_meta(meta: dict, folder: str | os.PathLike, world_size: int, *,
+               fingerprint: str | None = None, source_id: str | None = None) -> None:
+    """Refuse a folder made for another world size or another graph (ValueError)."""
+    if meta["num_parts"] != world_size:
+        raise ValueError(f"partition folder {folder} was made for {meta['num_parts']} parts but "
+                         f"this run has world size {world_size}; re-run `commsched partition "
+                         f"--parts {world_size}` or start {meta['num_parts']} ranks")
+    if fingerprint is not None and meta["fingerprint"] != fingerprint:
+        raise ValueError(f"partition folder {folder} was made for another graph (fingerprint "
+                         f"{meta['fingerprint']}, {meta['graph']['name']}, {meta['graph']['num_nodes']} "
+                         f"nodes) than this one (fingerprint {fingerprint}); re-run `commsched partition`")
+    if source_id is not None and meta.get("source_id") not in (None, source_id):
+        raise ValueError(f"partition folder {folder} was made for another graph "
+                         f"({meta['graph']['name']}: {meta['source_id'][:80]}) than the one asked "
+                         f"for ({source_id[:80]}); re-run `commsched partition` or drop the graph options")
+
+
+def load_part(folder: str | os.PathLike, rank: int, world_size: int, *,
+              fingerprint: str | None = None, source_id: str | None = None) -> PartData:
+    """Load rank ``rank``'s part, refusing a folder made for another graph or world size."""
+    meta = read_meta(folder)
+    check_meta(meta, folder, world_size, fingerprint=fingerprint, source_id=source_id)
+    f = _part_file(Path(folder), rank)
+    if not f.is_file():
+        raise ValueError(f"partition folder {folder}: {f.name} is missing")
+    rec = torch.load(f, weights_only=True)
+    if rec.get("fingerprint") != meta["fingerprint"] or rec.get("num_parts") != world_size:
+        raise ValueError(f"partition folder {folder}: {f.name} belongs to another partition than "
+                         "meta.json; re-run `commsched partition`")
+    return _from_record(rec)
+
+
+# --------------------------------------------------------------------------- CLI
+def main(argv: Sequence[str] | None = None) -> int:
+    from .cliargs import add_graph_args, source_from_args
+
+    p = argparse.ArgumentParser(prog="commsched partition",
+                                description="Partition a graph and write a partition folder "
+                                            "(meta.json + one file per part).")
+    add_graph_args(p)
+    p.add_argument("--parts", type=int, required=True, help="number of parts (= training world size)")
+    p.add_argument("--method", choices=METHODS, default="metis")
+    p.add_argument("--seed", type=int, default=0, help="partitioner seed")
+    p.add_argument("--out", required=True, metavar="DIR", help="partition folder to write")
+    a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        src = source_from_args(a)
+        t0 = time.perf_counter()
+        g = load_source(src)
+        t1 = time.perf_counter()
+        parts = partition_nodes(g, a.parts, a.method, a.seed)
+        t2 = time.perf_counter()
+        meta = save_partition(a.out, g, parts, a.parts, method=a.method, seed=a.seed, source=src)
+        t3 = time.perf_counter()
+    except ValueError as e:
+        print(f"commsched partition: {e}", file=sys.stderr)
+        return 2
+    gs = meta["graph"]
+    print(f"{gs['name']}: {gs['num_nodes']} nodes, {gs['num_edges']} directed edges "
+          f"(loaded in {t1 - t0:.1f} s); {a.method} into {a.parts} parts in {t2 - t1:.1f} s; "
+          f"edge cut {meta['edge_cut']} ({meta['edge_cut'] / max(gs['num_edges'], 1):.1%}); "
+          f"written to {a.out} in {t3 - t2:.1f} s")
+    for s in meta["parts"]:
+        print(f"  part {s['rank']}: {s['owned']} owned ({s['central']} central, {s['marginal']} "
+              f"marginal), {s['remote']} remote, sends {s['send_rows']} rows")
+    return 0

@@ -1,0 +1,164 @@
+"""``torchrun --nproc_per_node N -m commsched.gnn.train ...``: distributed full-graph training.
+
+Each rank trains on one partition of the graph. Without ``--partition-dir`` rank 0
+loads (or generates) the graph, partitions it and hands every rank its part; with it,
+each rank reads only its own part file. Rank 0 writes ``OUT/metrics.json`` (DESIGN.md
+"Runs and results") and shows a progress bar (``COMMSCHED_PROGRESS=0`` hides it).
+Runs without torchrun too (one process, world size 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from typing import Sequence
+
+import torch.distributed as dist
+
+from ..config import read_env
+from ..dist import check_same_config, init_distributed
+from .cliargs import add_graph_args, source_from_args
+from .data import GraphSource, load_source
+from .halo import EXCHANGES
+from .partition import METHODS, PartData, load_part, make_parts, partition_nodes
+from .trainer import MODES, TrainConfig, run_training
+
+_D = TrainConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m commsched.gnn.train",
+                                description="Distributed full-graph GNN training (Vanilla exchange; "
+                                            "AdaQP modes arrive with the AdaQP front-end).")
+    add_graph_args(p)
+    p.add_argument("--partition-dir", metavar="DIR",
+                   help="a folder written by `commsched partition` (each rank loads its part)")
+    p.add_argument("--partition-method", choices=METHODS, default="metis",
+                   help="partitioner when no folder is given (default metis)")
+    p.add_argument("--partition-seed", type=int, default=0)
+    t = p.add_argument_group("model and training")
+    t.add_argument("--model", choices=("gcn", "sage"), default=_D.model)
+    t.add_argument("--mode", choices=MODES, default=_D.mode)
+    t.add_argument("--bits", type=int, default=_D.bits, help="width for --mode uniform")
+    t.add_argument("--epochs", type=int, default=_D.epochs)
+    t.add_argument("--seed", type=int, default=_D.seed, help="parameter init and dropout seed")
+    t.add_argument("--layers", type=int, default=_D.layers)
+    t.add_argument("--hidden", type=int, default=_D.hidden)
+    t.add_argument("--dropout", type=float, default=_D.dropout)
+    t.add_argument("--lr", type=float, default=_D.lr)
+    t.add_argument("--weight-decay", type=float, default=_D.weight_decay)
+    t.add_argument("--layer-norm", action=argparse.BooleanOptionalAction, default=_D.layer_norm)
+    t.add_argument("--period", type=int, default=_D.period, help="AdaQP re-assignment period")
+    t.add_argument("--group-size", type=int, default=_D.group_size, help="AdaQP message group size")
+    t.add_argument("--lam", type=float, default=_D.lam, help="AdaQP variance/time trade-off")
+    t.add_argument("--pattern", choices=("direct", "ring"), default=_D.pattern,
+                   help="all_to_all pattern of the halo exchange")
+    t.add_argument("--dtype", choices=("float32", "float64"), default=_D.dtype)
+    t.add_argument("--dropout-rng", choices=("node", "local"), default=_D.dropout_rng,
+                   help="node: masks keyed by global node id (N ranks == 1 rank); local: faster")
+    t.add_argument("--eval-every", type=int, default=_D.eval_every)
+    r = p.add_argument_group("run")
+    r.add_argument("--out", default="runs/gnn", metavar="DIR", help="where metrics.json goes")
+    r.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="write OUT/checkpoint.pt every K epochs (0: never)")
+    r.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(model=a.model, mode=a.mode, layers=a.layers, hidden=a.hidden,
+                       dropout=a.dropout, layer_norm=a.layer_norm, lr=a.lr,
+                       weight_decay=a.weight_decay, epochs=a.epochs, seed=a.seed, dtype=a.dtype,
+                       pattern=a.pattern, dropout_rng=a.dropout_rng, eval_every=a.eval_every,
+                       checkpoint_every=a.checkpoint_every, bits=a.bits, period=a.period,
+                       group_size=a.group_size, lam=a.lam)
+
+
+def obtain_part(src: GraphSource | None, rank: int, world: int, *, partition_dir: str | None,
+                method: str, seed: int, group=None) -> tuple[PartData, dict]:
+    """This rank's part: from a folder, or partitioned on the fly by rank 0 and scattered."""
+    info: dict = {}
+    if partition_dir:
+        t = time.perf_counter()
+        part = load_part(partition_dir, rank, world,
+                         source_id=src.identity() if src is not None else None)
+        info["load_time_s"] = time.perf_counter() - t
+        info["partition"] = {"dir": str(partition_dir)}
+        return part, info
+    parts_list: list = [None] * world
+    err = None
+    if rank == 0:
+        try:
+            t = time.perf_counter()
+            g = load_source(src if src is not None else GraphSource())
+            t1 = time.perf_counter()
+            owner = partition_nodes(g, world, method, seed)
+            t2 = time.perf_counter()
+            parts_list = make_parts(g, owner, world)
+            info.update(load_time_s=t1 - t, partition_time_s=t2 - t1,
+                        book_time_s=time.perf_counter() - t2)
+            info["partition"] = {"method": method, "seed": seed,
+                                 "edge_cut": int((owner[g.edge_index_2E[0].numpy()]
+                                                  != owner[g.edge_index_2E[1].numpy()]).sum())}
+            info["graph"] = g.summary()
+            del g
+        except ValueError as e:
+            err = str(e)
+            parts_list = [None] * world
+    if world == 1:
+        if err:
+            raise ValueError(err)
+        return parts_list[0], info
+    got: list = [None]
+    payload = [(err, p, info) for p in parts_list] if rank == 0 else None
+    dist.scatter_object_list(got, payload, src=0, group=group)
+    err, part, info0 = got[0]
+    if err:
+        raise ValueError(err)
+    return part, info0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        cfg = config_from_args(a)
+        if cfg.mode not in EXCHANGES:
+            raise ValueError(f"--mode {cfg.mode} is not implemented yet (available: "
+                             f"{', '.join(sorted(EXCHANGES))}; the AdaQP modes come with issue 7)")
+        explicit = a.graph is not None or a.dataset is not None
+        src = source_from_args(a) if (explicit or not a.partition_dir) else None
+    except ValueError as e:
+        print(f"commsched.gnn.train: {e}", file=sys.stderr)
+        return 2
+    rank, world = init_distributed()
+    try:
+        check_same_config({"train": dataclasses.asdict(cfg),
+                           "graph": dataclasses.asdict(src) if src is not None else None,
+                           "partition_dir": a.partition_dir, "partition_method": a.partition_method,
+                           "partition_seed": a.partition_seed, "resume": a.resume, "out": a.out},
+                          what="training configuration")
+        part, info = obtain_part(src, rank, world, partition_dir=a.partition_dir,
+                                 method=a.partition_method, seed=a.partition_seed)
+        check_same_config({"fingerprint": part.fingerprint, "num_parts": part.book.num_parts},
+                          what="graph partition")
+        metrics, _ = run_training(cfg, part, out_dir=a.out, resume=a.resume,
+                                  progress=read_env().progress, dataset=part.name, extra=info)
+    except ValueError as e:
+        print(f"commsched.gnn.train (rank {rank}): {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank == 0:
+        print(f"{metrics['mode']} {metrics['model']} on {metrics['dataset']} x{metrics['world_size']}: "
+              f"loss {metrics['loss'][-1] if metrics['loss'] else float('nan'):.4f}, "
+              f"val {metrics['val_acc']}, test {metrics['test_acc']} (best epoch {metrics['best_epoch']}), "
+              f"{metrics['epoch_time_s']:.3f} s/epoch, {metrics['bytes_sent_per_epoch'] / 1e6:.2f} MB/epoch; "
+              f"wrote {a.out}/metrics.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
