@@ -135,6 +135,8 @@ def _check_arrays(where: str, x: np.ndarray, y: np.ndarray, edges_E2: np.ndarray
         lo, hi = int(edges_E2.min()), int(edges_E2.max())
         raise _fail(where, ke, f"node ids must lie in [0, {N}) but range over [{lo}, {hi}]")
     out = []
+    if split != 0 and all(np.ndim(masks[r]) == 1 for r in ("train", "val", "test")):
+        raise _fail(where, keys["train"], f"holds one split but split {split} was asked for (use split 0)")
     for role in ("train", "val", "test"):
         k = keys[role]
         m = masks[role]
@@ -148,8 +150,7 @@ def _check_arrays(where: str, x: np.ndarray, y: np.ndarray, edges_E2: np.ndarray
         if m.ndim == 1:
             if m.shape[0] != N:
                 raise _fail(where, k, f"expected shape [N] = [{N}] or [S, {N}], got {list(m.shape)}")
-            if split != 0:
-                raise _fail(where, k, f"holds one split but split {split} was asked for (use split 0)")
+            # a one-split mask is shared by every split of the other masks
         elif m.ndim == 2:
             if m.shape[1] != N:
                 raise _fail(where, k, f"expected shape [S, N] with N = {N}, got {list(m.shape)}")
