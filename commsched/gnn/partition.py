@@ -62,7 +62,10 @@ def partition_nodes(g: Graph, num_parts: int, method: str = "metis", seed: int =
     xadj = np.zeros(N + 1, dtype=np.int64)
     np.cumsum(np.bincount(ei[1], minlength=N), out=xadj[1:])
     opts = pymetis.Options(seed=int(seed))
-    _, parts = pymetis.part_graph(num_parts, xadj=xadj, adjncy=ei[0], options=opts)
+    if hasattr(pymetis, "CSRAdjacency"):
+        _, parts = pymetis.part_graph(num_parts, pymetis.CSRAdjacency(xadj, ei[0]), options=opts)
+    else:  # pymetis < 2025.2
+        _, parts = pymetis.part_graph(num_parts, xadj=xadj, adjncy=ei[0], options=opts)
     return np.asarray(parts, dtype=np.int64)
 
 
