@@ -1,8 +1,15 @@
 """Exchange throughput of ``all_to_all`` per pattern and message size (torchrun module).
 
 Each rank sends ``size`` bytes to every peer; the reported throughput is the bytes that
-cross between ranks (all ranks together) per second of the slowest rank. Rank 0 also
+cross between ranks (all ranks together) per second of the exchange's span (first rank
+starting to last rank finishing, median over iterations). Rank 0 also
 measures a plain TCP socket pair on loopback in the same run: the ceiling here.
+
+Under ``commsched bench --bandwidth RATE`` (one shaped loopback shared by all ranks) every
+cross-rank byte passes the one limit, so ``ratio_to_rate`` = throughput / RATE. Under
+``--hosts K`` ranks are grouped into hosts by the addresses they see; ``uplink_MBps`` is
+the busiest host's outgoing link and ``ratio_to_rate`` = uplink / RATE (traffic between
+ranks of one host stays on that host's unshaped loopback).
 
     torchrun --standalone --nproc_per_node 4 -m commsched.bench_all2all --out DIR
     commsched bench all2all --nproc 4          # both patterns side by side
@@ -23,6 +30,7 @@ import torch.distributed as dist
 from .all2all import A2APlan, all_to_all
 from .bench import Variant, Workload, median_of
 from .dist import init_distributed
+from .netem_check import local_ipv4_addresses
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
 
@@ -61,30 +69,75 @@ def loopback_socket_MBps(nbytes: int = 256 << 20, chunk: int = 1 << 20, host: st
     return got / dt / 1e6
 
 
-def measure(pattern: str, size: int, min_time_s: float, max_iters: int) -> dict:
+def host_of_ranks(addresses_by_rank: list[list[str]]) -> list[int]:
+    """Host index of each rank: ranks that see the same interface addresses share a host
+    (hosts numbered in order of first appearance)."""
+    seen: dict[tuple[str, ...], int] = {}
+    return [seen.setdefault(tuple(a), len(seen)) for a in addresses_by_rank]
+
+
+def link_bytes(host_P: list[int], nbytes: int) -> tuple[int, int]:
+    """For an all-to-all of ``nbytes`` per ordered rank pair: (bytes crossing between
+    hosts in total, bytes leaving the busiest host). P: ranks."""
+    P = len(host_P)
+    out_of = [0] * (max(host_P) + 1 if host_P else 0)
+    total = 0
+    for s in range(P):
+        for d in range(P):
+            if host_P[s] != host_P[d]:
+                total += nbytes
+                out_of[host_P[s]] += nbytes
+    return total, max(out_of, default=0)
+
+
+def measure(pattern: str, size: int, min_time_s: float, max_iters: int,
+            host_P: list[int] | None = None, rate_bps: int | None = None) -> dict:
+    """Exchange time and throughputs for ``size`` bytes per ordered rank pair.
+
+    ``time_s`` is the median over iterations of the exchange's span: from the first rank
+    starting to the last rank finishing (all ranks run on one machine, so they share the
+    monotonic clock). ``rank_time_s`` is the older, looser figure: each rank's median own
+    time, max over ranks; a rank that starts late finds data already delivered, so for
+    small messages it flatters the link. ``host_P`` (host of each rank) adds the
+    inter-host figures, ``rate_bps`` the ratio to the emulated rate.
+    """
     P, me = dist.get_world_size(), dist.get_rank()
     rows = max(1, size // 4)
     counts = [rows] * P
     plan = A2APlan(tuple(counts), tuple(counts), me)
     x = torch.randn(rows * P, 1)
     all_to_all(x, plan, pattern=pattern)  # warm-up
-    times = []
+    stamps = []  # (start, end) of each exchange on this rank, monotonic clock
     t_start = time.perf_counter()
     for i in range(max_iters):
         dist.barrier()
-        t = time.perf_counter()
+        t = time.monotonic()
         all_to_all(x, plan, pattern=pattern)
-        times.append(time.perf_counter() - t)
+        stamps.append((t, time.monotonic()))
         # all ranks agree on when to stop
         flag = torch.tensor([1 if time.perf_counter() - t_start > min_time_s and i >= 2 else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if flag.item():
             break
-    tmax = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64)
-    dist.all_reduce(tmax, op=dist.ReduceOp.MAX)
+    st_I2 = torch.tensor(stamps, dtype=torch.float64)
+    everyone = [torch.empty_like(st_I2) for _ in range(P)]
+    dist.all_gather(everyone, st_I2)
+    st_PI2 = torch.stack(everyone)
+    span_I = st_PI2[:, :, 1].max(dim=0).values - st_PI2[:, :, 0].min(dim=0).values
+    t = span_I.median().item()
+    rank_t = (st_PI2[:, :, 1] - st_PI2[:, :, 0]).median(dim=1).values.max().item()
     cross = rows * 4 * (P - 1) * P  # bytes between distinct ranks, all ranks together
-    return {"size_bytes": rows * 4, "time_s": tmax.item(), "iters": len(times),
-            "throughput_MBps": cross / tmax.item() / 1e6}
+    r = {"size_bytes": rows * 4, "time_s": t, "rank_time_s": rank_t, "iters": len(stamps),
+         "throughput_MBps": cross / t / 1e6}
+    hosts = len(set(host_P)) if host_P else 1
+    if hosts > 1:
+        inter, uplink = link_bytes(host_P, rows * 4)
+        r["inter_host_MBps"] = inter / t / 1e6
+        r["uplink_MBps"] = uplink / t / 1e6  # the busiest host's link, one direction
+    if rate_bps:
+        # one shared loopback: every cross-rank byte passes the one limit; hosts: each link
+        r["ratio_to_rate"] = (r["uplink_MBps"] if hosts > 1 else r["throughput_MBps"]) * 8e6 / rate_bps
+    return r
 
 
 def main(argv=None) -> None:
@@ -94,26 +147,36 @@ def main(argv=None) -> None:
                    help="bytes each rank sends to each peer, comma-separated")
     p.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement")
     p.add_argument("--max-iters", type=int, default=50)
+    p.add_argument("--rate-bps", type=int, default=None,
+                   help="the emulated link rate (bits/s), to report the achieved share of it")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]
     patterns = a.patterns.split(",")
     init_distributed()
     me = dist.get_rank()
+    addrs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(addrs, local_ipv4_addresses())
+    host_P = host_of_ranks(addrs)
     loop = loopback_socket_MBps() if me == 0 else 0.0
     dist.barrier()
-    results = {pat: [measure(pat, s, a.min_time, a.max_iters) for s in sizes] for pat in patterns}
+    results = {pat: [measure(pat, s, a.min_time, a.max_iters, host_P, a.rate_bps) for s in sizes]
+               for pat in patterns}
     if me == 0:
-        largest = {pat: results[pat][-1]["throughput_MBps"] for pat in patterns}
-        m = {"world_size": dist.get_world_size(), "patterns": results, "loopback_MBps": loop,
-             "throughput_MBps": max(largest.values()),
-             "ratio_to_loopback": max(largest.values()) / loop if loop else None}
+        best = max((results[pat][-1] for pat in patterns), key=lambda r: r["throughput_MBps"])
+        m = {"world_size": dist.get_world_size(), "hosts": len(set(host_P)), "host_of_rank": host_P,
+             "rate_bps": a.rate_bps, "patterns": results, "loopback_MBps": loop,
+             "throughput_MBps": best["throughput_MBps"],
+             "ratio_to_loopback": best["throughput_MBps"] / loop if loop else None,
+             "uplink_MBps": best.get("uplink_MBps"), "ratio_to_rate": best.get("ratio_to_rate")}
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "metrics.json").write_text(json.dumps(m, indent=2))
         for pat in patterns:
             for r in results[pat]:
+                extra = (f"  uplink {r['uplink_MBps']:.1f} MB/s" if "uplink_MBps" in r else "") + (
+                    f"  {r['ratio_to_rate']:.3f} of the rate" if "ratio_to_rate" in r else "")
                 print(f"{pat:6s} {r['size_bytes']:>10d} B/peer  {r['throughput_MBps']:9.1f} MB/s  "
-                      f"(loopback socket {loop:.0f} MB/s)", flush=True)
+                      f"(loopback socket {loop:.0f} MB/s){extra}", flush=True)
     dist.destroy_process_group()
 
 
@@ -124,25 +187,41 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _variants(args) -> list[Variant]:
     extra = (["--sizes", args.sizes] if args.sizes else []) + ["--min-time", str(args.min_time)]
+    if getattr(args, "rate_bps", None):
+        extra += ["--rate-bps", str(args.rate_bps)]
     return [Variant(pat, "commsched.bench_all2all", ("--patterns", pat, *extra)) for pat in ("direct", "ring")]
 
 
 def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
-    lines = ["| pattern | bytes/peer | MB/s (median of repeats) | share of loopback |", "|---|---|---|---|"]
+    hosts = max((r.get("hosts", 1) for rs in runs.values() for r in rs), default=1)
+    rated = any(r.get("rate_bps") for rs in runs.values() for r in rs)
+    head = ["pattern", "bytes/peer", "MB/s all ranks (median of repeats)", "share of loopback"]
+    if hosts > 1:
+        head.append("MB/s busiest host link, one way")
+    if rated:
+        head.append("share of the emulated rate")
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for v, rs in runs.items():
         loop = median_of(rs, "loopback_MBps")
         for i, r in enumerate(rs[0]["patterns"][v]):
-            tp = median_of([x["patterns"][v][i] for x in rs], "throughput_MBps")
-            lines.append(f"| {v} | {r['size_bytes']} | {tp:.1f} | {tp / loop:.2f} |" if loop else
-                         f"| {v} | {r['size_bytes']} | {tp:.1f} | - |")
+            per = [x["patterns"][v][i] for x in rs]
+            tp = median_of(per, "throughput_MBps")
+            cells = [v, str(r["size_bytes"]), f"{tp:.1f}", f"{tp / loop:.2f}" if loop else "-"]
+            if hosts > 1:
+                up = median_of(per, "uplink_MBps")
+                cells.append(f"{up:.1f}" if up is not None else "-")
+            if rated:
+                rr = median_of(per, "ratio_to_rate")
+                cells.append(f"{rr:.3f}" if rr is not None else "-")
+            lines.append("| " + " | ".join(cells) + " |")
     return {"extra_tables": {"Throughput per message size": "\n".join(lines)}}
 
 
 WORKLOAD = Workload(
     name="all2all",
     description="all_to_all throughput per pattern and message size, beside loopback socket throughput",
-    key_metrics=("throughput_MBps", "loopback_MBps", "ratio_to_loopback"),
-    higher_is_better=("throughput_MBps", "loopback_MBps", "ratio_to_loopback"),
+    key_metrics=("throughput_MBps", "loopback_MBps", "ratio_to_loopback", "ratio_to_rate"),
+    higher_is_better=("throughput_MBps", "loopback_MBps", "ratio_to_loopback", "ratio_to_rate"),
     add_arguments=_add_arguments,
     variants=_variants,
     summarize=_summarize,

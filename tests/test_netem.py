@@ -79,12 +79,12 @@ def test_optional_rate_and_format():
 
 # --------------------------------------------------------------------------- tbf sizing
 def test_tbf_params_hand_worked():
-    # 1 Gbit/s = 125e6 B/s: bucket 2 ms = 250000 B (> 1500 + 1024); queue 20 ms = 2.5e6 B
-    assert tbf_params(10**9, 1500) == netem.TbfParams(10**9, 250_000, 2_750_000)
-    # 200 Mbit/s on lo: 2 ms = 50000 B is less than one 64 KiB packet, so the packet wins
+    # 1 Gbit/s = 125e6 B/s: bucket 0.5 ms = 62500 B (> 1500 + 1024); queue 20 ms = 2.5e6 B
+    assert tbf_params(10**9, 1500) == netem.TbfParams(10**9, 62_500, 2_562_500)
+    # 200 Mbit/s with 64 KiB packets: 0.5 ms = 12500 B is less than one packet, so the packet wins
     p = tbf_params(200 * 10**6, 65536)
     assert p.burst_bytes == 65536 + 1024
-    assert p.limit_bytes == 66560 + max(2 * 66560, 500_000)
+    assert p.limit_bytes == 66560 + 500_000
     for rate in (10**5, 10**7, 10**9, 10**10):
         for mtu in (1500, 65536):
             q = tbf_params(rate, mtu)
@@ -100,10 +100,15 @@ def test_tbf_params_rejects():
         tbf_params(10**6, 10)
 
 
-def test_loopback_mtu():
-    assert loopback_mtu(10**6) == 1500
-    assert loopback_mtu(10**9) == 65536
-    assert loopback_mtu(None) == 65536
+def test_link_mtu():
+    # the 0.5 ms bucket holds 62500 B at 1 Gbit/s: 9000-byte packets fit, 64 KiB ones do not
+    assert loopback_mtu(10**9) == 9000
+    assert loopback_mtu(2 * 10**9) == 65536  # 125000 B >= 65536 + 1024
+    assert loopback_mtu(100 * 10**6) == 1500  # 6250 B < 9000 + 1024
+    assert loopback_mtu(10**6) == 1500  # nothing fits: the smallest
+    assert loopback_mtu(None) == 65536  # unshaped: the Linux default
+    assert netem.veth_mtu(10 * 10**9) == 9000 and netem.veth_mtu(10**8) == 1500
+    assert netem.veth_mtu(None) == 1500
 
 
 # --------------------------------------------------------------------------- commands
@@ -111,7 +116,7 @@ def test_shaping_commands():
     assert shaping_commands("ns", "lo", None, 65536) == []
     [cmd] = shaping_commands("ns", "lo", 10**9, 1500)
     assert cmd == ["ip", "netns", "exec", "ns", "tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:",
-                   "tbf", "rate", "1000000000bit", "burst", "250000", "limit", "2750000"]
+                   "tbf", "rate", "1000000000bit", "burst", "62500", "limit", "2562500"]
     netem_cmd, tbf_cmd = shaping_commands("ns", "cs0", 10**9, 1500, delay_ms=2.5)
     assert netem_cmd[9:] == ["root", "handle", "1:", "netem", "delay", "2.5ms", "limit", "100000"]
     assert tbf_cmd[9:13] == ["parent", "1:1", "handle", "10:"] and tbf_cmd[13] == "tbf"
@@ -124,11 +129,13 @@ def test_plan_loopback():
     assert plan.host_ns == ("commsched-42-lo",) and plan.bridge_ns is None
     assert plan.addresses == ("127.0.0.1",) and plan.ifname == "lo"
     assert plan.setup[0] == ("ip", "netns", "add", "commsched-42-lo")
-    assert plan.setup[1] == ("ip", "netns", "exec", "commsched-42-lo", "ip", "link", "set", "dev", "lo", "up")
-    assert "tbf" in plan.setup[2] and "200000000bit" in plan.setup[2]
+    assert plan.setup[1] == ("ip", "netns", "exec", "commsched-42-lo", "ip", "link", "set", "dev", "lo", "mtu", "9000")
+    assert plan.setup[2] == ("ip", "netns", "exec", "commsched-42-lo", "ip", "link", "set", "dev", "lo", "up")
+    assert plan.setup[3][-6:] == ("rate", "200000000bit", "burst", "12500", "limit", "512500")
+    assert len(plan.setup) == 4
     assert teardown_commands(plan) == [["ip", "netns", "delete", "commsched-42-lo"]]
-    slow = plan_network(NetSpec(10**6, tag="42"))
-    assert ("ip", "netns", "exec", "commsched-42-lo", "ip", "link", "set", "dev", "lo", "mtu", "1500") in slow.setup
+    unshaped = plan_network(NetSpec(None, tag="42"))
+    assert len(unshaped.setup) == 2 and not any("tc" in c for c in unshaped.setup)
 
 
 def test_plan_hosts_stays_inside_its_namespaces():
@@ -146,6 +153,10 @@ def test_plan_hosts_stays_inside_its_namespaces():
     # each host's link is limited in both directions: host egress (cs0) and bridge egress (h<i>)
     assert sorted((c[3], c[8]) for c in tbfs) == sorted(
         [(h, "cs0") for h in plan.host_ns] + [("commsched-7-br", f"h{i}") for i in range(3)])
+    veths = [c for c in plan.setup if "veth" in c]
+    assert [c[4:] for c in veths] == [("ip", "link", "add", f"h{i}", "mtu", "9000", "type", "veth", "peer", "name",
+                                       "cs0", "mtu", "9000", "netns", f"commsched-7-h{i}") for i in range(3)]
+    assert all(c[3] == "commsched-7-br" for c in veths)
     addr_cmds = [c for c in plan.setup if c[4:7] == ("ip", "addr", "add")]
     assert [c[7] for c in addr_cmds] == ["10.213.0.1/24", "10.213.0.2/24", "10.213.0.3/24"]
     assert {c[3] for c in addr_cmds} == set(plan.host_ns)
@@ -293,7 +304,9 @@ def _namespaces() -> set[str]:
 
 
 def _netem(args: list[str], cmd: list[str], **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "commsched.netem", *args, "--", *cmd],
+    """``commsched netem ARGS -- CMD`` as the bench runs it (the file loaded on its own,
+    without importing torch through the package)."""
+    return subprocess.Popen([sys.executable, "-c", netem._STANDALONE, netem.__file__, *args, "--", *cmd],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
