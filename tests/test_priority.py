@@ -55,7 +55,7 @@ def test_partition_errors_speak():
 # --------------------------------------------------------------------------- policy
 def test_lina_policy_holds_for_a2a_block_and_credit():
     p = make_policy("lina", credit_bytes=100)
-    p.begin_step(4)
+    p.begin_step(5)
     p.allreduce_ready(1, 60)
     assert p.next_ops() == []  # fixed order: 0 first
     p.allreduce_ready(0, 60)
@@ -74,10 +74,13 @@ def test_lina_policy_holds_for_a2a_block_and_credit():
     p.allreduce_done(1)
     assert [l.key for l in p.next_ops()] == [2]
     p.allreduce_done(2)
-    p.allreduce_ready(3, 1)
     p.end_backward()
-    assert [l.key for l in p.next_ops()] == [3]
+    p.block_begin()  # ignored once the backward pass has ended
+    p.allreduce_ready(3, 90)
+    p.allreduce_ready(4, 90)
+    assert [l.key for l in p.next_ops()] == [3, 4]  # no credit bound once the backward pass ended
     p.allreduce_done(3)
+    p.allreduce_done(4)
     assert p.finished
 
 

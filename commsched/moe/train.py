@@ -366,6 +366,10 @@ def _summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> 
     vals = [p["val_loss"] for p in per_rank if p["val_loss"] is not None]
     step_time = _median([step_max[s] for s in timed])
     a2a = _median([per["a2a_s"][s] for s in timed])
+    fwd, bwd = _median([per["fwd_s"][s] for s in timed]), _median([per["bwd_s"][s] for s in timed])
+    wait = _median([per["allreduce_wait_s"][s] for s in timed])
+    breakdown = {"forward": fwd, "backward": bwd, "allreduce_wait": wait,
+                 "optimizer_and_other": max(0.0, step_time - fwd - bwd - wait)}
     return {
         "impl": cfg.impl,
         "schedule": cfg.schedule if cfg.impl == "commsched" else f"deepspeed-zero{cfg.ds_stage}",
@@ -379,8 +383,9 @@ def _summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> 
         "allreduce_wait_s": _median([per["allreduce_wait_s"][s] for s in timed]),
         "a2a_alone_time_s": _median(alone),
         "a2a_share_of_step": (a2a / step_time) if a2a is not None and step_time else None,
-        "fwd_time_s": _median([per["fwd_s"][s] for s in timed]),
-        "bwd_time_s": _median([per["bwd_s"][s] for s in timed]),
+        "fwd_time_s": fwd,
+        "bwd_time_s": bwd,
+        "breakdown_s": breakdown,
         "step_times_s": step_max,
         "steps": steps,
         "warmup": cfg.warmup,

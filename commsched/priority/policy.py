@@ -17,7 +17,8 @@ Policies (:func:`make_policy`):
   exchanges of an MoE layer in the backward pass, where the next all-to-all is moments
   away), and only while the bytes of allreduce in flight stay within the credit (one
   micro-op may always be in flight, whatever its size). Once the backward pass has
-  ended, nothing holds allreduce back except the credit.
+  ended no all-to-all can come before the optimizer step, so nothing holds allreduce
+  back any more, the credit included (the remaining micro-ops go out at once).
 * ``fifo`` -- every operation is launched as soon as it is ready (DDP's behaviour).
 * ``serial`` -- allreduce waits until the backward pass has ended (no overlap at all; the
   all-to-all then runs alone, which is how its uncontended time is measured).
@@ -93,13 +94,14 @@ class Policy:
         self._ar_done += 1
 
     def block_begin(self) -> None:
-        self._block += 1
+        if not self._ended:
+            self._block += 1
 
     def block_end(self) -> None:
         self._block = max(0, self._block - 1)
 
     def end_backward(self) -> None:
-        """No more all-to-all this step: drain allreduce (credit permitting)."""
+        """No more all-to-all this step: launch the remaining allreduce as it becomes ready."""
         self._ended = True
         self._block = 0
 
@@ -132,7 +134,7 @@ class Policy:
             return False
         if self.hold_in_block and self._block > 0:
             return False
-        if self.credit_bytes is not None and self._ar_inflight:
+        if self.credit_bytes is not None and self._ar_inflight and not self._ended:
             return self.allreduce_inflight_bytes + nbytes <= self.credit_bytes
         return True
 

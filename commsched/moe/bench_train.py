@@ -1,0 +1,215 @@
+"""``commsched bench moe-train``: DeepSpeed MoE, fifo and Lina's schedule side by side.
+
+Three variants of the same model, data and seed, each a ``torchrun`` run of
+:mod:`commsched.moe.train`:
+
+* ``deepspeed`` -- ``deepspeed.moe.layer.MoE`` under DeepSpeed's engine (ZeRO-2, gradient
+  reduction overlapping the backward pass, padded equal-split all-to-all);
+* ``fifo`` -- commsched's MoE layer, gradient allreduce in DDP-style buckets launched as
+  soon as they are ready, on a process group of its own (so it shares the link with the
+  all-to-all, as on a cluster), plain all-to-all;
+* ``lina`` -- the same layer with Lina's schedule: gradients cut into micro-ops launched
+  only in the gaps of the all-to-all, and the all-to-all cut into chunks pipelined with
+  expert compute.
+
+The summary adds lina's ratios against fifo, its all-to-all time against the all-to-all
+measured with no allreduce running (``a2a_alone_time_s``), the share of a fifo step spent
+in all-to-all, how closely the loss curves agree, a plot of the loss curves and a
+timeline (PNG) of one step's all-to-all and allreduce operations on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from ..bench import Variant, Workload, median_of
+
+# The benchmark model and link (the documented default regime; see docs/benchmarks.md).
+DEFAULT_BANDWIDTH = "400mbit"
+DEFAULTS = {
+    "steps": 12, "warmup": 3, "batch_size": 8, "seq_len": 128, "d_model": 256, "heads": 4, "layers": 4,
+    "d_ff": 1024, "expert_hidden": 1024, "experts": 4, "k": 1, "moe_every": 2, "chunks": 4,
+    "microop_bytes": 256 << 10, "credit_bytes": None, "bucket_bytes": 1 << 20, "ds_stage": 2,
+}
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    g = p.add_argument_group("model and training (all variants)")
+    g.add_argument("--steps", type=int, default=d["steps"])
+    g.add_argument("--warmup", type=int, default=d["warmup"], help="steps left out of the timing")
+    g.add_argument("--batch-size", type=int, default=d["batch_size"])
+    g.add_argument("--seq-len", type=int, default=d["seq_len"])
+    g.add_argument("--d-model", type=int, default=d["d_model"])
+    g.add_argument("--heads", type=int, default=d["heads"])
+    g.add_argument("--layers", type=int, default=d["layers"])
+    g.add_argument("--d-ff", type=int, default=d["d_ff"])
+    g.add_argument("--expert-hidden", type=int, default=d["expert_hidden"])
+    g.add_argument("--experts", type=int, default=d["experts"])
+    g.add_argument("--k", type=int, default=d["k"], choices=(1, 2))
+    g.add_argument("--moe-every", type=int, default=d["moe_every"])
+    g.add_argument("--corpus", default=None, help="text file (default: the Python standard library's sources)")
+    g = p.add_argument_group("schedules")
+    g.add_argument("--chunks", type=int, default=d["chunks"], help="lina: chunks of the pipelined all-to-all")
+    g.add_argument("--microop-bytes", type=int, default=d["microop_bytes"])
+    g.add_argument("--credit-bytes", type=int, default=d["credit_bytes"])
+    g.add_argument("--bucket-bytes", type=int, default=d["bucket_bytes"], help="fifo buckets, DeepSpeed reduce bucket")
+    g.add_argument("--ds-stage", type=int, default=d["ds_stage"])
+
+
+def _common(a: argparse.Namespace) -> list[str]:
+    out = ["--steps", a.steps, "--warmup", a.warmup, "--batch-size", a.batch_size, "--seq-len", a.seq_len,
+           "--d-model", a.d_model, "--heads", a.heads, "--layers", a.layers, "--d-ff", a.d_ff,
+           "--expert-hidden", a.expert_hidden, "--experts", a.experts, "--k", a.k, "--moe-every", a.moe_every,
+           "--microop-bytes", a.microop_bytes, "--bucket-bytes", a.bucket_bytes, "--ds-stage", a.ds_stage]
+    if a.credit_bytes is not None:
+        out += ["--credit-bytes", a.credit_bytes]
+    if a.corpus:
+        out += ["--corpus", a.corpus]
+    return [str(x) for x in out]
+
+
+def _variants(a: argparse.Namespace) -> list[Variant]:
+    mod = "commsched.moe.train"
+    c = _common(a)
+    return [
+        Variant("deepspeed", mod, ("--impl", "deepspeed", *c)),
+        Variant("fifo", mod, ("--impl", "commsched", "--schedule", "fifo", "--chunks", "1", "--no-pipeline", *c)),
+        Variant("lina", mod, ("--impl", "commsched", "--schedule", "lina", "--chunks", str(a.chunks),
+                              "--pipeline", *c)),
+    ]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def _fmt(x, unit: str = "") -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3g}{unit}"
+
+
+def plot_timeline(timelines: dict[str, dict], path: Path) -> Path:
+    """One panel per variant; per rank two lanes: all-to-all (top) and allreduce (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, t in timelines.items() if t.get("ranks")]
+    fig, axes = plt.subplots(len(names), 1, figsize=(11, 1.0 + 1.1 * max(len(timelines[n]["ranks"]) for n in names)
+                                                     * len(names)), squeeze=False)
+    colors = {"a2a": "tab:red", "allreduce": "tab:blue"}
+    for ax, n in zip(axes[:, 0], names):
+        ranks = timelines[n]["ranks"]
+        for r, recs in enumerate(ranks):
+            for rec in recs:
+                if rec["end_s"] < 0 or rec["start_s"] < 0:
+                    continue
+                lane = 2 * r + (0 if rec["kind"] == "a2a" else 1)
+                ax.broken_barh([(rec["start_s"], rec["end_s"] - rec["start_s"])], (lane + 0.1, 0.8),
+                               facecolors=colors[rec["kind"]], edgecolor="black", linewidth=0.3)
+        ax.set_yticks([2 * r + 0.5 + i for r in range(len(ranks)) for i in (0, 1)])
+        ax.set_yticklabels([f"rank {r} {lab}" for r in range(len(ranks)) for lab in ("a2a", "allreduce")],
+                           fontsize="x-small")
+        ax.invert_yaxis()
+        ax.set_title(f"{n}: step {timelines[n].get('step')} (seconds from the step start)", fontsize="small")
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("seconds")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_losses(runs: dict[str, list[dict]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for v, rs in runs.items():
+        ax.plot(range(len(rs[0]["loss"])), rs[0]["loss"], label=v, marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss (mean over ranks)")
+    ax.set_title("loss curves (repeat 0)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
+    med = {v: {k: median_of(rs, k) for k in ("step_time_s", "a2a_time_s", "allreduce_time_s",
+                                             "a2a_alone_time_s", "allreduce_wait_s", "val_loss")}
+           for v, rs in runs.items()}
+    lines = ["| quantity | value |", "|---|---|"]
+    lina, fifo, ds = med.get("lina"), med.get("fifo"), med.get("deepspeed")
+    # per-repeat ratios (interleaved runs), then their median
+    def rep_ratio(a: str, b: str, key: str) -> float | None:
+        if a not in runs or b not in runs:
+            return None
+        rs = [_ratio(x.get(key), y.get(key)) for x, y in zip(runs[a], runs[b])]
+        rs = [r for r in rs if r is not None]
+        return statistics.median(rs) if rs else None
+
+    rows = [
+        ("step time: deepspeed / lina (goal >= 1.4)", rep_ratio("deepspeed", "lina", "step_time_s"), "x"),
+        ("step time: fifo / lina (goal >= 1.3)", rep_ratio("fifo", "lina", "step_time_s"), "x"),
+        ("step time: deepspeed / fifo", rep_ratio("deepspeed", "fifo", "step_time_s"), "x"),
+        ("all-to-all: fifo / lina", rep_ratio("fifo", "lina", "a2a_time_s"), "x"),
+        ("all-to-all: deepspeed / lina", rep_ratio("deepspeed", "lina", "a2a_time_s"), "x"),
+        ("lina all-to-all / its all-to-all alone", _ratio(lina and lina["a2a_time_s"], lina and lina["a2a_alone_time_s"]), "x"),
+        ("fifo all-to-all / its all-to-all alone", _ratio(fifo and fifo["a2a_time_s"], fifo and fifo["a2a_alone_time_s"]), "x"),
+        ("all-to-all share of a fifo step", _ratio(fifo and fifo["a2a_time_s"], fifo and fifo["step_time_s"]), ""),
+        ("all-to-all share of a deepspeed step", _ratio(ds and ds["a2a_time_s"], ds and ds["step_time_s"]), ""),
+    ]
+    for name, val, unit in rows:
+        lines.append(f"| {name} | {_fmt(val, unit)} |")
+    # loss curves: largest per-step gap between variants (repeat 0), and final losses
+    curves = {v: rs[0]["loss"] for v, rs in runs.items() if rs and rs[0].get("loss")}
+    loss_lines = ["| variant | first loss | last loss | max gap to fifo | held-out loss |", "|---|---|---|---|---|"]
+    for v, c in curves.items():
+        gap = max(abs(a - b) for a, b in zip(c, curves["fifo"])) if "fifo" in curves else None
+        loss_lines.append(f"| {v} | {c[0]:.4f} | {c[-1]:.4f} | {_fmt(gap)} | {_fmt(med[v]['val_loss'])} |")
+    timelines = {}
+    for v in ("fifo", "lina"):
+        p = out / v / "rep0" / "timeline.json"
+        if p.exists():
+            timelines[v] = json.loads(p.read_text())
+    plots = []
+    if timelines:
+        plots.append(str(plot_timeline(timelines, out / "timeline.png")))
+    if curves:
+        plots.append(str(plot_losses(runs, out / "loss.png")))
+    m0 = next(iter(runs.values()))[0]
+    sizes = m0.get("sizes", {})
+    cfg_line = (f"model: d_model {args.d_model}, {args.layers} blocks (MoE every {args.moe_every}), "
+                f"{args.experts} experts of hidden {args.expert_hidden}, top-{args.k}, dense FFN {args.d_ff}; "
+                f"{args.batch_size} x {args.seq_len} tokens per rank per step; "
+                f"non-expert gradients {sizes.get('non_expert_grad_bytes', 0) / 2**20:.2f} MiB; "
+                f"all-to-all payload {sizes.get('a2a_payload_bytes_per_step', 0) / 2**20:.2f} MiB per rank per step; "
+                f"lina: {args.chunks} chunks, micro-ops of {args.microop_bytes} B; fifo buckets {args.bucket_bytes} B")
+    return {"extra_tables": {"Lina against fifo and DeepSpeed (medians of per-repeat ratios)": "\n".join(lines),
+                             "Loss curves": "\n".join(loss_lines),
+                             "Configuration": cfg_line},
+            "plots": plots,
+            "lina_ratios": {name: val for name, val, _ in rows}}
+
+
+WORKLOAD = Workload(
+    name="moe-train",
+    description="MoE LM training: DeepSpeed MoE vs fifo allreduce vs Lina's all-to-all-first schedule",
+    key_metrics=("step_time_s", "a2a_time_s", "allreduce_time_s", "a2a_alone_time_s", "allreduce_wait_s"),
+    add_arguments=_add_arguments,
+    variants=_variants,
+    summarize=_summarize,
+    default_bandwidth=DEFAULT_BANDWIDTH,
+)
