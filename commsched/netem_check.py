@@ -9,6 +9,10 @@ exchange time, and a measured time breakdown (``init``, ``comm``, ``verify``).
     torchrun --standalone --nproc_per_node 2 -m commsched.netem_check --out DIR
     commsched netem --rate 200mbit --hosts 2 -- torchrun --nnodes 2 ... -m commsched.netem_check --out DIR
 
+``--duplex-bytes N`` (2 ranks) also times N bytes one way, then both ways at once, over
+gloo and over two plain TCP connections, which shows how well the transport (gloo over
+TCP) uses a full-duplex link.
+
 Legend: R rows, D row width.
 """
 
@@ -19,6 +23,7 @@ import fcntl
 import json
 import socket
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -58,11 +63,77 @@ def local_ipv4_addresses() -> list[str]:
     return sorted(out)
 
 
+def duplex_probe(nbytes: int, repeats: int = 2) -> dict[str, float]:
+    """Two ranks: ``nbytes`` from rank 0 to rank 1 alone, then both ways at once
+    (isend + irecv on each side); the median rate per direction of each, bits/s."""
+    me = dist.get_rank()
+    peer = 1 - me
+    x = torch.zeros(max(1, nbytes // 4))
+    y = torch.empty_like(x)
+    rates: dict[str, list[float]] = {"one_way_bps": [], "both_ways_bps": []}
+    for _ in range(repeats):
+        for mode in rates:
+            dist.barrier()
+            t = time.monotonic()
+            reqs = []
+            if mode == "both_ways_bps" or me == 0:
+                reqs.append(dist.isend(x, peer))
+            if mode == "both_ways_bps" or me == 1:
+                reqs.append(dist.irecv(y, peer))
+            for q in reqs:
+                q.wait()
+            dist.barrier()
+            rates[mode].append(x.numel() * 4 * 8 / (time.monotonic() - t))
+    return {k: sorted(v)[len(v) // 2] for k, v in rates.items()}
+
+
+def socket_duplex_probe(nbytes: int) -> float:
+    """Two ranks, plain TCP beside gloo: each listens on its own address, connects to the
+    other's and sends ``nbytes`` while receiving the peer's on the other connection (both
+    directions at once, one connection each). Returns the bits/s this rank received."""
+    addrs = local_ipv4_addresses()
+    host = addrs[0] if addrs else "127.0.0.1"
+    srv = socket.socket()
+    srv.bind((host, 0))
+    srv.listen(1)
+    where: list = [None, None]
+    dist.all_gather_object(where, (host, srv.getsockname()[1]))
+    peer = where[1 - dist.get_rank()]
+    payload = b"\0" * (1 << 20)
+
+    def send() -> None:
+        with socket.create_connection(peer) as c:
+            left = nbytes
+            while left > 0:
+                c.sendall(payload[:min(left, len(payload))])
+                left -= min(left, len(payload))
+
+    dist.barrier()
+    th = threading.Thread(target=send, daemon=True)
+    th.start()
+    conn, _ = srv.accept()
+    buf = bytearray(1 << 20)
+    got = conn.recv_into(buf)
+    t = time.monotonic()
+    while got < nbytes:
+        k = conn.recv_into(buf)
+        if k == 0:
+            break
+        got += k
+    rate = got * 8 / (time.monotonic() - t)
+    th.join()
+    conn.close()
+    srv.close()
+    return rate
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", type=int, default=16, help="rows per unit of the uneven count pattern")
     p.add_argument("--dim", type=int, default=8, help="row width D")
     p.add_argument("--pattern", default="direct", choices=("direct", "ring"))
+    p.add_argument("--duplex-bytes", type=int, default=0,
+                   help="with 2 ranks: also time this many bytes one way, then both ways at once")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -80,6 +151,13 @@ def main(argv=None) -> None:
     t_verify = time.perf_counter() - t
     info = {"ok": ok, "addresses": local_ipv4_addresses(),
             "times": [t_init, t_comm, t_verify], "bytes_sent": int(x_RD.numel() * 8)}
+    if a.duplex_bytes and world != 2:
+        raise ValueError(f"--duplex-bytes needs exactly 2 ranks, got {world}")
+    duplex = duplex_probe(a.duplex_bytes) if a.duplex_bytes else None
+    if duplex:
+        got = torch.tensor([socket_duplex_probe(a.duplex_bytes)], dtype=torch.float64)
+        dist.all_reduce(got, op=dist.ReduceOp.MIN)
+        duplex["tcp_both_ways_bps"] = got.item()
     gathered: list = [None] * world
     dist.all_gather_object(gathered, info)
     if me == 0:
@@ -91,6 +169,12 @@ def main(argv=None) -> None:
              "bytes_sent_total": sum(g["bytes_sent"] for g in gathered),
              "breakdown_s": {k: max(g["times"][i] for g in gathered)
                              for i, k in enumerate(("init", "comm", "verify"))}}
+        if duplex:
+            m["duplex"] = duplex
+            print(f"netem_check: gloo one way {duplex['one_way_bps'] / 1e6:.0f} Mbit/s, gloo both ways at "
+                  f"once {duplex['both_ways_bps'] / 1e6:.0f} Mbit/s per direction, plain TCP both ways "
+                  f"at once {duplex['tcp_both_ways_bps'] / 1e6:.0f} Mbit/s per direction (slower side)",
+                  flush=True)
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "metrics.json").write_text(json.dumps(m, indent=2))
         print(f"netem_check: world {world}, ok={m['ok']}, addresses {m['addresses_by_rank']}", flush=True)
