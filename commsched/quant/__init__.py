@@ -23,6 +23,11 @@ _ASSIGN_EXPORTS: dict[str, str] = {
     "Channel": "assign",
     "assign_bitwidths": "assign",
     "BitwidthAssignment": "assign",
+    "assign_many": "assign",
+    "AssignmentProblem": "assign",
+    "evaluate_assignment": "assign",
+    "group_messages": "assign",
+    "expand_group_bits": "assign",
 }
 
 _EXPORTS = {**_CODEC_EXPORTS, **_ASSIGN_EXPORTS}

@@ -44,6 +44,8 @@ from .assign_problem import (
 
 log = logging.getLogger(__name__)
 
+evaluate_assignment = evaluate  # the checker, under a name that reads well from commsched.quant
+
 # BitwidthAssignment.status values
 OPTIMAL = "optimal"  # CP-SAT closed the gap (to within the rounding tolerance)
 FEASIBLE = "feasible"  # CP-SAT's best within its limits; ``gap`` says how far from proven
@@ -233,6 +235,7 @@ def assign_many(problems: Sequence[Sequence[Sequence[Channel]]], *, lam: float,
 
 __all__ = [
     "AssignmentProblem", "BitwidthAssignment", "Channel", "Evaluation", "MessageGroup",
-    "OBJECTIVE_SCALE", "assign_bitwidths", "assign_many", "evaluate", "expand_group_bits",
+    "OBJECTIVE_SCALE", "assign_bitwidths", "assign_many", "evaluate", "evaluate_assignment",
+    "expand_group_bits",
     "greedy_assignment", "group_messages", "meta_bytes", "rounding_errors", "solve_problem",
 ]
