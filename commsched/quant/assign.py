@@ -176,7 +176,7 @@ def solve_problem(problem: AssignmentProblem, *, lam: float, time_limit_s: float
     bound = sum(o.bound for o in outs) - err.tol_var - err.tol_time
     res = _result(problem, bits, lam, status=FEASIBLE, t0=t0, bound=bound,
                   tolerance=err.tolerance, solver_status=solver_status, stats=stats)
-    if res.objective - res.bound <= err.tolerance or (solver_status == "OPTIMAL" and rel_gap == 0):
+    if res.objective - res.bound <= err.tolerance:  # proven, up to the rounding tolerance
         res = replace(res, status=OPTIMAL)
     return res
 

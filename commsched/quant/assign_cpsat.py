@@ -1,4 +1,8 @@
-"""The bit-width assignment as a CP-SAT model (OR-Tools), in two formulations.
+"""The bit-width assignment as CP-SAT models (OR-Tools), in two formulations.
+
+Rounds are independent (T and V are sums over rounds and no variable is shared), so
+each ring round is its own CP-SAT model, solved one after another or in threads: the
+search of one round never waits on another's, and the bound is the sum of the rounds'.
 
 ``threshold`` (the default) exploits the structure of a channel. Two groups of one
 channel with the same (count, dim) cost the same bytes at every width, so swapping
@@ -6,10 +10,13 @@ their widths keeps the channel's time and, when the larger beta gets the wider w
 never raises the variance. Hence some optimum gives, within each such *class* sorted by
 beta (largest first), non-increasing widths, and a class is described by W - 1 integer
 thresholds m_j = the number of its groups at width >= bits[j] (m_1 >= m_2 >= ...). The
-variance removed is then a concave prefix sum of each threshold, modelled exactly by
-its secant lines (half of the segments suffice, see ``_secant_lines``). The model has a
-few integer variables per class instead of W booleans per group, no symmetry among
-groups, and an LP relaxation that is the continuous knapsack relaxation.
+variance removed is then a concave prefix sum P_j(m_j), modelled exactly by secant
+lines z_j <= line(m_j) (every other segment's secant suffices, see ``_secant_lines``).
+The model has a few integer variables per class instead of W Booleans per group, no
+symmetry among groups, and its LP relaxation is the continuous knapsack relaxation.
+The secants start as a window around the greedy hint plus a coarse sample elsewhere
+(a relaxation, so its bound stays valid); where the solution lands outside what the
+window covers exactly, ``solve_round`` adds the secants there and solves again.
 
 ``per-group`` is the plain model (one Boolean per group and width, exactly one per
 group). It is the slow twin the tests compare the threshold model with.
@@ -389,6 +396,7 @@ def solve_round(problem: AssignmentProblem, lam: float, r: int, *, deadline: flo
         rm = PerGroupModel(problem, lam, r, hint)
     t1 = time.perf_counter()
     conflicts = branches = solves = 0
+    best = None  # (exact objective, bound, bits, status) of the best solution so far
     while True:
         solver = cp_model.CpSolver()
         p = solver.parameters
@@ -404,21 +412,28 @@ def solve_round(problem: AssignmentProblem, lam: float, r: int, *, deadline: flo
         solves += 1
         conflicts += solver.num_conflicts
         branches += solver.num_branches
-        found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-        if not found:
-            break
-        bound = solver.best_objective_bound
-        if formulation != "threshold":
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            if best is None:
+                best = (None, None, None, solver.status_name(status))
+            break  # a later solve that found nothing keeps the earlier solution
+        # Every relaxation's bound is a valid bound; later ones (more secants) are tighter.
+        bound = max(solver.best_objective_bound, best[1] if best else -math.inf)
+        if formulation == "threshold":
+            obj = rm.exact_objective(solver)
+        else:
             obj = solver.objective_value
+        if best is None or obj <= best[0]:
+            best = (obj, bound, rm.decode(solver), solver.status_name(status))
+        else:
+            best = (best[0], bound, best[2], best[3])
+        if formulation != "threshold" or best[0] - bound <= rel_gap * abs(best[0]) \
+                or time.perf_counter() >= deadline or rm.refine(solver) == 0:
             break
-        obj = rm.exact_objective(solver)
-        if obj - bound <= rel_gap * abs(obj) or time.perf_counter() >= deadline \
-                or rm.refine(solver) == 0:
-            break
+    obj, bound, bits, status_name = best
     return RoundOutcome(
-        bits=rm.decode(solver) if found else None, status=solver.status_name(status),
-        objective=obj / OBJECTIVE_SCALE if found else None,
-        bound=bound / OBJECTIVE_SCALE if found else None,
+        bits=bits, status=status_name,
+        objective=obj / OBJECTIVE_SCALE if bits is not None else None,
+        bound=bound / OBJECTIVE_SCALE if bits is not None else None,
         build_s=t1 - t0, solve_s=time.perf_counter() - t1,
         conflicts=conflicts, branches=branches, solves=solves)
 
