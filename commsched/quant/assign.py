@@ -101,7 +101,6 @@ def _result(problem: AssignmentProblem, bits, lam: float, *, status: str, t0: fl
             stats: dict | None = None) -> BitwidthAssignment:
     ev: Evaluation = evaluate(problem, bits, lam)
     if bound is not None:
-        bound = min(bound, ev.objective)  # never report a bound above a known solution
         gap = (ev.objective - bound) / ev.objective if ev.objective > 0 else 0.0
     else:
         gap = None
