@@ -36,6 +36,19 @@ def add_graph_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--syn-seed", type=int, default=_SYN.seed)
 
 
+_SYN_ARGS = {"syn_nodes": _SYN.num_nodes, "syn_edges": _SYN.num_edges,
+             "syn_features": _SYN.num_features, "syn_classes": _SYN.num_classes,
+             "syn_communities": _SYN.communities_per_class, "syn_homophily": _SYN.homophily,
+             "syn_degree_exponent": _SYN.degree_exponent, "syn_signal": _SYN.signal,
+             "syn_seed": _SYN.seed}
+
+
+def graph_args_given(a: argparse.Namespace) -> bool:
+    """Whether the command line named a graph (a data set, a file or synthetic options)."""
+    return (a.graph is not None or a.dataset is not None
+            or any(getattr(a, k) != v for k, v in _SYN_ARGS.items()))
+
+
 def source_from_args(a: argparse.Namespace) -> GraphSource:
     if a.graph:
         return GraphSource(kind="file", name=a.graph, path=a.graph, split=a.split, directed=a.directed)

@@ -265,7 +265,13 @@ class DistMessagePassing(nn.Module):
         if h_RF.shape[0] == 0 and h_RF.requires_grad:
             h_all = h_all + h_RF.sum() * 0  # keep the (empty) exchange in the backward graph
         agg_m = self.propagate(marginal, h_all, g.timer, "marginal", fused)
-        return self.update(torch.cat([agg_c, agg_m]), h_nF)
+        if agg_m.shape[0] == 0 and not agg_m.requires_grad:
+            agg = agg_c                 # nothing marginal (one rank): skip the copy
+        elif agg_c.shape[0] == 0 and not agg_c.requires_grad:
+            agg = agg_m
+        else:
+            agg = torch.cat([agg_c, agg_m])
+        return self.update(agg, h_nF)
 
 
 class GCNConv(DistMessagePassing):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..config import read_env
 from ..dist import check_same_config, init_distributed
-from .cliargs import add_graph_args, source_from_args
+from .cliargs import add_graph_args, graph_args_given, source_from_args
 from .data import GraphSource, load_source
 from .halo import EXCHANGES
 from .partition import METHODS, PartData, load_part, make_parts, partition_nodes
@@ -120,6 +120,14 @@ def obtain_part(src: GraphSource | None, rank: int, world: int, *, partition_dir
     return part, info0
 
 
+def startup_check(cfg: TrainConfig, src: GraphSource | None, group=None, **run: object) -> None:
+    """Stop every rank with one clear ValueError when the ranks were started with different
+    training configurations, graphs or run options (collective)."""
+    check_same_config({"train": dataclasses.asdict(cfg),
+                       "graph": dataclasses.asdict(src) if src is not None else None, **run},
+                      group=group, what="training configuration")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -127,18 +135,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cfg.mode not in EXCHANGES:
             raise ValueError(f"--mode {cfg.mode} is not implemented yet (available: "
                              f"{', '.join(sorted(EXCHANGES))}; the AdaQP modes come with issue 7)")
-        explicit = a.graph is not None or a.dataset is not None
-        src = source_from_args(a) if (explicit or not a.partition_dir) else None
+        src = source_from_args(a) if (graph_args_given(a) or not a.partition_dir) else None
     except ValueError as e:
         print(f"commsched.gnn.train: {e}", file=sys.stderr)
         return 2
     rank, world = init_distributed()
     try:
-        check_same_config({"train": dataclasses.asdict(cfg),
-                           "graph": dataclasses.asdict(src) if src is not None else None,
-                           "partition_dir": a.partition_dir, "partition_method": a.partition_method,
-                           "partition_seed": a.partition_seed, "resume": a.resume, "out": a.out},
-                          what="training configuration")
+        startup_check(cfg, src, partition_dir=a.partition_dir, partition_method=a.partition_method,
+                      partition_seed=a.partition_seed, resume=a.resume, out=a.out)
         part, info = obtain_part(src, rank, world, partition_dir=a.partition_dir,
                                  method=a.partition_method, seed=a.partition_seed)
         check_same_config({"fingerprint": part.fingerprint, "num_parts": part.book.num_parts},
