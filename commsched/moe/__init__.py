@@ -33,6 +33,16 @@ _INFER_EXPORTS: dict[str, str] = {
     "trace_stats": "traces",
     "SyntheticTraceConfig": "traces",
     "synthetic_trace": "traces",
+    "PolicyConfig": "placement_policy",
+    "PlacementPolicy": "placement_policy",
+    "relabel": "placement_policy",
+    "placed_moe": "placed",
+    "placed_moe_local": "placed",
+    "InferConfig": "infer",
+    "run_inference": "infer",
+    "record_trace": "record",
+    "save_checkpoint": "record",
+    "load_checkpoint": "record",
 }
 
 _EXPORTS = {**_TRAIN_EXPORTS, **_INFER_EXPORTS}

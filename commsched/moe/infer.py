@@ -709,6 +709,12 @@ def summarise(cfg: InferConfig, pcfg: PolicyConfig, per_rank: list[dict], row_co
     }
 
 
+run_inference = run  # the name exported by commsched.moe
+
+__all__ = ["InferConfig", "FFNBank", "EmulatedBank", "TraceDriver", "Runtime", "build", "run", "run_inference",
+           "trace_forward", "model_forward", "model_weights", "summarise"]
+
+
 # --------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
     d, s = InferConfig(), SyntheticTraceConfig()
