@@ -30,8 +30,8 @@ from ..bench import Variant, Workload, median_of
 # The benchmark model and link (the documented default regime; see docs/benchmarks.md).
 DEFAULT_BANDWIDTH = "400mbit"
 DEFAULTS = {
-    "steps": 12, "warmup": 3, "batch_size": 8, "seq_len": 128, "d_model": 256, "heads": 4, "layers": 4,
-    "d_ff": 1024, "expert_hidden": 1024, "experts": 4, "k": 1, "moe_every": 2, "chunks": 4,
+    "steps": 10, "warmup": 3, "batch_size": 8, "seq_len": 128, "d_model": 256, "heads": 4, "layers": 4,
+    "d_ff": 1024, "expert_hidden": 1024, "experts": 4, "k": 1, "moe_every": 1, "chunks": 4,
     "microop_bytes": 256 << 10, "credit_bytes": None, "bucket_bytes": 1 << 20, "ds_stage": 2,
 }
 

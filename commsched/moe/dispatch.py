@@ -12,9 +12,10 @@ Three paths compute the same thing, ``out[t] = sum_k gate[t, k] * expert_{e[t, k
   experts run, rows come back through the reverse exchange, the gates weight them. With
   ``chunks > 1`` it does the same chunk by chunk, one after another.
 * :func:`ep_moe` with ``pipeline=True`` -- the fast path: tokens are cut into C chunks,
-  every chunk's exchange is started at once, and expert compute on a chunk starts as soon
-  as it has landed while later chunks are still on the wire; the combine exchange of a
-  chunk starts as soon as its experts are done. The backward pass is pipelined the same
+  every chunk's exchange is queued at once (on a comm lane that sends them one after
+  another), and expert compute on a chunk starts as soon as it has landed while later
+  chunks are still on the wire; the combine exchange of a chunk is queued as soon as its
+  experts are done. The backward pass is pipelined the same
   way (a custom autograd function), so gradients flow chunk by chunk too.
 
 Rows sent by a rank are ordered by (chunk, expert); chunk c holds the tokens
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..all2all import A2APlan, all_to_all, all_to_all_async
+from ..lanes import Lanes
 from .experts import ExpertFFN, expert_apply
 from .router import Routing
 
@@ -294,16 +296,26 @@ def _plain_chunks(x_send: torch.Tensor, plans: Sequence[ChunkPlan], experts: Exp
 
 # --------------------------------------------------------------------------- pipelined EP path
 class _Pipeline:
-    """What the pipelined function needs besides tensors (plans, group, observer)."""
+    """What the pipelined function needs besides tensors (plans, group, observer, lanes).
 
-    def __init__(self, plans: Sequence[ChunkPlan], eg: ExpertGroup, observer: A2AObserver | None):
-        self.plans, self.eg, self.observer = list(plans), eg, observer
+    With ``lanes`` (a :class:`~commsched.lanes.Lanes` with a ``comm`` lane) the exchanges
+    run one after another on the comm lane, in submission order, so each has the link to
+    itself while the compute thread works on chunks that have landed; without, they are
+    started at once with the backend's asynchronous all_to_all and share the link.
+    """
+
+    def __init__(self, plans: Sequence[ChunkPlan], eg: ExpertGroup, observer: A2AObserver | None,
+                 lanes: Lanes | None = None):
+        self.plans, self.eg, self.observer, self.lanes = list(plans), eg, observer, lanes
 
     def start(self, x: torch.Tensor, plan: A2APlan):
         obs = self.observer
         row_bytes = x[0].numel() * x.element_size() if x.shape[0] else 0
         tok = obs.a2a_begin(_peer_bytes(plan, row_bytes)) if obs is not None else None
-        return all_to_all_async(x.contiguous(), plan, group=self.eg.group), tok
+        x = x.contiguous()
+        if self.lanes is not None:
+            return self.lanes.submit("comm", all_to_all, x, plan, group=self.eg.group), tok
+        return all_to_all_async(x, plan, group=self.eg.group), tok
 
     def finish(self, handle) -> torch.Tensor:
         h, tok = handle
@@ -364,10 +376,11 @@ class _PipelinedExperts(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- EP entry point
 def ep_moe(x_TD: torch.Tensor, routing: Routing, experts: ExpertFFN, eg: ExpertGroup, *,
-           chunks: int = 1, pipeline: bool = False,
-           observer: A2AObserver | None = None) -> torch.Tensor:
+           chunks: int = 1, pipeline: bool = False, observer: A2AObserver | None = None,
+           lanes: Lanes | None = None) -> torch.Tensor:
     """Expert-parallel MoE over ``eg`` (see the module docstring). Collective on the EP group:
-    every rank of it must call this, with the same ``chunks``."""
+    every rank of it must call this, with the same ``chunks``. ``lanes`` (pipelined path):
+    run the chunks' exchanges one at a time on its ``comm`` lane."""
     if experts.num_experts != eg.num_experts or experts.first != eg.first or experts.num_local != eg.num_local:
         raise ValueError(f"this rank holds experts [{experts.first}, {experts.first + experts.num_local}) "
                          f"but the expert group places [{eg.first}, {eg.first + eg.num_local}) here")
@@ -377,7 +390,7 @@ def ep_moe(x_TD: torch.Tensor, routing: Routing, experts: ExpertFFN, eg: ExpertG
     plans = build_chunk_plans(asg, eg, observer)
     x_send = x_TD[asg.token_A]
     if pipeline:
-        y_send = _PipelinedExperts.apply(x_send, _Pipeline(plans, eg, observer), *experts.params())
+        y_send = _PipelinedExperts.apply(x_send, _Pipeline(plans, eg, observer, lanes), *experts.params())
     else:
         y_send = _plain_chunks(x_send, plans, experts, eg, observer)
     return combine(y_send, asg, x_TD.shape[0])

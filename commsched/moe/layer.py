@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..lanes import Lanes
 from .dispatch import A2AObserver, ExpertGroup, ep_moe, local_moe
 from .experts import ExpertFFN
 from .router import Router, RouterConfig, Routing
@@ -50,6 +51,13 @@ class MoELayer(nn.Module):
         else:
             self.experts = ExpertFFN(E, d_model, d_hidden, expert_group.first, expert_group.num_local)
         self.last_routing: Routing | None = None
+        self._lanes: Lanes | None = None  # comm lane of the pipelined exchange, made on first use
+
+    def close(self) -> None:
+        """Stop the comm lane thread of the pipelined exchange, if one was started."""
+        if self._lanes is not None:
+            self._lanes.close()
+            self._lanes = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         D = x.shape[-1]
@@ -59,8 +67,10 @@ class MoELayer(nn.Module):
         if self.expert_group is None:
             y_TD = local_moe(x_TD, routing, self.experts)
         else:
+            if self.dispatch.pipeline and self._lanes is None:
+                self._lanes = Lanes("cpu", names=("compute", "comm"))
             y_TD = ep_moe(x_TD, routing, self.experts, self.expert_group, chunks=self.dispatch.chunks,
-                          pipeline=self.dispatch.pipeline, observer=self.observer)
+                          pipeline=self.dispatch.pipeline, observer=self.observer, lanes=self._lanes)
         return y_TD.reshape(x.shape), routing.aux_loss
 
 

@@ -120,6 +120,12 @@ class MoETransformerLM(nn.Module):
     def moe_layers(self) -> list[nn.Module]:
         return [b.ffn for i, b in enumerate(self.blocks) if self.cfg.is_moe(i)]
 
+    def close(self) -> None:
+        """Stop the helper threads of the MoE layers (the pipelined exchange's comm lanes)."""
+        for layer in self.moe_layers():
+            if hasattr(layer, "close"):
+                layer.close()
+
     def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         S = tokens_BS.shape[1]
         if S > self.cfg.seq_len:

@@ -232,6 +232,7 @@ def _train_commsched(cfg: TrainConfig, corpus, ep: int, show: bool) -> dict:
         probe.close()
     _set_observer(model, None)
     val = _evaluate(model, corpus, cfg, lambda m, xb: m(xb))
+    model.close()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"rows": rows, "timeline": timeline, "a2a_alone_s": alone, "val_loss": val,
             "sizes": _sizes(model, cfg), "state": state}
