@@ -23,8 +23,8 @@ the class in :data:`CONVS`.
 
 from __future__ import annotations
 
+import functools
 import warnings
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -51,30 +51,34 @@ def _csr(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, shape: tuple[int,
                                        check_invariants=False)
 
 
-@dataclass(frozen=True, eq=False)
 class TorchBlock:
-    """A block as tensors: CSR ``A`` [num_dst, num_src] and its transpose (for backward),
-    plus the COO arrays for the general message/aggregate path."""
+    """A block as tensors: CSR ``A`` [num_dst, num_src] and its transpose (for backward);
+    the COO arrays ``src``, ``dst``, ``w`` of the general message/aggregate path are made
+    on first use (fused layers never need them)."""
 
-    A: torch.Tensor
-    AT: torch.Tensor
-    src: torch.Tensor   # int64 [E]
-    dst: torch.Tensor   # int64 [E]
-    w: torch.Tensor     # [E]
-    num_dst: int
-    num_src: int
+    def __init__(self, b: Block, dtype: torch.dtype):
+        self.num_dst, self.num_src = b.num_dst, b.num_src
+        self.nnz = int(b.src.size)
+        self.A = _csr(b.dst, b.src, b.w, (b.num_dst, b.num_src), dtype)
+        order = np.lexsort((b.dst, b.src))
+        self.AT = _csr(b.src[order], b.dst[order], b.w[order], (b.num_src, b.num_dst), dtype)
 
     @classmethod
     def from_block(cls, b: Block, dtype: torch.dtype) -> "TorchBlock":
-        A = _csr(b.dst, b.src, b.w, (b.num_dst, b.num_src), dtype)
-        order = np.lexsort((b.dst, b.src))
-        AT = _csr(b.src[order], b.dst[order], b.w[order], (b.num_src, b.num_dst), dtype)
-        return cls(A, AT, torch.from_numpy(b.src), torch.from_numpy(b.dst),
-                   torch.from_numpy(b.w).to(dtype), b.num_dst, b.num_src)
+        return cls(b, dtype)
 
-    @property
-    def nnz(self) -> int:
-        return int(self.src.numel())
+    @functools.cached_property
+    def src(self) -> torch.Tensor:  # int64 [E]
+        return self.A.col_indices()
+
+    @functools.cached_property
+    def dst(self) -> torch.Tensor:  # int64 [E]
+        crow = self.A.crow_indices()
+        return torch.repeat_interleave(torch.arange(self.num_dst), crow[1:] - crow[:-1])
+
+    @functools.cached_property
+    def w(self) -> torch.Tensor:    # [E]
+        return self.A.values()
 
 
 class _SpMM(torch.autograd.Function):
