@@ -126,7 +126,16 @@ def _two_rank_cases(rank: int, world: int, tmp: str, group) -> dict:
     ex = make_exchange("vanilla", part.book, group=group)
     got = ex.start(part.x_nF, 0).wait()
     out["halo_ok"] = torch.equal(got, g.x_NF[torch.from_numpy(part.book.remote_ids)])
-    # 3. checkpoint / resume: an interrupted run continued with --resume ends identical
+    # 3. the forward exchange in the background (central aggregation overlapping it, as
+    #    AdaQP-p will) gives bit-identical training
+    from commsched.gnn.halo import VanillaExchange
+
+    c3 = TrainConfig(model="gcn", layers=3, hidden=8, epochs=3, seed=9)
+    m_sync, _ = run_training(c3, part, group=group)
+    bg = VanillaExchange(part.book, group=group, asynchronous=True)
+    m_bg, _ = run_training(c3, part, group=group, exchange=bg)
+    out["async_equal"] = m_sync["loss"] == m_bg["loss"] and m_sync["test_acc"] == m_bg["test_acc"]
+    # 4. checkpoint / resume: an interrupted run continued with --resume ends identical
     cfg = TrainConfig(model="sage", layers=2, hidden=8, epochs=6, seed=3, checkpoint_every=2)
     _, full = run_training(cfg, part, group=group)
     d = os.path.join(tmp, "ckpt")
@@ -142,7 +151,7 @@ def _two_rank_cases(rank: int, world: int, tmp: str, group) -> dict:
         out["resume_mismatch"] = None
     except ValueError as e:
         out["resume_mismatch"] = str(e)
-    # 4. ranks started with different configurations stop with one clear error
+    # 5. ranks started with different configurations stop with one clear error
     try:
         startup_check(TrainConfig(hidden=16 if rank == 0 else 8), src, group=group, out="x")
         out["mismatch"] = None
@@ -186,7 +195,7 @@ def test_vanilla_on_2_3_4_ranks_equals_single_process(graph_paths, tmp_path):
         _check_matches(reference, res[0][key], world)
     for r in (0, 1):
         o = res[r]["cases"]
-        assert o["scatter_ok"] and o["halo_ok"], o
+        assert o["scatter_ok"] and o["halo_ok"] and o["async_equal"], o
         assert o["resume_params_equal"] and o["resume_loss_equal"], o
         assert o["resume_epochs_timed"] == 2
         assert "hidden: 8 -> 9" in o["resume_mismatch"]

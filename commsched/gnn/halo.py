@@ -66,6 +66,7 @@ class HaloExchange:
         self.send_idx = torch.from_numpy(book.send_idx)
         self.stats: CommStats | None = None
         self.timer = Breakdown()
+        self.training = True  # False while the trainer evaluates (no backward will follow)
 
     @property
     def world_size(self) -> int:
@@ -78,6 +79,14 @@ class HaloExchange:
             make_plan(self.book.send_counts, group=self.group, recv_counts=self.book.recv_counts)
 
     # ---- the pluggable part ------------------------------------------------------------
+    def begin_epoch(self, epoch: int) -> None:
+        """Called at the start of every training epoch, inside its timed region (after the
+        timer was reset): the place for periodic work such as bit-width re-assignment
+        (time it under "assign"). Collective if the subclass makes it so."""
+
+    def end_epoch(self, epoch: int) -> None:
+        """Called after every training epoch's optimizer step (inside the timed region)."""
+
     def transfer(self, rows: torch.Tensor, layer: int, direction: str) -> Pending:
         """Move ``rows`` for ``layer`` in ``direction``.
 

@@ -148,7 +148,9 @@ class Trainer:
         self.graph.set_timer(self.timer)
         self.graph.epoch = self.epoch
         self.model.train()
+        self.halo.training = True
         t0 = time.perf_counter()
+        self.halo.begin_epoch(self.epoch)
         self.opt.zero_grad(set_to_none=False)
         out = self.model(self.x, self.graph)
         m = self.masks["train"]
@@ -159,6 +161,7 @@ class Trainer:
         loss.backward()
         loss_all = self._allreduce_grads(loss.detach())
         self.opt.step()
+        self.halo.end_epoch(self.epoch)
         dt = time.perf_counter() - t0
         self.halo.stats = None
         self.history["loss"].append(loss_all)
@@ -190,6 +193,7 @@ class Trainer:
         self.graph.set_timer(scratch)
         self.halo.stats = None
         self.model.eval()
+        self.halo.training = False
         t0 = time.perf_counter()
         pred = self.model(self.x, self.graph).argmax(1)
         ok = pred == self.y
@@ -199,6 +203,7 @@ class Trainer:
             with comm_guard("allreduce of accuracy counts", self.group):
                 dist.all_reduce(counts, group=self.group)
         self.graph.set_timer(self.timer)
+        self.halo.training = True
         res = {f"{k}_acc": float(counts[i]) / self.totals[k] for i, k in enumerate(("train", "val", "test"))}
         res["epoch"] = self.epoch - 1
         res["eval_time_s"] = time.perf_counter() - t0
