@@ -155,7 +155,8 @@ def test_clean_edges_directed_and_undirected():
 
 
 def test_synthetic_is_seeded_structured_and_learnable_shape():
-    spec = SyntheticSpec(num_nodes=3000, num_edges=30000, num_features=16, num_classes=5, seed=3)
+    spec = SyntheticSpec(num_nodes=3000, num_edges=30000, num_features=16, num_classes=5, seed=3,
+                         signal=0.5)
     g, h = synthetic_graph(spec), synthetic_graph(spec)
     assert graph_fingerprint(g) == graph_fingerprint(h)
     assert graph_fingerprint(g) != graph_fingerprint(synthetic_graph(SyntheticSpec(

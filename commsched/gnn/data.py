@@ -303,7 +303,7 @@ class SyntheticSpec:
     communities_per_class: int = 4
     homophily: float = 0.8
     degree_exponent: float = 1.6
-    signal: float = 0.15
+    signal: float = 0.05
     train_frac: float = 0.3
     val_frac: float = 0.2
     seed: int = 0
