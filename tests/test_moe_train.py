@@ -75,12 +75,12 @@ def _grads_match_manual_allreduce(rank: int, world: int) -> None:
         x = torch.randint(0, 256, (2, 16), generator=g)
         y = torch.randint(0, 256, (2, 16), generator=g)
         ref.loss(x, y)[0].backward()
-        with torch.no_grad():
+        with torch.no_grad():  # data-parallel mean of the ranks' losses
             for p in ref.parameters():
                 grp = groups.edp_group if is_expert_param(p) else groups.dp_group
                 if grp is not None:
                     dist.all_reduce(p.grad, group=grp)
-                    p.grad /= dist.get_world_size(grp)
+                p.grad /= world
         with GradScheduler(sched_params, cfg.schedule_config) as sched:
             for layer in model.moe_layers():
                 layer.observer = sched

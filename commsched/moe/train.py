@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from ..config import read_env
 from ..dist import check_same_config, init_distributed
-from ..priority.executor import GradScheduler, ScheduleConfig
+from ..priority.executor import LOCAL, GradScheduler, ScheduleConfig
 from .data import load_corpus
 from .dispatch import ExpertGroup
 from .experts import is_expert_param
@@ -134,12 +134,19 @@ def _build_commsched(cfg: TrainConfig, groups: Groups):
     torch.manual_seed(cfg.seed)
     mcfg = cfg.model
     eg = ExpertGroup(mcfg.num_experts, groups.ep_size, groups.ep_rank, groups.ep_group)
-    sched_params = []
     model = MoETransformerLM(mcfg, expert_group=eg, dispatch=cfg.dispatch)
-    params = list(model.parameters())
-    for p in reversed(params):  # roughly the order gradients become ready
-        sched_params.append((p, groups.edp_group if is_expert_param(p) else groups.dp_group))
-    sched_params = [(p, g) for p, g in sched_params if g is not None]
+    # The objective is the mean of the ranks' losses. A non-expert gradient is averaged over
+    # all ranks. An expert's gradient already sums the contributions of every rank of its
+    # EP group (they reached it through the all-to-all); summed over the ranks holding the
+    # same expert (the expert-data-parallel group), it holds every rank's share, so it is
+    # scaled by 1 / world size -- as DeepSpeed MoE does.
+    world = dist.get_world_size()
+    sched_params = []
+    for p in reversed(list(model.parameters())):  # roughly the order gradients become ready
+        if is_expert_param(p):
+            sched_params.append((p, groups.edp_group if groups.edp_group is not None else LOCAL, 1.0 / world))
+        else:
+            sched_params.append((p, groups.dp_group, 1.0 / world))
     return model, sched_params
 
 
@@ -279,7 +286,7 @@ def _train_deepspeed(cfg: TrainConfig, corpus, ep: int, show: bool) -> dict:
     ds_cfg = {
         "train_micro_batch_size_per_gpu": B,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": cfg.lr, "torch_adam": True}},
+        "optimizer": {"type": "Adam", "params": {"lr": cfg.lr, "torch_adam": True, "adam_w_mode": False}},
         "zero_optimization": {"stage": cfg.ds_stage, "overlap_comm": True, "contiguous_gradients": True,
                               "reduce_bucket_size": cfg.schedule_config.bucket_bytes // 4,
                               "allgather_bucket_size": cfg.schedule_config.bucket_bytes // 4},

@@ -36,6 +36,8 @@ from ..dist import CommError
 from .partition import CommOp, bucket, partition
 from .policy import POLICIES, make_policy
 
+LOCAL = "local"  # group of a gradient that is scaled but not communicated
+
 
 @dataclass(frozen=True)
 class ScheduleConfig:
@@ -96,25 +98,34 @@ class _Op:
 class GradScheduler:
     """Synchronise the gradients of ``params`` (in launch order) over their groups.
 
-    ``params``: list of (parameter, process group or None for the default group); a
-    parameter whose group has one rank is left alone. The scheduler is also the
-    :class:`~commsched.moe.dispatch.A2AObserver` of the MoE layers.
+    ``params``: entries ``(parameter, group)`` or ``(parameter, group, scale)``. ``group``
+    is a process group (None: the default group) or :data:`LOCAL` for a gradient that is
+    only scaled, never communicated. The gradient is multiplied by ``scale`` (default
+    1 / group size: a plain average) when it is ready, then summed over the group. The
+    scheduler is also the :class:`~commsched.moe.dispatch.A2AObserver` of the MoE layers.
     """
 
-    def __init__(self, params: Sequence[tuple[torch.nn.Parameter, object]], cfg: ScheduleConfig,
-                 *, timeout_s: float = 300.0):
+    def __init__(self, params: Sequence[tuple], cfg: ScheduleConfig, *, timeout_s: float = 300.0):
         self.cfg = cfg
         self.timeout_s = timeout_s
-        entries = [(p, g) for p, g in params if dist.get_world_size(g) > 1]
-        self._params = [p for p, _ in entries]
-        self._groups = [g for _, g in entries]
-        self._scale = [1.0 / dist.get_world_size(g) for g in self._groups]
+        entries = []
+        for e in params:
+            p, g = e[0], e[1]
+            n = 1 if g is LOCAL else dist.get_world_size(g)
+            scale = float(e[2]) if len(e) > 2 else 1.0 / n
+            entries.append((p, g if n > 1 else LOCAL, scale))
+        # communicated parameters first (in the order given), then the scale-only ones
+        entries = [e for e in entries if e[1] is not LOCAL] + [e for e in entries if e[1] is LOCAL]
+        self._params = [p for p, _, _ in entries]
+        self._groups = [g for _, g, _ in entries]
+        self._scale = [s for _, _, s in entries]
+        n_comm = sum(1 for g in self._groups if g is not LOCAL)
         ops: list[tuple[CommOp, object]] = []
         # operations never span two groups (nor, for buckets, two dtypes)
         start = 0
-        while start < len(entries):
+        while start < n_comm:
             end = start
-            while (end < len(entries) and self._groups[end] is self._groups[start]
+            while (end < n_comm and self._groups[end] is self._groups[start]
                    and self._params[end].dtype == self._params[start].dtype):
                 end += 1
             numels = [p.numel() for p in self._params[start:end]]
@@ -180,7 +191,8 @@ class GradScheduler:
         p = self._params[i]
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        p.grad.mul_(self._scale[i])
+        if self._scale[i] != 1.0:
+            p.grad.mul_(self._scale[i])
         for seq in self._ops_of_param[i]:
             st = self._state[seq]
             st.missing -= 1
@@ -329,4 +341,4 @@ class GradScheduler:
         self.close()
 
 
-__all__ = ["GradScheduler", "OpRecord", "ScheduleConfig"]
+__all__ = ["LOCAL", "GradScheduler", "OpRecord", "ScheduleConfig"]
