@@ -15,6 +15,11 @@ _CODEC_EXPORTS: dict[str, str] = {
     "dequantize": "codec",
     "QuantizedRows": "codec",
     "META_BYTES": "codec",
+    "GroupLayout": "codec",
+    "pack_groups": "codec",
+    "unpack_groups": "codec",
+    "message_bytes": "codec",
+    "payload_bytes": "codec",
 }
 
 # name -> submodule, for the bit-width assignment problem and its solvers

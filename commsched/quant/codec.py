@@ -1,0 +1,400 @@
+"""Stochastic integer quantization of message rows: public API, wire format, dispatch.
+
+Each row of a float matrix is cut to b = 2, 4 or 8 bits per value with per-row
+asymmetric stochastic rounding (zero point = row minimum, scale = (max - min) / (2^b - 1)),
+so that E[dequantize(quantize(x))] = x. The rules, bit for bit, are in
+``commsched.quant.reference``; ``docs/quant.md`` explains the choices.
+
+Wire format of a message of N rows of D values at b bits (little-endian):
+
+    meta     N x 8 bytes   per row: scale (float32), zero point = row minimum (float32)
+    payload  N x B bytes   per row: B = ceil(D * b / 8) bytes, planar bit packing
+                           (byte j holds columns j, j + B, j + 2B, ... in bit slots
+                           0, b, 2b, ...; unused high slots are zero)
+
+so a message occupies ``N * (B + META_BYTES)`` bytes. A multi-width message (the groups
+of one peer, each with its own width) is the concatenation of its groups' messages in
+group order; ``GroupLayout`` gives the sizes and offsets that both sides derive from
+(group row counts, widths, D) without communicating.
+
+Dispatch: CUDA tensors go to the Triton kernels (``commsched.kernels.quant``); CPU tensors
+to the fused fast path (``commsched.quant.fast``, compiled with ``torch.compile`` for
+large messages); anything else to the plain-torch reference. ``impl=`` forces one.
+
+Legend: N (or R) rows, D features per row, B payload bytes per row, G groups.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+
+import torch
+
+from . import reference as _ref
+from .reference import BITS, payload_bytes
+
+META_BYTES = 8  # float32 scale + float32 zero point per row
+IMPLS = ("auto", "reference", "eager", "compiled", "triton")
+_MASK32 = 0xFFFFFFFF
+
+
+def message_bytes(rows: int, dim: int, bits: int) -> int:
+    """Bytes of a message of ``rows`` rows of ``dim`` values at ``bits``: rows * (B + META_BYTES)."""
+    return rows * (payload_bytes(dim, bits) + META_BYTES)
+
+
+# --------------------------------------------------------------------------- validation
+def _check_bits(bits) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or int(bits) not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+    return int(bits)
+
+
+def _check_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def _check_rows(x, name: str = "x") -> torch.Tensor:
+    """A 2-D floating tensor with at least one column, as contiguous float32."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [rows, features], got shape {tuple(x.shape)}; "
+                         "reshape it (for example x.reshape(-1, x.shape[-1]))")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}; "
+                         "convert it with x.float()")
+    if x.shape[1] == 0:
+        raise ValueError(f"{name} has no columns (shape {tuple(x.shape)}); there is nothing to quantize")
+    return x.to(torch.float32).contiguous()
+
+
+def _draw_key(generator: torch.Generator | None, seed: int | None) -> int:
+    """The 32-bit message key: ``seed`` mod 2^32 if given, else drawn from ``generator``
+    (the default CPU generator when None, so ``torch.manual_seed`` reproduces it)."""
+    if seed is not None:
+        if generator is not None:
+            raise ValueError("pass either generator or seed, not both")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        return int(seed) & _MASK32
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    device = generator.device if generator is not None else "cpu"
+    k = torch.randint(0, 1 << 32, (1,), generator=generator, dtype=torch.int64, device=device)
+    return int(k.item())
+
+
+def _nonfinite_error(x_ND: torch.Tensor, meta_N2: torch.Tensor, name: str,
+                     row0: int = 0) -> ValueError:
+    """The error for a message whose metadata came out non-finite, naming what and where."""
+    finite = torch.isfinite(x_ND)
+    n_bad = int((~finite).sum())
+    if n_bad:
+        n_nan = int(torch.isnan(x_ND).sum())
+        bad_rows = (~finite).any(dim=1).nonzero().flatten()
+        where = [(int(r) + row0, int(c)) for r, c in (~finite).nonzero()[:5].tolist()]
+        return ValueError(
+            f"{name} holds {n_bad} non-finite value{'s' if n_bad != 1 else ''} "
+            f"({n_nan} NaN, {n_bad - n_nan} inf) in {len(bad_rows)} of {x_ND.shape[0]} rows; "
+            f"first at (row, column) {', '.join(map(str, where))}"
+            f"{' ...' if n_bad > len(where) else ''}. Quantization needs finite input: look for "
+            "an overflow or a division by zero upstream, or clean it with torch.nan_to_num.")
+    bad = (~torch.isfinite(meta_N2).all(dim=1)).nonzero().flatten()
+    r = int(bad[0]) if len(bad) else 0
+    lo, hi = float(x_ND[r].min()), float(x_ND[r].max())
+    return ValueError(
+        f"{name}: {len(bad)} row{'s span' if len(bad) != 1 else ' spans'} more than the float32 range "
+        f"(max - min overflows), first row {r + row0} with min {lo:.4g} and max {hi:.4g}; "
+        "scale the input down before quantizing it.")
+
+
+def _check_meta(x_ND: torch.Tensor, meta_N2: torch.Tensor, name: str, row0: int = 0) -> None:
+    if meta_N2.numel() and not bool(torch.isfinite(meta_N2).all()):
+        raise _nonfinite_error(x_ND, meta_N2, name, row0)
+
+
+# --------------------------------------------------------------------------- dispatch
+def _resolve(impl: str, device: torch.device) -> str:
+    if impl != "auto":
+        return impl
+    if device.type == "cuda":
+        return "triton"
+    if device.type == "cpu":
+        return "fast"
+    return "reference"
+
+
+def _quantize_rows(x_ND: torch.Tensor, bits: int, key: int, row0: int, impl: str,
+                   out_NB: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload uint8 [N, B], meta float32 [N, 2]) of contiguous float32 rows; unchecked."""
+    how = _resolve(impl, x_ND.device)
+    if how == "triton":
+        from commsched.kernels.quant import quantize_pack
+
+        return quantize_pack(x_ND, bits, key, row0, out=out_NB)
+    if how in ("fast", "eager", "compiled"):
+        from .fast import quantize_cpu
+
+        compile = None if how == "fast" else how == "compiled"
+        return quantize_cpu(x_ND, bits, key, row0, out_NB=out_NB, compile=compile)
+    payload, meta = _ref.quantize_reference(x_ND, bits, key, row0=row0)
+    if out_NB is not None:
+        out_NB.copy_(payload)
+        payload = out_NB
+    return payload, meta
+
+
+def _dequantize_rows(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int, dim: int,
+                     impl: str) -> torch.Tensor:
+    how = _resolve(impl, payload_NB.device)
+    if how == "triton":
+        from commsched.kernels.quant import unpack_dequantize
+
+        return unpack_dequantize(payload_NB, meta_N2, bits, dim)
+    if how in ("fast", "eager", "compiled"):
+        from .fast import dequantize_cpu
+
+        compile = None if how == "fast" else how == "compiled"
+        return dequantize_cpu(payload_NB, meta_N2, bits, dim, compile=compile)
+    return _ref.dequantize_reference(payload_NB, meta_N2, bits, dim)
+
+
+def _meta_from_bytes(meta_bytes: torch.Tensor, rows: int) -> torch.Tensor:
+    """float32 [rows, 2] from 8 * rows bytes (copied if the bytes are not 4-byte aligned)."""
+    if meta_bytes.storage_offset() % 4 or meta_bytes.data_ptr() % 4:
+        meta_bytes = meta_bytes.clone()
+    return meta_bytes.view(torch.float32).view(rows, 2)
+
+
+# --------------------------------------------------------------------------- single width
+@dataclass(frozen=True)
+class QuantizedRows:
+    """A quantized message: ``payload`` uint8 [N, B], ``meta`` float32 [N, 2] (scale, zero point).
+
+    ``bits`` is the width of every value, ``dim`` = D the number of values per row.
+    """
+
+    payload: torch.Tensor
+    meta: torch.Tensor
+    bits: int
+    dim: int
+
+    def __post_init__(self) -> None:
+        bits = _check_bits(self.bits)
+        if isinstance(self.dim, bool) or not isinstance(self.dim, numbers.Integral) or self.dim < 1:
+            raise ValueError(f"dim must be a positive int, got {self.dim!r}")
+        B = payload_bytes(int(self.dim), bits)
+        p, m = self.payload, self.meta
+        if not isinstance(p, torch.Tensor) or p.dtype != torch.uint8 or p.dim() != 2 or p.shape[1] != B:
+            raise ValueError(f"payload must be uint8 [N, {B}] for dim={self.dim} at {bits} bits, got "
+                             f"{getattr(p, 'dtype', type(p).__name__)} {tuple(getattr(p, 'shape', ()))}")
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.float32 or tuple(m.shape) != (p.shape[0], 2):
+            raise ValueError(f"meta must be float32 [{p.shape[0]}, 2] (scale, zero point per row), got "
+                             f"{getattr(m, 'dtype', type(m).__name__)} {tuple(getattr(m, 'shape', ()))}")
+        object.__setattr__(self, "bits", bits)
+        object.__setattr__(self, "dim", int(self.dim))
+
+    @property
+    def rows(self) -> int:
+        return self.payload.shape[0]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """float32 [N]: the step between levels of each row."""
+        return self.meta[:, 0]
+
+    @property
+    def zero_point(self) -> torch.Tensor:
+        """float32 [N]: the row minimum (level 0)."""
+        return self.meta[:, 1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire, metadata included: N * (ceil(D * bits / 8) + META_BYTES)."""
+        return message_bytes(self.rows, self.dim, self.bits)
+
+    def to_bytes(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The wire form: uint8 [nbytes] = meta (N x 8 bytes) then payload (N x B bytes)."""
+        n = self.rows
+        if out is None:
+            out = torch.empty(self.nbytes, dtype=torch.uint8, device=self.payload.device)
+        elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != self.nbytes:
+            raise ValueError(f"out must be a 1-D uint8 tensor of {self.nbytes} bytes, got "
+                             f"{out.dtype} {tuple(out.shape)}")
+        out[:n * META_BYTES].copy_(self.meta.contiguous().view(torch.uint8).view(-1))
+        out[n * META_BYTES:].copy_(self.payload.reshape(-1))
+        return out
+
+    @classmethod
+    def from_bytes(cls, buf_B: torch.Tensor, rows: int, dim: int, bits: int) -> "QuantizedRows":
+        """Read a message written by ``to_bytes`` (views into ``buf_B`` where alignment allows)."""
+        bits = _check_bits(bits)
+        need = message_bytes(rows, dim, bits)
+        if not isinstance(buf_B, torch.Tensor) or buf_B.dtype != torch.uint8 or buf_B.dim() != 1:
+            raise ValueError("buf must be a 1-D uint8 tensor")
+        if buf_B.numel() != need:
+            raise ValueError(f"buf holds {buf_B.numel()} bytes but {rows} rows of {dim} values at "
+                             f"{bits} bits need {need}")
+        meta = _meta_from_bytes(buf_B[:rows * META_BYTES], rows)
+        payload = buf_B[rows * META_BYTES:].view(rows, payload_bytes(dim, bits))
+        return cls(payload, meta, bits, dim)
+
+
+def quantize(x_ND: torch.Tensor, bits: int, *, generator: torch.Generator | None = None,
+             seed: int | None = None, impl: str = "auto") -> QuantizedRows:
+    """Stochastically quantize each row of ``x_ND`` (float [N, D]) to ``bits`` in {2, 4, 8}.
+
+    The random bits come from a counter hash keyed by a 32-bit key: ``seed`` (mod 2^32)
+    if given, else drawn from ``generator`` (default: torch's default CPU generator).
+    Unbiased: E[dequantize(quantize(x))] = x up to float32 rounding. Raises ValueError
+    for bits outside {2, 4, 8}, non-float or non-2-D input and non-finite values.
+    """
+    bits = _check_bits(bits)
+    _check_impl(impl)
+    x = _check_rows(x_ND)
+    key = _draw_key(generator, seed)
+    payload, meta = _quantize_rows(x, bits, key, 0, impl)
+    _check_meta(x, meta, "x")
+    return QuantizedRows(payload, meta, bits, x.shape[1])
+
+
+def dequantize(q: QuantizedRows, *, impl: str = "auto") -> torch.Tensor:
+    """Decode a ``QuantizedRows`` to float32 [N, D]: zero point + scale * level."""
+    if not isinstance(q, QuantizedRows):
+        raise TypeError(f"dequantize expects a QuantizedRows, got {type(q).__name__}")
+    _check_impl(impl)
+    return _dequantize_rows(q.payload, q.meta.contiguous(), q.bits, q.dim, impl)
+
+
+# --------------------------------------------------------------------------- multi width
+@dataclass(frozen=True)
+class GroupLayout:
+    """The byte layout of one peer's multi-width message.
+
+    ``counts[g]`` rows of ``dim`` values each are sent at ``bits[g]``; the rows of group g
+    are rows ``row_offsets[g] : row_offsets[g + 1]`` of the matrix, and its message
+    (meta then payload, see the module docstring) is bytes
+    ``byte_offsets[g] : byte_offsets[g + 1]`` of the buffer. Sender and receiver build
+    the same layout from the same (counts, bits, dim), so no sizes travel.
+    """
+
+    dim: int
+    counts: tuple[int, ...]
+    bits: tuple[int, ...]
+    row_offsets: tuple[int, ...] = field(init=False, repr=False)
+    byte_offsets: tuple[int, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, numbers.Integral) or self.dim < 1:
+            raise ValueError(f"dim must be a positive int, got {self.dim!r}")
+        counts = tuple(self.counts)
+        bits = tuple(self.bits)
+        if len(counts) != len(bits):
+            raise ValueError(f"counts has {len(counts)} groups but bits has {len(bits)}")
+        for g, c in enumerate(counts):
+            if isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 0:
+                raise ValueError(f"counts[{g}] must be an int >= 0, got {c!r}")
+        bits = tuple(_check_bits(b) for b in bits)
+        counts = tuple(int(c) for c in counts)
+        rows, nbytes = [0], [0]
+        for c, b in zip(counts, bits):
+            rows.append(rows[-1] + c)
+            nbytes.append(nbytes[-1] + message_bytes(c, int(self.dim), b))
+        object.__setattr__(self, "dim", int(self.dim))
+        object.__setattr__(self, "counts", counts)
+        object.__setattr__(self, "bits", bits)
+        object.__setattr__(self, "row_offsets", tuple(rows))
+        object.__setattr__(self, "byte_offsets", tuple(nbytes))
+
+    @property
+    def groups(self) -> int:
+        return len(self.counts)
+
+    @property
+    def rows(self) -> int:
+        """R, the rows of the whole message."""
+        return self.row_offsets[-1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole message: sum over groups of count * (ceil(dim * bits / 8) + META_BYTES)."""
+        return self.byte_offsets[-1]
+
+    def group_nbytes(self, g: int) -> int:
+        return self.byte_offsets[g + 1] - self.byte_offsets[g]
+
+
+def _check_layout(layout) -> GroupLayout:
+    if not isinstance(layout, GroupLayout):
+        raise TypeError(f"layout must be a GroupLayout, got {type(layout).__name__}")
+    return layout
+
+
+def pack_groups(x_RD: torch.Tensor, layout: GroupLayout, *,
+                generator: torch.Generator | None = None, seed: int | None = None,
+                out: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+    """Quantize the rows of ``x_RD`` group by group into one uint8 buffer [layout.nbytes].
+
+    Rows ``layout.row_offsets[g]:layout.row_offsets[g + 1]`` are quantized at
+    ``layout.bits[g]``; one key serves the whole message (each row's random bits depend
+    on its position in ``x_RD``). ``out`` (1-D uint8 of ``layout.nbytes``) receives the
+    bytes if given, for example a slice of a send buffer.
+    """
+    layout = _check_layout(layout)
+    _check_impl(impl)
+    x = _check_rows(x_RD)
+    if tuple(x.shape) != (layout.rows, layout.dim):
+        raise ValueError(f"x has shape {tuple(x.shape)} but the layout describes "
+                         f"[{layout.rows}, {layout.dim}] (counts {layout.counts})")
+    key = _draw_key(generator, seed)
+    if out is None:
+        out = torch.empty(layout.nbytes, dtype=torch.uint8, device=x.device)
+    elif (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1
+          or out.numel() != layout.nbytes or out.device != x.device):
+        raise ValueError(f"out must be a 1-D uint8 tensor of {layout.nbytes} bytes on {x.device}")
+    for g in range(layout.groups):
+        n, bits = layout.counts[g], layout.bits[g]
+        if n == 0:
+            continue
+        r0, b0 = layout.row_offsets[g], layout.byte_offsets[g]
+        B = payload_bytes(layout.dim, bits)
+        xg = x[r0:r0 + n]
+        payload_view = out[b0 + n * META_BYTES:b0 + n * (META_BYTES + B)].view(n, B)
+        _, meta = _quantize_rows(xg, bits, key, r0, impl, out_NB=payload_view)
+        _check_meta(xg, meta, "x", row0=r0)
+        out[b0:b0 + n * META_BYTES].copy_(meta.contiguous().view(torch.uint8).view(-1))
+    return out
+
+
+def unpack_groups(buf_B: torch.Tensor, layout: GroupLayout, *, impl: str = "auto") -> torch.Tensor:
+    """Decode a buffer written by ``pack_groups`` with the same layout: float32 [R, D]."""
+    layout = _check_layout(layout)
+    _check_impl(impl)
+    if not isinstance(buf_B, torch.Tensor) or buf_B.dtype != torch.uint8 or buf_B.dim() != 1:
+        raise ValueError(f"buf must be a 1-D uint8 tensor, got "
+                         f"{getattr(buf_B, 'dtype', type(buf_B).__name__)} {tuple(getattr(buf_B, 'shape', ()))}")
+    if buf_B.numel() != layout.nbytes:
+        raise ValueError(f"buf holds {buf_B.numel()} bytes but the layout (counts {layout.counts}, "
+                         f"bits {layout.bits}, dim {layout.dim}) needs {layout.nbytes}; both sides "
+                         "must build the same GroupLayout")
+    parts = []
+    for g in range(layout.groups):
+        n, bits = layout.counts[g], layout.bits[g]
+        if n == 0:
+            continue
+        b0 = layout.byte_offsets[g]
+        B = payload_bytes(layout.dim, bits)
+        meta = _meta_from_bytes(buf_B[b0:b0 + n * META_BYTES], n)
+        payload = buf_B[b0 + n * META_BYTES:b0 + n * (META_BYTES + B)].view(n, B)
+        parts.append(_dequantize_rows(payload, meta, bits, layout.dim, impl))
+    if not parts:
+        return torch.empty(0, layout.dim, dtype=torch.float32, device=buf_B.device)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+__all__ = ["BITS", "GroupLayout", "IMPLS", "META_BYTES", "QuantizedRows", "dequantize",
+           "message_bytes", "pack_groups", "payload_bytes", "quantize", "unpack_groups"]
