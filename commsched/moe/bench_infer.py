@@ -54,6 +54,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threshold", type=float, default=None, help="lina phase-2 threshold (default: the runtime's)")
     g.add_argument("--path-length", type=int, default=None, help="lina path length l (default 3)")
     g.add_argument("--online-planner", choices=("greedy", "full"), default=None)
+    g.add_argument("--lina-thresholds", default="",
+                   help="comma-separated extra phase-2 thresholds: adds a variant lina@T for each "
+                        "(e.g. 0 = phase 1 only)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("emulated device")
     g.add_argument("--us-per-row", type=float, default=d["us_per_row"])
@@ -96,7 +99,17 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
         raise ValueError("--driver model needs --checkpoint (python -m commsched.moe.record --train-steps N "
                          "--save-checkpoint FILE --out TRACE)")
     c = _common(a)
-    return [Variant(v, "commsched.moe.infer", ("--placement", v, *c)) for v in VARIANTS]
+    out = [Variant(v, "commsched.moe.infer", ("--placement", v, *c)) for v in VARIANTS]
+    for t in (x.strip() for x in a.lina_thresholds.split(",") if x.strip()):
+        try:
+            thr = float(t)
+        except ValueError:
+            raise ValueError(f"--lina-thresholds: {t!r} is not a number") from None
+        if not 0.0 <= thr <= 1.0:
+            raise ValueError(f"--lina-thresholds: {thr} is outside [0, 1]")
+        base = [x for i, x in enumerate(c) if x != "--threshold" and (i == 0 or c[i - 1] != "--threshold")]
+        out.append(Variant(f"lina@{t}", "commsched.moe.infer", ("--placement", "lina", *base, "--threshold", t)))
+    return out
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

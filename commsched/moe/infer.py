@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 import time
@@ -570,9 +571,16 @@ def run(cfg: InferConfig, out: Path | None = None, *, group=None, return_outputs
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.batches, desc=f"moe-infer {cfg.placement}", unit="batch", dynamic_ncols=True)
+    # no garbage collection inside a timed batch: a collection pass on one rank stalls
+    # every rank at the next exchange; collect between batches instead
+    gc.collect()
+    gc.freeze()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
         with torch.inference_mode():
             for b in range(cfg.batches):
+                gc.collect()
                 if cfg.driver == "trace":
                     x, ex, gate = drv.inputs(b, rank, cfg.d_model)
                     T = x.shape[0]
@@ -594,6 +602,9 @@ def run(cfg: InferConfig, out: Path | None = None, *, group=None, return_outputs
                 if bar is not None:
                     bar.update(1)
     finally:
+        if gc_was_enabled:
+            gc.enable()
+        gc.unfreeze()
         rt.close()
         if bar is not None:
             bar.close()
@@ -685,6 +696,13 @@ def summarise(cfg: InferConfig, pcfg: PolicyConfig, per_rank: list[dict], row_co
         "warmup": cfg.warmup,
         "latency_ms": _pct(lat),
         "latency_ms_per_batch": lat,
+        "per_batch": {
+            "model_latency_ms": model_lat,
+            "replanned_layers": [int(sum(lr["replanned"] for lr in bl)) for bl in layers],
+            "critical_loads": [int(sum(lr["loads"] for lr in bl)) for bl in layers],
+            "parts_ms_max_over_ranks": {p: [1e3 * max(per_rank[r]["records"][b]["parts_s"][p] for r in range(N))
+                                            for b in timed] for p in recs0[0]["parts_s"]},
+        },
         "model_latency_ms": _pct(model_lat),
         "row_cost_us": row_cost_s * 1e6,
         "critical_rows": _pct(crit_rows),
