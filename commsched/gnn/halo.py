@@ -87,6 +87,10 @@ class HaloExchange:
     def end_epoch(self, epoch: int) -> None:
         """Called after every training epoch's optimizer step (inside the timed region)."""
 
+    def report(self) -> dict:
+        """Extra entries for metrics.json (rank 0's view); none by default."""
+        return {}
+
     def transfer(self, rows: torch.Tensor, layer: int, direction: str) -> Pending:
         """Move ``rows`` for ``layer`` in ``direction``.
 
@@ -177,16 +181,42 @@ class VanillaExchange(HaloExchange):
                                         stats=self.stats))
 
 
-# mode -> strategy class; AdaQP's modes add their classes here
-EXCHANGES: dict[str, type[HaloExchange]] = {"vanilla": VanillaExchange}
+# mode -> strategy class. The AdaQP modes live in ``adaqp.py`` (it imports this module),
+# so they are named here by module and resolved on first use.
+EXCHANGES: dict[str, type[HaloExchange] | str] = {
+    "vanilla": VanillaExchange,
+    **{m: "commsched.gnn.adaqp:AdaQPExchange" for m in
+       ("adaqp", "adaqp-q", "adaqp-p", "uniform", "random", "nocomm")},
+}
 
 
-def make_exchange(mode: str, book: PartitionBook, **kw) -> HaloExchange:
+def exchange_class(mode: str) -> type[HaloExchange]:
     if mode not in EXCHANGES:
-        raise ValueError(f"--mode {mode} is not implemented yet (available: "
-                         f"{', '.join(sorted(EXCHANGES))}; the AdaQP modes come with issue 7)")
-    return EXCHANGES[mode](book, **kw)
+        raise ValueError(f"--mode {mode} is not known (available: {', '.join(sorted(EXCHANGES))})")
+    cls = EXCHANGES[mode]
+    if isinstance(cls, str):
+        import importlib
+
+        mod, name = cls.split(":")
+        cls = getattr(importlib.import_module(mod), name)
+    return cls
 
 
-__all__ = ["DIRECTIONS", "EXCHANGES", "HaloExchange", "HaloHandle", "Pending",
+def make_exchange(mode: str, book: PartitionBook, *, config=None, **kw) -> HaloExchange:
+    """The exchange strategy of ``mode``. ``config`` (a TrainConfig) supplies the AdaQP
+    options (widths, period, group size, lam, the model's normalisation)."""
+    cls = exchange_class(mode)
+    if cls is VanillaExchange:
+        return cls(book, **kw)
+    from .adaqp import MODE_OPTIONS, AdaQPOptions, options_for
+
+    if config is not None:
+        opts = options_for(mode, config)
+    else:
+        scheme, overlap = MODE_OPTIONS[mode]
+        opts = AdaQPOptions(scheme=scheme, overlap=overlap)
+    return cls(book, options=opts, **kw)
+
+
+__all__ = ["DIRECTIONS", "EXCHANGES", "exchange_class", "HaloExchange", "HaloHandle", "Pending",
            "VanillaExchange", "make_exchange"]

@@ -30,8 +30,8 @@ _D = TrainConfig()
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m commsched.gnn.train",
-                                description="Distributed full-graph GNN training (Vanilla exchange; "
-                                            "AdaQP modes arrive with the AdaQP front-end).")
+                                description="Distributed full-graph GNN training: Vanilla (exact) or AdaQP's "
+                                            "quantized/overlapped exchanges (see docs/adaqp.md).")
     add_graph_args(p)
     p.add_argument("--partition-dir", metavar="DIR",
                    help="a folder written by `commsched partition` (each rank loads its part)")
@@ -133,13 +133,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = config_from_args(a)
         if cfg.mode not in EXCHANGES:
-            raise ValueError(f"--mode {cfg.mode} is not implemented yet (available: "
-                             f"{', '.join(sorted(EXCHANGES))}; the AdaQP modes come with issue 7)")
+            raise ValueError(f"--mode {cfg.mode} is not known (available: {', '.join(sorted(EXCHANGES))})")
         src = source_from_args(a) if (graph_args_given(a) or not a.partition_dir) else None
     except ValueError as e:
         print(f"commsched.gnn.train: {e}", file=sys.stderr)
         return 2
     rank, world = init_distributed()
+    if cfg.mode == "nocomm" and rank == 0:
+        print("commsched.gnn.train: --mode nocomm is TIMING ONLY: remote rows are replaced by "
+              "zeros, so the model trained is wrong; it measures the no-communication limit",
+              file=sys.stderr)
     try:
         startup_check(cfg, src, partition_dir=a.partition_dir, partition_method=a.partition_method,
                       partition_seed=a.partition_seed, resume=a.resume, out=a.out)

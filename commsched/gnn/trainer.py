@@ -34,7 +34,8 @@ from .layers import LocalGraph, build_model
 from .partition import PartData
 from .timing import BREAKDOWN_KEYS, Breakdown
 
-MODES = ("vanilla", "adaqp", "adaqp-q", "adaqp-p", "uniform", "random")
+# "nocomm" is TIMING ONLY (remote rows replaced by zeros: wrong maths), for the bench
+MODES = ("vanilla", "adaqp", "adaqp-q", "adaqp-p", "uniform", "random", "nocomm")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 CHECKPOINT = "checkpoint.pt"
 # config fields a resumed run may change
@@ -118,7 +119,7 @@ class Trainer:
                              f"{part.book.num_parts}")
         dt = cfg.torch_dtype
         self.halo = exchange if exchange is not None else make_exchange(
-            cfg.mode, part.book, group=group, pattern=cfg.pattern)
+            cfg.mode, part.book, group=group, pattern=cfg.pattern, config=cfg)
         self.timer = Breakdown()
         self.graph = LocalGraph(part.book, self.halo, dtype=dt, timer=self.timer, seed=cfg.seed,
                                 dropout_rng=cfg.dropout_rng)
@@ -339,6 +340,12 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
     mine["peak_rss_mib"] = peak_rss_mib()
     mine["book"] = tr.part.book.summary()
     per_rank = _gather(mine, group, tr.world)
+    extra = {**(extra or {}), **tr.halo.report()}
+    if tr.rank == 0 and isinstance(extra.get("adaqp"), dict):
+        wall = time.perf_counter() - t_start
+        assign = sum(a.get("wall_s", 0.0) for a in extra["adaqp"].get("assignments", []))
+        extra["adaqp"]["assign_total_s"] = assign
+        extra["assign_share_of_wall"] = assign / wall if wall > 0 else 0.0
     metrics = summarize(cfg, tr, per_rank, time.perf_counter() - t_start, dataset or part.name, extra)
     if out is not None and tr.rank == 0:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1))

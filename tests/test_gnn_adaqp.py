@@ -1,0 +1,184 @@
+"""AdaQP exchanges: pure width layouts and the rank-0 solve; on 2 and 3 gloo ranks,
+adaqp-p equals vanilla exactly, quantized exchanges round-trip within the quantization
+error bound (forward and backward), quantized modes train, widths agree across ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from commsched.gnn.adaqp import WIDTHS, random_widths, solve_widths, width_layout
+from commsched.gnn.data import SyntheticSpec, synthetic_graph
+from commsched.gnn.partition import make_parts, partition_nodes
+from commsched.gnn.trainer import TrainConfig, run_training
+from tests.mp import run_ranks
+
+SYN = SyntheticSpec(num_nodes=600, num_edges=3000, num_features=20, num_classes=4,
+                    communities_per_class=2, seed=3)
+
+
+# --------------------------------------------------------------------------- pure
+def test_width_layout_sizes_and_agreement():
+    w = [np.array([8, 2, 4, 2, 8]), np.zeros(0, np.int64), np.array([4])]
+    lay = width_layout(w, dim=5)
+    # peer 0: width 2 rows {1, 3}: payload 2 * ceil(10/8) = 4, meta 16; width 4 row {2}: 3 + 8;
+    # width 8 rows {0, 4}: 10 + 16
+    assert lay.segments.sizes[0] == (4, 16, 3, 8, 10, 16)
+    assert lay.segments.sizes[1] == (0,) * 6
+    assert lay.segments.sizes[2] == (0, 0, 3, 8, 0, 0)
+    assert [t.tolist() for t in lay.idx[0]] == [[1, 3], [2], [0, 4]]
+    assert lay.rows_per_width() == {2: 2, 4: 2, 8: 2}
+    with pytest.raises(ValueError, match="must be 2, 4 or 8"):
+        width_layout([np.array([3])], dim=4)
+    # the sender's row for peer q equals the receiver's row for peer p (3 ranks, random widths)
+    P, counts = 3, {(s, d): 7 + 3 * s + d for s in range(3) for d in range(3) if s != d}
+    for me in range(P):
+        def ch(s, d):
+            return random_widths(counts.get((s, d), 0), seed=1, layer=2, direction="backward",
+                                 src=s, dst=d, period_index=4)
+        send = width_layout([ch(me, p) for p in range(P)], 16)
+        for p in range(P):
+            recv_p = width_layout([ch(q, p) for q in range(P)], 16)
+            assert send.segments.sizes[p] == recv_p.segments.sizes[me]
+    assert not np.array_equal(random_widths(50, seed=1, layer=0, direction="forward", src=0, dst=1,
+                                            period_index=0),
+                              random_widths(50, seed=1, layer=0, direction="forward", src=0, dst=1,
+                                            period_index=1))
+
+
+def _per_rank(P: int, rng) -> list[dict]:
+    out = []
+    counts = rng.integers(0, 40, size=(P, P))
+    np.fill_diagonal(counts, 0)
+    for r in range(P):
+        tr = {(0, "forward"): [rng.lognormal(size=counts[r, p]) for p in range(P)],
+              (1, "backward"): [rng.lognormal(size=counts[p, r]) for p in range(P)]}
+        out.append({"trace": tr, "dims": {(0, "forward"): 12, (1, "backward"): 16},
+                    "costs": {p: (1e-8 * (1 + r), 1e-5) for p in range(P) if p != r},
+                    "counts": (tuple(counts[r]), tuple(counts[:, r]))})
+    return out
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_solve_widths_covers_every_channel(P):
+    per = _per_rank(P, np.random.default_rng(P))
+    for lam, only in ((0.0, 2), (1.0, 8), (0.5, None)):
+        table, info = solve_widths(per, group_size=5, lam=lam, time_limit_s=5.0)
+        for key in ((0, "forward"), (1, "backward")):
+            for s in range(P):
+                for d in range(P):
+                    if s == d:
+                        continue
+                    n = per[s]["counts"][0 if key[1] == "forward" else 1][d]
+                    w = table[key][(s, d)]
+                    assert w.shape == (n,) and set(w.tolist()) <= set(WIDTHS)
+                    if only is not None and n:
+                        assert set(w.tolist()) == {only}
+        assert sum(info["rows_per_width"].values()) == sum(
+            len(a) for r in per for k in r["trace"] for a in r["trace"][k])
+
+
+# --------------------------------------------------------------------------- distributed
+def _bound_ok(got: torch.Tensor, ref: torch.Tensor, bits_R: np.ndarray) -> bool:
+    """|x' - x| <= (max - min) / (2^b - 1) per row (one quantization step), with slack."""
+    rng = (ref.amax(1) - ref.amin(1)).double()
+    step = rng / torch.from_numpy((2.0 ** bits_R - 1))
+    err = (got.double() - ref.double()).abs().amax(1)
+    return bool((err <= step * (1 + 1e-4) + 1e-6).all())
+
+
+def _cases(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from commsched.gnn.halo import make_exchange
+
+    out: dict = {}
+    g = synthetic_graph(SYN)
+    sub = dist.new_group([0, 1])  # the 2-rank cases run on ranks 0 and 1
+    groups = [(world, None)] + ([(2, sub)] if rank < 2 else [])
+    for P, grp in groups:
+        part = make_parts(g, partition_nodes(g, P, "metis", 0), P)[rank]
+        # 1. adaqp-p (overlap, full precision) equals vanilla exactly
+        base = TrainConfig(model="gcn", layers=3, hidden=16, epochs=4, dtype="float64", seed=2)
+        mv, tv = run_training(base, part, group=grp)
+        mp_, tp = run_training(TrainConfig(**{**base.__dict__, "mode": "adaqp-p"}), part, group=grp)
+        out[f"p_equal_{P}"] = (mv["loss"] == mp_["loss"] and mv["test_acc"] == mp_["test_acc"]
+                               and all(torch.equal(a, b) for a, b in
+                                       zip(tv.model.parameters(), tp.model.parameters())))
+        # 2. the quantized exchange round-trips within one quantization step per row,
+        #    forward (features) and backward (gradient rows summed into their owners)
+        x = part.x_nF
+        ref_R = g.x_NF[torch.from_numpy(part.book.remote_ids)]
+        for mode, bits in (("uniform", 8), ("uniform", 2), ("random", 8)):
+            cfg = TrainConfig(mode=mode, bits=bits, seed=5)
+            ex = make_exchange(mode, part.book, group=grp, config=cfg)
+            ex.validate()
+            got = ex.start(x, 0).wait()
+            _, recv = ex.layouts(0, "forward", x.shape[1])
+            wR = np.zeros(part.book.num_remote, np.int64)
+            o = 0
+            for p in range(P):
+                for w, b in enumerate(WIDTHS):
+                    wR[o + recv.idx[p][w].numpy()] = b
+                o += part.book.recv_counts[p]
+            out[f"fwd_bound_{mode}{bits}_{P}"] = _bound_ok(got, ref_R, wR)
+            out[f"fwd_not_exact_{mode}{bits}_{P}"] = not torch.equal(got, ref_R)
+            # backward: every rank sends gradient rows = its remote rows' features
+            gsum = ex.backward_rows(ref_R.clone(), 1)
+            # exact[v] = x[v] * (number of peers v is sent to)
+            exact = torch.zeros_like(x).index_add_(0, ex.send_idx, x.index_select(0, ex.send_idx))
+            nsent = torch.zeros(x.shape[0]).index_add_(0, ex.send_idx, torch.ones(ex.send_idx.numel()))
+            step = (x.amax(1) - x.amin(1)) / 3.0  # width 2 is the loosest step
+            err = (gsum - exact).abs().amax(1)
+            out[f"bwd_bound_{mode}{bits}_{P}"] = bool((err <= nsent * step * (1 + 1e-4) + 1e-6).all())
+        # 3. the quantized modes train; adaptive re-assigns and the widths agree between ends
+        for mode in ("adaqp", "adaqp-q", "random", "uniform", "nocomm"):
+            cfg = TrainConfig(mode=mode, model="sage", layers=3, hidden=16, epochs=5, period=2,
+                              group_size=10, bits=8, seed=1)
+            m, tr = run_training(cfg, part, group=grp)
+            out[f"finite_{mode}_{P}"] = bool(np.isfinite(m["loss"]).all())
+            out[f"bytes_{mode}_{P}"] = m["bytes_sent_per_epoch"]
+            out[f"loss_{mode}_{P}"] = m["loss"]
+            if mode == "adaqp":
+                ex = tr.halo
+                out[f"assignments_{P}"] = len(ex.assignments)
+                mine = {k: {c: w.tolist() for c, w in v.items()} for k, v in ex.assigned.items()}
+                allv: list = [None] * P
+                dist.all_gather_object(allv, mine, group=grp)
+                agree = True
+                for k, chans in mine.items():
+                    for (s, d), w in chans.items():
+                        other = d if s == rank else s
+                        agree &= allv[other][k][(s, d)] == w
+                out[f"widths_agree_{P}"] = agree and bool(mine)
+                out[f"assign_share_{P}"] = m.get("assign_share_of_wall")
+        mv8, _ = run_training(TrainConfig(model="sage", layers=3, hidden=16, epochs=5, seed=1),
+                              part, group=grp)
+        out[f"loss_vanilla_{P}"] = mv8["loss"]
+        out[f"bytes_vanilla_{P}"] = mv8["bytes_sent_per_epoch"]
+    return out
+
+
+@pytest.mark.slow
+def test_adaqp_on_two_and_three_ranks():
+    res = run_ranks(3, _cases, timeout_s=400)
+    for rank, out in enumerate(res):
+        for P in (3, 2):
+            if rank >= P:
+                continue
+            assert out[f"p_equal_{P}"], f"adaqp-p differs from vanilla on {P} ranks"
+            for mb in ("uniform8", "uniform2", "random8"):
+                assert out[f"fwd_bound_{mb}_{P}"], (mb, P, rank)
+                assert out[f"bwd_bound_{mb}_{P}"], (mb, P, rank)
+                assert out[f"fwd_not_exact_{mb}_{P}"], (mb, P, rank)
+            for mode in ("adaqp", "adaqp-q", "random", "uniform", "nocomm"):
+                assert out[f"finite_{mode}_{P}"], (mode, P)
+            assert out[f"assignments_{P}"] == 2  # epochs 2 and 4 with period 2
+            assert out[f"widths_agree_{P}"]
+            van = np.array(out[f"loss_vanilla_{P}"])
+            # uniform 8-bit: close to vanilla; (D + 8) / (4 D) of the bytes at width D = 16, 20
+            assert np.abs(np.array(out[f"loss_uniform_{P}"]) - van).max() <= 0.02 * van.max()
+            assert out[f"bytes_uniform_{P}"] < 0.4 * out[f"bytes_vanilla_{P}"]
+            assert out[f"bytes_adaqp_{P}"] < 0.4 * out[f"bytes_vanilla_{P}"]
+            assert out[f"bytes_nocomm_{P}"] == 0
