@@ -192,7 +192,7 @@ def test_single_process_training_equals_dense_adjacency_model(kind, directed):
         loss = F.cross_entropy(out[g.train_mask], g.y_N[g.train_mask])
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     got = [tr.train_epoch() for _ in range(cfg.epochs)]
     np.testing.assert_allclose(got, losses, rtol=1e-10)
     for a, b in zip(tr.model.parameters(), ref.parameters()):
@@ -206,8 +206,8 @@ def test_single_process_training_equals_dense_adjacency_model(kind, directed):
 def test_training_config_errors():
     with pytest.raises(ValueError, match="--mode must be one of"):
         TrainConfig(mode="fast")
-    with pytest.raises(ValueError, match="not implemented yet"):
-        Trainer(TrainConfig(mode="adaqp"), _one_part(_tiny()))
+    with pytest.raises(ValueError, match="--mode no-such-mode is not"):
+        make_exchange("no-such-mode", _one_part(_tiny()).book)
     with pytest.raises(ValueError, match="unknown model"):
         build_model("gat", 3, 4, 2)
 

@@ -222,7 +222,7 @@ def test_torchrun_cli_with_partition_folder(tmp_path, capsys):
     assert set(KEYS) <= set(m) and m["world_size"] == 2 and m["epochs"] == 3 and m["mode"] == "vanilla"
     assert len(m["peak_rss_mib_per_rank"]) == 2 and m["bytes_sent_per_epoch"] > 0
     assert "vanilla gcn on synthetic x2" in p.stdout
-    # in-process (world size 1): another graph's options against a folder, a mode not built yet
+    # in-process (world size 1): another graph's options against a folder, an unknown mode
     from commsched.gnn.train import main as train_main
 
     assert partition_main(syn + ["--parts", "1", "--out", str(tmp_path / "one")]) == 0
@@ -232,5 +232,6 @@ def test_torchrun_cli_with_partition_folder(tmp_path, capsys):
     assert "made for another graph" in capsys.readouterr().err
     assert train_main(one) == 0
     assert "x1" in capsys.readouterr().out
-    assert train_main(["--mode", "adaqp"]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_main(["--mode", "no-such-mode"])
+    assert "invalid choice" in capsys.readouterr().err
