@@ -88,33 +88,33 @@ def _draw_key(generator: torch.Generator | None, seed: int | None) -> int:
     return int(k.item())
 
 
-def _nonfinite_error(x_ND: torch.Tensor, meta_N2: torch.Tensor, name: str,
-                     row0: int = 0) -> ValueError:
-    """The error for a message whose metadata came out non-finite, naming what and where."""
+def _nonfinite_error(x_ND: torch.Tensor, name: str) -> ValueError:
+    """The error for rows whose metadata came out non-finite, naming what and where."""
     finite = torch.isfinite(x_ND)
     n_bad = int((~finite).sum())
     if n_bad:
         n_nan = int(torch.isnan(x_ND).sum())
         bad_rows = (~finite).any(dim=1).nonzero().flatten()
-        where = [(int(r) + row0, int(c)) for r, c in (~finite).nonzero()[:5].tolist()]
+        where = [(int(r), int(c)) for r, c in (~finite).nonzero()[:5].tolist()]
         return ValueError(
             f"{name} holds {n_bad} non-finite value{'s' if n_bad != 1 else ''} "
             f"({n_nan} NaN, {n_bad - n_nan} inf) in {len(bad_rows)} of {x_ND.shape[0]} rows; "
             f"first at (row, column) {', '.join(map(str, where))}"
             f"{' ...' if n_bad > len(where) else ''}. Quantization needs finite input: look for "
             "an overflow or a division by zero upstream, or clean it with torch.nan_to_num.")
-    bad = (~torch.isfinite(meta_N2).all(dim=1)).nonzero().flatten()
+    lo, hi = x_ND.amin(dim=1), x_ND.amax(dim=1)
+    bad = (~torch.isfinite(hi - lo)).nonzero().flatten()
     r = int(bad[0]) if len(bad) else 0
-    lo, hi = float(x_ND[r].min()), float(x_ND[r].max())
     return ValueError(
-        f"{name}: {len(bad)} row{'s span' if len(bad) != 1 else ' spans'} more than the float32 range "
-        f"(max - min overflows), first row {r + row0} with min {lo:.4g} and max {hi:.4g}; "
-        "scale the input down before quantizing it.")
+        f"{name}: {len(bad)} row{'s span' if len(bad) != 1 else ' spans'} more than the float32 "
+        f"range (max - min overflows), first row {r} with min {float(lo[r]):.4g} and max "
+        f"{float(hi[r]):.4g}; scale the input down before quantizing it.")
 
 
-def _check_meta(x_ND: torch.Tensor, meta_N2: torch.Tensor, name: str, row0: int = 0) -> None:
+def _check_meta(x_ND: torch.Tensor, meta_N2: torch.Tensor, name: str) -> None:
+    """Raise if any row's metadata is non-finite (non-finite input or an overflowing range)."""
     if meta_N2.numel() and not bool(torch.isfinite(meta_N2).all()):
-        raise _nonfinite_error(x_ND, meta_N2, name, row0)
+        raise _nonfinite_error(x_ND, name)
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -365,7 +365,7 @@ def pack_groups(x_RD: torch.Tensor, layout: GroupLayout, *,
         xg = x[r0:r0 + n]
         payload_view = out[b0 + n * META_BYTES:b0 + n * (META_BYTES + B)].view(n, B)
         _, meta = _quantize_rows(xg, bits, key, r0, impl, out_NB=payload_view)
-        _check_meta(xg, meta, "x", row0=r0)
+        _check_meta(x, meta, "x")  # on failure, reports on the whole of x
         out[b0:b0 + n * META_BYTES].copy_(meta.contiguous().view(torch.uint8).view(-1))
     return out
 

@@ -134,15 +134,15 @@ class _LazyCompiled:
     def __call__(self, *args):
         if self._failed:
             return self._fn(*args, *self._static)
-        with self._lock:
-            if self._compiled is None:
-                self._compiled = torch.compile(self._fn, dynamic=False)
         args = list(args)
         if args[self._dynamic_args[0]].shape[0] > 1:  # 0 and 1 are always specialised
             for i in self._dynamic_args:
                 args[i] = args[i].view(args[i].shape)
                 torch._dynamo.mark_dynamic(args[i], 0)
         try:
+            with self._lock:
+                if self._compiled is None:
+                    self._compiled = torch.compile(self._fn, dynamic=False)
             return self._compiled(*args, *self._static)
         except Exception as e:  # noqa: BLE001 -- any compiler failure means: run eagerly
             self._failed = True
