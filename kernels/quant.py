@@ -19,6 +19,11 @@ B = ceil(D * b / 8), L = 2^b - 1):
         out      float32 [N, D], unit column stride, row stride ``stride_o``   (written)
         grid     (cdiv(N, ROWS), cdiv(B, BLOCK_B))
 
+Only core builtins are used (``tl.reduce`` with local combine functions rather than
+``tl.min``/``tl.max``/``tl.sum``/``tl.zeros``, which are jit functions of Triton's standard
+library): the interpreter can then run these kernels even when ``triton.language`` was
+imported before ``TRITON_INTERPRET`` was set (for example by ``torch.compile``).
+
 Rounding is pinned to the reference: divisions use ``div_rn`` (IEEE round to nearest,
 not the approximate default on NVIDIA GPUs) and the launchers pass
 ``enable_fp_fusion=False`` so that no multiply-add is contracted into an FMA. The random
@@ -37,6 +42,21 @@ import triton.language as tl
 # the reference's constants (kept literal here: a jit function sees only constexprs)
 _RANGE_MIN = 2.0**-100
 _FLT_MAX = 3.4028234663852886e38
+
+
+@triton.jit
+def _min2(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _max2(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add2(a, b):
+    return a + b
 
 
 @triton.jit
@@ -64,16 +84,16 @@ def quantize_pack_kernel(x_ptr, payload_ptr, meta_ptr, N, D, B, stride_x, stride
     # pass 1: row minimum, maximum and count of non-finite values
     lo = tl.full([ROWS], float("inf"), tl.float32)
     hi = tl.full([ROWS], float("-inf"), tl.float32)
-    bad = tl.zeros([ROWS], tl.int32)
+    bad = tl.full([ROWS], 0, tl.int32)
     for j0 in range(0, B, BLOCK_B):
         j = j0 + lane
         for s in tl.static_range(K):
             col = s * B + j
             m = row_ok[:, None] & ((j < B) & (col < D))[None, :]
             v = tl.load(x_row + col[None, :], mask=m, other=0.0)
-            lo = tl.minimum(lo, tl.min(tl.where(m, v, float("inf")), axis=1))
-            hi = tl.maximum(hi, tl.max(tl.where(m, v, float("-inf")), axis=1))
-            bad += tl.sum((m & ~(tl.abs(v) <= _FLT_MAX)).to(tl.int32), axis=1)
+            lo = tl.minimum(lo, tl.reduce(tl.where(m, v, float("inf")), 1, _min2))
+            hi = tl.maximum(hi, tl.reduce(tl.where(m, v, float("-inf")), 1, _max2))
+            bad += tl.reduce((m & ~(tl.abs(v) <= _FLT_MAX)).to(tl.int32), 1, _add2)
     lo = tl.where(row_ok, lo, 0.0)  # rows past N: keep their (unused) arithmetic finite
     hi = tl.where(row_ok, hi, 0.0)
     rng = hi - lo
@@ -89,7 +109,7 @@ def quantize_pack_kernel(x_ptr, payload_ptr, meta_ptr, N, D, B, stride_x, stride
     for j0 in range(0, B, BLOCK_B):
         j = j0 + lane
         jm = j < B
-        acc = tl.zeros([ROWS, BLOCK_B], tl.int32)
+        acc = tl.full([ROWS, BLOCK_B], 0, tl.int32)
         for s in tl.static_range(K):
             col = s * B + j
             m = row_ok[:, None] & (jm & (col < D))[None, :]
@@ -179,9 +199,10 @@ def quantize_pack(x_ND: torch.Tensor, bits: int, key: int, row0: int = 0, *,
     return out, meta
 
 
-def unpack_dequantize(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int,
-                      dim: int) -> torch.Tensor:
-    """Decode (payload uint8 [N, B], meta float32 [N, 2]) to float32 [N, dim]."""
+def unpack_dequantize(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int, dim: int, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode (payload uint8 [N, B], meta float32 [N, 2]) to float32 [N, dim], into ``out``
+    (unit column stride) if given."""
     bits = _check_bits(bits)
     B = (dim * bits + 7) // 8
     if (not isinstance(payload_NB, torch.Tensor) or payload_NB.dtype != torch.uint8
@@ -195,7 +216,12 @@ def unpack_dequantize(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int
     if B > 1 and payload_NB.stride(1) != 1:
         payload_NB = payload_NB.contiguous()
     meta_N2 = meta_N2.contiguous()
-    out = torch.empty(N, dim, dtype=torch.float32, device=payload_NB.device)
+    if out is None:
+        out = torch.empty(N, dim, dtype=torch.float32, device=payload_NB.device)
+    elif (out.dtype != torch.float32 or tuple(out.shape) != (N, dim) or out.device != payload_NB.device
+          or (dim > 1 and out.stride(1) != 1)):
+        raise ValueError(f"out must be float32 [{N}, {dim}] on {payload_NB.device} with unit column "
+                         f"stride, got {out.dtype} {tuple(out.shape)} on {out.device}")
     if N == 0:
         return out
     rows, block_b = _tiles(B)

@@ -164,7 +164,12 @@ def test_compiled_fast_path_equals_reference_bit_for_bit(bits):
         _, m = F.quantize_cpu(x[:N], bits, key, row0, out_NB=out, compile=True)
         assert torch.equal(out, p_ref) and torch.equal(m, m_ref), (N, row0)
         y = F.dequantize_cpu(out, m_ref, bits, D, compile=True)
-        assert torch.equal(y, R.dequantize_reference(p_ref, m_ref, bits, D))
+        y_ref = R.dequantize_reference(p_ref, m_ref, bits, D)
+        assert torch.equal(y, y_ref)
+        dest = torch.full((N + 5, D), 7.0)  # decode into rows of a bigger matrix
+        F.dequantize_cpu(out, m_ref, bits, D, out_ND=dest[2:2 + N], compile=True)
+        assert torch.equal(dest[2:2 + N], y_ref)
+        assert (dest[:2] == 7).all() and (dest[2 + N:] == 7).all()
     # the clamp (see test_no_level_spills_into_its_neighbour): key 0 makes element (0, 0) round up
     L = (1 << bits) - 1
     xs = torch.zeros(2, D)
@@ -385,6 +390,10 @@ def test_pack_unpack_groups_round_trip(counts, D, data):
     recv[off:off + buf.numel()] = buf
     y = unpack_groups(recv[off:off + buf.numel()], layout)
     assert y.shape == (R_, D)
+    dest = torch.full((R_ + 3, D), -1.0)
+    rows = dest[1:1 + R_]
+    assert unpack_groups(buf, layout, out=rows) is rows
+    assert torch.equal(dest[1:1 + R_], y) and (dest[0] == -1).all() and (dest[1 + R_:] == -1).all()
     parts = [R.dequantize_reference(*R.quantize_reference(x[layout.row_offsets[g]:layout.row_offsets[g + 1]],
                                                           b, seed, row0=layout.row_offsets[g]), b, D)
              for g, b in enumerate(bits)]
@@ -463,6 +472,8 @@ def test_bad_arguments():
         unpack_groups(torch.zeros(30, dtype=torch.uint8), layout)
     with pytest.raises(ValueError, match="1-D uint8"):
         unpack_groups(torch.zeros(32), layout)
+    with pytest.raises(ValueError, match=re.escape("out must be a float32 [3, 3]")):
+        unpack_groups(torch.zeros(32, dtype=torch.uint8), layout, out=torch.zeros(3, 4))
     with pytest.raises(ValueError, match="payload must be uint8"):
         QuantizedRows(torch.zeros(2, 3, dtype=torch.uint8), torch.zeros(2, 2), 4, 3)
     with pytest.raises(ValueError, match="meta must be float32"):

@@ -103,6 +103,10 @@ def test_kernel_writes_into_a_strided_payload_view(K):
     p, m = K.quantize_pack(x, 4, 77, 0, out=out)
     assert p is out and torch.equal(out, R.quantize_reference(x, 4, 77)[0])
     assert (buf[:3] == 0).all()
+    dest = torch.zeros(7, 30)
+    y = K.unpack_dequantize(out, m, 4, 21, out=dest[1:6, 4:25])  # row stride 30
+    assert torch.equal(y, R.dequantize_reference(out, m, 4, 21))
+    assert dest[:, :4].abs().sum() == 0 and dest[:, 25:].abs().sum() == 0
     xs = torch.randn(6, 40)[:, :21]  # a row stride larger than D
     assert torch.equal(K.quantize_pack(xs, 2, 5)[0], R.quantize_reference(xs, 2, 5)[0])
 

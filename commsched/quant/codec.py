@@ -149,18 +149,20 @@ def _quantize_rows(x_ND: torch.Tensor, bits: int, key: int, row0: int, impl: str
 
 
 def _dequantize_rows(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int, dim: int,
-                     impl: str) -> torch.Tensor:
+                     impl: str, out_ND: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [N, dim], written into ``out_ND`` (unit column stride) if given; unchecked."""
     how = _resolve(impl, payload_NB.device)
     if how == "triton":
         from commsched.kernels.quant import unpack_dequantize
 
-        return unpack_dequantize(payload_NB, meta_N2, bits, dim)
+        return unpack_dequantize(payload_NB, meta_N2, bits, dim, out=out_ND)
     if how in ("fast", "eager", "compiled"):
         from .fast import dequantize_cpu
 
         compile = None if how == "fast" else how == "compiled"
-        return dequantize_cpu(payload_NB, meta_N2, bits, dim, compile=compile)
-    return _ref.dequantize_reference(payload_NB, meta_N2, bits, dim)
+        return dequantize_cpu(payload_NB, meta_N2, bits, dim, out_ND=out_ND, compile=compile)
+    y = _ref.dequantize_reference(payload_NB, meta_N2, bits, dim)
+    return y if out_ND is None else out_ND.copy_(y)
 
 
 def _meta_from_bytes(meta_bytes: torch.Tensor, rows: int) -> torch.Tensor:
@@ -370,8 +372,14 @@ def pack_groups(x_RD: torch.Tensor, layout: GroupLayout, *,
     return out
 
 
-def unpack_groups(buf_B: torch.Tensor, layout: GroupLayout, *, impl: str = "auto") -> torch.Tensor:
-    """Decode a buffer written by ``pack_groups`` with the same layout: float32 [R, D]."""
+def unpack_groups(buf_B: torch.Tensor, layout: GroupLayout, *, out: torch.Tensor | None = None,
+                  impl: str = "auto") -> torch.Tensor:
+    """Decode a buffer written by ``pack_groups`` with the same layout: float32 [R, D].
+
+    Every group is decoded straight into its rows of ``out`` (float32 [R, D] with unit
+    column stride on the buffer's device, for example the halo rows of a feature matrix)
+    or of a new tensor; returns it.
+    """
     layout = _check_layout(layout)
     _check_impl(impl)
     if not isinstance(buf_B, torch.Tensor) or buf_B.dtype != torch.uint8 or buf_B.dim() != 1:
@@ -381,19 +389,24 @@ def unpack_groups(buf_B: torch.Tensor, layout: GroupLayout, *, impl: str = "auto
         raise ValueError(f"buf holds {buf_B.numel()} bytes but the layout (counts {layout.counts}, "
                          f"bits {layout.bits}, dim {layout.dim}) needs {layout.nbytes}; both sides "
                          "must build the same GroupLayout")
-    parts = []
+    shape = (layout.rows, layout.dim)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=buf_B.device)
+    elif (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != shape
+          or out.device != buf_B.device or (layout.dim > 1 and out.stride(1) != 1)):
+        raise ValueError(f"out must be a float32 {list(shape)} tensor on {buf_B.device} with unit "
+                         f"column stride, got {getattr(out, 'dtype', type(out).__name__)} "
+                         f"{tuple(getattr(out, 'shape', ()))}")
     for g in range(layout.groups):
         n, bits = layout.counts[g], layout.bits[g]
         if n == 0:
             continue
-        b0 = layout.byte_offsets[g]
+        r0, b0 = layout.row_offsets[g], layout.byte_offsets[g]
         B = payload_bytes(layout.dim, bits)
         meta = _meta_from_bytes(buf_B[b0:b0 + n * META_BYTES], n)
         payload = buf_B[b0 + n * META_BYTES:b0 + n * (META_BYTES + B)].view(n, B)
-        parts.append(_dequantize_rows(payload, meta, bits, layout.dim, impl))
-    if not parts:
-        return torch.empty(0, layout.dim, dtype=torch.float32, device=buf_B.device)
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+        _dequantize_rows(payload, meta, bits, layout.dim, impl, out_ND=out[r0:r0 + n])
+    return out
 
 
 __all__ = ["BITS", "GroupLayout", "IMPLS", "META_BYTES", "QuantizedRows", "dequantize",

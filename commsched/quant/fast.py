@@ -13,7 +13,11 @@ levels are ever written to memory. What made the difference when this was measur
   ``arange`` (which Inductor builds lane by lane in every iteration);
 * the clamp written as a compare-and-select and the per-row inverse as ``1/range * L``
   (one division per row that the compiler keeps out of the vector chain);
-* planar packing, so every slot is a contiguous slice and the pack is a shift and an OR.
+* planar packing, so every slot is a contiguous slice and the pack is a shift and an OR;
+* decoding straight into the destination rows (through an [N, K, B] view of them): the
+  decode itself runs at about 4x the clone rate, and a fresh output tensor costs as much
+  again in page faults as the decode, so the codec allocates the output once (and
+  ``unpack_groups`` writes every group into its rows of it).
 
 Compilation is lazy (on the first call large enough to profit), cached per process and
 per (function, bits, D), each with its own code object so that their graphs do not
@@ -96,22 +100,27 @@ def quantize_fused(x_ND: torch.Tensor, key: torch.Tensor, row0: torch.Tensor,
     return torch.cat([scale, lo], dim=1)
 
 
-def dequantize_fused(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int,
-                     dim: int) -> torch.Tensor:
-    """(payload uint8 [N, B], meta float32 [N, 2]) -> float32 [N, dim], as the reference."""
-    K, mask = 8 // bits, (1 << bits) - 1
-    B = payload_NB.shape[1]
+def dequantize_fused(payload_NB: torch.Tensor, meta_N2: torch.Tensor, out_ND: torch.Tensor,
+                     bits: int, dim: int) -> None:
+    """Decode (payload uint8 [N, B], meta float32 [N, 2]) into ``out_ND`` (float32 [N, dim],
+    unit column stride), as the reference.
+
+    The F = dim // B full slots are written through an [N, F, B] view of the output (one
+    vectorized loop over the payload bytes), the partial last slot, if any, through a slice.
+    """
+    N, B = payload_NB.shape
+    mask = (1 << bits) - 1
+    full = dim // B
     scale, lo = meta_N2[:, 0:1], meta_N2[:, 1:2]
-    parts = []
-    for s in range(K):
-        width = min(B, dim - s * B)
-        if width <= 0:
-            break
-        slot = payload_NB[:, :width].to(torch.int32)
-        if s:
-            slot = slot >> (s * bits)
-        parts.append(lo + scale * (slot & mask).to(torch.float32))
-    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    p = payload_NB.to(torch.int32)
+    if full:
+        shifts = torch.arange(full, dtype=torch.int32, device=p.device) * bits
+        q = ((p.unsqueeze(1) >> shifts[None, :, None]) & mask).to(torch.float32)
+        out_ND[:, :full * B].view(N, full, B).copy_(lo[:, :, None] + scale[:, :, None] * q)
+    width = dim - full * B
+    if width:
+        q = ((p[:, :width] >> (full * bits)) & mask).to(torch.float32)
+        out_ND[:, full * B:].copy_(lo + scale * q)
 
 
 class _LazyCompiled:
@@ -165,7 +174,7 @@ def _compiled(kind: str, bits: int, dim: int) -> _LazyCompiled:
     name = f"{kind}_fused_b{bits}_d{dim}"
     if kind == "quantize":
         return _LazyCompiled(_own_code(quantize_fused, name), name, (bits,), (0, 4))
-    return _LazyCompiled(_own_code(dequantize_fused, name), name, (bits, dim), (0, 1))
+    return _LazyCompiled(_own_code(dequantize_fused, name), name, (bits, dim), (0, 1, 2))
 
 
 def _use_compiled(compile: bool | None, rows: int, dim: int) -> bool:
@@ -198,11 +207,17 @@ def quantize_cpu(x_ND: torch.Tensor, bits: int, key: int, row0: int = 0, *,
 
 
 def dequantize_cpu(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int, dim: int, *,
-                   compile: bool | None = None) -> torch.Tensor:
-    """Dequantize on the CPU; ``compile`` as in ``quantize_cpu``."""
-    if _use_compiled(compile, payload_NB.shape[0], dim):
-        return _compiled("dequantize", bits, dim)(payload_NB, meta_N2)
-    return dequantize_fused(payload_NB, meta_N2, bits, dim)
+                   out_ND: torch.Tensor | None = None, compile: bool | None = None) -> torch.Tensor:
+    """Dequantize on the CPU into ``out_ND`` (float32 [N, dim] with unit column stride, for
+    example rows of a bigger matrix) or a new tensor; ``compile`` as in ``quantize_cpu``."""
+    N = payload_NB.shape[0]
+    if out_ND is None:
+        out_ND = torch.empty(N, dim, dtype=torch.float32)
+    if _use_compiled(compile, N, dim):
+        _compiled("dequantize", bits, dim)(payload_NB, meta_N2, out_ND)
+    else:
+        dequantize_fused(payload_NB, meta_N2, out_ND, bits, dim)
+    return out_ND
 
 
 __all__ = ["COMPILE_MIN_ELEMENTS", "dequantize_cpu", "dequantize_fused", "quantize_cpu",
