@@ -196,10 +196,22 @@ def test_compile_failure_falls_back_to_the_eager_twin(monkeypatch):
         fn(*args)
 
 
-def test_public_api_small_messages_do_not_compile(monkeypatch):
-    monkeypatch.setattr(F, "_compiled", lambda *a: pytest.fail("compiled a tiny message"))
-    q = Q.quantize(torch.randn(10, 16), 4, seed=1)
+def test_public_api_compiles_only_large_messages(monkeypatch):
+    monkeypatch.setattr(F, "_compiled", lambda *a: pytest.fail("compiled a small message"))
+    x = torch.randn(10, 16)
+    q = Q.quantize(x, 4, seed=1)
     Q.dequantize(q)
+    calls = []
+
+    def spy(kind, bits, dim):  # stands in for the compiled function: the eager twin
+        fn = F.quantize_fused if kind == "quantize" else F.dequantize_fused
+        static = (bits,) if kind == "quantize" else (bits, dim)
+        return lambda *args: calls.append((kind, bits, dim)) or fn(*args, *static)
+
+    monkeypatch.setattr(F, "_compiled", spy)
+    monkeypatch.setattr(F, "COMPILE_MIN_ELEMENTS", 100)
+    assert torch.equal(Q.dequantize(Q.quantize(x, 4, seed=1)), Q.dequantize(q))
+    assert calls == [("quantize", 4, 16), ("dequantize", 4, 16)]
 
 
 # --------------------------------------------------------------------------- the maths

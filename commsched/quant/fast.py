@@ -45,8 +45,9 @@ from .reference import HASH_M1, HASH_M2, RANDOM_BITS, RANGE_MIN, payload_bytes
 _M1_I32 = HASH_M1 - (1 << 32) if HASH_M1 >= 1 << 31 else HASH_M1
 _M2_I32 = HASH_M2 - (1 << 32) if HASH_M2 >= 1 << 31 else HASH_M2
 
-# messages with fewer elements run eagerly: compiling would not pay off
-COMPILE_MIN_ELEMENTS = 1 << 16
+# Messages with fewer elements run the eager twin: compiling one (bits, D) pair costs seconds,
+# which only pays off for messages this large and up (and keeps small test graphs fast).
+COMPILE_MIN_ELEMENTS = 1 << 20
 
 
 def _lowbias32_i32(h: torch.Tensor) -> torch.Tensor:
