@@ -332,6 +332,12 @@ def test_other_float_dtypes_and_strides():
     xt = torch.randn(40, 5).t()  # non-contiguous
     assert torch.equal(Q.quantize(xt, 8, seed=1).payload, Q.quantize(xt.contiguous(), 8, seed=1).payload)
     assert Q.dequantize(Q.quantize(x.half(), 2, seed=1)).dtype == torch.float32
+    q = Q.quantize(x, 4, seed=2)
+    dest = torch.zeros(7, 40)
+    assert Q.dequantize(q, out=dest[1:6]) is not None
+    assert torch.equal(dest[1:6], Q.dequantize(q)) and dest[0].abs().sum() == 0
+    with pytest.raises(ValueError, match="out must be"):
+        Q.dequantize(q, out=torch.zeros(5, 40, dtype=torch.float64))
 
 
 def _over_ranges(bits: int, n: int = 8) -> np.ndarray:

@@ -264,12 +264,27 @@ def quantize(x_ND: torch.Tensor, bits: int, *, generator: torch.Generator | None
     return QuantizedRows(payload, meta, bits, x.shape[1])
 
 
-def dequantize(q: QuantizedRows, *, impl: str = "auto") -> torch.Tensor:
-    """Decode a ``QuantizedRows`` to float32 [N, D]: zero point + scale * level."""
+def dequantize(q: QuantizedRows, *, out: torch.Tensor | None = None,
+               impl: str = "auto") -> torch.Tensor:
+    """Decode a ``QuantizedRows`` to float32 [N, D]: zero point + scale * level.
+
+    ``out`` (float32 [N, D], unit column stride, on the payload's device) receives the
+    rows if given, for example rows of a bigger matrix; it is returned.
+    """
     if not isinstance(q, QuantizedRows):
         raise TypeError(f"dequantize expects a QuantizedRows, got {type(q).__name__}")
     _check_impl(impl)
-    return _dequantize_rows(q.payload, q.meta.contiguous(), q.bits, q.dim, impl)
+    if out is not None:
+        _check_out(out, (q.rows, q.dim), q.payload.device)
+    return _dequantize_rows(q.payload, q.meta.contiguous(), q.bits, q.dim, impl, out_ND=out)
+
+
+def _check_out(out, shape: tuple[int, int], device: torch.device) -> None:
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != shape
+            or out.device != device or (shape[1] > 1 and out.stride(1) != 1)):
+        raise ValueError(f"out must be a float32 {list(shape)} tensor on {device} with unit "
+                         f"column stride, got {getattr(out, 'dtype', type(out).__name__)} "
+                         f"{tuple(getattr(out, 'shape', ()))}")
 
 
 # --------------------------------------------------------------------------- multi width
@@ -392,11 +407,8 @@ def unpack_groups(buf_B: torch.Tensor, layout: GroupLayout, *, out: torch.Tensor
     shape = (layout.rows, layout.dim)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=buf_B.device)
-    elif (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != shape
-          or out.device != buf_B.device or (layout.dim > 1 and out.stride(1) != 1)):
-        raise ValueError(f"out must be a float32 {list(shape)} tensor on {buf_B.device} with unit "
-                         f"column stride, got {getattr(out, 'dtype', type(out).__name__)} "
-                         f"{tuple(getattr(out, 'shape', ()))}")
+    else:
+        _check_out(out, shape, buf_B.device)
     for g in range(layout.groups):
         n, bits = layout.counts[g], layout.bits[g]
         if n == 0:
