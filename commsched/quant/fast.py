@@ -11,8 +11,9 @@ levels are ever written to memory. What made the difference when this was measur
 * random bits from a counter hash computed in the same pass, instead of ``torch.rand``;
 * the column counter loaded from a small int32 ``iota`` input instead of an in-graph
   ``arange`` (which Inductor builds lane by lane in every iteration);
-* the clamp written as a compare-and-select and the per-row inverse as ``1/range * L``
-  (one division per row that the compiler keeps out of the vector chain);
+* the rounding as a select between f and f + 1, the level converted to int32 and clamped
+  there (one integer min), slots shifted and ORed in int32 and narrowed to uint8 once:
+  each of these replaced mask conversions or saturating float clamps in the vector loop;
 * planar packing, so every slot is a contiguous slice and the pack is a shift and an OR;
 * decoding straight into the destination rows (through an [N, K, B] view of them): the
   decode itself runs at about 4x the clone rate, and a fresh output tensor costs as much
@@ -80,6 +81,7 @@ def quantize_fused(x_ND: torch.Tensor, key: torch.Tensor, row0: torch.Tensor,
     # per-row counter base, truncated to 32 bits; the column is added in int32 (mod 2^32)
     base_N1 = ((torch.arange(N, dtype=torch.int64, device=x_ND.device)[:, None] + row0) * D
                + key).to(torch.int32)
+    top = torch.tensor(levels, dtype=torch.int32, device=x_ND.device)
     packed = None
     for s in range(K):
         if s * B >= D:  # this slot and the ones after it hold no column of the row
@@ -89,14 +91,15 @@ def quantize_fused(x_ND: torch.Tensor, key: torch.Tensor, row0: torch.Tensor,
         r = ((h >> (32 - RANDOM_BITS)) & ((1 << RANDOM_BITS) - 1)).to(torch.float32)
         t = (x_NKB[:, s] - lo) * inv
         f = torch.floor(t)
-        q = f + (r < (t - f) * float(1 << RANDOM_BITS)).to(torch.float32)
-        q = torch.where(q > levels, float(levels), q).to(torch.uint8)
+        # f + up, clamped to L in int32 (t >= 0, so the conversion truncates exactly)
+        q = torch.where(r < (t - f) * float(1 << RANDOM_BITS), f + 1.0, f).to(torch.int32)
+        q = torch.minimum(q, top)
         if (s + 1) * B > D:
             q = torch.where(col_B < D, q, torch.zeros_like(q))
         if s:
             q = q << (s * bits)
         packed = q if packed is None else packed | q
-    out_NB.copy_(packed)
+    out_NB.copy_(packed.to(torch.uint8))
     scale = torch.where(big, rng / levels, zero)
     return torch.cat([scale, lo], dim=1)
 
