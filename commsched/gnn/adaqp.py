@@ -231,6 +231,26 @@ class AdaQPExchange(HaloExchange):
                                      repeats=self.opt.probe_repeats)
             self.link_costs = {p: (c.theta, c.gamma) for p, c in costs.items()}
 
+    def prepare(self, dims: list[int]) -> None:
+        """Set-up before the first epoch: warm the codec (compiles the fast path for every
+        width and row width this run exchanges, so no epoch pays for compilation)."""
+        if self._codec is None or self.world_size == 1:
+            return
+        quantize, dequantize = self._codec
+        try:
+            from ..quant.fast import COMPILE_MIN_ELEMENTS
+        except ImportError:
+            return  # the reference codec: nothing to compile
+        n_max = max(max(self.book.send_counts), max(self.book.recv_counts))
+        for d in sorted(set(dims)):
+            if n_max * d < COMPILE_MIN_ELEMENTS:
+                continue  # messages this small run eagerly anyway
+            rows = max(2, 2 * COMPILE_MIN_ELEMENTS // d)  # large enough for the compiled path
+            x = torch.randn(rows, d, generator=torch.Generator().manual_seed(d))
+            for b in WIDTHS:
+                pay, meta = quantize(x, b, 1, 0)
+                dequantize(pay, meta, b, d)
+
     def begin_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         if self.world_size == 1 or epoch == 0 or epoch % self.opt.period:

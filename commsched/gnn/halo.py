@@ -79,6 +79,10 @@ class HaloExchange:
             make_plan(self.book.send_counts, group=self.group, recv_counts=self.book.recv_counts)
 
     # ---- the pluggable part ------------------------------------------------------------
+    def prepare(self, dims: list[int]) -> None:
+        """Set-up before the first epoch (untimed); ``dims`` is the input row width of each
+        layer. A place to warm caches or compile kernels; nothing by default."""
+
     def begin_epoch(self, epoch: int) -> None:
         """Called at the start of every training epoch, inside its timed region (after the
         timer was reset): the place for periodic work such as bit-width re-assignment

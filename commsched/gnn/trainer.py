@@ -136,6 +136,7 @@ class Trainer:
         self.history: dict[str, list] = {"loss": [], "epoch_time_s": [], "breakdown_s": [],
                                          "bytes_sent": [], "eval": []}
         self.halo.validate()
+        self.halo.prepare([part.num_features] + [cfg.hidden] * (cfg.layers - 1))  # input width per layer
         # build the adjacency blocks now, not inside the first timed epoch
         for conv in self.model.convs:
             self.graph.blocks(conv.norm)
