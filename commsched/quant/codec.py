@@ -173,7 +173,7 @@ def _meta_from_bytes(meta_bytes: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- single width
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class QuantizedRows:
     """A quantized message: ``payload`` uint8 [N, B], ``meta`` float32 [N, 2] (scale, zero point).
 

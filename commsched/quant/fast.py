@@ -199,10 +199,10 @@ def quantize_cpu(x_ND: torch.Tensor, bits: int, key: int, row0: int = 0, *,
     N, D = x_ND.shape
     B = payload_bytes(D, bits)
     if out_NB is None:
-        out_NB = torch.empty(N, B, dtype=torch.uint8)
-    key_t = torch.tensor(key & 0xFFFFFFFF, dtype=torch.int64)
+        out_NB = torch.empty(N, B, dtype=torch.uint8, device=x_ND.device)
+    key_t = torch.tensor(key & 0xFFFFFFFF, dtype=torch.int64)  # 0-d: usable with any device
     row0_t = torch.tensor(row0, dtype=torch.int64)
-    iota_B = torch.arange(B, dtype=torch.int32)
+    iota_B = torch.arange(B, dtype=torch.int32, device=x_ND.device)
     if _use_compiled(compile, N, D):
         meta = _compiled("quantize", bits, D)(x_ND, key_t, row0_t, iota_B, out_NB)
     else:
@@ -216,7 +216,7 @@ def dequantize_cpu(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int, d
     example rows of a bigger matrix) or a new tensor; ``compile`` as in ``quantize_cpu``."""
     N = payload_NB.shape[0]
     if out_ND is None:
-        out_ND = torch.empty(N, dim, dtype=torch.float32)
+        out_ND = torch.empty(N, dim, dtype=torch.float32, device=payload_NB.device)
     if _use_compiled(compile, N, dim):
         _compiled("dequantize", bits, dim)(payload_NB, meta_N2, out_ND)
     else:
