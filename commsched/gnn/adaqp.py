@@ -74,13 +74,31 @@ def _codec():
     dequantize(payload, meta, bits, dim) -> float32 [N, dim]) from commsched.quant."""
     try:
         from ..quant.fast import dequantize_cpu, quantize_cpu
-        return quantize_cpu, dequantize_cpu
-    except ImportError:  # the fast path is missing: the reference (same bytes, slower)
+    except ImportError:
+        quantize_cpu = None
+    if quantize_cpu is not None:
+        def q(x, bits, key, row0=0):
+            return quantize_cpu(x, bits, key, row0, compile=_compile(x.shape[0], x.shape[1]))
+
+        def dq(payload, meta, bits, dim):
+            return dequantize_cpu(payload, meta, bits, dim, compile=_compile(payload.shape[0], dim))
+        return q, dq
+    else:  # the fast path is missing: the reference (same bytes, slower)
         from ..quant.reference import dequantize_reference, quantize_reference
 
         def q(x, bits, key, row0=0):
             return quantize_reference(x, bits, key, row0=row0)
         return q, dequantize_reference
+
+
+# Halo messages of at least this many elements use the compiled codec (one compile per
+# width and row width, done in ``prepare``); smaller ones run eagerly. Lower than the
+# codec's own default because an exchange repeats the same shapes every epoch.
+COMPILE_MIN_ELEMENTS = 1 << 16
+
+
+def _compile(rows: int, dim: int) -> bool:
+    return rows > 1 and rows * dim >= COMPILE_MIN_ELEMENTS
 
 
 def payload_bytes(dim: int, bits: int) -> int:
@@ -237,10 +255,6 @@ class AdaQPExchange(HaloExchange):
         if self._codec is None or self.world_size == 1:
             return
         quantize, dequantize = self._codec
-        try:
-            from ..quant.fast import COMPILE_MIN_ELEMENTS
-        except ImportError:
-            return  # the reference codec: nothing to compile
         n_max = max(max(self.book.send_counts), max(self.book.recv_counts))
         for d in sorted(set(dims)):
             if n_max * d < COMPILE_MIN_ELEMENTS:
