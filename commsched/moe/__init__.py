@@ -10,7 +10,31 @@ import importlib
 from typing import Any
 
 # name -> submodule, for training (router, dispatcher, expert layer, model, schedule)
-_TRAIN_EXPORTS: dict[str, str] = {}
+_TRAIN_EXPORTS: dict[str, str] = {
+    "RouterConfig": "router",
+    "Router": "router",
+    "Routing": "router",
+    "route_top_k": "router",
+    "load_balancing_loss": "router",
+    "ExpertFFN": "experts",
+    "expert_apply": "experts",
+    "is_expert_param": "experts",
+    "ExpertGroup": "dispatch",
+    "A2AObserver": "dispatch",
+    "A2ATimer": "dispatch",
+    "local_moe": "dispatch",
+    "ep_moe": "dispatch",
+    "sort_assignments": "dispatch",
+    "MoELayer": "layer",
+    "DispatchConfig": "layer",
+    "ModelConfig": "model",
+    "MoETransformerLM": "model",
+    "Corpus": "data",
+    "load_corpus": "data",
+    "TrainConfig": "train",
+    "train": "train",
+    "to_deepspeed": "deepspeed_moe",
+}
 
 # name -> submodule, for inference (placement, popularity estimation, traces, runtime)
 _INFER_EXPORTS: dict[str, str] = {

@@ -1,2 +1,36 @@
 """Micro-op partitioning, the all-to-all-first priority policy, its executor and a
-discrete-event simulator of the policy (Lina)."""
+discrete-event simulator of the policy (Lina).
+
+Names are resolved lazily from their submodules; importing ``commsched.priority`` runs nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "CommOp": "partition",
+    "Piece": "partition",
+    "partition": "partition",
+    "bucket": "partition",
+    "split_equal": "partition",
+    "POLICIES": "policy",
+    "Launch": "policy",
+    "Policy": "policy",
+    "make_policy": "policy",
+    "simulate": "sim",
+    "moe_backward_script": "sim",
+    "Link": "sim",
+    "SimResult": "sim",
+    "GradScheduler": "executor",
+    "ScheduleConfig": "executor",
+    "LOCAL": "executor",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
