@@ -67,6 +67,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", default=None, help="routing trace npz (default: synthetic)")
     g.add_argument("--tokens-per-batch", type=int, default=d["tokens_per_batch"])
     g.add_argument("--d-model", type=int, default=d["d_model"], help="floats per token on the wire")
+    g.add_argument("--expert-hidden", type=int, default=None, help="FFN width with --compute real")
     g.add_argument("--experts", type=int, default=d["experts"])
     g.add_argument("--layers", type=int, default=d["layers"])
     g.add_argument("--k", type=int, default=d["k"])
@@ -86,7 +87,7 @@ def _common(a: argparse.Namespace) -> list[str]:
     if a.driver == "trace":
         out += ["--tokens-per-batch", a.tokens_per_batch, "--d-model", a.d_model, "--experts", a.experts,
                 "--layers", a.layers, "--k", a.k]
-        opt.update({"--trace": a.trace, "--zipf": a.zipf})
+        opt.update({"--trace": a.trace, "--zipf": a.zipf, "--expert-hidden": a.expert_hidden})
     else:
         opt.update({"--checkpoint": a.checkpoint, "--corpus": a.corpus, "--batch-size": a.batch_size,
                     "--profile-trace": a.profile_trace})
