@@ -1,7 +1,12 @@
 """``commsched demo``: the main job on the embedded default (no download, no data path).
 
-Until the GNN and MoE front-ends land, the demo is the core exchange benchmark at a
-small size: both all-to-all patterns on 4 local ranks, beside loopback throughput.
+1. GNN: Vanilla against AdaQP, GCN on a seeded synthetic graph, 4 ranks, under the
+   bench's emulated communication-bound rate when run as root (unshaped otherwise, with
+   a note saying what that means). See ``commsched.gnn.demo``.
+2. MoE: a short inference run comparing static expert placement with Lina's two-phase
+   placement on synthetic routing traces. See ``commsched.moe.bench_infer``.
+
+Results land under ``--out`` (default ``runs/demo``).
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="commsched demo", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("runs/demo"))
     p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--skip-moe", action="store_true", help="run only the GNN part")
     a = p.parse_args(list(argv or []))
-    from .bench import run_bench
+    from .gnn.demo import main as gnn_demo
 
-    run_bench("all2all", ["--nproc", str(a.nproc), "--out", str(a.out / "all2all"),
-                          "--sizes", f"{64 << 10},{1 << 20}", "--min-time", "0.5"])
-    print((a.out / "all2all" / "summary.md").read_text())
-    return 0
+    rc = gnn_demo(["--out", str(a.out / "gnn"), "--nproc", str(a.nproc)])
+    if rc or a.skip_moe:
+        return rc
+    from .moe.demo import main as moe_demo
+
+    return moe_demo(["--out", str(a.out / "moe"), "--nproc", str(a.nproc)])
