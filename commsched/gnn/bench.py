@@ -16,6 +16,7 @@ and the histogram of assigned widths.
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 
 from ..bench import Variant, Workload, median_of
@@ -120,7 +121,7 @@ def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> 
         if base:
             # per-repeat ratios (repeat k of vanilla against repeat k of this variant: interleaved)
             rat = [b["epoch_time_s"] / x["epoch_time_s"] for b, x in zip(base, rs)]
-            r["speedup_vs_vanilla"] = sorted(rat)[len(rat) // 2]
+            r["speedup_vs_vanilla"] = statistics.median(rat) if rat else None
             r["speedup_per_repeat"] = rat
         noc = runs.get(f"{model}-nocomm")
         if noc and mode != "nocomm":
