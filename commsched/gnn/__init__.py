@@ -20,7 +20,8 @@ _EXPORTS: dict[str, str] = {
     "save_partition": "partition", "load_part": "partition",
     # exchange, layers, training
     "HaloExchange": "halo", "VanillaExchange": "halo", "EXCHANGES": "halo",
-    "make_exchange": "halo", "DistMessagePassing": "layers", "GCNConv": "layers",
+    "make_exchange": "halo", "AdaQPExchange": "adaqp", "AdaQPOptions": "adaqp",
+    "DistMessagePassing": "layers", "GCNConv": "layers",
     "SAGEConv": "layers", "DistGNN": "layers", "LocalGraph": "layers", "CONVS": "layers",
     "build_model": "layers", "Breakdown": "timing", "BREAKDOWN_KEYS": "timing",
     "TrainConfig": "trainer", "Trainer": "trainer", "run_training": "trainer",
