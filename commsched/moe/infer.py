@@ -14,10 +14,10 @@ Every rank serves its own share of each batch. Per MoE layer:
    the next layer's expert load from its tokens' paths and a checksum of the previous
    placement: every rank now holds the same global counts and estimates;
 3. the placement of the layer: fixed (static, eplb), planned from the actual counts
-   (oracle), or (lina) the phase-1 plan computed from the estimate gathered one layer
-   earlier -- in a background thread while that layer ran, with its expert loads
-   prefetched -- kept, or re-planned when the estimated and actual top-2k experts
-   overlap less than ``--threshold``. The planners are deterministic and their inputs
+   (oracle), or (lina) the phase-1 plan made from the estimate gathered one layer
+   earlier -- planned right after that gather, its expert loads prefetched by a
+   background thread while that layer ran -- kept, or re-planned when the estimated and
+   actual top-2k experts overlap less than ``--threshold``. The planners are deterministic and their inputs
    identical on every rank, so every rank computes the same plan and nothing is
    broadcast (the checksum in the next gather verifies it);
 4. experts the device lacks are loaded from host memory into its S slots;
@@ -357,6 +357,7 @@ def model_weights(model) -> list[tuple[torch.Tensor, ...]]:
 @dataclass
 class BatchTimes:
     meta: float = 0.0
+    phase1: float = 0.0
     phase1_wait: float = 0.0
     plan: float = 0.0
     load: float = 0.0
@@ -375,7 +376,7 @@ class Runtime:
         self.hist = historical_LE
         self.rank, self.world, self.group = rank, world, group
         self.E, self.L, self.k = pcfg.num_experts, pcfg.num_layers, pcfg.k
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commsched-phase1") \
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commsched-prefetch") \
             if pcfg.strategy == "lina" else None
         self.placed_times = PlacedTimes()
         self.records: list[dict] = []  # one per batch
@@ -385,26 +386,31 @@ class Runtime:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
 
-    # ---------------------------------------------------------------- phase 1 (background for lina)
-    def _prefetch(self, layer: int, est: np.ndarray | None) -> tuple[Placement | None, float]:
-        t = time.perf_counter()
-        p, loads = self.policy.phase1(layer, est)
-        if p is not None:
-            self.bank.ensure(layer, p.device_experts[self.rank])
-        return p, time.perf_counter() - t
+    # ---------------------------------------------------------------- phase 1 (lina)
+    def _phase1_ahead(self, layer: int, est: np.ndarray | None) -> None:
+        """Plan ``layer``'s phase 1 now (main thread: the planner is pure Python, and a
+        planner thread contending for the interpreter lock slowed the main thread more
+        than planning inline costs) and load its experts in the background thread while
+        the current layer's exchange and expert compute run (as a GPU's copy engine
+        loads weights during compute)."""
+        p, _ = self.policy.phase1(layer, est)
+        self._next_p1 = p
+        self._future = self.pool.submit(self.bank.ensure, layer, p.device_experts[self.rank])
 
     def begin_batch(self, b: int, num_tokens: int) -> None:
         self._batch = b
         self._T = num_tokens
         self._hist_T = np.zeros((num_tokens, self.L), dtype=np.int64)
         self._future: Future | None = None
+        self._next_p1: Placement | None = None
         self._est_next: np.ndarray | None = None
         self._prev_digest = -1
         self._bt = BatchTimes()
         self._layers: list[dict] = []
         self.placed_times.reset()
-        if self.pool is not None:  # layer 0's phase 1 is the historical plan, prefetched between batches
-            self._future = self.pool.submit(self._prefetch, 0, None)
+        if self.pool is not None:  # layer 0's phase 1 is the historical plan, loaded between batches
+            self._phase1_ahead(0, None)
+            self._future.result()
 
     def _gather_meta(self, layer: int, counts_E: np.ndarray, est_next_E: np.ndarray) -> np.ndarray:
         E = self.E
@@ -444,29 +450,32 @@ class Runtime:
         actual = counts_PE.sum(axis=0).astype(np.float64)
         est_this = self._est_next  # gathered one layer earlier (None at layer 0)
         self._est_next = M[:, E:2 * E].sum(axis=0)
-        # phase 1 of this layer: from the background planner (lina) or the fixed layouts
-        if self._future is not None:
-            p1, _ = self._future.result()
+        # phase 1 of this layer: planned one layer ahead, its loads prefetched (lina); or fixed
+        if self.pool is not None:
+            p1 = self._next_p1
+            self._future.result()
             self._future = None
         else:
             p1, _ = self.policy.phase1(j)
             if p1 is not None:
                 self.bank.ensure(j, p1.device_experts[self.rank])
         t2 = time.perf_counter()
-        if self.pool is not None and j + 1 < self.L:  # plan + prefetch layer j+1 while this one runs
-            self._future = self.pool.submit(self._prefetch, j + 1, self._est_next.copy())
         dec: LayerDecision = self.policy.decide(j, p1, actual, est_this)
         t3 = time.perf_counter()
         n_loaded = len(dec.loads_N[self.rank])
         if n_loaded:
             self.bank.ensure(j, dec.placement.device_experts[self.rank])
         t4 = time.perf_counter()
+        if self.pool is not None and j + 1 < self.L:  # phase 1 of layer j+1 while this one runs
+            self._phase1_ahead(j + 1, self._est_next)
+        t5 = time.perf_counter()
         y = placed_moe(x_TD, expert_TK, gate_TK, counts_PE, dec.placement, self.bank.compute(j),
                        rank=self.rank, group=self.group, keep_TK=keep_TK, times=self.placed_times)
         bt.meta += t1 - t0
         bt.phase1_wait += t2 - t1
         bt.plan += t3 - t2
         bt.load += t4 - t3
+        bt.phase1 += t5 - t4
         self._prev_digest = placement_digest(dec.placement)
         # what the summary needs (identical on every rank); derived after the run, off the clock
         planned_from = None
@@ -488,10 +497,11 @@ class Runtime:
             self._future = None
         self.records.append({
             "latency_s": latency_s,
-            "parts_s": {"meta": self._bt.meta, "phase1_wait": self._bt.phase1_wait, "plan": self._bt.plan,
-                        "load": self._bt.load, "a2a": pt.a2a, "expert": pt.expert, "dispatch_other": pt.other,
-                        "dense": max(0.0, latency_s - self._bt.meta - self._bt.phase1_wait - self._bt.plan
-                                     - self._bt.load - pt.a2a - pt.expert - pt.other)},
+            "parts_s": {"meta": self._bt.meta, "phase1": self._bt.phase1, "phase1_wait": self._bt.phase1_wait,
+                        "plan": self._bt.plan, "load": self._bt.load, "a2a": pt.a2a, "expert": pt.expert,
+                        "dispatch_other": pt.other,
+                        "dense": max(0.0, latency_s - self._bt.meta - self._bt.phase1 - self._bt.phase1_wait
+                                     - self._bt.plan - self._bt.load - pt.a2a - pt.expert - pt.other)},
             "bytes_sent": pt.bytes_sent,
             "layers": self._layers,
         })
