@@ -259,3 +259,68 @@ def test_infer_mp(results, case):
 
 def test_static_layout_helper_matches_default_slots():
     assert default_slots(16, 4) == 6 and static_placement(16, 4, slots_per_device=6).max_load == 0.0
+
+
+# --------------------------------------------------------------------------- recorder, checkpoints, bench
+def test_record_trace_and_checkpoint_round_trip(tmp_path):
+    from commsched.moe.data import Corpus
+    from commsched.moe.model import ModelConfig, MoETransformerLM
+    from commsched.moe.record import load_checkpoint, record_trace, save_checkpoint
+    from commsched.moe.traces import load_trace, save_trace
+
+    torch.manual_seed(1)
+    model = MoETransformerLM(ModelConfig(d_model=16, n_heads=2, n_layers=2, seq_len=8, d_ff=16, expert_hidden=8,
+                                         num_experts=4, k=2, moe_every=1))
+    data = torch.arange(400, dtype=torch.uint8)
+    corpus = Corpus(train=data[:300], val=data[300:], source="counting bytes")
+    tr = record_trace(model.eval(), corpus, 30, source="unit")  # 30 tokens -> 4 windows of 8
+    assert (tr.num_tokens, tr.num_layers, tr.k, tr.num_experts) == (32, 2, 2, 4)
+    assert tr.seq_ids.tolist() == [i // 8 for i in range(32)]
+    with torch.no_grad():  # the recorded choices are the router's on the first window
+        model(corpus.val[:8].long().view(1, 8))
+    assert tr.experts[:8, 1].tolist() == model.moe_layers()[1].last_routing.expert_TK.tolist()
+    save_trace(tmp_path / "t.npz", tr)
+    assert "model:unit" in load_trace(tmp_path / "t.npz").source
+    save_checkpoint(tmp_path / "m.pt", model, {"note": 1})
+    back, info = load_checkpoint(tmp_path / "m.pt")
+    assert info == {"note": 1} and back.cfg == model.cfg
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
+    with pytest.raises(ValueError, match="no such file"):
+        load_checkpoint(tmp_path / "missing.pt")
+    torch.save({"format": "other"}, tmp_path / "x.pt")
+    with pytest.raises(ValueError, match="not a commsched MoE LM checkpoint"):
+        load_checkpoint(tmp_path / "x.pt")
+    with pytest.raises(ValueError, match="fewer than the"):
+        record_trace(model, corpus, 1000)
+
+
+def _metrics(p95: float, rows: float, imb: float, series: list[float]) -> dict:
+    L, E, N = 2, 4, 2
+    return {"latency_ms": {"p50": p95 * 0.9, "p95": p95, "p99": p95}, "critical_rows": {"p95": rows},
+            "imbalance": imb, "latency_ms_per_batch": series, "breakdown_s": {"a2a": 0.1, "expert": 0.5},
+            "expert_load_share": [[0.25] * E] * L, "replicas": [[1.0] * E] * L,
+            "device_rows_share": [[0.5] * N] * L}
+
+
+def test_bench_variants_summary_and_heatmap(tmp_path):
+    from commsched.bench import build_parser
+    from commsched.moe.bench_infer import WORKLOAD
+
+    a = build_parser(WORKLOAD).parse_args(["--lina-thresholds", "0,0.75", "--threshold", "0.5", "--batches", "5"])
+    vs = {v.name: v.args for v in WORKLOAD.variants(a)}
+    assert list(vs) == ["static", "eplb", "lina", "oracle", "lina@0", "lina@0.75"]
+    assert vs["lina"][:2] == ("--placement", "lina") and "0.5" in vs["lina"]
+    assert vs["lina@0"].count("--threshold") == 1 and vs["lina@0"][-2:] == ("--threshold", "0")
+    with pytest.raises(ValueError, match="outside"):
+        WORKLOAD.variants(build_parser(WORKLOAD).parse_args(["--lina-thresholds", "2"]))
+    runs = {"static": [_metrics(200, 100, 1.6, [190, 200, 210])] * 2,
+            "lina": [_metrics(120, 60, 1.1, [110, 120, 125])] * 2,
+            "oracle": [_metrics(110, 58, 1.0, [105, 110, 112])] * 2}
+    out = WORKLOAD.summarize(runs, a, tmp_path)
+    g = out["goals"]
+    assert g["lina_p95_speedup_vs_static"]["measured"] == pytest.approx(200 / 120)
+    assert g["lina_p95_speedup_vs_static"]["met"] and g["lina_mean_imbalance"]["met"]
+    assert g["lina_p95_over_oracle"]["measured"] == pytest.approx(120 / 110)
+    assert g["model_latency_p95_speedup_vs_static"]["measured"] == pytest.approx(100 / 60)
+    assert out["latency_ms_batch_median_over_repeats"]["lina"]["p50"] == pytest.approx(120)
+    assert (tmp_path / "heatmap.png").stat().st_size > 1000
