@@ -186,7 +186,7 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
 def placed_moe_local(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tensor,
                      compute: ExpertCompute, keep_TK: torch.Tensor | None = None) -> torch.Tensor:
     """The slow twin: every expert applied here to its rows (in token order), no
-    placement, no exchange; ``compute`` is called with all E... experts that got rows."""
+    placement, no exchange; ``compute`` gets the experts that have rows, ascending."""
     token_A, expert_A, gate_A = _flatten(expert_TK, gate_TK, keep_TK)
     order = torch.sort(expert_A, stable=True).indices
     ex_sorted = expert_A[order]
