@@ -54,13 +54,25 @@ class A2AObserver(Protocol):
 
     def block_end(self) -> None: ...
 
+    def a2a_blocked(self, seconds: float) -> None:
+        """The compute thread just spent ``seconds`` blocked waiting for an exchange."""
+        ...
+
+
+def _blocked(observer: A2AObserver | None, seconds: float) -> None:
+    fn = getattr(observer, "a2a_blocked", None)
+    if fn is not None:
+        fn(seconds)
+
 
 @dataclass
 class A2ATimer:
     """An observer that adds up exchange time (wall time from start to completion seen by
-    this rank, overlapping exchanges counted once) and bytes sent to peers."""
+    this rank, overlapping exchanges counted once), the time the compute thread was
+    blocked waiting for exchanges, and bytes sent to peers."""
 
     time_s: float = 0.0
+    blocked_s: float = 0.0
     bytes_sent: int = 0
     calls: int = 0
     intervals: list[tuple[float, float, int]] | None = None  # (start, end, bytes) when recording
@@ -94,8 +106,11 @@ class A2ATimer:
     def block_end(self) -> None:
         pass
 
+    def a2a_blocked(self, seconds: float) -> None:
+        self.blocked_s += seconds
+
     def reset(self) -> None:
-        self.time_s, self.bytes_sent, self.calls = 0.0, 0, 0
+        self.time_s, self.blocked_s, self.bytes_sent, self.calls = 0.0, 0.0, 0, 0
         if self.intervals is not None:
             self.intervals = []
 
@@ -223,8 +238,10 @@ def exchange_counts(counts_CE: torch.Tensor, eg: ExpertGroup,
     send = counts_CE.reshape(C, P, L).permute(1, 0, 2).reshape(P, C * L).contiguous()
     plan = A2APlan((1,) * P, (1,) * P, eg.rank)
     tok = observer.a2a_begin(send.numel() * 8) if observer is not None else None
+    t0 = time.perf_counter()
     got = all_to_all(send, plan, group=eg.group).reshape(P, C, L)
     if observer is not None:
+        _blocked(observer, time.perf_counter() - t0)
         observer.a2a_end(tok)
     g = got.permute(1, 0, 2).tolist()  # [C][P][L]
     return g
@@ -257,8 +274,10 @@ def _peer_bytes(plan: A2APlan, row_bytes: int) -> int:
 def _observed(x: torch.Tensor, plan: A2APlan, group, observer: A2AObserver | None) -> torch.Tensor:
     tok = observer.a2a_begin(_peer_bytes(plan, x[0].numel() * x.element_size() if x.shape[0] else 0)) \
         if observer is not None else None
+    t0 = time.perf_counter()
     out = all_to_all(x, plan, group=group)
     if observer is not None:
+        _blocked(observer, time.perf_counter() - t0)
         observer.a2a_end(tok)
     return out
 
@@ -319,8 +338,10 @@ class _Pipeline:
 
     def finish(self, handle) -> torch.Tensor:
         h, tok = handle
+        t0 = time.perf_counter()
         out = h.wait()
         if self.observer is not None:
+            _blocked(self.observer, time.perf_counter() - t0)
             self.observer.a2a_end(tok)
         return out
 

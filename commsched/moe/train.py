@@ -19,11 +19,14 @@ backward pass), starting from the same weights.
 
 Writes ``DIR/metrics.json`` (rank 0): ``impl``, ``schedule``, ``world_size``, ``loss``
 (mean over ranks, per step), ``step_time_s`` (median over the timed steps of the slowest
-rank's step), ``a2a_time_s`` (median per step, mean over ranks, of the wall time during
-which an expert all-to-all was in flight), ``allreduce_time_s`` (same, for gradient
-allreduce), plus ``a2a_alone_time_s`` (all-to-all time in extra steps with the allreduce
-held until after the backward pass), ``allreduce_wait_s`` (time the optimizer waited for
-allreduce after the backward pass), the configuration and sizes; and
+rank's step), ``a2a_time_s`` (median per step, mean over ranks, of the time the compute
+thread was blocked waiting for expert all-to-alls -- what the step pays for them),
+``a2a_inflight_s`` (the same for the time during which an exchange was queued or on the
+wire; larger under pipelining, where compute runs meanwhile), ``allreduce_time_s``
+(time during which a gradient allreduce was in flight), plus ``a2a_alone_time_s``
+(``a2a_time_s`` in extra steps with the allreduce held until after the backward pass),
+``allreduce_wait_s`` (time the optimizer waited for allreduce after the backward pass),
+the configuration and sizes; and
 ``DIR/timeline.json``: every rank's communication operations of one step.
 """
 
@@ -32,7 +35,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,7 +218,8 @@ def _train_commsched(cfg: TrainConfig, corpus, ep: int, show: bool) -> dict:
             opt.zero_grad(set_to_none=True)
             t3 = time.perf_counter()
             rows.append({"step_s": t3 - t0, "fwd_s": t1 - t0, "bwd_s": t2 - t1, "loss": ce.item(),
-                         "a2a_s": st["a2a_time_s"], "allreduce_s": st["allreduce_time_s"],
+                         "a2a_s": st["a2a_blocked_s"], "a2a_inflight_s": st["a2a_time_s"],
+                         "allreduce_s": st["allreduce_time_s"],
                          "allreduce_wait_s": st["allreduce_wait_s"]})
             if step == tl_step:
                 timeline = _timeline_dicts(sched.records)
@@ -233,7 +239,7 @@ def _train_commsched(cfg: TrainConfig, corpus, ep: int, show: bool) -> dict:
             x, y = corpus.batch(B, S, seed=cfg.seed, step=cfg.steps + i, rank=rank)
             probe.begin_step()
             model.loss(x, y)[0].backward()
-            alone.append(probe.finish()["a2a_time_s"])
+            alone.append(probe.finish()["a2a_blocked_s"])
             model.zero_grad(set_to_none=True)
     finally:
         probe.close()
@@ -332,7 +338,8 @@ def _train_deepspeed(cfg: TrainConfig, corpus, ep: int, show: bool) -> dict:
             t3 = time.perf_counter()
             a2a, other = comm_times()
             rows.append({"step_s": t3 - t0, "fwd_s": t1 - t0, "bwd_s": t2 - t1, "loss": ce.item(),
-                         "a2a_s": a2a, "allreduce_s": other, "allreduce_wait_s": t3 - t2})
+                         "a2a_s": a2a, "a2a_inflight_s": a2a, "allreduce_s": other,
+                         "allreduce_wait_s": t3 - t2})
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{ce.item():.3f}", step_s=f"{t3 - t0:.2f}")
@@ -368,7 +375,8 @@ def _summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> 
         return sum(xs) / len(xs)
 
     step_max = col("step_s", max)
-    per = {k: col(k, mean) for k in ("fwd_s", "bwd_s", "a2a_s", "allreduce_s", "allreduce_wait_s", "loss")}
+    per = {k: col(k, mean) for k in ("fwd_s", "bwd_s", "a2a_s", "a2a_inflight_s", "allreduce_s",
+                                     "allreduce_wait_s", "loss")}
     alone = [mean([per_rank[r]["a2a_alone_s"][i] for r in range(world)])
              for i in range(len(per_rank[0]["a2a_alone_s"]))]
     vals = [p["val_loss"] for p in per_rank if p["val_loss"] is not None]
@@ -387,6 +395,7 @@ def _summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> 
         "val_loss": mean(vals) if vals else None,
         "step_time_s": step_time,
         "a2a_time_s": a2a,
+        "a2a_inflight_s": _median([per["a2a_inflight_s"][s] for s in timed]),
         "allreduce_time_s": _median([per["allreduce_s"][s] for s in timed]),
         "allreduce_wait_s": _median([per["allreduce_wait_s"][s] for s in timed]),
         "a2a_alone_time_s": _median(alone),
@@ -472,6 +481,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if dist.get_rank() == 0:
             print(json.dumps({k: m[k] for k in ("impl", "schedule", "world_size", "step_time_s", "a2a_time_s",
                                                  "allreduce_time_s", "a2a_alone_time_s", "val_loss")}), flush=True)
+        if cfg.impl == "deepspeed":
+            # DeepSpeed's CPU backend now and then aborts in its C++ teardown ("terminate called
+            # without an active exception") after a run that finished and wrote its results;
+            # leave without running those destructors once every rank is done.
+            dist.barrier()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     finally:
         dist.destroy_process_group()
     return 0

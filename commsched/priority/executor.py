@@ -150,6 +150,7 @@ class GradScheduler:
         self._error: BaseException | None = None
         self._active = False
         self._a2a_key = 0
+        self._a2a_blocked_s = 0.0
         self.records: list[OpRecord] = []
         self._rec: dict[tuple[str, int], OpRecord] = {}
         self._t0 = time.perf_counter()
@@ -169,6 +170,7 @@ class GradScheduler:
             self._state = [_Op(spec, g, len(spec.tensors)) for spec, g in zip(self.ops, self._op_groups)]
             self._param_ready = [False] * len(self._params)
             self.records, self._rec = [], {}
+            self._a2a_blocked_s = 0.0
             self._t0 = time.perf_counter()
             self._active = True
 
@@ -278,6 +280,9 @@ class GradScheduler:
             if self._active:
                 self._pump()
 
+    def a2a_blocked(self, seconds: float) -> None:
+        self._a2a_blocked_s += seconds  # compute thread only
+
     def block_begin(self) -> None:
         with self._cv:
             self._policy.block_begin()
@@ -321,7 +326,8 @@ class GradScheduler:
         a2a = [(r.ready_s, r.end_s) for r in recs if r.kind == "a2a" and r.end_s >= 0]
         ar = [(r.start_s, r.end_s) for r in recs if r.kind == "allreduce" and r.end_s >= 0]
         self.records = sorted(recs, key=lambda r: (r.ready_s, r.kind, r.key))
-        return {"a2a_time_s": _union_s(a2a), "allreduce_time_s": _union_s(ar),
+        return {"a2a_time_s": _union_s(a2a), "a2a_blocked_s": self._a2a_blocked_s,
+                "allreduce_time_s": _union_s(ar),
                 "allreduce_wait_s": t_done - t_end, "backward_end_s": t_end,
                 "a2a_count": len(a2a), "allreduce_count": len(ar)}
 
