@@ -54,6 +54,18 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def prepare_process_group_import() -> None:
+    """Import ``torch._dynamo`` before the default process group is made.
+
+    With torch 2.13, importing dynamo *after* ``init_process_group`` (``torch.optim`` and
+    DeepSpeed do so on first use) keeps the gloo group alive past
+    ``destroy_process_group``: its worker threads then outlive the interpreter and a
+    collective's late clean-up aborts the process at exit ("terminate called without an
+    active exception"). Importing it first avoids that.
+    """
+    import torch._dynamo  # noqa: F401
+
+
 def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> tuple[int, int]:
     """Initialise the default process group from torchrun's environment.
 
@@ -62,6 +74,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    prepare_process_group_import()
     env = read_env()
     t = timeout_s if timeout_s is not None else env.timeout_s
     backend = backend or default_backend()

@@ -29,7 +29,10 @@ def _worker(rank: int, world: int, init_file: str, pg_timeout_s: float, fn: Call
         import torch
         import torch.distributed as dist
 
+        from commsched.dist import prepare_process_group_import
+
         torch.set_num_threads(1)
+        prepare_process_group_import()
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))

@@ -260,3 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  part {s['rank']}: {s['owned']} owned ({s['central']} central, {s['marginal']} "
               f"marginal), {s['remote']} remote, sends {s['send_rows']} rows")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
