@@ -29,6 +29,9 @@ def test_width_layout_sizes_and_agreement():
     assert lay.segments.sizes[2] == (0, 0, 3, 8, 0, 0)
     assert [t.tolist() for t in lay.idx[0]] == [[1, 3], [2], [0, 4]]
     assert lay.rows_per_width() == {2: 2, 4: 2, 8: 2}
+    # per width, the rows among all 6 of the exchange (peer 2's row is row 5), peer by peer
+    assert [t.tolist() for t in lay.pos] == [[1, 3], [2, 5], [0, 4]]
+    assert lay.peer_rows == ((2, 0, 0), (1, 0, 1), (2, 0, 0))
     with pytest.raises(ValueError, match="must be 2, 4 or 8"):
         width_layout([np.array([3])], dim=4)
     # the sender's row for peer q equals the receiver's row for peer p (3 ranks, random widths)

@@ -66,39 +66,43 @@ WIDTHS = (2, 4, 8)
 META_BYTES = 8  # float32 scale + float32 zero point per row (the codec's wire format)
 SCHEMES = ("adaptive", "uniform", "random", "full", "zeros")
 _DIRS = {"forward": 0, "backward": 1}
+_EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 # --------------------------------------------------------------------------- codec access
 def _codec():
-    """(quantize(x, bits, key, row0) -> (payload [N, B] uint8, meta [N, 2] float32),
-    dequantize(payload, meta, bits, dim) -> float32 [N, dim]) from commsched.quant."""
+    """(quantize(x, bits, key, row0, compile) -> (payload [N, B] uint8, meta [N, 2] float32),
+    dequantize(payload, meta, bits, dim, out, compile) -> float32 [N, dim]) from
+    commsched.quant: its fast path, or the reference when the fast path is missing."""
     try:
         from ..quant.fast import dequantize_cpu, quantize_cpu
     except ImportError:
         quantize_cpu = None
     if quantize_cpu is not None:
-        def q(x, bits, key, row0=0):
-            return quantize_cpu(x, bits, key, row0, compile=_compile(x.shape[0], x.shape[1]))
+        def q(x, bits, key, row0=0, compile=False):
+            return quantize_cpu(x, bits, key, row0, compile=compile and x.shape[0] > 1)
 
-        def dq(payload, meta, bits, dim):
-            return dequantize_cpu(payload, meta, bits, dim, compile=_compile(payload.shape[0], dim))
+        def dq(payload, meta, bits, dim, out=None, compile=False):
+            return dequantize_cpu(payload, meta, bits, dim, out_ND=out,
+                                  compile=compile and payload.shape[0] > 1)
         return q, dq
-    else:  # the fast path is missing: the reference (same bytes, slower)
-        from ..quant.reference import dequantize_reference, quantize_reference
+    from ..quant.reference import dequantize_reference, quantize_reference  # same bytes, slower
 
-        def q(x, bits, key, row0=0):
-            return quantize_reference(x, bits, key, row0=row0)
-        return q, dequantize_reference
+    def q_ref(x, bits, key, row0=0, compile=False):
+        return quantize_reference(x, bits, key, row0=row0)
+
+    def dq_ref(payload, meta, bits, dim, out=None, compile=False):
+        vals = dequantize_reference(payload, meta, bits, dim)
+        return vals if out is None else out.copy_(vals)
+    return q_ref, dq_ref
 
 
-# Halo messages of at least this many elements use the compiled codec (one compile per
-# width and row width, done in ``prepare``); smaller ones run eagerly. Lower than the
-# codec's own default because an exchange repeats the same shapes every epoch.
+# Exchanges of at least this many elements (all rows of one layer and direction) use the
+# compiled codec for every width group, whatever the group's size: the kernels are compiled
+# once per width and row width in ``prepare`` with the row count dynamic, so a small group
+# costs a call, not a compile (the eager twin costs ~100x more per row). Smaller exchanges
+# (test graphs) run eagerly and never compile.
 COMPILE_MIN_ELEMENTS = 1 << 16
-
-
-def _compile(rows: int, dim: int) -> bool:
-    return rows > 1 and rows * dim >= COMPILE_MIN_ELEMENTS
 
 
 def payload_bytes(dim: int, bits: int) -> int:
@@ -119,6 +123,10 @@ class WidthLayout:
     dim: int
     idx: tuple[tuple[torch.Tensor, ...], ...]
     segments: SegmentLayout
+    # per width: positions of its rows among all the exchange's rows (peer by peer, each
+    # peer's rows in ascending order) [n_b], and how many of them each peer has
+    pos: tuple[torch.Tensor, ...] = ()
+    peer_rows: tuple[tuple[int, ...], ...] = ()
 
     def rows_per_width(self) -> dict[int, int]:
         return {b: sum(int(self.idx[p][w].numel()) for p in range(len(self.counts)))
@@ -131,21 +139,26 @@ def width_layout(widths_P: list[np.ndarray], dim: int) -> WidthLayout:
     the same sizes."""
     if dim < 1:
         raise ValueError(f"row width must be >= 1, got {dim}")
-    idx, sizes = [], []
+    idx, sizes, off = [], [], 0
+    pos: list[list[torch.Tensor]] = [[] for _ in WIDTHS]
     for p, w in enumerate(widths_P):
         w = np.asarray(w)
         bad = ~np.isin(w, WIDTHS)
         if bad.any():
             raise ValueError(f"widths for peer {p} must be 2, 4 or 8; got {sorted(set(w[bad].tolist()))}")
         row_idx, row_sz = [], []
-        for b in WIDTHS:
-            sel = np.flatnonzero(w == b)
-            row_idx.append(torch.from_numpy(sel.astype(np.int64)))
-            row_sz += [sel.size * payload_bytes(dim, b), sel.size * META_BYTES]
+        for k, b in enumerate(WIDTHS):
+            sel = torch.from_numpy(np.flatnonzero(w == b).astype(np.int64))
+            row_idx.append(sel)
+            pos[k].append(sel + off)
+            row_sz += [sel.numel() * payload_bytes(dim, b), sel.numel() * META_BYTES]
         idx.append(tuple(row_idx))
         sizes.append(tuple(row_sz))
+        off += w.size
     return WidthLayout(tuple(int(np.asarray(w).size) for w in widths_P), dim, tuple(idx),
-                       SegmentLayout(tuple(sizes)))
+                       SegmentLayout(tuple(sizes)),
+                       pos=tuple(torch.cat(ps) if ps else torch.zeros(0, dtype=torch.int64) for ps in pos),
+                       peer_rows=tuple(tuple(int(i[k].numel()) for i in idx) for k in range(len(WIDTHS))))
 
 
 def random_widths(n: int, *, seed: int, layer: int, direction: str, src: int, dst: int,
@@ -238,6 +251,7 @@ class AdaQPExchange(HaloExchange):
         self.link_costs: dict[int, tuple[float, float]] = {}
         self._measured: list[tuple[float, float]] = []  # (predicted s, measured s) per exchange
         self.assignments: list[dict] = []  # what each re-assignment did (rank 0 fills details)
+        self._compiled_dims: set[int] = set()  # row widths whose exchanges use the compiled codec
 
     # ---- collective set-up -----------------------------------------------------------------
     def validate(self) -> None:
@@ -255,15 +269,15 @@ class AdaQPExchange(HaloExchange):
         if self._codec is None or self.world_size == 1:
             return
         quantize, dequantize = self._codec
-        n_max = max(max(self.book.send_counts), max(self.book.recv_counts))
+        n_min = min(sum(self.book.send_counts), sum(self.book.recv_counts))
         for d in sorted(set(dims)):
-            if n_max * d < COMPILE_MIN_ELEMENTS:
-                continue  # messages this small run eagerly anyway
-            rows = max(2, 2 * COMPILE_MIN_ELEMENTS // d)  # large enough for the compiled path
-            x = torch.randn(rows, d, generator=torch.Generator().manual_seed(d))
+            if n_min * d < COMPILE_MIN_ELEMENTS:
+                continue  # exchanges this small run eagerly
+            x = torch.randn(64, d, generator=torch.Generator().manual_seed(d))
             for b in WIDTHS:
-                pay, meta = quantize(x, b, 1, 0)
-                dequantize(pay, meta, b, d)
+                pay, meta = quantize(x, b, 1, 0, True)
+                dequantize(pay, meta, b, d, None, True)
+            self._compiled_dims.add(d)
 
     def begin_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -330,37 +344,50 @@ class AdaQPExchange(HaloExchange):
         return self._quantized(rows, layer, direction, background)
 
     def _quantized(self, rows: torch.Tensor, layer: int, direction: str, background: bool) -> Pending:
+        """Quantize every width group of the exchange in one codec call (the groups' rows
+        ordered peer by peer, so each peer's part is a contiguous slice), send, and on
+        ``wait`` dequantize each width group in one call and scatter the rows back."""
         quantize, dequantize = self._codec
         D = int(rows.shape[1])
         send, recv = self.layouts(layer, direction, D)
         out_c, in_c = self._counts(direction)
+        P = self.world_size
+        compiled = D in self._compiled_dims
         t0 = time.perf_counter()
         x = rows.to(torch.float32).contiguous()
         self._calls += 1
-        segs, off = [], 0
-        trace = self.trace.setdefault((layer, direction), [np.zeros(0)] * self.world_size)
+        key = _mix_key(self.opt.seed, self.rank, self._calls)
+        segs: list[list[torch.Tensor]] = [[] for _ in range(P)]
+        rng_T = torch.zeros(x.shape[0], dtype=torch.float64)  # each sent row's (max - min)
+        row0 = 0
+        for w, b in enumerate(WIDTHS):
+            pos, per_peer = send.pos[w], send.peer_rows[w]
+            n = int(pos.numel())
+            if n == 0:
+                for p in range(P):
+                    segs[p] += [_EMPTY, _EMPTY]
+                continue
+            sel = x if n == x.shape[0] else x.index_select(0, pos)
+            pay, meta = quantize(sel, b, key, row0, compiled)  # distinct counters per row
+            row0 += n
+            rng_T.index_copy_(0, pos, meta[:, 0].double() * ((1 << b) - 1))
+            meta_bytes = meta.contiguous().view(torch.uint8)
+            o = 0
+            for p in range(P):
+                k = per_peer[p]
+                segs[p] += [pay[o:o + k].reshape(-1), meta_bytes[o:o + k].reshape(-1)]
+                o += k
+        if x.shape[0]:
+            trace = self.trace.setdefault((layer, direction), [np.zeros(0)] * P)
+            coef = self.book.send_coef_sq[self.opt.norm] if direction == "forward" else None
+            beta = rng_T.numpy() ** 2 * (D / 6.0)
+            off = 0
+            for p in range(P):
+                if out_c[p]:
+                    c = coef[self.book.send_slice(p)] if direction == "forward" else 1.0
+                    trace[p] = c * beta[off:off + out_c[p]]
+                off += out_c[p]
         self.dims[(layer, direction)] = D
-        for p in range(self.world_size):
-            blk = x[off:off + out_c[p]]
-            rng_p = np.zeros(out_c[p])
-            row_segs, row0 = [], 0
-            for w, b in enumerate(WIDTHS):
-                ids = send.idx[p][w]
-                n = int(ids.numel())
-                if n == 0:
-                    row_segs += [torch.empty(0, dtype=torch.uint8)] * 2
-                    continue
-                sel = blk if n == out_c[p] else blk.index_select(0, ids)
-                pay, meta = quantize(sel.contiguous(), b, _mix_key(self.opt.seed, self.rank, self._calls, p), row0)
-                row0 += n
-                row_segs += [pay.reshape(-1), meta.contiguous().view(torch.uint8).reshape(-1)]
-                rng_p[ids.numpy()] = (meta[:, 0].double() * ((1 << b) - 1)).numpy()
-            segs.append(row_segs)
-            if out_c[p]:
-                coef = (self.book.send_coef_sq[self.opt.norm][self.book.send_slice(p)]
-                        if direction == "forward" else 1.0)
-                trace[p] = coef * D * rng_p ** 2 / 6.0
-            off += out_c[p]
         q_s = time.perf_counter() - t0
         self.timer.add("quant", q_s)
         self.timer.add("comm", -q_s)  # the caller times this call as comm; quantizing is not
@@ -376,21 +403,19 @@ class AdaQPExchange(HaloExchange):
                 self._measured.append((predicted, wire))
             t1 = time.perf_counter()
             out = torch.empty((sum(in_c), D), dtype=torch.float32)
-            o = 0
-            for p in range(self.world_size):
-                for w, b in enumerate(WIDTHS):
-                    ids = recv.idx[p][w]
-                    n = int(ids.numel())
-                    if n == 0:
-                        continue
-                    pay = got[p][2 * w].view(n, payload_bytes(D, b))
-                    meta = got[p][2 * w + 1].clone().view(torch.float32).view(n, 2)
-                    vals = dequantize(pay, meta, b, D)
-                    if n == in_c[p]:
-                        out[o:o + n] = vals
-                    else:
-                        out.index_copy_(0, ids + o, vals)
-                o += in_c[p]
+            for w, b in enumerate(WIDTHS):
+                pos = recv.pos[w]
+                n = int(pos.numel())
+                if n == 0:
+                    continue
+                parts = [p for p in range(P) if recv.peer_rows[w][p]]
+                # one aligned buffer per width (the received views start at arbitrary bytes)
+                pay = torch.cat([got[p][2 * w] for p in parts]).view(n, payload_bytes(D, b))
+                meta = torch.cat([got[p][2 * w + 1] for p in parts]).view(torch.float32).view(n, 2)
+                if n == out.shape[0]:
+                    dequantize(pay, meta, b, D, out, compiled)
+                else:
+                    out.index_copy_(0, pos, dequantize(pay, meta, b, D, None, compiled))
             res = out.to(rows.dtype)
             dq = time.perf_counter() - t1
             self.timer.add("quant", dq)
