@@ -91,6 +91,47 @@ def _bound_ok(got: torch.Tensor, ref: torch.Tensor, bits_R: np.ndarray) -> bool:
     return bool((err <= step * (1 + 1e-4) + 1e-6).all())
 
 
+def _overlap_case(part, grp) -> tuple[bool, bool]:
+    """One GCN layer's backward with an asynchronous exchange: the gradient exchange is
+    launched before the central aggregation's backward and finished after it (the
+    overlap), and the input gradient equals the blocking exchange's."""
+    from contextlib import contextmanager
+
+    from commsched.gnn.halo import VanillaExchange
+    from commsched.gnn.layers import GCNConv, LocalGraph
+    from commsched.gnn.timing import Breakdown
+
+    log: list = []
+
+    class LogTimer(Breakdown):
+        @contextmanager
+        def time(self, key):
+            log.append(key)
+            with super().time(key):
+                yield
+
+    class LogExchange(VanillaExchange):
+        def transfer(self, rows, layer, direction):
+            log.append(f"launch-{direction}")
+            pend = super().transfer(rows, layer, direction)
+            return type(pend)(lambda: (pend.wait(), log.append(f"done-{direction}"))[0])
+
+    grads = []
+    for asynchronous in (True, False):
+        torch.manual_seed(0)
+        conv = GCNConv(part.x_nF.shape[1], 4).double()
+        ex = LogExchange(part.book, group=grp, asynchronous=asynchronous)
+        g = LocalGraph(part.book, ex, dtype=torch.float64, timer=LogTimer())
+        h = part.x_nF.double().clone().requires_grad_(True)
+        out = conv(h, g, 1)
+        log.clear()
+        out.square().sum().backward()
+        if asynchronous:
+            order = [e for e in log if e in ("launch-backward", "central", "done-backward")]
+        grads.append(h.grad)
+    return order == ["launch-backward", "central", "done-backward"], torch.allclose(*grads, rtol=1e-12)
+
+
 def _cases(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
@@ -109,6 +150,7 @@ def _cases(rank: int, world: int) -> dict:
         out[f"p_equal_{P}"] = (mv["loss"] == mp_["loss"] and mv["test_acc"] == mp_["test_acc"]
                                and all(torch.equal(a, b) for a, b in
                                        zip(tv.model.parameters(), tp.model.parameters())))
+        out[f"overlap_order_{P}"], out[f"overlap_equal_{P}"] = _overlap_case(part, grp)
         # 2. the quantized exchange round-trips within one quantization step per row,
         #    forward (features) and backward (gradient rows summed into their owners)
         x = part.x_nF
@@ -171,6 +213,8 @@ def test_adaqp_on_two_and_three_ranks():
             if rank >= P:
                 continue
             assert out[f"p_equal_{P}"], f"adaqp-p differs from vanilla on {P} ranks"
+            assert out[f"overlap_order_{P}"], "the backward exchange did not overlap the central backward"
+            assert out[f"overlap_equal_{P}"], "the overlapped backward changed the gradient"
             for mb in ("uniform8", "uniform2", "random8"):
                 assert out[f"fwd_bound_{mb}_{P}"], (mb, P, rank)
                 assert out[f"bwd_bound_{mb}_{P}"], (mb, P, rank)

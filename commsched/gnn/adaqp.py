@@ -41,8 +41,10 @@ background (the core's asynchronous exchange: gloo's worker thread for the direc
 pattern, a comm thread for the ring) and returns; the layer aggregates its central nodes
 while the bytes are on the wire; ``wait`` blocks, then dequantizes. Quantization,
 communication and central compute are thus separate stages. Without overlap
-(``adaqp-q``) the whole chain completes inside ``start``. The backward exchange has
-nothing independent to overlap with inside autograd and runs as a chain.
+(``adaqp-q``) the whole chain completes inside ``start``. In backward the same split
+holds: the gradient rows are quantized and launched by the halo's receive node, the
+central aggregation's backward runs while they are on the wire, and the send node
+waits and dequantizes (``commsched.gnn.halo``).
 
 Breakdown keys: ``quant`` is quantize + dequantize time, ``comm`` the time blocked on the
 wire (quantization excluded), ``assign`` the re-assignment (gather, solve, broadcast).
@@ -329,7 +331,7 @@ class AdaQPExchange(HaloExchange):
         if s == "zeros":  # TIMING ONLY: wrong maths, never a training mode
             n = self.book.num_remote if direction == "forward" else int(self.send_idx.numel())
             return Pending.ready(rows.new_zeros((n, *rows.shape[1:])))
-        background = self.opt.overlap and direction == "forward"
+        background = self.opt.overlap  # the backward exchange overlaps too (see halo.py)
         if s == "full":
             plan = self.plan if direction == "forward" else self.plan.reversed()
             if background:

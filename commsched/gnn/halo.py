@@ -8,6 +8,14 @@ remote rows (the central aggregation), then ``h_RF = handle.wait()``. The result
 differentiable: in backward the gradient of the remote rows goes back to their owners,
 which add it into the rows they sent (``index_add`` at ``send_idx``).
 
+The backward exchange overlaps too. ``start`` puts a *send* node into the graph (before
+the central aggregation) and ``wait`` a *receive* node (after it), joined by an empty
+token tensor. Autograd runs a ready node with a later creation first, so in backward
+the receive node launches the gradient exchange, the central aggregation's backward
+runs while it is in flight, and the send node then waits for it and scatters the
+received rows into the owned rows' gradient. The maths is the same as a blocking
+exchange; only the gradient contributions of ``h_nF`` may be summed in another order.
+
 The exchange is a *strategy*: :class:`HaloExchange` is the transport-agnostic base
 (gather, autograd, timing); a subclass implements :meth:`HaloExchange.transfer` (how a
 block of rows crosses the wire for one layer and direction). :class:`VanillaExchange`
@@ -114,7 +122,10 @@ class HaloExchange:
         t = time.perf_counter()
         pend = self._transfer(rows, layer, "forward")
         self.timer.add("comm", time.perf_counter() - t)
-        return HaloHandle(self, h_nF, layer, pend)
+        link = _BackwardLink(self, layer)
+        token = (_HaloSend.apply(h_nF, link) if h_nF.requires_grad and torch.is_grad_enabled()
+                 else None)
+        return HaloHandle(self, pend, link, token)
 
     def _transfer(self, rows: torch.Tensor, layer: int, direction: str) -> Pending:
         if self.world_size == 1:  # nothing to send, nobody to wait for
@@ -130,40 +141,85 @@ class HaloExchange:
 
     def backward_rows(self, g_RF: torch.Tensor, layer: int) -> torch.Tensor:
         """Send the remote rows' gradients to their owners; return [n, F] gradient of the
-        owned rows (sum over the peers each row was sent to)."""
+        owned rows (sum over the peers each row was sent to). Blocking."""
+        link = _BackwardLink(self, layer)
+        link.launch(g_RF)
+        return link.finish(g_RF.dtype)
+
+
+class _BackwardLink:
+    """The backward exchange of one layer call: launched by the receive node, finished
+    by the send node (see the module doc)."""
+
+    def __init__(self, ex: HaloExchange, layer: int):
+        self.ex, self.layer = ex, layer
+        self.pend: Pending | None = None
+        self.width = 0
+
+    def launch(self, g_RF: torch.Tensor) -> None:
         t = time.perf_counter()
-        pend = self._transfer(g_RF.contiguous(), layer, "backward")
-        rows = pend.wait()
-        self.timer.add("comm", time.perf_counter() - t)
-        out = g_RF.new_zeros((self.book.num_owned, *g_RF.shape[1:]))
-        return out.index_add_(0, self.send_idx, rows)
+        self.width = int(g_RF.shape[1]) if g_RF.dim() > 1 else 0
+        self.pend = self.ex._transfer(g_RF.contiguous(), self.layer, "backward")
+        self.ex.timer.add("comm", time.perf_counter() - t)
+
+    def finish(self, dtype: torch.dtype) -> torch.Tensor:
+        """[n, F] gradient of the owned rows from the received rows (zeros if the receive
+        node never ran: the remote rows took no part in the loss)."""
+        n = self.ex.book.num_owned
+        if self.pend is None:
+            raise RuntimeError("halo backward: the receive node did not run before the send node")
+        t = time.perf_counter()
+        rows = self.pend.wait()
+        self.ex.timer.add("comm", time.perf_counter() - t)
+        self.pend = None
+        out = torch.zeros((n, self.width), dtype=dtype)
+        return out.index_add_(0, self.ex.send_idx, rows.to(dtype))
 
 
 class HaloHandle:
     """A forward exchange in flight; ``wait()`` returns the remote rows [R, F]."""
 
-    def __init__(self, ex: HaloExchange, h_nF: torch.Tensor, layer: int, pend: Pending):
-        self._ex, self._h, self._layer, self._pend = ex, h_nF, layer, pend
+    def __init__(self, ex: HaloExchange, pend: Pending, link: _BackwardLink,
+                 token: torch.Tensor | None):
+        self._ex, self._pend, self._link, self._token = ex, pend, link, token
         self._out: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self._out is None:
-            if self._h.requires_grad and torch.is_grad_enabled():
-                self._out = _HaloFn.apply(self._h, self._ex, self._layer, self._pend)
+            if self._token is not None and torch.is_grad_enabled():
+                self._out = _HaloRecv.apply(self._token, self._link, self._pend)
             else:
                 self._out = self._ex._wait(self._pend)
         return self._out
 
 
-class _HaloFn(torch.autograd.Function):
+class _HaloSend(torch.autograd.Function):
+    """Forward: an empty token tied to ``h_nF``. Backward: wait for the gradient exchange
+    the receive node launched and return the owned rows' share of it."""
+
     @staticmethod
-    def forward(ctx, h_nF, ex, layer, pend):  # noqa: D401
-        ctx.ex, ctx.layer = ex, layer
-        return ex._wait(pend)
+    def forward(ctx, h_nF, link):  # noqa: D401
+        ctx.link, ctx.dtype = link, h_nF.dtype
+        return h_nF.new_empty((0,))
+
+    @staticmethod
+    def backward(ctx, g_token):
+        return ctx.link.finish(ctx.dtype), None
+
+
+class _HaloRecv(torch.autograd.Function):
+    """Forward: the remote rows (waits for the forward exchange). Backward: launch the
+    gradient exchange of the remote rows and return at once."""
+
+    @staticmethod
+    def forward(ctx, token, link, pend):  # noqa: D401
+        ctx.link = link
+        return link.ex._wait(pend)
 
     @staticmethod
     def backward(ctx, g_RF):
-        return ctx.ex.backward_rows(g_RF, ctx.layer), None, None, None
+        ctx.link.launch(g_RF)
+        return g_RF.new_empty((0,)), None, None
 
 
 class VanillaExchange(HaloExchange):
@@ -178,7 +234,7 @@ class VanillaExchange(HaloExchange):
 
     def transfer(self, rows: torch.Tensor, layer: int, direction: str) -> Pending:
         plan = self.plan if direction == "forward" else self.plan.reversed()
-        if self.asynchronous and direction == "forward":
+        if self.asynchronous:
             h = all_to_all_async(rows, plan, group=self.group, pattern=self.pattern, stats=self.stats)
             return Pending(h.wait)
         return Pending.ready(all_to_all(rows, plan, group=self.group, pattern=self.pattern,
