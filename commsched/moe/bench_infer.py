@@ -56,6 +56,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threshold", type=float, default=None, help="lina phase-2 threshold (default: the runtime's)")
     g.add_argument("--path-length", type=int, default=None, help="lina path length l (default 3)")
     g.add_argument("--online-planner", choices=("greedy", "full"), default=None)
+    g.add_argument("--exchange", choices=("pipelined", "sequential"), default=None,
+                   help="runtime exchange (default: the runtime's, pipelined); sequential is the first runtime")
     g.add_argument("--lina-thresholds", default="",
                    help="comma-separated extra phase-2 thresholds: adds a variant lina@T for each "
                         "(e.g. 0 = phase 1 only)")
@@ -83,7 +85,7 @@ def _common(a: argparse.Namespace) -> list[str]:
     out: list = ["--driver", a.driver, "--batches", a.batches, "--warmup", a.warmup, "--seed", a.seed,
                  "--us-per-row", a.us_per_row, "--load-ms", a.load_ms]
     opt = {"--compute": a.compute, "--slots": a.slots, "--threshold": a.threshold, "--path-length": a.path_length,
-           "--online-planner": a.online_planner}
+           "--online-planner": a.online_planner, "--exchange": a.exchange}
     if a.driver == "trace":
         out += ["--tokens-per-batch", a.tokens_per_batch, "--d-model", a.d_model, "--experts", a.experts,
                 "--layers", a.layers, "--k", a.k]

@@ -18,6 +18,16 @@ One MoE layer on rank ``me`` with a :class:`~commsched.moe.placement.Placement` 
 4. the device runs its experts on the rows it received, grouped by expert;
 5. rows go back through the reverse exchange and are combined with their gates.
 
+Pipelined (the default, ``pipelined=True``): the rows a rank sends to its *own* device
+never enter the exchanges, and the device computes them while the exchanges run. The
+dispatch of the other ranks' rows starts asynchronously; meanwhile the device computes
+part A of its own rows (:func:`own_split`: about half of them, of experts already
+resident); then it waits for the remote rows (and for experts still being loaded),
+computes them, starts the reverse exchange of their results and computes part B (the
+rest of its own rows) while that exchange runs. Both exchanges' latency hides behind
+the device's own compute; the arithmetic per row is unchanged. ``pipelined=False`` is
+the plain sequence (dispatch, compute everything, combine), kept as the twin.
+
 :func:`placed_moe` is the distributed path; :func:`placed_moe_local` is its slow twin
 with no exchange and no placement (every expert applied where the token is).
 """
@@ -26,25 +36,39 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Collection, Protocol, Sequence
 
 import numpy as np
 import torch
 
-from ..all2all import A2APlan, all_to_all
+from ..all2all import A2APlan, all_to_all, all_to_all_async
 from .placement import Placement, split_offsets, split_tokens
 
 # compute(experts_M, counts_M, x_RD) -> y_RD: rows grouped by expert (ascending ids, counts_M
 # rows each); the device-side expert computation (real FFNs or an emulated device)
 ExpertCompute = Callable[[Sequence[int], Sequence[int], torch.Tensor], torch.Tensor]
 
+
+class AsyncDevice(Protocol):
+    """A device whose computations run asynchronously, like kernels on a GPU stream:
+    ``compute`` returns at once (its result is valid, the device is busy a while longer),
+    ``issued()`` is a token for "everything issued so far" and ``wait(token)`` blocks
+    until the device has finished that work. Without one, ``compute`` is synchronous."""
+
+    def issued(self) -> float: ...
+
+    def wait(self, token: float) -> None: ...
+
 __all__ = [
     "ExpertCompute",
+    "AsyncDevice",
     "PlacedTimes",
     "replica_share",
     "recv_matrix",
     "device_rows",
     "send_order",
+    "own_split",
+    "regroup_order",
     "placed_moe",
     "placed_moe_local",
 ]
@@ -93,16 +117,47 @@ def send_order(expert_A: np.ndarray, placement: Placement, offset_E: np.ndarray
     return order, counts
 
 
+def regroup_order(rows_PM: np.ndarray) -> np.ndarray:
+    """int64 [R] permutation taking received rows (source-major, expert within source;
+    ``rows_PM[p, m]`` rows of source p for expert m) to expert-major rows (source within
+    expert): ``received[perm]`` is grouped by expert."""
+    rows = np.asarray(rows_PM, dtype=np.int64)
+    P, M = rows.shape
+    key = np.repeat((np.arange(M)[None, :] * P + np.arange(P)[:, None]).reshape(-1), rows.reshape(-1))
+    return np.argsort(key, kind="stable").astype(np.int64)
+
+
 def _regroup(rows_PM: np.ndarray) -> torch.Tensor:
-    """Permutation taking received rows (source-major, expert within source) to
-    expert-major rows (source within expert)."""
-    P, M = rows_PM.shape
-    flat = rows_PM.reshape(-1)
-    starts = np.concatenate([[0], np.cumsum(flat)[:-1]]).reshape(P, M) if flat.size else np.zeros((P, M), int)
-    parts = [np.arange(starts[p, m], starts[p, m] + rows_PM[p, m]) for m in range(M) for p in range(P)
-             if rows_PM[p, m]]
-    perm = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    return torch.from_numpy(perm.astype(np.int64))
+    return torch.from_numpy(regroup_order(rows_PM))
+
+
+OWN_FIRST_SHARE = 0.5  # share of a device's own rows computed while the dispatch runs
+
+
+def own_split(experts_M: Sequence[int], own_M: Sequence[int], loading: Collection[int] = (),
+              share: float = OWN_FIRST_SHARE) -> tuple[np.ndarray, np.ndarray]:
+    """(first_M, last_M): how many of this device's own rows of each expert (``own_M``,
+    rows it sends itself, grouped by expert in the order ``experts_M``) to compute while
+    the dispatch exchange runs (first) and while the combine exchange runs (last).
+
+    First takes rows in expert order up to ceil(share * total), skipping experts in
+    ``loading`` (not resident yet: they can only be computed after their load); first of
+    an expert is a prefix of its own rows, last the rest."""
+    own = np.asarray(own_M, dtype=np.int64)
+    if own.shape != (len(experts_M),) or (own < 0).any():
+        raise ValueError(f"own_M must hold one count >= 0 per expert of {list(experts_M)}, got {own.tolist()}")
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"share must lie in [0, 1], got {share}")
+    budget = int(np.ceil(share * own.sum()))
+    first = np.zeros_like(own)
+    for m, e in enumerate(experts_M):
+        if budget <= 0:
+            break
+        if e in loading:
+            continue
+        first[m] = min(own[m], budget)
+        budget -= first[m]
+    return first, own - first
 
 
 # --------------------------------------------------------------------------- the exchange
@@ -113,11 +168,12 @@ class PlacedTimes:
     a2a: float = 0.0
     expert: float = 0.0
     other: float = 0.0
+    load_wait: float = 0.0  # waiting in ``wait_loaded`` for experts still loading
     bytes_sent: int = 0
     rows_computed: list[int] = field(default_factory=list)
 
     def reset(self) -> None:
-        self.a2a = self.expert = self.other = 0.0
+        self.a2a = self.expert = self.other = self.load_wait = 0.0
         self.bytes_sent = 0
         self.rows_computed = []
 
@@ -133,15 +189,38 @@ def _flatten(expert_TK: torch.Tensor | np.ndarray, gate_TK: torch.Tensor, keep_T
     return token, ex_a, gate_a
 
 
+def _blocks(counts_M: np.ndarray, take_M: np.ndarray, skip_M: np.ndarray) -> np.ndarray:
+    """Row indices, into rows grouped by expert (``counts_M`` each), of rows
+    ``skip_M[m] .. skip_M[m] + take_M[m] - 1`` of every expert m."""
+    starts = np.concatenate([[0], np.cumsum(counts_M)[:-1]]) + skip_M
+    parts = [np.arange(a, a + n) for a, n in zip(starts.tolist(), take_M.tolist()) if n]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _run(compute: ExpertCompute, experts_M: Sequence[int], counts_M: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+    """``compute`` on the experts that have rows (an expert without rows here may not be
+    resident, e.g. still loading)."""
+    keep = [m for m, n in enumerate(counts_M.tolist()) if n]
+    return compute([experts_M[m] for m in keep], [int(counts_M[m]) for m in keep], x)
+
+
 def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tensor,
                counts_PE: np.ndarray, placement: Placement, compute: ExpertCompute, *,
                rank: int, group=None, keep_TK: torch.Tensor | None = None,
-               times: PlacedTimes | None = None) -> torch.Tensor:
+               times: PlacedTimes | None = None, pipelined: bool = True,
+               loading: Collection[int] = (), wait_loaded: Callable[[], None] | None = None,
+               device: AsyncDevice | None = None, meanwhile: Callable[[], None] | None = None) -> torch.Tensor:
     """One MoE layer through the placement (module docstring); returns y [T, D].
 
     counts_PE: int [N, E] assignments of every rank to every expert (this rank's row must
     match ``expert_TK``); gate_TK: float [T, K]; keep_TK: bool [T, K] or None (all kept).
-    Collective over ``group``: every rank calls it with the same counts and placement."""
+    ``loading``: experts of this device still being loaded, ``wait_loaded()`` blocks
+    until they are resident (called before the first computation that needs them).
+    ``device``: set when ``compute`` is asynchronous (:class:`AsyncDevice`); results are
+    waited for before they are sent or combined. ``meanwhile()``: host work with no
+    part in this layer (the next layer's phase-1 plan), run while the device computes
+    (pipelined) or before the dispatch (sequential). Collective over ``group``: every
+    rank calls it with the same counts and placement."""
     t0 = time.perf_counter()
     E, N = placement.num_experts, placement.num_devices
     token_A, expert_A, gate_A = _flatten(expert_TK, gate_TK, keep_TK)
@@ -156,30 +235,82 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
     order, send_N = send_order(ex_np, placement, split_offsets(c)[rank])
     order_t = torch.from_numpy(order)
     experts_M, rows_PM = recv_matrix(c, placement, rank)
-    recv_N = rows_PM.sum(axis=1)
-    plan = A2APlan(tuple(int(v) for v in send_N), tuple(int(v) for v in recv_N), rank)
-    x_send = x_TD[token_A[order_t]]
-    t1 = time.perf_counter()
-    x_recv = all_to_all(x_send, plan, group=group)
-    t2 = time.perf_counter()
-    perm = _regroup(rows_PM)
-    counts_M = rows_PM.sum(axis=0).tolist()
-    y_exp = compute(experts_M, counts_M, x_recv[perm])
-    y_recv = torch.empty_like(y_exp)
-    y_recv[perm] = y_exp
-    t3 = time.perf_counter()
-    y_send = all_to_all(y_recv, plan.reversed(), group=group)
-    t4 = time.perf_counter()
+    x_send = x_TD.index_select(0, token_A[order_t])
+    tm = {"a2a": 0.0, "expert": 0.0, "load_wait": 0.0, "meanwhile": 0.0}
+
+    def timed(part: str, fn, *a, **kw):
+        t = time.perf_counter()
+        out = fn(*a, **kw)
+        tm[part] += time.perf_counter() - t
+        return out
+
+    def device_done(token: float | None = None) -> None:
+        if device is not None:
+            timed("expert", device.wait, device.issued() if token is None else token)
+
+    if not pipelined:
+        if meanwhile is not None:
+            timed("meanwhile", meanwhile)
+        recv_N = rows_PM.sum(axis=1)
+        plan = A2APlan(tuple(int(v) for v in send_N), tuple(int(v) for v in recv_N), rank)
+        x_recv = timed("a2a", all_to_all, x_send, plan, group=group)
+        if wait_loaded is not None:
+            timed("load_wait", wait_loaded)
+        perm = _regroup(rows_PM)
+        y_exp = timed("expert", _run, compute, experts_M, rows_PM.sum(axis=0), x_recv[perm])
+        device_done()
+        y_recv = torch.empty_like(y_exp)
+        y_recv[perm] = y_exp
+        y_send = timed("a2a", all_to_all, y_recv, plan.reversed(), group=group)
+        sent_rows = int(plan.total_send - plan.send_counts[rank])
+    else:
+        # own rows (this rank -> this device) stay here; the exchanges carry the others'
+        so = np.concatenate([[0], np.cumsum(send_N)])
+        own_x = x_send[so[rank]:so[rank + 1]]
+        own_M = rows_PM[rank].copy()
+        rem_PM = rows_PM.copy()
+        rem_PM[rank] = 0
+        send_r, recv_r = send_N.copy(), rem_PM.sum(axis=1)
+        send_r[rank] = 0
+        plan = A2APlan(tuple(int(v) for v in send_r), tuple(int(v) for v in recv_r), rank)
+        x_rem = torch.cat([x_send[:so[rank]], x_send[so[rank + 1]:]])
+        h = timed("a2a", all_to_all_async, x_rem, plan, group=group)
+        first_M, last_M = own_split(experts_M, own_M, loading)
+        zero = np.zeros_like(own_M)
+        idx_f = torch.from_numpy(_blocks(own_M, first_M, zero))
+        idx_l = torch.from_numpy(_blocks(own_M, last_M, first_M))
+        y_own = torch.empty_like(own_x)
+        if len(idx_f):
+            y_own[idx_f] = timed("expert", _run, compute, experts_M, first_M, own_x.index_select(0, idx_f))
+        if meanwhile is not None:
+            timed("meanwhile", meanwhile)
+        x_recv = timed("a2a", h.wait)
+        if wait_loaded is not None:
+            timed("load_wait", wait_loaded)
+        perm = _regroup(rem_PM)
+        y_exp = timed("expert", _run, compute, experts_M, rem_PM.sum(axis=0), x_recv.index_select(0, perm))
+        remote_done = device.issued() if device is not None else None
+        if len(idx_l):  # queued behind the remote rows: the device never idles between them
+            y_own[idx_l] = timed("expert", _run, compute, experts_M, last_M, own_x.index_select(0, idx_l))
+        device_done(remote_done)
+        y_recv = torch.empty_like(y_exp)
+        y_recv[perm] = y_exp
+        h2 = timed("a2a", all_to_all_async, y_recv, plan.reversed(), group=group)
+        device_done()
+        y_back = timed("a2a", h2.wait)
+        y_send = torch.cat([y_back[:so[rank]], y_own, y_back[so[rank]:]])
+        sent_rows = int(plan.total_send)
     w = gate_A[order_t].to(y_send.dtype).unsqueeze(1)
     out = x_TD.new_zeros(x_TD.shape).index_add(0, token_A[order_t], y_send * w)
     t5 = time.perf_counter()
     if times is not None:
-        times.a2a += (t2 - t1) + (t4 - t3)
-        times.expert += t3 - t2
-        times.other += (t1 - t0) + (t5 - t4)
+        times.a2a += tm["a2a"]
+        times.expert += tm["expert"]
+        times.load_wait += tm["load_wait"]
+        times.other += (t5 - t0) - tm["a2a"] - tm["expert"] - tm["load_wait"] - tm["meanwhile"]
         row = x_TD[0].numel() * x_TD.element_size() if x_TD.shape[0] else 0
-        times.bytes_sent += int(plan.total_send - plan.send_counts[rank]) * row * 2
-        times.rows_computed.append(int(sum(counts_M)))
+        times.bytes_sent += sent_rows * row * 2
+        times.rows_computed.append(int(rows_PM.sum()))
     return out
 
 
