@@ -81,12 +81,16 @@ def _codec():
     except ImportError:
         quantize_cpu = None
     if quantize_cpu is not None:
+        # always under no_grad: autograd's backward runs with grad mode off, the forward
+        # with it on, and a compiled kernel guarded on grad mode would compile twice
         def q(x, bits, key, row0=0, compile=False):
-            return quantize_cpu(x, bits, key, row0, compile=compile and x.shape[0] > 1)
+            with torch.no_grad():
+                return quantize_cpu(x, bits, key, row0, compile=compile and x.shape[0] > 1)
 
         def dq(payload, meta, bits, dim, out=None, compile=False):
-            return dequantize_cpu(payload, meta, bits, dim, out_ND=out,
-                                  compile=compile and payload.shape[0] > 1)
+            with torch.no_grad():
+                return dequantize_cpu(payload, meta, bits, dim, out_ND=out,
+                                      compile=compile and payload.shape[0] > 1)
         return q, dq
     from ..quant.reference import dequantize_reference, quantize_reference  # same bytes, slower
 
