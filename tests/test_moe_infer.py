@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from commsched.moe.placed import placed_moe_local, recv_matrix, replica_share, send_order
+from commsched.moe.placed import (
+    own_split,
+    placed_moe,
+    placed_moe_local,
+    recv_matrix,
+    regroup_order,
+    replica_share,
+    send_order,
+)
 from commsched.moe.placement import (
     Placement,
     greedy_placement,
@@ -71,6 +79,106 @@ def test_recv_matrix_matches_what_senders_send():
         for e, devs in enumerate(p.replicas):
             shares = tot[list(devs), e]
             assert shares.max() - shares.min() <= 1
+
+
+def test_regroup_order_by_hand_and_brute_force():
+    # sources 0, 1; experts a, b: received rows are [0a 0a | 0b | 1a | 1b 1b] = rows 0..5
+    assert regroup_order(np.array([[2, 1], [1, 2]])).tolist() == [0, 1, 3, 2, 4, 5]
+    assert regroup_order(np.zeros((3, 0), dtype=int)).tolist() == []
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        rows = rng.integers(0, 4, size=(int(rng.integers(1, 5)), int(rng.integers(1, 5))))
+        P, M = rows.shape
+        tags = [(p, m) for p in range(P) for m in range(M) for _ in range(rows[p, m])]  # received order
+        want = sorted(range(len(tags)), key=lambda i: (tags[i][1], tags[i][0], i))
+        assert regroup_order(rows).tolist() == want
+
+
+def test_own_split_by_hand():
+    # own rows 3, 0, 4, 1 of experts 2, 5, 7, 9: half = 4 rows first, in expert order
+    first, last = own_split([2, 5, 7, 9], [3, 0, 4, 1])
+    assert first.tolist() == [3, 0, 1, 0] and last.tolist() == [0, 0, 3, 1]
+    # expert 2 still loading: its rows wait for the second part
+    first, last = own_split([2, 5, 7, 9], [3, 0, 4, 1], loading={2})
+    assert first.tolist() == [0, 0, 4, 0] and last.tolist() == [3, 0, 0, 1]
+    first, last = own_split([1, 2], [5, 2], share=1.0)  # everything first
+    assert first.tolist() == [5, 2] and last.tolist() == [0, 0]
+    first, last = own_split([1, 2], [5, 2], loading={1, 2})  # nothing resident: all last
+    assert first.tolist() == [0, 0] and last.tolist() == [5, 2]
+    assert [x.tolist() for x in own_split([], [])] == [[], []]
+    with pytest.raises(ValueError, match="one count"):
+        own_split([1, 2], [3])
+    with pytest.raises(ValueError, match="share"):
+        own_split([1], [3], share=1.5)
+
+
+class _RecordingDevice:
+    """An asynchronous device of the test: compute only records; wait() records too."""
+
+    def __init__(self):
+        self.log, self._n = [], 0
+
+    def compute(self, experts, counts, x):
+        self._n += 1
+        self.log.append(("compute", tuple(experts), tuple(counts)))
+        idx = torch.repeat_interleave(torch.tensor(list(experts), dtype=torch.int64),
+                                      torch.tensor(list(counts), dtype=torch.int64))
+        return x * (1.0 + idx.unsqueeze(1))
+
+    def issued(self) -> float:
+        return float(self._n)
+
+    def reset(self) -> None:
+        self.log, self._n = [], 0
+
+    def wait(self, token: float) -> None:
+        self.log.append(("wait", token))
+
+
+def test_pipelined_one_device_order_of_work_and_result():
+    # one rank holding every expert: all rows are its own. Pipelined: half of the own rows
+    # (not of the loading expert 1) are computed first, the host work runs meanwhile, the
+    # load is waited for, the rest is computed, and results are waited for before use
+    torch.manual_seed(0)
+    x = torch.randn(6, 3)
+    ex = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 1], [1, 2], [2, 0]])  # 4 rows per expert
+    g = torch.rand(6, 2)
+    p = layout([[0], [0], [0]], 1, 3)
+    counts = np.bincount(ex.reshape(-1).numpy(), minlength=3)[None, :]
+    dev = _RecordingDevice()
+    ref = placed_moe_local(x, ex, g, dev.compute)
+    dev.reset()
+    y = placed_moe(x, ex, g, counts, p, dev.compute, rank=0, loading={1}, device=dev,
+                   wait_loaded=lambda: dev.log.append(("loaded",)),
+                   meanwhile=lambda: dev.log.append(("meanwhile",)))
+    assert torch.equal(y, ref)
+    # first part: 6 of 12 own rows, skipping expert 1 -> expert 0 (4 rows), expert 2 (2 rows)
+    assert dev.log == [("compute", (0, 2), (4, 2)), ("meanwhile",), ("loaded",), ("compute", (), ()),
+                       ("compute", (1, 2), (4, 2)), ("wait", 2.0), ("wait", 3.0)]
+    dev.reset()
+    y2 = placed_moe(x, ex, g, counts, p, dev.compute, rank=0, loading={1}, device=dev, pipelined=False,
+                    wait_loaded=lambda: dev.log.append(("loaded",)),
+                    meanwhile=lambda: dev.log.append(("meanwhile",)))
+    assert torch.equal(y2, ref)
+    assert dev.log == [("meanwhile",), ("loaded",), ("compute", (0, 1, 2), (4, 4, 4)), ("wait", 1.0)]
+
+
+def test_emulated_device_is_an_async_stream():
+    from commsched.moe.infer import EmulatedBank
+
+    bank = EmulatedBank(1, 4, 2, 3, us_per_row=1e6, load_ms=0.0, seed=0)  # 1 s per row: never waited for
+    bank.ensure(0, [0, 1])
+    run = bank.compute(0)
+    before = bank.issued()
+    y = run([0, 1], [2, 1], torch.ones(3, 2))  # returns at once, the rows' time is queued
+    assert y.shape == (3, 2) and torch.equal(y, bank.reference(0)([0, 1], [2, 1], torch.ones(3, 2)))
+    t1 = bank.issued()
+    assert t1 - max(before, 0.0) >= 3.0
+    run([1], [2], torch.ones(2, 2))  # queued behind the first: exactly 2 s later
+    assert bank.issued() == pytest.approx(t1 + 2.0)
+    bank.wait(0.0)  # a token in the past returns at once
+    with pytest.raises(AssertionError, match="before it was loaded"):
+        run([3], [1], torch.ones(1, 2))
 
 
 # --------------------------------------------------------------------------- policy (pure)
@@ -169,13 +277,14 @@ def test_placed_local_twin_is_the_dense_sum():
 
 
 # --------------------------------------------------------------------------- distributed == local
-def _trace_cfg(placement: str, compute: str, tokens_per_batch: int = 96):
+def _trace_cfg(placement: str, compute: str, tokens_per_batch: int = 96, exchange: str = "pipelined"):
     from commsched.moe.infer import InferConfig
     from commsched.moe.traces import SyntheticTraceConfig
 
     syn = SyntheticTraceConfig(num_experts=8, num_layers=4, k=2, num_tokens=4096, seq_len=16)
     return InferConfig(placement=placement, compute=compute, batches=3, warmup=1, us_per_row=0.0, load_ms=0.0,
-                       synthetic=syn, tokens_per_batch=tokens_per_batch, d_model=8, expert_hidden=12, seed=1)
+                       synthetic=syn, tokens_per_batch=tokens_per_batch, d_model=8, expert_hidden=12, seed=1,
+                       exchange=exchange)
 
 
 def _local_layer(bank, j, h, e, g, keep):
@@ -187,13 +296,17 @@ def _local_layer(bank, j, h, e, g, keep):
 def _trace_equals_local(rank: int, world: int) -> None:
     from commsched.moe.infer import build, run, trace_forward
 
-    for compute, placement, tpb in [("emulated", "static", 96), ("emulated", "eplb", 96), ("emulated", "lina", 96),
-                                    ("emulated", "oracle", 96), ("real", "lina", 96),
-                                    ("emulated", "lina", 16)]:  # 16 tokens: one sequence, the other ranks idle
-        cfg = _trace_cfg(placement, compute, tpb)
+    # pipelined (the default) and the sequential twin; 16 tokens: one sequence, the other ranks idle
+    for compute, placement, tpb, exchange in [
+            ("emulated", "static", 96, "pipelined"), ("emulated", "eplb", 96, "pipelined"),
+            ("emulated", "lina", 96, "pipelined"), ("emulated", "oracle", 96, "pipelined"),
+            ("real", "lina", 96, "pipelined"), ("real", "oracle", 96, "pipelined"),
+            ("emulated", "lina", 16, "pipelined"), ("emulated", "lina", 96, "sequential"),
+            ("emulated", "oracle", 16, "sequential")]:
+        cfg = _trace_cfg(placement, compute, tpb, exchange)
         m = run(cfg, return_outputs=True)
         drv, _, bank, _, _, _ = build(cfg, rank, world)
-        what = (compute, placement, tpb)
+        what = (compute, placement, tpb, exchange)
         for b, y in enumerate(m["outputs"]):
             x, ex, gate = drv.inputs(b, rank, cfg.d_model)
             ref = trace_forward(x, ex, gate, functools.partial(_local_layer, bank))
