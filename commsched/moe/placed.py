@@ -20,13 +20,14 @@ One MoE layer on rank ``me`` with a :class:`~commsched.moe.placement.Placement` 
 
 Pipelined (the default, ``pipelined=True``): the rows a rank sends to its *own* device
 never enter the exchanges, and the device computes them while the exchanges run. The
-dispatch of the other ranks' rows starts asynchronously; meanwhile the device computes
-part A of its own rows (:func:`own_split`: about half of them, of experts already
-resident); then it waits for the remote rows (and for experts still being loaded),
-computes them, starts the reverse exchange of their results and computes part B (the
-rest of its own rows) while that exchange runs. Both exchanges' latency hides behind
-the device's own compute; the arithmetic per row is unchanged. ``pipelined=False`` is
-the plain sequence (dispatch, compute everything, combine), kept as the twin.
+device first gets part A of its own rows (:func:`own_split`: about half of them, of
+experts already resident), then the dispatch of the other ranks' rows starts
+asynchronously; the host waits for the remote rows (and for experts still being
+loaded), queues them and part B (the rest of its own rows) behind them, and starts the
+reverse exchange as soon as the remote rows' results are done, while the device
+computes part B. Both exchanges' latency hides behind the device's own compute; the
+arithmetic per row is unchanged. ``pipelined=False`` is the plain sequence (dispatch,
+compute everything, combine), kept as the twin.
 
 :func:`placed_moe` is the distributed path; :func:`placed_moe_local` is its slow twin
 with no exchange and no placement (every expert applied where the token is).
@@ -273,15 +274,15 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
         send_r, recv_r = send_N.copy(), rem_PM.sum(axis=1)
         send_r[rank] = 0
         plan = A2APlan(tuple(int(v) for v in send_r), tuple(int(v) for v in recv_r), rank)
-        x_rem = torch.cat([x_send[:so[rank]], x_send[so[rank + 1]:]])
-        h = timed("a2a", all_to_all_async, x_rem, plan, group=group)
         first_M, last_M = own_split(experts_M, own_M, loading)
         zero = np.zeros_like(own_M)
         idx_f = torch.from_numpy(_blocks(own_M, first_M, zero))
         idx_l = torch.from_numpy(_blocks(own_M, last_M, first_M))
         y_own = torch.empty_like(own_x)
-        if len(idx_f):
+        if len(idx_f):  # queued first: the device starts at once, the dispatch right after
             y_own[idx_f] = timed("expert", _run, compute, experts_M, first_M, own_x.index_select(0, idx_f))
+        x_rem = torch.cat([x_send[:so[rank]], x_send[so[rank + 1]:]])
+        h = timed("a2a", all_to_all_async, x_rem, plan, group=group)
         if meanwhile is not None:
             timed("meanwhile", meanwhile)
         x_recv = timed("a2a", h.wait)
