@@ -140,6 +140,11 @@ class Trainer:
         # build the adjacency blocks now, not inside the first timed epoch
         for conv in self.model.convs:
             self.graph.blocks(conv.norm)
+        if self.world > 1:
+            # set-up (compiling the codec above all) takes different times on different
+            # ranks; start the first timed epoch together, or its exchanges time the skew
+            with comm_guard("barrier after set-up", self.group):
+                dist.barrier(group=self.group)
 
     # -- one epoch ------------------------------------------------------------------------
     def train_epoch(self) -> float:
