@@ -54,7 +54,7 @@ def test_partition_errors_speak():
 
 # --------------------------------------------------------------------------- policy
 def test_lina_policy_holds_for_a2a_block_and_credit():
-    p = make_policy("lina", credit_bytes=100)
+    p = make_policy("lina", credit_bytes=100, hold_in_block=True)
     p.begin_step(5)
     p.allreduce_ready(1, 60)
     assert p.next_ops() == []  # fixed order: 0 first
@@ -214,10 +214,8 @@ def test_lina_all_to_all_runs_at_its_alone_time_and_step_not_slower(kw):
         assert lina.step_s <= fifo.step_s + expert_s + 1e-9
 
 
-def test_no_allreduce_starts_inside_an_expert_block():
-    script = _scenario()
-    r = simulate(script, "lina", LINK, microop_bytes=500)
-    # block windows: from the arrival of a block's first a2a to the end of its last
+def _block_windows(script, r):
+    """(arrival of a block's first a2a, end of its last a2a) of every expert block."""
     blocks, idx, start = [], 0, None
     for it in script:
         if isinstance(it, BlockBegin):
@@ -226,6 +224,33 @@ def test_no_allreduce_starts_inside_an_expert_block():
             idx += 1
         elif isinstance(it, BlockEnd):
             blocks.append((start, r.a2a[idx - 1].end_s))
+    return blocks
+
+
+def test_lina_policy_by_default_runs_allreduce_during_expert_compute():
+    p = make_policy("lina", credit_bytes=100)
+    p.begin_step(1)
+    p.allreduce_ready(0, 60)
+    p.block_begin()
+    assert [l.key for l in p.next_ops()] == [0]  # no all-to-all on the wire: the gap is used
+    p.a2a_waiting("y", 10)
+    p.allreduce_done(0)
+    assert [(l.kind, l.key) for l in p.next_ops()] == [("a2a", "y")]
+
+
+def test_allreduce_fills_expert_compute_unless_held():
+    script = _scenario(a2a_chunks=2)
+    free = simulate(script, "lina", LINK, microop_bytes=500)
+    held = simulate(script, "lina", LINK, microop_bytes=500, hold_in_block=True)
+    blocks = _block_windows(script, free)
+    assert any(s < o.start_s < e for s, e in blocks for o in free.allreduce)
+    assert free.step_s <= held.step_s + 1e-9
+
+
+def test_no_allreduce_starts_inside_an_expert_block():
+    script = _scenario()
+    r = simulate(script, "lina", LINK, microop_bytes=500, hold_in_block=True)
+    blocks = _block_windows(script, r)
     assert len(blocks) == 3
     for s, e in blocks:
         assert not any(s < o.start_s < e for o in r.allreduce), (s, e)

@@ -58,6 +58,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunks", type=int, default=d["chunks"], help="lina: chunks of the pipelined all-to-all")
     g.add_argument("--microop-bytes", type=int, default=d["microop_bytes"])
     g.add_argument("--credit-bytes", type=int, default=d["credit_bytes"])
+    g.add_argument("--hold-in-block", action=argparse.BooleanOptionalAction, default=False,
+                   help="lina: also hold allreduce during backward expert compute")
     g.add_argument("--bucket-bytes", type=int, default=d["bucket_bytes"], help="fifo buckets, DeepSpeed reduce bucket")
     g.add_argument("--ds-stage", type=int, default=d["ds_stage"])
 
@@ -81,7 +83,7 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
         Variant("deepspeed", mod, ("--impl", "deepspeed", *c)),
         Variant("fifo", mod, ("--impl", "commsched", "--schedule", "fifo", "--chunks", "1", "--no-pipeline", *c)),
         Variant("lina", mod, ("--impl", "commsched", "--schedule", "lina", "--chunks", str(a.chunks),
-                              "--pipeline", *c)),
+                              "--pipeline", *(["--hold-in-block"] if a.hold_in_block else []), *c)),
     ]
 
 

@@ -297,6 +297,9 @@ def _train_deepspeed(cfg: TrainConfig, corpus, ep: int, show: bool) -> dict:
                               "reduce_bucket_size": cfg.schedule_config.bucket_bytes // 4,
                               "allgather_bucket_size": cfg.schedule_config.bucket_bytes // 4},
         "comms_logger": {"enabled": True, "verbose": False, "prof_all": True, "debug": False},
+        # DeepSpeed clips the global gradient norm to 1.0 unless told otherwise (its default
+        # gradient_clipping is 1.0); fifo and lina do not clip, so neither does the baseline.
+        "gradient_clipping": 0.0,
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
@@ -442,6 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overlap each chunk's exchange with the expert compute of the others")
     p.add_argument("--microop-bytes", type=int, default=ScheduleConfig().microop_bytes)
     p.add_argument("--credit-bytes", type=int, default=None, help="lina: allreduce bytes in flight (default: one micro-op)")
+    p.add_argument("--hold-in-block", action=argparse.BooleanOptionalAction, default=False,
+                   help="lina: also hold allreduce during the expert compute of a backward expert block")
     p.add_argument("--bucket-bytes", type=int, default=ScheduleConfig().bucket_bytes,
                    help="fifo buckets; also DeepSpeed's reduce bucket")
     p.add_argument("--warmup", type=int, default=d.warmup)
@@ -461,7 +466,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                         capacity_factor=a.capacity_factor, moe_every=a.moe_every, aux_weight=a.aux_weight)
     return TrainConfig(model=model, impl=a.impl, schedule=a.schedule,
                        dispatch=DispatchConfig(a.chunks, a.pipeline),
-                       sched=ScheduleConfig(a.schedule, a.microop_bytes, a.credit_bytes, a.bucket_bytes),
+                       sched=ScheduleConfig(a.schedule, a.microop_bytes, a.credit_bytes, a.bucket_bytes,
+                                                      a.hold_in_block),
                        steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed, ep_size=a.ep_size,
                        warmup=min(a.warmup, a.steps - 1), probe_steps=a.probe_steps, eval_batches=a.eval_batches,
                        corpus=a.corpus, max_corpus_bytes=a.max_corpus_bytes, timeline_step=a.timeline_step,

@@ -49,6 +49,7 @@ class ScheduleConfig:
     microop_bytes: int = 256 << 10
     credit_bytes: int | None = None
     bucket_bytes: int = 1 << 20
+    hold_in_block: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in POLICIES:
@@ -142,7 +143,8 @@ class GradScheduler:
         for spec in self.ops:
             for t in spec.tensors:
                 self._ops_of_param[t].append(spec.seq)
-        self._policy = make_policy(cfg.schedule, cfg.credit_bytes or cfg.microop_bytes)
+        self._policy = make_policy(cfg.schedule, cfg.credit_bytes or cfg.microop_bytes,
+                                   hold_in_block=cfg.hold_in_block)
         self._cv = threading.Condition()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         self._thread_wake = False

@@ -153,10 +153,11 @@ class Policy:
         return out
 
 
-def make_policy(name: str, credit_bytes: int | None = None) -> Policy:
-    """``lina`` (credit: ``credit_bytes``), ``fifo`` or ``serial``; see the module docstring."""
+def make_policy(name: str, credit_bytes: int | None = None, *, hold_in_block: bool = False) -> Policy:
+    """``lina`` (credit: ``credit_bytes``; ``hold_in_block``: also hold allreduce during the
+    expert compute of a backward expert block), ``fifo`` or ``serial``; see the module docstring."""
     if name == "lina":
-        return Policy("lina", credit_bytes=credit_bytes)
+        return Policy("lina", credit_bytes=credit_bytes, hold_in_block=hold_in_block)
     if name == "fifo":
         return Policy("fifo", credit_bytes=None, hold_for_a2a=False, hold_in_block=False)
     if name == "serial":

@@ -136,17 +136,19 @@ def allreduce_ops(grad_bytes: Sequence[int], schedule: str, *, microop_bytes: in
 
 def simulate(script: Sequence[Item], schedule: str, link: Link, *, microop_bytes: int,
              credit_bytes: int | None = None, bucket_bytes: int | None = None,
-             element_size: int = 4) -> SimResult:
+             element_size: int = 4, hold_in_block: bool = False) -> SimResult:
     """Run ``script`` under ``schedule`` (lina, fifo or serial); see the module docstring.
 
-    ``credit_bytes`` (lina) defaults to one micro-op; ``bucket_bytes`` (fifo) to 25 micro-ops.
+    ``credit_bytes`` (lina) defaults to one micro-op; ``bucket_bytes`` (fifo) to 25 micro-ops;
+    ``hold_in_block`` (lina) also holds allreduce during the expert compute of a block.
     """
     grad_bytes = [b for it in script if isinstance(it, Compute) for b in it.grads]
     if any(b % element_size for b in grad_bytes):
         raise ValueError(f"gradient sizes must be multiples of element_size={element_size}")
     ops = allreduce_ops(grad_bytes, schedule, microop_bytes=microop_bytes,
                         bucket_bytes=bucket_bytes or 25 * microop_bytes, element_size=element_size)
-    pol = make_policy(schedule, credit_bytes if credit_bytes is not None else microop_bytes)
+    pol = make_policy(schedule, credit_bytes if credit_bytes is not None else microop_bytes,
+                      hold_in_block=hold_in_block)
     pol.begin_step(len(ops))
     missing = [len(op.tensors) for op in ops]
     ops_of_tensor: dict[int, list[int]] = {}
