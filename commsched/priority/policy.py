@@ -13,10 +13,12 @@ Allreduce operations carry a sequence number and are launched strictly in that o
 Policies (:func:`make_policy`):
 
 * ``lina`` -- all-to-all first: an allreduce micro-op is launched only when no all-to-all
-  is waiting or in flight, not inside an expert block (between the combine and dispatch
-  exchanges of an MoE layer in the backward pass, where the next all-to-all is moments
-  away), and only while the bytes of allreduce in flight stay within the credit (one
-  micro-op may always be in flight, whatever its size). Once the backward pass has
+  of this rank is waiting or in flight, and only while the bytes of allreduce in flight
+  stay within the credit (one micro-op may always be in flight, whatever its size). The
+  decision is local: on real process groups a launched micro-op waits inside the
+  collective for peers still in an all-to-all. With ``hold_in_block`` it is also held
+  inside an expert block (between the combine and dispatch exchanges of an MoE layer in
+  the backward pass), which leaves the link idle during expert compute. Once the backward pass has
   ended no all-to-all can come before the optimizer step, so nothing holds allreduce
   back any more, the credit included (the remaining micro-ops go out at once).
 * ``fifo`` -- every operation is launched as soon as it is ready (DDP's behaviour).
