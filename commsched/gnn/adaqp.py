@@ -17,7 +17,8 @@ nocomm    TIMING ONLY: remote rows are zeros, no exchange  -
 
 **Wire format.** The rows one rank sends to peer p in one exchange are cut by width:
 for b in (2, 4, 8), the rows of width b (in message order) are quantized and packed
-(``commsched.quant`` fast path, bit-identical to its reference), giving two byte
+(``commsched.quant.codec.quantize_rows``: Triton on CUDA, the compiled or eager fast path
+on the CPU, all bit-identical to the reference), giving two byte
 segments, payload [n_b * ceil(D b / 8)] and metadata [n_b * 8] (float32 scale and zero
 point). The six segments per peer travel as one message through
 ``commsched.exchange_segments``. Both sides derive the segment sizes from the same
@@ -61,58 +62,23 @@ import torch.distributed as dist
 
 from ..all2all import SegmentLayout, all_to_all, all_to_all_async, exchange_segments
 from ..dist import comm_guard
+from ..quant.codec import META_BYTES, dequantize_rows, payload_bytes, quantize_rows
 from .book import PartitionBook
 from .halo import HaloExchange, Pending
 
 WIDTHS = (2, 4, 8)
-META_BYTES = 8  # float32 scale + float32 zero point per row (the codec's wire format)
 SCHEMES = ("adaptive", "uniform", "random", "full", "zeros")
 _DIRS = {"forward": 0, "backward": 1}
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
-# --------------------------------------------------------------------------- codec access
-def _codec():
-    """(quantize(x, bits, key, row0, compile) -> (payload [N, B] uint8, meta [N, 2] float32),
-    dequantize(payload, meta, bits, dim, out, compile) -> float32 [N, dim]) from
-    commsched.quant: its fast path, or the reference when the fast path is missing."""
-    try:
-        from ..quant.fast import dequantize_cpu, quantize_cpu
-    except ImportError:
-        quantize_cpu = None
-    if quantize_cpu is not None:
-        # always under no_grad: autograd's backward runs with grad mode off, the forward
-        # with it on, and a compiled kernel guarded on grad mode would compile twice
-        def q(x, bits, key, row0=0, compile=False):
-            with torch.no_grad():
-                return quantize_cpu(x, bits, key, row0, compile=compile and x.shape[0] > 1)
-
-        def dq(payload, meta, bits, dim, out=None, compile=False):
-            with torch.no_grad():
-                return dequantize_cpu(payload, meta, bits, dim, out_ND=out,
-                                      compile=compile and payload.shape[0] > 1)
-        return q, dq
-    from ..quant.reference import dequantize_reference, quantize_reference  # same bytes, slower
-
-    def q_ref(x, bits, key, row0=0, compile=False):
-        return quantize_reference(x, bits, key, row0=row0)
-
-    def dq_ref(payload, meta, bits, dim, out=None, compile=False):
-        vals = dequantize_reference(payload, meta, bits, dim)
-        return vals if out is None else out.copy_(vals)
-    return q_ref, dq_ref
-
-
+# --------------------------------------------------------------------------- codec
 # Exchanges of at least this many elements (all rows of one layer and direction) use the
 # compiled codec for every width group, whatever the group's size: the kernels are compiled
 # once per width and row width in ``prepare`` with the row count dynamic, so a small group
 # costs a call, not a compile (the eager twin costs ~100x more per row). Smaller exchanges
-# (test graphs) run eagerly and never compile.
+# (test graphs) take the codec's own choice ("auto": eager on the CPU at these sizes).
 COMPILE_MIN_ELEMENTS = 1 << 16
-
-
-def payload_bytes(dim: int, bits: int) -> int:
-    return (dim * bits + 7) // 8
 
 
 # --------------------------------------------------------------------------- pure layout
@@ -248,7 +214,7 @@ class AdaQPExchange(HaloExchange):
         self.rank = book.rank
         self.epoch = 0
         self._calls = 0
-        self._codec = _codec() if self.opt.scheme not in ("full", "zeros") else None
+        self._quantizes = self.opt.scheme not in ("full", "zeros")
         # (layer, direction) -> {(src, dst): widths [n]} for the channels touching this rank
         self.assigned: dict[tuple[int, str], dict[tuple[int, int], np.ndarray]] = {}
         self._layouts: dict[tuple, tuple[WidthLayout, WidthLayout]] = {}
@@ -272,17 +238,16 @@ class AdaQPExchange(HaloExchange):
     def prepare(self, dims: list[int]) -> None:
         """Set-up before the first epoch: warm the codec (compiles the fast path for every
         width and row width this run exchanges, so no epoch pays for compilation)."""
-        if self._codec is None or self.world_size == 1:
+        if not self._quantizes or self.world_size == 1:
             return
-        quantize, dequantize = self._codec
         n_min = min(sum(self.book.send_counts), sum(self.book.recv_counts))
         for d in sorted(set(dims)):
             if n_min * d < COMPILE_MIN_ELEMENTS:
                 continue  # exchanges this small run eagerly
             x = torch.randn(64, d, generator=torch.Generator().manual_seed(d))
             for b in WIDTHS:
-                pay, meta = quantize(x, b, 1, 0, True)
-                dequantize(pay, meta, b, d, None, True)
+                pay, meta = quantize_rows(x, b, 1, 0, "compiled")
+                dequantize_rows(pay, meta, b, d, "compiled")
             self._compiled_dims.add(d)
 
     def begin_epoch(self, epoch: int) -> None:
@@ -353,12 +318,11 @@ class AdaQPExchange(HaloExchange):
         """Quantize every width group of the exchange in one codec call (the groups' rows
         ordered peer by peer, so each peer's part is a contiguous slice), send, and on
         ``wait`` dequantize each width group in one call and scatter the rows back."""
-        quantize, dequantize = self._codec
         D = int(rows.shape[1])
         send, recv = self.layouts(layer, direction, D)
         out_c, in_c = self._counts(direction)
         P = self.world_size
-        compiled = D in self._compiled_dims
+        impl = "compiled" if D in self._compiled_dims else "auto"
         t0 = time.perf_counter()
         x = rows.to(torch.float32).contiguous()
         self._calls += 1
@@ -374,7 +338,7 @@ class AdaQPExchange(HaloExchange):
                     segs[p] += [_EMPTY, _EMPTY]
                 continue
             sel = x if n == x.shape[0] else x.index_select(0, pos)
-            pay, meta = quantize(sel, b, key, row0, compiled)  # distinct counters per row
+            pay, meta = quantize_rows(sel, b, key, row0, impl)  # distinct counters per row
             row0 += n
             rng_T.index_copy_(0, pos, meta[:, 0].double() * ((1 << b) - 1))
             meta_bytes = meta.contiguous().view(torch.uint8)
@@ -419,9 +383,9 @@ class AdaQPExchange(HaloExchange):
                 pay = torch.cat([got[p][2 * w] for p in parts]).view(n, payload_bytes(D, b))
                 meta = torch.cat([got[p][2 * w + 1] for p in parts]).view(torch.float32).view(n, 2)
                 if n == out.shape[0]:
-                    dequantize(pay, meta, b, D, out, compiled)
+                    dequantize_rows(pay, meta, b, D, impl, out_ND=out)
                 else:
-                    out.index_copy_(0, pos, dequantize(pay, meta, b, D, None, compiled))
+                    out.index_copy_(0, pos, dequantize_rows(pay, meta, b, D, impl))
             res = out.to(rows.dtype)
             dq = time.perf_counter() - t1
             self.timer.add("quant", dq)

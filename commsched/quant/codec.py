@@ -128,9 +128,11 @@ def _resolve(impl: str, device: torch.device) -> str:
     return "reference"
 
 
-def _quantize_rows(x_ND: torch.Tensor, bits: int, key: int, row0: int, impl: str,
+def quantize_rows(x_ND: torch.Tensor, bits: int, key: int, row0: int, impl: str,
                    out_NB: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(payload uint8 [N, B], meta float32 [N, 2]) of contiguous float32 rows; unchecked."""
+    """(payload uint8 [N, B], meta float32 [N, 2]) of contiguous float32 rows with counter
+    offset ``row0``, by ``impl`` (see the module doc); unchecked: for callers that validated
+    their rows once (``pack_groups``, AdaQP's exchange) and call it per message."""
     how = _resolve(impl, x_ND.device)
     if how == "triton":
         from commsched.kernels.quant import quantize_pack
@@ -148,7 +150,7 @@ def _quantize_rows(x_ND: torch.Tensor, bits: int, key: int, row0: int, impl: str
     return payload, meta
 
 
-def _dequantize_rows(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int, dim: int,
+def dequantize_rows(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int, dim: int,
                      impl: str, out_ND: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [N, dim], written into ``out_ND`` (unit column stride) if given; unchecked."""
     how = _resolve(impl, payload_NB.device)
@@ -259,7 +261,7 @@ def quantize(x_ND: torch.Tensor, bits: int, *, generator: torch.Generator | None
     _check_impl(impl)
     x = _check_rows(x_ND)
     key = _draw_key(generator, seed)
-    payload, meta = _quantize_rows(x, bits, key, 0, impl)
+    payload, meta = quantize_rows(x, bits, key, 0, impl)
     _check_meta(x, meta, "x")
     return QuantizedRows(payload, meta, bits, x.shape[1])
 
@@ -276,7 +278,7 @@ def dequantize(q: QuantizedRows, *, out: torch.Tensor | None = None,
     _check_impl(impl)
     if out is not None:
         _check_out(out, (q.rows, q.dim), q.payload.device)
-    return _dequantize_rows(q.payload, q.meta.contiguous(), q.bits, q.dim, impl, out_ND=out)
+    return dequantize_rows(q.payload, q.meta.contiguous(), q.bits, q.dim, impl, out_ND=out)
 
 
 def _check_out(out, shape: tuple[int, int], device: torch.device) -> None:
@@ -381,7 +383,7 @@ def pack_groups(x_RD: torch.Tensor, layout: GroupLayout, *,
         B = payload_bytes(layout.dim, bits)
         xg = x[r0:r0 + n]
         payload_view = out[b0 + n * META_BYTES:b0 + n * (META_BYTES + B)].view(n, B)
-        _, meta = _quantize_rows(xg, bits, key, r0, impl, out_NB=payload_view)
+        _, meta = quantize_rows(xg, bits, key, r0, impl, out_NB=payload_view)
         _check_meta(x, meta, "x")  # on failure, reports on the whole of x
         out[b0:b0 + n * META_BYTES].copy_(meta.contiguous().view(torch.uint8).view(-1))
     return out
@@ -417,9 +419,10 @@ def unpack_groups(buf_B: torch.Tensor, layout: GroupLayout, *, out: torch.Tensor
         B = payload_bytes(layout.dim, bits)
         meta = _meta_from_bytes(buf_B[b0:b0 + n * META_BYTES], n)
         payload = buf_B[b0 + n * META_BYTES:b0 + n * (META_BYTES + B)].view(n, B)
-        _dequantize_rows(payload, meta, bits, layout.dim, impl, out_ND=out[r0:r0 + n])
+        dequantize_rows(payload, meta, bits, layout.dim, impl, out_ND=out[r0:r0 + n])
     return out
 
 
 __all__ = ["BITS", "GroupLayout", "IMPLS", "META_BYTES", "QuantizedRows", "dequantize",
-           "message_bytes", "pack_groups", "payload_bytes", "quantize", "unpack_groups"]
+           "dequantize_rows", "message_bytes", "pack_groups", "payload_bytes", "quantize",
+           "quantize_rows", "unpack_groups"]

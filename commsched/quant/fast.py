@@ -187,6 +187,10 @@ def _use_compiled(compile: bool | None, rows: int, dim: int) -> bool:
     return bool(compile) and rows > 1
 
 
+# Both entry points run under no_grad: their outputs are never differentiated, and the
+# compiled kernels are guarded on grad mode, so a caller that quantizes in a forward pass
+# (grad on) and again in autograd's backward (grad off) would compile every kernel twice.
+@torch.no_grad()
 def quantize_cpu(x_ND: torch.Tensor, bits: int, key: int, row0: int = 0, *,
                  out_NB: torch.Tensor | None = None,
                  compile: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,6 +214,7 @@ def quantize_cpu(x_ND: torch.Tensor, bits: int, key: int, row0: int = 0, *,
     return out_NB, meta
 
 
+@torch.no_grad()
 def dequantize_cpu(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int, dim: int, *,
                    out_ND: torch.Tensor | None = None, compile: bool | None = None) -> torch.Tensor:
     """Dequantize on the CPU into ``out_ND`` (float32 [N, dim] with unit column stride, for
