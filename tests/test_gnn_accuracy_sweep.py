@@ -54,11 +54,12 @@ def test_recipe_arguments_and_reuse_check():
     with pytest.raises(ValueError, match="nocomm"):
         r.train_args("cora", "nocomm", 0)
     cfg = {"mode": "adaqp", "seed": 2, "epochs": 7, "model": "gcn", "eval_every": 2, "period": 20,
-           "group_size": 20, "hidden": 256, "dropout_rng": "local"}
+           "group_size": 20, "lam": 0.5, "hidden": 256, "dropout_rng": "local"}
     m = {"config": cfg, "loss": [1.0] * 7}
     assert accuracy.matches(m, r, "adaqp", 2)
     assert not accuracy.matches(m, r, "adaqp", 1)
     assert not accuracy.matches(m, accuracy.Recipe(epochs=8), "adaqp", 2)
+    assert not accuracy.matches(m, accuracy.Recipe(epochs=7, lam=0.9), "adaqp", 2)
     assert not accuracy.matches({"config": cfg, "loss": [1.0] * 3}, r, "adaqp", 2)  # cut short
 
 

@@ -78,6 +78,7 @@ def matches(metrics: dict, recipe: Recipe, mode: str, seed: int) -> bool:
     return (c.get("mode") == mode and c.get("seed") == seed and c.get("epochs") == recipe.epochs
             and c.get("model") == recipe.model and c.get("eval_every") == recipe.eval_every
             and c.get("period") == recipe.period and c.get("group_size") == recipe.group_size
+            and c.get("lam") == recipe.lam
             and c.get("hidden") == recipe.hidden and c.get("dropout_rng") == recipe.dropout_rng
             and len(metrics.get("loss") or []) == recipe.epochs)
 

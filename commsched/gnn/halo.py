@@ -154,17 +154,18 @@ class _BackwardLink:
     def __init__(self, ex: HaloExchange, layer: int):
         self.ex, self.layer = ex, layer
         self.pend: Pending | None = None
-        self.width = 0
+        self.row_shape: tuple[int, ...] = ()
 
     def launch(self, g_RF: torch.Tensor) -> None:
         t = time.perf_counter()
-        self.width = int(g_RF.shape[1]) if g_RF.dim() > 1 else 0
+        self.row_shape = tuple(g_RF.shape[1:])
         self.pend = self.ex._transfer(g_RF.contiguous(), self.layer, "backward")
         self.ex.timer.add("comm", time.perf_counter() - t)
 
     def finish(self, dtype: torch.dtype) -> torch.Tensor:
-        """[n, F] gradient of the owned rows from the received rows (zeros if the receive
-        node never ran: the remote rows took no part in the loss)."""
+        """[n, F] gradient of the owned rows: the received rows added at ``send_idx``.
+        The send node gets its gradient only through the receive node, so ``launch``
+        always ran first; anything else is a bug in the graph, and raises."""
         n = self.ex.book.num_owned
         if self.pend is None:
             raise RuntimeError("halo backward: the receive node did not run before the send node")
@@ -172,7 +173,7 @@ class _BackwardLink:
         rows = self.pend.wait()
         self.ex.timer.add("comm", time.perf_counter() - t)
         self.pend = None
-        out = torch.zeros((n, self.width), dtype=dtype)
+        out = torch.zeros((n, *self.row_shape), dtype=dtype)
         return out.index_add_(0, self.ex.send_idx, rows.to(dtype))
 
 
