@@ -93,6 +93,40 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     return dist.get_rank(), dist.get_world_size()
 
 
+GLOO_THREADED = "commsched_gloo"  # a gloo backend with a chosen number of worker threads
+_gloo_threads = 2
+
+
+def _create_threaded_gloo(store, rank: int, size: int, timeout):
+    from torch.distributed import ProcessGroupGloo
+
+    opts = ProcessGroupGloo._Options()
+    opts._devices = [ProcessGroupGloo.create_default_device()]
+    opts._threads = _gloo_threads
+    opts._timeout = timeout if timeout is not None else datetime.timedelta(minutes=30)
+    return ProcessGroupGloo(store, rank, size, opts)
+
+
+def new_group(ranks: list[int], *, threads: int | None = None):
+    """``dist.new_group(ranks)``; on gloo with ``threads``, a group whose collectives run on
+    that many worker threads (gloo's default is 2; ``new_group`` ignores options for gloo).
+
+    Asynchronous collectives queued on one gloo group run at most ``threads`` at a time, so
+    many small operations in flight (Lina's micro-ops) pay one latency each in turn; more
+    threads let their latencies overlap. Other backends ignore ``threads``. Every rank must
+    call it, in the same order, like ``dist.new_group``.
+    """
+    if threads is None or dist.get_backend() != "gloo":
+        return dist.new_group(ranks)
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    global _gloo_threads
+    if GLOO_THREADED not in dist.Backend.backend_list:
+        dist.Backend.register_backend(GLOO_THREADED, _create_threaded_gloo, devices=["cpu"])
+    _gloo_threads = threads  # read by the creator, which runs inside this call
+    return dist.new_group(ranks, backend=GLOO_THREADED)
+
+
 def config_digest(config: Any) -> str:
     """Stable digest of a config (dataclass, dict or any JSON-able value)."""
     import dataclasses

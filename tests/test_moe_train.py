@@ -68,7 +68,12 @@ def _grads_match_manual_allreduce(rank: int, world: int) -> None:
     ep = 2 if world == 4 else world
     for schedule in ("lina", "fifo", "serial") if world == 2 else ("lina", "fifo"):
         cfg = _cfg(world, schedule, ep=ep, chunks=2, pipeline=True)
-        groups = make_groups(ep)
+        groups = make_groups(ep, allreduce_threads=4)  # gloo groups with 4 worker threads
+        probe = torch.arange(5, dtype=torch.float32) * (rank + 1)
+        ref_sum = probe.clone()
+        dist.all_reduce(ref_sum)  # the default group
+        dist.all_reduce(probe, group=groups.dp_group)
+        assert torch.equal(probe, ref_sum)
         model, sched_params = _build_commsched(cfg, groups)
         ref, _ = _build_commsched(cfg, groups)  # same seed: the same weights
         g = torch.Generator().manual_seed(rank)
@@ -88,6 +93,7 @@ def _grads_match_manual_allreduce(rank: int, world: int) -> None:
             model.loss(x, y)[0].backward()
             st = sched.finish()
             assert st["allreduce_count"] == sched.num_ops > 0
+            assert 0.0 <= st["allreduce_in_backward_share"] <= 1.0
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), (schedule, n)
 
@@ -166,3 +172,14 @@ def test_train_config_errors_speak():
         TrainConfig(steps=2, warmup=2)
     with pytest.raises(ValueError, match="multiple of n_heads"):
         ModelConfig(d_model=30, n_heads=4)
+    with pytest.raises(ValueError, match="--allreduce-threads"):
+        TrainConfig(allreduce_threads=0)
+
+
+def test_default_credit_is_several_microops():
+    from commsched.priority.executor import DEFAULT_CREDIT_MICROOPS
+
+    assert DEFAULT_CREDIT_MICROOPS > 1
+    assert ScheduleConfig("lina").credit == DEFAULT_CREDIT_MICROOPS * (256 << 10)
+    assert ScheduleConfig("lina", microop_bytes=1024).credit == DEFAULT_CREDIT_MICROOPS * 1024
+    assert ScheduleConfig("lina", credit_bytes=4096).credit == 4096

@@ -152,7 +152,8 @@ def plot_losses(runs: dict[str, list[dict]], path: Path) -> Path:
 
 def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
     med = {v: {k: median_of(rs, k) for k in ("step_time_s", "a2a_time_s", "allreduce_time_s",
-                                             "a2a_alone_time_s", "allreduce_wait_s", "val_loss")}
+                                             "a2a_alone_time_s", "allreduce_wait_s", "val_loss",
+                                             "allreduce_in_backward_share")}
            for v, rs in runs.items()}
     lines = ["| quantity | value |", "|---|---|"]
     lina, fifo, ds = med.get("lina"), med.get("fifo"), med.get("deepspeed")
@@ -172,6 +173,8 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
         ("all-to-all: deepspeed / lina", rep_ratio("deepspeed", "lina", "a2a_time_s"), "x"),
         ("lina all-to-all / its all-to-all alone", _ratio(lina and lina["a2a_time_s"], lina and lina["a2a_alone_time_s"]), "x"),
         ("fifo all-to-all / its all-to-all alone", _ratio(fifo and fifo["a2a_time_s"], fifo and fifo["a2a_alone_time_s"]), "x"),
+        ("allreduce bytes reduced within the backward pass: lina", lina and lina["allreduce_in_backward_share"], ""),
+        ("allreduce bytes reduced within the backward pass: fifo", fifo and fifo["allreduce_in_backward_share"], ""),
         ("all-to-all share of a fifo step", _ratio(fifo and fifo["a2a_time_s"], fifo and fifo["step_time_s"]), ""),
         ("all-to-all share of a deepspeed step", _ratio(ds and ds["a2a_time_s"], ds and ds["step_time_s"]), ""),
     ]

@@ -26,7 +26,8 @@ wire; larger under pipelining, where compute runs meanwhile), ``allreduce_time_s
 (time during which a gradient allreduce was in flight), plus ``a2a_alone_time_s``
 (``a2a_time_s`` in extra steps with the allreduce held until after the backward pass),
 ``allreduce_wait_s`` (time the optimizer waited for allreduce after the backward pass),
-the configuration and sizes; and
+``allreduce_in_backward_share`` (commsched only: share of the allreduce bytes already
+reduced when the backward pass ended), the configuration and sizes; and
 ``DIR/timeline.json``: every rank's communication operations of one step.
 """
 
@@ -48,6 +49,7 @@ import torch.distributed as dist
 
 from ..config import read_env
 from ..dist import check_same_config, init_distributed
+from ..dist import new_group as cs_new_group
 from ..priority.executor import LOCAL, GradScheduler, ScheduleConfig
 from .data import load_corpus
 from .dispatch import ExpertGroup
@@ -77,6 +79,9 @@ class TrainConfig:
     max_corpus_bytes: int = 8 << 20
     timeline_step: int | None = None  # default: the last training step
     ds_stage: int = 2
+    # worker threads of the gloo groups carrying the gradient allreduce (every schedule):
+    # gloo runs at most this many queued collectives at once (its default is 2)
+    allreduce_threads: int | None = 8
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -85,6 +90,8 @@ class TrainConfig:
             raise ValueError("steps and batch_size must be >= 1")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"warmup={self.warmup} must be in 0..steps-1 ({self.steps - 1})")
+        if self.allreduce_threads is not None and self.allreduce_threads < 1:
+            raise ValueError(f"--allreduce-threads must be >= 1, got {self.allreduce_threads}")
         if self.ds_stage not in (0, 1, 2):
             raise ValueError(f"--ds-stage must be 0, 1 or 2, got {self.ds_stage}")
 
@@ -102,9 +109,10 @@ class Groups:
     dp_group: object          # all ranks, separate from the default group and the EP group
 
 
-def make_groups(ep_size: int) -> Groups:
+def make_groups(ep_size: int, allreduce_threads: int | None = None) -> Groups:
     """EP groups of consecutive ranks, expert-data-parallel groups across them, and one
-    all-rank group for the non-expert allreduce. Every rank creates every group, in order."""
+    all-rank group for the non-expert allreduce (on gloo with ``allreduce_threads`` worker
+    threads, see :func:`commsched.dist.new_group`). Every rank creates every group, in order."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if ep_size < 1 or world % ep_size:
         raise ValueError(f"--ep-size {ep_size} must divide the world size {world}")
@@ -115,10 +123,10 @@ def make_groups(ep_size: int) -> Groups:
             ep_group = g
     if world // ep_size > 1:
         for j in range(ep_size):
-            g = dist.new_group(list(range(j, world, ep_size)))
+            g = cs_new_group(list(range(j, world, ep_size)), threads=allreduce_threads)
             if rank % ep_size == j:
                 edp_group = g
-    dp_group = dist.new_group(list(range(world)))
+    dp_group = cs_new_group(list(range(world)), threads=allreduce_threads)
     return Groups(ep_group, rank % ep_size, ep_size, edp_group, dp_group)
 
 
@@ -193,7 +201,7 @@ def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = 
 
 def _train_commsched(cfg: TrainConfig, corpus, ep: int, show: bool) -> dict:
     rank = dist.get_rank()
-    groups = make_groups(ep)
+    groups = make_groups(ep, cfg.allreduce_threads)
     model, sched_params = _build_commsched(cfg, groups)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     scfg = cfg.schedule_config
@@ -220,7 +228,8 @@ def _train_commsched(cfg: TrainConfig, corpus, ep: int, show: bool) -> dict:
             rows.append({"step_s": t3 - t0, "fwd_s": t1 - t0, "bwd_s": t2 - t1, "loss": ce.item(),
                          "a2a_s": st["a2a_blocked_s"], "a2a_inflight_s": st["a2a_time_s"],
                          "allreduce_s": st["allreduce_time_s"],
-                         "allreduce_wait_s": st["allreduce_wait_s"]})
+                         "allreduce_wait_s": st["allreduce_wait_s"],
+                         "allreduce_in_bwd": st["allreduce_in_backward_share"]})
             if step == tl_step:
                 timeline = _timeline_dicts(sched.records)
             if bar is not None:
@@ -378,8 +387,8 @@ def _summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> 
         return sum(xs) / len(xs)
 
     step_max = col("step_s", max)
-    per = {k: col(k, mean) for k in ("fwd_s", "bwd_s", "a2a_s", "a2a_inflight_s", "allreduce_s",
-                                     "allreduce_wait_s", "loss")}
+    keys = ("fwd_s", "bwd_s", "a2a_s", "a2a_inflight_s", "allreduce_s", "allreduce_wait_s", "loss", "allreduce_in_bwd")
+    per = {k: col(k, mean) for k in keys if k in per_rank[0]["rows"][0]}
     alone = [mean([per_rank[r]["a2a_alone_s"][i] for r in range(world)])
              for i in range(len(per_rank[0]["a2a_alone_s"]))]
     vals = [p["val_loss"] for p in per_rank if p["val_loss"] is not None]
@@ -401,6 +410,8 @@ def _summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> 
         "a2a_inflight_s": _median([per["a2a_inflight_s"][s] for s in timed]),
         "allreduce_time_s": _median([per["allreduce_s"][s] for s in timed]),
         "allreduce_wait_s": _median([per["allreduce_wait_s"][s] for s in timed]),
+        "allreduce_in_backward_share": (_median([per["allreduce_in_bwd"][s] for s in timed])
+                                        if "allreduce_in_bwd" in per else None),
         "a2a_alone_time_s": _median(alone),
         "a2a_share_of_step": (a2a / step_time) if a2a is not None and step_time else None,
         "fwd_time_s": fwd,
@@ -444,9 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=False,
                    help="overlap each chunk's exchange with the expert compute of the others")
     p.add_argument("--microop-bytes", type=int, default=ScheduleConfig().microop_bytes)
-    p.add_argument("--credit-bytes", type=int, default=None, help="lina: allreduce bytes in flight (default: one micro-op)")
+    p.add_argument("--credit-bytes", type=int, default=None, help="lina: allreduce bytes in flight (default: 8 micro-ops)")
     p.add_argument("--hold-in-block", action=argparse.BooleanOptionalAction, default=False,
                    help="lina: also hold allreduce during the expert compute of a backward expert block")
+    p.add_argument("--allreduce-threads", type=int, default=d.allreduce_threads,
+                   help="gloo worker threads of the gradient-allreduce groups, all schedules (gloo's default: 2)")
     p.add_argument("--bucket-bytes", type=int, default=ScheduleConfig().bucket_bytes,
                    help="fifo buckets; also DeepSpeed's reduce bucket")
     p.add_argument("--warmup", type=int, default=d.warmup)
@@ -471,7 +484,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                        steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed, ep_size=a.ep_size,
                        warmup=min(a.warmup, a.steps - 1), probe_steps=a.probe_steps, eval_batches=a.eval_batches,
                        corpus=a.corpus, max_corpus_bytes=a.max_corpus_bytes, timeline_step=a.timeline_step,
-                       ds_stage=a.ds_stage)
+                       ds_stage=a.ds_stage, allreduce_threads=a.allreduce_threads)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

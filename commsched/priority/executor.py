@@ -37,19 +37,31 @@ from .partition import CommOp, bucket, partition
 from .policy import POLICIES, make_policy
 
 LOCAL = "local"  # group of a gradient that is scaled but not communicated
+# Default credit of ``lina``, in micro-ops. A micro-op's collective takes far longer than its
+# bytes need on the link when peers arrive late (tens of ms on 4 ranks sharing 2 cores, against
+# about 15 ms of link for 256 KiB at 800 Mbit/s), so with one micro-op in flight the allreduce
+# crawled through the gaps of the backward pass; several in flight keep the link busy, at the
+# price of a longer worst-case wait for an all-to-all that arrives (docs/moe.md, "credit").
+DEFAULT_CREDIT_MICROOPS = 8
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
     """``microop_bytes``: Lina's micro-op size; ``credit_bytes``: allreduce bytes allowed in
-    flight under ``lina`` (default: one micro-op); ``bucket_bytes``: fused bucket size of
-    ``fifo`` (DDP's first bucket is 1 MiB)."""
+    flight under ``lina`` (default: :data:`DEFAULT_CREDIT_MICROOPS` micro-ops, see
+    :attr:`credit`); ``bucket_bytes``: fused bucket size of ``fifo`` (DDP's first bucket is
+    1 MiB)."""
 
     schedule: str = "lina"
     microop_bytes: int = 256 << 10
     credit_bytes: int | None = None
     bucket_bytes: int = 1 << 20
     hold_in_block: bool = False
+
+    @property
+    def credit(self) -> int:
+        """The credit in force: ``credit_bytes``, or :data:`DEFAULT_CREDIT_MICROOPS` micro-ops."""
+        return self.credit_bytes if self.credit_bytes is not None else DEFAULT_CREDIT_MICROOPS * self.microop_bytes
 
     def __post_init__(self) -> None:
         if self.schedule not in POLICIES:
@@ -143,7 +155,7 @@ class GradScheduler:
         for spec in self.ops:
             for t in spec.tensors:
                 self._ops_of_param[t].append(spec.seq)
-        self._policy = make_policy(cfg.schedule, cfg.credit_bytes or cfg.microop_bytes,
+        self._policy = make_policy(cfg.schedule, cfg.credit,
                                    hold_in_block=cfg.hold_in_block)
         self._cv = threading.Condition()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
@@ -326,11 +338,16 @@ class GradScheduler:
             t_done = self._now()
             recs = list(self._rec.values())
         a2a = [(r.ready_s, r.end_s) for r in recs if r.kind == "a2a" and r.end_s >= 0]
-        ar = [(r.start_s, r.end_s) for r in recs if r.kind == "allreduce" and r.end_s >= 0]
+        ar_recs = [r for r in recs if r.kind == "allreduce" and r.end_s >= 0]
+        ar = [(r.start_s, r.end_s) for r in ar_recs]
+        ar_bytes = sum(r.nbytes for r in ar_recs)
+        in_bwd = sum(r.nbytes for r in ar_recs if r.end_s <= t_end)
         self.records = sorted(recs, key=lambda r: (r.ready_s, r.kind, r.key))
         return {"a2a_time_s": _union_s(a2a), "a2a_blocked_s": self._a2a_blocked_s,
                 "allreduce_time_s": _union_s(ar),
                 "allreduce_wait_s": t_done - t_end, "backward_end_s": t_end,
+                # share of the allreduce bytes already reduced when the backward pass ended
+                "allreduce_in_backward_share": in_bwd / ar_bytes if ar_bytes else 1.0,
                 "a2a_count": len(a2a), "allreduce_count": len(ar)}
 
     def close(self) -> None:
@@ -349,4 +366,4 @@ class GradScheduler:
         self.close()
 
 
-__all__ = ["LOCAL", "GradScheduler", "OpRecord", "ScheduleConfig"]
+__all__ = ["DEFAULT_CREDIT_MICROOPS", "LOCAL", "GradScheduler", "OpRecord", "ScheduleConfig"]
