@@ -178,6 +178,21 @@ def test_no_a2a_waits_behind_more_than_one_micro_op(kw, latency):
 
 
 @pytest.mark.parametrize("kw", SCENARIOS, ids=range(len(SCENARIOS)))
+def test_a2a_waits_behind_at_most_the_credit(kw):
+    """With a credit of several micro-ops (the executor's default), an all-to-all waits
+    behind at most the credit's bytes, all launched before it arrived."""
+    micro, credit = 500, 1500
+    r = simulate(_scenario(**kw), "lina", LINK, microop_bytes=micro, credit_bytes=credit)
+    assert r.a2a and r.allreduce
+    assert any(len(r.allreduce_during(a)) > 1 for a in r.a2a)  # more than one micro-op did wait
+    for a in r.a2a:
+        during = r.allreduce_during(a)
+        assert sum(o.nbytes for o in during) <= credit, (a, during)
+        assert all(o.start_s < a.ready_s for o in during)
+        assert a.end_s - a.ready_s <= LINK.alone_s(a.nbytes) + LINK.alone_s(credit) + 1e-9
+
+
+@pytest.mark.parametrize("kw", SCENARIOS, ids=range(len(SCENARIOS)))
 def test_allreduce_never_starves_once_a2a_finish(kw):
     r = simulate(_scenario(**kw), "lina", LINK, microop_bytes=500)
     last_a2a = max(o.end_s for o in r.a2a)

@@ -35,6 +35,7 @@ DEFAULTS = {
     "steps": 10, "warmup": 3, "batch_size": 8, "seq_len": 128, "d_model": 256, "heads": 4, "layers": 4,
     "d_ff": 1024, "expert_hidden": 1024, "experts": 4, "k": 1, "moe_every": 2, "chunks": 4,
     "microop_bytes": 256 << 10, "credit_bytes": None, "bucket_bytes": 1 << 20, "ds_stage": 2,
+    "allreduce_threads": 8,
 }
 
 
@@ -61,6 +62,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hold-in-block", action=argparse.BooleanOptionalAction, default=False,
                    help="lina: also hold allreduce during backward expert compute")
     g.add_argument("--bucket-bytes", type=int, default=d["bucket_bytes"], help="fifo buckets, DeepSpeed reduce bucket")
+    g.add_argument("--allreduce-threads", type=int, default=d["allreduce_threads"],
+                   help="fifo and lina: gloo worker threads of the gradient-allreduce group")
     g.add_argument("--ds-stage", type=int, default=d["ds_stage"])
 
 
@@ -68,7 +71,8 @@ def _common(a: argparse.Namespace) -> list[str]:
     out = ["--steps", a.steps, "--warmup", a.warmup, "--batch-size", a.batch_size, "--seq-len", a.seq_len,
            "--d-model", a.d_model, "--heads", a.heads, "--layers", a.layers, "--d-ff", a.d_ff,
            "--expert-hidden", a.expert_hidden, "--experts", a.experts, "--k", a.k, "--moe-every", a.moe_every,
-           "--microop-bytes", a.microop_bytes, "--bucket-bytes", a.bucket_bytes, "--ds-stage", a.ds_stage]
+           "--microop-bytes", a.microop_bytes, "--bucket-bytes", a.bucket_bytes, "--ds-stage", a.ds_stage,
+           "--allreduce-threads", a.allreduce_threads]
     if a.credit_bytes is not None:
         out += ["--credit-bytes", a.credit_bytes]
     if a.corpus:
@@ -216,7 +220,9 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
                 f"{args.batch_size} x {args.seq_len} tokens per rank per step; "
                 f"non-expert gradients {sizes.get('non_expert_grad_bytes', 0) / 2**20:.2f} MiB; "
                 f"all-to-all payload {sizes.get('a2a_payload_bytes_per_step', 0) / 2**20:.2f} MiB per rank per step; "
-                f"lina: {args.chunks} chunks, micro-ops of {args.microop_bytes} B; fifo buckets {args.bucket_bytes} B")
+                f"lina: {args.chunks} chunks, micro-ops of {args.microop_bytes} B, credit "
+                f"{args.credit_bytes if args.credit_bytes is not None else '8 micro-ops'}; fifo buckets {args.bucket_bytes} B; "
+                f"allreduce group: {args.allreduce_threads} gloo threads")
     return {"extra_tables": {"Lina against fifo and DeepSpeed (medians of per-repeat ratios)": "\n".join(lines),
                              "Loss curves": "\n".join(loss_lines),
                              "Configuration": cfg_line},
