@@ -286,12 +286,31 @@ def breakdown_medians(runs: dict[str, list[dict]], key: str = "breakdown_s") -> 
     return out
 
 
-def plot_breakdown(medians: dict[str, dict[str, float]], path: Path, title: str = "") -> Path:
-    """One stacked bar per variant, one segment per part of its time breakdown (PNG)."""
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path, dpi: int = 100) -> Path:
+    """Lay ``fig`` out, write it to ``path`` (PNG; the folder is created), free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def plot_breakdown(medians: dict[str, dict[str, float]], path: Path, title: str = "") -> Path:
+    """One stacked bar per variant, one segment per part of its time breakdown (PNG)."""
+    plt = pyplot()
 
     variants = list(medians)
     parts: list[str] = []
@@ -306,10 +325,7 @@ def plot_breakdown(medians: dict[str, dict[str, float]], path: Path, title: str 
     ax.set_ylabel("seconds (median over repeats)")
     ax.set_title(title or "time breakdown per variant")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 

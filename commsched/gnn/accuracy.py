@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..bench import pyplot, save_figure
+
 DATASETS = ("cora", "citeseer", "tolokers", "synthetic")
 MODES = ("vanilla", "adaqp", "random")
 
@@ -143,10 +145,7 @@ def table_markdown(rows: list[dict], tol_pp: float = 0.5) -> str:
 
 def plot_losses(results: list[dict], path: Path) -> Path:
     """Training loss per epoch (mean over seeds), one panel per data set, every mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     datasets = list(dict.fromkeys(r["dataset"] for r in results))
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.2 * len(datasets), 3.6), squeeze=False)
@@ -165,10 +164,7 @@ def plot_losses(results: list[dict], path: Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("training loss (mean over seeds)")
     axes[0][0].legend(fontsize="small")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 

@@ -19,7 +19,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from ..bench import Variant, Workload, median_of
+from ..bench import Variant, Workload, median_of, pyplot, save_figure
 
 DEFAULT_BANDWIDTH = "300mbit"
 MODES_GCN = ("vanilla", "adaqp", "adaqp-q", "adaqp-p", "uniform", "random", "nocomm")
@@ -64,10 +64,7 @@ def variants(a: argparse.Namespace) -> list[Variant]:
 
 
 def _plots(runs: dict[str, list[dict]], out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     paths = []
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -79,10 +76,8 @@ def _plots(runs: dict[str, list[dict]], out: Path) -> list[str]:
     ax.set_xlabel("epoch")
     ax.set_ylabel("train loss (repeat 0)")
     ax.legend(fontsize="small")
-    fig.tight_layout()
     p = out / "loss.png"
-    fig.savefig(p, dpi=100)
-    plt.close(fig)
+    save_figure(fig, p)
     paths.append(str(p))
     hists = {}
     for v, rs in runs.items():
@@ -98,10 +93,8 @@ def _plots(runs: dict[str, list[dict]], out: Path) -> list[str]:
         ax.set_xticks([j + 0.4 - w / 2 for j in range(3)], ["2 bits", "4 bits", "8 bits"])
         ax.set_ylabel("share of exchanged rows (last assignment)")
         ax.legend(fontsize="small")
-        fig.tight_layout()
         p = out / "widths.png"
-        fig.savefig(p, dpi=100)
-        plt.close(fig)
+        save_figure(fig, p)
         paths.append(str(p))
     return paths
 

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from ..bench import pyplot, save_figure
+
 DEFAULT_RATES = "none,1gbit,600mbit,300mbit,100mbit"
 
 
@@ -53,10 +55,7 @@ def sweep_table(points: Sequence[dict]) -> str:
 
 def plot_sweep(points: Sequence[dict], path: Path) -> Path:
     """Speed-up against Vanilla's communication share, one labelled point per rate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     pts = sorted((p for p in points if p.get("vanilla_comm_share") is not None and p.get("speedup") is not None),
                  key=lambda p: p["vanilla_comm_share"])
@@ -70,10 +69,7 @@ def plot_sweep(points: Sequence[dict], path: Path) -> Path:
     ax.set_xlabel("Vanilla's communication share of its epoch")
     ax.set_ylabel("AdaQP speed-up per epoch over Vanilla (x)")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 

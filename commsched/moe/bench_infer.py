@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bench import Variant, Workload, median_of
+from ..bench import Variant, Workload, median_of, pyplot, save_figure
 
 VARIANTS = ("static", "eplb", "lina", "oracle")
 DEFAULTS = {
@@ -213,10 +213,7 @@ def plot_heatmap(runs: dict[str, list[dict]], path: Path) -> Path:
     number of replicas of each expert per layer (the placement chosen). Bottom row: per
     variant the mean share of each device in the rows computed per layer (a balanced
     device is at 1/N). From each variant's first repeat."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [v for v in runs if runs[v]]
     first = runs[names[0]][0]
@@ -248,10 +245,7 @@ def plot_heatmap(runs: dict[str, list[dict]], path: Path) -> Path:
         ax.set_xlabel("device")
         ax.set_ylabel("MoE layer")
         fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path, dpi=90)
     return path
 
 

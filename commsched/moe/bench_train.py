@@ -25,7 +25,7 @@ import json
 import statistics
 from pathlib import Path
 
-from ..bench import Variant, Workload, median_of
+from ..bench import Variant, Workload, median_of, pyplot, save_figure
 
 # The benchmark model and link (the documented default regime; see docs/benchmarks.md):
 # every other block MoE, 4 experts (one per rank), 800 Mbit/s shared by the 4 ranks -- the
@@ -103,10 +103,7 @@ def _fmt(x, unit: str = "") -> str:
 
 def plot_timeline(timelines: dict[str, dict], path: Path) -> Path:
     """One panel per variant; per rank two lanes: all-to-all (top) and allreduce (bottom)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [n for n, t in timelines.items() if t.get("ranks")]
     fig, axes = plt.subplots(len(names), 1, figsize=(11, 1.0 + 1.1 * max(len(timelines[n]["ranks"]) for n in names)
@@ -128,18 +125,12 @@ def plot_timeline(timelines: dict[str, dict], path: Path) -> Path:
         ax.set_title(f"{n}: step {timelines[n].get('step')} (seconds from the step start)", fontsize="small")
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("seconds")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
 def plot_losses(runs: dict[str, list[dict]], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for v, rs in runs.items():
@@ -148,9 +139,7 @@ def plot_losses(runs: dict[str, list[dict]], path: Path) -> Path:
     ax.set_ylabel("train loss (mean over ranks)")
     ax.set_title("loss curves (repeat 0)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
