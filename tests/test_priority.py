@@ -242,8 +242,8 @@ def _block_windows(script, r):
     return blocks
 
 
-def test_lina_policy_by_default_runs_allreduce_during_expert_compute():
-    p = make_policy("lina", credit_bytes=100)
+def test_lina_policy_without_hold_in_block_runs_allreduce_during_expert_compute():
+    p = make_policy("lina", credit_bytes=100, hold_in_block=False)
     p.begin_step(1)
     p.allreduce_ready(0, 60)
     p.block_begin()

@@ -59,7 +59,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunks", type=int, default=d["chunks"], help="lina: chunks of the pipelined all-to-all")
     g.add_argument("--microop-bytes", type=int, default=d["microop_bytes"])
     g.add_argument("--credit-bytes", type=int, default=d["credit_bytes"])
-    g.add_argument("--hold-in-block", action=argparse.BooleanOptionalAction, default=False,
+    g.add_argument("--hold-in-block", action=argparse.BooleanOptionalAction, default=True,
                    help="lina: also hold allreduce during backward expert compute")
     g.add_argument("--bucket-bytes", type=int, default=d["bucket_bytes"], help="fifo buckets, DeepSpeed reduce bucket")
     g.add_argument("--allreduce-threads", type=int, default=d["allreduce_threads"],
@@ -87,7 +87,7 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
         Variant("deepspeed", mod, ("--impl", "deepspeed", *c)),
         Variant("fifo", mod, ("--impl", "commsched", "--schedule", "fifo", "--chunks", "1", "--no-pipeline", *c)),
         Variant("lina", mod, ("--impl", "commsched", "--schedule", "lina", "--chunks", str(a.chunks),
-                              "--pipeline", *(["--hold-in-block"] if a.hold_in_block else []), *c)),
+                              "--pipeline", "--hold-in-block" if a.hold_in_block else "--no-hold-in-block", *c)),
     ]
 
 

@@ -456,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overlap each chunk's exchange with the expert compute of the others")
     p.add_argument("--microop-bytes", type=int, default=ScheduleConfig().microop_bytes)
     p.add_argument("--credit-bytes", type=int, default=None, help="lina: allreduce bytes in flight (default: 8 micro-ops)")
-    p.add_argument("--hold-in-block", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--hold-in-block", action=argparse.BooleanOptionalAction, default=ScheduleConfig().hold_in_block,
                    help="lina: also hold allreduce during the expert compute of a backward expert block")
     p.add_argument("--allreduce-threads", type=int, default=d.allreduce_threads,
                    help="gloo worker threads of the gradient-allreduce groups, all schedules (gloo's default: 2)")

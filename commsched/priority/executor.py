@@ -56,7 +56,7 @@ class ScheduleConfig:
     microop_bytes: int = 256 << 10
     credit_bytes: int | None = None
     bucket_bytes: int = 1 << 20
-    hold_in_block: bool = False
+    hold_in_block: bool = True
 
     @property
     def credit(self) -> int:

@@ -16,9 +16,11 @@ Policies (:func:`make_policy`):
   of this rank is waiting or in flight, and only while the bytes of allreduce in flight
   stay within the credit (one micro-op may always be in flight, whatever its size). The
   decision is local: on real process groups a launched micro-op waits inside the
-  collective for peers still in an all-to-all. With ``hold_in_block`` it is also held
-  inside an expert block (between the combine and dispatch exchanges of an MoE layer in
-  the backward pass), which leaves the link idle during expert compute. Once the backward pass has
+  collective for peers still in an all-to-all. With ``hold_in_block`` (the default of
+  :func:`make_policy`) it is also held inside an expert block (between the combine and
+  dispatch exchanges of an MoE layer in the backward pass, expert compute included), which
+  keeps the block's second exchange clear at the price of leaving the link to in-flight
+  micro-ops during expert compute. Once the backward pass has
   ended no all-to-all can come before the optimizer step, so nothing holds allreduce
   back any more, the credit included (the remaining micro-ops go out at once).
 * ``fifo`` -- every operation is launched as soon as it is ready (DDP's behaviour).
@@ -155,7 +157,7 @@ class Policy:
         return out
 
 
-def make_policy(name: str, credit_bytes: int | None = None, *, hold_in_block: bool = False) -> Policy:
+def make_policy(name: str, credit_bytes: int | None = None, *, hold_in_block: bool = True) -> Policy:
     """``lina`` (credit: ``credit_bytes``; ``hold_in_block``: also hold allreduce during the
     expert compute of a backward expert block), ``fifo`` or ``serial``; see the module docstring."""
     if name == "lina":
