@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -97,11 +98,22 @@ GLOO_THREADED = "commsched_gloo"  # a gloo backend with a chosen number of worke
 _gloo_threads = 2
 
 
+def gloo_devices() -> list:
+    """The devices torch's own gloo groups use: one per interface in GLOO_SOCKET_IFNAME
+    (comma-separated; emulated hosts set it), else the default one."""
+    from torch.distributed import ProcessGroupGloo
+
+    ifnames = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+    if ifnames:
+        return [ProcessGroupGloo.create_device(interface=i) for i in ifnames]
+    return [ProcessGroupGloo.create_default_device()]
+
+
 def _create_threaded_gloo(store, rank: int, size: int, timeout):
     from torch.distributed import ProcessGroupGloo
 
     opts = ProcessGroupGloo._Options()
-    opts._devices = [ProcessGroupGloo.create_default_device()]
+    opts._devices = gloo_devices()
     opts._threads = _gloo_threads
     opts._timeout = timeout if timeout is not None else datetime.timedelta(minutes=30)
     return ProcessGroupGloo(store, rank, size, opts)

@@ -60,3 +60,15 @@ def test_cli_usage_and_unknown_command(capsys):
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "commsched.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "commsched COMMAND" in out.stdout
+
+
+def test_gloo_devices_follow_gloo_socket_ifname(monkeypatch):
+    from commsched.dist import gloo_devices
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert len(gloo_devices()) == 1
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "commsched-no-such-if0")
+    with pytest.raises(RuntimeError):
+        gloo_devices()  # the variable is read: a missing interface is an error, as in torch
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    assert len(gloo_devices()) == 1

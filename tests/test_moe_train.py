@@ -98,6 +98,26 @@ def _grads_match_manual_allreduce(rank: int, world: int) -> None:
             assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), (schedule, n)
 
 
+def _threaded_gloo_group(rank: int, world: int) -> None:
+    """commsched.dist.new_group(threads=N) makes a working gloo group with N worker threads,
+    also on the interface GLOO_SOCKET_IFNAME names (as torchrun's emulated hosts set it)."""
+    from commsched.dist import new_group
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        g = new_group(list(range(world)), threads=3)
+    finally:
+        del os.environ["GLOO_SOCKET_IFNAME"]
+    works = [dist.all_reduce(torch.full((4,), float(rank + i)), group=g, async_op=True) for i in range(6)]
+    for w in works:
+        w.wait()
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t, group=g)
+    assert torch.equal(t, torch.full((4,), float(sum(range(1, world + 1)))))
+    with pytest.raises(ValueError, match="threads"):
+        new_group(list(range(world)), threads=0)
+
+
 def _lina_rule_on_real_groups(rank: int, world: int) -> None:
     """In lina's recorded timeline no allreduce starts while an all-to-all of this rank is
     in flight, and none starts inside an expert block of the backward pass."""
@@ -136,6 +156,7 @@ def _deepspeed_trains_from_the_same_weights(rank: int, world: int) -> None:
 CASES2 = [("schedules_identical", _schedules_identical),
           ("grads_match_manual_allreduce", _grads_match_manual_allreduce),
           ("lina_rule_on_real_groups", _lina_rule_on_real_groups),
+          ("threaded_gloo_group", _threaded_gloo_group),
           ("deepspeed_trains_from_the_same_weights", _deepspeed_trains_from_the_same_weights)]
 CASES4 = [("schedules_identical_ep2", _schedules_identical_ep2),
           ("grads_match_manual_allreduce", _grads_match_manual_allreduce)]

@@ -41,7 +41,7 @@ LOCAL = "local"  # group of a gradient that is scaled but not communicated
 # bytes need on the link when peers arrive late (tens of ms on 4 ranks sharing 2 cores, against
 # about 15 ms of link for 256 KiB at 800 Mbit/s), so with one micro-op in flight the allreduce
 # crawled through the gaps of the backward pass; several in flight keep the link busy, at the
-# price of a longer worst-case wait for an all-to-all that arrives (docs/moe.md, "credit").
+# price of a longer worst-case wait for an all-to-all that arrives (docs/benchmarks.md, moe-train).
 DEFAULT_CREDIT_MICROOPS = 8
 
 
@@ -50,7 +50,7 @@ class ScheduleConfig:
     """``microop_bytes``: Lina's micro-op size; ``credit_bytes``: allreduce bytes allowed in
     flight under ``lina`` (default: :data:`DEFAULT_CREDIT_MICROOPS` micro-ops, see
     :attr:`credit`); ``bucket_bytes``: fused bucket size of ``fifo`` (DDP's first bucket is
-    1 MiB)."""
+    1 MiB); ``hold_in_block``: ``lina`` also holds allreduce inside backward expert blocks."""
 
     schedule: str = "lina"
     microop_bytes: int = 256 << 10
