@@ -17,8 +17,8 @@ nocomm    TIMING ONLY: remote rows are zeros, no exchange  -
 
 **Wire format.** The rows one rank sends to peer p in one exchange are cut by width:
 for b in (2, 4, 8), the rows of width b (in message order) are quantized and packed
-(``commsched.quant.codec.quantize_rows``: Triton on CUDA, the compiled or eager fast path
-on the CPU, all bit-identical to the reference), giving two byte
+(``commsched.quant.codec.quantize_rows``, its compiled or eager CPU fast path -- the
+exchange works on CPU tensors over gloo -- bit-identical to the reference), giving two byte
 segments, payload [n_b * ceil(D b / 8)] and metadata [n_b * 8] (float32 scale and zero
 point). The six segments per peer travel as one message through
 ``commsched.exchange_segments``. Both sides derive the segment sizes from the same

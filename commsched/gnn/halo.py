@@ -155,10 +155,11 @@ class _BackwardLink:
         self.ex, self.layer = ex, layer
         self.pend: Pending | None = None
         self.row_shape: tuple[int, ...] = ()
+        self.device = torch.device("cpu")
 
     def launch(self, g_RF: torch.Tensor) -> None:
         t = time.perf_counter()
-        self.row_shape = tuple(g_RF.shape[1:])
+        self.row_shape, self.device = tuple(g_RF.shape[1:]), g_RF.device
         self.pend = self.ex._transfer(g_RF.contiguous(), self.layer, "backward")
         self.ex.timer.add("comm", time.perf_counter() - t)
 
@@ -173,7 +174,7 @@ class _BackwardLink:
         rows = self.pend.wait()
         self.ex.timer.add("comm", time.perf_counter() - t)
         self.pend = None
-        out = torch.zeros((n, *self.row_shape), dtype=dtype)
+        out = torch.zeros((n, *self.row_shape), dtype=dtype, device=self.device)
         return out.index_add_(0, self.ex.send_idx, rows.to(dtype))
 
 
