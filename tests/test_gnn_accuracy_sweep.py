@@ -4,6 +4,7 @@ stored bench summaries. No training runs here (those are the benchmarks)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -55,12 +56,14 @@ def test_recipe_arguments_and_reuse_check():
         r.train_args("cora", "nocomm", 0)
     cfg = {"mode": "adaqp", "seed": 2, "epochs": 7, "model": "gcn", "eval_every": 2, "period": 20,
            "group_size": 20, "lam": 0.5, "hidden": 256, "dropout_rng": "local"}
-    m = {"config": cfg, "loss": [1.0] * 7}
+    m = {"config": cfg, "loss": [1.0] * 7, "recipe": dataclasses.asdict(r)}
     assert accuracy.matches(m, r, "adaqp", 2)
+    assert not accuracy.matches({"config": cfg, "loss": [1.0] * 7}, r, "adaqp", 2)  # not the grid's run
+    assert not accuracy.matches(m, accuracy.Recipe(epochs=7, syn_nodes=5000), "adaqp", 2)
     assert not accuracy.matches(m, r, "adaqp", 1)
     assert not accuracy.matches(m, accuracy.Recipe(epochs=8), "adaqp", 2)
     assert not accuracy.matches(m, accuracy.Recipe(epochs=7, lam=0.9), "adaqp", 2)
-    assert not accuracy.matches({"config": cfg, "loss": [1.0] * 3}, r, "adaqp", 2)  # cut short
+    assert not accuracy.matches({**m, "loss": [1.0] * 3}, r, "adaqp", 2)  # cut short
 
 
 def test_loss_plot_writes_png(tmp_path):

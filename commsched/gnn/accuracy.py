@@ -75,14 +75,12 @@ def cell_dir(out: Path, dataset: str, mode: str, seed: int) -> Path:
 
 
 def matches(metrics: dict, recipe: Recipe, mode: str, seed: int) -> bool:
-    """Whether a stored metrics.json is the run this recipe asks for (so it can be reused)."""
+    """Whether a stored metrics.json is the run this recipe asks for (so it can be reused):
+    written by the grid with this very recipe (every field, the synthetic graph's size
+    included), for this mode and seed, and not cut short."""
     c = metrics.get("config") or {}
-    return (c.get("mode") == mode and c.get("seed") == seed and c.get("epochs") == recipe.epochs
-            and c.get("model") == recipe.model and c.get("eval_every") == recipe.eval_every
-            and c.get("period") == recipe.period and c.get("group_size") == recipe.group_size
-            and c.get("lam") == recipe.lam
-            and c.get("hidden") == recipe.hidden and c.get("dropout_rng") == recipe.dropout_rng
-            and len(metrics.get("loss") or []) == recipe.epochs)
+    return (metrics.get("recipe") == dataclasses.asdict(recipe) and c.get("mode") == mode
+            and c.get("seed") == seed and len(metrics.get("loss") or []) == recipe.epochs)
 
 
 def summarize(results: list[dict]) -> list[dict]:
@@ -197,6 +195,7 @@ def run_grid(recipe: Recipe, datasets: Sequence[str], modes: Sequence[str], seed
             v = Variant(f"{ds}-{mode}-s{seed}", "commsched.gnn.train", tuple(recipe.train_args(ds, mode, seed)))
             m = run_variant(v, nproc, d, ctx, timeout_s)
             m["git"] = _git_state()
+            m["recipe"] = dataclasses.asdict(recipe)
             mpath.write_text(json.dumps(m, indent=2))
             say(f"[accuracy]   test {100 * m['test_acc']:.2f}%, final loss {m['loss'][-1]:.4f}, "
                 f"wall {m['wall_clock_s']:.0f} s")
