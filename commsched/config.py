@@ -5,6 +5,7 @@
 | COMMSCHED_TIMEOUT_S     | timeout of every collective, seconds                | 120     |
 | COMMSCHED_BACKEND       | force a torch.distributed backend (gloo, nccl)      | auto    |
 | COMMSCHED_PROGRESS      | 0 disables progress bars                            | 1       |
+| GLOO_SOCKET_IFNAME      | gloo's interfaces, comma-separated (torch reads it too) | auto |
 | RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT | set by torchrun  |         |
 """
 
@@ -24,6 +25,7 @@ class EnvConfig:
     rank: int | None
     world_size: int | None
     local_rank: int | None
+    gloo_ifnames: tuple[str, ...] = ()
 
 
 def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
@@ -56,4 +58,5 @@ def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
         rank=_int("RANK"),
         world_size=_int("WORLD_SIZE"),
         local_rank=_int("LOCAL_RANK"),
+        gloo_ifnames=tuple(i for i in env.get("GLOO_SOCKET_IFNAME", "").split(",") if i),
     )

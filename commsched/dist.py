@@ -10,8 +10,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -95,28 +95,36 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
 
 
 GLOO_THREADED = "commsched_gloo"  # a gloo backend with a chosen number of worker threads
-_gloo_threads = 2
 
 
 def gloo_devices() -> list:
     """The devices torch's own gloo groups use: one per interface in GLOO_SOCKET_IFNAME
-    (comma-separated; emulated hosts set it), else the default one."""
+    (comma-separated; emulated hosts set it, read in :mod:`commsched.config`), else the
+    default one."""
     from torch.distributed import ProcessGroupGloo
 
-    ifnames = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+    ifnames = read_env().gloo_ifnames
     if ifnames:
         return [ProcessGroupGloo.create_device(interface=i) for i in ifnames]
     return [ProcessGroupGloo.create_default_device()]
 
 
-def _create_threaded_gloo(store, rank: int, size: int, timeout):
+@dataclass(frozen=True)
+class GlooGroupOptions:
+    """Options of one threaded gloo group, handed to its creator through ``pg_options``."""
+
+    threads: int
+
+
+def _create_threaded_gloo(backend_opts, options: GlooGroupOptions):
     from torch.distributed import ProcessGroupGloo
 
     opts = ProcessGroupGloo._Options()
     opts._devices = gloo_devices()
-    opts._threads = _gloo_threads
+    opts._threads = options.threads
+    timeout = backend_opts.timeout
     opts._timeout = timeout if timeout is not None else datetime.timedelta(minutes=30)
-    return ProcessGroupGloo(store, rank, size, opts)
+    return ProcessGroupGloo(backend_opts.store, backend_opts.group_rank, backend_opts.group_size, opts)
 
 
 def new_group(ranks: list[int], *, threads: int | None = None):
@@ -132,11 +140,45 @@ def new_group(ranks: list[int], *, threads: int | None = None):
         return dist.new_group(ranks)
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    global _gloo_threads
     if GLOO_THREADED not in dist.Backend.backend_list:
-        dist.Backend.register_backend(GLOO_THREADED, _create_threaded_gloo, devices=["cpu"])
-    _gloo_threads = threads  # read by the creator, which runs inside this call
-    return dist.new_group(ranks, backend=GLOO_THREADED)
+        dist.Backend.register_backend(GLOO_THREADED, _create_threaded_gloo, extended_api=True,
+                                      devices=["cpu"])
+    return dist.new_group(ranks, backend=GLOO_THREADED, pg_options=GlooGroupOptions(threads))
+
+
+# --------------------------------------------------------------------------- guarded collectives
+# Every collective outside the hot paths goes through one of these: each runs under the
+# process group's timeout and turns a failure into a CommError that says what was going on.
+
+def barrier(what: str, group=None) -> None:
+    """``dist.barrier`` under :func:`comm_guard`; ``what`` names the step for the error."""
+    with comm_guard(what, group):
+        dist.barrier(group=group)
+
+
+def all_gather_object(obj: Any, what: str, group=None) -> list[Any]:
+    """Every rank's ``obj``, in rank order of ``group`` (a list on every rank)."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    with comm_guard(what, group):
+        dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, what: str, src: int = 0, group=None) -> Any:
+    """``obj`` of global rank ``src`` on every rank (other ranks' ``obj`` is ignored)."""
+    box = [obj]
+    with comm_guard(what, group):
+        dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def scatter_object(objs: list[Any] | None, what: str, src: int = 0, group=None) -> Any:
+    """``objs[i]`` of global rank ``src`` on the i-th rank of ``group``; ``objs`` is read on
+    ``src`` only (pass None elsewhere)."""
+    got: list[Any] = [None]
+    with comm_guard(what, group):
+        dist.scatter_object_list(got, objs if dist.get_rank() == src else None, src=src, group=group)
+    return got[0]
 
 
 def config_digest(config: Any) -> str:
