@@ -1,30 +1,42 @@
 """commsched: communication scheduling for distributed GNN and MoE workloads.
 
-Nothing runs at import. The core lives here; front-ends are ``commsched.gnn`` and
-``commsched.moe``; ``commsched.quant`` and ``commsched.priority`` hold the planners.
+The core lives here; front-ends are ``commsched.gnn`` and ``commsched.moe``;
+``commsched.quant`` and ``commsched.priority`` hold the planners; experiments are in
+``commsched.bench``. Names are resolved lazily from their submodules: importing
+``commsched`` runs nothing and imports no torch, so the pure planners import without it.
 """
 
-from .all2all import (
-    A2AHandle,
-    A2APlan,
-    CommStats,
-    SegmentLayout,
-    all_to_all,
-    all_to_all_async,
-    exchange_segments,
-    make_plan,
-    pack_segments,
-    segment_plan,
-)
-from .costmodel import LinkCost, fit_link_cost, probe_link_costs
-from .dist import CommError, check_same_config, init_distributed
-from .lanes import LaneEvent, Lanes
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "A2AHandle", "A2APlan", "CommError", "CommStats", "LaneEvent", "Lanes", "LinkCost",
-    "SegmentLayout", "all_to_all", "all_to_all_async", "check_same_config",
-    "exchange_segments", "fit_link_cost", "init_distributed", "make_plan", "pack_segments",
-    "probe_link_costs", "segment_plan",
-]
+_EXPORTS: dict[str, str] = {
+    "A2AHandle": "all2all",
+    "A2APlan": "all2all",
+    "CommStats": "all2all",
+    "SegmentLayout": "all2all",
+    "all_to_all": "all2all",
+    "all_to_all_async": "all2all",
+    "exchange_segments": "all2all",
+    "make_plan": "all2all",
+    "pack_segments": "all2all",
+    "segment_plan": "all2all",
+    "LinkCost": "costmodel",
+    "fit_link_cost": "costmodel",
+    "probe_link_costs": "costmodel",
+    "CommError": "dist",
+    "check_same_config": "dist",
+    "init_distributed": "dist",
+    "LaneEvent": "lanes",
+    "Lanes": "lanes",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

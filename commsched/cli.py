@@ -23,42 +23,29 @@ commands:
 `commsched COMMAND -h` describes each command.
 """
 
-# lazily imported entry points: the core names them, never imports them at import time
-_LAZY = {
+# entry points, imported when their command runs
+_COMMANDS = {
     "netem": "commsched.netem:main",
     "partition": "commsched.gnn.partition:main",
-    "demo": "commsched.demo:main",
+    "demo": "commsched.bench.demo:main",
 }
 
 
 def _load(spec: str) -> Callable[[Sequence[str]], int | None]:
     mod, fn = spec.split(":")
-    try:
-        return getattr(importlib.import_module(mod), fn)
-    except ModuleNotFoundError as e:
-        raise SystemExit(f"commsched: this command is not available in this build ({e})") from None
+    return getattr(importlib.import_module(mod), fn)
 
 
 def _bench(argv: Sequence[str]) -> int:
-    from .bench import WORKLOADS, run_bench
+    from .bench.workloads import WORKLOADS, run_bench
 
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: commsched bench WORKLOAD [options]\nworkloads: " + ", ".join(sorted(WORKLOADS))
               + "\n`commsched bench WORKLOAD -h` lists a workload's options.")
         return 0 if argv else 2
     name, rest = argv[0], list(argv[1:])
-    ctx = None
     try:
-        netem = importlib.import_module("commsched.netem")
-    except ModuleNotFoundError:
-        netem = None
-    if netem is None and any(a.startswith(("--bandwidth", "--hosts")) for a in rest):
-        raise SystemExit("commsched bench: --bandwidth/--hosts need the bandwidth emulator, "
-                         "which this build does not have")
-    try:
-        if netem is not None and hasattr(netem, "bench_context"):
-            ctx, rest = netem.bench_context(name, rest)  # consumes --bandwidth / --hosts / --delay
-        run_bench(name, rest, ctx)
+        run_bench(name, rest)  # --bandwidth / --hosts / --delay go to the emulator
     except ValueError as e:
         print(f"commsched bench: {e}", file=sys.stderr)
         return 2
@@ -71,15 +58,15 @@ def _bench(argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
-        from .bench import WORKLOADS
+        from .bench.workloads import WORKLOADS
 
         print(USAGE.format(workloads=", ".join(sorted(WORKLOADS))))
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
         return _bench(rest)
-    if cmd in _LAZY:
-        rc = _load(_LAZY[cmd])(rest)
+    if cmd in _COMMANDS:
+        rc = _load(_COMMANDS[cmd])(rest)
         return int(rc or 0)
     print(f"commsched: unknown command {cmd!r}\n" + USAGE.format(workloads="..."), file=sys.stderr)
     return 2

@@ -15,7 +15,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 
 def median(xs: Iterable[float | int | None]) -> float | None:
@@ -69,16 +69,23 @@ class Record:
 class Progress:
     """A tqdm bar on stderr, or nothing when ``enabled`` is false (COMMSCHED_PROGRESS=0, a
     rank other than 0). ``update``, ``postfix``, ``write`` and ``close`` are safe either way;
-    ``write`` still prints when the bar is off. Use as a context manager to close it."""
+    ``write`` still reaches the user when the bar is off (through ``say``, default a line on
+    stderr). Use as a context manager to close it."""
 
     def __init__(self, total: int, desc: str, unit: str, *, enabled: bool = True,
-                 initial: int = 0):
+                 initial: int = 0, say: Callable[[str], None] | None = None):
         self.bar = None
+        self.say = say or (lambda s: print(s, file=sys.stderr, flush=True))
         if enabled:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr,
                             dynamic_ncols=True, leave=True)
+
+    @property
+    def active(self) -> bool:
+        """Whether a bar is shown."""
+        return self.bar is not None
 
     def update(self, n: int = 1) -> None:
         if self.bar is not None:
@@ -96,7 +103,7 @@ class Progress:
         if self.bar is not None:
             self.bar.write(msg, file=sys.stderr)
         else:
-            print(msg, file=sys.stderr, flush=True)
+            self.say(msg)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -15,14 +15,15 @@ from commsched.bench import (
     RunContext,
     Variant,
     Workload,
-    _stop,
     breakdown_medians,
     run_bench,
     run_variant,
     summarize_runs,
     torchrun_command,
 )
-from commsched.netem import check_requirements, netem_prefix
+from commsched.bench.emulation import netem_prefix
+from commsched.bench.runner import _stop
+from commsched.netem import check_requirements
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -110,8 +111,8 @@ def test_inline_workload_refuses_emulation(tmp_path):
 def test_torchrun_workload_end_to_end(tmp_path):
     """Two tiny torchrun variants (2 ranks each), repeated and interleaved; checks files and ratios."""
     wl = Workload(name="check", description="check", key_metrics=("a2a_time_s", "bytes_sent_total"),
-                  variants=lambda a: [Variant("direct", "commsched.netem_check", ("--pattern", "direct", "--scale", "2")),
-                                      Variant("ring", "commsched.netem_check", ("--pattern", "ring", "--scale", "2"))])
+                  variants=lambda a: [Variant("direct", "commsched.bench.netem_check", ("--pattern", "direct", "--scale", "2")),
+                                      Variant("ring", "commsched.bench.netem_check", ("--pattern", "ring", "--scale", "2"))])
     lines: list[str] = []
     s = run_bench(wl, ["--nproc", "2", "--out", str(tmp_path), "--timeout", "120", "--bandwidth", "none"],
                   progress=lines.append)
@@ -176,7 +177,7 @@ def test_run_variant_timeout_under_netem_removes_namespace(tmp_path):
 
 
 def test_all2all_host_grouping_and_link_bytes():
-    from commsched.bench_all2all import host_of_ranks, link_bytes
+    from commsched.bench.all2all import host_of_ranks, link_bytes
 
     assert host_of_ranks([["10.0.0.2"], ["10.0.0.2"], ["10.0.0.1"], ["10.0.0.1"]]) == [0, 0, 1, 1]
     assert host_of_ranks([[], [], []]) == [0, 0, 0]

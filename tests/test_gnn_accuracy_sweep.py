@@ -1,4 +1,4 @@
-"""The accuracy grid (commsched.gnn.accuracy) and the rate sweep (commsched.gnn.sweep):
+"""The accuracy grid (commsched.bench.gnn_accuracy) and the rate sweep (commsched.bench.gnn_sweep):
 their pure parts on hand-worked examples, and the sweep's --collect path end to end on
 stored bench summaries. No training runs here (those are the benchmarks)."""
 
@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from commsched.gnn import accuracy, sweep
+from commsched.bench import gnn_accuracy as accuracy
+from commsched.bench import gnn_sweep as sweep
 
 
 def _run(ds, mode, seed, acc, loss):

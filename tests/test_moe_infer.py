@@ -417,7 +417,7 @@ def _metrics(p95: float, rows: float, imb: float, series: list[float]) -> dict:
 
 def test_bench_variants_summary_and_heatmap(tmp_path):
     from commsched.bench import build_parser
-    from commsched.moe.bench_infer import WORKLOAD
+    from commsched.bench.moe_infer import WORKLOAD
 
     a = build_parser(WORKLOAD).parse_args(["--lina-thresholds", "0,0.75", "--threshold", "0.5", "--batches", "5"])
     vs = {v.name: v.args for v in WORKLOAD.variants(a)}

@@ -301,7 +301,7 @@ def test_split_offsets_balance_across_ranks():
 def test_placement_report_smoke():
     """The report behind docs/moe_inference.md runs end to end on a tiny configuration and
     its figures are consistent with each other."""
-    from commsched.moe.placement_report import ReportConfig, run_report, to_markdown
+    from commsched.bench.placement_report import ReportConfig, run_report, to_markdown
 
     cfg = ReportConfig(num_tokens=8192, max_batches=3, max_path=3, presets=("default",),
                        planner_shapes=((8, 4, 3),), planner_loads=("zipf1.2",),

@@ -15,17 +15,15 @@ from pathlib import Path
 import pytest
 
 from commsched import netem
-from commsched.bench import Variant, Workload, run_bench
+from commsched.bench import Variant, Workload, emulation, run_bench
+from commsched.bench.emulation import EmulationUnavailable, bench_context, netem_prefix
 from commsched.netem import (
-    EmulationUnavailable,
     NetSpec,
-    bench_context,
     check_requirements,
     exit_code,
     fill_placeholders,
     format_rate,
     loopback_mtu,
-    netem_prefix,
     parse_optional_rate,
     parse_rate,
     plan_network,
@@ -214,7 +212,7 @@ def test_main_without_root_says_so(monkeypatch, capsys):
 # --------------------------------------------------------------------------- bench context
 def _workload(**kw) -> Workload:
     base = dict(name="fake", description="d", key_metrics=("t",),
-                variants=lambda a: [Variant("v", "commsched.netem_check")])
+                variants=lambda a: [Variant("v", "commsched.bench.netem_check")])
     base.update(kw)
     return Workload(**base)
 
@@ -247,14 +245,14 @@ def test_bench_context_hosts_launch():
     ctx, rest = bench_context(_workload(), ["--hosts", "2", "--bandwidth", "200mbit", "--nproc", "3"],
                               euid=0, which=ALL_TOOLS)
     assert rest == ["--nproc", "3"] and ctx.hosts == 2 and ctx.info["nproc_meaning"] == "processes per host"
-    cmd = ctx.command(Variant("v", "commsched.netem_check", ("--scale", "2")), 3, Path("/o"))
+    cmd = ctx.command(Variant("v", "commsched.bench.netem_check", ("--scale", "2")), 3, Path("/o"))
     i = cmd.index("--")
     assert cmd[i - 2:i] == ["--hosts", "2"] and "200000000bit" in cmd[:i]
     inner = cmd[i + 1:]
     for a in ("--nnodes=2", "--nproc_per_node=3", "--rdzv-backend=c10d", "--rdzv-endpoint={addr0}:29400",
               "--local-addr={addr}", "--rdzv-conf=is_host={is_host0}", "--node-rank={host}"):
         assert a in inner
-    assert inner[-5:] == ["commsched.netem_check", "--scale", "2", "--out", "/o"]
+    assert inner[-5:] == ["commsched.bench.netem_check", "--scale", "2", "--out", "/o"]
 
 
 def test_bench_context_default_regime():
@@ -306,7 +304,7 @@ def _namespaces() -> set[str]:
 def _netem(args: list[str], cmd: list[str], **kw) -> subprocess.Popen:
     """``commsched netem ARGS -- CMD`` as the bench runs it (the file loaded on its own,
     without importing torch through the package)."""
-    return subprocess.Popen([sys.executable, "-c", netem._STANDALONE, netem.__file__, *args, "--", *cmd],
+    return subprocess.Popen([sys.executable, "-c", emulation._STANDALONE, netem.__file__, *args, "--", *cmd],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
@@ -444,7 +442,7 @@ def test_two_hosts_two_processes_all_to_all(tmp_path):
     """A 2-host x 2-process torchrun job (c10d rendezvous at host 0) completes an uneven
     all_to_all across the emulated hosts, launched by the bench runner."""
     wl = Workload(name="netem-check", description="check", key_metrics=("a2a_time_s",),
-                  variants=lambda a: [Variant("direct", "commsched.netem_check", ("--scale", "4"))])
+                  variants=lambda a: [Variant("direct", "commsched.bench.netem_check", ("--scale", "4"))])
     lines: list[str] = []
     s = run_bench(wl, ["--hosts", "2", "--bandwidth", "200mbit", "--nproc", "2", "--out", str(tmp_path),
                        "--timeout", "120"], progress=lines.append)

@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 # phase-2 threshold on the top-2k overlap (Lina does not publish one). Chosen from the
-# sweep of ``python -m commsched.moe.placement_report`` (docs/moe_inference.md): on the
+# sweep of ``python -m commsched.bench.placement_report`` (docs/moe_inference.md): on the
 # synthetic traces lower thresholds re-plan under 10% of layers and gain under 1% of
 # imbalance, while 1.0 (re-plan whenever the top-2k sets differ) halves the gap to the
 # oracle for one planner call per re-plan. The runtime should revisit it with measured

@@ -1,4 +1,4 @@
-"""``python -m commsched.gnn.kipf --data-root DIR``: Kipf & Welling's GCN on Cora.
+"""``python -m commsched.bench.gnn_kipf --data-root DIR``: Kipf & Welling's GCN on Cora.
 
 Their setting: 2 layers, hidden 16, dropout 0.5, Adam lr 0.01, weight decay 5e-4,
 200 epochs, row-normalised features, the Planetoid split. Reports the test accuracy
@@ -15,15 +15,15 @@ import sys
 import time
 from typing import Sequence
 
-from .data import load_dataset
-from .partition import make_parts, partition_nodes
-from .trainer import TrainConfig, run_training
+from ..gnn.data import load_dataset
+from ..gnn.partition import make_parts, partition_nodes
+from ..gnn.trainer import TrainConfig, run_training
 
 GOAL = 0.79
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m commsched.gnn.kipf", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m commsched.bench.gnn_kipf", description=__doc__.splitlines()[0])
     p.add_argument("--data-root", required=True, metavar="DIR")
     p.add_argument("--dataset", default="cora", choices=("cora", "citeseer"))
     p.add_argument("--model", default="gcn", choices=("gcn", "sage"))

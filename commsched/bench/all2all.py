@@ -11,7 +11,7 @@ cross-rank byte passes the one limit, so ``ratio_to_rate`` = throughput / RATE. 
 the busiest host's outgoing link and ``ratio_to_rate`` = uplink / RATE (traffic between
 ranks of one host stays on that host's unshaped loopback).
 
-    torchrun --standalone --nproc_per_node 4 -m commsched.bench_all2all --out DIR
+    torchrun --standalone --nproc_per_node 4 -m commsched.bench.all2all --out DIR
     commsched bench all2all --nproc 4          # both patterns side by side
 """
 
@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .all2all import A2APlan, all_to_all
-from .bench import Variant, Workload, median_of
-from .dist import init_distributed
+from ..all2all import A2APlan, all_to_all
+from ..dist import init_distributed
 from .netem_check import local_ipv4_addresses
+from .runner import Variant, Workload, median_of
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
 
@@ -189,7 +189,7 @@ def _variants(args) -> list[Variant]:
     extra = (["--sizes", args.sizes] if args.sizes else []) + ["--min-time", str(args.min_time)]
     if getattr(args, "rate_bps", None):
         extra += ["--rate-bps", str(args.rate_bps)]
-    return [Variant(pat, "commsched.bench_all2all", ("--patterns", pat, *extra)) for pat in ("direct", "ring")]
+    return [Variant(pat, "commsched.bench.all2all", ("--patterns", pat, *extra)) for pat in ("direct", "ring")]
 
 
 def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:

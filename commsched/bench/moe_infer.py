@@ -32,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bench import Variant, Workload, median_of, pyplot, save_figure
+from .plots import pyplot, save_figure
+from .runner import Variant, Workload, median_of
 
 VARIANTS = ("static", "eplb", "lina", "oracle")
 DEFAULTS = {

@@ -6,8 +6,8 @@ element. Rank 0 writes ``metrics.json`` with the verdict, the IPv4 addresses eac
 found on its interfaces (which shows the ranks were spread over emulated hosts), the
 exchange time, and a measured time breakdown (``init``, ``comm``, ``verify``).
 
-    torchrun --standalone --nproc_per_node 2 -m commsched.netem_check --out DIR
-    commsched netem --rate 200mbit --hosts 2 -- torchrun --nnodes 2 ... -m commsched.netem_check --out DIR
+    torchrun --standalone --nproc_per_node 2 -m commsched.bench.netem_check --out DIR
+    commsched netem --rate 200mbit --hosts 2 -- torchrun --nnodes 2 ... -m commsched.bench.netem_check --out DIR
 
 ``--duplex-bytes N`` (2 ranks) also times N bytes one way, then both ways at once, over
 gloo and over two plain TCP connections, which shows how well the transport (gloo over
@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .all2all import all_to_all
-from .dist import init_distributed
+from ..all2all import all_to_all
+from ..dist import init_distributed
 
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 

@@ -25,8 +25,15 @@ from typing import Callable
 
 import torch
 
-from ..bench import Workload
-from .codec import GroupLayout, dequantize, message_bytes, pack_groups, quantize, unpack_groups
+from ..quant.codec import (
+    GroupLayout,
+    dequantize,
+    message_bytes,
+    pack_groups,
+    quantize,
+    unpack_groups,
+)
+from .runner import Workload
 
 GOALS = {"quantize_vs_clone": 1.5, "dequantize_vs_clone": 1.0}
 

@@ -32,8 +32,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..bench import Workload
-from .assign import AssignmentProblem, Channel, group_messages, meta_bytes, solve_problem
+from ..quant.assign import AssignmentProblem, Channel, group_messages, meta_bytes, solve_problem
+from .runner import Workload
 
 
 def make_instance(devices: int, groups: int, group_size: int, dim: int, seed: int):
@@ -118,7 +118,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
-    from ..bench import median_of
+    from .runner import median_of
 
     lines = ["| variant | median wall s | min | max | median gap (own bound) | "
              "median gap to best bound | median gain over greedy | statuses |",

@@ -19,7 +19,8 @@ import argparse
 import statistics
 from pathlib import Path
 
-from ..bench import Variant, Workload, median_of, pyplot, save_figure
+from .plots import pyplot, save_figure
+from .runner import Variant, Workload, median_of
 
 DEFAULT_BANDWIDTH = "300mbit"
 MODES_GCN = ("vanilla", "adaqp", "adaqp-q", "adaqp-p", "uniform", "random", "nocomm")

@@ -1,8 +1,7 @@
 """The side-by-side benchmark runner behind ``commsched bench WORKLOAD``.
 
-A workload is a module that defines ``WORKLOAD = Workload(...)``; the table
-``WORKLOADS`` names where each lives (strings, imported only when asked for, so the core
-never imports a front-end at import time). A workload either
+A workload is a module of this package that defines ``WORKLOAD = Workload(...)``; the
+table of them is :data:`commsched.bench.workloads.WORKLOADS`. A workload either
 
 * lists ``Variant``s, each a ``torchrun``-launchable module run as its own process
   tree that writes ``metrics.json`` into the ``--out`` folder it is given, or
@@ -13,20 +12,20 @@ Variants run one after another in the same environment, interleaved when repeate
 (A B A B ...). The runner writes each run's ``metrics.json`` under
 ``DIR/<variant>/rep<k>/``, then ``DIR/summary.json`` and ``DIR/summary.md`` with the
 medians of the workload's key metrics and the ratios between variants, and records the
-machine, the emulated rate and the command.
+machine, the emulated rate and the command. How variants are launched (plain torchrun,
+or under the bandwidth emulator) is a :class:`RunContext`, built by
+:func:`commsched.bench.emulation.bench_context`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
 import shlex
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -34,14 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-WORKLOADS: dict[str, str] = {
-    "all2all": "commsched.bench_all2all",
-    "quant": "commsched.quant.bench",
-    "assign": "commsched.quant.bench_assign",
-    "gnn": "commsched.gnn.bench",
-    "moe-train": "commsched.moe.bench_train",
-    "moe-infer": "commsched.moe.bench_infer",
-}
+from ..config import read_env
+from ..results import Progress, median, pick, write_json
+from .plots import plot_breakdown
 
 
 @dataclass(frozen=True)
@@ -70,19 +64,6 @@ class Workload:
     default_bandwidth: str | None = None  # the documented default regime, if any
 
 
-def load_workload(name: str) -> Workload:
-    if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}")
-    try:
-        mod = importlib.import_module(WORKLOADS[name])
-    except ModuleNotFoundError as e:
-        raise ValueError(f"workload {name!r} is not available in this build ({e})") from None
-    wl = getattr(mod, "WORKLOAD", None)
-    if not isinstance(wl, Workload):
-        raise ValueError(f"{WORKLOADS[name]} does not define WORKLOAD = Workload(...)")
-    return wl
-
-
 # --------------------------------------------------------------------------- helpers
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -108,18 +89,8 @@ def machine_info() -> dict[str, Any]:
 
 
 def median_of(runs: Sequence[dict], key: str) -> float | None:
-    vals = [_get(r, key) for r in runs]
-    vals = [v for v in vals if isinstance(v, (int, float))]
-    return statistics.median(vals) if vals else None
-
-
-def _get(d: dict, dotted: str) -> Any:
-    cur: Any = d
-    for part in dotted.split("."):
-        if not isinstance(cur, dict) or part not in cur:
-            return None
-        cur = cur[part]
-    return cur
+    """The median over ``runs`` of the number at dotted ``key`` (missing values skipped)."""
+    return median(v for v in (pick(r, key) for r in runs) if isinstance(v, (int, float)))
 
 
 def torchrun_command(variant: Variant, nproc: int, out_dir: Path, *, nnodes: int = 1,
@@ -286,49 +257,6 @@ def breakdown_medians(runs: dict[str, list[dict]], key: str = "breakdown_s") -> 
     return out
 
 
-def pyplot():
-    """``matplotlib.pyplot`` on the file-only Agg backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, path: Path, dpi: int = 100) -> Path:
-    """Lay ``fig`` out, write it to ``path`` (PNG; the folder is created), free it."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
-    return path
-
-
-def plot_breakdown(medians: dict[str, dict[str, float]], path: Path, title: str = "") -> Path:
-    """One stacked bar per variant, one segment per part of its time breakdown (PNG)."""
-    plt = pyplot()
-
-    variants = list(medians)
-    parts: list[str] = []
-    for m in medians.values():
-        parts += [k for k in m if k not in parts]
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(variants) + 2.5), 4.0))
-    bottom = [0.0] * len(variants)
-    for k in parts:
-        vals = [medians[v].get(k, 0.0) for v in variants]
-        ax.bar(variants, vals, bottom=bottom, label=k)
-        bottom = [b + x for b, x in zip(bottom, vals)]
-    ax.set_ylabel("seconds (median over repeats)")
-    ax.set_title(title or "time breakdown per variant")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
-    save_figure(fig, path)
-    return path
-
-
 def summary_markdown(workload: Workload, summary: dict, meta: dict) -> str:
     keys = workload.key_metrics
     lines = [f"# commsched bench {workload.name}", "",
@@ -377,65 +305,34 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
     return p
 
 
-class _Progress:
-    """A tqdm bar over the runs (lines instead when progress is off or tqdm is missing)."""
+class _RunProgress(Progress):
+    """The bench's bar over its runs; without a bar each run start is one line."""
 
     def __init__(self, total: int, name: str, say: Callable[[str], None] | None, enabled: bool):
-        self.say = say or (lambda s: print(s, file=sys.stderr, flush=True))
-        self.bar = None
+        super().__init__(total, f"bench {name}", "run", enabled=enabled and say is None, say=say)
         self.current = ""
-        if enabled and say is None:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, desc=f"bench {name}", unit="run", file=sys.stderr,
-                                dynamic_ncols=True, leave=True)
-            except ImportError:
-                self.bar = None
 
     def start(self, line: str, short: str = "") -> None:
         """A run begins: ``line`` for line-mode progress, ``short`` beside the bar."""
         self.current = short or line
-        if self.bar is not None:
-            self.bar.set_postfix_str(self.current)
+        if self.active:
+            self.postfix(self.current)
         else:
-            self.say(line)
+            self.write(line)
 
     def tick(self, elapsed_s: float) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix_str(f"{self.current} ({elapsed_s:.0f} s)")
-
-    def done(self) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-
-    def write(self, msg: str) -> None:
-        if self.bar is not None:
-            self.bar.write(msg, file=sys.stderr)
-        else:
-            self.say(msg)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.postfix(f"{self.current} ({elapsed_s:.0f} s)")
 
 
-def run_bench(name: "str | Workload", argv: Sequence[str], ctx: RunContext | None = None,
-              progress: Callable[[str], None] | None = None) -> dict:
-    """Parse ``argv`` for workload ``name`` (a name in :data:`WORKLOADS` or a
-    :class:`Workload`), run its variants, write the summary; return it.
-
-    Without ``ctx``, the emulation options (``--bandwidth``, ``--hosts``, ``--delay``) are
-    taken from ``argv`` by ``commsched.netem.bench_context``. ``progress`` receives
-    progress lines (default: a tqdm bar on stderr, unless COMMSCHED_PROGRESS=0).
+def run_workload(workload: Workload, argv: Sequence[str], ctx: RunContext,
+                 progress: Callable[[str], None] | None = None) -> dict:
+    """Parse ``argv`` (emulation options already taken out into ``ctx``) for ``workload``,
+    run its variants, write the summary; return it. ``progress`` receives progress lines
+    (default: a tqdm bar on stderr, unless COMMSCHED_PROGRESS=0).
+    :func:`commsched.bench.run_bench` is the entry point that resolves both.
     """
-    workload = name if isinstance(name, Workload) else load_workload(name)
     name = workload.name
     argv = list(argv)
-    if ctx is None:
-        from .netem import bench_context
-
-        ctx, argv = bench_context(workload, argv)
     args = build_parser(workload).parse_args(argv)
     if args.nproc < 1 or args.repeat < 1:
         raise ValueError("--nproc and --repeat must be >= 1")
@@ -446,8 +343,6 @@ def run_bench(name: "str | Workload", argv: Sequence[str], ctx: RunContext | Non
     args.hosts, args.bandwidth, args.rate_bps = ctx.hosts, ctx.bandwidth, ctx.rate_bps
     out = args.out or Path("runs") / f"bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
-    from .config import read_env
-
     show = read_env().progress
     runs: dict[str, list[dict]] = {}
     commands: dict[str, str] = {}
@@ -455,7 +350,7 @@ def run_bench(name: "str | Workload", argv: Sequence[str], ctx: RunContext | Non
     if ctx.note:
         (progress or (lambda s: print(s, file=sys.stderr, flush=True)))(f"[bench {name}] note: {ctx.note}")
     if workload.inline is not None:
-        bar = _Progress(args.repeat, name, progress, show)
+        bar = _RunProgress(args.repeat, name, progress, show)
         try:
             for rep in range(args.repeat):
                 bar.start(f"[bench {name}] repeat {rep + 1}/{args.repeat}", f"repeat {rep + 1}")
@@ -463,9 +358,9 @@ def run_bench(name: "str | Workload", argv: Sequence[str], ctx: RunContext | Non
                 for v, m in res.items():
                     d = out / v / f"rep{rep}"
                     d.mkdir(parents=True, exist_ok=True)
-                    (d / "metrics.json").write_text(json.dumps(m, indent=2))
+                    write_json(d / "metrics.json", m)
                     runs.setdefault(v, []).append(m)
-                bar.done()
+                bar.update()
         finally:
             bar.close()
     else:
@@ -479,7 +374,7 @@ def run_bench(name: "str | Workload", argv: Sequence[str], ctx: RunContext | Non
                                  f"{[v.name for v in variants]}")
             variants = [v for v in variants if v.name in keep]
         total = len(variants) * args.repeat
-        bar = _Progress(total, name, progress, show)
+        bar = _RunProgress(total, name, progress, show)
         k = 0
         try:
             for rep in range(args.repeat):
@@ -491,7 +386,7 @@ def run_bench(name: "str | Workload", argv: Sequence[str], ctx: RunContext | Non
                     commands.setdefault(v.name, shlex.join(ctx.command(v, v.nproc or args.nproc, d)))
                     m = run_variant(v, v.nproc or args.nproc, d, ctx, args.timeout, tick=bar.tick)
                     runs.setdefault(v.name, []).append(m)
-                    bar.done()
+                    bar.update()
         finally:
             bar.close()
     summary = summarize_runs(workload, runs)
@@ -512,13 +407,13 @@ def run_bench(name: "str | Workload", argv: Sequence[str], ctx: RunContext | Non
             "wall_s": time.perf_counter() - t0,
             "args": {k: str(v) for k, v in vars(args).items()}}
     summary["meta"] = meta
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    write_json(out / "summary.json", summary)
     (out / "summary.md").write_text(summary_markdown(workload, summary, meta))
     (progress or (lambda s: print(s, file=sys.stderr, flush=True)))(
         f"[bench {name}] done in {meta['wall_s']:.0f} s; summary: {out / 'summary.md'}")
     return summary
 
 
-__all__ = ["RunContext", "Variant", "Workload", "WORKLOADS", "load_workload", "run_bench",
-           "summarize_runs", "summary_markdown", "torchrun_command", "machine_info",
-           "breakdown_medians", "plot_breakdown", "run_variant"]
+__all__ = ["RunContext", "Variant", "Workload", "breakdown_medians", "build_parser", "free_port",
+           "machine_info", "median_of", "run_variant", "run_workload", "summarize_runs",
+           "summary_markdown", "torchrun_command"]

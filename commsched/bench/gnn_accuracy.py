@@ -1,4 +1,4 @@
-"""Accuracy grid: does AdaQP train as well as Vanilla? ``python -m commsched.gnn.accuracy``
+"""Accuracy grid: does AdaQP train as well as Vanilla? ``python -m commsched.bench.gnn_accuracy``
 
 Runs ``torchrun -m commsched.gnn.train`` once per (data set, mode, seed) with one fixed
 recipe (by default the one docs/benchmarks.md quotes for Cora: GCN 3 x 256, LayerNorm,
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..bench import pyplot, save_figure
+from .plots import pyplot, save_figure
 
 DATASETS = ("cora", "citeseer", "tolokers", "synthetic")
 MODES = ("vanilla", "adaqp", "random")
@@ -181,7 +181,7 @@ def run_grid(recipe: Recipe, datasets: Sequence[str], modes: Sequence[str], seed
              out: Path, *, nproc: int = 4, nice: int = 10, force: bool = False,
              timeout_s: float = 3600.0, say=print) -> list[dict]:
     """Run every missing cell (one at a time) and return one result row per cell."""
-    from ..bench import RunContext, Variant, run_variant
+    from .runner import RunContext, Variant, run_variant
 
     ctx = RunContext(wrap=(lambda cmd: ["nice", "-n", str(nice), *cmd]) if nice else (lambda cmd: cmd))
     results = []
@@ -207,7 +207,7 @@ def run_grid(recipe: Recipe, datasets: Sequence[str], modes: Sequence[str], seed
 
 def main(argv: Sequence[str] | None = None) -> int:
     d = Recipe()
-    p = argparse.ArgumentParser(prog="python -m commsched.gnn.accuracy", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m commsched.bench.gnn_accuracy", description=__doc__.splitlines()[0])
     p.add_argument("--datasets", default=",".join(DATASETS), help=f"comma-separated from {', '.join(DATASETS)}")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--seeds", default="0,1,2")
@@ -249,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary: dict[str, Any] = {"recipe": dataclasses.asdict(recipe),
                                "nproc": a.nproc, "runs": results, "summary": rows,
                                "verdicts": verdicts(rows, a.tol_pp),
-                               "command": "python -m commsched.gnn.accuracy " + " ".join(
+                               "command": "python -m commsched.bench.gnn_accuracy " + " ".join(
                                    sys.argv[1:] if argv is None else argv)}
     (a.out / "accuracy.json").write_text(json.dumps(summary, indent=1))
     (a.out / "accuracy.md").write_text(table)

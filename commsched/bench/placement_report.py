@@ -1,7 +1,7 @@
 """Measurements behind docs/moe_inference.md: planner quality, estimation accuracy per
 path length, and placement imbalance of the inference strategies on synthetic traces.
 
-    python -m commsched.moe.placement_report --out DIR [--seed S] [--quick]
+    python -m commsched.bench.placement_report --out DIR [--seed S] [--quick]
 
 writes ``DIR/placement_report.json`` and ``DIR/placement_report.md`` (and prints the
 markdown). Everything is computed from seeded synthetic data by the pure planners of
@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from .placement import greedy_placement, lower_bound, plan_placement, static_placement
-from .popularity import DEFAULT_REPLAN_THRESHOLD, PopularityEstimator, topk_overlap
-from .traces import SyntheticTraceConfig, synthetic_trace, trace_stats
+from ..moe.placement import greedy_placement, lower_bound, plan_placement, static_placement
+from ..moe.popularity import DEFAULT_REPLAN_THRESHOLD, PopularityEstimator, topk_overlap
+from ..moe.traces import SyntheticTraceConfig, synthetic_trace, trace_stats
 
 # the two trace presets: the issue's reading of Lina's skew (busiest expert 4-5.6x the
 # mean) and the paper text's (busiest 4-5.6x the *least* popular), which is milder
@@ -259,7 +259,7 @@ def to_markdown(rep: dict[str, Any], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m commsched.moe.placement_report",
+    ap = argparse.ArgumentParser(prog="python -m commsched.bench.placement_report",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the report files")
     ap.add_argument("--seed", type=int, default=0)
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, num_tokens=8192, max_batches=8, planner_instances=10)
     rep = run_report(cfg)
     a.out.mkdir(parents=True, exist_ok=True)
-    command = "python -m commsched.moe.placement_report " + " ".join(
+    command = "python -m commsched.bench.placement_report " + " ".join(
         x for x in (argv if argv is not None else sys.argv[1:]))
     md = to_markdown(rep, command)
     (a.out / "placement_report.json").write_text(json.dumps(rep, indent=1))

@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--epochs", type=int, default=8)
     a = p.parse_args(list(argv or []))
-    from ..bench import run_bench
+    from .workloads import run_bench
 
     summary = run_bench("gnn", demo_argv(a.out, a.nproc, a.epochs))
     meta = summary["meta"]

@@ -1,4 +1,4 @@
-"""Rate sweep: where AdaQP pays. ``python -m commsched.gnn.sweep [--rates 1gbit,300mbit,100mbit] [-- BENCH OPTIONS]``
+"""Rate sweep: where AdaQP pays. ``python -m commsched.bench.gnn_sweep [--rates 1gbit,300mbit,100mbit] [-- BENCH OPTIONS]``
 
 Runs ``commsched bench gnn`` (vanilla, adaqp and the timing-only nocomm, GCN) once per
 emulated rate (``none``: unshaped loopback) and plots AdaQP's per-epoch speed-up over
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ..bench import pyplot, save_figure
+from .plots import pyplot, save_figure
 
 DEFAULT_RATES = "none,1gbit,600mbit,300mbit,100mbit"
 
@@ -84,7 +84,7 @@ def write_outputs(points: Sequence[dict], out: Path) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m commsched.gnn.sweep", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m commsched.bench.gnn_sweep", description=__doc__.splitlines()[0])
     p.add_argument("--rates", default=DEFAULT_RATES, help=f"comma-separated (default {DEFAULT_RATES})")
     p.add_argument("--out", type=Path, default=Path("runs/gnn-sweep"))
     p.add_argument("--nproc", type=int, default=4)
@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             s = json.loads((out / "summary.json").read_text())
         else:
-            from ..bench import run_bench
+            from .workloads import run_bench
 
             s = run_bench("gnn", ["--bandwidth", rate, "--nproc", str(a.nproc), "--repeat", str(a.repeat),
                                   "--models", "gcn", "--modes", "vanilla,adaqp,nocomm", "--out", str(out),

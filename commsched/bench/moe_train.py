@@ -25,7 +25,8 @@ import json
 import statistics
 from pathlib import Path
 
-from ..bench import Variant, Workload, median_of, pyplot, save_figure
+from .plots import pyplot, save_figure
+from .runner import Variant, Workload, median_of
 
 # The benchmark model and link (the documented default regime; see docs/benchmarks.md):
 # every other block MoE, 4 experts (one per rank), 800 Mbit/s shared by the 4 ranks -- the

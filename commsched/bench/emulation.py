@@ -1,0 +1,128 @@
+"""Bench glue for the bandwidth emulator: ``--bandwidth/--hosts/--delay`` of
+``commsched bench`` become a :class:`~commsched.bench.runner.RunContext` whose commands
+run under :mod:`commsched.netem` (the emulator itself knows nothing of benchmarks)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from typing import Callable, Sequence
+
+from .. import netem
+from ..netem import (
+    MAX_HOSTS,
+    RDZV_PORT,
+    NetemError,
+    check_requirements,
+    delay_supported,
+    format_rate,
+    parse_optional_rate,
+    parse_rate,
+)
+from .runner import RunContext, Workload, torchrun_command
+
+# run this file's main() without importing the commsched package: python -c _STANDALONE PATH ARGS...
+_STANDALONE = ("import importlib.util as u, sys; s = u.spec_from_file_location('_commsched_netem', sys.argv[1]); "
+               "m = u.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m); "
+               "sys.exit(m.main(sys.argv[2:]))")
+
+
+class EmulationUnavailable(NetemError):
+    """A bench asked for emulation that this machine cannot provide."""
+
+
+def netem_prefix(rate_bps: int | None, hosts: int = 1, delay_ms: float | None = None,
+                 python: str = sys.executable) -> list[str]:
+    """The ``commsched netem ... --`` prefix that runs a command under this emulation.
+
+    It loads the emulator's file on its own (:data:`_STANDALONE`) rather than
+    ``-m commsched.netem``: importing the package may import torch, seconds per run on a
+    busy machine, and the emulator needs only the standard library.
+    """
+    cmd = [python, "-c", _STANDALONE, os.path.abspath(netem.__file__),
+           "--rate", "none" if rate_bps is None else f"{rate_bps}bit"]
+    if delay_ms:
+        cmd += ["--delay", f"{delay_ms:g}"]
+    if hosts > 1:
+        cmd += ["--hosts", str(hosts)]
+    return cmd + ["--"]
+
+
+def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int | None = None,
+                  which: Callable[[str], str | None] = shutil.which,
+                  probe_delay: Callable[[], bool] | None = None):
+    """Take ``--bandwidth RATE``, ``--hosts K`` and ``--delay MS`` out of a bench command
+    line; return ``(RunContext, remaining argv)``.
+
+    ``workload`` is the workload the options are for (None: not known yet). Explicit
+    emulation that this machine cannot provide raises :class:`EmulationUnavailable`
+    (never a silent unshaped run). Without ``--bandwidth``, a workload's
+    ``default_bandwidth`` is used when emulation is available; otherwise the run is
+    unshaped and the context's note says so. ``--bandwidth none`` asks for no shaping.
+    In hosts mode ``--nproc`` is the number of processes per host.
+    """
+    wl = workload
+    name = wl.name if wl is not None else "WORKLOAD"
+    p = argparse.ArgumentParser(prog=f"commsched bench {name}", add_help=False, allow_abbrev=False)
+    p.add_argument("--bandwidth", default=None)
+    p.add_argument("--hosts", type=int, default=None)
+    p.add_argument("--delay", type=float, default=None)
+    ns, rest = p.parse_known_args(list(argv))
+    flags = tuple(a for k, v in (("--bandwidth", ns.bandwidth), ("--hosts", ns.hosts), ("--delay", ns.delay))
+                  if v is not None for a in (k, str(v)))
+    rate = parse_optional_rate(ns.bandwidth)
+    hosts = 1 if ns.hosts is None else ns.hosts
+    if not 1 <= hosts <= MAX_HOSTS:
+        raise ValueError(f"--hosts must be in 1..{MAX_HOSTS}, got {hosts}")
+    if ns.delay is not None and not ns.delay >= 0:
+        raise ValueError(f"--delay must be >= 0 ms, got {ns.delay}")
+    problem = check_requirements(os.geteuid() if euid is None else euid, which)
+    inline = wl is not None and wl.inline is not None
+    notes = []
+    if ns.bandwidth is None and wl is not None and wl.default_bandwidth:
+        if inline:
+            notes.append(f"the workload's default regime ({wl.default_bandwidth}) does not apply: "
+                         "it runs inline in this process")
+        elif problem is None:
+            rate = parse_rate(wl.default_bandwidth)
+            notes.append(f"rate {wl.default_bandwidth} is this workload's default regime "
+                         "(--bandwidth none runs unshaped)")
+        else:
+            notes.append(f"the workload's default regime ({wl.default_bandwidth}) was NOT emulated "
+                         f"({problem}); this run is unshaped")
+    wanted = rate is not None or hosts > 1 or bool(ns.delay)
+    if not wanted:
+        return RunContext(note="; ".join(notes), flags=flags), rest
+    if inline:
+        raise ValueError(f"workload {name!r} runs inline in this process; --bandwidth, --hosts and "
+                         "--delay apply only to workloads whose variants run under torchrun")
+    if problem:
+        raise EmulationUnavailable(f"{problem}. commsched bench refuses --bandwidth/--hosts/--delay "
+                                   "rather than run unshaped; drop them for an unshaped run")
+    if ns.delay and not (probe_delay or delay_supported)():
+        raise EmulationUnavailable("--delay is not supported on this machine: the kernel has no "
+                                   "netem qdisc (sch_netem); run without --delay")
+    prefix = netem_prefix(rate, hosts, ns.delay)
+    info = {"mode": "hosts" if hosts > 1 else "loopback", "hosts": hosts,
+            "rate_bps": rate, "delay_ms": ns.delay,
+            "nproc_meaning": "processes per host" if hosts > 1 else "processes (ranks)",
+            "layout": (f"{hosts} host namespaces on a bridge, each link limited to the rate in both "
+                       "directions" if hosts > 1 else
+                       "one namespace; all ranks share one loopback limited to the rate")}
+    if hosts == 1:
+        return RunContext(wrap=lambda cmd: prefix + list(cmd), bandwidth=format_rate(rate) if rate else None,
+                          note="; ".join(notes), hosts=1, delay_ms=ns.delay, rate_bps=rate,
+                          info=info, flags=flags), rest
+
+    def launch(variant, nproc: int, out_dir) -> list[str]:
+        return prefix + torchrun_command(variant, nproc, out_dir, nnodes=hosts, node_rank="{host}",
+                                         rdzv_endpoint=f"{{addr0}}:{RDZV_PORT}", local_addr="{addr}",
+                                         rdzv_conf="is_host={is_host0}")
+
+    return RunContext(bandwidth=format_rate(rate) if rate else None, note="; ".join(notes), hosts=hosts,
+                      delay_ms=ns.delay, rate_bps=rate, launch=launch, info=info, flags=flags), rest
+
+
+__all__ = ["EmulationUnavailable", "bench_context", "netem_prefix"]
