@@ -132,12 +132,12 @@ def test_checker_drops_a_term_whose_normaliser_is_zero():
 
 
 def test_bytes_use_the_codec_metadata_size():
-    from commsched.quant.assign_problem import _FALLBACK_META_BYTES, meta_bytes
-
-    codec = pytest.importorskip("commsched.quant.codec", reason="the codec is not merged yet")
     import commsched.quant as Q
+    from commsched.quant import codec, reference
+    from commsched.quant.assign_problem import ALLOWED_BITS, meta_bytes
 
-    assert meta_bytes() == codec.META_BYTES == Q.META_BYTES == _FALLBACK_META_BYTES
+    assert meta_bytes() == codec.META_BYTES == Q.META_BYTES == 8
+    assert ALLOWED_BITS is reference.BITS is codec.BITS  # one definition of the widths
     p = AssignmentProblem([[Channel(1.0, 0.0, [MessageGroup(3, 5, 1.0)])]])
     assert p.arrays[0][0].bytes_GW[0].tolist() == [3 * (math.ceil(5 * b / 8) + Q.META_BYTES)
                                                     for b in (2, 4, 8)]

@@ -26,7 +26,7 @@ from commsched.quant.codec import (
     unpack_groups,
 )
 
-WIDTHS = (2, 4, 8)
+WIDTHS = R.BITS
 
 
 def _rows(seed: int, N: int, D: int) -> torch.Tensor:
@@ -209,7 +209,7 @@ def test_public_api_compiles_only_large_messages(monkeypatch):
         return lambda *args: calls.append((kind, bits, dim)) or fn(*args, *static)
 
     monkeypatch.setattr(F, "_compiled", spy)
-    monkeypatch.setattr(F, "COMPILE_MIN_ELEMENTS", 100)
+    monkeypatch.setattr(F, "CPU_COMPILE_MIN_ELEMENTS", 100)
     assert torch.equal(Q.dequantize(Q.quantize(x, 4, seed=1)), y)
     assert calls == [("quantize", 4, 16), ("dequantize", 4, 16)]
 

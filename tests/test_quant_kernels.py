@@ -17,7 +17,7 @@ import torch
 from commsched.quant import reference as R
 from commsched.quant.codec import GroupLayout, pack_groups, quantize, unpack_groups
 
-WIDTHS = (2, 4, 8)
+WIDTHS = R.BITS
 _MODULE = "commsched.kernels.quant"
 
 

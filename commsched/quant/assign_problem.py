@@ -28,23 +28,15 @@ from typing import Sequence
 
 import numpy as np
 
-ALLOWED_BITS = (2, 4, 8)
-DEFAULT_BITS = (2, 4, 8)
+from .wire import BITS, META_BYTES
 
-# Per-row metadata bytes of the wire format when ``commsched.quant.codec`` is not present
-# (a float32 scale and a float32 zero point). It must equal codec.META_BYTES; a test checks.
-_FALLBACK_META_BYTES = 8
+ALLOWED_BITS = BITS  # widths a problem may offer
+DEFAULT_BITS = BITS  # widths offered when none are given
 
 
 def meta_bytes() -> int:
     """Per-row metadata bytes of the wire format: ``commsched.quant.META_BYTES``."""
-    try:
-        from .codec import META_BYTES
-    except ModuleNotFoundError as e:
-        if e.name != f"{__package__}.codec":
-            raise
-        return _FALLBACK_META_BYTES
-    return int(META_BYTES)
+    return META_BYTES
 
 
 def variance_factor(bits: int) -> float:

@@ -32,16 +32,10 @@ from dataclasses import dataclass, field
 import torch
 
 from . import reference as _ref
-from .reference import BITS, payload_bytes
+from .wire import BITS, META_BYTES, message_bytes, payload_bytes
 
-META_BYTES = 8  # float32 scale + float32 zero point per row
 IMPLS = ("auto", "reference", "eager", "compiled", "triton")
 _MASK32 = 0xFFFFFFFF
-
-
-def message_bytes(rows: int, dim: int, bits: int) -> int:
-    """Bytes of a message of ``rows`` rows of ``dim`` values at ``bits``: rows * (B + META_BYTES)."""
-    return rows * (payload_bytes(dim, bits) + META_BYTES)
 
 
 # --------------------------------------------------------------------------- validation

@@ -48,7 +48,7 @@ _M2_I32 = HASH_M2 - (1 << 32) if HASH_M2 >= 1 << 31 else HASH_M2
 
 # Messages with fewer elements run the eager twin: compiling one (bits, D) pair costs seconds,
 # which only pays off for messages this large and up (and keeps small test graphs fast).
-COMPILE_MIN_ELEMENTS = 1 << 20
+CPU_COMPILE_MIN_ELEMENTS = 1 << 20
 
 
 def _lowbias32_i32(h: torch.Tensor) -> torch.Tensor:
@@ -183,7 +183,7 @@ def _compiled(kind: str, bits: int, dim: int) -> _LazyCompiled:
 
 def _use_compiled(compile: bool | None, rows: int, dim: int) -> bool:
     if compile is None:
-        return rows > 1 and rows * dim >= COMPILE_MIN_ELEMENTS
+        return rows > 1 and rows * dim >= CPU_COMPILE_MIN_ELEMENTS
     return bool(compile) and rows > 1
 
 
@@ -229,5 +229,5 @@ def dequantize_cpu(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int, d
     return out_ND
 
 
-__all__ = ["COMPILE_MIN_ELEMENTS", "dequantize_cpu", "dequantize_fused", "quantize_cpu",
+__all__ = ["CPU_COMPILE_MIN_ELEMENTS", "dequantize_cpu", "dequantize_fused", "quantize_cpu",
            "quantize_fused"]

@@ -37,18 +37,14 @@ from __future__ import annotations
 
 import torch
 
+from .wire import BITS, payload_bytes  # noqa: F401  (the spec's widths and row size: the wire format's)
+
 # lowbias32 (C. Wellons' integer hash): two multiplies, three xor-shifts, all mod 2^32
 HASH_M1 = 0x7FEB352D
 HASH_M2 = 0x846CA68B
 MASK32 = 0xFFFFFFFF
 RANDOM_BITS = 24  # bits of the hash used for rounding (an exact float32 integer)
 RANGE_MIN = 2.0**-100  # rows whose max - min is smaller are sent as constant rows
-BITS = (2, 4, 8)
-
-
-def payload_bytes(dim: int, bits: int) -> int:
-    """Payload bytes of one row: ceil(dim * bits / 8)."""
-    return (dim * bits + 7) // 8
 
 
 def _mul32(a_I: torch.Tensor, m: int) -> torch.Tensor:

@@ -1,0 +1,25 @@
+"""The wire format's numbers, defined once and without torch (the pure planners use them).
+
+Per-row asymmetric quantization sends, for each row, ``payload_bytes(D, b)`` bytes of
+b-bit levels packed along D and ``META_BYTES`` bytes of metadata (a float32 scale and a
+float32 zero point). ``commsched.quant.reference.BITS`` and
+``commsched.quant.codec.META_BYTES`` are these same objects.
+"""
+
+from __future__ import annotations
+
+BITS = (2, 4, 8)  # the widths the codec, the kernels and the assigner support
+META_BYTES = 8  # float32 scale + float32 zero point per row
+
+
+def payload_bytes(dim: int, bits: int) -> int:
+    """Payload bytes of one row: ceil(dim * bits / 8)."""
+    return (dim * bits + 7) // 8
+
+
+def message_bytes(rows: int, dim: int, bits: int) -> int:
+    """Bytes of a message of ``rows`` rows of ``dim`` values at ``bits``: rows * (B + META_BYTES)."""
+    return rows * (payload_bytes(dim, bits) + META_BYTES)
+
+
+__all__ = ["BITS", "META_BYTES", "message_bytes", "payload_bytes"]
