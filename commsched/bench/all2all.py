@@ -18,7 +18,6 @@ ranks of one host stays on that host's unshaped loopback).
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import threading
 import time
@@ -28,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ..all2all import A2APlan, all_to_all
-from ..dist import init_distributed
+from ..dist import all_gather_object, barrier, comm_guard, init_distributed
+from ..results import write_json
 from .netem_check import local_ipv4_addresses
 from .runner import Variant, Workload, median_of
 
@@ -110,18 +110,20 @@ def measure(pattern: str, size: int, min_time_s: float, max_iters: int,
     stamps = []  # (start, end) of each exchange on this rank, monotonic clock
     t_start = time.perf_counter()
     for i in range(max_iters):
-        dist.barrier()
+        barrier(f"aligning ranks before a {pattern} exchange")
         t = time.monotonic()
         all_to_all(x, plan, pattern=pattern)
         stamps.append((t, time.monotonic()))
         # all ranks agree on when to stop
         flag = torch.tensor([1 if time.perf_counter() - t_start > min_time_s and i >= 2 else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        with comm_guard("agreeing when to stop measuring"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if flag.item():
             break
     st_I2 = torch.tensor(stamps, dtype=torch.float64)
     everyone = [torch.empty_like(st_I2) for _ in range(P)]
-    dist.all_gather(everyone, st_I2)
+    with comm_guard("gathering the exchange timestamps"):
+        dist.all_gather(everyone, st_I2)
     st_PI2 = torch.stack(everyone)
     span_I = st_PI2[:, :, 1].max(dim=0).values - st_PI2[:, :, 0].min(dim=0).values
     t = span_I.median().item()
@@ -155,11 +157,10 @@ def main(argv=None) -> None:
     patterns = a.patterns.split(",")
     init_distributed()
     me = dist.get_rank()
-    addrs: list = [None] * dist.get_world_size()
-    dist.all_gather_object(addrs, local_ipv4_addresses())
+    addrs = all_gather_object(local_ipv4_addresses(), "gathering the ranks' addresses")
     host_P = host_of_ranks(addrs)
     loop = loopback_socket_MBps() if me == 0 else 0.0
-    dist.barrier()
+    barrier("aligning ranks after the loopback probe")
     results = {pat: [measure(pat, s, a.min_time, a.max_iters, host_P, a.rate_bps) for s in sizes]
                for pat in patterns}
     if me == 0:
@@ -169,8 +170,7 @@ def main(argv=None) -> None:
              "throughput_MBps": best["throughput_MBps"],
              "ratio_to_loopback": best["throughput_MBps"] / loop if loop else None,
              "uplink_MBps": best.get("uplink_MBps"), "ratio_to_rate": best.get("ratio_to_rate")}
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "metrics.json").write_text(json.dumps(m, indent=2))
+        write_json(a.out / "metrics.json", m)
         for pat in patterns:
             for r in results[pat]:
                 extra = (f"  uplink {r['uplink_MBps']:.1f} MB/s" if "uplink_MBps" in r else "") + (

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..results import write_json
 from .plots import pyplot, save_figure
 
 DATASETS = ("cora", "citeseer", "tolokers", "synthetic")
@@ -196,7 +197,7 @@ def run_grid(recipe: Recipe, datasets: Sequence[str], modes: Sequence[str], seed
             m = run_variant(v, nproc, d, ctx, timeout_s)
             m["git"] = _git_state()
             m["recipe"] = dataclasses.asdict(recipe)
-            mpath.write_text(json.dumps(m, indent=2))
+            write_json(mpath, m)
             say(f"[accuracy]   test {100 * m['test_acc']:.2f}%, final loss {m['loss'][-1]:.4f}, "
                 f"wall {m['wall_clock_s']:.0f} s")
         results.append({"dataset": ds, "mode": mode, "seed": seed, "test_acc": m["test_acc"],
@@ -251,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                "verdicts": verdicts(rows, a.tol_pp),
                                "command": "python -m commsched.bench.gnn_accuracy " + " ".join(
                                    sys.argv[1:] if argv is None else argv)}
-    (a.out / "accuracy.json").write_text(json.dumps(summary, indent=1))
+    write_json(a.out / "accuracy.json", summary, indent=1)
     (a.out / "accuracy.md").write_text(table)
     png = plot_losses(results, a.out / "loss.png")
     print(table)

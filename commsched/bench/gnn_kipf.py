@@ -10,7 +10,6 @@ distributed runs are tested against.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Sequence
@@ -18,6 +17,7 @@ from typing import Sequence
 from ..gnn.data import load_dataset
 from ..gnn.partition import make_parts, partition_nodes
 from ..gnn.trainer import TrainConfig, run_training
+from ..results import write_json
 
 GOAL = 0.79
 
@@ -46,9 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     mean = sum(accs) / len(accs)
     print(f"{a.model} on {a.dataset}, mean of {len(accs)} seeds: {mean:.4f} (goal >= {GOAL})")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"dataset": a.dataset, "model": a.model, "test_acc": accs, "mean": mean,
-                       "seconds": times, "goal": GOAL}, f, indent=1)
+        write_json(a.out, {"dataset": a.dataset, "model": a.model, "test_acc": accs, "mean": mean,
+                           "seconds": times, "goal": GOAL}, indent=1)
     return 0 if mean >= GOAL else 1
 
 

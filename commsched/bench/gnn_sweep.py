@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from ..results import write_json
 from .plots import pyplot, save_figure
 
 DEFAULT_RATES = "none,1gbit,600mbit,300mbit,100mbit"
@@ -75,7 +76,7 @@ def plot_sweep(points: Sequence[dict], path: Path) -> Path:
 
 def write_outputs(points: Sequence[dict], out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps(list(points), indent=1))
+    write_json(out / "sweep.json", list(points), indent=1)
     table = sweep_table(points)
     (out / "sweep.md").write_text(table)
     if points:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import json
 import socket
 import struct
 import threading
@@ -31,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from ..all2all import all_to_all
-from ..dist import init_distributed
+from ..dist import all_gather_object, barrier, comm_guard, init_distributed
+from ..results import write_json
 
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
@@ -73,16 +73,17 @@ def duplex_probe(nbytes: int, repeats: int = 2) -> dict[str, float]:
     rates: dict[str, list[float]] = {"one_way_bps": [], "both_ways_bps": []}
     for _ in range(repeats):
         for mode in rates:
-            dist.barrier()
+            barrier("aligning the duplex probe")
             t = time.monotonic()
             reqs = []
-            if mode == "both_ways_bps" or me == 0:
-                reqs.append(dist.isend(x, peer))
-            if mode == "both_ways_bps" or me == 1:
-                reqs.append(dist.irecv(y, peer))
-            for q in reqs:
-                q.wait()
-            dist.barrier()
+            with comm_guard(f"duplex probe ({mode})"):
+                if mode == "both_ways_bps" or me == 0:
+                    reqs.append(dist.isend(x, peer))
+                if mode == "both_ways_bps" or me == 1:
+                    reqs.append(dist.irecv(y, peer))
+                for q in reqs:
+                    q.wait()
+            barrier("ending the duplex probe")
             rates[mode].append(x.numel() * 4 * 8 / (time.monotonic() - t))
     return {k: sorted(v)[len(v) // 2] for k, v in rates.items()}
 
@@ -96,8 +97,7 @@ def socket_duplex_probe(nbytes: int) -> float:
     srv = socket.socket()
     srv.bind((host, 0))
     srv.listen(1)
-    where: list = [None, None]
-    dist.all_gather_object(where, (host, srv.getsockname()[1]))
+    where = all_gather_object((host, srv.getsockname()[1]), "exchanging TCP probe addresses")
     peer = where[1 - dist.get_rank()]
     payload = b"\0" * (1 << 20)
 
@@ -108,7 +108,7 @@ def socket_duplex_probe(nbytes: int) -> float:
                 c.sendall(payload[:min(left, len(payload))])
                 left -= min(left, len(payload))
 
-    dist.barrier()
+    barrier("starting the TCP probe")
     th = threading.Thread(target=send, daemon=True)
     th.start()
     conn, _ = srv.accept()
@@ -141,7 +141,7 @@ def main(argv=None) -> None:
     t_init = time.perf_counter() - t0
     x_RD = torch.cat([row_values_RD(me, d, a.scale, a.dim) for d in range(world)])
     counts = [rows_between(me, d, a.scale) for d in range(world)]
-    dist.barrier()
+    barrier("aligning ranks before the exchange")
     t = time.perf_counter()
     y_RD = all_to_all(x_RD, counts, pattern=a.pattern)
     t_comm = time.perf_counter() - t
@@ -156,10 +156,10 @@ def main(argv=None) -> None:
     duplex = duplex_probe(a.duplex_bytes) if a.duplex_bytes else None
     if duplex:
         got = torch.tensor([socket_duplex_probe(a.duplex_bytes)], dtype=torch.float64)
-        dist.all_reduce(got, op=dist.ReduceOp.MIN)
+        with comm_guard("taking the slower side's TCP rate"):
+            dist.all_reduce(got, op=dist.ReduceOp.MIN)
         duplex["tcp_both_ways_bps"] = got.item()
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, info)
+    gathered = all_gather_object(info, "gathering the check's results")
     if me == 0:
         m = {"world_size": world, "pattern": a.pattern,
              "ok": all(g["ok"] for g in gathered),
@@ -175,8 +175,7 @@ def main(argv=None) -> None:
                   f"once {duplex['both_ways_bps'] / 1e6:.0f} Mbit/s per direction, plain TCP both ways "
                   f"at once {duplex['tcp_both_ways_bps'] / 1e6:.0f} Mbit/s per direction (slower side)",
                   flush=True)
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "metrics.json").write_text(json.dumps(m, indent=2))
+        write_json(a.out / "metrics.json", m)
         print(f"netem_check: world {world}, ok={m['ok']}, addresses {m['addresses_by_rank']}", flush=True)
     dist.destroy_process_group()
 

@@ -14,7 +14,6 @@ Legend: E experts, N devices, S slots per device, L layers, k experts per token.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -26,6 +25,7 @@ import numpy as np
 from ..moe.placement import greedy_placement, lower_bound, plan_placement, static_placement
 from ..moe.popularity import DEFAULT_REPLAN_THRESHOLD, PopularityEstimator, topk_overlap
 from ..moe.traces import SyntheticTraceConfig, synthetic_trace, trace_stats
+from ..results import write_json
 
 # the two trace presets: the reading of Lina's skew (busiest expert 4-5.6x the
 # mean) and the paper text's (busiest 4-5.6x the *least* popular), which is milder
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m commsched.bench.placement_report " + " ".join(
         x for x in (argv if argv is not None else sys.argv[1:]))
     md = to_markdown(rep, command)
-    (a.out / "placement_report.json").write_text(json.dumps(rep, indent=1))
+    write_json(a.out / "placement_report.json", rep, indent=1)
     (a.out / "placement_report.md").write_text(md)
     print(md)
     return 0

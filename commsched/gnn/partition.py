@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..results import write_json
 from .book import PartitionBook, build_books
 from .data import Graph, GraphSource, clean_edges, graph_fingerprint, load_source
 
@@ -176,9 +177,7 @@ def save_partition(folder: str | os.PathLike, g: Graph, parts: np.ndarray, num_p
             "fingerprint": fp, "source_id": source.identity() if source is not None else None,
             "graph": g.summary(), "edge_cut": edge_cut(g, parts),
             "parts": [p.book.summary() for p in pdata]}
-    tmp = folder / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, folder / "meta.json")
+    write_json(folder / "meta.json", meta, indent=1)
     return meta
 
 
