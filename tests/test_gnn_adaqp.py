@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from commsched.gnn.adaqp import WIDTHS, random_widths, solve_widths, width_layout
+from commsched.gnn.adaqp_plan import AdaQPOptions, random_widths, solve_widths, width_layout
 from commsched.gnn.data import SyntheticSpec, synthetic_graph
 from commsched.gnn.partition import make_parts, partition_nodes
 from commsched.gnn.trainer import TrainConfig, run_training
+from commsched.quant.reference import BITS
 from tests.mp import run_ranks
 
 SYN = SyntheticSpec(num_nodes=600, num_edges=3000, num_features=20, num_classes=4,
@@ -75,7 +76,7 @@ def test_solve_widths_covers_every_channel(P):
                         continue
                     n = per[s]["counts"][0 if key[1] == "forward" else 1][d]
                     w = table[key][(s, d)]
-                    assert w.shape == (n,) and set(w.tolist()) <= set(WIDTHS)
+                    assert w.shape == (n,) and set(w.tolist()) <= set(BITS)
                     if only is not None and n:
                         assert set(w.tolist()) == {only}
         assert sum(info["rows_per_width"].values()) == sum(
@@ -97,6 +98,7 @@ def _overlap_case(part, grp) -> tuple[bool, bool]:
     overlap), and the input gradient equals the blocking exchange's."""
     from contextlib import contextmanager
 
+    from commsched.gnn.context import PassContext
     from commsched.gnn.halo import VanillaExchange
     from commsched.gnn.layers import GCNConv, LocalGraph
     from commsched.gnn.timing import Breakdown
@@ -111,9 +113,9 @@ def _overlap_case(part, grp) -> tuple[bool, bool]:
                 yield
 
     class LogExchange(VanillaExchange):
-        def transfer(self, rows, layer, direction):
+        def transfer(self, rows, layer, direction, ctx):
             log.append(f"launch-{direction}")
-            pend = super().transfer(rows, layer, direction)
+            pend = super().transfer(rows, layer, direction, ctx)
             return type(pend)(lambda: (pend.wait(), log.append(f"done-{direction}"))[0])
 
     grads = []
@@ -121,9 +123,9 @@ def _overlap_case(part, grp) -> tuple[bool, bool]:
         torch.manual_seed(0)
         conv = GCNConv(part.x_nF.shape[1], 4).double()
         ex = LogExchange(part.book, group=grp, asynchronous=asynchronous)
-        g = LocalGraph(part.book, ex, dtype=torch.float64, timer=LogTimer())
+        g = LocalGraph(part.book, ex, dtype=torch.float64)
         h = part.x_nF.double().clone().requires_grad_(True)
-        out = conv(h, g, 1)
+        out = conv(h, g, 1, PassContext(timer=LogTimer()))
         log.clear()
         out.square().sum().backward()
         if asynchronous:
@@ -135,7 +137,7 @@ def _overlap_case(part, grp) -> tuple[bool, bool]:
 def _cases(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from commsched.gnn.halo import make_exchange
+    from commsched.gnn.modes import make_exchange
 
     out: dict = {}
     g = synthetic_graph(SYN)
@@ -156,15 +158,16 @@ def _cases(rank: int, world: int) -> dict:
         x = part.x_nF
         ref_R = g.x_NF[torch.from_numpy(part.book.remote_ids)]
         for mode, bits in (("uniform", 8), ("uniform", 2), ("random", 8)):
-            cfg = TrainConfig(mode=mode, bits=bits, seed=5)
-            ex = make_exchange(mode, part.book, group=grp, config=cfg)
+            cfg = TrainConfig(mode=mode, adaqp=AdaQPOptions(bits=bits), seed=5)
+            ex = make_exchange(mode, part.book, group=grp, options=cfg.adaqp, seed=cfg.seed,
+                               norm="gcn")
             ex.validate()
             got = ex.start(x, 0).wait()
             _, recv = ex.layouts(0, "forward", x.shape[1])
             wR = np.zeros(part.book.num_remote, np.int64)
             o = 0
             for p in range(P):
-                for w, b in enumerate(WIDTHS):
+                for w, b in enumerate(BITS):
                     wR[o + recv.idx[p][w].numpy()] = b
                 o += part.book.recv_counts[p]
             out[f"fwd_bound_{mode}{bits}_{P}"] = _bound_ok(got, ref_R, wR)
@@ -179,8 +182,8 @@ def _cases(rank: int, world: int) -> dict:
             out[f"bwd_bound_{mode}{bits}_{P}"] = bool((err <= nsent * step * (1 + 1e-4) + 1e-6).all())
         # 3. the quantized modes train; adaptive re-assigns and the widths agree between ends
         for mode in ("adaqp", "adaqp-q", "random", "uniform", "nocomm"):
-            cfg = TrainConfig(mode=mode, model="sage", layers=3, hidden=16, epochs=5, period=2,
-                              group_size=10, bits=8, seed=1)
+            cfg = TrainConfig(mode=mode, model="sage", layers=3, hidden=16, epochs=5,
+                              adaqp=AdaQPOptions(period=2, group_size=10, bits=8), seed=1)
             m, tr = run_training(cfg, part, group=grp)
             out[f"finite_{mode}_{P}"] = bool(np.isfinite(m["loss"]).all())
             out[f"bytes_{mode}_{P}"] = m["bytes_sent_per_epoch"]

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from commsched.gnn.data import SyntheticSpec, from_edges, load_dataset, synthetic_graph
-from commsched.gnn.halo import make_exchange
 from commsched.gnn.layers import (
     DistMessagePassing,
     LocalGraph,
@@ -21,6 +20,7 @@ from commsched.gnn.layers import (
     dropout_keep,
     node_dropout,
 )
+from commsched.gnn.modes import make_exchange
 from commsched.gnn.partition import make_parts, partition_nodes
 from commsched.gnn.trainer import TrainConfig, Trainer, run_training
 

@@ -111,7 +111,7 @@ def _params(tr):
 
 def _two_rank_cases(rank: int, world: int, tmp: str, group) -> dict:
     from commsched.gnn.data import GraphSource
-    from commsched.gnn.halo import make_exchange
+    from commsched.gnn.modes import make_exchange
     from commsched.gnn.train import obtain_part, startup_check
 
     out: dict = {}

@@ -19,11 +19,13 @@ import argparse
 import statistics
 from pathlib import Path
 
+from ..gnn.modes import MODE_NAMES
+from ..quant.reference import BITS
 from .plots import pyplot, save_figure
 from .runner import Variant, Workload, median_of
 
 DEFAULT_BANDWIDTH = "300mbit"
-MODES_GCN = ("vanilla", "adaqp", "adaqp-q", "adaqp-p", "uniform", "random", "nocomm")
+MODES_GCN = MODE_NAMES
 MODES_SAGE = ("vanilla", "adaqp")
 
 
@@ -90,8 +92,8 @@ def _plots(runs: dict[str, list[dict]], out: Path) -> list[str]:
         w = 0.8 / len(hists)
         for i, (v, h) in enumerate(hists.items()):
             tot = max(sum(h.values()), 1)
-            ax.bar([j + i * w for j in range(3)], [h[b] / tot for b in ("2", "4", "8")], width=w, label=v)
-        ax.set_xticks([j + 0.4 - w / 2 for j in range(3)], ["2 bits", "4 bits", "8 bits"])
+            ax.bar([j + i * w for j in range(len(BITS))], [h[str(b)] / tot for b in BITS], width=w, label=v)
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(BITS))], [f"{b} bits" for b in BITS])
         ax.set_ylabel("share of exchanged rows (last assignment)")
         ax.legend(fontsize="small")
         p = out / "widths.png"

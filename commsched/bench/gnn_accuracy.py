@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..gnn.modes import MODES as TRAIN_MODES
 from ..results import write_json
 from .plots import pyplot, save_figure
 
@@ -58,7 +59,7 @@ class Recipe:
 
     def train_args(self, dataset: str, mode: str, seed: int) -> list[str]:
         """``commsched.gnn.train`` options for one cell (``--out`` excluded)."""
-        if mode not in ("vanilla", "adaqp", "adaqp-q", "adaqp-p", "uniform", "random"):
+        if mode not in TRAIN_MODES or TRAIN_MODES[mode].timing_only:
             raise ValueError(f"mode {mode!r} is not a training mode of the grid (nocomm is timing only)")
         args = ["--model", self.model, "--mode", mode, "--seed", str(seed), "--epochs", str(self.epochs),
                 "--eval-every", str(self.eval_every), "--period", str(self.period),

@@ -19,8 +19,9 @@ _EXPORTS: dict[str, str] = {
     "partition_nodes": "partition", "make_parts": "partition", "PartData": "partition",
     "save_partition": "partition", "load_part": "partition",
     # exchange, layers, training
-    "HaloExchange": "halo", "VanillaExchange": "halo", "EXCHANGES": "halo",
-    "make_exchange": "halo", "AdaQPExchange": "adaqp", "AdaQPOptions": "adaqp",
+    "HaloExchange": "halo", "VanillaExchange": "halo", "ZeroExchange": "halo",
+    "MODES": "modes", "make_exchange": "modes", "AdaQPExchange": "adaqp",
+    "AdaQPOptions": "adaqp_plan", "PassContext": "context", "GNNMetrics": "metrics",
     "DistMessagePassing": "layers", "GCNConv": "layers",
     "SAGEConv": "layers", "DistGNN": "layers", "LocalGraph": "layers", "CONVS": "layers",
     "build_model": "layers", "Breakdown": "timing", "BREAKDOWN_KEYS": "timing",

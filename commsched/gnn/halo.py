@@ -19,8 +19,14 @@ exchange; only the gradient contributions of ``h_nF`` may be summed in another o
 The exchange is a *strategy*: :class:`HaloExchange` is the transport-agnostic base
 (gather, autograd, timing); a subclass implements :meth:`HaloExchange.transfer` (how a
 block of rows crosses the wire for one layer and direction). :class:`VanillaExchange`
-sends full-precision rows with one ``commsched.all_to_all``; AdaQP's quantized
-multi-width exchange is another subclass registered in :data:`EXCHANGES`.
+sends full-precision rows with one ``commsched.all_to_all``, blocking or in the
+background (``asynchronous=True``); :class:`ZeroExchange` sends nothing (timing only).
+Quantized exchanges are further subclasses in their own modules; this module knows none
+of them. :mod:`commsched.gnn.modes` maps ``--mode`` to a strategy.
+
+Per-pass state -- epoch, training or evaluation, the timer, the byte counters -- comes
+with every call in a :class:`~commsched.gnn.context.PassContext`; an exchange holds only
+what its book and its own schedule determine.
 """
 
 from __future__ import annotations
@@ -30,9 +36,9 @@ from typing import Callable
 
 import torch
 
-from ..all2all import A2APlan, CommStats, all_to_all, all_to_all_async, make_plan
+from ..all2all import A2APlan, all_to_all, all_to_all_async, make_plan
 from .book import PartitionBook
-from .timing import Breakdown
+from .context import PassContext
 
 DIRECTIONS = ("forward", "backward")
 
@@ -59,9 +65,9 @@ class Pending:
 class HaloExchange:
     """Base strategy. Subclasses override :meth:`transfer`; everything else is shared.
 
-    ``stats`` (bytes per peer, see :class:`commsched.CommStats`) and ``timer`` are
-    attached by the trainer for training epochs and detached (None / a scratch timer)
-    for evaluation, so that only training traffic is counted.
+    Every call that moves rows takes the pass's :class:`PassContext`: its ``timer``
+    receives the blocked time ("comm"), its ``stats`` (bytes per peer, see
+    :class:`commsched.CommStats`; None for evaluation) the traffic.
     """
 
     name = "base"
@@ -72,9 +78,6 @@ class HaloExchange:
         self.pattern = pattern
         self.plan = A2APlan(book.send_counts, book.recv_counts, book.rank)
         self.send_idx = torch.from_numpy(book.send_idx)
-        self.stats: CommStats | None = None
-        self.timer = Breakdown()
-        self.training = True  # False while the trainer evaluates (no backward will follow)
 
     @property
     def world_size(self) -> int:
@@ -91,20 +94,20 @@ class HaloExchange:
         """Set-up before the first epoch (untimed); ``dims`` is the input row width of each
         layer. A place to warm caches or compile kernels; nothing by default."""
 
-    def begin_epoch(self, epoch: int) -> None:
-        """Called at the start of every training epoch, inside its timed region (after the
-        timer was reset): the place for periodic work such as bit-width re-assignment
-        (time it under "assign"). Collective if the subclass makes it so."""
+    def begin_epoch(self, ctx: PassContext) -> None:
+        """Called at the start of every training epoch (``ctx`` is its pass), inside its
+        timed region: the place for periodic work such as bit-width re-assignment (time it
+        under "assign" in ``ctx.timer``). Collective if the subclass makes it so."""
 
-    def end_epoch(self, epoch: int) -> None:
+    def end_epoch(self, ctx: PassContext) -> None:
         """Called after every training epoch's optimizer step (inside the timed region)."""
 
     def report(self) -> dict:
         """Extra entries for metrics.json (rank 0's view); none by default."""
         return {}
 
-    def transfer(self, rows: torch.Tensor, layer: int, direction: str) -> Pending:
-        """Move ``rows`` for ``layer`` in ``direction``.
+    def transfer(self, rows: torch.Tensor, layer: int, direction: str, ctx: PassContext) -> Pending:
+        """Move ``rows`` for ``layer`` in ``direction`` during the pass ``ctx``.
 
         forward: ``rows`` [T, F] are the sent rows grouped by destination peer
         (``plan.send_counts``); returns the remote rows [R, F] grouped by source peer.
@@ -114,45 +117,49 @@ class HaloExchange:
         raise NotImplementedError
 
     # ---- shared machinery --------------------------------------------------------------
-    def start(self, h_nF: torch.Tensor, layer: int) -> "HaloHandle":
+    def start(self, h_nF: torch.Tensor, layer: int, ctx: PassContext | None = None) -> "HaloHandle":
+        """Send the owned boundary rows of ``h_nF`` [n, F] for ``layer``; the handle's
+        ``wait()`` gives the remote rows [R, F]. ``ctx``: the pass (default: a training pass
+        with a scratch timer and no byte counting)."""
+        ctx = ctx if ctx is not None else PassContext()
         if h_nF.shape[0] != self.book.num_owned:
             raise ValueError(f"halo exchange expects the {self.book.num_owned} owned rows, got "
                              f"{h_nF.shape[0]}")
         rows = h_nF.detach().index_select(0, self.send_idx)
         t = time.perf_counter()
-        pend = self._transfer(rows, layer, "forward")
-        self.timer.add("comm", time.perf_counter() - t)
-        link = _BackwardLink(self, layer)
+        pend = self._transfer(rows, layer, "forward", ctx)
+        ctx.timer.add("comm", time.perf_counter() - t)
+        link = _BackwardLink(self, layer, ctx)
         token = (_HaloSend.apply(h_nF, link) if h_nF.requires_grad and torch.is_grad_enabled()
                  else None)
-        return HaloHandle(self, pend, link, token)
+        return HaloHandle(link, pend, token)
 
-    def _transfer(self, rows: torch.Tensor, layer: int, direction: str) -> Pending:
+    def zeros(self, rows: torch.Tensor, direction: str) -> torch.Tensor:
+        """What arrives when nothing does: zeros shaped like the result of a ``direction``
+        transfer of ``rows`` ([R, F] forward, [T, F] backward)."""
+        n = self.book.num_remote if direction == "forward" else int(self.send_idx.numel())
+        return rows.new_zeros((n, *rows.shape[1:]))
+
+    def _transfer(self, rows: torch.Tensor, layer: int, direction: str, ctx: PassContext) -> Pending:
         if self.world_size == 1:  # nothing to send, nobody to wait for
-            n = self.book.num_remote if direction == "forward" else int(self.send_idx.numel())
-            return Pending.ready(rows.new_zeros((n, *rows.shape[1:])))
-        return self.transfer(rows, layer, direction)
+            return Pending.ready(self.zeros(rows, direction))
+        return self.transfer(rows, layer, direction, ctx)
 
-    def _wait(self, pend: Pending) -> torch.Tensor:
-        t = time.perf_counter()
-        out = pend.wait()
-        self.timer.add("comm", time.perf_counter() - t)
-        return out
-
-    def backward_rows(self, g_RF: torch.Tensor, layer: int) -> torch.Tensor:
+    def backward_rows(self, g_RF: torch.Tensor, layer: int, ctx: PassContext | None = None) -> torch.Tensor:
         """Send the remote rows' gradients to their owners; return [n, F] gradient of the
         owned rows (sum over the peers each row was sent to). Blocking."""
-        link = _BackwardLink(self, layer)
+        link = _BackwardLink(self, layer, ctx if ctx is not None else PassContext())
         link.launch(g_RF)
         return link.finish(g_RF.dtype)
 
 
 class _BackwardLink:
-    """The backward exchange of one layer call: launched by the receive node, finished
-    by the send node (see the module doc)."""
+    """The exchanges of one layer call in one pass: the forward wait, and the backward
+    exchange launched by the receive node and finished by the send node (see the module
+    doc)."""
 
-    def __init__(self, ex: HaloExchange, layer: int):
-        self.ex, self.layer = ex, layer
+    def __init__(self, ex: HaloExchange, layer: int, ctx: PassContext):
+        self.ex, self.layer, self.ctx = ex, layer, ctx
         self.pend: Pending | None = None
         self.row_shape: tuple[int, ...] = ()
         self.device = torch.device("cpu")
@@ -160,8 +167,15 @@ class _BackwardLink:
     def launch(self, g_RF: torch.Tensor) -> None:
         t = time.perf_counter()
         self.row_shape, self.device = tuple(g_RF.shape[1:]), g_RF.device
-        self.pend = self.ex._transfer(g_RF.contiguous(), self.layer, "backward")
-        self.ex.timer.add("comm", time.perf_counter() - t)
+        self.pend = self.ex._transfer(g_RF.contiguous(), self.layer, "backward", self.ctx)
+        self.ctx.timer.add("comm", time.perf_counter() - t)
+
+    def wait_forward(self, pend: Pending) -> torch.Tensor:
+        """The forward rows of ``pend``, the blocked time counted as "comm"."""
+        t = time.perf_counter()
+        out = pend.wait()
+        self.ctx.timer.add("comm", time.perf_counter() - t)
+        return out
 
     def finish(self, dtype: torch.dtype) -> torch.Tensor:
         """[n, F] gradient of the owned rows: the received rows added at ``send_idx``.
@@ -172,7 +186,7 @@ class _BackwardLink:
             raise RuntimeError("halo backward: the receive node did not run before the send node")
         t = time.perf_counter()
         rows = self.pend.wait()
-        self.ex.timer.add("comm", time.perf_counter() - t)
+        self.ctx.timer.add("comm", time.perf_counter() - t)
         self.pend = None
         out = torch.zeros((n, *self.row_shape), dtype=dtype, device=self.device)
         return out.index_add_(0, self.ex.send_idx, rows.to(dtype))
@@ -181,9 +195,8 @@ class _BackwardLink:
 class HaloHandle:
     """A forward exchange in flight; ``wait()`` returns the remote rows [R, F]."""
 
-    def __init__(self, ex: HaloExchange, pend: Pending, link: _BackwardLink,
-                 token: torch.Tensor | None):
-        self._ex, self._pend, self._link, self._token = ex, pend, link, token
+    def __init__(self, link: _BackwardLink, pend: Pending, token: torch.Tensor | None):
+        self._link, self._pend, self._token = link, pend, token
         self._out: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
@@ -191,7 +204,7 @@ class HaloHandle:
             if self._token is not None and torch.is_grad_enabled():
                 self._out = _HaloRecv.apply(self._token, self._link, self._pend)
             else:
-                self._out = self._ex._wait(self._pend)
+                self._out = self._link.wait_forward(self._pend)
         return self._out
 
 
@@ -216,7 +229,7 @@ class _HaloRecv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, token, link, pend):  # noqa: D401
         ctx.link = link
-        return link.ex._wait(pend)
+        return link.wait_forward(pend)
 
     @staticmethod
     def backward(ctx, g_RF):
@@ -225,7 +238,10 @@ class _HaloRecv(torch.autograd.Function):
 
 
 class VanillaExchange(HaloExchange):
-    """Full-precision rows, one uneven all_to_all per layer and direction."""
+    """Full-precision rows, one uneven all_to_all per layer and direction: blocking, or
+    launched in the background (``asynchronous``: the central aggregation, forward and
+    backward, overlaps the wire). Both orders compute the same sums, so they train
+    bit-identically."""
 
     name = "vanilla"
 
@@ -234,51 +250,24 @@ class VanillaExchange(HaloExchange):
         super().__init__(book, group=group, pattern=pattern)
         self.asynchronous = asynchronous
 
-    def transfer(self, rows: torch.Tensor, layer: int, direction: str) -> Pending:
+    def transfer(self, rows: torch.Tensor, layer: int, direction: str, ctx: PassContext) -> Pending:
         plan = self.plan if direction == "forward" else self.plan.reversed()
         if self.asynchronous:
-            h = all_to_all_async(rows, plan, group=self.group, pattern=self.pattern, stats=self.stats)
+            h = all_to_all_async(rows, plan, group=self.group, pattern=self.pattern, stats=ctx.stats)
             return Pending(h.wait)
         return Pending.ready(all_to_all(rows, plan, group=self.group, pattern=self.pattern,
-                                        stats=self.stats))
+                                        stats=ctx.stats))
 
 
-# mode -> strategy class. The AdaQP modes live in ``adaqp.py`` (it imports this module),
-# so they are named here by module and resolved on first use.
-EXCHANGES: dict[str, type[HaloExchange] | str] = {
-    "vanilla": VanillaExchange,
-    **{m: "commsched.gnn.adaqp:AdaQPExchange" for m in
-       ("adaqp", "adaqp-q", "adaqp-p", "uniform", "random", "nocomm")},
-}
+class ZeroExchange(HaloExchange):
+    """TIMING ONLY (``--mode nocomm``): remote rows and their gradients are zeros and
+    nothing is sent, so the model trained is wrong; it measures the epoch without any
+    communication, the limit a faster exchange approaches."""
+
+    name = "nocomm"
+
+    def transfer(self, rows: torch.Tensor, layer: int, direction: str, ctx: PassContext) -> Pending:
+        return Pending.ready(self.zeros(rows, direction))
 
 
-def exchange_class(mode: str) -> type[HaloExchange]:
-    if mode not in EXCHANGES:
-        raise ValueError(f"--mode {mode} is not known (available: {', '.join(sorted(EXCHANGES))})")
-    cls = EXCHANGES[mode]
-    if isinstance(cls, str):
-        import importlib
-
-        mod, name = cls.split(":")
-        cls = getattr(importlib.import_module(mod), name)
-    return cls
-
-
-def make_exchange(mode: str, book: PartitionBook, *, config=None, **kw) -> HaloExchange:
-    """The exchange strategy of ``mode``. ``config`` (a TrainConfig) supplies the AdaQP
-    options (widths, period, group size, lam, the model's normalisation)."""
-    cls = exchange_class(mode)
-    if cls is VanillaExchange:
-        return cls(book, **kw)
-    from .adaqp import MODE_OPTIONS, AdaQPOptions, options_for
-
-    if config is not None:
-        opts = options_for(mode, config)
-    else:
-        scheme, overlap = MODE_OPTIONS[mode]
-        opts = AdaQPOptions(scheme=scheme, overlap=overlap)
-    return cls(book, options=opts, **kw)
-
-
-__all__ = ["DIRECTIONS", "EXCHANGES", "exchange_class", "HaloExchange", "HaloHandle", "Pending",
-           "VanillaExchange", "make_exchange"]
+__all__ = ["DIRECTIONS", "HaloExchange", "HaloHandle", "Pending", "VanillaExchange", "ZeroExchange"]

@@ -7,7 +7,7 @@ A layer sees one rank's part through a :class:`LocalGraph`: the owned rows ``h_n
 (central first, then marginal), the halo exchange, and the central / marginal blocks
 of the normalised adjacency. Its forward pass is
 
-    handle = halo.start(h_nF, layer)          # send boundary rows (may run in background)
+    handle = halo.start(h_nF, layer, ctx)     # send boundary rows (may run in background)
     agg_c  = propagate(central block, h_nF)   # needs no remote rows
     h_RF   = handle.wait()
     agg_m  = propagate(marginal block, [h_nF; h_RF])
@@ -19,6 +19,11 @@ aggregation (the fast path; a test asserts they agree). To add a model, subclass
 :class:`DistMessagePassing`, pick the edge weights with ``norm`` and implement
 ``update`` (and ``message``/``aggregate`` if they are not a weighted sum); register
 the class in :data:`CONVS`.
+
+Every forward pass takes the pass's :class:`~commsched.gnn.context.PassContext` (epoch,
+training flag, timer, byte counters), built by the trainer and handed down to each layer
+and to the exchange; without one, a pass follows the module's ``training`` flag at epoch
+0 with a scratch timer.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .book import Block, PartitionBook, split_blocks
+from .context import PassContext
 from .halo import HaloExchange
 from .timing import Breakdown
 
@@ -188,28 +194,22 @@ def node_dropout(h_nF: torch.Tensor, gids_n: torch.Tensor, p: float, *, seed: in
 
 # --------------------------------------------------------------------------- local graph
 class LocalGraph:
-    """What the layers see of one rank's part: book, halo exchange, blocks, timer.
+    """What the layers see of one rank's part: book, halo exchange, blocks, dropout seed.
 
-    Blocks are built once per edge normalisation and kept. ``epoch`` and ``training``
-    are set by the trainer before each forward pass (dropout masks depend on them).
+    Blocks are built once per edge normalisation and kept. Nothing per pass lives here:
+    the epoch (dropout masks depend on it), the training flag and the timer come with each
+    pass's :class:`PassContext`.
     """
 
     def __init__(self, book: PartitionBook, halo: HaloExchange, *, dtype: torch.dtype = torch.float32,
-                 timer: Breakdown | None = None, seed: int = 0, dropout_rng: str = "node"):
+                 seed: int = 0, dropout_rng: str = "node"):
         self.book = book
         self.halo = halo
         self.dtype = dtype
-        self.timer = timer if timer is not None else Breakdown()
-        self.halo.timer = self.timer
         self.owned_gids = torch.from_numpy(book.owned_ids)
         self.seed = seed
         self.dropout_rng = dropout_rng
-        self.epoch = 0
         self._blocks: dict[str, tuple[TorchBlock, TorchBlock]] = {}
-
-    def set_timer(self, timer: Breakdown) -> None:
-        self.timer = timer
-        self.halo.timer = timer
 
     def blocks(self, norm: str) -> tuple[TorchBlock, TorchBlock]:
         if norm not in self._blocks:
@@ -217,10 +217,12 @@ class LocalGraph:
             self._blocks[norm] = (TorchBlock.from_block(c, self.dtype), TorchBlock.from_block(m, self.dtype))
         return self._blocks[norm]
 
-    def dropout(self, h_nF: torch.Tensor, p: float, layer: int, training: bool) -> torch.Tensor:
-        if not training:
+    def dropout(self, h_nF: torch.Tensor, p: float, layer: int, ctx: PassContext) -> torch.Tensor:
+        """Dropout of ``layer``'s input in a training pass (masks of ``ctx.epoch``); the
+        identity in an evaluation pass."""
+        if not ctx.training:
             return h_nF
-        return node_dropout(h_nF, self.owned_gids, p, seed=self.seed, epoch=self.epoch, layer=layer,
+        return node_dropout(h_nF, self.owned_gids, p, seed=self.seed, epoch=ctx.epoch, layer=layer,
                             rng=self.dropout_rng, rank=self.book.rank)
 
 
@@ -260,15 +262,18 @@ class DistMessagePassing(nn.Module):
             msg = self.message(h_src.index_select(0, blk.src), blk.w)
             return self.aggregate(msg, blk.dst, blk.num_dst)
 
-    def forward(self, h_nF: torch.Tensor, g: LocalGraph, layer: int, fused: bool | None = None) -> torch.Tensor:
-        handle = g.halo.start(h_nF, layer)
+    def forward(self, h_nF: torch.Tensor, g: LocalGraph, layer: int, ctx: PassContext | None = None,
+                *, fused: bool | None = None) -> torch.Tensor:
+        """New owned rows [n, H] from ``h_nF`` [n, F]; ``ctx``: the pass (see the module doc)."""
+        ctx = ctx if ctx is not None else PassContext(training=self.training)
+        handle = g.halo.start(h_nF, layer, ctx)
         central, marginal = g.blocks(self.norm)
-        agg_c = self.propagate(central, h_nF, g.timer, "central", fused)
+        agg_c = self.propagate(central, h_nF, ctx.timer, "central", fused)
         h_RF = handle.wait()
         h_all = torch.cat([h_nF, h_RF]) if h_RF.shape[0] else h_nF
         if h_RF.shape[0] == 0 and h_RF.requires_grad:
             h_all = h_all + h_RF.sum() * 0  # keep the (empty) exchange in the backward graph
-        agg_m = self.propagate(marginal, h_all, g.timer, "marginal", fused)
+        agg_m = self.propagate(marginal, h_all, ctx.timer, "marginal", fused)
         if agg_m.shape[0] == 0 and not agg_m.requires_grad:
             agg = agg_c                 # nothing marginal (one rank): skip the copy
         elif agg_c.shape[0] == 0 and not agg_c.requires_grad:
@@ -324,12 +329,16 @@ class DistGNN(nn.Module):
                                    for _ in range(layers - 1))
         self.dropout = dropout
 
-    def forward(self, x_nF: torch.Tensor, g: LocalGraph, fused: bool | None = None) -> torch.Tensor:
+    def forward(self, x_nF: torch.Tensor, g: LocalGraph, ctx: PassContext | None = None, *,
+                fused: bool | None = None) -> torch.Tensor:
+        """Logits [n, K] of the owned nodes; ``ctx``: the pass, handed to every layer (its
+        ``training`` flag decides dropout)."""
+        ctx = ctx if ctx is not None else PassContext(training=self.training)
         h = x_nF
         last = len(self.convs) - 1
         for i, conv in enumerate(self.convs):
-            h = g.dropout(h, self.dropout, i, self.training)
-            h = conv(h, g, i, fused)
+            h = g.dropout(h, self.dropout, i, ctx)
+            h = conv(h, g, i, ctx, fused=fused)
             if i < last:
                 h = F.relu(self.norms[i](h))
         return h

@@ -22,13 +22,11 @@ BREAKDOWN_KEYS = ("comm", "quant", "central", "marginal", "reduce", "assign")
 
 
 class Breakdown:
-    """Accumulates seconds per key; ``reset()`` at the start of every epoch."""
+    """Accumulates seconds per key; the trainer makes a fresh one for every pass (its
+    :class:`~commsched.gnn.context.PassContext`)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
-
-    def reset(self) -> None:
-        self.seconds = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
 
     def add(self, key: str, dt: float) -> None:
         self.seconds[key] = self.seconds.get(key, 0.0) + dt

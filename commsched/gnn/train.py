@@ -18,12 +18,13 @@ from typing import Sequence
 import torch.distributed as dist
 
 from ..config import read_env
-from ..dist import check_same_config, init_distributed
+from ..dist import check_same_config, init_distributed, scatter_object
+from .adaqp_plan import AdaQPOptions
 from .cliargs import add_graph_args, graph_args_given, source_from_args
 from .data import GraphSource, load_source
-from .halo import EXCHANGES
+from .modes import MODE_NAMES, mode_spec
 from .partition import METHODS, PartData, load_part, make_parts, partition_nodes
-from .trainer import MODES, TrainConfig, run_training
+from .trainer import TrainConfig, run_training
 
 _D = TrainConfig()
 
@@ -40,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition-seed", type=int, default=0)
     t = p.add_argument_group("model and training")
     t.add_argument("--model", choices=("gcn", "sage"), default=_D.model)
-    t.add_argument("--mode", choices=MODES, default=_D.mode)
-    t.add_argument("--bits", type=int, default=_D.bits, help="width for --mode uniform")
+    t.add_argument("--mode", choices=MODE_NAMES, default=_D.mode)
+    t.add_argument("--bits", type=int, default=_D.adaqp.bits, help="width for --mode uniform")
     t.add_argument("--epochs", type=int, default=_D.epochs)
     t.add_argument("--seed", type=int, default=_D.seed, help="parameter init and dropout seed")
     t.add_argument("--layers", type=int, default=_D.layers)
@@ -50,9 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=_D.lr)
     t.add_argument("--weight-decay", type=float, default=_D.weight_decay)
     t.add_argument("--layer-norm", action=argparse.BooleanOptionalAction, default=_D.layer_norm)
-    t.add_argument("--period", type=int, default=_D.period, help="AdaQP re-assignment period")
-    t.add_argument("--group-size", type=int, default=_D.group_size, help="AdaQP message group size")
-    t.add_argument("--lam", type=float, default=_D.lam, help="AdaQP variance/time trade-off")
+    t.add_argument("--period", type=int, default=_D.adaqp.period, help="AdaQP re-assignment period")
+    t.add_argument("--group-size", type=int, default=_D.adaqp.group_size, help="AdaQP message group size")
+    t.add_argument("--lam", type=float, default=_D.adaqp.lam, help="AdaQP variance/time trade-off")
     t.add_argument("--pattern", choices=("direct", "ring"), default=_D.pattern,
                    help="all_to_all pattern of the halo exchange")
     t.add_argument("--dtype", choices=("float32", "float64"), default=_D.dtype)
@@ -72,8 +73,9 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                        dropout=a.dropout, layer_norm=a.layer_norm, lr=a.lr,
                        weight_decay=a.weight_decay, epochs=a.epochs, seed=a.seed, dtype=a.dtype,
                        pattern=a.pattern, dropout_rng=a.dropout_rng, eval_every=a.eval_every,
-                       checkpoint_every=a.checkpoint_every, bits=a.bits, period=a.period,
-                       group_size=a.group_size, lam=a.lam)
+                       checkpoint_every=a.checkpoint_every,
+                       adaqp=AdaQPOptions(bits=a.bits, period=a.period, group_size=a.group_size,
+                                          lam=a.lam))
 
 
 def obtain_part(src: GraphSource | None, rank: int, world: int, *, partition_dir: str | None,
@@ -111,10 +113,8 @@ def obtain_part(src: GraphSource | None, rank: int, world: int, *, partition_dir
         if err:
             raise ValueError(err)
         return parts_list[0], info
-    got: list = [None]
     payload = [(err, p, info) for p in parts_list] if rank == 0 else None
-    dist.scatter_object_list(got, payload, src=0, group=group)
-    err, part, info0 = got[0]
+    err, part, info0 = scatter_object(payload, "scattering the partitions", 0, group)
     if err:
         raise ValueError(err)
     return part, info0
@@ -132,14 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         cfg = config_from_args(a)
-        if cfg.mode not in EXCHANGES:
-            raise ValueError(f"--mode {cfg.mode} is not known (available: {', '.join(sorted(EXCHANGES))})")
         src = source_from_args(a) if (graph_args_given(a) or not a.partition_dir) else None
     except ValueError as e:
         print(f"commsched.gnn.train: {e}", file=sys.stderr)
         return 2
     rank, world = init_distributed()
-    if cfg.mode == "nocomm" and rank == 0:
+    if mode_spec(cfg.mode).timing_only and rank == 0:
         print("commsched.gnn.train: --mode nocomm is TIMING ONLY: remote rows are replaced by "
               "zeros, so the model trained is wrong; it measures the no-communication limit",
               file=sys.stderr)
@@ -150,8 +148,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  method=a.partition_method, seed=a.partition_seed)
         check_same_config({"fingerprint": part.fingerprint, "num_parts": part.book.num_parts},
                           what="graph partition")
+        # metrics.json's "partition" is the per-rank books; how they were made goes beside it
+        extra = {k: v for k, v in info.items() if k != "partition"}
+        extra["partitioning"] = info["partition"]
         metrics, _ = run_training(cfg, part, out_dir=a.out, resume=a.resume,
-                                  progress=read_env().progress, dataset=part.name, extra=info)
+                                  progress=read_env().progress, dataset=part.name, extra=extra)
     except ValueError as e:
         print(f"commsched.gnn.train (rank {rank}): {e}", file=sys.stderr)
         return 2

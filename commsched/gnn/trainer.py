@@ -9,17 +9,20 @@ gradients plus the loss, then Adam. Every rank applies the same update to the sa
 parameters, so the replicas never drift apart. With one rank (and no process group at
 all) the same code is single-process full-graph training, the reference that N-rank
 training is tested against.
+
+Each training epoch and each evaluation is one pass with its own
+:class:`~commsched.gnn.context.PassContext` (epoch, training flag, a fresh timer, byte
+counters for training), handed to the model and the exchange; the trainer sets nothing
+on them between passes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import resource
-import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,14 +31,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..all2all import CommStats
-from ..dist import comm_guard, config_digest
-from .halo import HaloExchange, make_exchange
+from ..dist import all_gather_object, barrier, comm_guard, config_digest
+from ..results import Progress
+from .adaqp_plan import AdaQPOptions
+from .context import PassContext
+from .halo import HaloExchange
 from .layers import LocalGraph, build_model
+from .metrics import GNNMetrics, summarize
+from .modes import MODE_NAMES, make_exchange
 from .partition import PartData
-from .timing import BREAKDOWN_KEYS, Breakdown
+from .timing import Breakdown
 
-# "nocomm" is TIMING ONLY (remote rows replaced by zeros: wrong maths), for the bench
-MODES = ("vanilla", "adaqp", "adaqp-q", "adaqp-p", "uniform", "random", "nocomm")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 CHECKPOINT = "checkpoint.pt"
 # config fields a resumed run may change
@@ -47,8 +53,8 @@ class TrainConfig:
     """Everything that shapes a training run (identical on every rank; checked at start).
 
     Defaults are AdaQP's (3 layers, hidden 256, dropout 0.5, LayerNorm, Adam lr 0.01).
-    ``bits``, ``period``, ``group_size`` and ``lam`` belong to the AdaQP modes and are
-    recorded but unused by ``vanilla``. ``dropout_rng="node"`` draws dropout masks per
+    ``adaqp`` (``--bits``, ``--period``, ``--group-size``, ``--lam``) belongs to the
+    quantized modes and is recorded but unused by the others. ``dropout_rng="node"`` draws dropout masks per
     global node id so N-rank training equals single-process training; ``"local"`` is
     faster but rank-count dependent.
     """
@@ -68,14 +74,13 @@ class TrainConfig:
     dropout_rng: str = "node"
     eval_every: int = 1
     checkpoint_every: int = 0
-    bits: int = 8
-    period: int = 50
-    group_size: int = 100
-    lam: float = 0.5
+    adaqp: AdaQPOptions = field(default_factory=AdaQPOptions)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode not in MODE_NAMES:
+            raise ValueError(f"--mode must be one of {', '.join(MODE_NAMES)}, got {self.mode!r}")
+        if not isinstance(self.adaqp, AdaQPOptions):
+            raise TypeError(f"adaqp must be an AdaQPOptions, got {type(self.adaqp).__name__}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.epochs < 0 or self.layers < 1 or self.hidden < 1:
@@ -118,20 +123,20 @@ class Trainer:
             raise ValueError(f"rank {self.rank} of {self.world} was given part {part.book.rank} of "
                              f"{part.book.num_parts}")
         dt = cfg.torch_dtype
-        self.halo = exchange if exchange is not None else make_exchange(
-            cfg.mode, part.book, group=group, pattern=cfg.pattern, config=cfg)
-        self.timer = Breakdown()
-        self.graph = LocalGraph(part.book, self.halo, dtype=dt, timer=self.timer, seed=cfg.seed,
-                                dropout_rng=cfg.dropout_rng)
         self.model = build_model(cfg.model, part.num_features, cfg.hidden, part.num_classes,
                                  layers=cfg.layers, dropout=cfg.dropout, layer_norm=cfg.layer_norm,
                                  seed=cfg.seed, dtype=dt)
+        # the quantized modes weigh messages by the model's edge normalisation
+        self.halo = exchange if exchange is not None else make_exchange(
+            cfg.mode, part.book, group=group, pattern=cfg.pattern, options=cfg.adaqp,
+            seed=cfg.seed, norm=self.model.convs[0].norm)
+        self.graph = LocalGraph(part.book, self.halo, dtype=dt, seed=cfg.seed,
+                                dropout_rng=cfg.dropout_rng)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.x = part.x_nF.to(dt)
         self.y = part.y_n
         self.masks = {"train": part.train_mask, "val": part.val_mask, "test": part.test_mask}
         self.totals = {k: max(int(part.totals[k]), 1) for k in ("train", "val", "test")}
-        self.stats = CommStats(self.world)
         self.epoch = 0  # epochs completed
         self.history: dict[str, list] = {"loss": [], "epoch_time_s": [], "breakdown_s": [],
                                          "bytes_sent": [], "eval": []}
@@ -143,46 +148,40 @@ class Trainer:
         if self.world > 1:
             # set-up (compiling the codec above all) takes different times on different
             # ranks; start the first timed epoch together, or its exchanges time the skew
-            with comm_guard("barrier after set-up", self.group):
-                dist.barrier(group=self.group)
+            barrier("barrier after set-up", self.group)
 
     # -- one epoch ------------------------------------------------------------------------
     def train_epoch(self) -> float:
         """Run epoch ``self.epoch``; return the global training loss."""
-        self.timer.reset()
-        self.stats.reset()
-        self.halo.stats = self.stats
-        self.graph.set_timer(self.timer)
-        self.graph.epoch = self.epoch
+        ctx = PassContext(epoch=self.epoch, training=True, timer=Breakdown(),
+                          stats=CommStats(self.world))
         self.model.train()
-        self.halo.training = True
         t0 = time.perf_counter()
-        self.halo.begin_epoch(self.epoch)
+        self.halo.begin_epoch(ctx)
         self.opt.zero_grad(set_to_none=False)
-        out = self.model(self.x, self.graph)
+        out = self.model(self.x, self.graph, ctx)
         m = self.masks["train"]
         loss = F.cross_entropy(out[m], self.y[m], reduction="sum") / self.totals["train"]
         # the whole output joins the graph so that every rank runs every backward exchange
         # (a rank without training nodes still forwards its peers' gradients); exact: + 0
         loss = loss + out.sum() * 0.0
         loss.backward()
-        loss_all = self._allreduce_grads(loss.detach())
+        loss_all = self._allreduce_grads(loss.detach(), ctx.timer)
         self.opt.step()
-        self.halo.end_epoch(self.epoch)
+        self.halo.end_epoch(ctx)
         dt = time.perf_counter() - t0
-        self.halo.stats = None
         self.history["loss"].append(loss_all)
         self.history["epoch_time_s"].append(dt)
-        self.history["breakdown_s"].append(self.timer.as_dict())
-        self.history["bytes_sent"].append(self.stats.total_bytes_sent)
+        self.history["breakdown_s"].append(ctx.timer.as_dict())
+        self.history["bytes_sent"].append(ctx.stats.total_bytes_sent)
         self.epoch += 1
         return loss_all
 
-    def _allreduce_grads(self, loss: torch.Tensor) -> float:
+    def _allreduce_grads(self, loss: torch.Tensor, timer: Breakdown) -> float:
         params = [p for p in self.model.parameters()]
         if self.world == 1:
             return float(loss)
-        with self.timer.time("reduce"):
+        with timer.time("reduce"):
             flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.reshape(1).to(params[0].dtype)])
             with comm_guard("allreduce of parameter gradients", self.group):
                 dist.all_reduce(flat, group=self.group)
@@ -195,22 +194,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Accuracy on the train / val / test nodes (no dropout); collective."""
-        scratch = Breakdown()
-        self.graph.set_timer(scratch)
-        self.halo.stats = None
+        """Accuracy on the train / val / test nodes (no dropout, full-precision exchanges,
+        untimed and uncounted traffic); collective."""
+        ctx = PassContext(epoch=self.epoch - 1, training=False)
         self.model.eval()
-        self.halo.training = False
         t0 = time.perf_counter()
-        pred = self.model(self.x, self.graph).argmax(1)
+        pred = self.model(self.x, self.graph, ctx).argmax(1)
         ok = pred == self.y
         counts = torch.tensor([float((ok & self.masks[k]).sum()) for k in ("train", "val", "test")],
                               dtype=torch.float64)
         if self.world > 1:
             with comm_guard("allreduce of accuracy counts", self.group):
                 dist.all_reduce(counts, group=self.group)
-        self.graph.set_timer(self.timer)
-        self.halo.training = True
         res = {f"{k}_acc": float(counts[i]) / self.totals[k] for i, k in enumerate(("train", "val", "test"))}
         res["epoch"] = self.epoch - 1
         res["eval_time_s"] = time.perf_counter() - t0
@@ -246,71 +241,19 @@ class Trainer:
             torch.save(self.state_dict(), tmp)
             os.replace(tmp, path)
         if self.world > 1:
-            with comm_guard("barrier after writing a checkpoint", self.group):
-                dist.barrier(group=self.group)
+            barrier("barrier after writing a checkpoint", self.group)
 
 
 # --------------------------------------------------------------------------- a whole run
-def _gather(obj: Any, group, world: int) -> list[Any]:
-    if world == 1:
-        return [obj]
-    out: list[Any] = [None] * world
-    with comm_guard("gathering per-rank results", group):
-        dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _median(xs: list[float]) -> float:
-    return float(statistics.median(xs)) if xs else 0.0
-
-
-def summarize(cfg: TrainConfig, trainer: Trainer, per_rank: list[dict], wall_s: float,
-              dataset: str, extra: dict | None = None) -> dict[str, Any]:
-    """The metrics.json of DESIGN.md "Runs and results" from every rank's history."""
-    h = trainer.history
-    E = len(per_rank[0]["epoch_time_s"])  # epochs timed in this invocation
-    epoch_max = [max(r["epoch_time_s"][e] for r in per_rank) for e in range(E)]
-    bd_med = {k: _median([max(r["breakdown_s"][e].get(k, 0.0) for r in per_rank) for e in range(E)])
-              for k in BREAKDOWN_KEYS}
-    bytes_ep = [sum(r["bytes_sent"][e] for r in per_rank) for e in range(E)]
-    evals = h["eval"]
-    best = max(evals, key=lambda r: (r["val_acc"], -r["epoch"])) if evals else None
-    other = _median([epoch_max[e] - sum(max(r["breakdown_s"][e].get(k, 0.0) for r in per_rank)
-                                        for k in BREAKDOWN_KEYS) for e in range(E)])
-    rss = [r["peak_rss_mib"] for r in per_rank]
-    m = {
-        "mode": cfg.mode, "model": cfg.model, "dataset": dataset, "world_size": trainer.world,
-        "epochs": len(h["loss"]), "loss": list(h["loss"]), "epochs_timed": E,
-        "val_acc": best["val_acc"] if best else None,
-        "test_acc": best["test_acc"] if best else None,
-        "train_acc": best["train_acc"] if best else None,
-        "best_epoch": best["epoch"] if best else None,
-        "epoch_time_s": _median(epoch_max),
-        "breakdown_s": bd_med,
-        "breakdown_other_s": other,
-        "bytes_sent_per_epoch": _median(bytes_ep),
-        "wall_clock_s": wall_s,
-        "epoch_time_s_per_epoch": epoch_max,
-        "val_acc_per_eval": [r["val_acc"] for r in evals],
-        "eval_epochs": [r["epoch"] for r in evals],
-        "peak_rss_mib_per_rank": rss,
-        "peak_rss_mib_total": sum(rss),
-        "partition": [r["book"] for r in per_rank],
-        "config": dataclasses.asdict(cfg),
-    }
-    if extra:
-        m.update(extra)
-    return m
-
-
 def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike | None = None,
                  resume: bool = False, group=None, progress: bool = False,
                  dataset: str | None = None, extra: dict | None = None,
                  on_epoch: Callable[[Trainer], None] | None = None,
                  exchange: HaloExchange | None = None) -> tuple[dict[str, Any], Trainer]:
     """Train ``cfg.epochs`` epochs (continuing from ``out_dir/checkpoint.pt`` when
-    ``resume``); return (metrics, trainer). Rank 0 writes ``out_dir/metrics.json``.
-    Collective: every rank of ``group`` calls it."""
+    ``resume``); return (metrics, trainer), metrics being :class:`GNNMetrics` as the dict
+    metrics.json holds. Rank 0 writes ``out_dir/metrics.json``. Collective: every rank of
+    ``group`` calls it."""
     t_start = time.perf_counter()
     tr = Trainer(cfg, part, group=group, exchange=exchange)
     out = Path(out_dir) if out_dir is not None else None
@@ -321,42 +264,36 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
         if ckpt is None or not ckpt.is_file():
             raise ValueError(f"--resume: no checkpoint at {ckpt} (run with --checkpoint-every K first)")
         tr.load_state_dict(torch.load(ckpt, weights_only=True))
-    bar = None
-    if progress and tr.rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.epochs, initial=min(tr.epoch, cfg.epochs), desc=f"{cfg.mode} {cfg.model}",
-                   unit="epoch", dynamic_ncols=True)
-    while tr.epoch < cfg.epochs:
-        loss = tr.train_epoch()
-        if tr.epoch % cfg.eval_every == 0 or tr.epoch == cfg.epochs:
-            tr.history["eval"].append(tr.evaluate())
-        if ckpt is not None and cfg.checkpoint_every and tr.epoch % cfg.checkpoint_every == 0:
-            tr.save_checkpoint(ckpt)
-        if on_epoch is not None:
-            on_epoch(tr)
-        if bar is not None:
+    with Progress(cfg.epochs, f"{cfg.mode} {cfg.model}", "epoch", enabled=progress and tr.rank == 0,
+                  initial=min(tr.epoch, cfg.epochs)) as bar:
+        while tr.epoch < cfg.epochs:
+            loss = tr.train_epoch()
+            if tr.epoch % cfg.eval_every == 0 or tr.epoch == cfg.epochs:
+                tr.history["eval"].append(tr.evaluate())
+            if ckpt is not None and cfg.checkpoint_every and tr.epoch % cfg.checkpoint_every == 0:
+                tr.save_checkpoint(ckpt)
+            if on_epoch is not None:
+                on_epoch(tr)
             ev = tr.history["eval"][-1] if tr.history["eval"] else {}
-            bar.set_postfix(loss=f"{loss:.4f}", val=f"{ev.get('val_acc', 0):.3f}",
-                            s=f"{tr.history['epoch_time_s'][-1]:.2f}")
+            bar.postfix(loss=f"{loss:.4f}", val=f"{ev.get('val_acc', 0):.3f}",
+                        s=f"{tr.history['epoch_time_s'][-1]:.2f}")
             bar.update(1)
-    if bar is not None:
-        bar.close()
     mine = {k: tr.history[k] for k in ("epoch_time_s", "breakdown_s", "bytes_sent")}
     mine["peak_rss_mib"] = peak_rss_mib()
     mine["book"] = tr.part.book.summary()
-    per_rank = _gather(mine, group, tr.world)
+    per_rank = all_gather_object(mine, "gathering per-rank results", group) if tr.world > 1 else [mine]
     extra = {**(extra or {}), **tr.halo.report()}
     if tr.rank == 0 and isinstance(extra.get("adaqp"), dict):
         wall = time.perf_counter() - t_start
         assign = sum(a.get("wall_s", 0.0) for a in extra["adaqp"].get("assignments", []))
         extra["adaqp"]["assign_total_s"] = assign
         extra["assign_share_of_wall"] = assign / wall if wall > 0 else 0.0
-    metrics = summarize(cfg, tr, per_rank, time.perf_counter() - t_start, dataset or part.name, extra)
+    metrics: GNNMetrics = summarize(cfg, tr.history["loss"], tr.history["eval"], per_rank,
+                                    world_size=tr.world, wall_s=time.perf_counter() - t_start,
+                                    dataset=dataset or part.name, extra=extra)
     if out is not None and tr.rank == 0:
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    return metrics, tr
+        metrics.write(out / "metrics.json", indent=1)
+    return metrics.to_dict(), tr
 
 
-__all__ = ["CHECKPOINT", "DTYPES", "MODES", "TrainConfig", "Trainer", "peak_rss_mib",
-           "run_training", "summarize"]
+__all__ = ["CHECKPOINT", "DTYPES", "TrainConfig", "Trainer", "peak_rss_mib", "run_training"]

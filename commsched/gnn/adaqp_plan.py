@@ -1,0 +1,212 @@
+"""AdaQP's pure planning: options, width layouts, random widths, the rank-0 solve.
+
+Legend: P ranks, n_p messages (rows) exchanged with peer p, D row width, b bits.
+
+No process group here (DESIGN.md rule 1): every function maps plain data to plain data
+and is tested in milliseconds on hand-worked examples. :mod:`commsched.gnn.adaqp` runs
+the exchange that uses them.
+
+* :class:`AdaQPOptions`: the AdaQP knobs of a run (nested in ``TrainConfig.adaqp``).
+* :func:`width_layout`: where each width's rows sit in every peer's message and how many
+  bytes each segment has; sender and receiver derive it from the same width vectors, so
+  no sizes are exchanged.
+* :func:`random_widths`: the ``random`` scheme's widths of one channel (a function of the
+  channel and the period, so both ends agree without talking).
+* :func:`build_problems` / :func:`solve_widths`: rank 0's re-assignment, from every
+  rank's traces to one bit-width problem per (layer, direction) and back to a width
+  vector per channel.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..all2all import SegmentLayout
+from ..quant.assign_problem import Channel, expand_group_bits, group_messages
+from ..quant.codec import META_BYTES, payload_bytes
+from ..quant.reference import BITS
+
+# width schemes of the quantized exchange
+SCHEMES = ("adaptive", "uniform", "random")
+_DIRS = {"forward": 0, "backward": 1}
+
+
+# --------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class AdaQPOptions:
+    """Knobs of the AdaQP exchanges (``TrainConfig.adaqp``; the CLI's ``--bits``,
+    ``--period``, ``--group-size`` and ``--lam``). Recorded but unused by the modes that do
+    not quantize.
+
+    bits: the width of ``uniform``; period: epochs between re-assignments (adaptive) or
+    redraws (random); group_size, lam: the assignment problem's (messages per group, the
+    variance/time trade-off); assign_time_limit_s: CP-SAT's limit per problem;
+    probe_sizes, probe_repeats: the start-up link probe's message sizes (bytes) and repeats.
+    """
+
+    bits: int = max(BITS)
+    period: int = 50
+    group_size: int = 100
+    lam: float = 0.5
+    assign_time_limit_s: float = 2.0
+    probe_sizes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 19)
+    probe_repeats: int = 2
+
+    def __post_init__(self) -> None:
+        if self.bits not in BITS:
+            raise ValueError(f"--bits must be one of {', '.join(map(str, BITS))}, got {self.bits}")
+        if self.period < 1 or self.group_size < 1:
+            raise ValueError("--period and --group-size must be >= 1")
+        if not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"--lam must lie in [0, 1], got {self.lam}")
+        if self.assign_time_limit_s <= 0 or self.probe_repeats < 1 or not self.probe_sizes:
+            raise ValueError("assign_time_limit_s must be > 0, probe_repeats >= 1 and "
+                             "probe_sizes non-empty")
+        object.__setattr__(self, "probe_sizes", tuple(int(s) for s in self.probe_sizes))
+
+
+# --------------------------------------------------------------------------- layouts
+@dataclass(frozen=True, eq=False)
+class WidthLayout:
+    """Where each width's rows sit in every peer's message, and their byte sizes.
+
+    ``idx[p][w]`` (int64 tensor): positions, within the n_p rows exchanged with peer p,
+    of the rows at width ``BITS[w]`` (ascending). ``segments`` is the byte layout:
+    per peer (payload_2, meta_2, payload_4, meta_4, payload_8, meta_8).
+    """
+
+    counts: tuple[int, ...]
+    dim: int
+    idx: tuple[tuple[torch.Tensor, ...], ...]
+    segments: SegmentLayout
+    # per width: positions of its rows among all the exchange's rows (peer by peer, each
+    # peer's rows in ascending order) [n_b], and how many of them each peer has
+    pos: tuple[torch.Tensor, ...] = ()
+    peer_rows: tuple[tuple[int, ...], ...] = ()
+
+    def rows_per_width(self) -> dict[int, int]:
+        return {b: sum(int(self.idx[p][w].numel()) for p in range(len(self.counts)))
+                for w, b in enumerate(BITS)}
+
+
+def width_layout(widths_P: list[np.ndarray], dim: int) -> WidthLayout:
+    """The layout of one exchange side from the per-peer width vectors (each [n_p], values
+    in :data:`~commsched.quant.reference.BITS`). Sender and receiver of a channel call it
+    with the same vector and get the same sizes."""
+    if dim < 1:
+        raise ValueError(f"row width must be >= 1, got {dim}")
+    idx, sizes, off = [], [], 0
+    pos: list[list[torch.Tensor]] = [[] for _ in BITS]
+    for p, w in enumerate(widths_P):
+        w = np.asarray(w)
+        bad = ~np.isin(w, BITS)
+        if bad.any():
+            raise ValueError(f"widths for peer {p} must be {', '.join(map(str, BITS[:-1]))} or "
+                             f"{BITS[-1]}; got {sorted(set(w[bad].tolist()))}")
+        row_idx, row_sz = [], []
+        for k, b in enumerate(BITS):
+            sel = torch.from_numpy(np.flatnonzero(w == b).astype(np.int64))
+            row_idx.append(sel)
+            pos[k].append(sel + off)
+            row_sz += [sel.numel() * payload_bytes(dim, b), sel.numel() * META_BYTES]
+        idx.append(tuple(row_idx))
+        sizes.append(tuple(row_sz))
+        off += w.size
+    return WidthLayout(tuple(int(np.asarray(w).size) for w in widths_P), dim, tuple(idx),
+                       SegmentLayout(tuple(sizes)),
+                       pos=tuple(torch.cat(ps) if ps else torch.zeros(0, dtype=torch.int64) for ps in pos),
+                       peer_rows=tuple(tuple(int(i[k].numel()) for i in idx) for k in range(len(BITS))))
+
+
+def random_widths(n: int, *, seed: int, layer: int, direction: str, src: int, dst: int,
+                  period_index: int) -> np.ndarray:
+    """The ``random`` scheme's widths of one channel: uniform over BITS, the same on both
+    ends (a function of the channel and the period only)."""
+    rng = np.random.default_rng([seed, layer, _DIRS[direction], src, dst, period_index])
+    return rng.choice(np.array(BITS, dtype=np.int64), size=n)
+
+
+# --------------------------------------------------------------------------- the solve
+@dataclass(frozen=True)
+class WidthProblems:
+    """One bit-width problem per (layer, direction) key, ready for ``assign_many``.
+
+    ``problems[i]`` are the rounds of ``keys[i]`` (round r - 1: every rank p sends to
+    p + r); ``members[i][r][c] = (src, dst, n, groups)``: channel c of round r, its message
+    count and the message indices of each group (``group_messages``)."""
+
+    keys: tuple[tuple[int, str], ...]
+    problems: tuple[list[list[Channel]], ...]
+    members: tuple[list[list[tuple[int, int, int, list[np.ndarray]]]], ...]
+
+
+def build_problems(per_rank: list[dict], *, group_size: int) -> WidthProblems:
+    """From every rank's report -- ``trace`` {(layer, dir): [betas to each peer]}, ``dims``
+    {(layer, dir): row width}, ``costs`` {peer: (theta, gamma)} and ``counts`` (send
+    counts, recv counts) -- the problems over the P - 1 ring rounds. A channel never
+    traced (no message this period) weighs all its messages alike; a peer without a
+    measured cost gets (1e-8 s/byte, 0 s)."""
+    P = len(per_rank)
+    keys = sorted({k for r in per_rank for k in r["trace"]})
+    problems, members = [], []
+    for key in keys:
+        dim = max(r["dims"].get(key, 1) for r in per_rank)
+        rounds, mem = [], []
+        for rnd in range(1, P):
+            chans, mrow = [], []
+            for src in range(P):
+                dst = (src + rnd) % P
+                send_c, recv_c = per_rank[src]["counts"]
+                n = int((send_c if key[1] == "forward" else recv_c)[dst])
+                tr = per_rank[src]["trace"].get(key)
+                betas = np.asarray(tr[dst], dtype=np.float64) if tr is not None else np.zeros(0)
+                if betas.size != n:  # never traced (no message this epoch): weigh all alike
+                    betas = np.ones(n)
+                groups, m = group_messages(betas, dim, group_size) if n else ([], [])
+                theta, gamma = per_rank[src]["costs"].get(dst, (1e-8, 0.0))
+                chans.append(Channel(float(theta), float(gamma), groups))
+                mrow.append((src, dst, n, m))
+            rounds.append(chans)
+            mem.append(mrow)
+        problems.append(rounds)
+        members.append(mem)
+    return WidthProblems(tuple(keys), tuple(problems), tuple(members))
+
+
+def solve_widths(per_rank: list[dict], *, group_size: int, lam: float, time_limit_s: float,
+                 seed: int = 0) -> tuple[dict, dict]:
+    """Rank 0's part of the re-assignment: :func:`build_problems`, solve them in parallel
+    (``assign_many``), expand each group's width to its messages. Returns
+    ({(layer, dir): {(src, dst): widths [n]}}, info: solve time, widths histogram and each
+    problem's solver status)."""
+    from ..quant import assign_many  # the solver (OR-Tools) loads only when rank 0 solves
+
+    wp = build_problems(per_rank, group_size=group_size)
+    t = time.perf_counter()
+    res = assign_many(list(wp.problems), lam=lam, time_limit_s=time_limit_s, seed=seed)
+    solve_s = time.perf_counter() - t
+    table: dict = {}
+    hist = {b: 0 for b in BITS}
+    status = []
+    for key, a, mem in zip(wp.keys, res, wp.members):
+        chans = {}
+        for r, mrow in enumerate(mem):
+            for c, (src, dst, n, m) in enumerate(mrow):
+                w = expand_group_bits(m, a.bits[r][c], n) if n else np.zeros(0, np.int64)
+                chans[(src, dst)] = w
+                for b in BITS:
+                    hist[b] += int((w == b).sum())
+        table[key] = chans
+        status.append({"layer": key[0], "direction": key[1], "status": a.status,
+                       "objective": a.objective, "gap": a.gap, "wall_s": a.wall_s})
+    info = {"solve_s": solve_s, "rows_per_width": {str(b): n for b, n in hist.items()},
+            "problems": status}
+    return table, info
+
+
+__all__ = ["AdaQPOptions", "SCHEMES", "WidthLayout", "WidthProblems", "build_problems",
+           "random_widths", "solve_widths", "width_layout"]

@@ -1,0 +1,40 @@
+"""The per-pass context: what one forward (and its backward) pass needs to know.
+
+The trainer builds one :class:`PassContext` for every training epoch and every
+evaluation pass and hands it to the model, which hands it to each layer and to the halo
+exchange (``exchange.start(h, layer, ctx)``, ``transfer(..., ctx)``, ``begin_epoch(ctx)``).
+Nothing per-pass is stored on the exchange or the local graph, so an exchange or a graph
+can serve any number of passes without being rewired.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..all2all import CommStats
+from .timing import Breakdown
+
+
+@dataclass(frozen=True, eq=False)
+class PassContext:
+    """One pass of the model.
+
+    epoch: the training epoch this pass belongs to (dropout masks, the period of AdaQP's
+    widths; an evaluation pass carries the last epoch trained). training: a training pass
+    (dropout on, quantized AdaQP exchanges, a backward pass follows) or an evaluation pass
+    (no dropout, full-precision exchanges). timer: where the pass's seconds go, by
+    :data:`~commsched.gnn.timing.BREAKDOWN_KEYS` (the timer accumulates; the context only
+    names it). stats: the halo exchanges' byte counters, or None for traffic that is not
+    counted (evaluation).
+
+    The default, ``PassContext()``, is a training pass of epoch 0 with a scratch timer and
+    no byte counting: what a layer or an exchange used on its own (in a test) gets.
+    """
+
+    epoch: int = 0
+    training: bool = True
+    timer: Breakdown = field(default_factory=Breakdown)
+    stats: CommStats | None = None
+
+
+__all__ = ["PassContext"]

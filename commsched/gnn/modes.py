@@ -1,0 +1,84 @@
+"""The training modes (``--mode``) and the exchange each one builds.
+
+=========  ===========================  ==============================================
+mode       exchange                     what crosses the wire
+=========  ===========================  ==============================================
+vanilla    VanillaExchange              full-precision rows, blocking (exact)
+adaqp      AdaQPExchange adaptive       widths solved on rank 0 every ``period``; overlap
+adaqp-q    AdaQPExchange adaptive       the same widths, no overlap (exchange, then compute)
+adaqp-p    VanillaExchange asynchronous full precision with overlap: equals vanilla exactly
+uniform    AdaQPExchange uniform        every message at ``--bits``; overlap
+random     AdaQPExchange random         widths drawn from BITS every period; overlap
+nocomm     ZeroExchange                 TIMING ONLY: nothing; remote rows are zeros
+=========  ===========================  ==============================================
+
+This module is the only one that knows both the plain exchanges (:mod:`.halo`) and
+AdaQP's (:mod:`.adaqp`); neither of those imports the other's mode names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .adaqp import AdaQPExchange
+from .adaqp_plan import AdaQPOptions
+from .book import PartitionBook
+from .halo import HaloExchange, VanillaExchange, ZeroExchange
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One row of :data:`MODES`.
+
+    exchange: "vanilla", "adaqp" or "zero" (the strategy class); asynchronous: the
+    vanilla exchange in the background; scheme, overlap: the AdaQP width scheme and
+    whether its exchange overlaps the central aggregation; timing_only: the model trained
+    is wrong on purpose (never a training mode)."""
+
+    exchange: str
+    asynchronous: bool = False
+    scheme: str | None = None
+    overlap: bool = False
+    timing_only: bool = False
+
+
+MODES: dict[str, Mode] = {
+    "vanilla": Mode("vanilla"),
+    "adaqp": Mode("adaqp", scheme="adaptive", overlap=True),
+    "adaqp-q": Mode("adaqp", scheme="adaptive", overlap=False),
+    "adaqp-p": Mode("vanilla", asynchronous=True),
+    "uniform": Mode("adaqp", scheme="uniform", overlap=True),
+    "random": Mode("adaqp", scheme="random", overlap=True),
+    "nocomm": Mode("zero", timing_only=True),
+}
+MODE_NAMES: tuple[str, ...] = tuple(MODES)
+
+
+def mode_spec(mode: str) -> Mode:
+    """The row of ``mode``; a ValueError naming the known modes otherwise."""
+    if mode not in MODES:
+        raise ValueError(f"--mode {mode} is not known (available: {', '.join(MODE_NAMES)})")
+    return MODES[mode]
+
+
+def make_exchange(mode: str, book: PartitionBook, *, group=None, pattern: str = "direct",
+                  options: AdaQPOptions | None = None, seed: int = 0,
+                  norm: str | None = None) -> HaloExchange:
+    """The exchange strategy of ``mode`` for one rank's ``book``.
+
+    options, seed: the run's AdaQP options and seed (``TrainConfig.adaqp``, ``.seed``);
+    norm: the model's edge normalisation (the conv class's ``norm``), which the quantized
+    modes need to weigh their messages. The other modes ignore all three."""
+    spec = mode_spec(mode)
+    if spec.exchange == "vanilla":
+        return VanillaExchange(book, group=group, pattern=pattern, asynchronous=spec.asynchronous)
+    if spec.exchange == "zero":
+        return ZeroExchange(book, group=group, pattern=pattern)
+    if norm is None:
+        raise ValueError(f"--mode {mode} weighs its messages by the model's edge normalisation: "
+                         "pass norm= (the layer's norm, e.g. \"gcn\" or \"mean\")")
+    return AdaQPExchange(book, scheme=spec.scheme, overlap=spec.overlap, norm=norm,
+                         options=options, seed=seed, group=group, pattern=pattern)
+
+
+__all__ = ["MODES", "MODE_NAMES", "Mode", "make_exchange", "mode_spec"]

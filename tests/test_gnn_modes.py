@@ -1,0 +1,225 @@
+"""The mode table and the exchanges it builds, the per-pass context, AdaQP's pure planning
+and options, and the metrics record -- all without a process group, in milliseconds."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from commsched.all2all import CommStats
+from commsched.gnn.adaqp import AdaQPExchange
+from commsched.gnn.adaqp_plan import AdaQPOptions, build_problems
+from commsched.gnn.context import PassContext
+from commsched.gnn.data import SyntheticSpec, synthetic_graph
+from commsched.gnn.halo import VanillaExchange, ZeroExchange
+from commsched.gnn.layers import GCNConv, LocalGraph, build_model
+from commsched.gnn.metrics import GNNMetrics, summarize
+from commsched.gnn.modes import MODE_NAMES, MODES, make_exchange, mode_spec
+from commsched.gnn.partition import make_parts, partition_nodes
+from commsched.gnn.trainer import TrainConfig
+from commsched.quant.reference import BITS
+
+GNN = Path(__file__).resolve().parents[1] / "commsched" / "gnn"
+SYN = SyntheticSpec(num_nodes=120, num_edges=500, num_features=6, num_classes=3,
+                    communities_per_class=2, seed=1)
+
+
+@pytest.fixture(scope="module")
+def parts():
+    g = synthetic_graph(SYN)
+    return g, make_parts(g, partition_nodes(g, 2, "metis", 0), 2)
+
+
+# --------------------------------------------------------------------------- mode table
+def test_mode_table_builds_each_modes_exchange(parts):
+    _, ps = parts
+    book = ps[0].book  # rank 0 of 2; building an exchange needs no process group
+    assert MODE_NAMES == ("vanilla", "adaqp", "adaqp-q", "adaqp-p", "uniform", "random", "nocomm")
+    want = {"vanilla": (VanillaExchange, False), "adaqp-p": (VanillaExchange, True)}
+    for mode in MODE_NAMES:
+        ex = make_exchange(mode, book, options=AdaQPOptions(bits=4), seed=3, norm="mean")
+        if mode in want:
+            cls, asynchronous = want[mode]
+            assert type(ex) is cls and ex.asynchronous is asynchronous, mode
+        elif mode == "nocomm":
+            assert type(ex) is ZeroExchange and MODES[mode].timing_only
+        else:
+            spec = mode_spec(mode)
+            assert type(ex) is AdaQPExchange and (ex.scheme, ex.overlap) == (spec.scheme, spec.overlap)
+            assert ex.norm == "mean" and ex.seed == 3 and ex.opt.bits == 4
+    assert [m for m, s in MODES.items() if s.timing_only] == ["nocomm"]
+    with pytest.raises(ValueError, match="--mode fast is not known"):
+        make_exchange("fast", book)
+    with pytest.raises(ValueError, match="edge normalisation"):
+        make_exchange("adaqp", book)  # the quantized modes need the layer's norm
+    with pytest.raises(ValueError, match="norm must be one of"):
+        make_exchange("uniform", book, norm="max")
+
+
+def test_train_cli_modes_and_adaqp_flags_come_from_the_table():
+    from commsched.gnn.train import build_parser, config_from_args
+
+    p = build_parser()
+    mode_action = next(a for a in p._actions if a.dest == "mode")
+    assert tuple(mode_action.choices) == MODE_NAMES
+    cfg = config_from_args(p.parse_args(["--mode", "uniform", "--bits", "2", "--period", "7",
+                                         "--group-size", "9", "--lam", "0.25"]))
+    assert cfg.adaqp == AdaQPOptions(bits=2, period=7, group_size=9, lam=0.25)
+    assert config_from_args(p.parse_args([])).adaqp == AdaQPOptions()
+
+
+def _imports(path: Path) -> set[str]:
+    """Module names a source file imports (relative ones with their leading dots)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            out.add("." * node.level + (node.module or ""))
+    return out
+
+
+def test_import_direction_has_no_cycle():
+    halo, adaqp, plan = (_imports(GNN / f) for f in ("halo.py", "adaqp.py", "adaqp_plan.py"))
+    assert not {m for m in halo if "adaqp" in m or "modes" in m}, halo
+    assert not {m for m in adaqp if m.endswith(("layers", "modes", "trainer"))}, adaqp
+    assert not {m for m in plan if "distributed" in m or m in ("..dist", ".halo", ".adaqp")}, plan
+    assert "adaqp" not in (GNN / "halo.py").read_text()
+
+
+# --------------------------------------------------------------------------- exchanges
+def test_zero_exchange_sends_nothing_and_gives_zeros(parts):
+    _, ps = parts
+    book = ps[0].book
+    ex = ZeroExchange(book)
+    stats = CommStats(2)
+    ctx = PassContext(stats=stats)
+    h = torch.randn(book.num_owned, 5, requires_grad=True)
+    got = ex.start(h, 1, ctx).wait()
+    assert got.shape == (book.num_remote, 5) and not got.any() and book.num_remote > 0
+    (got.sum() + h.sum()).backward()
+    assert torch.equal(h.grad, torch.ones_like(h))  # the (zero) remote gradient adds nothing
+    assert stats.total_bytes_sent == 0 and stats.calls == 0
+
+
+def test_random_widths_follow_the_passs_period(parts):
+    _, ps = parts
+    ex = AdaQPExchange(ps[0].book, scheme="random", overlap=True, norm="gcn",
+                       options=AdaQPOptions(period=2), seed=4)
+    first = ex.layouts(0, "forward", 8)[0].rows_per_width()
+    ex.begin_epoch(PassContext(epoch=1))
+    assert ex.layouts(0, "forward", 8)[0].rows_per_width() == first  # same period
+    ex.begin_epoch(PassContext(epoch=5))  # a resumed run: period 2, fresh draws
+    assert ex.period_index == 2
+    w = ex.channel_widths(0, 1, 40, 0, "forward")
+    assert set(w.tolist()) <= set(BITS)
+    ex0 = AdaQPExchange(ps[0].book, scheme="random", overlap=True, norm="gcn",
+                        options=AdaQPOptions(period=2), seed=4)
+    assert not np.array_equal(w, ex0.channel_widths(0, 1, 40, 0, "forward"))
+    # adaptive before its first assignment: the widest width
+    ad = AdaQPExchange(ps[0].book, scheme="adaptive", overlap=False, norm="gcn")
+    assert set(ad.channel_widths(0, 1, 5, 1, "backward").tolist()) == {max(BITS)}
+
+
+# --------------------------------------------------------------------------- pass context
+def test_pass_context_is_frozen_and_carries_the_pass(parts):
+    g, _ = parts
+    one = make_parts(g, partition_nodes(g, 1, "metis", 0), 1)[0]
+    ctx = PassContext()
+    assert (ctx.epoch, ctx.training, ctx.stats) == (0, True, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.epoch = 3  # type: ignore[misc]
+    ex = make_exchange("vanilla", one.book)
+    for attr in ("timer", "stats", "training", "epoch"):
+        assert not hasattr(ex, attr), attr  # per-pass state is not the exchange's
+    lg = LocalGraph(one.book, ex)
+    conv = GCNConv(6, 4)
+    run = PassContext(epoch=2)
+    conv(one.x_nF, lg, 0, run)
+    assert run.timer.seconds["central"] > 0 and run.timer.seconds["marginal"] >= 0
+    # dropout follows the context's flag and epoch, not attributes of the graph
+    m = build_model("gcn", 6, 8, 3, layers=2, dropout=0.5, seed=1)
+    x = one.x_nF
+    ev = m(x, lg, PassContext(training=False))
+    torch.testing.assert_close(ev, m(x, lg, PassContext(training=False, epoch=9)))
+    e0, e0b, e1 = (m(x, lg, PassContext(epoch=e)) for e in (0, 0, 1))
+    torch.testing.assert_close(e0, e0b)
+    assert not torch.allclose(e0, ev) and not torch.allclose(e0, e1)
+
+
+# --------------------------------------------------------------------------- options
+def test_adaqp_options_nest_in_train_config_and_validate():
+    cfg = TrainConfig(mode="uniform", adaqp=AdaQPOptions(bits=2))
+    assert cfg.adaqp.bits == 2 and TrainConfig().adaqp == AdaQPOptions()
+    assert dataclasses.asdict(cfg)["adaqp"]["bits"] == 2  # recorded nested in metrics' config
+    assert AdaQPOptions().bits == max(BITS)
+    for kw, msg in (({"bits": 3}, "--bits must be one of 2, 4, 8"), ({"period": 0}, "--period"),
+                    ({"group_size": 0}, "--group-size"), ({"lam": 1.5}, "--lam must lie"),
+                    ({"probe_repeats": 0}, "probe_repeats")):
+        with pytest.raises(ValueError, match=msg):
+            AdaQPOptions(**kw)
+    with pytest.raises(TypeError, match="AdaQPOptions"):
+        TrainConfig(adaqp={"bits": 4})  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- planning
+def test_build_problems_by_hand():
+    # 2 ranks, forward of layer 0: rank 0 sends 3 rows to rank 1, rank 1 sends 2 to rank 0;
+    # rank 1 never traced its messages (all weigh 1); rank 1 has no cost for peer 0
+    per = [{"trace": {(0, "forward"): [np.zeros(0), np.array([1.0, 4.0, 2.0])]},
+            "dims": {(0, "forward"): 6}, "costs": {1: (2e-9, 1e-5)},
+            "counts": ((0, 3), (0, 2))},
+           {"trace": {}, "dims": {}, "costs": {}, "counts": ((2, 0), (3, 0))}]
+    wp = build_problems(per, group_size=2)
+    assert wp.keys == ((0, "forward"),)
+    (rounds,) = wp.problems
+    assert len(rounds) == 1 and len(rounds[0]) == 2  # P - 1 rounds of P channels
+    c0, c1 = rounds[0]
+    assert (c0.theta, c0.gamma) == (2e-9, 1e-5) and (c1.theta, c1.gamma) == (1e-8, 0.0)
+    # sorted by beta, cut into groups of 2: {4, 2} and {1}; rank 1's two rows: one group
+    assert [(g.count, g.dim, g.beta) for g in c0.groups] == [(2, 6, 6.0), (1, 6, 1.0)]
+    assert [(g.count, g.beta) for g in c1.groups] == [(2, 2.0)]
+    (mem,) = wp.members
+    assert [(s, d, n) for s, d, n, _ in mem[0]] == [(0, 1, 3), (1, 0, 2)]
+    assert [m.tolist() for m in mem[0][0][3]] == [[1, 2], [0]]
+
+
+# --------------------------------------------------------------------------- metrics
+def _hist(times, comm, nbytes):
+    return {"epoch_time_s": times, "breakdown_s": [{"comm": c, "central": 0.1} for c in comm],
+            "bytes_sent": nbytes, "peak_rss_mib": 100.0, "book": {"owned": 1}}
+
+
+def test_summarize_by_hand():
+    per = [_hist([1.0, 2.0, 3.0], [0.5, 0.2, 0.9], [10, 20, 30]),
+           _hist([1.5, 1.0, 2.0], [0.1, 0.4, 0.3], [1, 2, 3])]
+    evals = [{"epoch": 0, "train_acc": 0.5, "val_acc": 0.6, "test_acc": 0.4},
+             {"epoch": 1, "train_acc": 0.7, "val_acc": 0.8, "test_acc": 0.7},
+             {"epoch": 2, "train_acc": 0.9, "val_acc": 0.8, "test_acc": 0.9}]
+    cfg = TrainConfig(mode="adaqp", epochs=3)
+    m = summarize(cfg, [3.0, 2.0, 1.0], evals, per, world_size=2, wall_s=9.0, dataset="syn",
+                  extra={"adaqp": {"scheme": "adaptive"}})
+    assert m.epoch_time_s_per_epoch == [1.5, 2.0, 3.0] and m.epoch_time_s == 2.0
+    # per epoch the max over ranks (comm 0.5, 0.4, 0.9), then the median over epochs
+    assert m.breakdown_s["comm"] == 0.5 and m.breakdown_s["central"] == 0.1
+    assert m.breakdown_s["quant"] == 0.0
+    # the rest per epoch: 1.5 - 0.6, 2.0 - 0.5, 3.0 - 1.0
+    assert m.breakdown_other_s == pytest.approx(1.5)
+    assert m.bytes_sent_per_epoch == 22.0  # summed over ranks, median over epochs
+    assert (m.best_epoch, m.val_acc, m.test_acc, m.train_acc) == (1, 0.8, 0.7, 0.7)  # earliest tie
+    d = m.to_dict()
+    keys = ("mode", "model", "dataset", "world_size", "epochs", "loss", "val_acc", "test_acc",
+            "epoch_time_s", "breakdown_s", "bytes_sent_per_epoch", "wall_clock_s")
+    assert set(keys) <= set(d) and set(keys) <= set(GNNMetrics.field_names())
+    assert d["adaqp"] == {"scheme": "adaptive"} and "extra" not in d
+    assert d["config"]["adaqp"]["period"] == 50 and d["peak_rss_mib_total"] == 200.0
+    # nothing timed (a resume of a finished run): zeros, not None
+    none = summarize(cfg, [1.0], [], [_hist([], [], [])], world_size=1, wall_s=1.0, dataset="x")
+    assert none.epoch_time_s == 0.0 and none.best_epoch is None
+    with pytest.raises(ValueError, match="shadow"):
+        dataclasses.replace(m, extra={"loss": []}).to_dict()
