@@ -86,7 +86,7 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)
 # once per width and row width in ``prepare`` with the row count dynamic, so a small group
 # costs a call, not a compile (the eager twin costs ~100x more per row). Smaller exchanges
 # (test graphs) take the codec's own choice ("auto": eager on the CPU at these sizes).
-COMPILE_MIN_ELEMENTS = 1 << 16
+EXCHANGE_COMPILE_MIN_ELEMENTS = 1 << 16
 
 
 def _mix_key(*parts: int) -> int:
@@ -152,7 +152,7 @@ class AdaQPExchange(HaloExchange):
             return
         n_min = min(sum(self.book.send_counts), sum(self.book.recv_counts))
         for d in sorted(set(dims)):
-            if n_min * d < COMPILE_MIN_ELEMENTS:
+            if n_min * d < EXCHANGE_COMPILE_MIN_ELEMENTS:
                 continue  # exchanges this small run eagerly
             x = torch.randn(64, d, generator=torch.Generator().manual_seed(d))
             for b in BITS:
@@ -349,4 +349,4 @@ class AdaQPExchange(HaloExchange):
         return out
 
 
-__all__ = ["COMPILE_MIN_ELEMENTS", "AdaQPExchange"]
+__all__ = ["EXCHANGE_COMPILE_MIN_ELEMENTS", "AdaQPExchange"]
