@@ -7,7 +7,13 @@ import math
 import pytest
 
 from commsched.priority.partition import bucket, partition, split_equal
-from commsched.priority.policy import DEFAULT_CREDIT_MICROOPS, POLICIES, Policy, ScheduleConfig, make_policy
+from commsched.priority.policy import (
+    DEFAULT_CREDIT_MICROOPS,
+    POLICIES,
+    Policy,
+    ScheduleConfig,
+    make_policy,
+)
 from commsched.priority.sim import (
     AllToAll,
     BlockBegin,
