@@ -32,6 +32,9 @@ _EXPORTS: dict[str, str] = {
     "init_distributed": "dist",
     "LaneEvent": "lanes",
     "Lanes": "lanes",
+    "A2AEvents": "observe",
+    "A2AObserver": "observe",
+    "A2ATimer": "observe",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -24,8 +24,8 @@ def test_workload_variants_parse_as_training_configs(tmp_path):
     cfgs = {n: config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)]))
             for n, v in variants.items()}
     assert cfgs["deepspeed"].impl == "deepspeed"
-    assert cfgs["fifo"].schedule == "fifo" and not cfgs["fifo"].dispatch.pipeline
-    assert cfgs["lina"].schedule == "lina" and cfgs["lina"].dispatch.pipeline and cfgs["lina"].dispatch.chunks == 3
+    assert cfgs["fifo"].schedule.policy == "fifo" and not cfgs["fifo"].dispatch.pipeline
+    assert cfgs["lina"].schedule.policy == "lina" and cfgs["lina"].dispatch.pipeline and cfgs["lina"].dispatch.chunks == 3
     # the same model, data and seed in every variant
     assert len({(c.model, c.steps, c.seed, c.batch_size) for c in cfgs.values()}) == 1
 

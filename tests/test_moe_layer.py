@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commsched.moe.dispatch import A2ATimer, ExpertGroup, sort_assignments
+from commsched.moe.dispatch import ExpertGroup, sort_assignments
 from commsched.moe.layer import DispatchConfig, MoELayer
 from commsched.moe.router import RouterConfig, capacity_keep, load_balancing_loss, route_top_k
+from commsched.observe import A2ATimer
 from tests.mp import assert_case, run_cases
 
 

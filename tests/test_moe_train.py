@@ -15,7 +15,9 @@ from commsched.moe.experts import is_expert_param
 from commsched.moe.layer import DispatchConfig
 from commsched.moe.model import ModelConfig
 from commsched.moe.train import TrainConfig, _build_commsched, make_groups, train
-from commsched.priority.executor import GradScheduler, ScheduleConfig
+from commsched.observe import A2AEvents
+from commsched.priority.executor import GradScheduler
+from commsched.priority.policy import ScheduleConfig
 from tests.mp import assert_case, run_cases
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "text" / "tinyshakespeare.txt"
@@ -27,14 +29,15 @@ def _cfg(world: int, schedule: str, *, chunks: int = 1, pipeline: bool = False, 
          k: int = 2, steps: int = 3, impl: str = "commsched") -> TrainConfig:
     model = ModelConfig(d_model=32, n_heads=2, n_layers=2, seq_len=16, d_ff=48, expert_hidden=40,
                         num_experts=2 * (ep or world), k=k, moe_every=2)
-    return TrainConfig(model=model, impl=impl, schedule=schedule, dispatch=DispatchConfig(chunks, pipeline),
-                       sched=ScheduleConfig(schedule, microop_bytes=1024, bucket_bytes=4096),
+    return TrainConfig(model=model, impl=impl, schedule=ScheduleConfig(schedule, microop_bytes=1024, bucket_bytes=4096),
+                       dispatch=DispatchConfig(chunks, pipeline),
                        steps=steps, batch_size=2, lr=1e-2, seed=3, ep_size=ep, warmup=min(1, steps - 1), probe_steps=1,
                        eval_batches=1, corpus=str(CORPUS), max_corpus_bytes=1 << 18)
 
 
 def _run(cfg: TrainConfig) -> dict:
-    return train(cfg, None, progress=False, return_state=True)
+    metrics, state = train(cfg, None, progress=False)
+    return {**metrics.to_dict(), "state": state}
 
 
 def _same_state(a: dict, b: dict) -> bool:
@@ -74,7 +77,8 @@ def _grads_match_manual_allreduce(rank: int, world: int) -> None:
         dist.all_reduce(ref_sum)  # the default group
         dist.all_reduce(probe, group=groups.dp_group)
         assert torch.equal(probe, ref_sum)
-        model, sched_params = _build_commsched(cfg, groups)
+        events = A2AEvents()
+        model, sched_params = _build_commsched(cfg, groups, events)
         ref, _ = _build_commsched(cfg, groups)  # same seed: the same weights
         g = torch.Generator().manual_seed(rank)
         x = torch.randint(0, 256, (2, 16), generator=g)
@@ -86,9 +90,7 @@ def _grads_match_manual_allreduce(rank: int, world: int) -> None:
                 if grp is not None:
                     dist.all_reduce(p.grad, group=grp)
                 p.grad /= world
-        with GradScheduler(sched_params, cfg.schedule_config) as sched:
-            for layer in model.moe_layers():
-                layer.observer = sched
+        with GradScheduler(sched_params, cfg.schedule) as sched, events.register(sched):
             sched.begin_step()
             model.loss(x, y)[0].backward()
             st = sched.finish()
@@ -123,10 +125,9 @@ def _lina_rule_on_real_groups(rank: int, world: int) -> None:
     in flight, and none starts inside an expert block of the backward pass."""
     cfg = _cfg(world, "lina", chunks=2, pipeline=True, steps=2)
     groups = make_groups(world)
-    model, sched_params = _build_commsched(cfg, groups)
-    with GradScheduler(sched_params, cfg.schedule_config) as sched:
-        for layer in model.moe_layers():
-            layer.observer = sched
+    events = A2AEvents()
+    model, sched_params = _build_commsched(cfg, groups, events)
+    with GradScheduler(sched_params, cfg.schedule) as sched, events.register(sched):
         g = torch.Generator().manual_seed(rank)
         x = torch.randint(0, 256, (2, 16), generator=g)
         sched.begin_step()
@@ -198,9 +199,68 @@ def test_train_config_errors_speak():
 
 
 def test_default_credit_is_several_microops():
-    from commsched.priority.executor import DEFAULT_CREDIT_MICROOPS
+    from commsched.priority.policy import DEFAULT_CREDIT_MICROOPS
 
     assert DEFAULT_CREDIT_MICROOPS > 1
     assert ScheduleConfig("lina").credit == DEFAULT_CREDIT_MICROOPS * (256 << 10)
     assert ScheduleConfig("lina", microop_bytes=1024).credit == DEFAULT_CREDIT_MICROOPS * 1024
     assert ScheduleConfig("lina", credit_bytes=4096).credit == 4096
+
+
+def test_grad_scheduler_timeout_comes_from_the_environment(monkeypatch):
+    from commsched.priority.executor import LOCAL
+
+    p = torch.nn.Parameter(torch.ones(3))
+    monkeypatch.setenv("COMMSCHED_TIMEOUT_S", "7")
+    with GradScheduler([(p, LOCAL)], ScheduleConfig()) as s:
+        assert s.timeout_s == 7.0
+    with GradScheduler([(p, LOCAL)], ScheduleConfig(), timeout_s=2.5) as s:
+        assert s.timeout_s == 2.5
+
+
+def test_cli_fills_the_one_schedule_config(tmp_path):
+    from commsched.moe.train import build_parser, config_from_args
+    from commsched.priority.policy import POLICIES
+
+    p = build_parser()
+    (choices,) = [a.choices for a in p._actions if a.dest == "schedule"]
+    assert tuple(choices) == tuple(POLICIES)
+    cfg = config_from_args(p.parse_args(["--schedule", "fifo", "--microop-bytes", "2048", "--credit-bytes", "4096",
+                                         "--no-hold-in-block", "--bucket-bytes", "8192", "--out", str(tmp_path)]))
+    assert cfg.schedule == ScheduleConfig("fifo", microop_bytes=2048, credit_bytes=4096, bucket_bytes=8192,
+                                          hold_in_block=False)
+    assert config_from_args(p.parse_args(["--out", str(tmp_path)])).schedule == TrainConfig().schedule
+    with pytest.raises(SystemExit):
+        p.parse_args(["--schedule", "lifo", "--out", str(tmp_path)])
+
+
+def _rank_result(r: int, deepspeed: bool = False) -> dict:
+    rows = [{"step_s": 1.0 + s + r, "fwd_s": 0.2, "bwd_s": 0.5, "loss": 5.0 - s, "a2a_s": 0.1 * (s + 1),
+             "a2a_inflight_s": 0.3, "allreduce_s": 0.4, "allreduce_wait_s": 0.05}
+            | ({} if deepspeed else {"allreduce_in_bwd": 0.5}) for s in range(3)]
+    res = {"rows": rows, "timeline": [], "a2a_alone_s": [] if deepspeed else [0.08], "val_loss": 4.0 + r,
+           "sizes": {"non_expert_params": 10}, "wall_clock_s": 9.0 + r}
+    return res | ({"ds_comm_ops": ["all_to_all_single"]} if deepspeed else {})
+
+
+def test_metrics_record_holds_the_documented_keys(tmp_path):
+    import json
+
+    from commsched.moe.train import TrainMetrics, summarise
+
+    cfg = TrainConfig(steps=3, warmup=1)
+    m = summarise(cfg, [_rank_result(0), _rank_result(1)], 2, "unit")
+    assert isinstance(m, TrainMetrics)
+    d = json.loads(m.write(tmp_path / "metrics.json").read_text())
+    documented = ("impl", "schedule", "world_size", "loss", "step_time_s", "a2a_time_s", "allreduce_time_s")
+    assert set(documented) <= set(TrainMetrics.field_names()) and set(documented) <= set(d)
+    assert (d["impl"], d["schedule"], d["world_size"], d["ep_size"]) == ("commsched", "lina", 2, 2)
+    assert d["loss"] == [5.0, 4.0, 3.0]
+    assert d["step_time_s"] == pytest.approx(3.5)       # median over steps 1, 2 of the slowest rank
+    assert d["a2a_time_s"] == pytest.approx(0.25) and d["allreduce_time_s"] == pytest.approx(0.4)
+    assert d["a2a_alone_time_s"] == pytest.approx(0.08) and d["allreduce_in_backward_share"] == 0.5
+    assert d["val_loss"] == 4.5 and d["wall_clock_s"] == 10.0 and d["config"]["schedule"]["policy"] == "lina"
+    assert "deepspeed_comm_ops" not in d
+    ds = summarise(TrainConfig(impl="deepspeed", steps=3, warmup=1), [_rank_result(0, True)], 1, "unit").to_dict()
+    assert ds["schedule"] == "deepspeed-zero2" and ds["deepspeed_comm_ops"] == ["all_to_all_single"]
+    assert ds["allreduce_in_backward_share"] is None and ds["a2a_alone_time_s"] is None

@@ -7,7 +7,13 @@ import math
 import pytest
 
 from commsched.priority.partition import bucket, partition, split_equal
-from commsched.priority.policy import Policy, make_policy
+from commsched.priority.policy import (
+    DEFAULT_CREDIT_MICROOPS,
+    POLICIES,
+    Policy,
+    ScheduleConfig,
+    make_policy,
+)
 from commsched.priority.sim import (
     AllToAll,
     BlockBegin,
@@ -54,7 +60,7 @@ def test_partition_errors_speak():
 
 # --------------------------------------------------------------------------- policy
 def test_lina_policy_holds_for_a2a_block_and_credit():
-    p = make_policy("lina", credit_bytes=100, hold_in_block=True)
+    p = make_policy(ScheduleConfig("lina", credit_bytes=100, hold_in_block=True))
     p.begin_step(5)
     p.allreduce_ready(1, 60)
     assert p.next_ops() == []  # fixed order: 0 first
@@ -85,13 +91,13 @@ def test_lina_policy_holds_for_a2a_block_and_credit():
 
 
 def test_fifo_and_serial_policies():
-    f = make_policy("fifo")
+    f = make_policy(ScheduleConfig("fifo"))
     f.begin_step(2)
     f.a2a_waiting("a")
     f.allreduce_ready(0, 10)
     f.allreduce_ready(1, 10)
     assert [(l.kind, l.key) for l in f.next_ops()] == [("a2a", "a"), ("allreduce", 0), ("allreduce", 1)]
-    s = make_policy("serial")
+    s = make_policy(ScheduleConfig("serial"))
     s.begin_step(1)
     s.allreduce_ready(0, 10)
     assert s.next_ops() == []
@@ -101,7 +107,7 @@ def test_fifo_and_serial_policies():
 
 def test_policy_errors_speak():
     with pytest.raises(ValueError, match="unknown schedule"):
-        make_policy("lifo")
+        make_policy(ScheduleConfig("lifo"))
     p = Policy(credit_bytes=10)
     p.begin_step(1)
     with pytest.raises(ValueError, match="outside"):
@@ -113,12 +119,21 @@ def test_policy_errors_speak():
 
 
 # --------------------------------------------------------------------------- simulator: hand-worked
+def _sched(policy: str, *, microop_bytes: int, credit_bytes: int | None = None, hold_in_block: bool = False,
+           **kw) -> ScheduleConfig:
+    """The schedule the cases below were worked out for: the simulator's former defaults, a
+    credit of one micro-op and no hold in expert blocks, unless a case says otherwise."""
+    return ScheduleConfig(policy, microop_bytes=microop_bytes,
+                          credit_bytes=microop_bytes if credit_bytes is None else credit_bytes,
+                          hold_in_block=hold_in_block, **kw)
+
+
 LINK = Link(bandwidth_Bps=1000.0)
 HAND = [Compute(1.0, (200,)), AllToAll(500), Compute(1.0, (100,))]
 
 
 def test_sim_hand_worked_lina():
-    r = simulate(HAND, "lina", LINK, microop_bytes=100)
+    r = simulate(HAND, LINK, _sched("lina", microop_bytes=100))
     a2a = r.a2a[0]
     assert (a2a.ready_s, a2a.start_s, a2a.end_s) == (1.0, 1.0, 1.5)  # alone on the link
     ar = sorted(r.allreduce, key=lambda o: o.key)
@@ -127,7 +142,7 @@ def test_sim_hand_worked_lina():
 
 
 def test_sim_hand_worked_fifo_shares_the_link():
-    r = simulate(HAND, "fifo", LINK, microop_bytes=100, bucket_bytes=200)
+    r = simulate(HAND, LINK, _sched("fifo", microop_bytes=100, bucket_bytes=200))
     a2a = r.a2a[0]
     # bucket 0 (200 B) and the a2a share 1000 B/s: bucket done at 1.4, a2a at 1.7
     assert a2a.end_s == pytest.approx(1.7)
@@ -137,7 +152,7 @@ def test_sim_hand_worked_fifo_shares_the_link():
 
 
 def test_sim_hand_worked_serial():
-    r = simulate(HAND, "serial", LINK, microop_bytes=100)
+    r = simulate(HAND, LINK, _sched("serial", microop_bytes=100))
     assert r.a2a[0].end_s == pytest.approx(1.5)
     assert all(o.start_s == pytest.approx(2.5) for o in r.allreduce)
     assert r.step_s == pytest.approx(2.8)  # three 100 B ops sharing the link from 2.5
@@ -167,7 +182,7 @@ SCENARIOS = [
 def test_no_a2a_waits_behind_more_than_one_micro_op(kw, latency):
     link = Link(1000.0, latency)
     micro = 500
-    r = simulate(_scenario(**kw), "lina", link, microop_bytes=micro)
+    r = simulate(_scenario(**kw), link, _sched("lina", microop_bytes=micro))
     assert r.a2a and r.allreduce
     for a in r.a2a:
         during = r.allreduce_during(a)
@@ -182,7 +197,7 @@ def test_a2a_waits_behind_at_most_the_credit(kw):
     """With a credit of several micro-ops (the executor's default), an all-to-all waits
     behind at most the credit's bytes, all launched before it arrived."""
     micro, credit = 500, 1500
-    r = simulate(_scenario(**kw), "lina", LINK, microop_bytes=micro, credit_bytes=credit)
+    r = simulate(_scenario(**kw), LINK, _sched("lina", microop_bytes=micro, credit_bytes=credit))
     assert r.a2a and r.allreduce
     assert any(len(r.allreduce_during(a)) > 1 for a in r.a2a)  # more than one micro-op did wait
     for a in r.a2a:
@@ -194,7 +209,7 @@ def test_a2a_waits_behind_at_most_the_credit(kw):
 
 @pytest.mark.parametrize("kw", SCENARIOS, ids=range(len(SCENARIOS)))
 def test_allreduce_never_starves_once_a2a_finish(kw):
-    r = simulate(_scenario(**kw), "lina", LINK, microop_bytes=500)
+    r = simulate(_scenario(**kw), LINK, _sched("lina", microop_bytes=500))
     last_a2a = max(o.end_s for o in r.a2a)
     assert r.link_idle_with_allreduce_pending(last_a2a) == pytest.approx(0.0, abs=1e-9)
     assert all(math.isfinite(o.end_s) for o in r.allreduce)
@@ -204,7 +219,7 @@ def test_allreduce_never_starves_once_a2a_finish(kw):
 
 def test_fifo_violates_what_lina_guarantees():
     """The properties above are not vacuous: fifo breaks them in the same scenario."""
-    r = simulate(_scenario(), "fifo", LINK, microop_bytes=500, bucket_bytes=8000)
+    r = simulate(_scenario(), LINK, _sched("fifo", microop_bytes=500, bucket_bytes=8000))
     assert any(r.a2a[i].end_s - r.a2a[i].ready_s > LINK.alone_s(r.a2a[i].nbytes) + LINK.alone_s(500) + 1e-9
                for i in range(len(r.a2a)))
 
@@ -212,9 +227,9 @@ def test_fifo_violates_what_lina_guarantees():
 @pytest.mark.parametrize("kw", SCENARIOS, ids=range(len(SCENARIOS)))
 def test_lina_all_to_all_runs_at_its_alone_time_and_step_not_slower(kw):
     script = _scenario(**kw)
-    lina = simulate(script, "lina", LINK, microop_bytes=500)
-    fifo = simulate(script, "fifo", LINK, microop_bytes=500, bucket_bytes=8000)
-    serial = simulate(script, "serial", LINK, microop_bytes=500)
+    lina = simulate(script, LINK, _sched("lina", microop_bytes=500))
+    fifo = simulate(script, LINK, _sched("fifo", microop_bytes=500, bucket_bytes=8000))
+    serial = simulate(script, LINK, _sched("serial", microop_bytes=500))
     alone = sum(LINK.alone_s(o.nbytes) for o in serial.a2a)
     assert serial.a2a_time_s == pytest.approx(alone)
     assert lina.a2a_time_s <= alone + len(lina.a2a) * LINK.alone_s(500) + 1e-9
@@ -243,7 +258,7 @@ def _block_windows(script, r):
 
 
 def test_lina_policy_without_hold_in_block_runs_allreduce_during_expert_compute():
-    p = make_policy("lina", credit_bytes=100, hold_in_block=False)
+    p = make_policy(ScheduleConfig("lina", credit_bytes=100, hold_in_block=False))
     p.begin_step(1)
     p.allreduce_ready(0, 60)
     p.block_begin()
@@ -255,8 +270,8 @@ def test_lina_policy_without_hold_in_block_runs_allreduce_during_expert_compute(
 
 def test_allreduce_fills_expert_compute_unless_held():
     script = _scenario(a2a_chunks=2)
-    free = simulate(script, "lina", LINK, microop_bytes=500)
-    held = simulate(script, "lina", LINK, microop_bytes=500, hold_in_block=True)
+    free = simulate(script, LINK, _sched("lina", microop_bytes=500))
+    held = simulate(script, LINK, _sched("lina", microop_bytes=500, hold_in_block=True))
     blocks = _block_windows(script, free)
     assert any(s < o.start_s < e for s, e in blocks for o in free.allreduce)
     assert free.step_s <= held.step_s + 1e-9
@@ -264,7 +279,7 @@ def test_allreduce_fills_expert_compute_unless_held():
 
 def test_no_allreduce_starts_inside_an_expert_block():
     script = _scenario()
-    r = simulate(script, "lina", LINK, microop_bytes=500, hold_in_block=True)
+    r = simulate(script, LINK, _sched("lina", microop_bytes=500, hold_in_block=True))
     blocks = _block_windows(script, r)
     assert len(blocks) == 3
     for s, e in blocks:
@@ -272,12 +287,44 @@ def test_no_allreduce_starts_inside_an_expert_block():
 
 
 def test_sim_is_deterministic_and_validates():
-    a = simulate(_scenario(), "lina", LINK, microop_bytes=500)
-    b = simulate(_scenario(), "lina", LINK, microop_bytes=500)
+    a = simulate(_scenario(), LINK, _sched("lina", microop_bytes=500))
+    b = simulate(_scenario(), LINK, _sched("lina", microop_bytes=500))
     assert [(o.kind, o.key, o.start_s, o.end_s) for o in a.ops] == [(o.kind, o.key, o.start_s, o.end_s) for o in b.ops]
     with pytest.raises(ValueError, match="bandwidth"):
         Link(0.0)
     with pytest.raises(ValueError, match="multiples"):
-        simulate([Compute(1.0, (3,))], "lina", LINK, microop_bytes=100)
+        simulate([Compute(1.0, (3,))], LINK, _sched("lina", microop_bytes=100))
     with pytest.raises(ValueError, match="unknown schedule"):
-        simulate(HAND, "random", LINK, microop_bytes=100)
+        simulate(HAND, LINK, _sched("random", microop_bytes=100))
+
+
+# --------------------------------------------------------------------------- one schedule config
+def test_policies_table_builds_every_policy_from_the_config():
+    assert tuple(POLICIES) == ("lina", "fifo", "serial")
+    cfg = ScheduleConfig()
+    assert (cfg.policy, cfg.credit, cfg.hold_in_block) == ("lina", DEFAULT_CREDIT_MICROOPS * (256 << 10), True)
+    for name in POLICIES:
+        p = make_policy(ScheduleConfig(name, microop_bytes=1024))
+        assert p.name == name
+    lina = make_policy(ScheduleConfig("lina", microop_bytes=1024, hold_in_block=False))
+    assert (lina.credit_bytes, lina.hold_in_block, lina.hold_for_a2a) == (DEFAULT_CREDIT_MICROOPS * 1024, False, True)
+    assert make_policy(ScheduleConfig("fifo")).credit_bytes is None
+    assert make_policy(ScheduleConfig("serial")).defer_to_end
+    with pytest.raises(ValueError, match="at least one element"):
+        ScheduleConfig(microop_bytes=2)
+    with pytest.raises(ValueError, match="credit_bytes"):
+        ScheduleConfig(credit_bytes=0)
+
+
+def test_simulator_defaults_are_the_executors():
+    """With no config the simulator runs what the executor runs by default: the credit of
+    DEFAULT_CREDIT_MICROOPS micro-ops and the hold inside expert blocks."""
+    script = _scenario()
+    r = simulate(script, LINK, ScheduleConfig(microop_bytes=500))
+    assert r.schedule == "lina"
+    for s, e in _block_windows(script, r):
+        assert not any(s < o.start_s < e for o in r.allreduce), (s, e)
+    for a in r.a2a:
+        assert sum(o.nbytes for o in r.allreduce_during(a)) <= DEFAULT_CREDIT_MICROOPS * 500
+    default = simulate(HAND, LINK)
+    assert default.schedule == "lina" and len(default.allreduce) == 2  # 200 B and 100 B, each one micro-op

@@ -20,8 +20,6 @@ _TRAIN_EXPORTS: dict[str, str] = {
     "expert_apply": "experts",
     "is_expert_param": "experts",
     "ExpertGroup": "dispatch",
-    "A2AObserver": "dispatch",
-    "A2ATimer": "dispatch",
     "local_moe": "dispatch",
     "ep_moe": "dispatch",
     "sort_assignments": "dispatch",
@@ -33,7 +31,9 @@ _TRAIN_EXPORTS: dict[str, str] = {
     "load_corpus": "data",
     "TrainConfig": "train",
     "train": "train",
-    "to_deepspeed": "deepspeed_moe",
+    "TrainMetrics": "train",
+    "to_deepspeed": "deepspeed_baseline",
+    "train_deepspeed": "deepspeed_baseline",
 }
 
 # name -> submodule, for inference (placement, popularity estimation, traces, runtime)

@@ -23,96 +23,32 @@ Rows sent by a rank are ordered by (chunk, expert); chunk c holds the tokens
 counts per layer call tells every rank how many rows of each chunk and local expert it
 will receive from each peer.
 
-An :class:`A2AObserver` (the priority scheduler, or :class:`A2ATimer`) is told when each
-exchange starts and ends and when the expert block of a backward pass starts and ends.
+An :class:`~commsched.observe.A2AObserver` (the priority scheduler, an
+:class:`~commsched.observe.A2ATimer`, or an :class:`~commsched.observe.A2AEvents` passing
+the reports on) is told when each exchange starts and ends and when the expert block of a
+backward pass starts and ends.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..all2all import A2APlan, all_to_all, all_to_all_async
 from ..lanes import Lanes
+from ..observe import A2AObserver
 from .experts import ExpertFFN, expert_apply
 from .router import Routing
-
-
-# --------------------------------------------------------------------------- observers
-class A2AObserver(Protocol):
-    """Told about the expert exchanges of a layer (used by the priority scheduler)."""
-
-    def a2a_begin(self, nbytes: int) -> object: ...
-
-    def a2a_end(self, token: object) -> None: ...
-
-    def block_begin(self) -> None: ...
-
-    def block_end(self) -> None: ...
-
-    def a2a_blocked(self, seconds: float) -> None:
-        """The compute thread just spent ``seconds`` blocked waiting for an exchange."""
-        ...
 
 
 def _blocked(observer: A2AObserver | None, seconds: float) -> None:
     fn = getattr(observer, "a2a_blocked", None)
     if fn is not None:
         fn(seconds)
-
-
-@dataclass
-class A2ATimer:
-    """An observer that adds up exchange time (wall time from start to completion seen by
-    this rank, overlapping exchanges counted once), the time the compute thread was
-    blocked waiting for exchanges, and bytes sent to peers."""
-
-    time_s: float = 0.0
-    blocked_s: float = 0.0
-    bytes_sent: int = 0
-    calls: int = 0
-    intervals: list[tuple[float, float, int]] | None = None  # (start, end, bytes) when recording
-    _open: dict[int, tuple[float, int]] = field(default_factory=dict)
-    _next: int = 0
-    _busy_since: float | None = None
-
-    def a2a_begin(self, nbytes: int) -> object:
-        t = time.perf_counter()
-        tok = self._next
-        self._next += 1
-        if not self._open:
-            self._busy_since = t
-        self._open[tok] = (t, nbytes)
-        self.bytes_sent += nbytes
-        self.calls += 1
-        return tok
-
-    def a2a_end(self, token: object) -> None:
-        t = time.perf_counter()
-        t0, nbytes = self._open.pop(token)  # type: ignore[arg-type]
-        if self.intervals is not None:
-            self.intervals.append((t0, t, nbytes))
-        if not self._open and self._busy_since is not None:
-            self.time_s += t - self._busy_since
-            self._busy_since = None
-
-    def block_begin(self) -> None:
-        pass
-
-    def block_end(self) -> None:
-        pass
-
-    def a2a_blocked(self, seconds: float) -> None:
-        self.blocked_s += seconds
-
-    def reset(self) -> None:
-        self.time_s, self.blocked_s, self.bytes_sent, self.calls = 0.0, 0.0, 0, 0
-        if self.intervals is not None:
-            self.intervals = []
 
 
 # --------------------------------------------------------------------------- placement of experts
@@ -417,5 +353,5 @@ def ep_moe(x_TD: torch.Tensor, routing: Routing, experts: ExpertFFN, eg: ExpertG
     return combine(y_send, asg, x_TD.shape[0])
 
 
-__all__ = ["A2AObserver", "A2ATimer", "Assignments", "ChunkPlan", "ExpertGroup", "build_chunk_plans",
+__all__ = ["Assignments", "ChunkPlan", "ExpertGroup", "build_chunk_plans",
            "combine", "ep_moe", "exchange_counts", "local_moe", "sort_assignments"]

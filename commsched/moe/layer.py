@@ -5,7 +5,9 @@ Legend: B batch, S sequence, D model width, T = B*S tokens, E experts.
 ``MoELayer(d_model, d_hidden, router_cfg)`` holds every expert and dispatches locally
 (the reference). Pass ``expert_group=ExpertGroup(E, P, rank, group)`` to hold only this
 rank's block of E / P experts and exchange tokens over that process group; ``chunks`` and
-``pipeline`` select the pipelined exchange (see :mod:`commsched.moe.dispatch`).
+``pipeline`` select the pipelined exchange (see :mod:`commsched.moe.dispatch`);
+``observer`` (an :class:`~commsched.observe.A2AObserver`, given at construction) is told
+about its exchanges.
 The forward pass returns ``(y, aux_loss)``; add ``aux_weight * aux_loss`` to the loss.
 """
 
@@ -17,7 +19,8 @@ import torch
 import torch.nn as nn
 
 from ..lanes import Lanes
-from .dispatch import A2AObserver, ExpertGroup, ep_moe, local_moe
+from ..observe import A2AObserver
+from .dispatch import ExpertGroup, ep_moe, local_moe
 from .experts import ExpertFFN
 from .router import Router, RouterConfig, Routing
 

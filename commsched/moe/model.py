@@ -21,7 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .dispatch import A2AObserver, ExpertGroup
+from ..observe import A2AObserver
+from .dispatch import ExpertGroup
 from .layer import DispatchConfig, MoELayer
 from .router import RouterConfig
 

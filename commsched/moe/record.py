@@ -113,14 +113,14 @@ def train_model(model_cfg: ModelConfig, *, steps: int, batch_size: int, lr: floa
     created = not dist.is_initialized()
     init_distributed(backend="gloo")
     try:
-        m = train(cfg, None, progress=progress, return_state=True)
+        m, state = train(cfg, None, progress=progress)
     finally:
         if created:
             dist.destroy_process_group()
     model = MoETransformerLM(model_cfg)
-    model.load_state_dict(m.pop("state"))
-    info = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "corpus": m.get("corpus"),
-            "final_loss": m["loss"][-1] if m.get("loss") else None, "val_loss": m.get("val_loss")}
+    model.load_state_dict(state)
+    info = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "corpus": m.corpus,
+            "final_loss": m.loss[-1] if m.loss else None, "val_loss": m.val_loss}
     return model.eval(), info
 
 

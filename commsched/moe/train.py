@@ -9,15 +9,19 @@ reach them through the uneven all-to-all. Non-expert gradients are averaged over
 ranks, expert gradients over the ranks that hold the same experts (none when the EP
 group is the whole world).
 
-``--impl commsched`` uses :class:`~commsched.moe.layer.MoELayer` and the gradient
-executor of :mod:`commsched.priority` with ``--schedule lina`` (micro-ops in the gaps of
-the all-to-all), ``fifo`` (DDP-style buckets launched as soon as ready) or ``serial``
-(allreduce after the backward pass). ``--chunks C --pipeline`` pipeline the all-to-all
-with expert compute. ``--impl deepspeed`` uses ``deepspeed.moe.layer.MoE`` and
-DeepSpeed's engine (ZeRO stage ``--ds-stage``, gradient reduction overlapping the
-backward pass), starting from the same weights.
+``--impl commsched`` (this module: commsched's runtime) uses
+:class:`~commsched.moe.layer.MoELayer` and the gradient executor of
+:mod:`commsched.priority` with ``--schedule lina`` (micro-ops in the gaps of the
+all-to-all), ``fifo`` (DDP-style buckets launched as soon as ready) or ``serial``
+(allreduce after the backward pass); the choices are the names of
+:data:`commsched.priority.policy.POLICIES`, and the schedule's knobs travel in one
+:class:`~commsched.priority.policy.ScheduleConfig` (``TrainConfig.schedule``).
+``--chunks C --pipeline`` pipeline the all-to-all with expert compute. ``--impl
+deepspeed`` runs the baseline of :mod:`commsched.moe.deepspeed_baseline`:
+``deepspeed.moe.layer.MoE`` and DeepSpeed's engine (ZeRO stage ``--ds-stage``, gradient
+reduction overlapping the backward pass), starting from the same weights.
 
-Writes ``DIR/metrics.json`` (rank 0): ``impl``, ``schedule``, ``world_size``, ``loss``
+Writes ``DIR/metrics.json`` (rank 0, a :class:`TrainMetrics`): ``impl``, ``schedule``, ``world_size``, ``loss``
 (mean over ranks, per step), ``step_time_s`` (median over the timed steps of the slowest
 rank's step), ``a2a_time_s`` (median per step, mean over ranks, of the time the compute
 thread was blocked waiting for expert all-to-alls -- what the step pays for them),
@@ -27,8 +31,9 @@ wire; larger under pipelining, where compute runs meanwhile), ``allreduce_time_s
 (``a2a_time_s`` in extra steps with the allreduce held until after the backward pass),
 ``allreduce_wait_s`` (time the optimizer waited for allreduce after the backward pass),
 ``allreduce_in_backward_share`` (commsched only: share of the allreduce bytes already
-reduced when the backward pass ended), the configuration and sizes; and
-``DIR/timeline.json``: every rank's communication operations of one step.
+reduced when the backward pass ended), the configuration and sizes (DeepSpeed runs add
+``deepspeed_comm_ops``); and ``DIR/timeline.json``: every rank's communication operations
+of one step.
 """
 
 from __future__ import annotations
@@ -37,21 +42,23 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..config import read_env
-from ..dist import check_same_config, init_distributed
+from ..dist import all_gather_object, barrier, check_same_config, init_distributed
 from ..dist import new_group as cs_new_group
-from ..priority.executor import LOCAL, GradScheduler, ScheduleConfig
-from .data import load_corpus
+from ..observe import A2AEvents, A2AObserver
+from ..priority.executor import LOCAL, GradScheduler
+from ..priority.policy import DEFAULT_CREDIT_MICROOPS, POLICIES, ScheduleConfig
+from ..results import Progress, Record, median, write_json
+from .data import Corpus, load_corpus
 from .dispatch import ExpertGroup
 from .experts import is_expert_param
 from .layer import DispatchConfig
@@ -64,9 +71,9 @@ IMPLS = ("commsched", "deepspeed")
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     impl: str = "commsched"
-    schedule: str = "lina"
+    # the gradient schedule (commsched) with its knobs; DeepSpeed reuses its bucket_bytes
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
-    sched: ScheduleConfig | None = None  # None: ScheduleConfig(schedule)
     steps: int = 20
     batch_size: int = 8
     lr: float = 1e-3
@@ -95,9 +102,38 @@ class TrainConfig:
         if self.ds_stage not in (0, 1, 2):
             raise ValueError(f"--ds-stage must be 0, 1 or 2, got {self.ds_stage}")
 
-    @property
-    def schedule_config(self) -> ScheduleConfig:
-        return self.sched if self.sched is not None else ScheduleConfig(self.schedule)
+
+@dataclass(frozen=True)
+class TrainMetrics(Record):
+    """``metrics.json`` of an MoE training run (the keys are described in the module
+    docstring); ``extra``: ``deepspeed_comm_ops`` of a DeepSpeed run."""
+
+    impl: str
+    schedule: str
+    world_size: int
+    loss: list[float]
+    step_time_s: float | None
+    a2a_time_s: float | None
+    allreduce_time_s: float | None
+    ep_size: int
+    val_loss: float | None
+    a2a_inflight_s: float | None
+    allreduce_wait_s: float | None
+    allreduce_in_backward_share: float | None
+    a2a_alone_time_s: float | None
+    a2a_share_of_step: float | None
+    fwd_time_s: float | None
+    bwd_time_s: float | None
+    breakdown_s: dict[str, float | None]
+    step_times_s: list[float]
+    steps: int
+    warmup: int
+    timeline_step: int
+    sizes: dict[str, int]
+    corpus: str
+    wall_clock_s: float
+    config: dict[str, Any]
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -134,20 +170,14 @@ def _timeline_dicts(records) -> list[dict]:
     return [dataclasses.asdict(r) for r in records]
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="moe-train", unit="step", dynamic_ncols=True)
-
-
 # --------------------------------------------------------------------------- commsched impl
-def _build_commsched(cfg: TrainConfig, groups: Groups):
+def _build_commsched(cfg: TrainConfig, groups: Groups, observer: A2AObserver | None = None):
+    """The expert-parallel model (its MoE layers report to ``observer``) and the
+    ``(parameter, group, scale)`` entries of its gradient scheduler."""
     torch.manual_seed(cfg.seed)
     mcfg = cfg.model
     eg = ExpertGroup(mcfg.num_experts, groups.ep_size, groups.ep_rank, groups.ep_group)
-    model = MoETransformerLM(mcfg, expert_group=eg, dispatch=cfg.dispatch)
+    model = MoETransformerLM(mcfg, expert_group=eg, dispatch=cfg.dispatch, observer=observer)
     # The objective is the mean of the ranks' losses. A non-expert gradient is averaged over
     # all ranks. An expert's gradient already sums the contributions of every rank of its
     # EP group (they reached it through the all-to-all); summed over the ranks holding the
@@ -163,56 +193,46 @@ def _build_commsched(cfg: TrainConfig, groups: Groups):
     return model, sched_params
 
 
-def _set_observer(model: MoETransformerLM, observer) -> None:
-    for layer in model.moe_layers():
-        layer.observer = observer
-
-
-def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = None,
-          return_state: bool = False) -> dict:
-    """Run training on the initialised default process group; returns the metrics (all ranks).
-    Rank 0 writes ``out/metrics.json`` and ``out/timeline.json`` when ``out`` is given.
-    ``return_state`` adds this rank's final ``state_dict`` under ``"state"`` (for tests)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+def train(cfg: TrainConfig, out: Path | None = None, *,
+          progress: bool | None = None) -> tuple[TrainMetrics, dict[str, torch.Tensor]]:
+    """Run training on the initialised default process group; returns the metrics (the same
+    on all ranks) and this rank's final ``state_dict``. Rank 0 writes ``out/metrics.json``
+    and ``out/timeline.json`` when ``out`` is given."""
+    rank = dist.get_rank()
     check_same_config(dataclasses.asdict(cfg), what="training configuration")
-    ep = cfg.ep_size or world
+    ep = cfg.ep_size or dist.get_world_size()
     corpus = load_corpus(cfg.corpus, max_bytes=cfg.max_corpus_bytes)
     show = (read_env().progress if progress is None else progress) and rank == 0
     t_wall = time.perf_counter()
-    if cfg.impl == "commsched":
-        res = _train_commsched(cfg, corpus, ep, show)
-    else:
-        res = _train_deepspeed(cfg, corpus, ep, show)
+    with Progress(cfg.steps, "moe-train", "step", enabled=show) as bar:
+        if cfg.impl == "commsched":
+            res = _train_commsched(cfg, corpus, ep, bar)
+        else:
+            from .deepspeed_baseline import train_deepspeed  # it imports this module's helpers
+
+            res = train_deepspeed(cfg, corpus, ep, bar)
     res["wall_clock_s"] = time.perf_counter() - t_wall
-    state = res.pop("state", None)
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, res)
-    metrics = _summarise(cfg, gathered, ep, corpus.source)
+    state = res.pop("state")
+    gathered = all_gather_object(res, "gathering the training results")
+    metrics = summarise(cfg, gathered, ep, corpus.source)
     if out is not None and rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        timeline = {"step": metrics["timeline_step"],
-                    "ranks": [g.pop("timeline", []) for g in gathered]}
-        (out / "timeline.json").write_text(json.dumps(timeline))
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    if return_state:
-        metrics["state"] = state
-    return metrics
+        timeline = {"step": metrics.timeline_step, "ranks": [g.pop("timeline", []) for g in gathered]}
+        write_json(out / "timeline.json", timeline, indent=None)
+        metrics.write(out / "metrics.json")
+    return metrics, state
 
 
-def _train_commsched(cfg: TrainConfig, corpus, ep: int, show: bool) -> dict:
+def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress) -> dict:
     rank = dist.get_rank()
     groups = make_groups(ep, cfg.allreduce_threads)
-    model, sched_params = _build_commsched(cfg, groups)
+    events = A2AEvents()  # the MoE layers report here; each scheduler registers for its steps
+    model, sched_params = _build_commsched(cfg, groups, events)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    scfg = cfg.schedule_config
-    sched = GradScheduler(sched_params, scfg)
-    _set_observer(model, sched)
     B, S = cfg.batch_size, cfg.model.seq_len
     tl_step = cfg.steps - 1 if cfg.timeline_step is None else cfg.timeline_step
     rows: list[dict] = []
     timeline: list[dict] = []
-    bar = _progress(cfg.steps, show)
-    try:
+    with GradScheduler(sched_params, cfg.schedule) as sched, events.register(sched):
         for step in range(cfg.steps):
             x, y = corpus.batch(B, S, seed=cfg.seed, step=step, rank=rank)
             sched.begin_step()
@@ -232,44 +252,46 @@ def _train_commsched(cfg: TrainConfig, corpus, ep: int, show: bool) -> dict:
                          "allreduce_in_bwd": st["allreduce_in_backward_share"]})
             if step == tl_step:
                 timeline = _timeline_dicts(sched.records)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{ce.item():.3f}", step_s=f"{t3 - t0:.2f}")
-    finally:
-        sched.close()
-        if bar is not None:
-            bar.close()
+            bar.update(1)
+            bar.postfix(loss=f"{ce.item():.3f}", step_s=f"{t3 - t0:.2f}")
     # the all-to-all alone: allreduce held until after the backward pass, no optimizer step
-    probe = GradScheduler(sched_params, ScheduleConfig("serial", scfg.microop_bytes))
-    _set_observer(model, probe)
     alone = []
-    try:
+    serial = dataclasses.replace(cfg.schedule, policy="serial")
+    with GradScheduler(sched_params, serial) as probe, events.register(probe):
         for i in range(cfg.probe_steps):
             x, y = corpus.batch(B, S, seed=cfg.seed, step=cfg.steps + i, rank=rank)
             probe.begin_step()
             model.loss(x, y)[0].backward()
             alone.append(probe.finish()["a2a_blocked_s"])
             model.zero_grad(set_to_none=True)
-    finally:
-        probe.close()
-    _set_observer(model, None)
-    val = _evaluate(model, corpus, cfg, lambda m, xb: m(xb))
+    val = evaluate(model, corpus, cfg)
     model.close()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"rows": rows, "timeline": timeline, "a2a_alone_s": alone, "val_loss": val,
             "sizes": _sizes(model, cfg), "state": state}
 
+
+def a2a_payload_bytes(cfg: TrainConfig) -> int:
+    """Bytes of token rows one rank hands the expert all-to-alls per step: every MoE layer
+    exchanges each of its T * k rows of D float32 four times (dispatch and combine, forward
+    and backward)."""
+    T = cfg.batch_size * cfg.model.seq_len
+    n_moe = sum(1 for i in range(cfg.model.n_layers) if cfg.model.is_moe(i))
+    return 4 * n_moe * T * cfg.model.k * cfg.model.d_model * 4
+
+
 def _sizes(model, cfg: TrainConfig) -> dict:
     expert = sum(p.numel() for p in model.parameters() if is_expert_param(p))
     dense = sum(p.numel() for p in model.parameters() if not is_expert_param(p))
-    T = cfg.batch_size * cfg.model.seq_len
-    n_moe = sum(1 for i in range(cfg.model.n_layers) if cfg.model.is_moe(i))
     return {"expert_params_here": expert, "non_expert_params": dense,
             "non_expert_grad_bytes": dense * 4,
-            "a2a_payload_bytes_per_step": 4 * n_moe * T * cfg.model.k * cfg.model.d_model * 4}
+            "a2a_payload_bytes_per_step": a2a_payload_bytes(cfg)}
 
 
-def _evaluate(model, corpus, cfg: TrainConfig, forward) -> float | None:
+def evaluate(model, corpus: Corpus, cfg: TrainConfig) -> float | None:
+    """Mean cross-entropy of ``model`` (called as ``model(tokens) -> (logits, aux)``: the
+    model or DeepSpeed's engine) on ``cfg.eval_batches`` held-out batches of this rank;
+    None when ``eval_batches`` is 0."""
     if cfg.eval_batches < 1:
         return None
     rank = dist.get_rank()
@@ -277,105 +299,15 @@ def _evaluate(model, corpus, cfg: TrainConfig, forward) -> float | None:
     with torch.no_grad():
         for i in range(cfg.eval_batches):
             x, y = corpus.batch(cfg.batch_size, cfg.model.seq_len, seed=cfg.seed, step=i, rank=rank, split="val")
-            logits, _ = forward(model, x)
+            logits, _ = model(x)
             losses.append(float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                                   y.reshape(-1))))
     return sum(losses) / len(losses)
 
 
-# --------------------------------------------------------------------------- deepspeed impl
-def _train_deepspeed(cfg: TrainConfig, corpus, ep: int, show: bool) -> dict:
-    import deepspeed
-    from deepspeed.comm.comm import comms_logger
-    from deepspeed.comm.comm import timers as ds_timers
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
-    from .deepspeed_moe import to_deepspeed
-
-    rank = dist.get_rank()
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(cfg.seed)
-    model = MoETransformerLM(cfg.model)  # every expert here; DeepSpeed keeps its block of them
-    to_deepspeed(model, ep)
-    B, S = cfg.batch_size, cfg.model.seq_len
-    ds_cfg = {
-        "train_micro_batch_size_per_gpu": B,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": cfg.lr, "torch_adam": True, "adam_w_mode": False}},
-        "zero_optimization": {"stage": cfg.ds_stage, "overlap_comm": True, "contiguous_gradients": True,
-                              "reduce_bucket_size": cfg.schedule_config.bucket_bytes // 4,
-                              "allgather_bucket_size": cfg.schedule_config.bucket_bytes // 4},
-        "comms_logger": {"enabled": True, "verbose": False, "prof_all": True, "debug": False},
-        # DeepSpeed clips the global gradient norm to 1.0 unless told otherwise (its default
-        # gradient_clipping is 1.0); fifo and lina do not clip, so neither does the baseline.
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10 ** 9,
-        "wall_clock_breakdown": False,
-    }
-    groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "params"})
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_cfg)
-    rows: list[dict] = []
-    seen: set[str] = set()
-    bar = _progress(cfg.steps, show)
-
-    def comm_times() -> tuple[float, float]:
-        """Seconds in all-to-all and in other collectives since the last call, from the
-        host timers of DeepSpeed's comms logger (its logged latencies are cumulative)."""
-        a2a = other = 0.0
-        for name in list(comms_logger.comms_dict):
-            seen.add(name)
-            t = ds_timers(name)
-            spent = sum(float(x) for x in t.event_timers)
-            t.reset()
-            if "all_to_all" in name:
-                a2a += spent
-            else:
-                other += spent
-        comms_logger.comms_dict = {}
-        return a2a, other
-
-    try:
-        for step in range(cfg.steps):
-            x, y = corpus.batch(B, S, seed=cfg.seed, step=step, rank=rank)
-            comm_times()
-            t0 = time.perf_counter()
-            logits, aux = engine(x)
-            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-            loss = ce + cfg.model.aux_weight * aux
-            t1 = time.perf_counter()
-            engine.backward(loss)
-            t2 = time.perf_counter()
-            engine.step()
-            t3 = time.perf_counter()
-            a2a, other = comm_times()
-            rows.append({"step_s": t3 - t0, "fwd_s": t1 - t0, "bwd_s": t2 - t1, "loss": ce.item(),
-                         "a2a_s": a2a, "a2a_inflight_s": a2a, "allreduce_s": other,
-                         "allreduce_wait_s": t3 - t2})
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{ce.item():.3f}", step_s=f"{t3 - t0:.2f}")
-    finally:
-        if bar is not None:
-            bar.close()
-    engine.eval()
-    val = _evaluate(engine, corpus, cfg, lambda m, xb: m(xb))
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    dense = sum(p.numel() for p in model.parameters() if getattr(p, "allreduce", True))
-    T = B * S
-    n_moe = sum(1 for i in range(cfg.model.n_layers) if cfg.model.is_moe(i))
-    return {"rows": rows, "timeline": [], "a2a_alone_s": [], "val_loss": val, "state": state,
-            "ds_comm_ops": sorted(seen),
-            "sizes": {"non_expert_params": dense, "non_expert_grad_bytes": dense * 4,
-                      "a2a_payload_bytes_per_step": 4 * n_moe * T * cfg.model.k * cfg.model.d_model * 4}}
-
-
 # --------------------------------------------------------------------------- summary
-def _median(xs: Sequence[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
-def _summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> dict:
+def summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> TrainMetrics:
+    """The metrics of a run from every rank's results (in rank order)."""
     world = len(per_rank)
     steps = len(per_rank[0]["rows"])
     timed = range(cfg.warmup, steps)
@@ -392,49 +324,49 @@ def _summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> 
     alone = [mean([per_rank[r]["a2a_alone_s"][i] for r in range(world)])
              for i in range(len(per_rank[0]["a2a_alone_s"]))]
     vals = [p["val_loss"] for p in per_rank if p["val_loss"] is not None]
-    step_time = _median([step_max[s] for s in timed])
-    a2a = _median([per["a2a_s"][s] for s in timed])
-    fwd, bwd = _median([per["fwd_s"][s] for s in timed]), _median([per["bwd_s"][s] for s in timed])
-    wait = _median([per["allreduce_wait_s"][s] for s in timed])
+    step_time = median([step_max[s] for s in timed])
+    a2a = median([per["a2a_s"][s] for s in timed])
+    fwd, bwd = median([per["fwd_s"][s] for s in timed]), median([per["bwd_s"][s] for s in timed])
+    wait = median([per["allreduce_wait_s"][s] for s in timed])
     breakdown = {"forward": fwd, "backward": bwd, "allreduce_wait": wait,
                  "optimizer_and_other": max(0.0, step_time - fwd - bwd - wait)}
-    return {
-        "impl": cfg.impl,
-        "schedule": cfg.schedule if cfg.impl == "commsched" else f"deepspeed-zero{cfg.ds_stage}",
-        "world_size": world,
-        "ep_size": ep,
-        "loss": per["loss"],
-        "val_loss": mean(vals) if vals else None,
-        "step_time_s": step_time,
-        "a2a_time_s": a2a,
-        "a2a_inflight_s": _median([per["a2a_inflight_s"][s] for s in timed]),
-        "allreduce_time_s": _median([per["allreduce_s"][s] for s in timed]),
-        "allreduce_wait_s": _median([per["allreduce_wait_s"][s] for s in timed]),
-        "allreduce_in_backward_share": (_median([per["allreduce_in_bwd"][s] for s in timed])
-                                        if "allreduce_in_bwd" in per else None),
-        "a2a_alone_time_s": _median(alone),
-        "a2a_share_of_step": (a2a / step_time) if a2a is not None and step_time else None,
-        "fwd_time_s": fwd,
-        "bwd_time_s": bwd,
-        "breakdown_s": breakdown,
-        "step_times_s": step_max,
-        "steps": steps,
-        "warmup": cfg.warmup,
-        "timeline_step": cfg.steps - 1 if cfg.timeline_step is None else cfg.timeline_step,
-        "sizes": per_rank[0]["sizes"],
-        **({"deepspeed_comm_ops": per_rank[0]["ds_comm_ops"]} if "ds_comm_ops" in per_rank[0] else {}),
-        "corpus": source,
-        "wall_clock_s": max(p["wall_clock_s"] for p in per_rank),
-        "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),
-    }
+    return TrainMetrics(
+        impl=cfg.impl,
+        schedule=cfg.schedule.policy if cfg.impl == "commsched" else f"deepspeed-zero{cfg.ds_stage}",
+        world_size=world,
+        ep_size=ep,
+        loss=per["loss"],
+        val_loss=mean(vals) if vals else None,
+        step_time_s=step_time,
+        a2a_time_s=a2a,
+        a2a_inflight_s=median([per["a2a_inflight_s"][s] for s in timed]),
+        allreduce_time_s=median([per["allreduce_s"][s] for s in timed]),
+        allreduce_wait_s=median([per["allreduce_wait_s"][s] for s in timed]),
+        allreduce_in_backward_share=(median([per["allreduce_in_bwd"][s] for s in timed])
+                                     if "allreduce_in_bwd" in per else None),
+        a2a_alone_time_s=median(alone),
+        a2a_share_of_step=(a2a / step_time) if a2a is not None and step_time else None,
+        fwd_time_s=fwd,
+        bwd_time_s=bwd,
+        breakdown_s=breakdown,
+        step_times_s=step_max,
+        steps=steps,
+        warmup=cfg.warmup,
+        timeline_step=cfg.steps - 1 if cfg.timeline_step is None else cfg.timeline_step,
+        sizes=per_rank[0]["sizes"],
+        corpus=source,
+        wall_clock_s=max(p["wall_clock_s"] for p in per_rank),
+        config=json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),
+        extra={"deepspeed_comm_ops": per_rank[0]["ds_comm_ops"]} if "ds_comm_ops" in per_rank[0] else {},
+    )
 
 
 # --------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
-    d, m = TrainConfig(), ModelConfig()
+    d, m, sc = TrainConfig(), ModelConfig(), ScheduleConfig()
     p = argparse.ArgumentParser(prog="python -m commsched.moe.train", description=__doc__.splitlines()[0])
     p.add_argument("--impl", choices=IMPLS, default=d.impl)
-    p.add_argument("--schedule", choices=("lina", "fifo", "serial"), default=d.schedule)
+    p.add_argument("--schedule", choices=tuple(POLICIES), default=d.schedule.policy)
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=m.seq_len)
@@ -454,13 +386,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, default=1, help="chunks of the pipelined all-to-all")
     p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=False,
                    help="overlap each chunk's exchange with the expert compute of the others")
-    p.add_argument("--microop-bytes", type=int, default=ScheduleConfig().microop_bytes)
-    p.add_argument("--credit-bytes", type=int, default=None, help="lina: allreduce bytes in flight (default: 8 micro-ops)")
-    p.add_argument("--hold-in-block", action=argparse.BooleanOptionalAction, default=ScheduleConfig().hold_in_block,
+    p.add_argument("--microop-bytes", type=int, default=sc.microop_bytes)
+    p.add_argument("--credit-bytes", type=int, default=sc.credit_bytes,
+                   help=f"lina: allreduce bytes in flight (default: {DEFAULT_CREDIT_MICROOPS} micro-ops)")
+    p.add_argument("--hold-in-block", action=argparse.BooleanOptionalAction, default=sc.hold_in_block,
                    help="lina: also hold allreduce during the expert compute of a backward expert block")
     p.add_argument("--allreduce-threads", type=int, default=d.allreduce_threads,
                    help="gloo worker threads of the gradient-allreduce groups, all schedules (gloo's default: 2)")
-    p.add_argument("--bucket-bytes", type=int, default=ScheduleConfig().bucket_bytes,
+    p.add_argument("--bucket-bytes", type=int, default=sc.bucket_bytes,
                    help="fifo buckets; also DeepSpeed's reduce bucket")
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--probe-steps", type=int, default=d.probe_steps)
@@ -477,10 +410,10 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     model = ModelConfig(d_model=a.d_model, n_heads=a.heads, n_layers=a.layers, seq_len=a.seq_len, d_ff=a.d_ff,
                         expert_hidden=a.expert_hidden, num_experts=a.experts, k=a.k,
                         capacity_factor=a.capacity_factor, moe_every=a.moe_every, aux_weight=a.aux_weight)
-    return TrainConfig(model=model, impl=a.impl, schedule=a.schedule,
+    return TrainConfig(model=model, impl=a.impl,
+                       schedule=ScheduleConfig(a.schedule, a.microop_bytes, a.credit_bytes, a.bucket_bytes,
+                                               a.hold_in_block),
                        dispatch=DispatchConfig(a.chunks, a.pipeline),
-                       sched=ScheduleConfig(a.schedule, a.microop_bytes, a.credit_bytes, a.bucket_bytes,
-                                                      a.hold_in_block),
                        steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed, ep_size=a.ep_size,
                        warmup=min(a.warmup, a.steps - 1), probe_steps=a.probe_steps, eval_batches=a.eval_batches,
                        corpus=a.corpus, max_corpus_bytes=a.max_corpus_bytes, timeline_step=a.timeline_step,
@@ -496,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     init_distributed()
     try:
-        m = train(cfg, a.out)
+        m = train(cfg, a.out)[0].to_dict()
         if dist.get_rank() == 0:
             print(json.dumps({k: m[k] for k in ("impl", "schedule", "world_size", "step_time_s", "a2a_time_s",
                                                  "allreduce_time_s", "a2a_alone_time_s", "val_loss")}), flush=True)
@@ -504,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # DeepSpeed's CPU backend now and then aborts in its C++ teardown ("terminate called
             # without an active exception") after a run that finished and wrote its results;
             # leave without running those destructors once every rank is done.
-            dist.barrier()
+            barrier("finishing the DeepSpeed run")
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)

@@ -15,7 +15,10 @@ _EXPORTS: dict[str, str] = {
     "partition": "partition",
     "bucket": "partition",
     "split_equal": "partition",
+    "DEFAULT_CREDIT_MICROOPS": "policy",
     "POLICIES": "policy",
+    "ScheduleConfig": "policy",
+    "allreduce_ops": "policy",
     "Launch": "policy",
     "Policy": "policy",
     "make_policy": "policy",
@@ -24,7 +27,6 @@ _EXPORTS: dict[str, str] = {
     "Link": "sim",
     "SimResult": "sim",
     "GradScheduler": "executor",
-    "ScheduleConfig": "executor",
     "LOCAL": "executor",
 }
 __all__ = sorted(_EXPORTS)

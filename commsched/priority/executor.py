@@ -32,44 +32,12 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..config import read_env
 from ..dist import CommError
-from .partition import CommOp, bucket, partition
-from .policy import POLICIES, make_policy
+from .partition import CommOp
+from .policy import ScheduleConfig, allreduce_ops, make_policy
 
 LOCAL = "local"  # group of a gradient that is scaled but not communicated
-# Default credit of ``lina``, in micro-ops. A micro-op's collective takes far longer than its
-# bytes need on the link when peers arrive late (tens of ms on 4 ranks sharing 2 cores, against
-# about 15 ms of link for 256 KiB at 800 Mbit/s), so with one micro-op in flight the allreduce
-# crawled through the gaps of the backward pass; several in flight keep the link busy, at the
-# price of a longer worst-case wait for an all-to-all that arrives (docs/benchmarks.md, moe-train).
-DEFAULT_CREDIT_MICROOPS = 8
-
-
-@dataclass(frozen=True)
-class ScheduleConfig:
-    """``microop_bytes``: Lina's micro-op size; ``credit_bytes``: allreduce bytes allowed in
-    flight under ``lina`` (default: :data:`DEFAULT_CREDIT_MICROOPS` micro-ops, see
-    :attr:`credit`); ``bucket_bytes``: fused bucket size of ``fifo`` (DDP's first bucket is
-    1 MiB); ``hold_in_block``: ``lina`` also holds allreduce inside backward expert blocks."""
-
-    schedule: str = "lina"
-    microop_bytes: int = 256 << 10
-    credit_bytes: int | None = None
-    bucket_bytes: int = 1 << 20
-    hold_in_block: bool = True
-
-    @property
-    def credit(self) -> int:
-        """The credit in force: ``credit_bytes``, or :data:`DEFAULT_CREDIT_MICROOPS` micro-ops."""
-        return self.credit_bytes if self.credit_bytes is not None else DEFAULT_CREDIT_MICROOPS * self.microop_bytes
-
-    def __post_init__(self) -> None:
-        if self.schedule not in POLICIES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {POLICIES}")
-        if self.microop_bytes < 4 or self.bucket_bytes < 4:
-            raise ValueError("microop_bytes and bucket_bytes must be at least one element (4 bytes)")
-        if self.credit_bytes is not None and self.credit_bytes < 1:
-            raise ValueError(f"credit_bytes must be >= 1, got {self.credit_bytes}")
 
 
 @dataclass
@@ -115,12 +83,15 @@ class GradScheduler:
     is a process group (None: the default group) or :data:`LOCAL` for a gradient that is
     only scaled, never communicated. The gradient is multiplied by ``scale`` (default
     1 / group size: a plain average) when it is ready, then summed over the group. The
-    scheduler is also the :class:`~commsched.moe.dispatch.A2AObserver` of the MoE layers.
+    scheduler is an :class:`~commsched.observe.A2AObserver`: register it with the
+    :class:`~commsched.observe.A2AEvents` the MoE layers were built with. ``timeout_s``:
+    how long :meth:`finish` waits for the allreduce (default: ``COMMSCHED_TIMEOUT_S``, see
+    :func:`commsched.config.read_env`).
     """
 
-    def __init__(self, params: Sequence[tuple], cfg: ScheduleConfig, *, timeout_s: float = 300.0):
+    def __init__(self, params: Sequence[tuple], cfg: ScheduleConfig, *, timeout_s: float | None = None):
         self.cfg = cfg
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s if timeout_s is not None else read_env().timeout_s
         entries = []
         for e in params:
             p, g = e[0], e[1]
@@ -143,8 +114,7 @@ class GradScheduler:
                 end += 1
             numels = [p.numel() for p in self._params[start:end]]
             esize = self._params[start].element_size()
-            run = (bucket(numels, esize, cfg.bucket_bytes) if cfg.schedule == "fifo"
-                   else partition(numels, esize, cfg.microop_bytes))
+            run = allreduce_ops(numels, esize, cfg)
             for op in run:
                 shifted = tuple(type(pc)(pc.tensor + start, pc.offset, pc.numel) for pc in op.pieces)
                 ops.append((CommOp(len(ops), shifted, op.nbytes), self._groups[start]))
@@ -155,8 +125,7 @@ class GradScheduler:
         for spec in self.ops:
             for t in spec.tensors:
                 self._ops_of_param[t].append(spec.seq)
-        self._policy = make_policy(cfg.schedule, cfg.credit,
-                                   hold_in_block=cfg.hold_in_block)
+        self._policy = make_policy(cfg)
         self._cv = threading.Condition()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         self._thread_wake = False
@@ -366,4 +335,4 @@ class GradScheduler:
         self.close()
 
 
-__all__ = ["DEFAULT_CREDIT_MICROOPS", "LOCAL", "GradScheduler", "OpRecord", "ScheduleConfig"]
+__all__ = ["LOCAL", "GradScheduler", "OpRecord"]

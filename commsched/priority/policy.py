@@ -5,19 +5,21 @@ a gradient micro-op became ready, an operation finished, the expert block of a b
 pass began or ended, the backward pass ended) and :meth:`Policy.next_ops` answers which
 operations to launch now, all-to-alls first. The discrete-event simulator
 (:mod:`commsched.priority.sim`) and the executor on real process groups
-(:mod:`commsched.priority.executor`) drive the same class.
+(:mod:`commsched.priority.executor`) drive the same class, built by :func:`make_policy`
+from the same :class:`ScheduleConfig` (one set of defaults: what the simulator checks is
+what runs).
 
 Allreduce operations carry a sequence number and are launched strictly in that order
 (every rank uses the same order, so the collectives match); a policy only decides *when*.
 
-Policies (:func:`make_policy`):
+Policies (:data:`POLICIES`, a name -> factory table):
 
 * ``lina`` -- all-to-all first: an allreduce micro-op is launched only when no all-to-all
   of this rank is waiting or in flight, and only while the bytes of allreduce in flight
   stay within the credit (one micro-op may always be in flight, whatever its size). The
   decision is local: on real process groups a launched micro-op waits inside the
   collective for peers still in an all-to-all. With ``hold_in_block`` (the default of
-  :func:`make_policy`) it is also held inside an expert block (between the combine and
+  :class:`ScheduleConfig`) it is also held inside an expert block (between the combine and
   dispatch exchanges of an MoE layer in the backward pass, expert compute included), which
   keeps the block's second exchange clear at the price of leaving the link to in-flight
   micro-ops during expert compute. Once the backward pass has
@@ -32,9 +34,17 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Hashable
+from types import MappingProxyType
+from typing import Callable, Hashable, Mapping, Sequence
 
-POLICIES = ("lina", "fifo", "serial")
+from .partition import CommOp, bucket, partition
+
+# Default credit of ``lina``, in micro-ops. A micro-op's collective takes far longer than its
+# bytes need on the link when peers arrive late (tens of ms on 4 ranks sharing 2 cores, against
+# about 15 ms of link for 256 KiB at 800 Mbit/s), so with one micro-op in flight the allreduce
+# crawled through the gaps of the backward pass; several in flight keep the link busy, at the
+# price of a longer worst-case wait for an all-to-all that arrives (docs/benchmarks.md, moe-train).
+DEFAULT_CREDIT_MICROOPS = 8
 
 
 @dataclass(frozen=True)
@@ -157,16 +167,71 @@ class Policy:
         return out
 
 
-def make_policy(name: str, credit_bytes: int | None = None, *, hold_in_block: bool = True) -> Policy:
-    """``lina`` (credit: ``credit_bytes``; ``hold_in_block``: also hold allreduce during the
-    expert compute of a backward expert block), ``fifo`` or ``serial``; see the module docstring."""
-    if name == "lina":
-        return Policy("lina", credit_bytes=credit_bytes, hold_in_block=hold_in_block)
-    if name == "fifo":
-        return Policy("fifo", credit_bytes=None, hold_for_a2a=False, hold_in_block=False)
-    if name == "serial":
-        return Policy("serial", credit_bytes=None, hold_for_a2a=False, hold_in_block=False, defer_to_end=True)
-    raise ValueError(f"unknown schedule {name!r}; choose one of {POLICIES}")
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """How one rank's gradient communication is scheduled; the policy, the simulator and the
+    executor all take this one object.
+
+    ``policy``: a name of :data:`POLICIES`; ``microop_bytes``: Lina's micro-op size (``lina``,
+    ``serial``); ``credit_bytes``: allreduce bytes allowed in flight under ``lina`` (default:
+    :data:`DEFAULT_CREDIT_MICROOPS` micro-ops, see :attr:`credit`); ``bucket_bytes``: fused
+    bucket size of ``fifo`` (DDP's first bucket is 1 MiB); ``hold_in_block``: ``lina`` also
+    holds allreduce inside backward expert blocks."""
+
+    policy: str = "lina"
+    microop_bytes: int = 256 << 10
+    credit_bytes: int | None = None
+    bucket_bytes: int = 1 << 20
+    hold_in_block: bool = True
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown schedule {self.policy!r}; choose one of {tuple(POLICIES)}")
+        if self.microop_bytes < 4 or self.bucket_bytes < 4:
+            raise ValueError("microop_bytes and bucket_bytes must be at least one element (4 bytes)")
+        if self.credit_bytes is not None and self.credit_bytes < 1:
+            raise ValueError(f"credit_bytes must be >= 1, got {self.credit_bytes}")
+
+    @property
+    def credit(self) -> int:
+        """The credit in force: ``credit_bytes``, or :data:`DEFAULT_CREDIT_MICROOPS` micro-ops."""
+        return self.credit_bytes if self.credit_bytes is not None else DEFAULT_CREDIT_MICROOPS * self.microop_bytes
+
+    @property
+    def fused(self) -> bool:
+        """Whether gradients travel in fused buckets (``fifo``, like DDP) rather than micro-ops."""
+        return self.policy == "fifo"
 
 
-__all__ = ["Launch", "POLICIES", "Policy", "make_policy"]
+def _lina(cfg: ScheduleConfig) -> Policy:
+    return Policy("lina", credit_bytes=cfg.credit, hold_in_block=cfg.hold_in_block)
+
+
+def _fifo(cfg: ScheduleConfig) -> Policy:
+    return Policy("fifo", credit_bytes=None, hold_for_a2a=False, hold_in_block=False)
+
+
+def _serial(cfg: ScheduleConfig) -> Policy:
+    return Policy("serial", credit_bytes=None, hold_for_a2a=False, hold_in_block=False, defer_to_end=True)
+
+
+# name -> factory; the command lines' ``--schedule`` choices are its keys
+POLICIES: Mapping[str, Callable[[ScheduleConfig], Policy]] = MappingProxyType(
+    {"lina": _lina, "fifo": _fifo, "serial": _serial})
+
+
+def make_policy(cfg: ScheduleConfig) -> Policy:
+    """The policy ``cfg.policy`` with ``cfg``'s credit and hold; see the module docstring."""
+    return POLICIES[cfg.policy](cfg)
+
+
+def allreduce_ops(numels: Sequence[int], element_size: int, cfg: ScheduleConfig) -> list[CommOp]:
+    """The allreduce operations ``cfg`` cuts these gradients (element counts, in readiness
+    order) into: fused buckets of ``bucket_bytes`` (``fifo``), else micro-ops of ``microop_bytes``."""
+    if cfg.fused:
+        return bucket(numels, element_size, cfg.bucket_bytes)
+    return partition(numels, element_size, cfg.microop_bytes)
+
+
+__all__ = ["DEFAULT_CREDIT_MICROOPS", "Launch", "POLICIES", "Policy", "ScheduleConfig", "allreduce_ops",
+           "make_policy"]

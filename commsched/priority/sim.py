@@ -11,9 +11,11 @@ The link is shared fairly (processor sharing): with n operations in flight each 
 were ``latency_s * bandwidth`` bytes longer. Operations are never preempted: once
 launched, an allreduce keeps its share until done -- which is why the policy matters.
 
-Gradients become allreduce operations through :mod:`commsched.priority.partition`:
-micro-ops (``lina``, ``serial``) or fused buckets (``fifo``), in the order the tensors
-become ready. Nothing here is random and no clock is read, so a scenario always gives the
+Gradients become allreduce operations through
+:func:`commsched.priority.policy.allreduce_ops`: micro-ops (``lina``, ``serial``) or fused
+buckets (``fifo``), in the order the tensors become ready. The schedule is a
+:class:`~commsched.priority.policy.ScheduleConfig`, the very object (and defaults) the
+executor runs. Nothing here is random and no clock is read, so a scenario always gives the
 same timeline.
 """
 
@@ -22,8 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
-from .partition import CommOp, bucket, partition
-from .policy import make_policy
+from .policy import ScheduleConfig, allreduce_ops, make_policy
 
 _EPS = 1e-12
 
@@ -125,30 +126,18 @@ class SimResult:
         return idle
 
 
-def allreduce_ops(grad_bytes: Sequence[int], schedule: str, *, microop_bytes: int,
-                  bucket_bytes: int | None = None, element_size: int = 4) -> list[CommOp]:
-    """The allreduce operations a schedule cuts these gradients into (in readiness order)."""
-    numels = [b // element_size for b in grad_bytes]
-    if schedule == "fifo":
-        return bucket(numels, element_size, bucket_bytes or microop_bytes)
-    return partition(numels, element_size, microop_bytes)
-
-
-def simulate(script: Sequence[Item], schedule: str, link: Link, *, microop_bytes: int,
-             credit_bytes: int | None = None, bucket_bytes: int | None = None,
-             element_size: int = 4, hold_in_block: bool = False) -> SimResult:
-    """Run ``script`` under ``schedule`` (lina, fifo or serial); see the module docstring.
-
-    ``credit_bytes`` (lina) defaults to one micro-op; ``bucket_bytes`` (fifo) to 25 micro-ops;
-    ``hold_in_block`` (lina) also holds allreduce during the expert compute of a block.
+def simulate(script: Sequence[Item], link: Link, cfg: ScheduleConfig | None = None, *,
+             element_size: int = 4) -> SimResult:
+    """Run ``script`` on ``link`` under the schedule ``cfg`` (default: ``ScheduleConfig()``,
+    the executor's default); see the module docstring. Gradient sizes in the script are
+    bytes, multiples of ``element_size``.
     """
+    cfg = cfg if cfg is not None else ScheduleConfig()
     grad_bytes = [b for it in script if isinstance(it, Compute) for b in it.grads]
     if any(b % element_size for b in grad_bytes):
         raise ValueError(f"gradient sizes must be multiples of element_size={element_size}")
-    ops = allreduce_ops(grad_bytes, schedule, microop_bytes=microop_bytes,
-                        bucket_bytes=bucket_bytes or 25 * microop_bytes, element_size=element_size)
-    pol = make_policy(schedule, credit_bytes if credit_bytes is not None else microop_bytes,
-                      hold_in_block=hold_in_block)
+    ops = allreduce_ops([b // element_size for b in grad_bytes], element_size, cfg)
+    pol = make_policy(cfg)
     pol.begin_step(len(ops))
     missing = [len(op.tensors) for op in ops]
     ops_of_tensor: dict[int, list[int]] = {}
@@ -156,7 +145,7 @@ def simulate(script: Sequence[Item], schedule: str, link: Link, *, microop_bytes
         for t in op.tensors:
             ops_of_tensor.setdefault(t, []).append(op.seq)
     bw = link.bandwidth_Bps
-    res = SimResult(schedule, link)
+    res = SimResult(cfg.policy, link)
     rec: dict[tuple[str, int], SimOp] = {}
     inflight: dict[tuple[str, int], float] = {}  # remaining link work in bytes
     t, pc, next_tensor = 0.0, 0, 0
@@ -258,5 +247,5 @@ def moe_backward_script(layers: Sequence[str], *, a2a_bytes: int, expert_s: floa
     return out
 
 
-__all__ = ["AllToAll", "BlockBegin", "BlockEnd", "Compute", "Link", "SimOp", "SimResult", "allreduce_ops",
-           "moe_backward_script", "simulate"]
+__all__ = ["AllToAll", "BlockBegin", "BlockEnd", "Compute", "Link", "SimOp", "SimResult", "moe_backward_script",
+           "simulate"]

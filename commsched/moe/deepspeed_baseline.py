@@ -1,0 +1,173 @@
+"""The DeepSpeed baseline: the same language model with ``deepspeed.moe.layer.MoE`` layers,
+trained by DeepSpeed's engine (``python -m commsched.moe.train --impl deepspeed``).
+
+Legend: D model width, H expert hidden width, E experts, L experts per rank, B batch,
+S sequence.
+
+:func:`to_deepspeed` replaces every MoE feed-forward layer of a model built with all
+experts held locally by DeepSpeed's real MoE layer, copying the router and the experts
+this rank hosts, so both implementations start from the same weights and compute the
+same function (top-k softmax gating, the same load-balancing loss, no second-expert
+sampling noise). Dropless routing maps to DeepSpeed's ``drop_tokens=False`` (every
+expert padded to the largest load in the group); a capacity factor maps to
+``drop_tokens=True`` with that factor.
+
+:func:`train_deepspeed` is the training loop of the baseline: the engine with ZeRO stage
+``ds_stage``, gradient reduction overlapping the backward pass, the same Adam, tokens and
+seed as commsched's runtime (:mod:`commsched.moe.train`, which calls it and summarises
+both alike). DeepSpeed is imported only when called.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+
+from ..results import Progress
+from .data import Corpus
+from .layer import MoELayer
+from .model import MoETransformerLM
+from .train import TrainConfig, a2a_payload_bytes, evaluate
+
+
+class DeepSpeedMoEFFN(nn.Module):
+    """Wraps ``deepspeed.moe.layer.MoE`` to return ``(y, aux)`` like :class:`MoELayer`."""
+
+    def __init__(self, src: MoELayer, ep_size: int):
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        rc = src.router_cfg
+        ex = src.experts
+        if ex.num_local != rc.num_experts:
+            raise ValueError("to_deepspeed needs a model whose MoE layers hold every expert (no expert_group)")
+        D, H = ex.d_model, ex.d_hidden
+        expert = nn.Sequential(nn.Linear(D, H), nn.GELU(), nn.Linear(H, D))
+        dropless = rc.capacity_factor is None
+        self.moe = MoE(D, expert, num_experts=rc.num_experts, ep_size=ep_size, k=rc.k,
+                       capacity_factor=1.0 if dropless else rc.capacity_factor,
+                       eval_capacity_factor=1.0 if dropless else rc.capacity_factor,
+                       min_capacity=rc.min_capacity, drop_tokens=not dropless, use_rts=False,
+                       top2_2nd_expert_sampling=False)
+        self._src = src  # weights are copied by load_weights() once the EP rank is known
+        self.ep_size = ep_size
+
+    def load_weights(self, ep_rank: int) -> None:
+        src, moe = self._src, self.moe
+        L = moe.num_local_experts
+        with torch.no_grad():
+            moe.deepspeed_moe.gate.wg.weight.copy_(src.router.weight)
+            for j, seq in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
+                e = ep_rank * L + j
+                seq[0].weight.copy_(src.experts.w1[e].t())
+                seq[0].bias.copy_(src.experts.b1[e])
+                seq[2].weight.copy_(src.experts.w2[e].t())
+                seq[2].bias.copy_(src.experts.b2[e])
+        del self._src
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, aux, _ = self.moe(x)
+        return y, aux
+
+
+def to_deepspeed(model: MoETransformerLM, ep_size: int) -> MoETransformerLM:
+    """Swap the MoE layers for DeepSpeed's (in place; returns the model). Needs
+    ``deepspeed.init_distributed`` first: it creates DeepSpeed's expert-parallel groups."""
+    from deepspeed.utils import groups
+
+    for i, b in enumerate(model.blocks):
+        if model.cfg.is_moe(i):
+            ds = DeepSpeedMoEFFN(b.ffn, ep_size)
+            name = ds.moe.expert_group_name
+            if name not in groups._get_expert_parallel_group_dict():
+                # the groups DeepSpeed's engine would create; made now to learn this rank's experts
+                groups._create_expert_and_data_parallel(ep_size)
+            ds.load_weights(groups._get_expert_parallel_rank(name))
+            b.ffn = ds
+    return model
+
+
+def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress) -> dict:
+    """Train ``cfg`` under DeepSpeed's engine on the initialised default process group (gloo)
+    with expert-parallel groups of ``ep`` ranks; returns this rank's results in the form
+    :func:`commsched.moe.train.summarise` reads (per-step ``rows``, ``val_loss``, ``sizes``,
+    ``state``, and ``ds_comm_ops``: the collectives DeepSpeed's comms logger saw)."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.comm.comm import comms_logger
+    from deepspeed.comm.comm import timers as ds_timers
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    rank = dist.get_rank()
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(cfg.seed)
+    model = MoETransformerLM(cfg.model)  # every expert here; DeepSpeed keeps its block of them
+    to_deepspeed(model, ep)
+    B, S = cfg.batch_size, cfg.model.seq_len
+    ds_cfg = {
+        "train_micro_batch_size_per_gpu": B,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": cfg.lr, "torch_adam": True, "adam_w_mode": False}},
+        "zero_optimization": {"stage": cfg.ds_stage, "overlap_comm": True, "contiguous_gradients": True,
+                              "reduce_bucket_size": cfg.schedule.bucket_bytes // 4,
+                              "allgather_bucket_size": cfg.schedule.bucket_bytes // 4},
+        "comms_logger": {"enabled": True, "verbose": False, "prof_all": True, "debug": False},
+        # DeepSpeed clips the global gradient norm to 1.0 unless told otherwise (its default
+        # gradient_clipping is 1.0); fifo and lina do not clip, so neither does the baseline.
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "params"})
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_cfg)
+    rows: list[dict] = []
+    seen: set[str] = set()
+
+    def comm_times() -> tuple[float, float]:
+        """Seconds in all-to-all and in other collectives since the last call, from the
+        host timers of DeepSpeed's comms logger (its logged latencies are cumulative)."""
+        a2a = other = 0.0
+        for name in list(comms_logger.comms_dict):
+            seen.add(name)
+            t = ds_timers(name)
+            spent = sum(float(x) for x in t.event_timers)
+            t.reset()
+            if "all_to_all" in name:
+                a2a += spent
+            else:
+                other += spent
+        comms_logger.comms_dict = {}
+        return a2a, other
+
+    for step in range(cfg.steps):
+        x, y = corpus.batch(B, S, seed=cfg.seed, step=step, rank=rank)
+        comm_times()
+        t0 = time.perf_counter()
+        logits, aux = engine(x)
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss = ce + cfg.model.aux_weight * aux
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        t2 = time.perf_counter()
+        engine.step()
+        t3 = time.perf_counter()
+        a2a, other = comm_times()
+        rows.append({"step_s": t3 - t0, "fwd_s": t1 - t0, "bwd_s": t2 - t1, "loss": ce.item(),
+                     "a2a_s": a2a, "a2a_inflight_s": a2a, "allreduce_s": other,
+                     "allreduce_wait_s": t3 - t2})
+        bar.update(1)
+        bar.postfix(loss=f"{ce.item():.3f}", step_s=f"{t3 - t0:.2f}")
+    engine.eval()
+    val = evaluate(engine, corpus, cfg)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dense = sum(p.numel() for p in model.parameters() if getattr(p, "allreduce", True))
+    return {"rows": rows, "timeline": [], "a2a_alone_s": [], "val_loss": val, "state": state,
+            "ds_comm_ops": sorted(seen),
+            "sizes": {"non_expert_params": dense, "non_expert_grad_bytes": dense * 4,
+                      "a2a_payload_bytes_per_step": a2a_payload_bytes(cfg)}}
+
+
+__all__ = ["DeepSpeedMoEFFN", "to_deepspeed", "train_deepspeed"]

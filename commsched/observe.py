@@ -1,0 +1,140 @@
+"""Observers of the expert all-to-all: who is told when an exchange starts and ends.
+
+An MoE layer reports each of its exchanges (``a2a_begin`` / ``a2a_end``), the expert block
+of its backward pass (``block_begin`` / ``block_end``) and the time its compute thread
+spent blocked on an exchange (``a2a_blocked``) to the :class:`A2AObserver` it was built
+with. Implementations: the gradient scheduler of :mod:`commsched.priority.executor` and
+:class:`A2ATimer`.
+
+A model lives longer than the schedulers that watch it (a run times its steps under one
+schedule, then probes the all-to-all alone under another), so it is built with an
+:class:`A2AEvents`, which passes every report on to the observers registered with it at
+that moment::
+
+    events = A2AEvents()
+    model = MoETransformerLM(cfg, expert_group=eg, observer=events)
+    with GradScheduler(params, sched_cfg) as sched, events.register(sched):
+        ...
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch.utils.hooks import RemovableHandle
+
+
+class A2AObserver(Protocol):
+    """Told about the expert exchanges of a layer."""
+
+    def a2a_begin(self, nbytes: int) -> object:
+        """An exchange sending ``nbytes`` to peers starts; returns a token for :meth:`a2a_end`."""
+        ...
+
+    def a2a_end(self, token: object) -> None: ...
+
+    def block_begin(self) -> None: ...
+
+    def block_end(self) -> None: ...
+
+    def a2a_blocked(self, seconds: float) -> None:
+        """The compute thread just spent ``seconds`` blocked waiting for an exchange."""
+        ...
+
+
+class A2AEvents:
+    """An :class:`A2AObserver` that passes every report on to the observers registered now.
+
+    :meth:`register` returns a handle whose ``remove()`` (or leaving its ``with`` block)
+    unregisters the observer, like a torch hook. An exchange that began is ended on the
+    observers that saw it begin.
+    """
+
+    def __init__(self) -> None:
+        self._observers: OrderedDict[int, A2AObserver] = OrderedDict()
+
+    def register(self, observer: A2AObserver) -> RemovableHandle:
+        handle = RemovableHandle(self._observers)
+        self._observers[handle.id] = observer
+        return handle
+
+    @property
+    def observers(self) -> tuple[A2AObserver, ...]:
+        return tuple(self._observers.values())
+
+    def a2a_begin(self, nbytes: int) -> object:
+        return tuple((o, o.a2a_begin(nbytes)) for o in self.observers)
+
+    def a2a_end(self, token: object) -> None:
+        for o, tok in token:  # type: ignore[attr-defined]
+            o.a2a_end(tok)
+
+    def block_begin(self) -> None:
+        for o in self.observers:
+            o.block_begin()
+
+    def block_end(self) -> None:
+        for o in self.observers:
+            o.block_end()
+
+    def a2a_blocked(self, seconds: float) -> None:
+        for o in self.observers:
+            fn = getattr(o, "a2a_blocked", None)
+            if fn is not None:
+                fn(seconds)
+
+
+@dataclass
+class A2ATimer:
+    """An observer that adds up exchange time (wall time from start to completion seen by
+    this rank, overlapping exchanges counted once), the time the compute thread was
+    blocked waiting for exchanges, and bytes sent to peers."""
+
+    time_s: float = 0.0
+    blocked_s: float = 0.0
+    bytes_sent: int = 0
+    calls: int = 0
+    intervals: list[tuple[float, float, int]] | None = None  # (start, end, bytes) when recording
+    _open: dict[int, tuple[float, int]] = field(default_factory=dict)
+    _next: int = 0
+    _busy_since: float | None = None
+
+    def a2a_begin(self, nbytes: int) -> object:
+        t = time.perf_counter()
+        tok = self._next
+        self._next += 1
+        if not self._open:
+            self._busy_since = t
+        self._open[tok] = (t, nbytes)
+        self.bytes_sent += nbytes
+        self.calls += 1
+        return tok
+
+    def a2a_end(self, token: object) -> None:
+        t = time.perf_counter()
+        t0, nbytes = self._open.pop(token)  # type: ignore[arg-type]
+        if self.intervals is not None:
+            self.intervals.append((t0, t, nbytes))
+        if not self._open and self._busy_since is not None:
+            self.time_s += t - self._busy_since
+            self._busy_since = None
+
+    def block_begin(self) -> None:
+        pass
+
+    def block_end(self) -> None:
+        pass
+
+    def a2a_blocked(self, seconds: float) -> None:
+        self.blocked_s += seconds
+
+    def reset(self) -> None:
+        self.time_s, self.blocked_s, self.bytes_sent, self.calls = 0.0, 0.0, 0, 0
+        if self.intervals is not None:
+            self.intervals = []
+
+
+__all__ = ["A2AEvents", "A2AObserver", "A2ATimer"]
