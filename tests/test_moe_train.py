@@ -246,7 +246,7 @@ def _rank_result(r: int, deepspeed: bool = False) -> dict:
 def test_metrics_record_holds_the_documented_keys(tmp_path):
     import json
 
-    from commsched.moe.train import TrainMetrics, summarise
+    from commsched.moe.training import TrainMetrics, summarise
 
     cfg = TrainConfig(steps=3, warmup=1)
     m = summarise(cfg, [_rank_result(0), _rank_result(1)], 2, "unit")

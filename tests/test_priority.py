@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from commsched.priority.partition import bucket, partition, split_equal
+from commsched.priority.microops import bucket, partition, split_equal
 from commsched.priority.policy import (
     DEFAULT_CREDIT_MICROOPS,
     POLICIES,

@@ -29,9 +29,8 @@ _TRAIN_EXPORTS: dict[str, str] = {
     "MoETransformerLM": "model",
     "Corpus": "data",
     "load_corpus": "data",
-    "TrainConfig": "train",
-    "train": "train",
-    "TrainMetrics": "train",
+    "TrainConfig": "training",
+    "TrainMetrics": "training",
     "to_deepspeed": "deepspeed_baseline",
     "train_deepspeed": "deepspeed_baseline",
 }

@@ -29,7 +29,7 @@ from ..results import Progress
 from .data import Corpus
 from .layer import MoELayer
 from .model import MoETransformerLM
-from .train import TrainConfig, a2a_payload_bytes, evaluate
+from .training import TrainConfig, a2a_payload_bytes, evaluate
 
 
 class DeepSpeedMoEFFN(nn.Module):
@@ -92,7 +92,7 @@ def to_deepspeed(model: MoETransformerLM, ep_size: int) -> MoETransformerLM:
 def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress) -> dict:
     """Train ``cfg`` under DeepSpeed's engine on the initialised default process group (gloo)
     with expert-parallel groups of ``ep`` ranks; returns this rank's results in the form
-    :func:`commsched.moe.train.summarise` reads (per-step ``rows``, ``val_loss``, ``sizes``,
+    :func:`commsched.moe.training.summarise` reads (per-step ``rows``, ``val_loss``, ``sizes``,
     ``state``, and ``ds_comm_ops``: the collectives DeepSpeed's comms logger saw)."""
     import deepspeed
     import torch.distributed as dist

@@ -44,9 +44,9 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,83 +57,13 @@ from ..dist import new_group as cs_new_group
 from ..observe import A2AEvents, A2AObserver
 from ..priority.executor import LOCAL, GradScheduler
 from ..priority.policy import DEFAULT_CREDIT_MICROOPS, POLICIES, ScheduleConfig
-from ..results import Progress, Record, median, write_json
+from ..results import Progress, write_json
 from .data import Corpus, load_corpus
 from .dispatch import ExpertGroup
 from .experts import is_expert_param
 from .layer import DispatchConfig
 from .model import ModelConfig, MoETransformerLM
-
-IMPLS = ("commsched", "deepspeed")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    impl: str = "commsched"
-    # the gradient schedule (commsched) with its knobs; DeepSpeed reuses its bucket_bytes
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
-    steps: int = 20
-    batch_size: int = 8
-    lr: float = 1e-3
-    seed: int = 0
-    ep_size: int | None = None
-    warmup: int = 2          # steps left out of the timing medians
-    probe_steps: int = 2     # extra steps measuring the all-to-all with no allreduce running
-    eval_batches: int = 2
-    corpus: str | None = None
-    max_corpus_bytes: int = 8 << 20
-    timeline_step: int | None = None  # default: the last training step
-    ds_stage: int = 2
-    # worker threads of the gloo groups carrying the gradient allreduce (every schedule):
-    # gloo runs at most this many queued collectives at once (its default is 2)
-    allreduce_threads: int | None = 8
-
-    def __post_init__(self) -> None:
-        if self.impl not in IMPLS:
-            raise ValueError(f"--impl must be one of {IMPLS}, got {self.impl!r}")
-        if self.steps < 1 or self.batch_size < 1:
-            raise ValueError("steps and batch_size must be >= 1")
-        if not 0 <= self.warmup < self.steps:
-            raise ValueError(f"warmup={self.warmup} must be in 0..steps-1 ({self.steps - 1})")
-        if self.allreduce_threads is not None and self.allreduce_threads < 1:
-            raise ValueError(f"--allreduce-threads must be >= 1, got {self.allreduce_threads}")
-        if self.ds_stage not in (0, 1, 2):
-            raise ValueError(f"--ds-stage must be 0, 1 or 2, got {self.ds_stage}")
-
-
-@dataclass(frozen=True)
-class TrainMetrics(Record):
-    """``metrics.json`` of an MoE training run (the keys are described in the module
-    docstring); ``extra``: ``deepspeed_comm_ops`` of a DeepSpeed run."""
-
-    impl: str
-    schedule: str
-    world_size: int
-    loss: list[float]
-    step_time_s: float | None
-    a2a_time_s: float | None
-    allreduce_time_s: float | None
-    ep_size: int
-    val_loss: float | None
-    a2a_inflight_s: float | None
-    allreduce_wait_s: float | None
-    allreduce_in_backward_share: float | None
-    a2a_alone_time_s: float | None
-    a2a_share_of_step: float | None
-    fwd_time_s: float | None
-    bwd_time_s: float | None
-    breakdown_s: dict[str, float | None]
-    step_times_s: list[float]
-    steps: int
-    warmup: int
-    timeline_step: int
-    sizes: dict[str, int]
-    corpus: str
-    wall_clock_s: float
-    config: dict[str, Any]
-    extra: dict[str, Any] = field(default_factory=dict)
+from .training import IMPLS, TrainConfig, TrainMetrics, evaluate, sizes, summarise
 
 
 @dataclass
@@ -268,97 +198,7 @@ def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress) -
     model.close()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"rows": rows, "timeline": timeline, "a2a_alone_s": alone, "val_loss": val,
-            "sizes": _sizes(model, cfg), "state": state}
-
-
-def a2a_payload_bytes(cfg: TrainConfig) -> int:
-    """Bytes of token rows one rank hands the expert all-to-alls per step: every MoE layer
-    exchanges each of its T * k rows of D float32 four times (dispatch and combine, forward
-    and backward)."""
-    T = cfg.batch_size * cfg.model.seq_len
-    n_moe = sum(1 for i in range(cfg.model.n_layers) if cfg.model.is_moe(i))
-    return 4 * n_moe * T * cfg.model.k * cfg.model.d_model * 4
-
-
-def _sizes(model, cfg: TrainConfig) -> dict:
-    expert = sum(p.numel() for p in model.parameters() if is_expert_param(p))
-    dense = sum(p.numel() for p in model.parameters() if not is_expert_param(p))
-    return {"expert_params_here": expert, "non_expert_params": dense,
-            "non_expert_grad_bytes": dense * 4,
-            "a2a_payload_bytes_per_step": a2a_payload_bytes(cfg)}
-
-
-def evaluate(model, corpus: Corpus, cfg: TrainConfig) -> float | None:
-    """Mean cross-entropy of ``model`` (called as ``model(tokens) -> (logits, aux)``: the
-    model or DeepSpeed's engine) on ``cfg.eval_batches`` held-out batches of this rank;
-    None when ``eval_batches`` is 0."""
-    if cfg.eval_batches < 1:
-        return None
-    rank = dist.get_rank()
-    losses = []
-    with torch.no_grad():
-        for i in range(cfg.eval_batches):
-            x, y = corpus.batch(cfg.batch_size, cfg.model.seq_len, seed=cfg.seed, step=i, rank=rank, split="val")
-            logits, _ = model(x)
-            losses.append(float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                                  y.reshape(-1))))
-    return sum(losses) / len(losses)
-
-
-# --------------------------------------------------------------------------- summary
-def summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> TrainMetrics:
-    """The metrics of a run from every rank's results (in rank order)."""
-    world = len(per_rank)
-    steps = len(per_rank[0]["rows"])
-    timed = range(cfg.warmup, steps)
-
-    def col(key: str, agg) -> list[float]:
-        return [agg([per_rank[r]["rows"][s][key] for r in range(world)]) for s in range(steps)]
-
-    def mean(xs):
-        return sum(xs) / len(xs)
-
-    step_max = col("step_s", max)
-    keys = ("fwd_s", "bwd_s", "a2a_s", "a2a_inflight_s", "allreduce_s", "allreduce_wait_s", "loss", "allreduce_in_bwd")
-    per = {k: col(k, mean) for k in keys if k in per_rank[0]["rows"][0]}
-    alone = [mean([per_rank[r]["a2a_alone_s"][i] for r in range(world)])
-             for i in range(len(per_rank[0]["a2a_alone_s"]))]
-    vals = [p["val_loss"] for p in per_rank if p["val_loss"] is not None]
-    step_time = median([step_max[s] for s in timed])
-    a2a = median([per["a2a_s"][s] for s in timed])
-    fwd, bwd = median([per["fwd_s"][s] for s in timed]), median([per["bwd_s"][s] for s in timed])
-    wait = median([per["allreduce_wait_s"][s] for s in timed])
-    breakdown = {"forward": fwd, "backward": bwd, "allreduce_wait": wait,
-                 "optimizer_and_other": max(0.0, step_time - fwd - bwd - wait)}
-    return TrainMetrics(
-        impl=cfg.impl,
-        schedule=cfg.schedule.policy if cfg.impl == "commsched" else f"deepspeed-zero{cfg.ds_stage}",
-        world_size=world,
-        ep_size=ep,
-        loss=per["loss"],
-        val_loss=mean(vals) if vals else None,
-        step_time_s=step_time,
-        a2a_time_s=a2a,
-        a2a_inflight_s=median([per["a2a_inflight_s"][s] for s in timed]),
-        allreduce_time_s=median([per["allreduce_s"][s] for s in timed]),
-        allreduce_wait_s=median([per["allreduce_wait_s"][s] for s in timed]),
-        allreduce_in_backward_share=(median([per["allreduce_in_bwd"][s] for s in timed])
-                                     if "allreduce_in_bwd" in per else None),
-        a2a_alone_time_s=median(alone),
-        a2a_share_of_step=(a2a / step_time) if a2a is not None and step_time else None,
-        fwd_time_s=fwd,
-        bwd_time_s=bwd,
-        breakdown_s=breakdown,
-        step_times_s=step_max,
-        steps=steps,
-        warmup=cfg.warmup,
-        timeline_step=cfg.steps - 1 if cfg.timeline_step is None else cfg.timeline_step,
-        sizes=per_rank[0]["sizes"],
-        corpus=source,
-        wall_clock_s=max(p["wall_clock_s"] for p in per_rank),
-        config=json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),
-        extra={"deepspeed_comm_ops": per_rank[0]["ds_comm_ops"]} if "ds_comm_ops" in per_rank[0] else {},
-    )
+            "sizes": sizes(model, cfg), "state": state}
 
 
 # --------------------------------------------------------------------------- CLI

@@ -10,11 +10,11 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
-    "CommOp": "partition",
-    "Piece": "partition",
-    "partition": "partition",
-    "bucket": "partition",
-    "split_equal": "partition",
+    "CommOp": "microops",
+    "Piece": "microops",
+    "partition": "microops",
+    "bucket": "microops",
+    "split_equal": "microops",
     "DEFAULT_CREDIT_MICROOPS": "policy",
     "POLICIES": "policy",
     "ScheduleConfig": "policy",

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..config import read_env
 from ..dist import CommError
-from .partition import CommOp
+from .microops import CommOp
 from .policy import ScheduleConfig, allreduce_ops, make_policy
 
 LOCAL = "local"  # group of a gradient that is scaled but not communicated

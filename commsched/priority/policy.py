@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Hashable, Mapping, Sequence
 
-from .partition import CommOp, bucket, partition
+from .microops import CommOp, bucket, partition
 
 # Default credit of ``lina``, in micro-ops. A micro-op's collective takes far longer than its
 # bytes need on the link when peers arrive late (tens of ms on 4 ranks sharing 2 cores, against
