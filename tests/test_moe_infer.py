@@ -28,11 +28,11 @@ from commsched.moe.placement import (
     static_placement,
 )
 from commsched.moe.placement_policy import (
-    PlacementPolicy,
     PolicyConfig,
     default_slots,
     placement_digest,
     relabel,
+    strategy_class,
 )
 from tests.mp import assert_case, run_cases
 
@@ -164,7 +164,7 @@ def test_pipelined_one_device_order_of_work_and_result():
 
 
 def test_emulated_device_is_an_async_stream():
-    from commsched.moe.infer import EmulatedBank
+    from commsched.moe.banks import EmulatedBank
 
     bank = EmulatedBank(1, 4, 2, 3, us_per_row=1e6, load_ms=0.0, seed=0)  # 1 s per row: never waited for
     bank.ensure(0, [0, 1])
@@ -195,32 +195,32 @@ def test_relabel_keeps_experts_where_they_are():
     assert sorted(q2.device_load) == sorted(p2.device_load)
 
 
-def _cfg(strategy, **kw):
+def _policy(strategy, historical_LE=None, **kw):
     base = dict(num_experts=4, num_devices=2, num_layers=2, k=1, slots=3, threshold=1.0)
     base.update(kw)
-    return PolicyConfig(strategy, **base)
+    return strategy_class(strategy)(PolicyConfig(**base), historical_LE)
 
 
 HIST = np.array([[4.0, 3.0, 2.0, 1.0], [1.0, 1.0, 1.0, 5.0]])
 
 
 def test_static_and_eplb_are_fixed_and_load_once():
-    st = PlacementPolicy(_cfg("static"))
+    st = _policy("static")
     p, loads = st.phase1(0)
     assert p.replicas == ((0,), (0,), (1,), (1,)) and loads == ((0, 1), (2, 3))
     d = st.decide(0, p, [1, 1, 1, 9])
     assert d.placement.device_load == (2.0, 10.0) and not d.replanned
     assert st.phase1(0)[1] == ((), ())  # second batch: already resident
-    ep = PlacementPolicy(_cfg("eplb"), HIST)
+    ep = _policy("eplb", HIST)
     p, _ = ep.phase1(1)
     assert p.replica_counts[3] == 2  # the historically hot expert is replicated
     assert ep.decide(1, p, [0, 0, 0, 8]).placement.device_load == (4.0, 4.0)
     with pytest.raises(ValueError, match="historical load"):
-        PlacementPolicy(_cfg("lina"))
+        _policy("lina")
 
 
 def test_oracle_plans_from_actual_and_relabels_to_save_loads():
-    o = PlacementPolicy(_cfg("oracle"))
+    o = _policy("oracle")
     assert o.phase1(0) == (None, ((), ()))
     a = [1.0, 1.0, 1.0, 9.0]
     d1 = o.decide(0, None, a)
@@ -231,7 +231,7 @@ def test_oracle_plans_from_actual_and_relabels_to_save_loads():
 
 
 def test_lina_keeps_phase1_when_estimate_is_right_and_replans_otherwise():
-    pol = PlacementPolicy(_cfg("lina", k=1), HIST)
+    pol = _policy("lina", HIST, k=1)
     est = np.array([0.0, 0.0, 1.0, 9.0])
     p1, loads = pol.phase1(1, est)
     assert p1.replica_counts[3] == 2 and sum(len(x) for x in loads) == sum(len(h) for h in p1.device_experts)
@@ -241,7 +241,7 @@ def test_lina_keeps_phase1_when_estimate_is_right_and_replans_otherwise():
     swap = pol.decide(1, p1, [9, 1, 0, 0], est)  # top-2 {0, 1}: overlap 0 -> re-plan
     assert swap.replanned and swap.overlap == 0.0
     assert swap.placement.replica_counts[0] == 2 and swap.placement.max_load <= 5.0
-    never = PlacementPolicy(_cfg("lina", k=1, threshold=0.0), HIST)
+    never = _policy("lina", HIST, k=1, threshold=0.0)
     q, _ = never.phase1(1, est)
     assert not never.decide(1, q, [9, 1, 0, 0], est).replanned
     # layer 0 has no path: phase 1 plans from the historical load
@@ -251,13 +251,13 @@ def test_lina_keeps_phase1_when_estimate_is_right_and_replans_otherwise():
 
 def test_policy_config_errors_speak():
     with pytest.raises(ValueError, match="strategy must be one of"):
-        _cfg("round-robin")
+        _policy("round-robin")
     with pytest.raises(ValueError, match="raise --slots"):
-        _cfg("lina", slots=1)
+        _policy("lina", slots=1)
     with pytest.raises(ValueError, match="threshold"):
-        _cfg("lina", threshold=1.5)
+        _policy("lina", threshold=1.5)
     with pytest.raises(ValueError, match="planner"):
-        _cfg("lina", online_planner="magic")
+        _policy("lina", online_planner="magic")
 
 
 def test_placed_local_twin_is_the_dense_sum():
@@ -278,12 +278,14 @@ def test_placed_local_twin_is_the_dense_sum():
 
 # --------------------------------------------------------------------------- distributed == local
 def _trace_cfg(placement: str, compute: str, tokens_per_batch: int = 96, exchange: str = "pipelined"):
-    from commsched.moe.infer import InferConfig
+    from commsched.moe.infer import EmulationConfig, InferConfig, PlacementConfig, TraceDriverConfig
     from commsched.moe.traces import SyntheticTraceConfig
 
     syn = SyntheticTraceConfig(num_experts=8, num_layers=4, k=2, num_tokens=4096, seq_len=16)
-    return InferConfig(placement=placement, compute=compute, batches=3, warmup=1, us_per_row=0.0, load_ms=0.0,
-                       synthetic=syn, tokens_per_batch=tokens_per_batch, d_model=8, expert_hidden=12, seed=1,
+    return InferConfig(placement=PlacementConfig(placement), compute=compute, batches=3, warmup=1,
+                       emulation=EmulationConfig(us_per_row=0.0, load_ms=0.0),
+                       trace=TraceDriverConfig(synthetic=syn, tokens_per_batch=tokens_per_batch, d_model=8,
+                                               expert_hidden=12), seed=1,
                        exchange=exchange)
 
 
@@ -294,7 +296,8 @@ def _local_layer(bank, j, h, e, g, keep):
 
 
 def _trace_equals_local(rank: int, world: int) -> None:
-    from commsched.moe.infer import build, run, trace_forward
+    from commsched.moe.infer import build, run
+    from commsched.moe.runtime import trace_forward
 
     # pipelined (the default) and the sequential twin; 16 tokens: one sequence, the other ranks idle
     for compute, placement, tpb, exchange in [
@@ -305,10 +308,11 @@ def _trace_equals_local(rank: int, world: int) -> None:
             ("emulated", "oracle", 16, "sequential")]:
         cfg = _trace_cfg(placement, compute, tpb, exchange)
         m = run(cfg, return_outputs=True)
-        drv, _, bank, _, _, _ = build(cfg, rank, world)
+        setup = build(cfg, rank, world)
+        drv, bank = setup.driver, setup.bank
         what = (compute, placement, tpb, exchange)
         for b, y in enumerate(m["outputs"]):
-            x, ex, gate = drv.inputs(b, rank, cfg.d_model)
+            x, ex, gate = drv.inputs(b, rank, cfg.trace.d_model)
             ref = trace_forward(x, ex, gate, functools.partial(_local_layer, bank))
             assert y.shape == ref.shape, what
             if compute == "emulated":  # row-wise arithmetic: bit-exact whatever the placement
@@ -327,14 +331,15 @@ def _trace_equals_local(rank: int, world: int) -> None:
 
 def _model_equals_local(ckpt: str, rank: int, world: int) -> None:
     from commsched.moe.data import load_corpus
-    from commsched.moe.infer import InferConfig, run
+    from commsched.moe.infer import InferConfig, ModelDriverConfig, PlacementConfig, run
     from commsched.moe.record import load_checkpoint
 
     model, _ = load_checkpoint(ckpt)
     corpus = load_corpus(None)
     for placement in ("lina", "oracle"):
-        cfg = InferConfig(placement=placement, driver="model", compute="real", checkpoint=ckpt, batches=2, warmup=0,
-                          batch_size=2, profile_tokens=1024, seed=2)
+        cfg = InferConfig(placement=PlacementConfig(placement), driver="model", compute="real", batches=2,
+                          warmup=0, model=ModelDriverConfig(checkpoint=ckpt, batch_size=2, profile_tokens=1024),
+                          seed=2)
         m = run(cfg, return_outputs=True)
         for b, logits in enumerate(m["outputs"]):
             tokens, _ = corpus.batch(2, model.cfg.seq_len, seed=2, step=b, rank=rank, split="val")
