@@ -543,8 +543,10 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(a: argparse.Namespace) -> InferConfig:
     n_tok = a.trace_tokens
     if n_tok is None:  # the held-out part must hold --batches batches of whole sequences
-        need = (a.batches + 1) * (a.tokens_per_batch + a.seq_len) / (1.0 - a.profile_fraction)
-        n_tok = max(SyntheticTraceConfig().num_tokens, int(need * 1.05))
+        n_tok = SyntheticTraceConfig().num_tokens
+        if 0.0 < a.profile_fraction < 1.0:  # otherwise TraceDriverConfig says what is wrong
+            need = (a.batches + 1) * (a.tokens_per_batch + a.seq_len) / (1.0 - a.profile_fraction)
+            n_tok = max(n_tok, int(need * 1.05))
     syn = SyntheticTraceConfig(num_experts=a.experts, num_layers=a.layers, k=a.k, num_tokens=n_tok,
                                seq_len=a.seq_len, popularity=a.popularity, zipf_s=a.zipf,
                                lognormal_sigma=a.sigma, stickiness=a.stickiness,
