@@ -13,11 +13,12 @@ Every rank serves its own share of each batch. Per MoE layer:
 2. one small exchange of this rank's expert counts, *plus* (lina) its estimate of the
    next layer's expert load from its tokens' paths and a checksum of the previous
    placement: every rank now holds the same global counts and estimates;
-3. the placement of the layer: fixed (static, eplb), planned from the actual counts
-   (oracle), or (lina) the phase-1 plan made from the estimate exchanged one layer
-   earlier -- planned while that layer's device computed, its expert loads prefetched
-   by a background thread -- kept, or re-planned when the estimated and actual top-2k
-   experts overlap less than ``--threshold``. The planners are deterministic and their
+3. the placement of the layer, from the run's placement strategy (a class of
+   :mod:`~commsched.moe.placement_policy`, chosen by ``--placement``): fixed (static,
+   eplb), planned from the actual counts (oracle), or (lina) the phase-1 plan made from
+   the estimate exchanged one layer earlier -- planned while that layer's device
+   computed, its expert loads prefetched by a background thread -- kept, or re-planned
+   when the estimated and actual top-2k experts overlap less than ``--threshold``. The planners are deterministic and their
    inputs identical on every rank, so every rank computes the same plan and nothing is
    broadcast (the checksum in the next exchange verifies it);
 4. experts the device lacks are loaded from host memory into its S slots (pipelined:
@@ -41,8 +42,13 @@ Two drivers:
 * ``--driver model`` runs a trained MoE language model (``--checkpoint``, written by
   ``python -m commsched.moe.record``) on held-out text, real expert FFNs.
 
-Writes ``DIR/metrics.json`` (rank 0): ``placement``, ``latency_ms`` (p50/p95/p99 of the
-batch latency, max over ranks), ``imbalance`` (mean over batches and layers of max/mean
+This module is the entry point: the run's configuration (:class:`InferConfig` and its
+nested sub-configs), :func:`build`, :func:`run`, the metrics (:class:`InferMetrics`) and
+the CLI. Steps 2-5 are :class:`~commsched.moe.runtime.Runtime`; the experts are an
+:class:`~commsched.moe.banks.ExpertBank`.
+
+Writes ``DIR/metrics.json`` (rank 0, an :class:`InferMetrics` record): ``placement``,
+``latency_ms`` (p50/p95/p99 of the batch latency, max over ranks), ``imbalance`` (mean over batches and layers of max/mean
 device rows), ``estimation_accuracy`` (top-k overlap of the load the strategy planned
 from and the actual load), ``replans`` (per layer: share of batches planned after
 gating), ``model_latency_ms`` (sum over layers of the busiest device's rows x per-row
