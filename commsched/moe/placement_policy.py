@@ -206,13 +206,10 @@ class PlacementStrategy(ABC):
         self.resident[layer] = [frozenset(h) for h in held]
         return loads
 
-    def _fit(self, layer: int, p: Placement, load_E) -> Placement:
-        return relabel(p, self.resident[layer], load_E)
-
     def _replan(self, layer: int, load_E: np.ndarray) -> tuple[Placement, tuple[tuple[int, ...], ...]]:
         """An online plan from ``load_E``, relabelled and made resident, with its loads."""
         cfg = self.cfg
-        p = self._fit(layer, self._online(load_E, cfg.num_devices, cfg.slots), load_E)
+        p = relabel(self._online(load_E, cfg.num_devices, cfg.slots), self.resident[layer], load_E)
         return p, self._commit(layer, p)
 
     # ---------------------------------------------------------------- phases

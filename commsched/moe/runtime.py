@@ -113,7 +113,7 @@ class Runtime:
                  path_length: int, pipelined: bool, rank: int, world: int, group=None):
         if strategy.estimates_paths and estimator is None:
             raise ValueError(f"strategy {strategy.name!r} estimates paths: it needs a popularity estimator")
-        self.policy, self.bank, self.est = strategy, bank, estimator
+        self.strategy, self.bank, self.est = strategy, bank, estimator
         self.path_length, self.pipelined = path_length, pipelined
         self.rank, self.world, self.group = rank, world, group
         pcfg = strategy.cfg
@@ -138,7 +138,7 @@ class Runtime:
         than planning inline costs) and load its experts in the background thread while
         the current layer's exchange and expert compute run (as a GPU's copy engine
         loads weights during compute)."""
-        p, _ = self.policy.phase1(layer, est)
+        p, _ = self.strategy.phase1(layer, est)
         self._next_p1 = p
         self._future = self.pool.submit(self.bank.ensure, layer, p.device_experts[self.rank])
 
@@ -153,7 +153,7 @@ class Runtime:
         self._bt = BatchTimes()
         self._layers: list[dict] = []
         self.placed_times.reset()
-        if self.policy.estimates_paths:  # layer 0's phase 1 (no path yet), loaded between batches
+        if self.strategy.estimates_paths:  # layer 0's phase 1 (no path yet), loaded between batches
             self._phase1_ahead(0, None)
             self._future.result()
 
@@ -193,7 +193,7 @@ class Runtime:
     def moe(self, j: int, x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tensor,
             keep_TK: torch.Tensor | None) -> torch.Tensor:
         """One placed MoE layer (steps 2-5 of :mod:`commsched.moe.infer`)."""
-        E, bt, ahead_planned = self.E, self._bt, self.policy.estimates_paths
+        E, bt, ahead_planned = self.E, self._bt, self.strategy.estimates_paths
         ex = expert_TK.numpy() if keep_TK is None else expert_TK[keep_TK].numpy()
         self._hist_T[:, j] = expert_TK[:, 0].numpy()
         counts = np.bincount(ex.reshape(-1), minlength=E)
@@ -213,11 +213,11 @@ class Runtime:
             self._future.result()
             self._future = None
         else:
-            p1, _ = self.policy.phase1(j)
+            p1, _ = self.strategy.phase1(j)
             if p1 is not None:
                 self.bank.ensure(j, p1.device_experts[self.rank])
         t2 = time.perf_counter()
-        dec: LayerDecision = self.policy.decide(j, p1, actual, est_this)
+        dec: LayerDecision = self.strategy.decide(j, p1, actual, est_this)
         t3 = time.perf_counter()
         loading: tuple[int, ...] = tuple(dec.loads_N[self.rank])
         wait_loaded = None
@@ -250,7 +250,7 @@ class Runtime:
         # what the summary needs (identical on every rank); derived after the run, off the clock
         self._layers.append({
             "counts": counts_PE, "placement": dec.placement, "replanned": dec.replanned,
-            "overlap": dec.overlap, "planned_from": self.policy.planned_from(j, est_this),
+            "overlap": dec.overlap, "planned_from": self.strategy.planned_from(j, est_this),
             "loads": sum(len(x) for x in dec.loads_N),
         })
         return y
