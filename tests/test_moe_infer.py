@@ -28,11 +28,11 @@ from commsched.moe.placement import (
     static_placement,
 )
 from commsched.moe.placement_policy import (
-    PlacementPolicy,
     PolicyConfig,
     default_slots,
     placement_digest,
     relabel,
+    strategy_class,
 )
 from tests.mp import assert_case, run_cases
 
@@ -164,7 +164,7 @@ def test_pipelined_one_device_order_of_work_and_result():
 
 
 def test_emulated_device_is_an_async_stream():
-    from commsched.moe.infer import EmulatedBank
+    from commsched.moe.banks import EmulatedBank
 
     bank = EmulatedBank(1, 4, 2, 3, us_per_row=1e6, load_ms=0.0, seed=0)  # 1 s per row: never waited for
     bank.ensure(0, [0, 1])
@@ -181,6 +181,88 @@ def test_emulated_device_is_an_async_stream():
         run([3], [1], torch.ones(1, 2))
 
 
+def test_ffn_bank_loads_slots_and_computes_the_experts_ffn():
+    from commsched.moe.banks import FFNBank
+    from commsched.moe.experts import ExpertFFN, expert_apply
+
+    torch.manual_seed(0)
+    ffn = ExpertFFN(5, 4, 6)
+    with torch.no_grad():
+        ffn.b1.normal_()
+        ffn.b2.normal_()
+    bank = FFNBank([ffn.params()], slots=2)
+    assert bank.device is None and bank.measures_row_cost and bank.num_layers == 1
+    assert bank.ensure(0, [3, 1]) == 2 and bank.ensure(0, [1, 3]) == 0  # resident: nothing to load
+    x = torch.randn(5, 4)
+    y = bank.compute(0)([1, 3], [2, 3], x)
+    w = [t.detach()[[1, 3]] for t in ffn.params()]
+    assert torch.equal(y, expert_apply(x, [2, 3], *w))  # the same arithmetic as the layer
+    assert torch.equal(bank.reference(0)([1, 3], [2, 3], x), y)
+    assert bank.ensure(0, [3, 4]) == 1 and bank.loaded_L == [3]  # 1 evicted, 4 loaded into its slot
+    assert torch.equal(bank.compute(0)([4], [5], x), expert_apply(x, [5], *[t.detach()[[4]] for t in ffn.params()]))
+    assert bank.compute(0)([], [], x[:0]).shape == (0, 4)
+    with pytest.raises(ValueError, match="do not fit 2 slots"):
+        bank.ensure(0, [0, 1, 2])
+    assert bank.row_cost_s() > 0
+
+
+def test_model_moe_call_seam_is_the_models_forward():
+    from commsched.moe.banks import FFNBank
+    from commsched.moe.layer import MoELayer
+    from commsched.moe.model import ModelConfig, MoETransformerLM
+    from commsched.moe.runtime import model_forward, model_weights
+
+    torch.manual_seed(0)
+    model = MoETransformerLM(ModelConfig(d_model=16, n_heads=2, n_layers=4, seq_len=8, d_ff=24, expert_hidden=20,
+                                         num_experts=4, k=2, moe_every=2)).eval()
+    tokens = torch.randint(0, 256, (2, 8))
+    seen = []
+
+    def own(j, layer, h):
+        seen.append((j, isinstance(layer, MoELayer), tuple(h.shape)))
+        return layer(h)[0]
+
+    with torch.no_grad():
+        ref, aux = model(tokens)
+        logits, none = model(tokens, moe_call=own)
+        assert aux is not None and none is None
+        assert torch.equal(logits, ref)
+        assert seen == [(0, True, (2, 8, 16)), (1, True, (2, 8, 16))]
+        bank = FFNBank(model_weights(model), slots=4)
+        twin = model_forward(model, tokens, lambda j, h, e, g, keep: placed_moe_local(h, e, g, bank.reference(j), keep))
+    assert torch.allclose(twin, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_infer_config_from_cli_is_nested():
+    from commsched.moe.infer import build_parser, config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(
+        ["--placement", "oracle", "--slots", "5", "--us-per-row", "3", "--tokens-per-batch", "64",
+         "--checkpoint", "lm.pt", "--batches", "4", "--warmup", "9", "--out", "x"]))
+    assert (cfg.placement.strategy, cfg.placement.slots, cfg.placement.threshold) == ("oracle", 5, 1.0)
+    assert cfg.emulation.us_per_row == 3.0 and cfg.trace.tokens_per_batch == 64
+    assert cfg.model.checkpoint == "lm.pt" and cfg.compute == "emulated" and cfg.warmup == 3
+    with pytest.raises(ValueError, match="--profile-fraction"):
+        config_from_args(build_parser().parse_args(["--profile-fraction", "1", "--out", "x"]))
+    with pytest.raises(ValueError, match="use --compute real"):
+        config_from_args(build_parser().parse_args(["--driver", "model", "--compute", "emulated", "--out", "x"]))
+
+
+def test_infer_metrics_record_holds_the_documented_keys(tmp_path):
+    import json
+
+    from commsched.moe.infer import InferMetrics
+
+    m = InferMetrics(placement="lina", latency_ms={"p50": 1.0, "p95": 2.0, "p99": 3.0, "mean": 1.5},
+                     imbalance=1.25, estimation_accuracy=None, replans=[0.5, 1.0], extra={"world_size": 2})
+    assert InferMetrics.field_names() == ("placement", "latency_ms", "imbalance", "estimation_accuracy", "replans")
+    m.write(tmp_path / "metrics.json")
+    back = json.loads((tmp_path / "metrics.json").read_text())
+    assert back == m.to_dict() and back["replans"] == [0.5, 1.0] and back["world_size"] == 2
+    with pytest.raises(ValueError, match="shadow"):
+        InferMetrics("lina", {}, 1.0, None, [], extra={"imbalance": 2.0}).to_dict()
+
+
 # --------------------------------------------------------------------------- policy (pure)
 def test_relabel_keeps_experts_where_they_are():
     # planned devices hold {0,1}, {2}, {3}; the real devices currently hold {3}, {0, 1}, {2}
@@ -195,32 +277,32 @@ def test_relabel_keeps_experts_where_they_are():
     assert sorted(q2.device_load) == sorted(p2.device_load)
 
 
-def _cfg(strategy, **kw):
+def _policy(strategy, historical_LE=None, **kw):
     base = dict(num_experts=4, num_devices=2, num_layers=2, k=1, slots=3, threshold=1.0)
     base.update(kw)
-    return PolicyConfig(strategy, **base)
+    return strategy_class(strategy)(PolicyConfig(**base), historical_LE)
 
 
 HIST = np.array([[4.0, 3.0, 2.0, 1.0], [1.0, 1.0, 1.0, 5.0]])
 
 
 def test_static_and_eplb_are_fixed_and_load_once():
-    st = PlacementPolicy(_cfg("static"))
+    st = _policy("static")
     p, loads = st.phase1(0)
     assert p.replicas == ((0,), (0,), (1,), (1,)) and loads == ((0, 1), (2, 3))
     d = st.decide(0, p, [1, 1, 1, 9])
     assert d.placement.device_load == (2.0, 10.0) and not d.replanned
     assert st.phase1(0)[1] == ((), ())  # second batch: already resident
-    ep = PlacementPolicy(_cfg("eplb"), HIST)
+    ep = _policy("eplb", HIST)
     p, _ = ep.phase1(1)
     assert p.replica_counts[3] == 2  # the historically hot expert is replicated
     assert ep.decide(1, p, [0, 0, 0, 8]).placement.device_load == (4.0, 4.0)
     with pytest.raises(ValueError, match="historical load"):
-        PlacementPolicy(_cfg("lina"))
+        _policy("lina")
 
 
 def test_oracle_plans_from_actual_and_relabels_to_save_loads():
-    o = PlacementPolicy(_cfg("oracle"))
+    o = _policy("oracle")
     assert o.phase1(0) == (None, ((), ()))
     a = [1.0, 1.0, 1.0, 9.0]
     d1 = o.decide(0, None, a)
@@ -231,7 +313,7 @@ def test_oracle_plans_from_actual_and_relabels_to_save_loads():
 
 
 def test_lina_keeps_phase1_when_estimate_is_right_and_replans_otherwise():
-    pol = PlacementPolicy(_cfg("lina", k=1), HIST)
+    pol = _policy("lina", HIST, k=1)
     est = np.array([0.0, 0.0, 1.0, 9.0])
     p1, loads = pol.phase1(1, est)
     assert p1.replica_counts[3] == 2 and sum(len(x) for x in loads) == sum(len(h) for h in p1.device_experts)
@@ -241,7 +323,7 @@ def test_lina_keeps_phase1_when_estimate_is_right_and_replans_otherwise():
     swap = pol.decide(1, p1, [9, 1, 0, 0], est)  # top-2 {0, 1}: overlap 0 -> re-plan
     assert swap.replanned and swap.overlap == 0.0
     assert swap.placement.replica_counts[0] == 2 and swap.placement.max_load <= 5.0
-    never = PlacementPolicy(_cfg("lina", k=1, threshold=0.0), HIST)
+    never = _policy("lina", HIST, k=1, threshold=0.0)
     q, _ = never.phase1(1, est)
     assert not never.decide(1, q, [9, 1, 0, 0], est).replanned
     # layer 0 has no path: phase 1 plans from the historical load
@@ -251,13 +333,84 @@ def test_lina_keeps_phase1_when_estimate_is_right_and_replans_otherwise():
 
 def test_policy_config_errors_speak():
     with pytest.raises(ValueError, match="strategy must be one of"):
-        _cfg("round-robin")
+        _policy("round-robin")
     with pytest.raises(ValueError, match="raise --slots"):
-        _cfg("lina", slots=1)
+        _policy("lina", slots=1)
     with pytest.raises(ValueError, match="threshold"):
-        _cfg("lina", threshold=1.5)
+        _policy("lina", threshold=1.5)
     with pytest.raises(ValueError, match="planner"):
-        _cfg("lina", online_planner="magic")
+        _policy("lina", online_planner="magic")
+
+
+# one test per strategy class: its properties, phase 1 and decision on a hand-worked layer
+def test_static_strategy_class():
+    from commsched.moe.placement_policy import StaticPlacement
+
+    assert strategy_class("static") is StaticPlacement
+    assert (StaticPlacement.needs_profile, StaticPlacement.loads_online, StaticPlacement.estimates_paths) == (
+        False, False, False)
+    st = _policy("static", HIST)  # a profile is accepted and ignored
+    assert st.historical_LE is None and st.planned_from(0, np.ones(4)) is None
+    p, loads = st.phase1(1, np.array([0.0, 0.0, 0.0, 9.0]))  # an estimate changes nothing
+    assert p.replicas == ((0,), (0,), (1,), (1,)) and loads == ((0, 1), (2, 3))
+    d = st.decide(1, p, [0, 0, 0, 8])
+    assert d.placement.device_load == (0.0, 8.0) and not d.replanned and d.overlap is None
+
+
+def test_eplb_strategy_class():
+    from commsched.moe.placement_policy import EplbPlacement
+
+    assert strategy_class("eplb") is EplbPlacement
+    assert (EplbPlacement.needs_profile, EplbPlacement.loads_online, EplbPlacement.estimates_paths) == (
+        True, False, False)
+    ep = _policy("eplb", HIST)
+    # layer 0 (load 4, 3, 2, 1 over 2 x 3 slots): the full planner balances 5 / 5
+    p0, _ = ep.phase1(0)
+    assert max(p0.device_load) == pytest.approx(5.0) and ep.planned_from(0, None).tolist() == HIST[0].tolist()
+    d = ep.decide(0, p0, [1, 1, 1, 1])
+    assert d.placement.replicas == p0.replicas and not d.replanned and d.loads_N == ((), ())
+    with pytest.raises(ValueError, match=r"\[L, E\] = \[2, 4\]"):
+        _policy("eplb", HIST[:1])
+
+
+def test_lina_strategy_class():
+    from commsched.moe.placement_policy import LinaPlacement
+
+    assert strategy_class("lina") is LinaPlacement
+    assert (LinaPlacement.needs_profile, LinaPlacement.loads_online, LinaPlacement.estimates_paths) == (
+        True, True, True)
+    pol = _policy("lina", HIST, k=1, threshold=0.5)
+    est = np.array([0.0, 0.0, 1.0, 9.0])
+    assert pol.planned_from(1, est).tolist() == est.tolist()
+    assert pol.planned_from(0, None).tolist() == HIST[0].tolist()  # layer 0: the historical load
+    p1, _ = pol.phase1(1, est)
+    half = pol.decide(1, p1, [0, 9, 0, 8], est)  # top-2 {1, 3} vs {3, 2}: overlap 0.5, not below 0.5
+    assert not half.replanned and half.overlap == 0.5
+
+
+def test_oracle_strategy_class():
+    from commsched.moe.placement_policy import OraclePlacement
+
+    assert strategy_class("oracle") is OraclePlacement
+    assert (OraclePlacement.needs_profile, OraclePlacement.loads_online, OraclePlacement.estimates_paths) == (
+        False, True, False)
+    o = _policy("oracle")
+    assert o.phase1(1, np.ones(4)) == (None, ((), ())) and o.planned_from(1, np.ones(4)) is None
+    d = o.decide(1, None, [0.0, 0.0, 0.0, 6.0])
+    assert d.replanned and d.overlap is None and d.placement.replica_counts[3] == 2
+    assert d.placement.device_load == (3.0, 3.0)
+
+
+def test_strategy_table_is_the_cli_choice_list():
+    from commsched.moe.infer import PlacementConfig, build_parser
+    from commsched.moe.placement_policy import STRATEGIES
+
+    assert list(STRATEGIES) == ["static", "eplb", "lina", "oracle"]
+    assert all(c.name == n for n, c in STRATEGIES.items())
+    choices = next(a.choices for a in build_parser()._actions if a.dest == "placement")
+    assert tuple(choices) == tuple(STRATEGIES)
+    with pytest.raises(ValueError, match="--placement must be one of"):
+        PlacementConfig("round-robin")
 
 
 def test_placed_local_twin_is_the_dense_sum():
@@ -278,12 +431,14 @@ def test_placed_local_twin_is_the_dense_sum():
 
 # --------------------------------------------------------------------------- distributed == local
 def _trace_cfg(placement: str, compute: str, tokens_per_batch: int = 96, exchange: str = "pipelined"):
-    from commsched.moe.infer import InferConfig
+    from commsched.moe.infer import EmulationConfig, InferConfig, PlacementConfig, TraceDriverConfig
     from commsched.moe.traces import SyntheticTraceConfig
 
     syn = SyntheticTraceConfig(num_experts=8, num_layers=4, k=2, num_tokens=4096, seq_len=16)
-    return InferConfig(placement=placement, compute=compute, batches=3, warmup=1, us_per_row=0.0, load_ms=0.0,
-                       synthetic=syn, tokens_per_batch=tokens_per_batch, d_model=8, expert_hidden=12, seed=1,
+    return InferConfig(placement=PlacementConfig(placement), compute=compute, batches=3, warmup=1,
+                       emulation=EmulationConfig(us_per_row=0.0, load_ms=0.0),
+                       trace=TraceDriverConfig(synthetic=syn, tokens_per_batch=tokens_per_batch, d_model=8,
+                                               expert_hidden=12), seed=1,
                        exchange=exchange)
 
 
@@ -294,7 +449,8 @@ def _local_layer(bank, j, h, e, g, keep):
 
 
 def _trace_equals_local(rank: int, world: int) -> None:
-    from commsched.moe.infer import build, run, trace_forward
+    from commsched.moe.infer import build, run
+    from commsched.moe.runtime import trace_forward
 
     # pipelined (the default) and the sequential twin; 16 tokens: one sequence, the other ranks idle
     for compute, placement, tpb, exchange in [
@@ -305,10 +461,11 @@ def _trace_equals_local(rank: int, world: int) -> None:
             ("emulated", "oracle", 16, "sequential")]:
         cfg = _trace_cfg(placement, compute, tpb, exchange)
         m = run(cfg, return_outputs=True)
-        drv, _, bank, _, _, _ = build(cfg, rank, world)
+        setup = build(cfg, rank, world)
+        drv, bank = setup.driver, setup.bank
         what = (compute, placement, tpb, exchange)
         for b, y in enumerate(m["outputs"]):
-            x, ex, gate = drv.inputs(b, rank, cfg.d_model)
+            x, ex, gate = drv.inputs(b, rank, cfg.trace.d_model)
             ref = trace_forward(x, ex, gate, functools.partial(_local_layer, bank))
             assert y.shape == ref.shape, what
             if compute == "emulated":  # row-wise arithmetic: bit-exact whatever the placement
@@ -327,14 +484,15 @@ def _trace_equals_local(rank: int, world: int) -> None:
 
 def _model_equals_local(ckpt: str, rank: int, world: int) -> None:
     from commsched.moe.data import load_corpus
-    from commsched.moe.infer import InferConfig, run
+    from commsched.moe.infer import InferConfig, ModelDriverConfig, PlacementConfig, run
     from commsched.moe.record import load_checkpoint
 
     model, _ = load_checkpoint(ckpt)
     corpus = load_corpus(None)
     for placement in ("lina", "oracle"):
-        cfg = InferConfig(placement=placement, driver="model", compute="real", checkpoint=ckpt, batches=2, warmup=0,
-                          batch_size=2, profile_tokens=1024, seed=2)
+        cfg = InferConfig(placement=PlacementConfig(placement), driver="model", compute="real", batches=2,
+                          warmup=0, model=ModelDriverConfig(checkpoint=ckpt, batch_size=2, profile_tokens=1024),
+                          seed=2)
         m = run(cfg, return_outputs=True)
         for b, logits in enumerate(m["outputs"]):
             tokens, _ = corpus.batch(2, model.cfg.seq_len, seed=2, step=b, rank=rank, split="val")

@@ -53,6 +53,14 @@ class ExpertFFN(nn.Module):
         return expert_apply(x_RD, counts_L, *self.params())
 
 
+def expert_ffn(x_RD: torch.Tensor, w1_DH: torch.Tensor, b1_H: torch.Tensor, w2_HD: torch.Tensor,
+               b2_D: torch.Tensor) -> torch.Tensor:
+    """One expert on its rows: ``gelu(x @ w1 + b1) @ w2 + b2``, [R, D] -> [R, D]. The
+    expert arithmetic of the package: the layer, the inference banks and their twins all
+    call it."""
+    return torch.addmm(b2_D, F.gelu(torch.addmm(b1_H, x_RD, w1_DH)), w2_HD)
+
+
 def expert_apply(x_RD: torch.Tensor, counts_L: Sequence[int], w1_LDH: torch.Tensor, b1_LH: torch.Tensor,
                  w2_LHD: torch.Tensor, b2_LD: torch.Tensor) -> torch.Tensor:
     """Apply expert j to its ``counts_L[j]`` consecutive rows of ``x_RD``; returns [R, D]."""
@@ -65,10 +73,9 @@ def expert_apply(x_RD: torch.Tensor, counts_L: Sequence[int], w1_LDH: torch.Tens
     outs, off = [], 0
     for j, n in enumerate(counts_L):
         n = int(n)
-        h = F.gelu(torch.addmm(b1_LH[j], x_RD[off:off + n], w1_LDH[j]))
-        outs.append(torch.addmm(b2_LD[j], h, w2_LHD[j]))
+        outs.append(expert_ffn(x_RD[off:off + n], w1_LDH[j], b1_LH[j], w2_LHD[j], b2_LD[j]))
         off += n
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-__all__ = ["EXPERT_ATTR", "ExpertFFN", "expert_apply", "is_expert_param"]
+__all__ = ["EXPERT_ATTR", "ExpertFFN", "expert_apply", "expert_ffn", "is_expert_param"]

@@ -8,6 +8,12 @@ in every other block), the others are dense. Causal self-attention uses
 ``scaled_dot_product_attention``. ``forward(tokens_BS)`` returns ``(logits_BSV, aux)``
 with ``aux`` the mean load-balancing loss of the MoE layers.
 
+``forward(tokens_BS, moe_call=f)`` is the seam for callers that run the MoE layers
+themselves (the inference runtime places their experts): every MoE block's FFN becomes
+``f(j, layer, h_BSD) -> y_BSD`` (j counts MoE layers from 0, ``layer`` is the block's
+:class:`~commsched.moe.layer.MoELayer`, ``h`` its normalised input); everything else
+is the model's own arithmetic. ``aux`` is then None (the layers' losses are not run).
+
 Parameters are created in a fixed order from the global random stream, so every rank
 that seeds it alike builds identical non-expert weights, and an expert-parallel model
 holds exactly its block of the experts a single-process model holds.
@@ -15,7 +21,9 @@ holds exactly its block of the experts a single-process model holds.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -59,6 +67,10 @@ class ModelConfig:
         return RouterConfig(self.num_experts, self.k, self.capacity_factor)
 
 
+# moe_call(j, layer, h_BSD) -> y_BSD: the caller's MoE layer j (see the module docstring)
+MoECall = Callable[[int, nn.Module, torch.Tensor], torch.Tensor]
+
+
 class Attention(nn.Module):
     def __init__(self, d: int, heads: int):
         super().__init__()
@@ -91,8 +103,12 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(d)
         self.ffn = ffn
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, ffn: Callable[[torch.Tensor], torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``ffn`` replaces the block's own FFN (it returns y alone, no auxiliary loss)."""
         x = x + self.attn(self.ln1(x))
+        if ffn is not None:
+            return x + ffn(self.ln2(x)), None
         y, aux = self.ffn(self.ln2(x))
         return x + y, aux
 
@@ -127,18 +143,26 @@ class MoETransformerLM(nn.Module):
             if hasattr(layer, "close"):
                 layer.close()
 
-    def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens_BS: torch.Tensor, moe_call: MoECall | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits_BSV, mean auxiliary loss of the MoE layers); with ``moe_call`` the MoE
+        layers are the caller's and the loss is None (module docstring)."""
         S = tokens_BS.shape[1]
         if S > self.cfg.seq_len:
             raise ValueError(f"sequence of {S} tokens is longer than the model's seq_len={self.cfg.seq_len}")
         x = self.tok(tokens_BS) + self.pos[:S]
         auxes = []
-        for b in self.blocks:
-            x, aux = b(x)
+        j = 0
+        for i, b in enumerate(self.blocks):
+            ffn = None
+            if moe_call is not None and self.cfg.is_moe(i):
+                ffn = functools.partial(moe_call, j, b.ffn)
+                j += 1
+            x, aux = b(x, ffn)
             if aux is not None:
                 auxes.append(aux)
         logits = self.head(self.ln_f(x))
-        return logits, torch.stack(auxes).mean()
+        return logits, (torch.stack(auxes).mean() if auxes else None)
 
     def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(total loss, language-model cross-entropy) of one batch."""
@@ -147,4 +171,4 @@ class MoETransformerLM(nn.Module):
         return ce + self.cfg.aux_weight * aux, ce
 
 
-__all__ = ["Attention", "Block", "DenseFFN", "ModelConfig", "MoETransformerLM"]
+__all__ = ["Attention", "Block", "DenseFFN", "MoECall", "ModelConfig", "MoETransformerLM"]

@@ -3,11 +3,11 @@
 Legend: E experts, N devices, S slots per device (experts of one layer a device may hold
 at once), L MoE layers, k experts per token.
 
-A :class:`PlacementPolicy` answers, for each MoE layer of each batch, *which devices hold
-which experts*. It has no process group: every rank builds the same policy from the
-same inputs and calls it with the same global numbers (gathered by the runtime), so
-every rank computes the same placement and no placement is ever broadcast. The
-strategies (``STRATEGIES``):
+A placement strategy (a :class:`PlacementStrategy` subclass) answers, for each MoE layer
+of each batch, *which devices hold which experts*. It has no process group: every rank
+builds the same strategy from the same inputs and calls it with the same global numbers
+(gathered by the runtime), so every rank computes the same placement and no placement
+is ever broadcast. The strategies (``STRATEGIES``, name -> class):
 
 * ``static`` -- DeepSpeed's layout, E/N contiguous experts per device, never changes.
 * ``eplb``   -- :func:`~commsched.moe.placement.plan_placement` on the historical mean
@@ -19,6 +19,13 @@ strategies (``STRATEGIES``):
 * ``oracle`` -- planned from the actual load after gating, every layer (the bound a
   runtime can reach; its planning sits on the critical path).
 
+Each class states what the runtime must do for it: ``needs_profile`` (it plans from the
+historical load of a profiling trace), ``loads_online`` (it may plan after gating, so
+experts are loaded during inference), ``estimates_paths`` (its phase 1 is planned one
+layer ahead from the popularity estimator's path estimate and prefetched; the phase-2
+threshold and the path length apply). A new strategy is one subclass and one entry in
+``STRATEGIES``.
+
 Plans made once before inference (eplb) use ``planner`` (default the full
 ``plan_placement``); plans made during inference (lina's phases, oracle) use
 ``online_planner`` (default the EPLB-style greedy: about 15x faster than the full
@@ -29,22 +36,22 @@ from host memory); a new placement loads the experts a device lacks and evicts t
 ones it no longer holds. Devices are interchangeable, so before a new plan is used its
 device labels are permuted (:func:`relabel`) to keep as many experts where they already
 are as possible; that lowers the number of loads without changing any device's load.
-The policy tracks every device's resident set, so all ranks agree on it too.
+The strategy tracks every device's resident set, so all ranks agree on it too.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import numpy as np
 
 from .placement import Placement, device_loads, greedy_placement, plan_placement, static_placement
 from .popularity import DEFAULT_REPLAN_THRESHOLD, phase2_decision
 
-STRATEGIES = ("static", "eplb", "lina", "oracle")
 PLANNERS: dict[str, Callable[..., Placement]] = {
     "full": plan_placement,
     "greedy": greedy_placement,
@@ -55,7 +62,12 @@ __all__ = [
     "PLANNERS",
     "PolicyConfig",
     "LayerDecision",
-    "PlacementPolicy",
+    "PlacementStrategy",
+    "StaticPlacement",
+    "EplbPlacement",
+    "LinaPlacement",
+    "OraclePlacement",
+    "strategy_class",
     "relabel",
     "placement_digest",
     "default_slots",
@@ -69,14 +81,13 @@ def default_slots(num_experts: int, num_devices: int) -> int:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """What a :class:`PlacementPolicy` needs besides the profile.
+    """What a placement strategy needs besides the profile.
 
-    strategy: one of :data:`STRATEGIES`; slots: S (experts of one layer per device);
-    threshold: phase-2 re-plan threshold on the top-2k overlap (lina);
-    planner / online_planner: names in :data:`PLANNERS` (before / during inference).
+    slots: S (experts of one layer per device); threshold: phase-2 re-plan threshold on
+    the top-2k overlap (lina); planner / online_planner: names in :data:`PLANNERS`
+    (before / during inference).
     """
 
-    strategy: str
     num_experts: int
     num_devices: int
     num_layers: int
@@ -87,8 +98,6 @@ class PolicyConfig:
     online_planner: str = "greedy"
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"placement strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         for name in ("num_experts", "num_devices", "num_layers", "k", "slots"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -97,8 +106,6 @@ class PolicyConfig:
             raise ValueError(f"{self.num_devices} devices x {self.slots} slots cannot hold "
                              f"{self.num_experts} experts: raise --slots to at least "
                              f"{math.ceil(self.num_experts / self.num_devices)}")
-        if self.strategy == "static" and self.slots < math.ceil(self.num_experts / self.num_devices):
-            raise ValueError("static needs ceil(E/N) slots per device")
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold is a fraction in [0, 1], got {self.threshold}")
         for name in ("planner", "online_planner"):
@@ -157,38 +164,41 @@ def relabel(p: Placement, resident_N: Sequence[set[int] | frozenset[int]],
     return Placement(replicas, tuple(float(x) for x in dl), p.slots_per_device)
 
 
-class PlacementPolicy:
-    """One run's placement decisions (see the module docstring).
+class PlacementStrategy(ABC):
+    """One run's placement decisions (see the module docstring); subclasses are the
+    strategies. Call, per layer of each batch: :meth:`phase1` before gating (None for
+    strategies that plan only after it), then :meth:`decide` after gating. Layers are
+    independent: phase 1 of layer j+1 may run while layer j is decided.
 
-    historical_LE: [L, E] mean load per layer from profiling (eplb plans from it; lina uses
-    it for layer 0, which has no path to estimate from). Call, per layer of each batch:
-    :meth:`phase1` before gating (None for oracle), then :meth:`decide` after gating.
-    Layers are independent: phase 1 of layer j+1 may run while layer j is decided.
+    historical_LE: [L, E] mean load per layer from profiling, required when
+    ``needs_profile`` (eplb plans from it; lina uses it for layer 0, which has no path
+    to estimate from), ignored otherwise.
     """
+
+    name: ClassVar[str]
+    needs_profile: ClassVar[bool] = False    # plans from the historical load of a profile
+    loads_online: ClassVar[bool] = False     # may plan after gating: loads during inference
+    estimates_paths: ClassVar[bool] = False  # phase 1 from the path estimate, one layer ahead
 
     def __init__(self, cfg: PolicyConfig, historical_LE: np.ndarray | None = None) -> None:
         self.cfg = cfg
-        E, N, L, S = cfg.num_experts, cfg.num_devices, cfg.num_layers, cfg.slots
-        if cfg.strategy in ("eplb", "lina"):
+        E, N, L = cfg.num_experts, cfg.num_devices, cfg.num_layers
+        self.historical_LE: np.ndarray | None = None
+        if self.needs_profile:
             if historical_LE is None:
-                raise ValueError(f"strategy {cfg.strategy!r} needs the historical load of a profile")
+                raise ValueError(f"strategy {self.name!r} needs the historical load of a profile")
             hist = np.asarray(historical_LE, dtype=np.float64)
             if hist.shape != (L, E):
                 raise ValueError(f"historical load must be [L, E] = [{L}, {E}], got {hist.shape}")
             self.historical_LE = hist
-        else:
-            self.historical_LE = None
         self._plan = PLANNERS[cfg.planner]
         self._online = PLANNERS[cfg.online_planner]
-        self.fixed: list[Placement] | None = None
-        if cfg.strategy == "static":
-            st = static_placement(E, N, slots_per_device=S)
-            self.fixed = [st] * L
-        elif cfg.strategy == "eplb":
-            self.fixed = [self._plan(self.historical_LE[j], N, S) for j in range(L)]
         self.resident: list[list[frozenset[int]]] = [[frozenset()] * N for _ in range(L)]
 
     # ---------------------------------------------------------------- loads
+    def _no_loads(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(() for _ in range(self.cfg.num_devices))
+
     def _commit(self, layer: int, p: Placement) -> tuple[tuple[int, ...], ...]:
         """Make ``p`` the resident layout of ``layer``; return the experts each device loads."""
         held = p.device_experts
@@ -196,49 +206,127 @@ class PlacementPolicy:
         self.resident[layer] = [frozenset(h) for h in held]
         return loads
 
-    def _fit(self, layer: int, p: Placement, load_E) -> Placement:
-        return relabel(p, self.resident[layer], load_E)
+    def _replan(self, layer: int, load_E: np.ndarray) -> tuple[Placement, tuple[tuple[int, ...], ...]]:
+        """An online plan from ``load_E``, relabelled and made resident, with its loads."""
+        cfg = self.cfg
+        p = relabel(self._online(load_E, cfg.num_devices, cfg.slots), self.resident[layer], load_E)
+        return p, self._commit(layer, p)
 
     # ---------------------------------------------------------------- phases
-    def estimate(self, layer: int) -> np.ndarray | None:
-        """The load lina's phase 1 assumes for ``layer`` when no path estimate exists
-        (layer 0): the historical mean (only its shape matters to the planner)."""
-        return None if self.historical_LE is None else self.historical_LE[layer]
-
+    @abstractmethod
     def phase1(self, layer: int, estimated_E: Sequence[float] | np.ndarray | None = None
                ) -> tuple[Placement | None, tuple[tuple[int, ...], ...]]:
         """Before gating: the placement planned for ``layer`` and the experts each device
-        must load for it (prefetched while the previous layer runs). Static and eplb
-        return their fixed layout; lina plans from ``estimated_E`` (default: the
-        historical load); oracle returns (None, no loads)."""
-        s = self.cfg.strategy
-        N = self.cfg.num_devices
-        if s == "oracle":
-            return None, tuple(() for _ in range(N))
-        if s in ("static", "eplb"):
-            p = self.fixed[layer]  # type: ignore[index]
-            return p, self._commit(layer, p)
-        est = self.estimate(layer) if estimated_E is None else np.asarray(estimated_E, dtype=np.float64)
-        p = self._fit(layer, self._online(est, N, self.cfg.slots), est)
-        return p, self._commit(layer, p)
+        must load for it (None and no loads when the strategy plans only after gating)."""
 
+    @abstractmethod
     def decide(self, layer: int, phase1: Placement | None, actual_E: Sequence[float] | np.ndarray,
                estimated_E: Sequence[float] | np.ndarray | None = None) -> LayerDecision:
         """After gating: the placement used for ``layer`` given its actual load (device
         loads of the result are the actual ones), and the loads on the critical path."""
-        s, N, S = self.cfg.strategy, self.cfg.num_devices, self.cfg.slots
-        actual = np.asarray(actual_E, dtype=np.float64)
-        none = tuple(() for _ in range(N))
-        if s in ("static", "eplb"):
-            assert phase1 is not None
-            return LayerDecision(phase1.with_load(actual), False, None, none)
-        if s == "oracle":
-            p = self._fit(layer, self._online(actual, N, S), actual)
-            return LayerDecision(p, True, None, self._commit(layer, p))
+
+    def planned_from(self, layer: int, estimated_E: np.ndarray | None) -> np.ndarray | None:
+        """The load ``layer``'s placement was planned from before gating (its estimation
+        accuracy compares it with the actual load), or None if it had none."""
+        return None
+
+
+class _FixedPlacement(PlacementStrategy):
+    """A layout per layer made before inference: loaded once, never changed."""
+
+    def __init__(self, cfg: PolicyConfig, historical_LE: np.ndarray | None = None) -> None:
+        super().__init__(cfg, historical_LE)
+        self.fixed: list[Placement] = [self._layout(j) for j in range(cfg.num_layers)]
+
+    @abstractmethod
+    def _layout(self, layer: int) -> Placement:
+        """The fixed layout of ``layer``."""
+
+    def phase1(self, layer, estimated_E=None):
+        p = self.fixed[layer]
+        return p, self._commit(layer, p)
+
+    def decide(self, layer, phase1, actual_E, estimated_E=None):
+        assert phase1 is not None, f"{self.name} decides on its fixed layout"
+        return LayerDecision(phase1.with_load(np.asarray(actual_E, dtype=np.float64)), False, None,
+                             self._no_loads())
+
+
+class StaticPlacement(_FixedPlacement):
+    """DeepSpeed's layout: E/N contiguous experts per device."""
+
+    name = "static"
+
+    def _layout(self, layer):
+        cfg = self.cfg
+        return static_placement(cfg.num_experts, cfg.num_devices, slots_per_device=cfg.slots)
+
+
+class EplbPlacement(_FixedPlacement):
+    """``planner`` on the historical mean load of each layer, fixed for the run."""
+
+    name = "eplb"
+    needs_profile = True
+
+    def _layout(self, layer):
+        return self._plan(self.historical_LE[layer], self.cfg.num_devices, self.cfg.slots)
+
+    def planned_from(self, layer, estimated_E):
+        return self.historical_LE[layer]
+
+
+class LinaPlacement(PlacementStrategy):
+    """Phase 1 from the path estimate (layer 0: the historical load), phase 2 re-plans
+    from the actual load when the top-2k overlap falls below ``threshold``."""
+
+    name = "lina"
+    needs_profile = True
+    loads_online = True
+    estimates_paths = True
+
+    def estimate(self, layer: int, estimated_E=None) -> np.ndarray:
+        """The load phase 1 assumes for ``layer``: ``estimated_E``, or when no path
+        estimate exists (layer 0) the historical mean (only its shape matters to the
+        planner)."""
+        return self.historical_LE[layer] if estimated_E is None else np.asarray(estimated_E, dtype=np.float64)
+
+    def phase1(self, layer, estimated_E=None):
+        return self._replan(layer, self.estimate(layer, estimated_E))
+
+    def decide(self, layer, phase1, actual_E, estimated_E=None):
         assert phase1 is not None, "lina needs its phase-1 placement"
-        est = self.estimate(layer) if estimated_E is None else np.asarray(estimated_E, dtype=np.float64)
-        d = phase2_decision(est, actual, self.cfg.k, self.cfg.threshold)
+        actual = np.asarray(actual_E, dtype=np.float64)
+        d = phase2_decision(self.estimate(layer, estimated_E), actual, self.cfg.k, self.cfg.threshold)
         if not d.replan:
-            return LayerDecision(phase1.with_load(actual), False, d.overlap, none)
-        p = self._fit(layer, self._online(actual, N, S), actual)
-        return LayerDecision(p, True, d.overlap, self._commit(layer, p))
+            return LayerDecision(phase1.with_load(actual), False, d.overlap, self._no_loads())
+        p, loads = self._replan(layer, actual)
+        return LayerDecision(p, True, d.overlap, loads)
+
+    def planned_from(self, layer, estimated_E):
+        return self.estimate(layer, estimated_E)
+
+
+class OraclePlacement(PlacementStrategy):
+    """Planned from the actual load after gating, every layer."""
+
+    name = "oracle"
+    loads_online = True
+
+    def phase1(self, layer, estimated_E=None):
+        return None, self._no_loads()
+
+    def decide(self, layer, phase1, actual_E, estimated_E=None):
+        p, loads = self._replan(layer, np.asarray(actual_E, dtype=np.float64))
+        return LayerDecision(p, True, None, loads)
+
+
+STRATEGIES: dict[str, type[PlacementStrategy]] = {
+    c.name: c for c in (StaticPlacement, EplbPlacement, LinaPlacement, OraclePlacement)
+}
+
+
+def strategy_class(name: str) -> type[PlacementStrategy]:
+    """The strategy called ``name`` in :data:`STRATEGIES`."""
+    if name not in STRATEGIES:
+        raise ValueError(f"placement strategy must be one of {tuple(STRATEGIES)}, got {name!r}")
+    return STRATEGIES[name]
