@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 
 from ..quant.assign import AssignmentProblem, Channel, group_messages, meta_bytes, solve_problem
+from ..results import median
 from .runner import Workload
 
 
@@ -129,7 +130,7 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
         gtb = median_of(rs, "gap_to_bound")
         gain = median_of(rs, "gain_over_greedy")
         statuses = ", ".join(sorted({r["status"] for r in rs}))
-        lines.append(f"| {v} | {np.median(walls):.3f} | {min(walls):.3f} | {max(walls):.3f} | "
+        lines.append(f"| {v} | {median(walls):.3f} | {min(walls):.3f} | {max(walls):.3f} | "
                      f"{'-' if gap is None else f'{gap:.2e}'} | "
                      f"{'-' if gtb is None else f'{gtb:.2e}'} | "
                      f"{'-' if gain is None else f'{gain:.2e}'} | {statuses} |")

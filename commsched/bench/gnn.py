@@ -16,11 +16,11 @@ and the histogram of assigned widths.
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 from ..gnn.modes import MODE_NAMES
 from ..quant.reference import BITS
+from ..results import median
 from .plots import pyplot, save_figure
 from .runner import Variant, Workload, median_of
 
@@ -117,7 +117,7 @@ def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> 
         if base:
             # per-repeat ratios (repeat k of vanilla against repeat k of this variant: interleaved)
             rat = [b["epoch_time_s"] / x["epoch_time_s"] for b, x in zip(base, rs)]
-            r["speedup_vs_vanilla"] = statistics.median(rat) if rat else None
+            r["speedup_vs_vanilla"] = median(rat)
             r["speedup_per_repeat"] = rat
         noc = runs.get(f"{model}-nocomm")
         if noc and mode != "nocomm":

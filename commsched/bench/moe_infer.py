@@ -27,15 +27,16 @@ expert per layer.
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 import numpy as np
 
+from ..moe.placement_policy import STRATEGIES
+from ..results import median
 from .plots import pyplot, save_figure
 from .runner import Variant, Workload, median_of
 
-VARIANTS = ("static", "eplb", "lina", "oracle")
+VARIANTS = tuple(STRATEGIES)  # one variant per placement strategy
 DEFAULTS = {
     "driver": "trace", "compute": "emulated", "batches": 22, "warmup": 2, "tokens_per_batch": 2048,
     "us_per_row": 100.0, "load_ms": 1.0, "d_model": 64, "experts": 16, "layers": 12, "k": 2,
@@ -203,7 +204,7 @@ def _summarize(runs: dict[str, list[dict]], args: argparse.Namespace, out: Path)
         extra["plots"] = [str(plot_heatmap(runs, out / "heatmap.png"))]
     except Exception as e:  # noqa: BLE001 - a plot must not lose the measured summary
         extra["plot_error"] = f"{type(e).__name__}: {e}"
-    breakdown = {v: {k: statistics.median([r["breakdown_s"][k] for r in rs]) for k in rs[0]["breakdown_s"]}
+    breakdown = {v: {k: median([r["breakdown_s"][k] for r in rs]) for k in rs[0]["breakdown_s"]}
                  for v, rs in runs.items() if rs and "breakdown_s" in rs[0]}
     extra["breakdown_ms"] = {v: {k: 1e3 * x for k, x in b.items()} for v, b in breakdown.items()}
     return extra

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
+from ..priority.policy import DEFAULT_CREDIT_MICROOPS, ScheduleConfig
+from ..results import median
 from .plots import pyplot, save_figure
 from .runner import Variant, Workload, median_of
 
@@ -32,10 +33,12 @@ from .runner import Variant, Workload, median_of
 # every other block MoE, 4 experts (one per rank), 800 Mbit/s shared by the 4 ranks -- the
 # all-to-all is about a third of a fifo step, as in Lina's setting.
 DEFAULT_BANDWIDTH = "800mbit"
+_SCHED = ScheduleConfig()  # the schedule's own defaults
 DEFAULTS = {
     "steps": 10, "warmup": 3, "batch_size": 8, "seq_len": 128, "d_model": 256, "heads": 4, "layers": 4,
     "d_ff": 1024, "expert_hidden": 1024, "experts": 4, "k": 1, "moe_every": 2, "chunks": 4,
-    "microop_bytes": 256 << 10, "credit_bytes": None, "bucket_bytes": 1 << 20, "ds_stage": 2,
+    "microop_bytes": _SCHED.microop_bytes, "credit_bytes": None, "bucket_bytes": _SCHED.bucket_bytes,
+    "ds_stage": 2,
     "allreduce_threads": 8,
 }
 
@@ -157,7 +160,7 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
             return None
         rs = [_ratio(x.get(key), y.get(key)) for x, y in zip(runs[a], runs[b])]
         rs = [r for r in rs if r is not None]
-        return statistics.median(rs) if rs else None
+        return median(rs)
 
     rows = [
         ("step time: deepspeed / lina (goal >= 1.4)", rep_ratio("deepspeed", "lina", "step_time_s"), "x"),
@@ -211,7 +214,7 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
                 f"non-expert gradients {sizes.get('non_expert_grad_bytes', 0) / 2**20:.2f} MiB; "
                 f"all-to-all payload {sizes.get('a2a_payload_bytes_per_step', 0) / 2**20:.2f} MiB per rank per step; "
                 f"lina: {args.chunks} chunks, micro-ops of {args.microop_bytes} B, credit "
-                f"{args.credit_bytes if args.credit_bytes is not None else '8 micro-ops'}; fifo buckets {args.bucket_bytes} B; "
+                f"{args.credit_bytes if args.credit_bytes is not None else f'{DEFAULT_CREDIT_MICROOPS} micro-ops'}; fifo buckets {args.bucket_bytes} B; "
                 f"allreduce group: {args.allreduce_threads} gloo threads")
     return {"extra_tables": {"Lina against fifo and DeepSpeed (medians of per-repeat ratios)": "\n".join(lines),
                              "Loss curves": "\n".join(loss_lines),

@@ -18,7 +18,6 @@ since on a shared machine the wall clock also counts time spent waiting for a co
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 from typing import Callable
@@ -33,6 +32,7 @@ from ..quant.codec import (
     quantize,
     unpack_groups,
 )
+from ..results import median
 from .runner import Workload
 
 GOALS = {"quantize_vs_clone": 1.5, "dequantize_vs_clone": 1.0}
@@ -83,7 +83,7 @@ def measure(rows: int, dim: int, widths: tuple[int, ...], rounds: int, *, impl: 
                 for k, v in zip(s, (cw, cc, qw, qc, dw, dc, iw, ic)):
                     s[k].append(v)
             say(f"[bench quant] round {r + 1}/{rounds}")
-        med = statistics.median
+        med = median
         out = {}
         for name, s in samples.items():
             def ratio(a: str, b: str, s=s) -> float:
@@ -128,7 +128,7 @@ def _inline(args: argparse.Namespace, out_dir: Path, say: Callable[[str], None])
 
 
 def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
-    med = statistics.median
+    med = median
     lines = ["| variant | clone GB/s | quantize GB/s | dequantize GB/s | quantize / clone | "
              "dequantize / clone | (CPU time) quantize / clone | (CPU time) dequantize / clone | "
              "dequantize into existing / clone |",

@@ -65,6 +65,7 @@ from ..all2all import all_to_all, exchange_segments
 from ..dist import all_gather_object, broadcast_object
 from ..quant.codec import dequantize_rows, payload_bytes, quantize_rows
 from ..quant.reference import BITS
+from ..results import median
 from .adaqp_plan import (
     SCHEMES,
     AdaQPOptions,
@@ -309,7 +310,7 @@ class AdaQPExchange(HaloExchange):
         predicted exchange time since the last assignment (1 without measurements)."""
         if not self._measured:
             return dict(self.link_costs)
-        ratio = float(np.median([m / p for p, m in self._measured]))
+        ratio = median(m / p for p, m in self._measured)
         return {p: (th * ratio, ga) for p, (th, ga) in self.link_costs.items()}
 
     def reassign(self, epoch: int) -> None:
