@@ -10,9 +10,10 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -48,11 +49,65 @@ def comm_guard(what: str, group=None) -> Iterator[None]:
         raise CommError(f"rank {_rank()}: {what} failed: {hint}: {cause}") from e
 
 
-def default_backend() -> str:
+DEVICE_CHOICES = ("auto", "cpu", "cuda")  # the --device of every entry point
+
+
+class DistInfo(NamedTuple):
+    """What :func:`init_distributed` returns: this rank, the world size, the device the job
+    computes on (``cuda:LOCAL_RANK`` or ``cpu``)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+def choose_device(choice: str, *, cuda_available: bool, device_count: int,
+                  local_rank: int | None, local_world_size: int | None) -> tuple[str, str]:
+    """The device a rank runs on, and why (pure: the caller supplies what it found).
+
+    ``cpu``: the CPU. ``cuda``: ``cuda:LOCAL_RANK``; a ValueError when CUDA is missing or
+    there are more local ranks than GPUs (NCCL needs one GPU per rank). ``auto``: CUDA when
+    every local rank has its own GPU, else the CPU.
+    """
+    if choice not in DEVICE_CHOICES:
+        raise ValueError(f"--device must be one of {DEVICE_CHOICES}, got {choice!r}")
+    lr = local_rank or 0
+    lws = local_world_size or 1
+    if choice == "cpu":
+        return "cpu", "--device cpu"
+    if choice == "cuda":
+        if not cuda_available or device_count < 1:
+            raise ValueError("--device cuda: CUDA is not available here (torch.cuda.is_available() "
+                             "is False); run with --device cpu or auto")
+        if lws > device_count:
+            raise ValueError(f"--device cuda: {lws} local ranks but {device_count} GPU(s); each rank "
+                             "needs its own GPU (NCCL refuses two ranks on one device): start at most "
+                             f"{device_count} processes per node, or use --device cpu")
+        return f"cuda:{lr}", f"--device cuda: GPU {lr} of {device_count}"
+    if not cuda_available or device_count < 1:
+        return "cpu", "--device auto: no CUDA device, running on the CPU"
+    if lws > device_count:
+        return "cpu", (f"--device auto: {lws} local ranks share {device_count} GPU(s), running on "
+                       "the CPU (gloo)")
+    return f"cuda:{lr}", f"--device auto: GPU {lr} of {device_count}"
+
+
+def resolve_device(choice: str = "auto") -> tuple[torch.device, str]:
+    """:func:`choose_device` for this process (torch's CUDA view, torchrun's environment)."""
+    env = read_env()
+    name, why = choose_device(choice, cuda_available=torch.cuda.is_available(),
+                              device_count=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                              local_rank=env.local_rank, local_world_size=env.local_world_size)
+    return torch.device(name), why
+
+
+def default_backend(device: torch.device | None = None) -> str:
+    """``COMMSCHED_BACKEND`` when set; else gloo for a CPU job and ``cpu:gloo,cuda:nccl`` for
+    a CUDA job (NCCL carries the CUDA tensors, gloo the small CPU control tensors)."""
     env = read_env()
     if env.backend:
         return env.backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return "cpu:gloo,cuda:nccl" if device is not None and device.type == "cuda" else "gloo"
 
 
 def prepare_process_group_import() -> None:
@@ -67,18 +122,29 @@ def prepare_process_group_import() -> None:
     import torch._dynamo  # noqa: F401
 
 
-def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> tuple[int, int]:
+def init_distributed(backend: str | None = None, timeout_s: float | None = None,
+                     device: str | torch.device = "auto", *, say=None) -> DistInfo:
     """Initialise the default process group from torchrun's environment.
 
-    Returns (rank, world_size). Works without torchrun too (single process, world 1).
-    Idempotent: an already initialised group is kept.
+    ``device`` is ``auto``, ``cpu``, ``cuda`` (see :func:`choose_device`) or a
+    ``torch.device``; a CUDA device is made current before the group is created, and the
+    backend follows it (:func:`default_backend`). Returns ``DistInfo(rank, world_size,
+    device)``. Works without torchrun too (single process, world 1). Idempotent: an
+    already initialised group is kept. ``say`` (default: a line on stderr from rank 0)
+    hears which device ``auto`` chose.
     """
+    if isinstance(device, torch.device):
+        dev, why = device, f"device {device}"
+    else:
+        dev, why = resolve_device(device)
     if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return DistInfo(dist.get_rank(), dist.get_world_size(), dev)
     prepare_process_group_import()
     env = read_env()
     t = timeout_s if timeout_s is not None else env.timeout_s
-    backend = backend or default_backend()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    backend = backend or default_backend(dev)
     if env.world_size is None:
         # single process without torchrun: a private file store, world of one
         import tempfile
@@ -89,9 +155,9 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
                                 timeout=datetime.timedelta(seconds=t))
     else:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=t))
-    if backend == "nccl" and env.local_rank is not None:
-        torch.cuda.set_device(env.local_rank)
-    return dist.get_rank(), dist.get_world_size()
+    if device == "auto" and dist.get_rank() == 0:
+        (say or (lambda m: print(f"commsched: {m}", file=sys.stderr, flush=True)))(why)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), dev)
 
 
 GLOO_THREADED = "commsched_gloo"  # a gloo backend with a chosen number of worker threads

@@ -72,3 +72,51 @@ def test_gloo_devices_follow_gloo_socket_ifname(monkeypatch):
         gloo_devices()  # the variable is read: a missing interface is an error, as in torch
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     assert len(gloo_devices()) == 1
+
+
+def test_choose_device_auto_cpu_cuda():
+    from commsched.dist import choose_device
+
+    no_gpu = dict(cuda_available=False, device_count=0, local_rank=0, local_world_size=4)
+    assert choose_device("cpu", **no_gpu)[0] == "cpu"
+    dev, why = choose_device("auto", **no_gpu)
+    assert dev == "cpu" and "no CUDA" in why
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        choose_device("cuda", **no_gpu)
+    one_gpu = dict(cuda_available=True, device_count=1, local_rank=2, local_world_size=4)
+    dev, why = choose_device("auto", **one_gpu)  # 4 ranks share one GPU: CPU, and it says so
+    assert dev == "cpu" and "4 local ranks share 1 GPU" in why
+    with pytest.raises(ValueError, match="4 local ranks but 1 GPU"):
+        choose_device("cuda", **one_gpu)
+    enough = dict(cuda_available=True, device_count=8, local_rank=3, local_world_size=4)
+    assert choose_device("auto", **enough)[0] == "cuda:3"
+    assert choose_device("cuda", **enough)[0] == "cuda:3"
+    assert choose_device("auto", cuda_available=True, device_count=1, local_rank=None,
+                         local_world_size=None)[0] == "cuda:0"  # no torchrun: one process
+    with pytest.raises(ValueError, match="--device must be one of"):
+        choose_device("tpu", **enough)
+
+
+def test_backend_follows_the_device(monkeypatch):
+    import torch
+
+    from commsched.dist import default_backend
+
+    monkeypatch.delenv("COMMSCHED_BACKEND", raising=False)
+    assert default_backend(torch.device("cpu")) == "gloo"
+    assert default_backend(torch.device("cuda:0")) == "cpu:gloo,cuda:nccl"
+    monkeypatch.setenv("COMMSCHED_BACKEND", "gloo")
+    assert default_backend(torch.device("cuda:0")) == "gloo"
+
+
+def test_clock_on_cpu_is_the_host_clock():
+    import time
+
+    from commsched.clock import Clock
+
+    c = Clock("cpu")
+    a = c.mark()
+    time.sleep(0.01)
+    b = c.mark()
+    assert c.seconds(a, b) >= 0.009
+    c.sync()

@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"commsched.gnn.train: {e}", file=sys.stderr)
         return 2
-    rank, world = init_distributed()
+    rank, world, _ = init_distributed()
     if mode_spec(cfg.mode).timing_only and rank == 0:
         print("commsched.gnn.train: --mode nocomm is TIMING ONLY: remote rows are replaced by "
               "zeros, so the model trained is wrong; it measures the no-communication limit",
