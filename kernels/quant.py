@@ -39,9 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-# the reference's constants (kept literal here: a jit function sees only constexprs)
-_RANGE_MIN = 2.0**-100
-_FLT_MAX = 3.4028234663852886e38
+# the reference's constants, as constexprs: Triton's code generator (>= 3.0) refuses plain
+# Python globals inside jit code; the interpreter does not, so only a compile shows it
+_RANGE_MIN = tl.constexpr(2.0**-100)
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -231,5 +232,38 @@ def unpack_dequantize(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int
     return out
 
 
-__all__ = ["quantize_pack", "quantize_pack_kernel", "unpack_dequantize",
+# --------------------------------------------------------------------------- ahead-of-time compile
+# argument types of the kernels' runtime arguments (the launchers pass exactly these)
+_SIGNATURES = {
+    "quantize_pack_kernel": {"x_ptr": "*fp32", "payload_ptr": "*u8", "meta_ptr": "*fp32", "N": "i32",
+                             "D": "i32", "B": "i32", "stride_x": "i32", "stride_p": "i32",
+                             "row0": "i64", "key": "i64"},
+    "unpack_dequantize_kernel": {"payload_ptr": "*u8", "meta_ptr": "*fp32", "out_ptr": "*fp32",
+                                 "N": "i32", "D": "i32", "B": "i32", "stride_p": "i32",
+                                 "stride_o": "i32"},
+}
+
+
+def compile_for_target(bits: int, dim: int, *, arch: int = 90, warp_size: int = 32) -> dict:
+    """Compile both kernels, for ``bits`` and rows of ``dim`` values, through Triton's whole
+    code generator (TTIR -> PTX -> cubin with the wheel's ptxas) for CUDA compute capability
+    ``arch``; no GPU is needed. Returns ``{kernel name: compiled kernel}`` (``.asm`` holds
+    ``ptx`` and ``cubin``). The interpreter skips the code generator, so only this proves
+    the kernels build for a real GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    bits = _check_bits(bits)
+    rows, block_b = _tiles((dim * bits + 7) // 8)
+    target = GPUTarget("cuda", arch, warp_size)
+    out = {}
+    for fn in (quantize_pack_kernel, unpack_dequantize_kernel):
+        name = fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__
+        sig = dict(_SIGNATURES[name], BITS="constexpr", ROWS="constexpr", BLOCK_B="constexpr")
+        src = ASTSource(fn, sig, constexprs={"BITS": bits, "ROWS": rows, "BLOCK_B": block_b})
+        out[name] = triton.compile(src, target=target, options={"enable_fp_fusion": False})
+    return out
+
+
+__all__ = ["compile_for_target", "quantize_pack", "quantize_pack_kernel", "unpack_dequantize",
            "unpack_dequantize_kernel"]

@@ -142,3 +142,40 @@ def test_launcher_validation(K):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         K.unpack_dequantize(torch.empty(0, 2, dtype=torch.uint8), torch.empty(0, 2), 2, 8)
+
+
+@pytest.fixture(scope="module")
+def compiled_module():
+    """The kernels module as a GPU build sees it (real ``@triton.jit`` functions, no
+    interpreter), forgotten afterwards with the environment restored."""
+    before = os.environ.pop("TRITON_INTERPRET", None)
+    sys.modules.pop(_MODULE, None)
+    try:
+        mod = importlib.import_module(_MODULE)
+        assert type(mod.quantize_pack_kernel).__name__ == "JITFunction"
+        yield mod
+    finally:
+        sys.modules.pop(_MODULE, None)
+        if before is not None:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_kernels_compile_to_cubin_for_sm90(compiled_module, bits):
+    # the whole code generator (the interpreter skips it): TTIR -> PTX -> cubin via ptxas
+    built = compiled_module.compile_for_target(bits, 37, arch=90)
+    assert set(built) == {"quantize_pack_kernel", "unpack_dequantize_kernel"}
+    for name, k in built.items():
+        assert len(k.asm["cubin"]) > 1000, name
+        ptx = k.asm["ptx"]
+        assert ".target sm_90" in ptx
+        assert "fma.rn.f32" not in ptx, name  # enable_fp_fusion=False: no contracted multiply-add
+    # the spec's IEEE division (not the approximate default) survives code generation
+    assert "div.rn.f32" in built["quantize_pack_kernel"].asm["ptx"]
+
+
+def test_compile_catches_a_non_constexpr_global(compiled_module, monkeypatch):
+    # what the interpreter let through before: a plain float global read inside jit code
+    monkeypatch.setattr(compiled_module, "_FLT_MAX", 3.4028234663852886e38)
+    with pytest.raises(Exception, match="_FLT_MAX"):
+        compiled_module.compile_for_target(8, 5)
