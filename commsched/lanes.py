@@ -1,8 +1,15 @@
 """Named execution lanes (compute, communication, quantization) with record/wait events.
 
-On CUDA a lane is a stream: ``submit`` launches the work on the lane's stream and
-returns an event-backed :class:`LaneEvent`; ``event.wait()`` makes the *current* stream
-wait for it (no host sync) and returns the work's result.
+On CUDA a lane is a stream: ``submit`` makes the lane's stream wait for the work queued so
+far on the caller's stream, launches the work on the lane's stream and returns an
+event-backed :class:`LaneEvent`; ``event.wait()`` makes the current stream *of the lane's
+device* wait for it (no host sync) and returns the work's result. Memory follows the
+caching allocator's rule for side streams: every tensor handed to the work, and every
+tensor it returns, is marked with ``record_stream`` for the stream that uses it, so its
+memory is not reused while that stream may still read it.
+
+On every device an exception raised by the work reaches whoever waits for its event
+(``wait()`` re-raises it), never the submitter.
 
 On CPU a lane other than ``compute`` is one worker thread that runs submitted work in
 order, so communication (and quantization) progress in the background while the
@@ -24,13 +31,29 @@ import torch
 DEFAULT_LANES = ("compute", "comm", "quant")
 
 
-class LaneEvent:
-    """Completion of one piece of lane work; ``wait()`` returns its result."""
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors in ``obj`` (a tensor, or lists, tuples and dict values of them, nested)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in tensors_in(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in tensors_in(o)]
+    return []
 
-    def __init__(self, future: Future | None = None, cuda_event=None, value: Any = None):
+
+class LaneEvent:
+    """Completion of one piece of lane work; ``wait()`` returns its result or raises its
+    exception."""
+
+    def __init__(self, future: Future | None = None, cuda_event=None, value: Any = None,
+                 error: BaseException | None = None, device: torch.device | None = None):
         self._future, self._cuda_event, self._value = future, cuda_event, value
+        self._error, self._device = error, device
 
     def done(self) -> bool:
+        if self._error is not None:
+            return True
         if self._future is not None:
             return self._future.done()
         if self._cuda_event is not None:
@@ -38,10 +61,16 @@ class LaneEvent:
         return True
 
     def wait(self) -> Any:
+        if self._error is not None:
+            raise self._error
         if self._future is not None:
             return self._future.result()
         if self._cuda_event is not None:
-            torch.cuda.current_stream().wait_event(self._cuda_event)
+            consumer = torch.cuda.current_stream(self._device)
+            consumer.wait_event(self._cuda_event)
+            for t in tensors_in(self._value):
+                if t.device.type == "cuda":
+                    t.record_stream(consumer)  # made on the lane's stream, read on this one
         return self._value
 
 
@@ -107,13 +136,22 @@ class Lanes:
         if self._cuda:
             s = self._streams[lane]
             s.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(s):
-                value = fn(*args, **kwargs)
+            for t in tensors_in((args, kwargs)):
+                if t.device.type == "cuda":
+                    t.record_stream(s)  # the caller's tensor is read on the lane's stream
+            with torch.cuda.device(self.device), torch.cuda.stream(s):
+                try:
+                    value = fn(*args, **kwargs)
+                except Exception as e:  # handed to the waiter, like a worker thread's
+                    return LaneEvent(error=e)
                 ev = torch.cuda.Event()
                 ev.record(s)
-            return LaneEvent(cuda_event=ev, value=value)
+            return LaneEvent(cuda_event=ev, value=value, device=self.device)
         if lane == "compute":
-            return LaneEvent(value=fn(*args, **kwargs))
+            try:
+                return LaneEvent(value=fn(*args, **kwargs))
+            except Exception as e:
+                return LaneEvent(error=e)
         return LaneEvent(future=self._workers[lane].submit(fn, *args, **kwargs))
 
     def record(self, lane: str = "compute") -> LaneEvent:

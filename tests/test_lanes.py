@@ -53,3 +53,35 @@ def test_lane_errors_reach_the_waiter_and_bad_names_are_refused():
             lanes.submit("gpu-magic", lambda: None)
     with pytest.raises(ValueError, match="compute"):
         Lanes("cpu", names=("comm",))
+
+
+def test_compute_lane_errors_also_reach_the_waiter_not_the_submitter():
+    with Lanes("cpu") as lanes:
+        ev = lanes.submit("compute", lambda: 1 / 0)  # inline, but the error waits for wait()
+        assert ev.done()
+        with pytest.raises(ZeroDivisionError):
+            ev.wait()
+
+
+def test_tensors_in_finds_nested_tensors():
+    from commsched.lanes import tensors_in
+
+    a, b, c = torch.ones(1), torch.zeros(2), torch.ones(3)
+    found = tensors_in(((a, [b, 7]), {"k": c, "s": "x"}))
+    assert [t.shape for t in found] == [a.shape, b.shape, c.shape]
+    assert tensors_in(None) == [] and tensors_in(a) == [a]
+
+
+@pytest.mark.cuda
+def test_cuda_lane_orders_work_and_keeps_memory_alive():
+    dev = torch.device("cuda")
+    with Lanes(dev) as lanes:
+        x = torch.randn(1 << 20, device=dev)
+        ev = lanes.submit("comm", lambda t: t * 2, x)
+        del x  # the caller drops its reference: the lane's stream still owns the memory
+        y = ev.wait()  # the current stream waits for the lane; y is recorded on it
+        torch.cuda.synchronize()
+        assert torch.isfinite(y).all()
+        bad = lanes.submit("comm", lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            bad.wait()
