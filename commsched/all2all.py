@@ -17,14 +17,14 @@ same exchange with send and receive counts swapped.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .dist import CommError, comm_guard
+from .clock import Clock
+from .dist import CommError, comm_guard, control_device
 
 PATTERNS = ("direct", "ring")
 
@@ -121,11 +121,11 @@ def make_plan(send_counts: Sequence[int], *, group=None, rows: int | None = None
     head = [status, len(counts), _DTYPE_CODES.get(dtype, 0) if dtype is not None else 0,
             -1 if row_numel is None else int(row_numel), -1 if rows is None else int(rows)]
     body = counts if status == _OK else [0] * P
-    mine = torch.tensor(head + body, dtype=torch.int64)
+    mine = torch.tensor(head + body, dtype=torch.int64, device=control_device(group))
     allv = [torch.empty_like(mine) for _ in range(P)]
     with comm_guard("exchanging all_to_all counts", group):
         dist.all_gather(allv, mine, group=group)
-    M = torch.stack(allv)  # [P, 5 + P]
+    M = torch.stack(allv).cpu()  # [P, 5 + P]; read on the host once
     bad = [(r, int(M[r, 0])) for r in range(P) if int(M[r, 0]) != _OK]
     if bad:
         why = {
@@ -168,6 +168,8 @@ class CommStats:
     round_time_s: list[float] = field(default_factory=list)
     calls: int = 0
     time_s: float = 0.0
+    # CUDA intervals not yet added: (round or None for the whole call, start event, end event)
+    _pending: list = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         P = self.world_size
@@ -178,11 +180,36 @@ class CommStats:
     def reset(self) -> None:
         self.__init__(self.world_size)  # type: ignore[misc]
 
+    def add_time(self, round_i: int | None, a, b) -> None:
+        """Add the interval from mark ``a`` to mark ``b`` (:class:`commsched.clock.Clock`
+        marks) to round ``round_i`` (None: the call's total). Host times are added now;
+        CUDA events when :meth:`settle` is called, so recording never blocks the host."""
+        if isinstance(a, float):
+            self._add(round_i, b - a)
+        else:
+            self._pending.append((round_i, a, b))
+
+    def _add(self, round_i: int | None, dt: float) -> None:
+        if round_i is None:
+            self.time_s += dt
+        else:
+            self.round_time_s[round_i] += dt
+
+    def settle(self) -> "CommStats":
+        """Add the CUDA intervals recorded so far (waits for their end events); a no-op on
+        the CPU. :meth:`as_dict` settles first."""
+        for round_i, a, b in self._pending:
+            b.synchronize()
+            self._add(round_i, a.elapsed_time(b) / 1e3)
+        self._pending.clear()
+        return self
+
     @property
     def total_bytes_sent(self) -> int:
         return sum(self.bytes_sent)
 
     def as_dict(self) -> dict:
+        self.settle()
         return {"calls": self.calls, "time_s": self.time_s, "bytes_sent": list(self.bytes_sent),
                 "bytes_recv": list(self.bytes_recv), "round_time_s": list(self.round_time_s)}
 
@@ -218,12 +245,13 @@ def _check_x(x: torch.Tensor, plan: A2APlan) -> None:
 
 def _ring(x: torch.Tensor, out: torch.Tensor, plan: A2APlan, group, stats: CommStats | None) -> None:
     so, ro, me = plan.send_offsets, plan.recv_offsets, plan.rank
-    t0 = time.perf_counter()
+    clock = Clock(x.device)
+    t0 = clock.mark()
     out[ro[me]:ro[me + 1]].copy_(x[so[me]:so[me + 1]])
     if stats is not None:
-        stats.round_time_s[0] += time.perf_counter() - t0
+        stats.add_time(0, t0, clock.mark())
     for i, (dst, src) in enumerate(plan.ring_rounds(), start=1):
-        t = time.perf_counter()
+        t = clock.mark()
         reqs = []
         with comm_guard(f"all_to_all ring round {i} (send to rank {dst}, receive from rank {src})", group):
             if plan.send_counts[dst] > 0:
@@ -233,7 +261,7 @@ def _ring(x: torch.Tensor, out: torch.Tensor, plan: A2APlan, group, stats: CommS
             for r in reqs:
                 r.wait()
         if stats is not None:
-            stats.round_time_s[i] += time.perf_counter() - t
+            stats.add_time(i, t, clock.mark())
 
 
 def _exchange(x: torch.Tensor, plan: A2APlan, group, pattern: str,
@@ -246,7 +274,7 @@ def _exchange(x: torch.Tensor, plan: A2APlan, group, pattern: str,
 class _RawHandle:
     """An exchange in flight; ``_finish`` blocks until the received tensor is complete."""
 
-    def __init__(self, out: torch.Tensor, plan: A2APlan, stats: CommStats | None, t0: float,
+    def __init__(self, out: torch.Tensor, plan: A2APlan, stats: CommStats | None, t0,
                  work=None, thread: threading.Thread | None = None, err: list | None = None,
                  what: str = "all_to_all"):
         self.out, self.plan, self.stats, self.t0 = out, plan, stats, t0
@@ -263,10 +291,10 @@ class _RawHandle:
                 if self._err:
                     raise self._err[0]
             if self.stats is not None:
-                dt = time.perf_counter() - self.t0
-                self.stats.time_s += dt
+                end = Clock(self.out.device).mark()
+                self.stats.add_time(None, self.t0, end)
                 if self._work is not None:
-                    self.stats.round_time_s[0] += dt
+                    self.stats.add_time(0, self.t0, end)
             self._done = True
         return self.out
 
@@ -287,7 +315,7 @@ def _start(x: torch.Tensor, plan: A2APlan, group, pattern: str, stats: CommStats
     out = x.new_empty((plan.total_recv, *x.shape[1:]))
     row_bytes = _row_numel(x) * x.element_size()
     _record_bytes(stats, plan, row_bytes)
-    t0 = time.perf_counter()
+    t0 = Clock(x.device).mark()
     if plan.world_size == 1:
         out.copy_(x)
         return _RawHandle(out, plan, stats, t0)
@@ -301,9 +329,15 @@ def _start(x: torch.Tensor, plan: A2APlan, group, pattern: str, stats: CommStats
         return _RawHandle(out, plan, stats, t0)
     err: list = []
 
+    stream = torch.cuda.current_stream(x.device) if x.device.type == "cuda" else None
+
     def run() -> None:
         try:
-            _ring(x, out, plan, group, stats)
+            if stream is None:
+                _ring(x, out, plan, group, stats)
+            else:  # the caller's device and stream, not the thread's defaults
+                with torch.cuda.device(x.device), torch.cuda.stream(stream):
+                    _ring(x, out, plan, group, stats)
         except BaseException as e:  # re-raised in the caller's thread by wait()
             err.append(e)
 
@@ -438,8 +472,10 @@ def _split_segments(buf_B: torch.Tensor, layout: SegmentLayout) -> list[list[tor
     return out
 
 
-def pack_segments(send_segments: Sequence[Sequence[torch.Tensor]]) -> tuple[torch.Tensor, SegmentLayout]:
-    """Concatenate per-peer byte segments into one uint8 buffer, peers in rank order."""
+def pack_segments(send_segments: Sequence[Sequence[torch.Tensor]], *,
+                  device: torch.device | str | None = None) -> tuple[torch.Tensor, SegmentLayout]:
+    """Concatenate per-peer byte segments into one uint8 buffer, peers in rank order
+    (on the segments' device; on ``device``, default the CPU, when there are none)."""
     flat, sizes = [], []
     for p, segs in enumerate(send_segments):
         row = []
@@ -450,22 +486,25 @@ def pack_segments(send_segments: Sequence[Sequence[torch.Tensor]]) -> tuple[torc
             flat.append(t)
             row.append(t.numel())
         sizes.append(tuple(row))
-    buf = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+    buf = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
     return buf, SegmentLayout(tuple(sizes))
 
 
 def exchange_segments(send_segments: Sequence[Sequence[torch.Tensor]], recv_layout: SegmentLayout,
                       *, group=None, pattern: str = "direct", stats: CommStats | None = None,
-                      async_op: bool = False, validate: bool = False):
+                      async_op: bool = False, validate: bool = False,
+                      device: torch.device | str | None = None):
     """Send several byte segments per peer as one message per peer.
 
     ``send_segments[p]`` is the list of 1-D uint8 tensors for rank p; ``recv_layout``
     the sizes this rank expects from each peer. Returns ``recv[p][s]`` (views into one
     buffer), or a handle whose ``wait()`` returns it when ``async_op``. With
     ``validate`` the byte counts are checked against the peers' (one small all_gather),
-    which is worth doing the first time a layout is used.
+    which is worth doing the first time a layout is used. ``device`` is where the buffer
+    lives when this rank sends no segment at all (pass the job's device on CUDA: NCCL
+    needs a CUDA buffer on every rank).
     """
-    buf, send_layout = pack_segments(send_segments)
+    buf, send_layout = pack_segments(send_segments, device=device)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     if len(send_layout.sizes) != len(recv_layout.sizes):
         raise ValueError(f"{len(send_layout.sizes)} peers in send_segments but "

@@ -110,6 +110,18 @@ def default_backend(device: torch.device | None = None) -> str:
     return "cpu:gloo,cuda:nccl" if device is not None and device.type == "cuda" else "gloo"
 
 
+def control_device(group=None) -> torch.device:
+    """Where small control tensors (counts, flags, headers) of ``group`` live: the CPU when
+    its backend carries CPU tensors (gloo, or ``cpu:gloo,cuda:nccl``), else the current
+    CUDA device (NCCL alone carries only CUDA tensors)."""
+    if not dist.is_initialized():
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend and "cpu" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def prepare_process_group_import() -> None:
     """Import ``torch._dynamo`` before the default process group is made.
 

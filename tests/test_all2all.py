@@ -206,3 +206,34 @@ def test_segment_layout_validation():
     with pytest.raises(ValueError):
         SegmentLayout(((1, -2),))
     assert SegmentLayout(((1, 2), (3,))).peer_totals() == (3, 3)
+
+
+def test_commstats_defers_device_intervals_until_settled():
+    from commsched.all2all import CommStats
+
+    class FakeEvent:  # the part of torch.cuda.Event that CommStats uses
+        def __init__(self, ms):
+            self.ms, self.synced = ms, False
+
+        def synchronize(self):
+            self.synced = True
+
+        def elapsed_time(self, other):
+            return other.ms - self.ms
+
+    st = CommStats(3)
+    st.add_time(None, 1.0, 1.5)  # host marks: added at once
+    st.add_time(2, 0.25, 0.5)
+    assert st.time_s == 0.5 and st.round_time_s == [0.0, 0.0, 0.25]
+    a, b = FakeEvent(10.0), FakeEvent(30.0)
+    st.add_time(0, a, b)  # device marks: recorded, not waited for
+    assert st.round_time_s[0] == 0.0 and not b.synced
+    d = st.as_dict()  # settles first
+    assert b.synced and d["round_time_s"] == [0.02, 0.0, 0.25]
+    assert st.settle().round_time_s[0] == 0.02  # settled once
+
+
+def test_control_device_is_the_cpu_on_gloo():
+    from commsched.dist import control_device
+
+    assert control_device().type == "cpu"  # no process group: the CPU
