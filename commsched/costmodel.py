@@ -63,16 +63,22 @@ def fit_link_cost(nbytes: Sequence[float], times_s: Sequence[float]) -> LinkCost
 
 
 def probe_link_costs(group=None, sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20, 1 << 22),
-                     repeats: int = 3) -> dict[int, LinkCost]:
+                     repeats: int = 3, device=None) -> dict[int, LinkCost]:
     """Time paired exchanges with every peer in ring order and fit a LinkCost per peer.
 
     Collective: every rank of ``group`` must call it. Returns {peer rank: LinkCost}
     as seen from this rank (time of round i is charged to the peer it sends to).
+    ``device`` (default the CPU) holds the probe buffers: the device the real messages use.
+    On CUDA each round is timed up to a device synchronisation, since NCCL's ``wait()``
+    returns at enqueue.
     """
     import torch.distributed as dist
 
     from .dist import comm_guard
 
+    from .clock import Clock
+
+    clock = Clock(device if device is not None else "cpu")
     P, me = dist.get_world_size(group), dist.get_rank(group)
     samples: dict[int, tuple[list[float], list[float]]] = {p: ([], []) for p in range(P) if p != me}
 
@@ -80,8 +86,8 @@ def probe_link_costs(group=None, sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 
         return r if group is None else dist.get_global_rank(group, r)
 
     for nb in sizes:
-        buf = torch.zeros(nb, dtype=torch.uint8)
-        rbuf = torch.empty(nb, dtype=torch.uint8)
+        buf = torch.zeros(nb, dtype=torch.uint8, device=device)
+        rbuf = torch.empty(nb, dtype=torch.uint8, device=device)
         for rep in range(repeats + 1):  # first repetition warms the connection up
             for i in range(1, P):
                 dst, src = (me + i) % P, (me - i) % P
@@ -92,6 +98,7 @@ def probe_link_costs(group=None, sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 
                     r = dist.irecv(rbuf, g(src), group=group)
                     s.wait()
                     r.wait()
+                    clock.sync()
                     dt = time.perf_counter() - t
                 if rep > 0:
                     samples[dst][0].append(nb)
