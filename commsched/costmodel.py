@@ -74,9 +74,8 @@ def probe_link_costs(group=None, sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 
     """
     import torch.distributed as dist
 
-    from .dist import comm_guard
-
     from .clock import Clock
+    from .dist import comm_guard
 
     clock = Clock(device if device is not None else "cpu")
     P, me = dist.get_world_size(group), dist.get_rank(group)
