@@ -453,3 +453,22 @@ def test_two_hosts_two_processes_all_to_all(tmp_path):
     assert s["meta"]["hosts"] == 2 and s["meta"]["bandwidth"] == "200mbit"
     assert "2 per host x 2 hosts = 4 ranks" in (tmp_path / "summary.md").read_text()
     assert "--nnodes=2" in s["meta"]["variant_commands"]["direct"]
+
+
+def test_bench_context_refuses_emulation_for_nccl():
+    # tc shapes gloo's TCP; a CUDA job's NCCL traffic would pass unshaped
+    with pytest.raises(EmulationUnavailable, match="gloo's TCP traffic only.*--device cpu"):
+        bench_context(_workload(), ["--bandwidth", "1gbit", "--device", "cuda"], euid=0,
+                      which=ALL_TOOLS, cuda_available=True)
+    with pytest.raises(EmulationUnavailable, match="--device auto may run NCCL"):
+        bench_context(_workload(), ["--bandwidth", "1gbit"], euid=0, which=ALL_TOOLS,
+                      cuda_available=True)
+    ctx, rest = bench_context(_workload(), ["--bandwidth", "1gbit", "--device", "cpu"], euid=0,
+                              which=ALL_TOOLS, cuda_available=True)
+    assert ctx.rate_bps == 10**9 and rest == ["--device", "cpu"]  # --device stays for the workload
+    ctx, _ = bench_context(_workload(), ["--bandwidth", "1gbit"], euid=0, which=ALL_TOOLS,
+                           cuda_available=False)  # auto without CUDA: gloo, emulated
+    assert ctx.rate_bps == 10**9
+    wl = Workload("w", "d", ("x",), variants=lambda a: [], default_bandwidth="300mbit")
+    ctx, _ = bench_context(wl, [], euid=0, which=ALL_TOOLS, cuda_available=True)
+    assert ctx.rate_bps is None and "may run NCCL" in ctx.note

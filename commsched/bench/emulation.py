@@ -50,9 +50,21 @@ def netem_prefix(rate_bps: int | None, hosts: int = 1, delay_ms: float | None = 
     return cmd + ["--"]
 
 
+def _torch_has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def nccl_possible(device: str, has_cuda: bool) -> bool:
+    """Whether variants run with ``--device device`` may use NCCL (so tc cannot shape them)."""
+    return device == "cuda" or (device == "auto" and has_cuda)
+
+
 def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int | None = None,
                   which: Callable[[str], str | None] = shutil.which,
-                  probe_delay: Callable[[], bool] | None = None):
+                  probe_delay: Callable[[], bool] | None = None,
+                  cuda_available: bool | None = None):
     """Take ``--bandwidth RATE``, ``--hosts K`` and ``--delay MS`` out of a bench command
     line; return ``(RunContext, remaining argv)``.
 
@@ -61,7 +73,10 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
     (never a silent unshaped run). Without ``--bandwidth``, a workload's
     ``default_bandwidth`` is used when emulation is available; otherwise the run is
     unshaped and the context's note says so. ``--bandwidth none`` asks for no shaping.
-    In hosts mode ``--nproc`` is the number of processes per host.
+    In hosts mode ``--nproc`` is the number of processes per host. Emulation needs the
+    variants on gloo: with ``--device cuda`` (or ``auto`` where CUDA is present) it is
+    refused, and a default regime does not apply. ``cuda_available`` overrides what torch
+    reports (for tests).
     """
     wl = workload
     name = wl.name if wl is not None else "WORKLOAD"
@@ -70,6 +85,11 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
     p.add_argument("--hosts", type=int, default=None)
     p.add_argument("--delay", type=float, default=None)
     ns, rest = p.parse_known_args(list(argv))
+    # the workload's own --device, read but left in place: tc shapes gloo's TCP only
+    peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    peek.add_argument("--device", default="auto")
+    device = peek.parse_known_args(rest)[0].device
+    nccl = nccl_possible(device, _torch_has_cuda() if cuda_available is None else cuda_available)
     flags = tuple(a for k, v in (("--bandwidth", ns.bandwidth), ("--hosts", ns.hosts), ("--delay", ns.delay))
                   if v is not None for a in (k, str(v)))
     rate = parse_optional_rate(ns.bandwidth)
@@ -82,7 +102,10 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
     inline = wl is not None and wl.inline is not None
     notes = []
     if ns.bandwidth is None and wl is not None and wl.default_bandwidth:
-        if inline:
+        if nccl:
+            notes.append(f"the workload's default regime ({wl.default_bandwidth}) does not apply: "
+                         f"--device {device} may run NCCL, which the emulator cannot shape")
+        elif inline:
             notes.append(f"the workload's default regime ({wl.default_bandwidth}) does not apply: "
                          "it runs inline in this process")
         elif problem is None:
@@ -98,6 +121,11 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
     if inline:
         raise ValueError(f"workload {name!r} runs inline in this process; --bandwidth, --hosts and "
                          "--delay apply only to workloads whose variants run under torchrun")
+    if nccl:
+        raise EmulationUnavailable(
+            f"bandwidth emulation shapes gloo's TCP traffic only, and --device {device} may run "
+            "NCCL (NVLink, shared memory or InfiniBand, which tc cannot shape): add --device cpu "
+            "to emulate a link, or drop --bandwidth/--hosts/--delay")
     if problem:
         raise EmulationUnavailable(f"{problem}. commsched bench refuses --bandwidth/--hosts/--delay "
                                    "rather than run unshaped; drop them for an unshaped run")
