@@ -27,7 +27,15 @@ import torch
 import torch.distributed as dist
 
 from ..all2all import A2APlan, all_to_all
-from ..dist import all_gather_object, barrier, comm_guard, init_distributed
+from ..clock import Clock
+from ..dist import (
+    DEVICE_CHOICES,
+    all_gather_object,
+    barrier,
+    comm_guard,
+    control_device,
+    init_distributed,
+)
 from ..results import write_json
 from .netem_check import local_ipv4_addresses
 from .runner import Variant, Workload, median_of
@@ -91,7 +99,8 @@ def link_bytes(host_P: list[int], nbytes: int) -> tuple[int, int]:
 
 
 def measure(pattern: str, size: int, min_time_s: float, max_iters: int,
-            host_P: list[int] | None = None, rate_bps: int | None = None) -> dict:
+            host_P: list[int] | None = None, rate_bps: int | None = None, *,
+            device: torch.device | str = "cpu") -> dict:
     """Exchange time and throughputs for ``size`` bytes per ordered rank pair.
 
     ``time_s`` is the median over iterations of the exchange's span: from the first rank
@@ -99,13 +108,16 @@ def measure(pattern: str, size: int, min_time_s: float, max_iters: int,
     monotonic clock). ``rank_time_s`` is the older, looser figure: each rank's median own
     time, max over ranks; a rank that starts late finds data already delivered, so for
     small messages it flatters the link. ``host_P`` (host of each rank) adds the
-    inter-host figures, ``rate_bps`` the ratio to the emulated rate.
+    inter-host figures, ``rate_bps`` the ratio to the emulated rate. The rows live on
+    ``device``; on CUDA each exchange is timed up to a device synchronisation (NCCL returns
+    at enqueue), and the stop flag and stamps stay on the CPU (gloo's side of the group).
     """
     P, me = dist.get_world_size(), dist.get_rank()
     rows = max(1, size // 4)
     counts = [rows] * P
     plan = A2APlan(tuple(counts), tuple(counts), me)
-    x = torch.randn(rows * P, 1)
+    clock, ctl = Clock(device), control_device()
+    x = torch.randn(rows * P, 1).to(device)
     all_to_all(x, plan, pattern=pattern)  # warm-up
     stamps = []  # (start, end) of each exchange on this rank, monotonic clock
     t_start = time.perf_counter()
@@ -113,18 +125,20 @@ def measure(pattern: str, size: int, min_time_s: float, max_iters: int,
         barrier(f"aligning ranks before a {pattern} exchange")
         t = time.monotonic()
         all_to_all(x, plan, pattern=pattern)
+        clock.sync()
         stamps.append((t, time.monotonic()))
         # all ranks agree on when to stop
-        flag = torch.tensor([1 if time.perf_counter() - t_start > min_time_s and i >= 2 else 0])
+        flag = torch.tensor([1 if time.perf_counter() - t_start > min_time_s and i >= 2 else 0],
+                            device=ctl)
         with comm_guard("agreeing when to stop measuring"):
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if flag.item():
             break
-    st_I2 = torch.tensor(stamps, dtype=torch.float64)
+    st_I2 = torch.tensor(stamps, dtype=torch.float64, device=ctl)
     everyone = [torch.empty_like(st_I2) for _ in range(P)]
     with comm_guard("gathering the exchange timestamps"):
         dist.all_gather(everyone, st_I2)
-    st_PI2 = torch.stack(everyone)
+    st_PI2 = torch.stack(everyone).cpu()
     span_I = st_PI2[:, :, 1].max(dim=0).values - st_PI2[:, :, 0].min(dim=0).values
     t = span_I.median().item()
     rank_t = (st_PI2[:, :, 1] - st_PI2[:, :, 0]).median(dim=1).values.max().item()
@@ -151,17 +165,19 @@ def main(argv=None) -> None:
     p.add_argument("--max-iters", type=int, default=50)
     p.add_argument("--rate-bps", type=int, default=None,
                    help="the emulated link rate (bits/s), to report the achieved share of it")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]
     patterns = a.patterns.split(",")
-    init_distributed()
+    device = init_distributed(device=a.device).device
     me = dist.get_rank()
     addrs = all_gather_object(local_ipv4_addresses(), "gathering the ranks' addresses")
     host_P = host_of_ranks(addrs)
     loop = loopback_socket_MBps() if me == 0 else 0.0
     barrier("aligning ranks after the loopback probe")
-    results = {pat: [measure(pat, s, a.min_time, a.max_iters, host_P, a.rate_bps) for s in sizes]
+    results = {pat: [measure(pat, s, a.min_time, a.max_iters, host_P, a.rate_bps, device=device)
+                     for s in sizes]
                for pat in patterns}
     if me == 0:
         best = max((results[pat][-1] for pat in patterns), key=lambda r: r["throughput_MBps"])
@@ -183,10 +199,13 @@ def main(argv=None) -> None:
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default=None, help="bytes per peer, comma-separated")
     p.add_argument("--min-time", type=float, default=1.0)
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="where the exchanged rows live (each variant's --device)")
 
 
 def _variants(args) -> list[Variant]:
-    extra = (["--sizes", args.sizes] if args.sizes else []) + ["--min-time", str(args.min_time)]
+    extra = ((["--sizes", args.sizes] if args.sizes else [])
+             + ["--min-time", str(args.min_time), "--device", args.device])
     if getattr(args, "rate_bps", None):
         extra += ["--rate-bps", str(args.rate_bps)]
     return [Variant(pat, "commsched.bench.all2all", ("--patterns", pat, *extra)) for pat in ("direct", "ring")]

@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from ..clock import Clock
+from ..dist import DEVICE_CHOICES, resolve_device
 from ..quant.codec import (
     GroupLayout,
     dequantize,
@@ -38,20 +40,28 @@ from .runner import Workload
 GOALS = {"quantize_vs_clone": 1.5, "dequantize_vs_clone": 1.0}
 
 
-def _timed(fn: Callable[[], object]) -> tuple[float, float, object]:
+def _timed(fn: Callable[[], object], clock: Clock | None = None) -> tuple[float, float, object]:
+    """(wall seconds, CPU seconds of this thread, result); on CUDA the wall time runs to a
+    device synchronisation (kernels return at launch)."""
+    clock = clock or Clock("cpu")
+    clock.sync()
     w, c = time.perf_counter(), time.thread_time()
     out = fn()
+    clock.sync()
     return time.perf_counter() - w, time.thread_time() - c, out
 
 
 def measure(rows: int, dim: int, widths: tuple[int, ...], rounds: int, *, impl: str = "auto",
-            mixed: bool = True, say: Callable[[str], None] = print) -> dict[str, dict]:
-    """{variant: metrics}; variants ``b2``, ``b4``, ``b8`` (as asked) and ``mixed``."""
+            mixed: bool = True, say: Callable[[str], None] = print,
+            device: torch.device | str = "cpu") -> dict[str, dict]:
+    """{variant: metrics}; variants ``b2``, ``b4``, ``b8`` (as asked) and ``mixed``. The
+    message lives on ``device`` (the codec's ``auto`` then picks Triton on CUDA)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(rows, dim, generator=g)
+        x = torch.randn(rows, dim, generator=g).to(device)
+        clock = Clock(device)
         gb = x.numel() * 4 / 1e9
         third = rows // 3
         layout = GroupLayout(dim, (third, third, rows - 2 * third), (2, 4, 8))
@@ -76,10 +86,10 @@ def measure(rows: int, dim: int, widths: tuple[int, ...], rounds: int, *, impl: 
         for r in range(rounds):
             for name, (enc, dec, dec_into) in ops.items():
                 s = samples[name]
-                cw, cc, _ = _timed(lambda: x.clone())
-                qw, qc, q = _timed(enc)
-                dw, dc, _ = _timed(lambda dec=dec, q=q: dec(q))
-                iw, ic, _ = _timed(lambda dec_into=dec_into, q=q: dec_into(q))
+                cw, cc, _ = _timed(lambda: x.clone(), clock)
+                qw, qc, q = _timed(enc, clock)
+                dw, dc, _ = _timed(lambda dec=dec, q=q: dec(q), clock)
+                iw, ic, _ = _timed(lambda dec_into=dec_into, q=q: dec_into(q), clock)
                 for k, v in zip(s, (cw, cc, qw, qc, dw, dc, iw, ic)):
                     s[k].append(v)
             say(f"[bench quant] round {r + 1}/{rounds}")
@@ -117,14 +127,17 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds per repeat")
     p.add_argument("--impl", default="auto", help="codec implementation (auto, eager, compiled, reference)")
     p.add_argument("--no-mixed", action="store_true", help="skip the multi-width pack/unpack variant")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="cpu",
+                   help="where the message lives (auto: CUDA when present)")
 
 
 def _inline(args: argparse.Namespace, out_dir: Path, say: Callable[[str], None]) -> dict[str, dict]:
     widths = tuple(int(w) for w in args.widths.split(","))
     if args.rows < 1 or args.dim < 1 or args.rounds < 1:
         raise ValueError("--rows, --dim and --rounds must be >= 1")
+    device, _ = resolve_device(args.device)
     return measure(args.rows, args.dim, widths, args.rounds, impl=args.impl,
-                   mixed=not args.no_mixed, say=say)
+                   mixed=not args.no_mixed, say=say, device=device)
 
 
 def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
