@@ -335,9 +335,7 @@ def build(cfg: InferConfig, rank: int, world: int, device: torch.device | str = 
         E, k = model.cfg.num_experts, model.cfg.k
         L = len(model.moe_layers())
         S = pc.slots or default_slots(E, world)
-        bank = FFNBank(model_weights(model), S, device=device)  # host copies taken before the move
-        if device.type != "cpu":
-            model = model.to(device)
+        bank = FFNBank(model_weights(model), S, device=device)  # host copies: the CPU model's weights
         corpus = load_corpus(mc.corpus)
         if mc.profile_trace:
             profile = load_trace(mc.profile_trace)
@@ -348,6 +346,8 @@ def build(cfg: InferConfig, rank: int, world: int, device: torch.device | str = 
         if profile is not None and (profile.num_experts, profile.num_layers, profile.k) != (E, L, k):
             raise ValueError(f"the profile trace has E={profile.num_experts}, L={profile.num_layers}, "
                              f"k={profile.k}; the model E={E}, L={L}, k={k}")
+        if device.type != "cpu":  # after the profile (recorded on the CPU, where the corpus is)
+            model = model.to(device)
         drv = corpus
     pcfg = PolicyConfig(E, world, L, k, S, pc.threshold, pc.planner, pc.online_planner)
     est = hist = None
