@@ -635,9 +635,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         raise SystemExit(f"commsched.moe.infer: {e}") from None
     torch.set_num_threads(1)
-    info = init_distributed(device=cfg.device_choice)
-    if cfg.device == "auto" and cfg.compute == "emulated" and info.rank == 0:
-        print("commsched.moe.infer: --compute emulated runs on the CPU (--device auto)", file=sys.stderr, flush=True)
+    try:
+        info = init_distributed(device=cfg.device_choice)
+    except ValueError as e:  # --device cuda without (enough) GPUs
+        raise SystemExit(f"commsched.moe.infer: {e}") from None
+    if cfg.device == "auto" and cfg.compute == "emulated" and info.rank == 0 and torch.cuda.is_available():
+        print("commsched.moe.infer: --compute emulated runs on the CPU (the emulated accelerator); "
+              "--compute real computes on the GPU", file=sys.stderr, flush=True)
     try:
         m = run(cfg, a.out, device=info.device)
         if dist.get_rank() == 0:
