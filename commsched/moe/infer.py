@@ -42,6 +42,11 @@ Two drivers:
 * ``--driver model`` runs a trained MoE language model (``--checkpoint``, written by
   ``python -m commsched.moe.record``) on held-out text, real expert FFNs.
 
+``--device auto|cpu|cuda`` (default auto) chooses where the experts compute: on CUDA the
+bank's slots, the rows and the index tensors live on the GPU and loads are asynchronous
+copies on a copy stream (docs/moe_inference.md, "Devices"); ``--compute emulated``
+always runs on the CPU.
+
 This module is the entry point: the run's configuration (:class:`InferConfig` and its
 nested sub-configs), :func:`build`, :func:`run`, the metrics (:class:`InferMetrics`) and
 the CLI. Steps 2-5 are :class:`~commsched.moe.runtime.Runtime`; the experts are an
