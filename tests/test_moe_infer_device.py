@@ -41,6 +41,68 @@ def test_ffn_bank_on_the_cpu_loads_by_copy_and_equals_the_reference():
     assert bank.row_cost_s(rows=16, reps=2) > 0
 
 
+class _Stream:
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def wait_event(self, ev) -> None:
+        self.log.append((self.name, "wait", ev.n))
+
+
+class _Event:
+    count = 0
+
+    def __init__(self, log: list, *a, **kw):
+        _Event.count += 1
+        self.n, self.log = _Event.count, log
+
+    def record(self, stream) -> None:
+        self.log.append((stream.name, "record", self.n))
+
+
+def test_ffn_bank_cuda_ordering_of_loads_and_computations(monkeypatch):
+    # the CUDA branch of the bank with CPU tensors and recording stand-ins for streams and
+    # events: loads are non-blocking copies on the copy stream, which first waits for the
+    # compute stream's last use of the layer; an event after the copies; the compute stream
+    # waits for the loads of the slots it reads (each event once) and records its use
+    import contextlib
+
+    from commsched.moe.banks import FFNBank
+
+    log: list = []
+    compute = _Stream("compute", log)
+    _Event.count = 0
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **kw: _Event(log))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    copy_ = torch.Tensor.copy_
+
+    def spy(self, src, non_blocking=False):
+        log.append(("copy", "copy_", non_blocking))
+        return copy_(self, src, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    bank = FFNBank(_weights(L=1, E=4), slots=2, device="cpu")
+    bank.cuda, bank.copy_stream = True, _Stream("copy", log)
+    x = torch.randn(5, 4)
+    ref = bank.reference(0)
+
+    assert bank.ensure(0, [1, 2]) == 2
+    assert log == [("copy", "copy_", True)] * 8 + [("copy", "record", 1)]  # nothing used yet: no wait
+    log.clear()
+    assert torch.equal(bank.compute(0)([1, 2], [2, 3], x), ref([1, 2], [2, 3], x))
+    assert log == [("compute", "wait", 1), ("compute", "record", 2)]
+    log.clear()
+    assert bank.ensure(0, [2, 3]) == 1  # 1 evicted: its slot is overwritten after use 2
+    assert log == [("copy", "wait", 2)] + [("copy", "copy_", True)] * 4 + [("copy", "record", 3)]
+    log.clear()
+    assert torch.equal(bank.compute(0)([2, 3], [1, 4], x), ref([2, 3], [1, 4], x))
+    assert log == [("compute", "wait", 1), ("compute", "wait", 3), ("compute", "record", 4)]
+    log.clear()
+    assert bank.ensure(0, [3, 2]) == 0 and log == []  # resident: no copy, no event
+
+
 def test_emulated_bank_is_the_cpu_model_and_refuses_cuda():
     from commsched.moe.banks import EmulatedBank
 
