@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..dist import DEVICE_CHOICES
 from ..moe.placement_policy import STRATEGIES
 from ..results import median
 from .plots import pyplot, save_figure
@@ -64,6 +65,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated extra phase-2 thresholds: adds a variant lina@T for each "
                         "(e.g. 0 = phase 1 only)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="where every variant's experts compute (--compute emulated: always the CPU)")
     g = p.add_argument_group("emulated device")
     g.add_argument("--us-per-row", type=float, default=d["us_per_row"])
     g.add_argument("--load-ms", type=float, default=d["load_ms"])
@@ -85,7 +88,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _common(a: argparse.Namespace) -> list[str]:
     out: list = ["--driver", a.driver, "--batches", a.batches, "--warmup", a.warmup, "--seed", a.seed,
-                 "--us-per-row", a.us_per_row, "--load-ms", a.load_ms]
+                 "--device", a.device, "--us-per-row", a.us_per_row, "--load-ms", a.load_ms]
     opt = {"--compute": a.compute, "--slots": a.slots, "--threshold": a.threshold, "--path-length": a.path_length,
            "--online-planner": a.online_planner, "--exchange": a.exchange}
     if a.driver == "trace":
@@ -105,6 +108,9 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
     if a.driver == "model" and not a.checkpoint:
         raise ValueError("--driver model needs --checkpoint (python -m commsched.moe.record --train-steps N "
                          "--save-checkpoint FILE --out TRACE)")
+    if a.device == "cuda" and a.driver == "trace" and a.compute in (None, "emulated"):
+        raise ValueError("--device cuda runs real expert FFNs: add --compute real (the emulated device is the "
+                         "CPU model of an accelerator)")
     c = _common(a)
     out = [Variant(v, "commsched.moe.infer", ("--placement", v, *c)) for v in VARIANTS]
     for t in (x.strip() for x in a.lina_thresholds.split(",") if x.strip()):

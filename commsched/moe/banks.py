@@ -10,10 +10,12 @@ rows, :meth:`~ExpertBank.reference` runs any expert straight from host memory (t
 single-process twin). Two banks:
 
 * :class:`FFNBank` -- real expert FFNs (:func:`~commsched.moe.experts.expert_ffn`, the
-  arithmetic of the training layer), loaded by copying weights into slot tensors;
+  arithmetic of the training layer), loaded by copying weights into slot tensors on the
+  job's device (on CUDA: pinned host weights, asynchronous copies on a copy stream);
 * :class:`EmulatedBank` -- an emulated accelerator: a per-expert affine map per row (cheap,
   distinct per expert so routing errors show), a busy time per row on an asynchronous
-  device clock and a sleep per load.
+  device clock and a sleep per load. It is the CPU model of what :class:`FFNBank` does on a
+  GPU, and refuses any other device.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from ..clock import Clock
 from .experts import expert_ffn
 from .placed import AsyncDevice, ExpertCompute
 
@@ -76,19 +79,42 @@ def _grouped(expert_at, experts: Sequence[int], counts: Sequence[int], x_RD: tor
 
 class FFNBank:
     """Real expert FFNs: every expert's weights in host memory (``w1_EDH`` etc. per
-    layer), and per layer S device slots into which the experts a device holds are
-    copied ("loaded") before it computes them."""
+    layer), and per layer S slots on ``device`` into which the experts a device holds are
+    copied ("loaded") before it computes them.
+
+    On the CPU (the default) a load is a synchronous ``copy_`` into the slot and the host
+    weights are the given tensors. On CUDA the slots live on the GPU, the host weights
+    are pinned copies, and a load is ``slot.copy_(host, non_blocking=True)`` on the bank's
+    own copy stream (the GPU's copy engine, which runs beside the compute kernels): the
+    loading thread only enqueues it, an event recorded after the copies marks the slots
+    ready, and the compute stream waits for that event (on the GPU, not the host) before
+    the first kernel that reads them. A slot is overwritten only after the compute stream
+    has finished its last use of the layer's slots (an event recorded after every
+    computation), so an eviction never races a kernel still reading the expert."""
 
     measures_row_cost = True
-    device = None  # synchronous: each computation returns when it is done
+    device = None  # no AsyncDevice: results are ready in stream order (CUDA) or at return (CPU)
 
     def __init__(self, weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
-                 slots: int):
-        self.host = [tuple(w.detach() for w in ws) for ws in weights]  # per layer (w1, b1, w2, b2)
+                 slots: int, device: torch.device | str = "cpu"):
+        self.on = torch.device(device)  # where the slots live and the experts compute
+        self.cuda = self.on.type == "cuda"
+        if self.on.type not in ("cpu", "cuda"):
+            raise ValueError(f"FFNBank runs on the CPU or a CUDA device, not {self.on}")
+        if self.cuda:  # pinned host copies: the loads are then true asynchronous DMA copies
+            self.host = [tuple(w.detach().to("cpu").pin_memory() for w in ws) for ws in weights]
+        else:
+            self.host = [tuple(w.detach() for w in ws) for ws in weights]  # per layer (w1, b1, w2, b2)
         self.S = slots
-        self.slot_w = [tuple(torch.empty((slots, *w.shape[1:]), dtype=w.dtype) for w in ws) for ws in self.host]
+        self.slot_w = [tuple(torch.empty((slots, *w.shape[1:]), dtype=w.dtype, device=self.on) for w in ws)
+                       for ws in self.host]
         self.slot_of: list[dict[int, int]] = [{} for _ in self.host]
         self.loaded_L = [0] * len(self.host)  # per layer: one thread touches a layer at a time
+        # CUDA only: the copy stream, per layer and slot the event after its load, per
+        # layer the event after the compute stream's last use of its slots
+        self.copy_stream = torch.cuda.Stream(self.on) if self.cuda else None
+        self._ready: list[dict[int, object]] = [{} for _ in self.host]
+        self._used: list[object | None] = [None] * len(self.host)
 
     @property
     def num_layers(self) -> int:
@@ -96,7 +122,8 @@ class FFNBank:
 
     def ensure(self, layer: int, held: Sequence[int]) -> int:
         """Make exactly the experts ``held`` resident in ``layer``'s slots (evicting the
-        others); returns how many were loaded (copied from host memory)."""
+        others); returns how many were loaded (copied from host memory). On CUDA the
+        copies are enqueued on the copy stream and this returns at once."""
         want = set(int(e) for e in held)
         if len(want) > self.S:
             raise ValueError(f"{len(want)} experts do not fit {self.S} slots")
@@ -104,21 +131,63 @@ class FFNBank:
         for e in [e for e in cur if e not in want]:
             del cur[e]
         free = sorted(set(range(self.S)) - set(cur.values()))
-        n = 0
-        for e in sorted(want - set(cur)):
-            s = free.pop(0)
-            for dst, src in zip(self.slot_w[layer], self.host[layer]):
-                dst[s].copy_(src[e])
+        new = [(e, free.pop(0)) for e in sorted(want - set(cur))]
+        if new:
+            self._load(layer, new)
+        self.loaded_L[layer] += len(new)
+        return len(new)
+
+    def _load(self, layer: int, new: list[tuple[int, int]]) -> None:
+        """Copy expert e's host weights into slot s for every (e, s) of ``new``."""
+        dst_w, src_w = self.slot_w[layer], self.host[layer]
+        cur = self.slot_of[layer]
+        if not self.cuda:
+            for e, s in new:
+                for dst, src in zip(dst_w, src_w):
+                    dst[s].copy_(src[e])
+                cur[e] = s
+            return
+        stream = self.copy_stream
+        with torch.cuda.device(self.on), torch.cuda.stream(stream):
+            used = self._used[layer]
+            if used is not None:  # the slots' previous readers are done before they are overwritten
+                stream.wait_event(used)
+            for e, s in new:
+                for dst, src in zip(dst_w, src_w):
+                    dst[s].copy_(src[e], non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        for e, s in new:  # the event first: whoever sees e resident also finds its event
+            self._ready[layer][s] = ready
             cur[e] = s
-            n += 1
-        self.loaded_L[layer] += n
-        return n
+
+    def _before_use(self, layer: int, slots: Sequence[int]) -> None:
+        """CUDA: the current (compute) stream waits for the loads of ``slots``."""
+        stream = torch.cuda.current_stream(self.on)
+        seen: set[int] = set()
+        for s in slots:
+            ev = self._ready[layer].get(s)
+            if ev is not None and id(ev) not in seen:
+                seen.add(id(ev))
+                stream.wait_event(ev)
+
+    def _after_use(self, layer: int) -> None:
+        """CUDA: an event after this layer's last computation so far (loads wait for it)."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.on))
+        self._used[layer] = ev
 
     def compute(self, layer: int) -> ExpertCompute:
         slots, slot_of = self.slot_w[layer], self.slot_of[layer]
 
         def run(experts: Sequence[int], counts: Sequence[int], x: torch.Tensor) -> torch.Tensor:
-            return _grouped(lambda e: tuple(w[slot_of[e]] for w in slots), experts, counts, x)
+            if not self.cuda:
+                return _grouped(lambda e: tuple(w[slot_of[e]] for w in slots), experts, counts, x)
+            at = {e: slot_of[e] for e in experts}
+            self._before_use(layer, list(at.values()))
+            y = _grouped(lambda e: tuple(w[at[e]] for w in slots), experts, counts, x)
+            self._after_use(layer)
+            return y
 
         return run
 
@@ -126,20 +195,29 @@ class FFNBank:
         host = self.host[layer]
 
         def run(experts: Sequence[int], counts: Sequence[int], x: torch.Tensor) -> torch.Tensor:
+            if x.device.type != "cpu":  # the twin on another device: each expert's weights moved there
+                return _grouped(lambda e: tuple(w[e].to(x.device) for w in host), experts, counts, x)
             return _grouped(lambda e: tuple(w[e] for w in host), experts, counts, x)
 
         return run
 
     def row_cost_s(self, rows: int = 512, reps: int = 7) -> float:
-        """Seconds per row of one expert FFN on this process, the fastest of ``reps``
-        timings (the least disturbed by other processes), for the model latency."""
+        """Seconds per row of one expert FFN on this process's device, the fastest of
+        ``reps`` timings (the least disturbed by other processes), for the model latency
+        (timed with :class:`~commsched.clock.Clock`: CUDA events on CUDA, after one
+        untimed warm-up run; the host clock on the CPU)."""
         w = tuple(t[0] for t in self.host[0])
-        x = torch.randn(rows, w[0].shape[0])
+        clock = Clock(self.on)
+        if self.cuda:
+            w = tuple(t.to(self.on) for t in w)
+        x = torch.randn(rows, w[0].shape[0], device=self.on)
+        if self.cuda:
+            expert_ffn(x, *w)
         ts = []
         for _ in range(reps):
-            t = time.perf_counter()
+            a = clock.mark()
             expert_ffn(x, *w)
-            ts.append(time.perf_counter() - t)
+            ts.append(clock.seconds(a, clock.mark()))
         return min(ts) / rows
 
 
@@ -158,7 +236,11 @@ class EmulatedBank:
     measures_row_cost = False
 
     def __init__(self, num_layers: int, num_experts: int, d: int, slots: int, us_per_row: float,
-                 load_ms: float, seed: int):
+                 load_ms: float, seed: int, device: torch.device | str = "cpu"):
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"the emulated device (--compute emulated) is the CPU model of an accelerator and "
+                             f"runs on the CPU only, not on {torch.device(device)}: use --compute real to run "
+                             "the experts on the GPU, or --device cpu")
         g = torch.Generator().manual_seed(seed + 7919)
         self.scale = [1.0 + 0.1 * torch.randn(num_experts, d, generator=g) for _ in range(num_layers)]
         self.shift = [0.1 * torch.randn(num_experts, d, generator=g) for _ in range(num_layers)]

@@ -42,6 +42,11 @@ Two drivers:
 * ``--driver model`` runs a trained MoE language model (``--checkpoint``, written by
   ``python -m commsched.moe.record``) on held-out text, real expert FFNs.
 
+``--device auto|cpu|cuda`` (default auto) chooses where the experts compute: on CUDA the
+bank's slots, the rows and the index tensors live on the GPU and loads are asynchronous
+copies on a copy stream (docs/moe_inference.md, "Devices"); ``--compute emulated``
+always runs on the CPU.
+
 This module is the entry point: the run's configuration (:class:`InferConfig` and its
 nested sub-configs), :func:`build`, :func:`run`, the metrics (:class:`InferMetrics`) and
 the CLI. Steps 2-5 are :class:`~commsched.moe.runtime.Runtime`; the experts are an
@@ -62,6 +67,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,8 +78,9 @@ import torch
 import torch.distributed as dist
 
 from .. import dist as cdist
+from ..clock import Clock
 from ..config import read_env
-from ..dist import check_same_config, init_distributed
+from ..dist import DEVICE_CHOICES, check_same_config, init_distributed, resolve_device
 from ..results import Progress, Record, median
 from .banks import EmulatedBank, ExpertBank, FFNBank
 from .placed import device_rows
@@ -171,12 +178,14 @@ class ModelDriverConfig:
 
 @dataclass(frozen=True)
 class InferConfig:
-    """One inference run: the driver, the expert compute, the exchange, the batches, and
-    the sub-configs of placement, emulated device and the two drivers."""
+    """One inference run: the driver, the expert compute, the exchange, the batches, the
+    device (``--device``: auto, cpu or cuda; see :attr:`device_choice`), and the
+    sub-configs of placement, emulated device and the two drivers."""
 
     driver: str = "trace"
     compute: str = "emulated"
     exchange: str = "pipelined"
+    device: str = "auto"
     batches: int = 30
     warmup: int = 2
     seed: int = 0
@@ -192,10 +201,39 @@ class InferConfig:
             raise ValueError(f"--compute must be one of {COMPUTES}, got {self.compute!r}")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"--exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"--device must be one of {DEVICE_CHOICES}, got {self.device!r}")
+        if self.device == "cuda" and self.compute == "emulated":
+            raise ValueError("--compute emulated is the CPU model of an accelerator and runs on the CPU: use "
+                             "--compute real with --device cuda (real expert FFNs on the GPU), or --device cpu")
         if self.driver == "model" and self.compute != "real":
             raise ValueError("--driver model computes the model's real experts: use --compute real")
         if self.batches < 1 or not 0 <= self.warmup < self.batches:
             raise ValueError(f"need batches >= 1 and 0 <= warmup < batches, got {self.batches}, {self.warmup}")
+
+    @property
+    def device_choice(self) -> str:
+        """The ``--device`` the job starts with: ``device``, except that ``auto`` is the
+        CPU for the emulated device (an emulation of an accelerator on the CPU)."""
+        return "cpu" if self.compute == "emulated" else self.device
+
+
+def job_device(cfg: InferConfig, group=None) -> torch.device:
+    """The device of a run on an already initialised group: the device ``cfg`` chooses
+    (:attr:`InferConfig.device_choice`), except that ``auto`` stays on the CPU when the
+    group's backend has no NCCL (a gloo group carries CPU tensors). ``cuda`` on a gloo
+    group of more than one rank is a ValueError."""
+    choice = cfg.device_choice
+    if choice == "cpu":
+        return torch.device("cpu")
+    backend = dist.get_backend_config(group)
+    if "nccl" not in backend:
+        if choice == "auto":
+            return torch.device("cpu")
+        if dist.get_world_size(group) > 1:
+            raise ValueError("--device cuda needs a process group with NCCL for its CUDA tensors "
+                             f"(init_distributed(device='cuda') makes one); this group's backend is {backend!r}")
+    return resolve_device(choice)[0]
 
 
 # --------------------------------------------------------------------------- drivers
@@ -229,14 +267,20 @@ class TraceDriver:
         lo = sum(sizes[:rank])
         return tr.select(slice(int(bounds[lo]), int(bounds[lo + sizes[rank]])))
 
-    def inputs(self, b: int, rank: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x_TD, expert_TLK, gate_TK) of this rank's share of batch b."""
+    def inputs(self, b: int, rank: int, d: int, device: torch.device | str | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x_TD, expert_TLK, gate_TK) of this rank's share of batch b, on ``device``
+        (default: the CPU). Drawn from a seeded CPU generator and moved in one copy each,
+        so every device serves the same numbers."""
         sh = self.shard(b, rank)
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + b) * 1009 + rank)
         x = torch.randn(sh.num_tokens, d, generator=g)
         gate = torch.rand(sh.num_tokens, sh.k, generator=g) + 0.5
         gate = gate / gate.sum(dim=1, keepdim=True)
-        return x, torch.from_numpy(sh.experts), gate
+        ex = torch.from_numpy(sh.experts)
+        if device is not None and torch.device(device).type != "cpu":
+            x, ex, gate = (t.to(device) for t in (x, ex, gate))
+        return x, ex, gate
 
 
 # --------------------------------------------------------------------------- setup
@@ -265,9 +309,12 @@ class Setup:
     estimator: PopularityEstimator | None
 
 
-def build(cfg: InferConfig, rank: int, world: int) -> Setup:
-    """Everything a rank needs (see :class:`Setup`), built identically on every rank."""
+def build(cfg: InferConfig, rank: int, world: int, device: torch.device | str = "cpu") -> Setup:
+    """Everything a rank needs (see :class:`Setup`), built identically on every rank; the
+    bank's slots and the model on ``device`` (the expert weights' master copies stay in
+    host memory)."""
     pc, tc, mc = cfg.placement, cfg.trace, cfg.model
+    device = torch.device(device)
     cls = pc.strategy_class
     if cfg.driver == "trace":
         drv = TraceDriver(tc, cfg.batches, cfg.seed, world)
@@ -276,13 +323,14 @@ def build(cfg: InferConfig, rank: int, world: int) -> Setup:
         S = pc.slots or default_slots(E, world)
         if cfg.compute == "emulated":
             em = cfg.emulation
-            bank: ExpertBank = EmulatedBank(L, E, tc.d_model, S, em.us_per_row, em.load_ms, cfg.seed)
+            bank: ExpertBank = EmulatedBank(L, E, tc.d_model, S, em.us_per_row, em.load_ms, cfg.seed,
+                                            device=device)
         else:
             g = torch.Generator().manual_seed(cfg.seed + 104729)
             D, H = tc.d_model, tc.expert_hidden
             weights = [(torch.randn(E, D, H, generator=g) * D ** -0.5, torch.zeros(E, H),
                         torch.randn(E, H, D, generator=g) * H ** -0.5, torch.zeros(E, D)) for _ in range(L)]
-            bank = FFNBank(weights, S)
+            bank = FFNBank(weights, S, device=device)
         model = None
     else:
         from .data import load_corpus
@@ -292,7 +340,7 @@ def build(cfg: InferConfig, rank: int, world: int) -> Setup:
         E, k = model.cfg.num_experts, model.cfg.k
         L = len(model.moe_layers())
         S = pc.slots or default_slots(E, world)
-        bank = FFNBank(model_weights(model), S)
+        bank = FFNBank(model_weights(model), S, device=device)  # host copies: the CPU model's weights
         corpus = load_corpus(mc.corpus)
         if mc.profile_trace:
             profile = load_trace(mc.profile_trace)
@@ -303,6 +351,8 @@ def build(cfg: InferConfig, rank: int, world: int) -> Setup:
         if profile is not None and (profile.num_experts, profile.num_layers, profile.k) != (E, L, k):
             raise ValueError(f"the profile trace has E={profile.num_experts}, L={profile.num_layers}, "
                              f"k={profile.k}; the model E={E}, L={L}, k={k}")
+        if device.type != "cpu":  # after the profile (recorded on the CPU, where the corpus is)
+            model = model.to(device)
         drv = corpus
     pcfg = PolicyConfig(E, world, L, k, S, pc.threshold, pc.planner, pc.online_planner)
     est = hist = None
@@ -313,18 +363,23 @@ def build(cfg: InferConfig, rank: int, world: int) -> Setup:
     return Setup(drv, model, bank, cls(pcfg, hist), est)
 
 
-def run(cfg: InferConfig, out: Path | None = None, *, group=None, return_outputs: bool = False) -> dict:
+def run(cfg: InferConfig, out: Path | None = None, *, group=None, device: torch.device | None = None,
+        return_outputs: bool = False) -> dict:
     """Run inference on the initialised process group; every rank returns the metrics
-    (the dict ``metrics.json`` holds). ``return_outputs`` adds this rank's final outputs
-    per batch under ``"outputs"`` (tests compare them with the single-process model)."""
+    (the dict ``metrics.json`` holds). ``device``: where this rank computes (default:
+    :func:`job_device`; the CLI passes the device ``init_distributed`` chose).
+    ``return_outputs`` adds this rank's final outputs per batch under ``"outputs"`` (on
+    the device; tests compare them with the single-process model)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     check_same_config(dataclasses.asdict(cfg), group, what="inference configuration")
+    dev = torch.device(device) if device is not None else job_device(cfg, group)
     t_wall = time.perf_counter()
-    s = build(cfg, rank, world)
+    s = build(cfg, rank, world, dev)
     bank = s.bank
     row_cost_s = row_cost(bank, rank, world, group)
     rt = Runtime(s.strategy, bank, s.estimator, path_length=cfg.placement.path_length,
-                 pipelined=cfg.exchange == "pipelined", rank=rank, world=world, group=group)
+                 pipelined=cfg.exchange == "pipelined", rank=rank, world=world, group=group, device=dev)
+    clock = Clock(dev)  # batch latency: CUDA events on a GPU, the host clock on the CPU
     outputs = []
     bar = Progress(cfg.batches, f"moe-infer {cfg.placement.strategy}", "batch",
                    enabled=read_env().progress and rank == 0 and out is not None)
@@ -339,20 +394,21 @@ def run(cfg: InferConfig, out: Path | None = None, *, group=None, return_outputs
             for b in range(cfg.batches):
                 gc.collect()
                 if cfg.driver == "trace":
-                    x, ex, gate = s.driver.inputs(b, rank, cfg.trace.d_model)
+                    x, ex, gate = s.driver.inputs(b, rank, cfg.trace.d_model, dev)
                     T = x.shape[0]
                 else:
                     tokens, _ = s.driver.batch(cfg.model.batch_size, s.model.cfg.seq_len, seed=cfg.seed,
                                                step=b, rank=rank, split="val")
+                    tokens = tokens.to(dev) if dev.type != "cpu" else tokens
                     T = tokens.numel()
                 rt.begin_batch(b, T)
                 cdist.barrier("aligning ranks before a batch", group)
-                t0 = time.perf_counter()
+                t0 = clock.mark()
                 if cfg.driver == "trace":
                     y = trace_forward(x, ex, gate, rt.moe)
                 else:
                     y = model_forward(s.model, tokens, rt.moe)
-                rt.end_batch(time.perf_counter() - t0)
+                rt.end_batch(clock.seconds(t0, clock.mark()))
                 if return_outputs:
                     outputs.append(y.clone())
                 bar.update(1)
@@ -365,7 +421,8 @@ def run(cfg: InferConfig, out: Path | None = None, *, group=None, return_outputs
     mine = rt.records if rank == 0 else [{k: v for k, v in r.items() if k != "layers"} for r in rt.records]
     gathered = cdist.all_gather_object({"records": mine, "loaded": sum(bank.loaded_L)},
                                        "gathering the inference records", group)
-    metrics = summarise(cfg, s.strategy, gathered, row_cost_s, wall_clock_s=time.perf_counter() - t_wall)
+    metrics = summarise(cfg, s.strategy, gathered, row_cost_s, wall_clock_s=time.perf_counter() - t_wall,
+                        device=dev.type)
     if out is not None and rank == 0:
         metrics.write(Path(out) / "metrics.json")
     m = metrics.to_dict()
@@ -408,7 +465,7 @@ def _layer_view(lr: dict, k: int) -> dict:
 
 
 def summarise(cfg: InferConfig, strategy: PlacementStrategy, per_rank: list[dict], row_cost_s: float,
-              *, wall_clock_s: float) -> InferMetrics:
+              *, wall_clock_s: float, device: str = "cpu") -> InferMetrics:
     """The run's metrics from every rank's records (rank 0's with per-layer detail)."""
     pcfg = strategy.cfg
     N, L, E = pcfg.num_devices, pcfg.num_layers, pcfg.num_experts
@@ -445,6 +502,7 @@ def summarise(cfg: InferConfig, strategy: PlacementStrategy, per_rank: list[dict
         extra={
             "driver": cfg.driver,
             "compute": cfg.compute,
+            "device": device,
             "world_size": N,
             "num_experts": E,
             "num_layers": L,
@@ -488,7 +546,7 @@ def summarise(cfg: InferConfig, strategy: PlacementStrategy, per_rank: list[dict
 run_inference = run  # the name exported by commsched.moe
 
 __all__ = ["InferConfig", "PlacementConfig", "EmulationConfig", "TraceDriverConfig", "ModelDriverConfig",
-           "InferMetrics", "Setup", "TraceDriver", "build", "run", "run_inference", "summarise"]
+           "InferMetrics", "Setup", "TraceDriver", "build", "run", "run_inference", "summarise", "job_device"]
 
 
 # --------------------------------------------------------------------------- CLI
@@ -512,6 +570,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipelined: count exchange in one step, own rows computed while the row exchanges "
                         "run, loads after gating in the background; sequential: the first runtime (ring "
                         "all_gather, dispatch, compute, combine, loads on the critical path)")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default=d.device,
+                   help="where the experts compute: auto (CUDA when every local rank has its own GPU, "
+                        "else the CPU), cpu or cuda; --compute emulated always runs on the CPU")
     p.add_argument("--batches", type=int, default=d.batches)
     p.add_argument("--warmup", type=int, default=d.warmup, help="batches left out of the metrics")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -559,7 +620,7 @@ def config_from_args(a: argparse.Namespace) -> InferConfig:
                                cluster_concentration=a.cluster_concentration)
     compute = a.compute or ("emulated" if a.driver == "trace" else "real")
     return InferConfig(
-        driver=a.driver, compute=compute, exchange=a.exchange, batches=a.batches,
+        driver=a.driver, compute=compute, exchange=a.exchange, device=a.device, batches=a.batches,
         warmup=min(a.warmup, a.batches - 1), seed=a.seed,
         placement=PlacementConfig(strategy=a.placement, slots=a.slots, threshold=a.threshold,
                                   path_length=a.path_length, planner=a.planner,
@@ -579,9 +640,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         raise SystemExit(f"commsched.moe.infer: {e}") from None
     torch.set_num_threads(1)
-    init_distributed()
     try:
-        m = run(cfg, a.out)
+        info = init_distributed(device=cfg.device_choice)
+    except ValueError as e:  # --device cuda without (enough) GPUs
+        raise SystemExit(f"commsched.moe.infer: {e}") from None
+    if cfg.device == "auto" and cfg.compute == "emulated" and info.rank == 0 and torch.cuda.is_available():
+        print("commsched.moe.infer: --compute emulated runs on the CPU (the emulated accelerator); "
+              "--compute real computes on the GPU", file=sys.stderr, flush=True)
+    try:
+        m = run(cfg, a.out, device=info.device)
         if dist.get_rank() == 0:
             print(json.dumps({k: m[k] for k in ("placement", "world_size", "latency_ms", "model_latency_ms",
                                                  "imbalance", "estimation_accuracy", "replan_rate")}), flush=True)

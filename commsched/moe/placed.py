@@ -128,8 +128,14 @@ def regroup_order(rows_PM: np.ndarray) -> np.ndarray:
     return np.argsort(key, kind="stable").astype(np.int64)
 
 
-def _regroup(rows_PM: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(regroup_order(rows_PM))
+def _on(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host-planned int64 array as a tensor on ``device`` (one copy; none on the CPU)."""
+    t = torch.from_numpy(a)
+    return t if device.type == "cpu" else t.to(device)
+
+
+def _regroup(rows_PM: np.ndarray, device: torch.device) -> torch.Tensor:
+    return _on(regroup_order(rows_PM), device)
 
 
 OWN_FIRST_SHARE = 0.5  # share of a device's own rows computed while the dispatch runs
@@ -180,9 +186,9 @@ class PlacedTimes:
 
 
 def _flatten(expert_TK: torch.Tensor | np.ndarray, gate_TK: torch.Tensor, keep_TK: torch.Tensor | None):
-    ex = torch.as_tensor(expert_TK, dtype=torch.int64)
+    ex = torch.as_tensor(expert_TK, dtype=torch.int64, device=gate_TK.device)
     T, K = ex.shape
-    token = torch.arange(T).unsqueeze(1).expand(T, K).reshape(-1)
+    token = torch.arange(T, device=ex.device).unsqueeze(1).expand(T, K).reshape(-1)
     ex_a, gate_a = ex.reshape(-1), gate_TK.reshape(-1)
     if keep_TK is not None:
         keep = keep_TK.reshape(-1)
@@ -221,11 +227,14 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
     waited for before they are sent or combined. ``meanwhile()``: host work with no
     part in this layer (the next layer's phase-1 plan), run while the device computes
     (pipelined) or before the dispatch (sequential). Collective over ``group``: every
-    rank calls it with the same counts and placement."""
+    rank calls it with the same counts and placement. The tensors are on one device (the
+    job's: the rows, routing and index tensors stay there); the send order and the
+    permutations are planned with numpy on the host and moved there in one copy each."""
     t0 = time.perf_counter()
     E, N = placement.num_experts, placement.num_devices
+    dev = x_TD.device  # index tensors live there; the planning below is numpy on the host
     token_A, expert_A, gate_A = _flatten(expert_TK, gate_TK, keep_TK)
-    ex_np = expert_A.numpy()
+    ex_np = expert_A.cpu().numpy()
     c = np.asarray(counts_PE, dtype=np.int64)
     if c.shape != (N, E):
         raise ValueError(f"counts_PE must be [N, E] = [{N}, {E}], got {c.shape}")
@@ -234,7 +243,7 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
         raise ValueError(f"rank {rank}: counts_PE[{rank}] = {c[rank].tolist()} does not match this rank's "
                          f"routing {mine.tolist()}")
     order, send_N = send_order(ex_np, placement, split_offsets(c)[rank])
-    order_t = torch.from_numpy(order)
+    order_t = _on(order, dev)
     experts_M, rows_PM = recv_matrix(c, placement, rank)
     x_send = x_TD.index_select(0, token_A[order_t])
     tm = {"a2a": 0.0, "expert": 0.0, "load_wait": 0.0, "meanwhile": 0.0}
@@ -257,7 +266,7 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
         x_recv = timed("a2a", all_to_all, x_send, plan, group=group)
         if wait_loaded is not None:
             timed("load_wait", wait_loaded)
-        perm = _regroup(rows_PM)
+        perm = _regroup(rows_PM, dev)
         y_exp = timed("expert", _run, compute, experts_M, rows_PM.sum(axis=0), x_recv[perm])
         device_done()
         y_recv = torch.empty_like(y_exp)
@@ -276,8 +285,8 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
         plan = A2APlan(tuple(int(v) for v in send_r), tuple(int(v) for v in recv_r), rank)
         first_M, last_M = own_split(experts_M, own_M, loading)
         zero = np.zeros_like(own_M)
-        idx_f = torch.from_numpy(_blocks(own_M, first_M, zero))
-        idx_l = torch.from_numpy(_blocks(own_M, last_M, first_M))
+        idx_f = _on(_blocks(own_M, first_M, zero), dev)
+        idx_l = _on(_blocks(own_M, last_M, first_M), dev)
         y_own = torch.empty_like(own_x)
         if len(idx_f):  # queued first: the device starts at once, the dispatch right after
             y_own[idx_f] = timed("expert", _run, compute, experts_M, first_M, own_x.index_select(0, idx_f))
@@ -288,7 +297,7 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
         x_recv = timed("a2a", h.wait)
         if wait_loaded is not None:
             timed("load_wait", wait_loaded)
-        perm = _regroup(rem_PM)
+        perm = _regroup(rem_PM, dev)
         y_exp = timed("expert", _run, compute, experts_M, rem_PM.sum(axis=0), x_recv.index_select(0, perm))
         remote_done = device.issued() if device is not None else None
         if len(idx_l):  # queued behind the remote rows: the device never idles between them

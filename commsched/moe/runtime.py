@@ -79,7 +79,7 @@ def model_weights(model) -> list[tuple[torch.Tensor, ...]]:
 def row_cost(bank: ExpertBank, rank: int, world: int, group=None) -> float:
     """Seconds per computed row on a dedicated device: the bank's set figure, or (a bank
     that measures it) the figure timed on each rank in turn while the others wait at a
-    barrier, median over ranks."""
+    barrier, median over ranks (the bank times its own device: CUDA events on a GPU)."""
     if not bank.measures_row_cost:
         return bank.row_cost_s()
     mine = 0.0
@@ -105,17 +105,20 @@ class Runtime:
 
     estimator: the path estimator (required when ``strategy.estimates_paths``);
     path_length: experts of the path it estimates from; pipelined: the pipelined
-    exchange (else the sequential twin)."""
+    exchange (else the sequential twin); device: the job's device, where the metadata
+    rows are exchanged (NCCL carries CUDA tensors only) and the layers' tensors live."""
 
     META_EXTRA = 4  # digest of the previous placement, batch, layer, tokens
 
     def __init__(self, strategy: PlacementStrategy, bank: ExpertBank, estimator: PopularityEstimator | None, *,
-                 path_length: int, pipelined: bool, rank: int, world: int, group=None):
+                 path_length: int, pipelined: bool, rank: int, world: int, group=None,
+                 device: torch.device | str = "cpu"):
         if strategy.estimates_paths and estimator is None:
             raise ValueError(f"strategy {strategy.name!r} estimates paths: it needs a popularity estimator")
         self.strategy, self.bank, self.est = strategy, bank, estimator
         self.path_length, self.pipelined = path_length, pipelined
         self.rank, self.world, self.group = rank, world, group
+        self.device = torch.device(device)
         pcfg = strategy.cfg
         self.E, self.L, self.k = pcfg.num_experts, pcfg.num_layers, pcfg.k
         # one loader thread, first in first out: phase-1 prefetches (path estimates), and
@@ -169,18 +172,20 @@ class Runtime:
         row = np.zeros(2 * E + self.META_EXTRA, dtype=np.float64)
         row[:E], row[E:2 * E] = counts_E, est_next_E
         row[2 * E:] = (self._prev_digest, self._batch, layer, self._T)
-        mine = torch.from_numpy(row)
         if self.world == 1:
             return row[None, :]
+        mine = torch.from_numpy(row)
+        if self.device.type != "cpu":  # the backend of the job's device carries it (NCCL: CUDA only)
+            mine = mine.to(self.device)
         if self.pipelined:
             plan = A2APlan((1,) * self.world, (1,) * self.world, self.rank)
             with comm_guard(f"exchanging expert counts of MoE layer {layer}", self.group):
-                M = all_to_all(mine.unsqueeze(0).expand(self.world, -1), plan, group=self.group).numpy()
+                M = all_to_all(mine.unsqueeze(0).expand(self.world, -1), plan, group=self.group).cpu().numpy()
         else:
             got = [torch.empty_like(mine) for _ in range(self.world)]
             with comm_guard(f"gathering expert counts of MoE layer {layer}", self.group):
                 dist.all_gather(got, mine, group=self.group)
-            M = torch.stack(got).numpy()
+            M = torch.stack(got).cpu().numpy()
         if not (M[:, 2 * E + 1:2 * E + 3] == M[0, 2 * E + 1:2 * E + 3]).all():
             raise RuntimeError(f"rank {self.rank}: ranks are out of step (batch, layer): "
                                f"{M[:, 2 * E + 1:2 * E + 3].tolist()}")
@@ -194,8 +199,9 @@ class Runtime:
             keep_TK: torch.Tensor | None) -> torch.Tensor:
         """One placed MoE layer (steps 2-5 of :mod:`commsched.moe.infer`)."""
         E, bt, ahead_planned = self.E, self._bt, self.strategy.estimates_paths
-        ex = expert_TK.numpy() if keep_TK is None else expert_TK[keep_TK].numpy()
-        self._hist_T[:, j] = expert_TK[:, 0].numpy()
+        e_h = expert_TK.cpu()  # one copy to the host for the numpy planning (none on the CPU)
+        ex = e_h.numpy() if keep_TK is None else e_h[keep_TK.cpu()].numpy()
+        self._hist_T[:, j] = e_h[:, 0].numpy()
         counts = np.bincount(ex.reshape(-1), minlength=E)
         est_local = np.zeros(E)
         if ahead_planned and j + 1 < self.L and self._T:
