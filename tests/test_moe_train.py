@@ -210,7 +210,7 @@ def _one_rank_cuda_matches_cpu(rank: int, world: int) -> None:
                device=torch.device("cuda", 0))
     assert all(v.device.type == "cpu" for v in gpu["state"].values())
     for a, b in zip(cpu["loss"], gpu["loss"]):
-        assert abs(a - b) < 1e-3 * max(1.0, abs(a)), (cpu["loss"], gpu["loss"])
+        assert abs(a - b) < 5e-3 * max(1.0, abs(a)), (cpu["loss"], gpu["loss"])
     bf = _run(_cfg(world, "lina", chunks=2, pipeline=True, steps=3, device="cuda", dtype="bfloat16"),
               device=torch.device("cuda", 0))
     assert all(torch.isfinite(torch.tensor(bf["loss"])))
