@@ -294,12 +294,11 @@ class _Pipeline:
         tok = obs.a2a_begin(_peer_bytes(plan, row_bytes)) if obs is not None else None
         x = x.contiguous()
         if self.lanes is not None:
-            return self.lanes.submit("comm", all_to_all, x, plan, group=self.eg.group), tok
-        return all_to_all_async(x, plan, group=self.eg.group), tok
+            return self.lanes.submit("comm", all_to_all, x, plan, group=self.eg.group), tok, x.device
+        return all_to_all_async(x, plan, group=self.eg.group), tok, x.device
 
     def finish(self, handle) -> torch.Tensor:
-        h, tok = handle
-        dev = self.lanes.device if self.lanes is not None else torch.device("cpu")
+        h, tok, dev = handle
         t0 = _mark(dev)
         out = h.wait()
         if self.observer is not None:

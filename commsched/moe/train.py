@@ -315,8 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config_from_args(a)
     except ValueError as e:
         raise SystemExit(f"commsched.moe.train: {e}") from None
-    torch.set_num_threads(1)
     info = init_distributed(device=cfg.device)
+    if info.device.type == "cpu":
+        torch.set_num_threads(1)  # ranks share the host's cores
     try:
         m = train(cfg, a.out, device=info.device)[0].to_dict()
         if dist.get_rank() == 0:
