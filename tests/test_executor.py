@@ -161,7 +161,7 @@ def _launch_trace(delay_s: float, launch_rule: str) -> list:
     with GradScheduler([(p, FakeGroup(), 1.0) for p in params], cfg, device="cpu", launch=launch,
                        completion="poll") as sched:
         sched.begin_step()
-        for i, p in enumerate(reversed(params)):
+        for i, p in enumerate(params):  # ready in launch order
             tok = sched.a2a_begin(1000)
             trace.append(("a2a_begin", i))
             time.sleep(0.002)
@@ -189,7 +189,10 @@ def test_program_launch_rule_does_not_depend_on_completion_times():
         elif ev[0] == "a2a_begin":
             gaps.append(n)
             n = 0
-    assert max(gaps) <= 2
+    assert max(gaps) <= 2 and sum(1 for ev in fast if ev[0] == "launch") == 12
+    # each gradient's two micro-ops go out in its own hook, before the next all-to-all
+    assert all(fast[fast.index(("grad", i)) - 2:fast.index(("grad", i))] == [("launch", 2 * i), ("launch", 2 * i + 1)]
+               for i in range(6))
     c_fast, c_slow = _launch_trace(0.0, "completion"), _launch_trace(0.2, "completion")
     assert c_fast != c_slow  # with late completions the credit holds launches back until they land
 

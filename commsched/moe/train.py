@@ -188,7 +188,8 @@ def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
                      device: torch.device | str = "cpu") -> dict:
     device = torch.device(device)
     rank = dist.get_rank()
-    groups = make_groups(ep, cfg.allreduce_threads)
+    # threaded gloo groups carry CPU tensors only: a CUDA run keeps the backend's own groups
+    groups = make_groups(ep, cfg.allreduce_threads if device.type == "cpu" else None)
     events = A2AEvents()  # the MoE layers report here; each scheduler registers for its steps
     model, sched_params = _build_commsched(cfg, groups, events, device)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
