@@ -50,3 +50,13 @@ def test_summary_tables_and_plots(tmp_path):
     assert "| all-to-all share of a fifo step | 0.4 |" in table
     assert (tmp_path / "timeline.png").stat().st_size > 0 and (tmp_path / "loss.png").stat().st_size > 0
     assert "max gap to fifo" in extra["extra_tables"]["Loss curves"]
+
+
+def test_device_and_dtype_reach_every_variant(tmp_path):
+    wl = load_workload("moe-train")
+    default = build_parser(wl).parse_args([])
+    assert (default.device, default.dtype) == ("auto", "float32")
+    args = build_parser(wl).parse_args(["--device", "cpu", "--dtype", "bfloat16"])
+    for v in wl.variants(args):
+        cfg = config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)]))
+        assert (cfg.device, cfg.dtype) == ("cpu", "bfloat16"), v.name

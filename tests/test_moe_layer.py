@@ -183,3 +183,82 @@ def test_moe_layer_mp(results, case):
 def test_capacity_matches_formula():
     cfg = RouterConfig(8, k=2, capacity_factor=1.25, min_capacity=4)
     assert cfg.capacity(100) == max(4, math.ceil(1.25 * 100 * 2 / 8))
+
+
+# --------------------------------------------------------------------------- devices and dtypes
+def _recording_exchange(monkeypatch) -> list:
+    """Replace the dispatcher's all_to_all by a one-rank identity that logs what it sends."""
+    import commsched.moe.dispatch as dispatch
+
+    sent: list = []
+
+    def fake(x, plan, *, group=None, **kw):
+        sent.append((x.dtype, x.numel() * x.element_size(), x.device))
+        return x.clone()
+    monkeypatch.setattr(dispatch, "all_to_all", fake)
+    return sent
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_bfloat16_autocast_halves_the_exchanged_bytes(monkeypatch, pipeline):
+    """Under autocast to bfloat16 the token rows travel (both directions, forward and
+    backward) in bfloat16: exactly half the bytes of float32, the counts still int64."""
+    sent = _recording_exchange(monkeypatch)
+    rc = RouterConfig(4, k=2)
+    rows_bytes = {}
+    for dt in ("float32", "bfloat16"):
+        sent.clear()
+        torch.manual_seed(0)
+        layer = MoELayer(D, H, rc, expert_group=ExpertGroup(4, 1, 0, None), dispatch=DispatchConfig(2, pipeline))
+        x = torch.randn(3, 7, D, requires_grad=True)
+        if dt == "float32":
+            y, aux = layer(x)
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y, aux = layer(x)
+            assert y.dtype == torch.bfloat16
+        (y.float().sum() + aux).backward()
+        layer.close()
+        assert torch.isfinite(x.grad).all() and x.grad.dtype == torch.float32
+        rows = [(d, n) for d, n, _ in sent if d.is_floating_point]
+        assert {d for d, _ in rows} == {getattr(torch, dt)} and len(rows) == 4 * 2
+        assert all(d == torch.int64 for d, _, _ in sent if not d.is_floating_point)
+        rows_bytes[dt] = sum(n for _, n in rows)
+    assert rows_bytes["bfloat16"] * 2 == rows_bytes["float32"] > 0
+
+
+def test_dispatch_indices_live_on_the_routing_device(monkeypatch):
+    """device='cpu' through the same device-generic code: every index the dispatcher builds
+    and every tensor it exchanges is on the input's device."""
+    from commsched.moe.dispatch import build_chunk_plans
+
+    sent = _recording_exchange(monkeypatch)
+    dev = torch.device("cpu")
+    torch.manual_seed(1)
+    layer = MoELayer(D, H, RouterConfig(4, k=2), expert_group=ExpertGroup(4, 1, 0, None),
+                     dispatch=DispatchConfig(2, True)).to(dev)
+    x = torch.randn(9, D, device=dev)
+    routing = layer.router(x)
+    asg = sort_assignments(routing, 4, 2)
+    assert asg.token_A.device == dev and asg.counts_CE.device == dev
+    for cp in build_chunk_plans(asg, layer.expert_group):
+        assert cp.perm_R.device == dev and cp.inv_R.device == dev
+    layer(x)
+    assert layer._lanes is not None and layer._lanes.device == dev
+    layer.close()
+    assert sent and all(d == dev for _, _, d in sent)
+
+
+@pytest.mark.cuda
+def test_moe_layer_on_cuda_equals_cpu():
+    torch.manual_seed(2)
+    rc = RouterConfig(4, k=2)
+    cpu = MoELayer(D, H, rc)
+    gpu = MoELayer(D, H, rc)
+    gpu.load_state_dict(cpu.state_dict())
+    gpu.to("cuda")
+    x = torch.randn(5, 6, D)
+    yc, _ = cpu(x)
+    yg, _ = gpu(x.cuda())
+    assert yg.device.type == "cuda"
+    assert torch.allclose(yc, yg.cpu(), rtol=1e-4, atol=1e-5)

@@ -26,17 +26,19 @@ if not CORPUS.exists():  # a checkout outside the shared workspace: any text wil
 
 
 def _cfg(world: int, schedule: str, *, chunks: int = 1, pipeline: bool = False, ep: int | None = None,
-         k: int = 2, steps: int = 3, impl: str = "commsched") -> TrainConfig:
+         k: int = 2, steps: int = 3, impl: str = "commsched", device: str = "cpu", dtype: str = "float32",
+         launch: str | None = None) -> TrainConfig:
     model = ModelConfig(d_model=32, n_heads=2, n_layers=2, seq_len=16, d_ff=48, expert_hidden=40,
                         num_experts=2 * (ep or world), k=k, moe_every=2)
-    return TrainConfig(model=model, impl=impl, schedule=ScheduleConfig(schedule, microop_bytes=1024, bucket_bytes=4096),
+    return TrainConfig(model=model, impl=impl,
+                       schedule=ScheduleConfig(schedule, microop_bytes=1024, bucket_bytes=4096, launch=launch),
                        dispatch=DispatchConfig(chunks, pipeline),
                        steps=steps, batch_size=2, lr=1e-2, seed=3, ep_size=ep, warmup=min(1, steps - 1), probe_steps=1,
-                       eval_batches=1, corpus=str(CORPUS), max_corpus_bytes=1 << 18)
+                       eval_batches=1, corpus=str(CORPUS), max_corpus_bytes=1 << 18, device=device, dtype=dtype)
 
 
-def _run(cfg: TrainConfig) -> dict:
-    metrics, state = train(cfg, None, progress=False)
+def _run(cfg: TrainConfig, device=None) -> dict:
+    metrics, state = train(cfg, None, progress=False, device=device)
     return {**metrics.to_dict(), "state": state}
 
 
@@ -154,7 +156,27 @@ def _deepspeed_trains_from_the_same_weights(rank: int, world: int) -> None:
     assert "all_to_all_single" in ds["deepspeed_comm_ops"]
 
 
+def _program_launch_rule_same_sums(rank: int, world: int) -> None:
+    """lina under the 'program' launch rule (CUDA's default) on gloo ranks: the same
+    weights as serial, bit for bit."""
+    a = _run(_cfg(world, "lina", chunks=2, pipeline=True, steps=2, launch="program"))
+    b = _run(_cfg(world, "serial", chunks=2, pipeline=True, steps=2))
+    assert _same_state(a["state"], b["state"]) and a["loss"] == b["loss"]
+    assert a["config"]["schedule"]["launch"] == "program"
+
+
+def _bfloat16_trains_and_halves_the_wire(rank: int, world: int) -> None:
+    f32 = _run(_cfg(world, "lina", chunks=2, pipeline=True, steps=3))
+    bf = _run(_cfg(world, "lina", chunks=2, pipeline=True, steps=3, dtype="bfloat16"))
+    assert all(torch.isfinite(torch.tensor(bf["loss"]))) and bf["val_loss"] is not None
+    assert abs(bf["loss"][0] - f32["loss"][0]) < 0.05, (bf["loss"], f32["loss"])
+    assert bf["sizes"]["a2a_payload_bytes_per_step"] * 2 == f32["sizes"]["a2a_payload_bytes_per_step"]
+    assert all(v.dtype == torch.float32 for v in bf["state"].values() if v.is_floating_point())
+
+
 CASES2 = [("schedules_identical", _schedules_identical),
+          ("program_launch_rule_same_sums", _program_launch_rule_same_sums),
+          ("bfloat16_trains_and_halves_the_wire", _bfloat16_trains_and_halves_the_wire),
           ("grads_match_manual_allreduce", _grads_match_manual_allreduce),
           ("lina_rule_on_real_groups", _lina_rule_on_real_groups),
           ("threaded_gloo_group", _threaded_gloo_group),
@@ -171,6 +193,38 @@ def results2():
 @pytest.fixture(scope="module")
 def results4():
     return run_cases(4, CASES4, timeout_s=300)
+
+
+def _one_rank_cpu_explicit(rank: int, world: int) -> None:
+    """device='cpu' given explicitly, through the device-generic code; and bfloat16."""
+    a = _run(_cfg(world, "lina", steps=2), device="cpu")
+    b = _run(_cfg(world, "lina", steps=2, device="auto"), device=torch.device("cpu"))
+    assert a["loss"] == b["loss"] and _same_state(a["state"], b["state"])
+    bf = _run(_cfg(world, "lina", steps=2, dtype="bfloat16"))
+    assert all(torch.isfinite(torch.tensor(bf["loss"]))) and bf["config"]["dtype"] == "bfloat16"
+
+
+def _one_rank_cuda_matches_cpu(rank: int, world: int) -> None:
+    cpu = _run(_cfg(world, "lina", chunks=2, pipeline=True, steps=3), device="cpu")
+    gpu = _run(_cfg(world, "lina", chunks=2, pipeline=True, steps=3, device="cuda"),
+               device=torch.device("cuda", 0))
+    assert all(v.device.type == "cpu" for v in gpu["state"].values())
+    for a, b in zip(cpu["loss"], gpu["loss"]):
+        assert abs(a - b) < 5e-3 * max(1.0, abs(a)), (cpu["loss"], gpu["loss"])
+    bf = _run(_cfg(world, "lina", chunks=2, pipeline=True, steps=3, device="cuda", dtype="bfloat16"),
+              device=torch.device("cuda", 0))
+    assert all(torch.isfinite(torch.tensor(bf["loss"])))
+
+
+def test_one_rank_training_with_device_cpu():
+    res = run_cases(1, [("cpu_explicit", _one_rank_cpu_explicit)], timeout_s=240)
+    assert_case(res, "cpu_explicit")
+
+
+@pytest.mark.cuda
+def test_one_rank_training_on_cuda_matches_cpu():
+    res = run_cases(1, [("cuda_matches_cpu", _one_rank_cuda_matches_cpu)], timeout_s=300)
+    assert_case(res, "cuda_matches_cpu")
 
 
 @pytest.mark.slow
@@ -232,6 +286,18 @@ def test_cli_fills_the_one_schedule_config(tmp_path):
     assert config_from_args(p.parse_args(["--out", str(tmp_path)])).schedule == TrainConfig().schedule
     with pytest.raises(SystemExit):
         p.parse_args(["--schedule", "lifo", "--out", str(tmp_path)])
+    d = config_from_args(p.parse_args(["--out", str(tmp_path)]))
+    assert (d.device, d.dtype, d.schedule.launch) == ("auto", "float32", None)
+    c = config_from_args(p.parse_args(["--device", "cuda", "--dtype", "bfloat16", "--launch", "program",
+                                       "--out", str(tmp_path)]))
+    assert (c.device, c.dtype, c.schedule.launch) == ("cuda", "bfloat16", "program")
+    for bad in (["--device", "tpu"], ["--dtype", "float16"]):
+        with pytest.raises(SystemExit):
+            p.parse_args([*bad, "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--dtype"):
+        TrainConfig(dtype="float16")
+    with pytest.raises(ValueError, match="--device"):
+        TrainConfig(device="gpu")
 
 
 def _rank_result(r: int, deepspeed: bool = False) -> dict:

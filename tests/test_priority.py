@@ -328,3 +328,61 @@ def test_simulator_defaults_are_the_executors():
         assert sum(o.nbytes for o in r.allreduce_during(a)) <= DEFAULT_CREDIT_MICROOPS * 500
     default = simulate(HAND, LINK)
     assert default.schedule == "lina" and len(default.allreduce) == 2  # 200 B and 100 B, each one micro-op
+
+
+# --------------------------------------------------------------------------- the 'program' launch rule (CUDA's)
+def test_program_rule_budget_per_gap_ignores_completions():
+    """Under 'program' at most gap_budget micro-ops go out per gap between all-to-alls, and
+    a completion never launches anything (it is not a point every rank shares)."""
+    cfg = ScheduleConfig("lina", microop_bytes=100, credit_bytes=200, hold_in_block=False, launch="program")
+    assert cfg.gap_budget == 2
+    p = make_policy(cfg)
+    assert p.gap_budget == 2
+    p.begin_step(6)
+    for s in range(4):
+        p.allreduce_ready(s, 100)
+    assert [l.key for l in p.next_ops()] == [0, 1]  # the budget of this gap
+    p.allreduce_done(0)
+    p.allreduce_done(1)
+    assert p.next_ops() == []  # completions free no budget
+    p.a2a_waiting("a")
+    assert [l.kind for l in p.next_ops()] == ["a2a"]
+    p.a2a_done("a")  # a new gap
+    assert [l.key for l in p.next_ops()] == [2, 3]
+    p.allreduce_ready(4, 100)
+    p.allreduce_ready(5, 100)
+    assert p.next_ops() == []
+    p.end_backward()
+    assert [l.key for l in p.next_ops()] == [4, 5]  # nothing is held after the backward pass
+    for s in (2, 3, 4, 5):
+        p.allreduce_done(s)
+    assert p.finished
+
+
+def test_launch_rule_follows_the_device_unless_set():
+    cfg = ScheduleConfig()
+    assert (cfg.launch_rule("cpu"), cfg.launch_rule("cuda")) == ("completion", "program")
+    assert make_policy(cfg).gap_budget is None                       # the simulator's and gloo's
+    assert make_policy(cfg, "cuda").gap_budget == DEFAULT_CREDIT_MICROOPS  # the executor's on CUDA
+    assert ScheduleConfig(launch="completion").launch_rule("cuda") == "completion"
+    assert make_policy(ScheduleConfig("fifo"), "cuda").gap_budget is None  # fifo never depends on completions
+    with pytest.raises(ValueError, match="launch rule"):
+        ScheduleConfig(launch="eager")
+
+
+@pytest.mark.parametrize("kw", SCENARIOS, ids=range(len(SCENARIOS)))
+def test_sim_program_rule_bounds_launches_per_gap_and_finishes(kw):
+    """The simulator runs the executor's CUDA rule from the same config: every allreduce is
+    done, none starts inside an all-to-all, and between two all-to-alls of the backward
+    pass at most gap_budget micro-ops start."""
+    script = _scenario(**kw)
+    cfg = ScheduleConfig("lina", microop_bytes=500, credit_bytes=1500, hold_in_block=False, launch="program")
+    r = simulate(script, LINK, cfg)
+    assert all(math.isfinite(o.end_s) for o in r.allreduce)
+    assert sum(o.nbytes for o in r.allreduce) == sum(b for it in script if isinstance(it, Compute) for b in it.grads)
+    a2a = sorted(r.a2a, key=lambda o: o.ready_s)
+    for a in a2a:
+        assert not any(a.ready_s < o.start_s < a.end_s for o in r.allreduce)
+    for prev, nxt in zip(a2a, a2a[1:]):
+        started = [o for o in r.allreduce if prev.end_s <= o.start_s < nxt.ready_s]
+        assert len(started) <= cfg.gap_budget, (prev, nxt, started)

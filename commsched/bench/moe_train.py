@@ -24,6 +24,8 @@ import argparse
 import json
 from pathlib import Path
 
+from ..dist import DEVICE_CHOICES
+from ..moe.training import DTYPES
 from ..priority.policy import DEFAULT_CREDIT_MICROOPS, ScheduleConfig
 from ..results import median
 from .plots import pyplot, save_figure
@@ -59,6 +61,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--k", type=int, default=d["k"], choices=(1, 2))
     g.add_argument("--moe-every", type=int, default=d["moe_every"])
     g.add_argument("--corpus", default=None, help="text file (default: the Python standard library's sources)")
+    g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="every variant's device (auto: CUDA when every local rank has its own GPU)")
+    g.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="compute and all-to-all row dtype of every variant (bfloat16 halves the exchange)")
     g = p.add_argument_group("schedules")
     g.add_argument("--chunks", type=int, default=d["chunks"], help="lina: chunks of the pipelined all-to-all")
     g.add_argument("--microop-bytes", type=int, default=d["microop_bytes"])
@@ -76,7 +82,7 @@ def _common(a: argparse.Namespace) -> list[str]:
            "--d-model", a.d_model, "--heads", a.heads, "--layers", a.layers, "--d-ff", a.d_ff,
            "--expert-hidden", a.expert_hidden, "--experts", a.experts, "--k", a.k, "--moe-every", a.moe_every,
            "--microop-bytes", a.microop_bytes, "--bucket-bytes", a.bucket_bytes, "--ds-stage", a.ds_stage,
-           "--allreduce-threads", a.allreduce_threads]
+           "--allreduce-threads", a.allreduce_threads, "--device", a.device, "--dtype", a.dtype]
     if a.credit_bytes is not None:
         out += ["--credit-bytes", a.credit_bytes]
     if a.corpus:

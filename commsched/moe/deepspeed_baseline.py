@@ -15,21 +15,22 @@ expert padded to the largest load in the group); a capacity factor maps to
 :func:`train_deepspeed` is the training loop of the baseline: the engine with ZeRO stage
 ``ds_stage``, gradient reduction overlapping the backward pass, the same Adam, tokens and
 seed as commsched's runtime (:mod:`commsched.moe.train`, which calls it and summarises
-both alike). DeepSpeed is imported only when called.
+both alike). DeepSpeed is imported only when called. It runs on the rank's device with the
+backend that follows it (gloo on the CPU, NCCL on CUDA); ``--dtype bfloat16`` turns on
+DeepSpeed's own bf16 mode (bf16 weights and all-to-all, float32 master weights).
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn as nn
 
+from ..clock import Clock
 from ..results import Progress
 from .data import Corpus
 from .layer import MoELayer
 from .model import MoETransformerLM
-from .training import TrainConfig, a2a_payload_bytes, evaluate
+from .training import TrainConfig, a2a_payload_bytes, evaluate, to_device
 
 
 class DeepSpeedMoEFFN(nn.Module):
@@ -89,9 +90,11 @@ def to_deepspeed(model: MoETransformerLM, ep_size: int) -> MoETransformerLM:
     return model
 
 
-def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress) -> dict:
-    """Train ``cfg`` under DeepSpeed's engine on the initialised default process group (gloo)
-    with expert-parallel groups of ``ep`` ranks; returns this rank's results in the form
+def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
+                    device: torch.device | str = "cpu") -> dict:
+    """Train ``cfg`` under DeepSpeed's engine on the initialised default process group (gloo
+    on the CPU, NCCL on CUDA) with expert-parallel groups of ``ep`` ranks, on ``device``;
+    returns this rank's results in the form
     :func:`commsched.moe.training.summarise` reads (per-step ``rows``, ``val_loss``, ``sizes``,
     ``state``, and ``ds_comm_ops``: the collectives DeepSpeed's comms logger saw)."""
     import deepspeed
@@ -101,10 +104,14 @@ def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress) ->
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     rank = dist.get_rank()
-    deepspeed.init_distributed(dist_backend="gloo")
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     torch.manual_seed(cfg.seed)
     model = MoETransformerLM(cfg.model)  # every expert here; DeepSpeed keeps its block of them
     to_deepspeed(model, ep)
+    if cuda:
+        model.to(device)
     B, S = cfg.batch_size, cfg.model.seq_len
     ds_cfg = {
         "train_micro_batch_size_per_gpu": B,
@@ -120,11 +127,14 @@ def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress) ->
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
+    if cfg.dtype == "bfloat16":
+        ds_cfg["bf16"] = {"enabled": True}
     groups = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "params"})
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_cfg)
     rows: list[dict] = []
     seen: set[str] = set()
+    clock = Clock(device)  # host clock on the CPU, CUDA events on CUDA
 
     def comm_times() -> tuple[float, float]:
         """Seconds in all-to-all and in other collectives since the last call, from the
@@ -144,25 +154,27 @@ def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress) ->
 
     for step in range(cfg.steps):
         x, y = corpus.batch(B, S, seed=cfg.seed, step=step, rank=rank)
+        x, y = to_device(x, device), to_device(y, device)
         comm_times()
-        t0 = time.perf_counter()
+        t0 = clock.mark()
         logits, aux = engine(x)
-        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        ce = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss = ce + cfg.model.aux_weight * aux
-        t1 = time.perf_counter()
+        t1 = clock.mark()
         engine.backward(loss)
-        t2 = time.perf_counter()
+        t2 = clock.mark()
         engine.step()
-        t3 = time.perf_counter()
+        t3 = clock.mark()
         a2a, other = comm_times()
-        rows.append({"step_s": t3 - t0, "fwd_s": t1 - t0, "bwd_s": t2 - t1, "loss": ce.item(),
+        sec = clock.seconds
+        rows.append({"step_s": sec(t0, t3), "fwd_s": sec(t0, t1), "bwd_s": sec(t1, t2), "loss": ce.item(),
                      "a2a_s": a2a, "a2a_inflight_s": a2a, "allreduce_s": other,
-                     "allreduce_wait_s": t3 - t2})
+                     "allreduce_wait_s": sec(t2, t3)})
         bar.update(1)
-        bar.postfix(loss=f"{ce.item():.3f}", step_s=f"{t3 - t0:.2f}")
+        bar.postfix(loss=f"{ce.item():.3f}", step_s=f"{sec(t0, t3):.2f}")
     engine.eval()
-    val = evaluate(engine, corpus, cfg)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    val = evaluate(engine, corpus, cfg, device)
+    state = {k: v.detach().cpu().clone() if cuda else v.detach().clone() for k, v in model.state_dict().items()}
     dense = sum(p.numel() for p in model.parameters() if getattr(p, "allreduce", True))
     return {"rows": rows, "timeline": [], "a2a_alone_s": [], "val_loss": val, "state": state,
             "ds_comm_ops": sorted(seen),

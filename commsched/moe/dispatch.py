@@ -27,6 +27,12 @@ An :class:`~commsched.observe.A2AObserver` (the priority scheduler, an
 :class:`~commsched.observe.A2ATimer`, or an :class:`~commsched.observe.A2AEvents` passing
 the reports on) is told when each exchange starts and ends and when the expert block of a
 backward pass starts and ends.
+
+Devices: every index tensor (token order, the regrouping permutations) and the count
+exchange live on the device of the routing and the tokens, so a CUDA layer never mixes
+host and device tensors; the counts come back to the host once per layer call (an uneven
+exchange needs its sizes there). The time the caller was blocked on an exchange is the
+host clock on the CPU and CUDA events on CUDA (waited for when reported).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ..all2all import A2APlan, all_to_all, all_to_all_async
+from ..clock import Clock
 from ..lanes import Lanes
 from ..observe import A2AObserver
 from .experts import ExpertFFN, expert_apply
@@ -49,6 +56,21 @@ def _blocked(observer: A2AObserver | None, seconds: float) -> None:
     fn = getattr(observer, "a2a_blocked", None)
     if fn is not None:
         fn(seconds)
+
+
+def _mark(device: torch.device):
+    """Now: the host clock on the CPU, a CUDA event on the current stream on CUDA."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    return Clock(device).mark()
+
+
+def _since(device: torch.device, t0) -> float:
+    """Seconds from mark ``t0`` to now (on CUDA: waits until the current stream gets here)."""
+    if device.type != "cuda":
+        return time.perf_counter() - t0
+    c = Clock(device)
+    return c.seconds(t0, c.mark())
 
 
 # --------------------------------------------------------------------------- placement of experts
@@ -97,7 +119,7 @@ def sort_assignments(routing: Routing, num_experts: int, chunks: int = 1) -> Ass
     T, K = routing.expert_TK.shape
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
-    token_TK = torch.arange(T).unsqueeze(1).expand(T, K)
+    token_TK = torch.arange(T, device=routing.expert_TK.device).unsqueeze(1).expand(T, K)
     keep = routing.keep_TK.reshape(-1)
     token_A = token_TK.reshape(-1)[keep]
     expert_A = routing.expert_TK.reshape(-1)[keep]
@@ -146,8 +168,9 @@ class ChunkPlan:
     inv_R: torch.Tensor
 
 
-def _regroup(recv_PL: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Permutation taking source-major rows (peer, then expert) to expert-major rows."""
+def _regroup(recv_PL: list[list[int]], device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Permutation taking source-major rows (peer, then expert) to expert-major rows, and
+    its inverse; built on the host, then moved to ``device`` (one copy each)."""
     P, L = len(recv_PL), len(recv_PL[0]) if recv_PL else 0
     off, offs = 0, [[0] * L for _ in range(P)]
     for p in range(P):
@@ -159,6 +182,8 @@ def _regroup(recv_PL: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     perm = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel())
+    if device is not None and device.type != "cpu":
+        perm, inv = perm.to(device, non_blocking=True), inv.to(device, non_blocking=True)
     return perm, inv
 
 
@@ -167,17 +192,17 @@ def exchange_counts(counts_CE: torch.Tensor, eg: ExpertGroup,
     """Tell each expert owner how many rows of each chunk and local expert it gets.
 
     Returns recv[c][p][j] (rows of chunk c for local expert j from peer p). One small
-    equal-split all_to_all on the EP group.
+    equal-split all_to_all on the EP group, on the device of ``counts_CE``.
     """
     C, E = counts_CE.shape
     P, L = eg.size, eg.num_local
     send = counts_CE.reshape(C, P, L).permute(1, 0, 2).reshape(P, C * L).contiguous()
     plan = A2APlan((1,) * P, (1,) * P, eg.rank)
     tok = observer.a2a_begin(send.numel() * 8) if observer is not None else None
-    t0 = time.perf_counter()
+    t0 = _mark(send.device)
     got = all_to_all(send, plan, group=eg.group).reshape(P, C, L)
     if observer is not None:
-        _blocked(observer, time.perf_counter() - t0)
+        _blocked(observer, _since(send.device, t0))
         observer.a2a_end(tok)
     g = got.permute(1, 0, 2).tolist()  # [C][P][L]
     return g
@@ -193,7 +218,7 @@ def build_chunk_plans(asg: Assignments, eg: ExpertGroup,
     for c in range(C):
         send_P = per_rank_CP[c]
         recv_P = [sum(recv[c][p]) for p in range(P)]
-        perm, inv = _regroup(recv[c])
+        perm, inv = _regroup(recv[c], asg.token_A.device)
         counts_L = [sum(recv[c][p][j] for p in range(P)) for j in range(L)]
         hi = lo + sum(send_P)
         plans.append(ChunkPlan(A2APlan(tuple(send_P), tuple(recv_P), eg.rank), lo, hi, recv[c],
@@ -210,10 +235,10 @@ def _peer_bytes(plan: A2APlan, row_bytes: int) -> int:
 def _observed(x: torch.Tensor, plan: A2APlan, group, observer: A2AObserver | None) -> torch.Tensor:
     tok = observer.a2a_begin(_peer_bytes(plan, x[0].numel() * x.element_size() if x.shape[0] else 0)) \
         if observer is not None else None
-    t0 = time.perf_counter()
+    t0 = _mark(x.device)
     out = all_to_all(x, plan, group=group)
     if observer is not None:
-        _blocked(observer, time.perf_counter() - t0)
+        _blocked(observer, _since(x.device, t0))
         observer.a2a_end(tok)
     return out
 
@@ -269,15 +294,15 @@ class _Pipeline:
         tok = obs.a2a_begin(_peer_bytes(plan, row_bytes)) if obs is not None else None
         x = x.contiguous()
         if self.lanes is not None:
-            return self.lanes.submit("comm", all_to_all, x, plan, group=self.eg.group), tok
-        return all_to_all_async(x, plan, group=self.eg.group), tok
+            return self.lanes.submit("comm", all_to_all, x, plan, group=self.eg.group), tok, x.device
+        return all_to_all_async(x, plan, group=self.eg.group), tok, x.device
 
     def finish(self, handle) -> torch.Tensor:
-        h, tok = handle
-        t0 = time.perf_counter()
+        h, tok, dev = handle
+        t0 = _mark(dev)
         out = h.wait()
         if self.observer is not None:
-            _blocked(self.observer, time.perf_counter() - t0)
+            _blocked(self.observer, _since(dev, t0))
             self.observer.a2a_end(tok)
         return out
 

@@ -9,6 +9,12 @@ rank's block of E / P experts and exchange tokens over that process group; ``chu
 ``observer`` (an :class:`~commsched.observe.A2AObserver`, given at construction) is told
 about its exchanges.
 The forward pass returns ``(y, aux_loss)``; add ``aux_weight * aux_loss`` to the loss.
+
+The layer runs on the device of its input (move it with ``.to(device)``); the pipelined
+exchange's lanes are made on that device (CUDA streams on CUDA, a worker thread on the
+CPU). Under ``torch.autocast`` the token rows are cast to the autocast dtype before
+dispatch, so the experts compute and the all-to-all carries rows in that dtype (bfloat16
+rows halve the exchanged bytes); the output is in that dtype too.
 """
 
 from __future__ import annotations
@@ -65,13 +71,16 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         D = x.shape[-1]
         x_TD = x.reshape(-1, D)
+        if torch.is_autocast_enabled(x.device.type):
+            x_TD = x_TD.to(torch.get_autocast_dtype(x.device.type))  # the wire and expert dtype
         routing = self.router(x_TD)
         self.last_routing = routing
         if self.expert_group is None:
             y_TD = local_moe(x_TD, routing, self.experts)
         else:
-            if self.dispatch.pipeline and self._lanes is None:
-                self._lanes = Lanes("cpu", names=("compute", "comm"))
+            if self.dispatch.pipeline and (self._lanes is None or self._lanes.device != x.device):
+                self.close()
+                self._lanes = Lanes(x.device, names=("compute", "comm"))
             y_TD = ep_moe(x_TD, routing, self.experts, self.expert_group, chunks=self.dispatch.chunks,
                           pipeline=self.dispatch.pipeline, observer=self.observer, lanes=self._lanes)
         return y_TD.reshape(x.shape), routing.aux_loss

@@ -19,6 +19,9 @@ Checkpoint file (``torch.save``; load with :func:`load_checkpoint`): a dict with
 ``format`` = ``"commsched-moe-lm"``, ``version`` = 1, ``model_config`` (the fields of
 :class:`~commsched.moe.model.ModelConfig`), ``state_dict`` (every expert included) and
 ``info`` (how it was trained).
+
+``--device auto|cpu|cuda`` (default auto) is where the model trains; the trace is recorded
+on the CPU from the trained weights either way.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..dist import DEVICE_CHOICES
 from .model import ModelConfig, MoETransformerLM
 from .traces import RoutingTrace, save_trace, trace_stats
 
@@ -88,32 +92,38 @@ def record_trace(model: MoETransformerLM, corpus, tokens: int, *, split: str = "
         raise ValueError(f"the {split} split holds {avail} windows of {S} bytes, fewer than the {n_win} "
                          f"needed for {tokens} tokens: ask for fewer tokens or use a larger corpus")
     windows = data[start:start + n_win * S].long().view(n_win, S)
+    dev = next(model.parameters()).device
+    if dev.type != "cpu":
+        windows = windows.to(dev)
     moe = model.eval().moe_layers()
     parts = []
     for i in range(0, n_win, batch_size):
         model(windows[i:i + batch_size])
         parts.append(torch.stack([m.last_routing.expert_TK for m in moe], dim=1))  # [T, L, k]
-    experts = torch.cat(parts).numpy()
+    experts = torch.cat(parts).cpu().numpy()
     seq = np.repeat(np.arange(n_win), S)
     src = f"model:{source},corpus:{corpus.source},split:{split}"
     return RoutingTrace(experts, model.cfg.num_experts, src, seq)
 
 
 def train_model(model_cfg: ModelConfig, *, steps: int, batch_size: int, lr: float, seed: int,
-                corpus: str | None, progress: bool = False) -> tuple[MoETransformerLM, dict]:
+                corpus: str | None, progress: bool = False,
+                device: str = "auto") -> tuple[MoETransformerLM, dict]:
     """Train with :func:`commsched.moe.train.train` on one process (world of one, every
-    expert here) and return the model and the training metrics."""
+    expert here) on ``device`` (auto, cpu or cuda) and return the model (on the CPU) and
+    the training metrics."""
     import torch.distributed as dist
 
-    from ..dist import init_distributed
+    from ..dist import init_distributed, resolve_device
     from .train import TrainConfig, train
 
     cfg = TrainConfig(model=model_cfg, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                      warmup=min(2, steps - 1), probe_steps=0, eval_batches=4, corpus=corpus)
+                      warmup=min(2, steps - 1), probe_steps=0, eval_batches=4, corpus=corpus, device=device)
     created = not dist.is_initialized()
-    init_distributed(backend="gloo")
+    dev = resolve_device(device)[0]
+    info = init_distributed(backend="gloo" if dev.type == "cpu" else None, device=dev)
     try:
-        m, state = train(cfg, None, progress=progress)
+        m, state = train(cfg, None, progress=progress, device=info.device)
     finally:
         if created:
             dist.destroy_process_group()
@@ -134,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", choices=("val", "train"), default="val")
     p.add_argument("--corpus", default=None, help="text file (default: the Python standard library's sources)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="where --train-steps trains (auto: CUDA when available)")
     g = p.add_argument_group("model to train (with --train-steps)")
     g.add_argument("--batch-size", type=int, default=16)
     g.add_argument("--lr", type=float, default=3e-3)
@@ -167,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              d_ff=a.d_ff, expert_hidden=a.expert_hidden, num_experts=a.experts, k=a.k,
                              moe_every=a.moe_every, aux_weight=a.aux_weight)
             model, info = train_model(mc, steps=a.train_steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed,
-                                      corpus=a.corpus)
+                                      corpus=a.corpus, device=a.device)
             source = str(a.save_checkpoint) if a.save_checkpoint else f"trained {a.train_steps} steps"
             if a.save_checkpoint is not None:
                 a.save_checkpoint.parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,13 @@ wire; larger under pipelining, where compute runs meanwhile), ``allreduce_time_s
 reduced when the backward pass ended), the configuration and sizes (DeepSpeed runs add
 ``deepspeed_comm_ops``); and ``DIR/timeline.json``: every rank's communication operations
 of one step.
+
+``--device auto|cpu|cuda`` (default auto: CUDA when every local rank has its own GPU)
+places the model and the batches (pinned host batches copied asynchronously) on the
+rank's device; NCCL then carries the CUDA tensors and gloo the small host ones.
+``--dtype bfloat16`` runs the forward pass under ``torch.autocast`` and sends the expert
+all-to-all rows in bfloat16 (half the bytes); parameters and Adam stay float32. The
+default float32 is today's arithmetic bit for bit.
 """
 
 from __future__ import annotations
@@ -51,19 +58,37 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..clock import Clock
 from ..config import read_env
-from ..dist import all_gather_object, barrier, check_same_config, init_distributed
+from ..dist import (
+    DEVICE_CHOICES,
+    all_gather_object,
+    barrier,
+    check_same_config,
+    init_distributed,
+    resolve_device,
+)
 from ..dist import new_group as cs_new_group
 from ..observe import A2AEvents, A2AObserver
 from ..priority.executor import LOCAL, GradScheduler
-from ..priority.policy import DEFAULT_CREDIT_MICROOPS, POLICIES, ScheduleConfig
+from ..priority.policy import DEFAULT_CREDIT_MICROOPS, LAUNCH_RULES, POLICIES, ScheduleConfig
 from ..results import Progress, write_json
 from .data import Corpus, load_corpus
 from .dispatch import ExpertGroup
 from .experts import is_expert_param
 from .layer import DispatchConfig
 from .model import ModelConfig, MoETransformerLM
-from .training import IMPLS, TrainConfig, TrainMetrics, evaluate, sizes, summarise
+from .training import (
+    DTYPES,
+    IMPLS,
+    TrainConfig,
+    TrainMetrics,
+    autocast,
+    evaluate,
+    sizes,
+    summarise,
+    to_device,
+)
 
 
 @dataclass
@@ -101,13 +126,17 @@ def _timeline_dicts(records) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- commsched impl
-def _build_commsched(cfg: TrainConfig, groups: Groups, observer: A2AObserver | None = None):
-    """The expert-parallel model (its MoE layers report to ``observer``) and the
-    ``(parameter, group, scale)`` entries of its gradient scheduler."""
+def _build_commsched(cfg: TrainConfig, groups: Groups, observer: A2AObserver | None = None,
+                     device: torch.device | str = "cpu"):
+    """The expert-parallel model on ``device`` (its MoE layers report to ``observer``) and
+    the ``(parameter, group, scale)`` entries of its gradient scheduler. The weights are
+    drawn on the host and then moved, so every device starts from the same ones."""
     torch.manual_seed(cfg.seed)
     mcfg = cfg.model
     eg = ExpertGroup(mcfg.num_experts, groups.ep_size, groups.ep_rank, groups.ep_group)
     model = MoETransformerLM(mcfg, expert_group=eg, dispatch=cfg.dispatch, observer=observer)
+    if torch.device(device).type != "cpu":
+        model.to(device)
     # The objective is the mean of the ranks' losses. A non-expert gradient is averaged over
     # all ranks. An expert's gradient already sums the contributions of every rank of its
     # EP group (they reached it through the all-to-all); summed over the ranks holding the
@@ -123,12 +152,15 @@ def _build_commsched(cfg: TrainConfig, groups: Groups, observer: A2AObserver | N
     return model, sched_params
 
 
-def train(cfg: TrainConfig, out: Path | None = None, *,
-          progress: bool | None = None) -> tuple[TrainMetrics, dict[str, torch.Tensor]]:
+def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = None,
+          device: torch.device | str | None = None) -> tuple[TrainMetrics, dict[str, torch.Tensor]]:
     """Run training on the initialised default process group; returns the metrics (the same
-    on all ranks) and this rank's final ``state_dict``. Rank 0 writes ``out/metrics.json``
-    and ``out/timeline.json`` when ``out`` is given."""
+    on all ranks) and this rank's final ``state_dict`` (on the CPU). Rank 0 writes
+    ``out/metrics.json`` and ``out/timeline.json`` when ``out`` is given. ``device``: this
+    rank's device (what :func:`commsched.dist.init_distributed` returned); default:
+    ``cfg.device`` resolved here."""
     rank = dist.get_rank()
+    dev = torch.device(device) if device is not None else resolve_device(cfg.device)[0]
     check_same_config(dataclasses.asdict(cfg), what="training configuration")
     ep = cfg.ep_size or dist.get_world_size()
     corpus = load_corpus(cfg.corpus, max_bytes=cfg.max_corpus_bytes)
@@ -136,11 +168,11 @@ def train(cfg: TrainConfig, out: Path | None = None, *,
     t_wall = time.perf_counter()
     with Progress(cfg.steps, "moe-train", "step", enabled=show) as bar:
         if cfg.impl == "commsched":
-            res = _train_commsched(cfg, corpus, ep, bar)
+            res = _train_commsched(cfg, corpus, ep, bar, dev)
         else:
             from .deepspeed_baseline import train_deepspeed  # it imports this module's helpers
 
-            res = train_deepspeed(cfg, corpus, ep, bar)
+            res = train_deepspeed(cfg, corpus, ep, bar, dev)
     res["wall_clock_s"] = time.perf_counter() - t_wall
     state = res.pop("state")
     gathered = all_gather_object(res, "gathering the training results")
@@ -152,30 +184,37 @@ def train(cfg: TrainConfig, out: Path | None = None, *,
     return metrics, state
 
 
-def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress) -> dict:
+def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
+                     device: torch.device | str = "cpu") -> dict:
+    device = torch.device(device)
     rank = dist.get_rank()
-    groups = make_groups(ep, cfg.allreduce_threads)
+    # threaded gloo groups carry CPU tensors only: a CUDA run keeps the backend's own groups
+    groups = make_groups(ep, cfg.allreduce_threads if device.type == "cpu" else None)
     events = A2AEvents()  # the MoE layers report here; each scheduler registers for its steps
-    model, sched_params = _build_commsched(cfg, groups, events)
+    model, sched_params = _build_commsched(cfg, groups, events, device)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     B, S = cfg.batch_size, cfg.model.seq_len
     tl_step = cfg.steps - 1 if cfg.timeline_step is None else cfg.timeline_step
     rows: list[dict] = []
     timeline: list[dict] = []
-    with GradScheduler(sched_params, cfg.schedule) as sched, events.register(sched):
+    clock = Clock(device)  # host clock on the CPU, CUDA events on CUDA
+    with GradScheduler(sched_params, cfg.schedule, device=device) as sched, events.register(sched):
         for step in range(cfg.steps):
             x, y = corpus.batch(B, S, seed=cfg.seed, step=step, rank=rank)
+            x, y = to_device(x, device), to_device(y, device)
             sched.begin_step()
-            t0 = time.perf_counter()
-            loss, ce = model.loss(x, y)
-            t1 = time.perf_counter()
+            t0 = clock.mark()
+            with autocast(cfg, device):
+                loss, ce = model.loss(x, y)
+            t1 = clock.mark()
             loss.backward()
-            t2 = time.perf_counter()
+            t2 = clock.mark()
             st = sched.finish()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            t3 = time.perf_counter()
-            rows.append({"step_s": t3 - t0, "fwd_s": t1 - t0, "bwd_s": t2 - t1, "loss": ce.item(),
+            t3 = clock.mark()
+            step_s, fwd_s, bwd_s = clock.seconds(t0, t3), clock.seconds(t0, t1), clock.seconds(t1, t2)
+            rows.append({"step_s": step_s, "fwd_s": fwd_s, "bwd_s": bwd_s, "loss": ce.item(),
                          "a2a_s": st["a2a_blocked_s"], "a2a_inflight_s": st["a2a_time_s"],
                          "allreduce_s": st["allreduce_time_s"],
                          "allreduce_wait_s": st["allreduce_wait_s"],
@@ -183,20 +222,24 @@ def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress) -
             if step == tl_step:
                 timeline = _timeline_dicts(sched.records)
             bar.update(1)
-            bar.postfix(loss=f"{ce.item():.3f}", step_s=f"{t3 - t0:.2f}")
+            bar.postfix(loss=f"{ce.item():.3f}", step_s=f"{step_s:.2f}")
     # the all-to-all alone: allreduce held until after the backward pass, no optimizer step
     alone = []
     serial = dataclasses.replace(cfg.schedule, policy="serial")
-    with GradScheduler(sched_params, serial) as probe, events.register(probe):
+    with GradScheduler(sched_params, serial, device=device) as probe, events.register(probe):
         for i in range(cfg.probe_steps):
             x, y = corpus.batch(B, S, seed=cfg.seed, step=cfg.steps + i, rank=rank)
+            x, y = to_device(x, device), to_device(y, device)
             probe.begin_step()
-            model.loss(x, y)[0].backward()
+            with autocast(cfg, device):
+                loss = model.loss(x, y)[0]
+            loss.backward()
             alone.append(probe.finish()["a2a_blocked_s"])
             model.zero_grad(set_to_none=True)
-    val = evaluate(model, corpus, cfg)
+    val = evaluate(model, corpus, cfg, device)
     model.close()
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().clone() if v.device.type != "cpu" else v.detach().clone()
+             for k, v in model.state_dict().items()}
     return {"rows": rows, "timeline": timeline, "a2a_alone_s": alone, "val_loss": val,
             "sizes": sizes(model, cfg), "state": state}
 
@@ -242,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-corpus-bytes", type=int, default=d.max_corpus_bytes)
     p.add_argument("--timeline-step", type=int, default=None)
     p.add_argument("--ds-stage", type=int, default=d.ds_stage, help="DeepSpeed ZeRO stage (0, 1 or 2)")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default=d.device,
+                   help="auto: CUDA when every local rank has its own GPU, else the CPU")
+    p.add_argument("--dtype", choices=DTYPES, default=d.dtype,
+                   help="compute (autocast) and all-to-all row dtype; parameters stay float32")
+    p.add_argument("--launch", choices=LAUNCH_RULES, default=sc.launch,
+                   help="lina's launch rule (default: 'program' on CUDA, 'completion' on the CPU)")
     p.add_argument("--out", type=Path, required=True)
     return p
 
@@ -252,12 +301,13 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                         capacity_factor=a.capacity_factor, moe_every=a.moe_every, aux_weight=a.aux_weight)
     return TrainConfig(model=model, impl=a.impl,
                        schedule=ScheduleConfig(a.schedule, a.microop_bytes, a.credit_bytes, a.bucket_bytes,
-                                               a.hold_in_block),
+                                               a.hold_in_block, a.launch),
                        dispatch=DispatchConfig(a.chunks, a.pipeline),
                        steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed, ep_size=a.ep_size,
                        warmup=min(a.warmup, a.steps - 1), probe_steps=a.probe_steps, eval_batches=a.eval_batches,
                        corpus=a.corpus, max_corpus_bytes=a.max_corpus_bytes, timeline_step=a.timeline_step,
-                       ds_stage=a.ds_stage, allreduce_threads=a.allreduce_threads)
+                       ds_stage=a.ds_stage, allreduce_threads=a.allreduce_threads, device=a.device,
+                       dtype=a.dtype)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -266,10 +316,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config_from_args(a)
     except ValueError as e:
         raise SystemExit(f"commsched.moe.train: {e}") from None
-    torch.set_num_threads(1)
-    init_distributed()
+    info = init_distributed(device=cfg.device)
+    if info.device.type == "cpu":
+        torch.set_num_threads(1)  # ranks share the host's cores
     try:
-        m = train(cfg, a.out)[0].to_dict()
+        m = train(cfg, a.out, device=info.device)[0].to_dict()
         if dist.get_rank() == 0:
             print(json.dumps({k: m[k] for k in ("impl", "schedule", "world_size", "step_time_s", "a2a_time_s",
                                                  "allreduce_time_s", "a2a_alone_time_s", "val_loss")}), flush=True)

@@ -5,6 +5,7 @@ DeepSpeed's in :mod:`commsched.moe.deepspeed_baseline`): the run's configuration
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..dist import DEVICE_CHOICES
 from ..priority.policy import ScheduleConfig
 from ..results import Record, median
 from .data import Corpus
@@ -21,6 +23,7 @@ from .layer import DispatchConfig
 from .model import ModelConfig
 
 IMPLS = ("commsched", "deepspeed")
+DTYPES = ("float32", "bfloat16")  # --dtype: the training compute and the all-to-all rows
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,10 @@ class TrainConfig:
     # worker threads of the gloo groups carrying the gradient allreduce (every schedule):
     # gloo runs at most this many queued collectives at once (its default is 2)
     allreduce_threads: int | None = 8
+    # where the run computes: auto (CUDA when every local rank has its own GPU), cpu or cuda
+    device: str = "auto"
+    # compute dtype (autocast) and all-to-all row dtype; parameters and Adam stay float32
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -57,6 +64,14 @@ class TrainConfig:
             raise ValueError(f"--allreduce-threads must be >= 1, got {self.allreduce_threads}")
         if self.ds_stage not in (0, 1, 2):
             raise ValueError(f"--ds-stage must be 0, 1 or 2, got {self.ds_stage}")
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"--device must be one of {DEVICE_CHOICES}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -94,11 +109,28 @@ class TrainMetrics(Record):
 
 def a2a_payload_bytes(cfg: TrainConfig) -> int:
     """Bytes of token rows one rank hands the expert all-to-alls per step: every MoE layer
-    exchanges each of its T * k rows of D float32 four times (dispatch and combine, forward
-    and backward)."""
+    exchanges each of its T * k rows of D elements of ``cfg.dtype`` four times (dispatch
+    and combine, forward and backward)."""
     T = cfg.batch_size * cfg.model.seq_len
     n_moe = sum(1 for i in range(cfg.model.n_layers) if cfg.model.is_moe(i))
-    return 4 * n_moe * T * cfg.model.k * cfg.model.d_model * 4
+    esize = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    return 4 * n_moe * T * cfg.model.k * cfg.model.d_model * esize
+
+
+def autocast(cfg: TrainConfig, device: torch.device):
+    """The compute-dtype context of a forward pass: nothing for float32 (today's maths, bit
+    for bit), ``torch.autocast`` to ``cfg.dtype`` otherwise."""
+    if cfg.dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=cfg.torch_dtype)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch on ``device``: unchanged on the CPU; on CUDA pinned, then copied
+    asynchronously (the copy overlaps whatever the device is still running)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def sizes(model, cfg: TrainConfig) -> dict:
@@ -110,10 +142,11 @@ def sizes(model, cfg: TrainConfig) -> dict:
             "a2a_payload_bytes_per_step": a2a_payload_bytes(cfg)}
 
 
-def evaluate(model, corpus: Corpus, cfg: TrainConfig) -> float | None:
+def evaluate(model, corpus: Corpus, cfg: TrainConfig, device: torch.device | None = None) -> float | None:
     """Mean cross-entropy of ``model`` (called as ``model(tokens) -> (logits, aux)``: the
-    model or DeepSpeed's engine) on ``cfg.eval_batches`` held-out batches of this rank;
-    None when ``eval_batches`` is 0."""
+    model or DeepSpeed's engine) on ``cfg.eval_batches`` held-out batches of this rank, on
+    ``device`` (default: the CPU) in ``cfg.dtype``; None when ``eval_batches`` is 0."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
     if cfg.eval_batches < 1:
         return None
     rank = dist.get_rank()
@@ -121,8 +154,10 @@ def evaluate(model, corpus: Corpus, cfg: TrainConfig) -> float | None:
     with torch.no_grad():
         for i in range(cfg.eval_batches):
             x, y = corpus.batch(cfg.batch_size, cfg.model.seq_len, seed=cfg.seed, step=i, rank=rank, split="val")
-            logits, _ = model(x)
-            losses.append(float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+            x, y = to_device(x, device), to_device(y, device)
+            with autocast(cfg, device):
+                logits, _ = model(x)
+            losses.append(float(torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                                                   y.reshape(-1))))
     return sum(losses) / len(losses)
 
@@ -183,4 +218,5 @@ def summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> T
     )
 
 
-__all__ = ["IMPLS", "TrainConfig", "TrainMetrics", "a2a_payload_bytes", "evaluate", "sizes", "summarise"]
+__all__ = ["DTYPES", "IMPLS", "TrainConfig", "TrainMetrics", "a2a_payload_bytes", "autocast",
+           "evaluate", "sizes", "summarise", "to_device"]

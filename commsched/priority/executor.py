@@ -20,6 +20,22 @@ backward pass). All three compute the same sums; only the timing differs.
 Launches happen under one lock, from the compute thread (hooks, observer calls) or from
 the executor's own thread (after a completion), so the launch order is the policy's
 order. Completion callbacks only record and wake that thread.
+
+Devices. On the CPU (gloo) a launched ``Work``'s future completes when the allreduce is
+done, so completion is its done-callback, and times are host clock readings. On CUDA
+(NCCL) that future completes at *enqueue*, so instead the executor thread makes a side
+stream wait for the collective, records a CUDA event there and polls it
+(``event.query()``): the event completes when the reduction has. All times of a CUDA step
+are CUDA events (:class:`commsched.clock.Clock`) on the device: an all-to-all's begin and
+end are events recorded on the current stream when the layer reports them (the end
+completes after the exchange, which the current stream waits for), an allreduce's start is
+an event recorded where it is launched. On CUDA the policy runs the ``program`` launch rule
+by default (:mod:`commsched.priority.policy`): every launch happens at a point of the
+program, in the same order on every rank, never in reaction to a completion, as NCCL needs
+for collectives on two communicators. Whatever the device, :meth:`finish` calls
+``work.wait()`` on every launched ``Work`` before it returns (on CUDA that makes the
+caller's stream wait for the reduction, so the copy-back and the optimizer step read
+reduced gradients).
 """
 
 from __future__ import annotations
@@ -27,17 +43,34 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..clock import Clock
 from ..config import read_env
 from ..dist import CommError
 from .microops import CommOp
 from .policy import ScheduleConfig, allreduce_ops, make_policy
 
 LOCAL = "local"  # group of a gradient that is scaled but not communicated
+POLL_S = 1e-4  # how often the executor thread polls for completions on CUDA (seconds)
+
+# launch(flat_gradient, group) -> a torch.distributed Work (or anything with wait(),
+# get_future() and is_completed()); the default is an asynchronous all_reduce
+Launcher = Callable[[torch.Tensor, Any], Any]
+
+
+def _all_reduce(flat: torch.Tensor, group) -> Any:
+    return dist.all_reduce(flat, group=group, async_op=True)
+
+
+def _group_size(g) -> int:
+    """Ranks of ``g`` (None: the default group); any object with ``size()`` works too."""
+    if g is None or isinstance(g, dist.ProcessGroup):
+        return dist.get_world_size(g)
+    return int(g.size())
 
 
 @dataclass
@@ -67,13 +100,14 @@ def _union_s(spans: Sequence[tuple[float, float]]) -> float:
 
 
 class _Op:
-    __slots__ = ("spec", "group", "views", "flat", "missing")
+    __slots__ = ("spec", "group", "views", "flat", "missing", "work")
 
     def __init__(self, spec: CommOp, group, n_tensors: int):
         self.spec, self.group = spec, group
         self.views: list[torch.Tensor] = []
         self.flat: torch.Tensor | None = None
         self.missing = n_tensors
+        self.work: Any = None
 
 
 class GradScheduler:
@@ -86,16 +120,34 @@ class GradScheduler:
     scheduler is an :class:`~commsched.observe.A2AObserver`: register it with the
     :class:`~commsched.observe.A2AEvents` the MoE layers were built with. ``timeout_s``:
     how long :meth:`finish` waits for the allreduce (default: ``COMMSCHED_TIMEOUT_S``, see
-    :func:`commsched.config.read_env`).
+    :func:`commsched.config.read_env`). ``device``: where the gradients live (default: the
+    first parameter's device); it picks the completion tracking and the timing (module
+    docstring) and, through ``cfg.launch_rule``, the launch rule. ``launch``: how an
+    operation is started (default: an asynchronous ``all_reduce``; tests inject slow fakes).
+    ``completion``: ``"callback"`` (the ``Work``'s future) or ``"poll"``
+    (``work.is_completed()``, polled by the executor thread); default: the callback on the
+    CPU. On CUDA completion is always a polled CUDA event.
     """
 
-    def __init__(self, params: Sequence[tuple], cfg: ScheduleConfig, *, timeout_s: float | None = None):
+    def __init__(self, params: Sequence[tuple], cfg: ScheduleConfig, *, timeout_s: float | None = None,
+                 device: torch.device | str | None = None, launch: Launcher | None = None,
+                 completion: str | None = None):
         self.cfg = cfg
         self.timeout_s = timeout_s if timeout_s is not None else read_env().timeout_s
+        if device is None:
+            device = params[0][0].device if len(params) else torch.device("cpu")
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        if completion not in (None, "callback", "poll"):
+            raise ValueError(f"completion must be 'callback', 'poll' or None, got {completion!r}")
+        self._completion = "event" if self._cuda else (completion or "callback")
+        self._launch = launch or _all_reduce
+        self.clock = Clock(self.device)
+        self.launch_rule = cfg.launch_rule(self.device.type)
         entries = []
         for e in params:
             p, g = e[0], e[1]
-            n = 1 if g is LOCAL else dist.get_world_size(g)
+            n = 1 if g is LOCAL else _group_size(g)
             scale = float(e[2]) if len(e) > 2 else 1.0 / n
             entries.append((p, g if n > 1 else LOCAL, scale))
         # communicated parameters first (in the order given), then the scale-only ones
@@ -125,7 +177,11 @@ class GradScheduler:
         for spec in self.ops:
             for t in spec.tensors:
                 self._ops_of_param[t].append(spec.seq)
-        self._policy = make_policy(cfg)
+        self._policy = make_policy(cfg, self.device.type)
+        # completions to poll (executor thread): seq -> CUDA event or Work
+        self._polled: dict[int, Any] = {}
+        self._marks: dict[tuple[str, int, str], Any] = {}  # CUDA: (kind, key, field) -> event
+        self._side = torch.cuda.Stream(self.device) if self._cuda else None
         self._cv = threading.Condition()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         self._thread_wake = False
@@ -153,12 +209,24 @@ class GradScheduler:
             self._state = [_Op(spec, g, len(spec.tensors)) for spec, g in zip(self.ops, self._op_groups)]
             self._param_ready = [False] * len(self._params)
             self.records, self._rec = [], {}
+            self._polled, self._marks = {}, {}
             self._a2a_blocked_s = 0.0
             self._t0 = time.perf_counter()
+            if self._cuda:
+                self._t0_mark = self.clock.mark()
             self._active = True
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0
+
+    def _stamp(self, rec: OpRecord, field: str, stream: Any = None) -> None:
+        """Set ``rec.<field>`` to now: the host clock on the CPU; on CUDA a CUDA event
+        (recorded on ``stream``, default the current one) resolved in :meth:`finish`."""
+        if self._cuda:
+            self._marks[(rec.kind, rec.key, field)] = self.clock.mark(stream)
+            setattr(rec, field, 0.0)
+        else:
+            setattr(rec, field, self._now())
 
     def _make_hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
@@ -184,7 +252,8 @@ class GradScheduler:
             if st.missing == 0:
                 self._make_buffer(st)
                 self._policy.allreduce_ready(seq, st.spec.nbytes)
-                self._rec[("allreduce", seq)] = OpRecord("allreduce", seq, st.spec.nbytes, self._now())
+                rec = self._rec[("allreduce", seq)] = OpRecord("allreduce", seq, st.spec.nbytes, 0.0)
+                self._stamp(rec, "ready_s")
 
     def _make_buffer(self, st: _Op) -> None:
         views = [self._params[pc.tensor].grad.view(-1)[pc.offset:pc.offset + pc.numel] for pc in st.spec.pieces]
@@ -197,18 +266,24 @@ class GradScheduler:
             if launch.kind == "a2a":
                 rec = self._rec.get(("a2a", launch.key))  # type: ignore[arg-type]
                 if rec is not None:
-                    rec.start_s = self._now()
+                    self._stamp(rec, "start_s")
                 continue
             seq = int(launch.key)  # type: ignore[arg-type]
             st = self._state[seq]
-            self._rec[("allreduce", seq)].start_s = self._now()
+            self._stamp(self._rec[("allreduce", seq)], "start_s")
             try:
-                work = dist.all_reduce(st.flat, group=st.group, async_op=True)
+                work = self._launch(st.flat, st.group)
             except RuntimeError as e:
                 self._error = CommError(f"launching allreduce {seq} failed: {e}")
                 self._cv.notify_all()
                 continue
-            work.get_future().add_done_callback(self._make_done(seq))
+            st.work = work
+            if self._completion == "callback":
+                work.get_future().add_done_callback(self._make_done(seq))
+            else:  # the executor thread polls it (on CUDA it first records an event after it)
+                self._polled[seq] = work
+                self._thread_wake = True
+                self._cv.notify_all()
 
     def _make_done(self, seq: int):
         def done(fut) -> None:
@@ -220,24 +295,55 @@ class GradScheduler:
             with self._cv:
                 if err is not None and self._error is None:
                     self._error = CommError(f"allreduce {seq} failed: {err}")
-                rec = self._rec.get(("allreduce", seq))
-                if rec is not None:
-                    rec.end_s = self._now()
-                try:
-                    self._policy.allreduce_done(seq)
-                except ValueError:
-                    pass
-                self._thread_wake = True
-                self._cv.notify_all()
+                self._completed(seq)
         return done
 
+    def _completed(self, seq: int, end_mark: Any = None) -> None:
+        """Allreduce ``seq`` is done (caller holds the lock)."""
+        rec = self._rec.get(("allreduce", seq))
+        if rec is not None:
+            if end_mark is not None:
+                self._marks[("allreduce", seq, "end_s")] = end_mark
+                rec.end_s = 0.0
+            else:
+                rec.end_s = self._now()
+        try:
+            self._policy.allreduce_done(seq)
+        except ValueError:
+            pass
+        self._thread_wake = True
+        self._cv.notify_all()
+
+    def _poll(self) -> None:
+        """Check the polled completions (executor thread, lock held)."""
+        for seq, w in list(self._polled.items()):
+            if self._cuda:
+                if not isinstance(w, torch.cuda.Event):
+                    # the side stream waits for the collective; an event there completes with it
+                    with torch.cuda.stream(self._side):
+                        w.wait()
+                        ev = self.clock.mark(self._side)
+                    self._polled[seq] = w = ev
+                if w.query():
+                    del self._polled[seq]
+                    self._completed(seq, w)
+            elif w.is_completed():
+                del self._polled[seq]
+                self._completed(seq)
+
     def _loop(self) -> None:
+        if self._cuda:
+            torch.cuda.set_device(self.device)  # this thread's events and streams
         with self._cv:
             while not self._closed:
-                self._cv.wait_for(lambda: self._thread_wake or self._closed)
+                self._cv.wait_for(lambda: self._thread_wake or self._closed,
+                                  timeout=POLL_S if self._polled else None)
                 self._thread_wake = False
                 if self._active and not self._closed:
                     try:
+                        if self._polled:
+                            self._poll()
+                            self._thread_wake = False
                         self._pump()
                     except BaseException as e:  # handed to finish()
                         self._error = e
@@ -249,7 +355,8 @@ class GradScheduler:
             key = self._a2a_key
             self._a2a_key += 1
             if self._active:
-                self._rec[("a2a", key)] = OpRecord("a2a", key, nbytes, self._now())
+                rec = self._rec[("a2a", key)] = OpRecord("a2a", key, nbytes, 0.0)
+                self._stamp(rec, "ready_s")
             self._policy.a2a_waiting(key, nbytes)
             self._pump()
             return key
@@ -259,7 +366,7 @@ class GradScheduler:
             self._policy.a2a_done(token)
             rec = self._rec.get(("a2a", token))  # type: ignore[arg-type]
             if rec is not None:
-                rec.end_s = self._now()
+                self._stamp(rec, "end_s")
             if self._active:
                 self._pump()
 
@@ -278,8 +385,14 @@ class GradScheduler:
 
     # ------------------------------------------------------------------ end of step
     def finish(self) -> dict:
-        """End the backward pass, wait for every allreduce, return this step's timings."""
+        """End the backward pass, wait for every allreduce, return this step's timings.
+
+        Returns only after ``work.wait()`` of every launched operation: on the CPU the
+        reduced values are then in place; on CUDA the caller's current stream waits for the
+        reductions, so whatever it runs next (the copy-back here, the optimizer step) reads
+        reduced gradients."""
         t_end = self._now()
+        end_mark = self.clock.mark() if self._cuda else None
         with self._cv:
             if not self._active:
                 raise RuntimeError("finish() without begin_step()")
@@ -297,7 +410,17 @@ class GradScheduler:
             if not ok:
                 raise CommError(f"gradient allreduce did not finish within {self.timeout_s:.0f} s "
                                  f"({self._policy.allreduce_pending} not launched); a peer may be stuck")
-            for st in self._state:
+            state = self._state
+        # wait on every Work outside the lock (a slow wait must not block the executor thread)
+        for st in state:
+            if st.work is not None:
+                try:
+                    st.work.wait()
+                except RuntimeError as e:
+                    raise CommError(f"allreduce {st.spec.seq} failed: {e}") from None
+                st.work = None
+        with self._cv:
+            for st in state:
                 if len(st.views) > 1:
                     off = 0
                     for v in st.views:
@@ -306,6 +429,8 @@ class GradScheduler:
                 st.views, st.flat = [], None
             t_done = self._now()
             recs = list(self._rec.values())
+            if self._cuda:
+                t_end, t_done = self._resolve_marks(end_mark)
         a2a = [(r.ready_s, r.end_s) for r in recs if r.kind == "a2a" and r.end_s >= 0]
         ar_recs = [r for r in recs if r.kind == "allreduce" and r.end_s >= 0]
         ar = [(r.start_s, r.end_s) for r in ar_recs]
@@ -318,6 +443,19 @@ class GradScheduler:
                 # share of the allreduce bytes already reduced when the backward pass ended
                 "allreduce_in_backward_share": in_bwd / ar_bytes if ar_bytes else 1.0,
                 "a2a_count": len(a2a), "allreduce_count": len(ar)}
+
+    def _resolve_marks(self, end_mark: Any) -> tuple[float, float]:
+        """CUDA: turn this step's events into seconds from the step start; returns (end of
+        the backward pass, end of the allreduce wait). Waits for the current stream."""
+        done_mark = self.clock.mark()
+        sec = self.clock.seconds
+        t_done = sec(self._t0_mark, done_mark)  # synchronises: every earlier event has happened
+        for (kind, key, fld), ev in self._marks.items():
+            rec = self._rec.get((kind, key))
+            if rec is not None:
+                setattr(rec, fld, sec(self._t0_mark, ev))
+        self._marks = {}
+        return sec(self._t0_mark, end_mark), t_done
 
     def close(self) -> None:
         for h in self._hooks:

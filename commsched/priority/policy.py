@@ -28,10 +28,27 @@ Policies (:data:`POLICIES`, a name -> factory table):
 * ``fifo`` -- every operation is launched as soon as it is ready (DDP's behaviour).
 * ``serial`` -- allreduce waits until the backward pass has ended (no overlap at all; the
   all-to-all then runs alone, which is how its uncontended time is measured).
+
+Launch rules (:data:`LAUNCH_RULES`, ``ScheduleConfig.launch``):
+
+* ``completion`` -- the rule above: a decision may depend on *when* operations finish (an
+  allreduce completing frees credit, an all-to-all completing opens a gap). Right on gloo,
+  whose worker threads progress each collective independently, so ranks that decide at
+  different moments still meet inside the collective.
+* ``program`` -- decisions are taken only at points of the program, which every rank
+  passes in the same order (a gradient becoming ready, an all-to-all beginning or ending on
+  the host, an expert block beginning or ending, the end of the backward pass), and never
+  depend on completions: instead of the credit, at most :attr:`ScheduleConfig.gap_budget`
+  micro-ops are launched in each gap between two all-to-alls. Every rank then issues its
+  allreduce and all-to-all collectives in the same interleaving, which NCCL requires of
+  collectives on different communicators (otherwise they can deadlock). The default on
+  CUDA devices (:meth:`ScheduleConfig.launch_rule`). ``fifo`` and ``serial`` never depend on
+  completions, so the rule changes only ``lina``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -45,6 +62,9 @@ from .microops import CommOp, bucket, partition
 # crawled through the gaps of the backward pass; several in flight keep the link busy, at the
 # price of a longer worst-case wait for an all-to-all that arrives (docs/benchmarks.md, moe-train).
 DEFAULT_CREDIT_MICROOPS = 8
+
+# ScheduleConfig.launch: may decisions depend on completion times, or only on program points
+LAUNCH_RULES = ("completion", "program")
 
 
 @dataclass(frozen=True)
@@ -61,11 +81,16 @@ class Policy:
     """See the module docstring. ``credit_bytes=None``: no bound on bytes in flight."""
 
     def __init__(self, name: str = "lina", *, credit_bytes: int | None = None, hold_for_a2a: bool = True,
-                 hold_in_block: bool = True, defer_to_end: bool = False):
+                 hold_in_block: bool = True, defer_to_end: bool = False, gap_budget: int | None = None):
         if credit_bytes is not None and credit_bytes < 1:
             raise ValueError(f"credit_bytes must be >= 1 or None, got {credit_bytes}")
+        if gap_budget is not None and gap_budget < 1:
+            raise ValueError(f"gap_budget must be >= 1 or None, got {gap_budget}")
         self.name = name
         self.credit_bytes = credit_bytes
+        # the ``program`` launch rule: at most this many allreduce launches per gap between
+        # all-to-alls, the credit (which depends on completions) unused
+        self.gap_budget = gap_budget
         self.hold_for_a2a, self.hold_in_block, self.defer_to_end = hold_for_a2a, hold_in_block, defer_to_end
         self.begin_step(0)
 
@@ -83,6 +108,7 @@ class Policy:
         self._a2a_inflight: set[Hashable] = set()
         self._block = 0
         self._ended = False
+        self._gap_launched = 0
 
     def a2a_waiting(self, key: Hashable, nbytes: int = 0) -> None:
         if key in self._a2a_inflight or any(k == key for k, _ in self._a2a_wait):
@@ -93,6 +119,8 @@ class Policy:
         if key not in self._a2a_inflight:
             raise ValueError(f"all-to-all {key!r} finished but was never launched")
         self._a2a_inflight.discard(key)
+        if not self._a2a_inflight:
+            self._gap_launched = 0  # a new gap opens
 
     def allreduce_ready(self, seq: int, nbytes: int) -> None:
         if not 0 <= seq < self._n:
@@ -148,6 +176,8 @@ class Policy:
             return False
         if self.hold_in_block and self._block > 0:
             return False
+        if self.gap_budget is not None:
+            return self._ended or self._gap_launched < self.gap_budget
         if self.credit_bytes is not None and self._ar_inflight and not self._ended:
             return self.allreduce_inflight_bytes + nbytes <= self.credit_bytes
         return True
@@ -164,6 +194,7 @@ class Policy:
             self._ar_inflight[self._next] = nb
             out.append(Launch("allreduce", self._next, nb))
             self._next += 1
+            self._gap_launched += 1
         return out
 
 
@@ -176,13 +207,15 @@ class ScheduleConfig:
     ``serial``); ``credit_bytes``: allreduce bytes allowed in flight under ``lina`` (default:
     :data:`DEFAULT_CREDIT_MICROOPS` micro-ops, see :attr:`credit`); ``bucket_bytes``: fused
     bucket size of ``fifo`` (DDP's first bucket is 1 MiB); ``hold_in_block``: ``lina`` also
-    holds allreduce inside backward expert blocks."""
+    holds allreduce inside backward expert blocks; ``launch``: a name of
+    :data:`LAUNCH_RULES`, or None for the device's default (:meth:`launch_rule`)."""
 
     policy: str = "lina"
     microop_bytes: int = 256 << 10
     credit_bytes: int | None = None
     bucket_bytes: int = 1 << 20
     hold_in_block: bool = True
+    launch: str | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -191,6 +224,22 @@ class ScheduleConfig:
             raise ValueError("microop_bytes and bucket_bytes must be at least one element (4 bytes)")
         if self.credit_bytes is not None and self.credit_bytes < 1:
             raise ValueError(f"credit_bytes must be >= 1, got {self.credit_bytes}")
+        if self.launch is not None and self.launch not in LAUNCH_RULES:
+            raise ValueError(f"unknown launch rule {self.launch!r}; choose one of {LAUNCH_RULES} (or None: "
+                             f"'program' on CUDA devices, 'completion' elsewhere)")
+
+    def launch_rule(self, device_type: str = "cpu") -> str:
+        """The launch rule in force on a device of type ``device_type``: ``launch`` when set,
+        else ``program`` on ``cuda`` (NCCL's ordering rule) and ``completion`` elsewhere."""
+        if self.launch is not None:
+            return self.launch
+        return "program" if device_type == "cuda" else "completion"
+
+    @property
+    def gap_budget(self) -> int:
+        """Micro-ops launched per gap between all-to-alls under the ``program`` rule: the
+        credit in micro-ops (at least one)."""
+        return max(1, self.credit // self.microop_bytes)
 
     @property
     def credit(self) -> int:
@@ -204,7 +253,8 @@ class ScheduleConfig:
 
 
 def _lina(cfg: ScheduleConfig) -> Policy:
-    return Policy("lina", credit_bytes=cfg.credit, hold_in_block=cfg.hold_in_block)
+    budget = cfg.gap_budget if cfg.launch == "program" else None
+    return Policy("lina", credit_bytes=cfg.credit, hold_in_block=cfg.hold_in_block, gap_budget=budget)
 
 
 def _fifo(cfg: ScheduleConfig) -> Policy:
@@ -220,8 +270,13 @@ POLICIES: Mapping[str, Callable[[ScheduleConfig], Policy]] = MappingProxyType(
     {"lina": _lina, "fifo": _fifo, "serial": _serial})
 
 
-def make_policy(cfg: ScheduleConfig) -> Policy:
-    """The policy ``cfg.policy`` with ``cfg``'s credit and hold; see the module docstring."""
+def make_policy(cfg: ScheduleConfig, device_type: str | None = None) -> Policy:
+    """The policy ``cfg.policy`` with ``cfg``'s credit and hold, under the launch rule
+    ``cfg.launch_rule(device_type)`` (``device_type`` None: ``cfg.launch``, else
+    ``completion``); see the module docstring."""
+    rule = cfg.launch_rule(device_type or "cpu")
+    if rule != cfg.launch:
+        cfg = dataclasses.replace(cfg, launch=rule)
     return POLICIES[cfg.policy](cfg)
 
 
@@ -233,5 +288,5 @@ def allreduce_ops(numels: Sequence[int], element_size: int, cfg: ScheduleConfig)
     return partition(numels, element_size, cfg.microop_bytes)
 
 
-__all__ = ["DEFAULT_CREDIT_MICROOPS", "Launch", "POLICIES", "Policy", "ScheduleConfig", "allreduce_ops",
+__all__ = ["DEFAULT_CREDIT_MICROOPS", "LAUNCH_RULES", "Launch", "POLICIES", "Policy", "ScheduleConfig", "allreduce_ops",
            "make_policy"]

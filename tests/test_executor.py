@@ -1,0 +1,246 @@
+"""The gradient executor without a process group: injected launch functions stand in for
+``dist.all_reduce`` (a fake "reduction" doubles the buffer), so ``finish()``'s waiting, the
+completion tracking and the launch points are checked in milliseconds."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from commsched.priority.executor import GradScheduler
+from commsched.priority.policy import ScheduleConfig
+
+
+class FakeGroup:
+    """Anything with ``size()`` stands for a process group."""
+
+    def __init__(self, n: int = 2):
+        self.n = n
+
+    def size(self) -> int:
+        return self.n
+
+
+def _done_future():
+    fut = torch.futures.Future()
+    fut.set_result(None)
+    return fut
+
+
+class SlowWork:
+    """Like an NCCL Work: its future is complete at once (enqueued), the reduction happens
+    only inside ``wait()``, after a delay."""
+
+    def __init__(self, flat: torch.Tensor, delay_s: float, log: list):
+        self.flat, self.delay_s, self.log = flat, delay_s, log
+        self.waited = False
+
+    def get_future(self):
+        return _done_future()
+
+    def is_completed(self) -> bool:
+        return self.waited
+
+    def wait(self) -> bool:
+        if not self.waited:
+            time.sleep(self.delay_s)
+            self.flat.mul_(2.0)
+            self.waited = True
+            self.log.append("waited")
+        return True
+
+
+class BackgroundWork:
+    """Completes on its own thread after a delay; ``is_completed()`` says when (poll mode)."""
+
+    def __init__(self, flat: torch.Tensor, delay_s: float):
+        self.flat = flat
+        self._done = threading.Event()
+        self.t_done = None
+
+        def run():
+            time.sleep(delay_s)
+            flat.mul_(2.0)
+            self.t_done = time.perf_counter()
+            self._done.set()
+        threading.Thread(target=run, daemon=True).start()
+
+    def get_future(self):
+        return _done_future()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> bool:
+        self._done.wait()
+        return True
+
+
+def _params(device: str = "cpu"):
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(300, device=device)), torch.nn.Parameter(torch.randn(40, device=device))]
+
+
+def _backward(params) -> list[torch.Tensor]:
+    loss = sum((p * (i + 1)).sum() for i, p in enumerate(params))
+    loss.backward()
+    return [torch.full_like(p, float(i + 1)) for i, p in enumerate(params)]  # the local gradients
+
+
+@pytest.mark.parametrize("schedule", [ScheduleConfig("fifo", bucket_bytes=4096),       # one fused bucket (copy-back)
+                                      ScheduleConfig("lina", microop_bytes=256),       # several micro-ops
+                                      ScheduleConfig("serial", microop_bytes=512)])
+def test_finish_waits_on_every_work(schedule):
+    """A Work whose future completes at enqueue (NCCL's semantics) and which reduces only
+    inside wait(): finish() cannot return before every wait() did, so the gradients the
+    optimizer then reads are reduced."""
+    params = _params()
+    log: list = []
+    works: list[SlowWork] = []
+
+    def launch(flat, group):
+        works.append(SlowWork(flat, 0.05, log))
+        return works[-1]
+
+    g = FakeGroup(2)
+    with GradScheduler([(p, g, 1.0) for p in params], schedule, device="cpu", launch=launch) as sched:
+        sched.begin_step()
+        local = _backward(params)
+        st = sched.finish()
+        log.append("finished")
+    assert works and all(w.waited for w in works)
+    assert log == ["waited"] * len(works) + ["finished"]
+    for p, want in zip(params, local):
+        assert torch.equal(p.grad, want * 2.0)  # the fake reduction reached every view
+    assert st["allreduce_count"] == sched.num_ops == len(works)
+
+
+def test_poll_completion_tracks_real_completion_not_the_future():
+    """completion='poll' (what CUDA does with events) ignores the already-complete future:
+    an operation counts as done when is_completed() says so."""
+    params = _params()
+    works: list[BackgroundWork] = []
+
+    def launch(flat, group):
+        works.append(BackgroundWork(flat, 0.1))
+        return works[-1]
+
+    sched_cfg = ScheduleConfig("fifo", bucket_bytes=1 << 20)
+    with GradScheduler([(p, FakeGroup(), 1.0) for p in params], sched_cfg, device="cpu", launch=launch,
+                       completion="poll") as sched:
+        sched.begin_step()
+        local = _backward(params)
+        st = sched.finish()
+        t_ret = time.perf_counter()
+    assert works and all(w.t_done is not None and w.t_done <= t_ret for w in works)
+    assert st["allreduce_wait_s"] >= 0.05  # it waited for the background completion
+    recs = [r for r in sched.records if r.kind == "allreduce"]
+    assert len(recs) == len(works) and all(r.end_s - r.start_s >= 0.09 for r in recs)
+    for p, want in zip(params, local):
+        assert torch.equal(p.grad, want * 2.0)
+
+
+def _launch_trace(delay_s: float, launch_rule: str) -> list:
+    """lina on a scripted backward pass (gradients ready between all-to-alls reported by
+    hand), operations completing after ``delay_s``; returns the program's events with the
+    launches interleaved where they happened."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(6)]
+    trace: list = []
+    works = []
+
+    def launch(flat, group):
+        trace.append(("launch", len(works)))
+        works.append(BackgroundWork(flat, delay_s))
+        return works[-1]
+
+    cfg = ScheduleConfig("lina", microop_bytes=128, credit_bytes=256, hold_in_block=False, launch=launch_rule)
+    with GradScheduler([(p, FakeGroup(), 1.0) for p in params], cfg, device="cpu", launch=launch,
+                       completion="poll") as sched:
+        sched.begin_step()
+        for i, p in enumerate(params):  # ready in launch order
+            tok = sched.a2a_begin(1000)
+            trace.append(("a2a_begin", i))
+            time.sleep(0.002)
+            sched.a2a_end(tok)
+            trace.append(("a2a_end", i))
+            (p * 1.0).sum().backward()  # its hook: the gradient is ready
+            trace.append(("grad", i))
+            time.sleep(0.03)  # compute; completions may land here (or not)
+        sched.finish()
+        trace.append(("finish",))
+    return trace
+
+
+def test_program_launch_rule_does_not_depend_on_completion_times():
+    """Under the 'program' rule the launches fall at the same points of the program whether
+    operations complete at once or late -- what NCCL needs of every rank; the 'completion'
+    rule (gloo's) launches in reaction to completions, so its points move."""
+    fast, slow = _launch_trace(0.0, "program"), _launch_trace(0.2, "program")
+    assert fast == slow
+    # a budget of 256 // 128 = 2 micro-ops per gap; each 256-byte gradient is 2 micro-ops
+    gaps, n = [], 0
+    for ev in fast:
+        if ev[0] == "launch":
+            n += 1
+        elif ev[0] == "a2a_begin":
+            gaps.append(n)
+            n = 0
+    assert max(gaps) <= 2 and sum(1 for ev in fast if ev[0] == "launch") == 12
+    # each gradient's two micro-ops go out in its own hook, before the next all-to-all
+    assert all(fast[fast.index(("grad", i)) - 2:fast.index(("grad", i))] == [("launch", 2 * i), ("launch", 2 * i + 1)]
+               for i in range(6))
+    c_fast, c_slow = _launch_trace(0.0, "completion"), _launch_trace(0.2, "completion")
+    assert c_fast != c_slow  # with late completions the credit holds launches back until they land
+
+
+def test_device_picks_the_launch_rule_and_errors_speak():
+    p = torch.nn.Parameter(torch.zeros(4))
+    with GradScheduler([(p, FakeGroup(), 1.0)], ScheduleConfig(), device="cpu", launch=lambda f, g: None) as s:
+        assert s.launch_rule == "completion" and s.device == torch.device("cpu")
+    with GradScheduler([(p, FakeGroup(), 1.0)], ScheduleConfig(launch="program"), launch=lambda f, g: None) as s:
+        assert s.launch_rule == "program"
+    with pytest.raises(ValueError, match="completion"):
+        GradScheduler([(p, FakeGroup(), 1.0)], ScheduleConfig(), completion="sometimes")
+
+
+@pytest.mark.cuda
+def test_finish_orders_the_consumer_stream_after_a_slow_gpu_reduction():
+    """On CUDA: the 'reduction' runs on a side stream behind a long sleep; a Work's wait()
+    makes the current stream wait for it (NCCL's semantics). After finish() the gradients
+    read on the current stream are reduced, and completion came from a polled event."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    params = _params("cuda")
+    side = torch.cuda.Stream(dev)
+
+    class GpuWork:
+        def __init__(self, flat):
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
+                flat.mul_(2.0)
+                self.ev = torch.cuda.Event()
+                self.ev.record(side)
+
+        def get_future(self):
+            return _done_future()
+
+        def is_completed(self):
+            return self.ev.query()
+
+        def wait(self):
+            torch.cuda.current_stream().wait_event(self.ev)
+            return True
+
+    with GradScheduler([(p, FakeGroup(), 1.0) for p in params], ScheduleConfig("fifo"), device=dev,
+                       launch=lambda flat, g: GpuWork(flat)) as sched:
+        sched.begin_step()
+        local = _backward(params)
+        st = sched.finish()
+        got = [p.grad.clone() for p in params]
+    for g, want in zip(got, local):
+        assert torch.equal(g, want * 2.0)
+    assert st["allreduce_time_s"] > 0.01
