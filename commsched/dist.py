@@ -220,7 +220,7 @@ def new_group(ranks: list[int], *, threads: int | None = None):
         raise ValueError(f"threads must be >= 1, got {threads}")
     if GLOO_THREADED not in dist.Backend.backend_list:
         dist.Backend.register_backend(GLOO_THREADED, _create_threaded_gloo, extended_api=True,
-                                      devices=["cpu"])
+                                      devices=["cpu", "cuda"])  # gloo reduces CUDA tensors too
     return dist.new_group(ranks, backend=GLOO_THREADED, pg_options=GlooGroupOptions(threads))
 
 
