@@ -44,7 +44,7 @@ def _params(tr: Trainer) -> list[torch.Tensor]:
 
 # --------------------------------------------------------------------------- config
 def test_device_and_dtype_options_validate():
-    assert TrainConfig().device == "auto" and TrainConfig().dtype == "float32"
+    assert TrainConfig().device == "cpu" and TrainConfig().dtype == "float32"  # the library's default
     with pytest.raises(ValueError, match="--device must be one of"):
         TrainConfig(device="tpu")
     with pytest.raises(ValueError, match="full-precision modes"):
@@ -68,6 +68,14 @@ def test_train_cli_carries_device_and_bf16():
     assert config_from_args(build_parser().parse_args([])).device == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--device", "tpu"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA")
+def test_train_cli_device_cuda_without_cuda_says_so(capsys):
+    from commsched.gnn.train import main
+
+    assert main(["--device", "cuda", "--epochs", "1"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
 
 
 def test_bench_passes_device_and_adds_bf16_variants():
@@ -153,9 +161,12 @@ def test_trainer_with_device_cpu_equals_the_default():
     m2, t2 = run_training(TrainConfig(**SMALL), part, device=torch.device("cpu"))
     assert m1["loss"] == m2["loss"] and m1["test_acc"] == m2["test_acc"]
     assert all(torch.equal(a, b) for a, b in zip(_params(t1), _params(t2)))
-    if not torch.cuda.is_available():  # auto is the CPU here: the default is the same run
-        m3, t3 = run_training(TrainConfig(**SMALL), part)
-        assert m3["loss"] == m1["loss"] and all(torch.equal(a, b) for a, b in zip(_params(t1), _params(t3)))
+    m3, t3 = run_training(TrainConfig(**SMALL), part)  # the default config: the CPU
+    assert t3.device == torch.device("cpu")
+    assert m3["loss"] == m1["loss"] and all(torch.equal(a, b) for a, b in zip(_params(t1), _params(t3)))
+    if not torch.cuda.is_available():  # auto is the CPU here: the same run again
+        m4, t4 = run_training(TrainConfig(device="auto", **SMALL), part)
+        assert t4.device == torch.device("cpu") and m4["loss"] == m1["loss"]
 
 
 def test_bf16_single_rank_trains_with_float32_parameters():

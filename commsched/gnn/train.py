@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float32, float64: the dtype of everything; bfloat16 (vanilla, adaqp-p, "
                         "nocomm): float32 parameters and loss, bf16 autocast compute, bf16 rows on "
                         "the wire (docs/gnn.md)")
-    t.add_argument("--device", choices=DEVICE_CHOICES, default=_D.device,
+    t.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="auto (default): CUDA when every local rank has its own GPU, else the CPU")
     t.add_argument("--dropout-rng", choices=("node", "local"), default=_D.dropout_rng,
                    help="node: masks keyed by global node id (N ranks == 1 rank); local: faster")
@@ -142,11 +142,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"commsched.gnn.train: {e}", file=sys.stderr)
         return 2
     try:
-        info = init_distributed(device=cfg.device)
+        di = init_distributed(device=cfg.device)
     except ValueError as e:  # --device cuda without CUDA, or fewer GPUs than local ranks
         print(f"commsched.gnn.train: {e}", file=sys.stderr)
         return 2
-    rank, world = info.rank, info.world_size
+    rank, world, device = di.rank, di.world_size, di.device
     if mode_spec(cfg.mode).timing_only and rank == 0:
         print("commsched.gnn.train: --mode nocomm is TIMING ONLY: remote rows are replaced by "
               "zeros, so the model trained is wrong; it measures the no-communication limit",
@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra["partitioning"] = info["partition"]
         metrics, _ = run_training(cfg, part, out_dir=a.out, resume=a.resume,
                                   progress=read_env().progress, dataset=part.name, extra=extra,
-                                  device=info.device)
+                                  device=device)
     except ValueError as e:
         print(f"commsched.gnn.train (rank {rank}): {e}", file=sys.stderr)
         return 2

@@ -82,7 +82,7 @@ class TrainConfig:
     global node id so N-rank training equals single-process training; ``"local"`` is
     faster but rank-count dependent. ``device``: one of
     :data:`commsched.dist.DEVICE_CHOICES` (``auto``: CUDA when every local rank has its
-    own GPU). ``dtype``: see the module doc (``bfloat16``: the mixed-precision baseline of
+    own GPU); the library default is the CPU, ``--device`` defaults to ``auto``. ``dtype``: see the module doc (``bfloat16``: the mixed-precision baseline of
     the full-precision modes).
     """
 
@@ -102,7 +102,7 @@ class TrainConfig:
     eval_every: int = 1
     checkpoint_every: int = 0
     adaqp: AdaQPOptions = field(default_factory=AdaQPOptions)
-    device: str = "auto"
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.mode not in MODE_NAMES:
@@ -158,11 +158,11 @@ def _world(group) -> tuple[int, int]:
 def run_device(cfg: TrainConfig, group=None) -> torch.device:
     """The device of a run with ``cfg`` on ``group``: ``cfg.device`` resolved for this
     process (:func:`commsched.dist.resolve_device`). ``auto`` stays on the CPU when the
-    process group of a multi-rank run has no NCCL backend for CUDA tensors (a gloo group,
-    such as the test harness's)."""
+    run's process group has no NCCL backend for CUDA tensors (a gloo group, such as the
+    test harness's)."""
     dev, _ = resolve_device(cfg.device)
     if (dev.type == "cuda" and cfg.device == "auto" and dist.is_available() and dist.is_initialized()
-            and dist.get_world_size(group) > 1 and "nccl" not in str(dist.get_backend(group)).lower()):
+            and "nccl" not in str(dist.get_backend(group)).lower()):
         return torch.device("cpu")
     return dev
 
