@@ -6,8 +6,14 @@ Each variant is one ``torchrun -m commsched.gnn.train`` run on the same syntheti
 spends about three quarters of its epoch communicating on this machine, as in AdaQP's
 Table 1; without root/tc the runs are unshaped and the summary says so.
 
-The summary adds, per model: each mode's per-epoch speed-up over Vanilla, Vanilla's
-communication share, each mode's quantization share of its epoch, assignment share of
+A mode name may end in ``-bf16`` (``vanilla-bf16``, ``adaqp-p-bf16``, ``nocomm-bf16``): the
+same mode with ``--dtype bfloat16`` (float32 parameters, bf16 compute and bf16 rows on
+the wire: the Vanilla a modern framework runs). The default variants include
+``vanilla-bf16``, so AdaQP is reported against both Vanillas. ``--device`` is passed to
+every variant (``auto``: CUDA when every rank has its own GPU).
+
+The summary adds, per model: each mode's per-epoch speed-up over Vanilla (and over the
+bf16 Vanilla, when it ran), Vanilla's communication share, each mode's quantization share of its epoch, assignment share of
 wall-clock, bytes per epoch, test accuracy, and AdaQP's epoch time as a multiple of the
 timing-only ``nocomm`` limit; plots: the breakdown bars (by the runner), the loss curves
 and the histogram of assigned widths.
@@ -18,15 +24,31 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..gnn.modes import MODE_NAMES
+from ..dist import DEVICE_CHOICES
+from ..gnn.modes import MODE_NAMES, mode_spec
 from ..quant.reference import BITS
 from ..results import median
 from .plots import pyplot, save_figure
 from .runner import Variant, Workload, median_of
 
 DEFAULT_BANDWIDTH = "300mbit"
-MODES_GCN = MODE_NAMES
-MODES_SAGE = ("vanilla", "adaqp")
+BF16_SUFFIX = "-bf16"  # a full-precision mode run with --dtype bfloat16
+MODES_GCN = ("vanilla", "vanilla" + BF16_SUFFIX) + tuple(m for m in MODE_NAMES if m != "vanilla")
+MODES_SAGE = ("vanilla", "vanilla" + BF16_SUFFIX, "adaqp")
+
+
+def split_mode(name: str) -> tuple[str, str]:
+    """(--mode, --dtype) of a bench mode name: ``vanilla`` -> (vanilla, float32),
+    ``vanilla-bf16`` -> (vanilla, bfloat16); a ValueError for an unknown mode or a bf16
+    quantized mode."""
+    mode, dtype = name, "float32"
+    if name.endswith(BF16_SUFFIX):
+        mode, dtype = name[: -len(BF16_SUFFIX)], "bfloat16"
+    spec = mode_spec(mode)  # ValueError naming the modes
+    if dtype == "bfloat16" and spec.exchange == "adaqp":
+        raise ValueError(f"--modes {name}: {mode} quantizes its rows; {BF16_SUFFIX} is for "
+                         "vanilla, adaqp-p and nocomm")
+    return mode, dtype
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,14 +67,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--models", default="gcn,sage", help="comma-separated: gcn, sage")
     g.add_argument("--modes", default=None,
-                   help=f"comma-separated modes for every model (default: gcn {','.join(MODES_GCN)}; "
+                   help=f"comma-separated modes for every model, a full-precision one may end in "
+                        f"{BF16_SUFFIX} (--dtype bfloat16) (default: gcn {','.join(MODES_GCN)}; "
                         f"sage {','.join(MODES_SAGE)})")
+    g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="device of every variant (default auto: CUDA when every rank has its own GPU)")
 
 
 def variants(a: argparse.Namespace) -> list[Variant]:
     common = ["--epochs", str(a.epochs), "--eval-every", str(a.eval_every), "--period", str(a.period),
               "--group-size", str(a.group_size), "--lam", str(a.lam), "--bits", str(a.bits),
-              "--hidden", str(a.hidden), "--seed", str(a.seed), "--dropout-rng", "local"]
+              "--hidden", str(a.hidden), "--seed", str(a.seed), "--dropout-rng", "local",
+              "--device", getattr(a, "device", "auto")]
     if a.dataset:
         common += ["--dataset", a.dataset] + (["--data-root", a.data_root] if a.data_root else [])
     else:
@@ -60,9 +86,11 @@ def variants(a: argparse.Namespace) -> list[Variant]:
     out = []
     for model in a.models.split(","):
         modes = a.modes.split(",") if a.modes else (MODES_GCN if model == "gcn" else MODES_SAGE)
-        for mode in modes:
-            out.append(Variant(f"{model}-{mode}", "commsched.gnn.train",
-                               ("--model", model, "--mode", mode, *common)))
+        for name in modes:
+            mode, dtype = split_mode(name)
+            dt = ("--dtype", dtype) if dtype != "float32" else ()
+            out.append(Variant(f"{model}-{name}", "commsched.gnn.train",
+                               ("--model", model, "--mode", mode, *dt, *common)))
     return out
 
 
@@ -107,6 +135,7 @@ def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> 
     for v, rs in runs.items():
         model, mode = v.split("-", 1)
         base = runs.get(f"{model}-vanilla")
+        base16 = runs.get(f"{model}-vanilla{BF16_SUFFIX}")
         ep = median_of(rs, "epoch_time_s")
         r = {"model": model, "mode": mode, "epoch_time_s": ep,
              "bytes_per_epoch_MB": (median_of(rs, "bytes_sent_per_epoch") or 0) / 1e6,
@@ -119,11 +148,14 @@ def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> 
             rat = [b["epoch_time_s"] / x["epoch_time_s"] for b, x in zip(base, rs)]
             r["speedup_vs_vanilla"] = median(rat)
             r["speedup_per_repeat"] = rat
+        if base16:
+            r["speedup_vs_vanilla_bf16"] = median(b["epoch_time_s"] / x["epoch_time_s"]
+                                                  for b, x in zip(base16, rs))
         noc = runs.get(f"{model}-nocomm")
         if noc and mode != "nocomm":
             r["x_nocomm"] = ep / median_of(noc, "epoch_time_s")
         rows[v] = r
-    keys = ("epoch_time_s", "speedup_vs_vanilla", "comm_share", "quant_share", "assign_share_of_wall",
+    keys = ("epoch_time_s", "speedup_vs_vanilla", "speedup_vs_vanilla_bf16", "comm_share", "quant_share", "assign_share_of_wall",
             "bytes_per_epoch_MB", "test_acc", "x_nocomm")
     lines = ["| variant | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for v, r in rows.items():
@@ -134,7 +166,7 @@ def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> 
         lines.append(f"| {v} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("speedup_vs_vanilla: median over repeats of (vanilla epoch / variant epoch) of the "
-                 "same repeat; comm/quant shares: of the variant's median epoch; x_nocomm: epoch time "
+                 "same repeat (_bf16: against vanilla with --dtype bfloat16); comm/quant shares: of the variant's median epoch; x_nocomm: epoch time "
                  "as a multiple of the timing-only nocomm mode (remote rows = zeros, wrong maths).")
     return {"gnn": rows, "extra_tables": {"AdaQP against Vanilla (per model)": "\n".join(lines)},
             "plots": _plots(runs, out)}
@@ -142,8 +174,8 @@ def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> 
 
 WORKLOAD = Workload(
     name="gnn",
-    description="Distributed full-graph GNN training: Vanilla vs AdaQP's modes (adaqp, adaqp-q, "
-                "adaqp-p, uniform, random) and the timing-only nocomm limit.",
+    description="Distributed full-graph GNN training: Vanilla (fp32 and bf16) vs AdaQP's modes "
+                "(adaqp, adaqp-q, adaqp-p, uniform, random) and the timing-only nocomm limit.",
     key_metrics=("epoch_time_s", "bytes_sent_per_epoch", "test_acc", "breakdown_s.comm",
                  "breakdown_s.quant", "assign_share_of_wall"),
     add_arguments=add_arguments,
@@ -153,4 +185,4 @@ WORKLOAD = Workload(
     default_bandwidth=DEFAULT_BANDWIDTH,
 )
 
-__all__ = ["DEFAULT_BANDWIDTH", "WORKLOAD"]
+__all__ = ["BF16_SUFFIX", "DEFAULT_BANDWIDTH", "WORKLOAD", "split_mode"]

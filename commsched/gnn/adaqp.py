@@ -20,9 +20,9 @@ is the model's, passed in by whoever builds the exchange.
 
 **Wire format.** The rows one rank sends to peer p in one exchange are cut by width:
 for b in BITS (``commsched.quant.reference.BITS``), the rows of width b (in message
-order) are quantized and packed (``commsched.quant.codec.quantize_rows``, its compiled or
-eager CPU fast path -- the exchange works on CPU tensors over gloo -- bit-identical to
-the reference), giving two byte segments, payload [n_b * ceil(D b / 8)] and metadata [n_b * META_BYTES] (float32 scale and
+order) are quantized and packed (``commsched.quant.codec.quantize_rows``: for CPU rows
+its compiled or eager CPU fast path, for CUDA rows the Triton kernels through the codec's
+``impl="auto"`` dispatch -- both bit-identical to the reference), giving two byte segments, payload [n_b * ceil(D b / 8)] and metadata [n_b * META_BYTES] (float32 scale and
 zero point). The six segments per peer travel as one message through
 ``commsched.exchange_segments``. Both sides derive the segment sizes from the same
 per-channel width vector (:func:`width_layout`), so no sizes are exchanged.
@@ -52,6 +52,13 @@ waits and dequantizes (``commsched.gnn.halo``).
 
 Breakdown keys: ``quant`` is quantize + dequantize time, ``comm`` the time blocked on the
 wire (quantization excluded), ``assign`` the re-assignment (gather, solve, broadcast).
+
+**Device.** The exchange's index tensors (the width layouts' ``pos``/``idx``, cached per
+period) live on its device (``device=`` or ``to``); the rows, the per-row ranges of the
+variance trace and the received rows stay there. The trace is kept as the last
+exchange's device tensor and read to numpy once per period, when rank 0 gathers it.
+Intervals (quantization, the measured wire time of the cost ratio) are marks of the
+pass timer's clock: CUDA events on CUDA, ``perf_counter`` on the CPU.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ import numpy as np
 import torch
 
 from ..all2all import all_to_all, exchange_segments
+from ..clock import Clock, Mark
 from ..dist import all_gather_object, broadcast_object
 from ..quant.codec import dequantize_rows, payload_bytes, quantize_rows
 from ..quant.reference import BITS
@@ -78,10 +86,8 @@ from .book import PartitionBook
 from .context import PassContext
 from .halo import HaloExchange, Pending
 
-_EMPTY = torch.empty(0, dtype=torch.uint8)
-
-
 # --------------------------------------------------------------------------- codec
+# CPU rows only (CUDA rows always take the codec's "auto" choice, the Triton kernels).
 # Exchanges of at least this many elements (all rows of one layer and direction) use the
 # compiled codec for every width group, whatever the group's size: the kernels are compiled
 # once per width and row width in ``prepare`` with the row count dynamic, so a small group
@@ -113,7 +119,7 @@ class AdaQPExchange(HaloExchange):
 
     def __init__(self, book: PartitionBook, *, scheme: str, overlap: bool, norm: str,
                  options: AdaQPOptions | None = None, seed: int = 0, group=None,
-                 pattern: str = "direct"):
+                 pattern: str = "direct", device: torch.device | str | None = None):
         super().__init__(book, group=group, pattern=pattern)
         if scheme not in SCHEMES:
             raise ValueError(f"AdaQP scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
@@ -129,12 +135,48 @@ class AdaQPExchange(HaloExchange):
         # (layer, direction) -> {(src, dst): widths [n]} for the channels touching this rank
         self.assigned: dict[tuple[int, str], dict[tuple[int, int], np.ndarray]] = {}
         self._layouts: dict[tuple, tuple[WidthLayout, WidthLayout]] = {}
-        self.trace: dict[tuple[int, str], list[np.ndarray]] = {}
+        # (layer, direction) -> the last training exchange's per-row (max - min) [T] float64,
+        # on the device; :attr:`trace` turns it into betas per peer when asked (once a period)
+        self._ranges: dict[tuple[int, str], torch.Tensor] = {}
         self.dims: dict[tuple[int, str], int] = {}
         self.link_costs: dict[int, tuple[float, float]] = {}
-        self._measured: list[tuple[float, float]] = []  # (predicted s, measured s) per exchange
+        # (predicted s, mark at launch, mark after the wait) per exchange, resolved in
+        # refined_costs (once a period: on CUDA the marks are events)
+        self._measured: list[tuple[float, Clock, Mark, Mark]] = []
         self.assignments: list[dict] = []  # what each re-assignment did (rank 0 fills details)
         self._compiled_dims: set[int] = set()  # row widths whose exchanges use the compiled codec
+        self._empty = torch.empty(0, dtype=torch.uint8)  # an empty segment, on the device
+        if device is not None:
+            self.to(device)
+
+    def to(self, device: torch.device | str) -> "AdaQPExchange":
+        device = torch.device(device)
+        if device != self.device:
+            super().to(device)
+            self._layouts.clear()
+            self._empty = torch.empty(0, dtype=torch.uint8, device=device)
+        return self
+
+    @property
+    def trace(self) -> dict[tuple[int, str], list[np.ndarray]]:
+        """{(layer, direction): [beta of each message sent to peer p, float64 [n_p]]} from the
+        last training exchange of each layer and direction (numpy; reads the device once)."""
+        P = self.world_size
+        out: dict[tuple[int, str], list[np.ndarray]] = {}
+        for (layer, direction), rng_T in self._ranges.items():
+            D = self.dims[(layer, direction)]
+            out_c, _ = self._counts(direction)
+            trace = [np.zeros(0)] * P
+            coef = self.book.send_coef_sq[self.norm] if direction == "forward" else None
+            beta = rng_T.cpu().numpy() ** 2 * (D / 6.0)
+            off = 0
+            for p in range(P):
+                if out_c[p]:
+                    c = coef[self.book.send_slice(p)] if direction == "forward" else 1.0
+                    trace[p] = c * beta[off:off + out_c[p]]
+                off += out_c[p]
+            out[(layer, direction)] = trace
+        return out
 
     # ---- collective set-up -----------------------------------------------------------------
     def validate(self) -> None:
@@ -142,14 +184,25 @@ class AdaQPExchange(HaloExchange):
         if self.scheme == "adaptive" and self.world_size > 1:
             from ..costmodel import probe_link_costs
 
+            # times CPU buffers with the host clock (core: on CUDA it should take device
+            # buffers and events); the measured/predicted ratio rescales theta either way
             costs = probe_link_costs(self.group, sizes=self.opt.probe_sizes,
                                      repeats=self.opt.probe_repeats)
             self.link_costs = {p: (c.theta, c.gamma) for p, c in costs.items()}
 
     def prepare(self, dims: list[int]) -> None:
-        """Set-up before the first epoch: warm the codec (compiles the fast path for every
-        width and row width this run exchanges, so no epoch pays for compilation)."""
+        """Set-up before the first epoch: warm the codec that will run (for every width and
+        row width this run exchanges, so no epoch pays for compilation): on the CPU the
+        compiled fast path, on CUDA the Triton kernels (``impl="auto"``)."""
         if self.world_size == 1:
+            return
+        if self.device.type != "cpu":
+            gen = torch.Generator(device=self.device)
+            for d in sorted(set(dims)):
+                x = torch.randn(64, d, generator=gen.manual_seed(d), device=self.device)
+                for b in BITS:
+                    pay, meta = quantize_rows(x, b, 1, 0, "auto")
+                    dequantize_rows(pay, meta, b, d, "auto")
             return
         n_min = min(sum(self.book.send_counts), sum(self.book.recv_counts))
         for d in sorted(set(dims)):
@@ -169,7 +222,7 @@ class AdaQPExchange(HaloExchange):
         if self.world_size == 1 or epoch == 0 or epoch % self.opt.period:
             return
         if self.scheme == "adaptive":
-            t = time.perf_counter()
+            t = time.perf_counter()  # host work and object collectives: the host clock
             self.reassign(epoch)
             dt = time.perf_counter() - t
             ctx.timer.add("assign", dt)
@@ -202,7 +255,7 @@ class AdaQPExchange(HaloExchange):
                                  for p in range(P)], dim)
             recv = width_layout([self.channel_widths(p, me, in_c[p], layer, direction)
                                  for p in range(P)], dim)
-            self._layouts[key] = (send, recv)
+            self._layouts[key] = (send.to(self.device), recv.to(self.device))
         return self._layouts[key]
 
     # ---- the transfer ------------------------------------------------------------------------
@@ -224,20 +277,21 @@ class AdaQPExchange(HaloExchange):
         out_c, in_c = self._counts(direction)
         P = self.world_size
         timer = ctx.timer
-        impl = "compiled" if D in self._compiled_dims else "auto"
-        t0 = time.perf_counter()
+        # the compiled CPU fast path is for CPU rows; CUDA rows go to Triton ("auto")
+        impl = "compiled" if D in self._compiled_dims and rows.device.type == "cpu" else "auto"
+        t0 = timer.mark()
         x = rows.to(torch.float32).contiguous()
         self._calls += 1
         key = _mix_key(self.seed, self.rank, self._calls)
         segs: list[list[torch.Tensor]] = [[] for _ in range(P)]
-        rng_T = torch.zeros(x.shape[0], dtype=torch.float64)  # each sent row's (max - min)
+        rng_T = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)  # each sent row's (max - min)
         row0 = 0
         for w, b in enumerate(BITS):
             pos, per_peer = send.pos[w], send.peer_rows[w]
             n = int(pos.numel())
             if n == 0:
                 for p in range(P):
-                    segs[p] += [_EMPTY, _EMPTY]
+                    segs[p] += [self._empty, self._empty]
                 continue
             sel = x if n == x.shape[0] else x.index_select(0, pos)
             pay, meta = quantize_rows(sel, b, key, row0, impl)  # distinct counters per row
@@ -250,31 +304,22 @@ class AdaQPExchange(HaloExchange):
                 segs[p] += [pay[o:o + k].reshape(-1), meta_bytes[o:o + k].reshape(-1)]
                 o += k
         if x.shape[0]:
-            trace = self.trace.setdefault((layer, direction), [np.zeros(0)] * P)
-            coef = self.book.send_coef_sq[self.norm] if direction == "forward" else None
-            beta = rng_T.numpy() ** 2 * (D / 6.0)
-            off = 0
-            for p in range(P):
-                if out_c[p]:
-                    c = coef[self.book.send_slice(p)] if direction == "forward" else 1.0
-                    trace[p] = c * beta[off:off + out_c[p]]
-                off += out_c[p]
+            self._ranges[(layer, direction)] = rng_T  # betas are derived once a period (trace)
         self.dims[(layer, direction)] = D
-        q_s = time.perf_counter() - t0
-        timer.add("quant", q_s)
-        timer.add("comm", -q_s)  # the caller times this call as comm; quantizing is not
-        t_wire = time.perf_counter()
+        t1 = timer.mark()
+        timer.add_span("quant", t0, t1)
+        timer.add_span("comm", t0, t1, -1.0)  # the caller times this call as comm; quantizing is not
+        t_wire = timer.mark()
         h = exchange_segments(segs, recv.segments, group=self.group, pattern=self.pattern,
                               stats=ctx.stats, async_op=True)
         predicted = self._predict(send)
 
         def finish() -> torch.Tensor:
             got = h.wait()
-            wire = time.perf_counter() - t_wire
+            t_got = timer.mark()
             if predicted > 0:
-                self._measured.append((predicted, wire))
-            t1 = time.perf_counter()
-            out = torch.empty((sum(in_c), D), dtype=torch.float32)
+                self._measured.append((predicted, timer.clock, t_wire, t_got))
+            out = torch.empty((sum(in_c), D), dtype=torch.float32, device=rows.device)
             for w, b in enumerate(BITS):
                 pos = recv.pos[w]
                 n = int(pos.numel())
@@ -289,9 +334,9 @@ class AdaQPExchange(HaloExchange):
                 else:
                     out.index_copy_(0, pos, dequantize_rows(pay, meta, b, D, impl))
             res = out.to(rows.dtype)
-            dq = time.perf_counter() - t1
-            timer.add("quant", dq)
-            timer.add("comm", -dq)
+            t_done = timer.mark()
+            timer.add_span("quant", t_got, t_done)
+            timer.add_span("comm", t_got, t_done, -1.0)
             return res
 
         return Pending(finish) if background else Pending.ready(finish())
@@ -310,7 +355,7 @@ class AdaQPExchange(HaloExchange):
         predicted exchange time since the last assignment (1 without measurements)."""
         if not self._measured:
             return dict(self.link_costs)
-        ratio = median(m / p for p, m in self._measured)
+        ratio = median(clock.seconds(a, b) / p for p, clock, a, b in self._measured)
         return {p: (th * ratio, ga) for p, (th, ga) in self.link_costs.items()}
 
     def reassign(self, epoch: int) -> None:

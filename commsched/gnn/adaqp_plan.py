@@ -19,6 +19,7 @@ the exchange that uses them.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -91,6 +92,16 @@ class WidthLayout:
     def rows_per_width(self) -> dict[int, int]:
         return {b: sum(int(self.idx[p][w].numel()) for p in range(len(self.counts)))
                 for w, b in enumerate(BITS)}
+
+    def to(self, device: torch.device | str) -> "WidthLayout":
+        """The same layout with its index tensors (``idx``, ``pos``) on ``device`` (itself
+        when they are there already)."""
+        device = torch.device(device)
+        if all(t.device == device for t in self.pos):
+            return self
+        return dataclasses.replace(
+            self, idx=tuple(tuple(t.to(device) for t in row) for row in self.idx),
+            pos=tuple(t.to(device) for t in self.pos))
 
 
 def width_layout(widths_P: list[np.ndarray], dim: int) -> WidthLayout:

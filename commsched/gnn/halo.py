@@ -27,11 +27,15 @@ of them. :mod:`commsched.gnn.modes` maps ``--mode`` to a strategy.
 Per-pass state -- epoch, training or evaluation, the timer, the byte counters -- comes
 with every call in a :class:`~commsched.gnn.context.PassContext`; an exchange holds only
 what its book and its own schedule determine.
+
+**Device.** An exchange lives on one device (``device=``, or :meth:`HaloExchange.to`):
+its index tensors (``send_idx``) are moved there once, and the rows it is given are on
+it. "comm" is timed with the pass timer's clock (CUDA events on CUDA, where a host clock
+would only see the enqueue of an NCCL collective).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
@@ -72,12 +76,25 @@ class HaloExchange:
 
     name = "base"
 
-    def __init__(self, book: PartitionBook, *, group=None, pattern: str = "direct"):
+    def __init__(self, book: PartitionBook, *, group=None, pattern: str = "direct",
+                 device: torch.device | str | None = None):
         self.book = book
         self.group = group
         self.pattern = pattern
         self.plan = A2APlan(book.send_counts, book.recv_counts, book.rank)
+        self.device = torch.device("cpu")
         self.send_idx = torch.from_numpy(book.send_idx)
+        if device is not None:
+            self.to(device)
+
+    def to(self, device: torch.device | str) -> "HaloExchange":
+        """Move the exchange's index tensors to ``device`` (once, at set-up); returns self.
+        Subclasses with device state of their own extend it."""
+        device = torch.device(device)
+        if device != self.device:
+            self.device = device
+            self.send_idx = torch.from_numpy(self.book.send_idx).to(device)
+        return self
 
     @property
     def world_size(self) -> int:
@@ -126,9 +143,9 @@ class HaloExchange:
             raise ValueError(f"halo exchange expects the {self.book.num_owned} owned rows, got "
                              f"{h_nF.shape[0]}")
         rows = h_nF.detach().index_select(0, self.send_idx)
-        t = time.perf_counter()
+        t = ctx.timer.mark()
         pend = self._transfer(rows, layer, "forward", ctx)
-        ctx.timer.add("comm", time.perf_counter() - t)
+        ctx.timer.add_span("comm", t, ctx.timer.mark())
         link = _BackwardLink(self, layer, ctx)
         token = (_HaloSend.apply(h_nF, link) if h_nF.requires_grad and torch.is_grad_enabled()
                  else None)
@@ -162,19 +179,21 @@ class _BackwardLink:
         self.ex, self.layer, self.ctx = ex, layer, ctx
         self.pend: Pending | None = None
         self.row_shape: tuple[int, ...] = ()
-        self.device = torch.device("cpu")
+        self.device = ex.device
 
     def launch(self, g_RF: torch.Tensor) -> None:
-        t = time.perf_counter()
+        timer = self.ctx.timer
+        t = timer.mark()
         self.row_shape, self.device = tuple(g_RF.shape[1:]), g_RF.device
         self.pend = self.ex._transfer(g_RF.contiguous(), self.layer, "backward", self.ctx)
-        self.ctx.timer.add("comm", time.perf_counter() - t)
+        timer.add_span("comm", t, timer.mark())
 
     def wait_forward(self, pend: Pending) -> torch.Tensor:
         """The forward rows of ``pend``, the blocked time counted as "comm"."""
-        t = time.perf_counter()
+        timer = self.ctx.timer
+        t = timer.mark()
         out = pend.wait()
-        self.ctx.timer.add("comm", time.perf_counter() - t)
+        timer.add_span("comm", t, timer.mark())
         return out
 
     def finish(self, dtype: torch.dtype) -> torch.Tensor:
@@ -184,9 +203,10 @@ class _BackwardLink:
         n = self.ex.book.num_owned
         if self.pend is None:
             raise RuntimeError("halo backward: the receive node did not run before the send node")
-        t = time.perf_counter()
+        timer = self.ctx.timer
+        t = timer.mark()
         rows = self.pend.wait()
-        self.ctx.timer.add("comm", time.perf_counter() - t)
+        timer.add_span("comm", t, timer.mark())
         self.pend = None
         out = torch.zeros((n, *self.row_shape), dtype=dtype, device=self.device)
         return out.index_add_(0, self.ex.send_idx, rows.to(dtype))
@@ -241,17 +261,30 @@ class VanillaExchange(HaloExchange):
     """Full-precision rows, one uneven all_to_all per layer and direction: blocking, or
     launched in the background (``asynchronous``: the central aggregation, forward and
     backward, overlaps the wire). Both orders compute the same sums, so they train
-    bit-identically."""
+    bit-identically.
+
+    ``wire_dtype`` (``torch.bfloat16`` for ``--dtype bfloat16``): rows cross the wire in
+    that dtype, both directions, and are cast back to the rows' dtype on arrival (a bf16
+    Vanilla sends half the bytes of an fp32 one); None (default): the rows as they are."""
 
     name = "vanilla"
 
     def __init__(self, book: PartitionBook, *, group=None, pattern: str = "direct",
-                 asynchronous: bool = False):
-        super().__init__(book, group=group, pattern=pattern)
+                 asynchronous: bool = False, wire_dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        super().__init__(book, group=group, pattern=pattern, device=device)
         self.asynchronous = asynchronous
+        self.wire_dtype = wire_dtype
 
     def transfer(self, rows: torch.Tensor, layer: int, direction: str, ctx: PassContext) -> Pending:
         plan = self.plan if direction == "forward" else self.plan.reversed()
+        wire = self.wire_dtype
+        if wire is not None and wire != rows.dtype:
+            back, inner = rows.dtype, self._send(rows.to(wire), plan, ctx)
+            return Pending(lambda: inner.wait().to(back))
+        return self._send(rows, plan, ctx)
+
+    def _send(self, rows: torch.Tensor, plan: A2APlan, ctx: PassContext) -> Pending:
         if self.asynchronous:
             h = all_to_all_async(rows, plan, group=self.group, pattern=self.pattern, stats=ctx.stats)
             return Pending(h.wait)

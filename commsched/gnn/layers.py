@@ -46,32 +46,34 @@ _M32 = 0xFFFFFFFF
 
 # --------------------------------------------------------------------------- blocks
 def _csr(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, shape: tuple[int, int],
-         dtype: torch.dtype) -> torch.Tensor:
-    """CSR matrix from COO sorted by (row, col)."""
+         dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """CSR matrix from COO sorted by (row, col), on ``device`` (default: the CPU)."""
     crow = np.zeros(shape[0] + 1, dtype=np.int64)
     np.cumsum(np.bincount(rows, minlength=shape[0]), out=crow[1:])
+    crow_t, col_t = torch.from_numpy(crow), torch.from_numpy(cols.astype(np.int64))
+    val_t = torch.from_numpy(vals).to(dtype)
+    if device is not None and device.type != "cpu":
+        crow_t, col_t, val_t = crow_t.to(device), col_t.to(device), val_t.to(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
-        return torch.sparse_csr_tensor(torch.from_numpy(crow), torch.from_numpy(cols.astype(np.int64)),
-                                       torch.from_numpy(vals).to(dtype), size=shape,
-                                       check_invariants=False)
+        return torch.sparse_csr_tensor(crow_t, col_t, val_t, size=shape, check_invariants=False)
 
 
 class TorchBlock:
-    """A block as tensors: CSR ``A`` [num_dst, num_src] and its transpose (for backward);
-    the COO arrays ``src``, ``dst``, ``w`` of the general message/aggregate path are made
-    on first use (fused layers never need them)."""
+    """A block as tensors on ``device`` (default: the CPU): CSR ``A`` [num_dst, num_src]
+    and its transpose (for backward); the COO arrays ``src``, ``dst``, ``w`` of the general
+    message/aggregate path are made on first use (fused layers never need them)."""
 
-    def __init__(self, b: Block, dtype: torch.dtype):
+    def __init__(self, b: Block, dtype: torch.dtype, device: torch.device | None = None):
         self.num_dst, self.num_src = b.num_dst, b.num_src
         self.nnz = int(b.src.size)
-        self.A = _csr(b.dst, b.src, b.w, (b.num_dst, b.num_src), dtype)
+        self.A = _csr(b.dst, b.src, b.w, (b.num_dst, b.num_src), dtype, device)
         order = np.lexsort((b.dst, b.src))
-        self.AT = _csr(b.src[order], b.dst[order], b.w[order], (b.num_src, b.num_dst), dtype)
+        self.AT = _csr(b.src[order], b.dst[order], b.w[order], (b.num_src, b.num_dst), dtype, device)
 
     @classmethod
-    def from_block(cls, b: Block, dtype: torch.dtype) -> "TorchBlock":
-        return cls(b, dtype)
+    def from_block(cls, b: Block, dtype: torch.dtype, device: torch.device | None = None) -> "TorchBlock":
+        return cls(b, dtype, device)
 
     @functools.cached_property
     def src(self) -> torch.Tensor:  # int64 [E]
@@ -80,7 +82,7 @@ class TorchBlock:
     @functools.cached_property
     def dst(self) -> torch.Tensor:  # int64 [E]
         crow = self.A.crow_indices()
-        return torch.repeat_interleave(torch.arange(self.num_dst), crow[1:] - crow[:-1])
+        return torch.repeat_interleave(torch.arange(self.num_dst, device=crow.device), crow[1:] - crow[:-1])
 
     @functools.cached_property
     def w(self) -> torch.Tensor:    # [E]
@@ -88,14 +90,19 @@ class TorchBlock:
 
 
 class _SpMM(torch.autograd.Function):
-    """out = A @ x with backward A^T @ g; both timed under ``key``."""
+    """out = A @ x with backward A^T @ g; both timed under ``key``. The product runs in the
+    block's dtype even under autocast (``--dtype bfloat16``: the aggregation stays float32;
+    torch's CPU CSR product has no bfloat16 kernel)."""
 
     @staticmethod
     def forward(ctx, x_SF, blk: TorchBlock, timer: Breakdown, key: str):  # noqa: D401
-        ctx.blk, ctx.timer, ctx.key = blk, timer, key
+        ctx.blk, ctx.timer, ctx.key, ctx.in_dtype = blk, timer, key, x_SF.dtype
         with timer.time(key):
             if blk.nnz == 0:
                 return x_SF.new_zeros((blk.num_dst, x_SF.shape[1]))
+            if x_SF.dtype != blk.A.dtype or torch.is_autocast_enabled(x_SF.device.type):
+                with torch.autocast(x_SF.device.type, enabled=False):
+                    return blk.A @ x_SF.to(blk.A.dtype)
             return blk.A @ x_SF
 
     @staticmethod
@@ -105,8 +112,8 @@ class _SpMM(torch.autograd.Function):
             if blk.nnz == 0:
                 gx = g_DF.new_zeros((blk.num_src, g_DF.shape[1]))
             else:
-                gx = blk.AT @ g_DF.contiguous()
-        return gx, None, None, None
+                gx = blk.AT @ g_DF.contiguous().to(blk.AT.dtype)
+        return gx.to(ctx.in_dtype), None, None, None
 
 
 # --------------------------------------------------------------------------- dropout
@@ -152,7 +159,7 @@ def dropout_keep(gids_n: torch.Tensor, width: int, p: float, seed: int, epoch: i
     s = _salt(seed, epoch, layer)
     g = gids_n.to(torch.int64)
     rk = _fmix32_t(((g & _M32) * 0x9E3779B1 + s) & _M32 ^ _fmix32_t((g >> 32) & _M32))
-    ck = _fmix32_t((torch.arange(width, dtype=torch.int64) * 0xCC9E2D51 + (s ^ 0x5BD1E995)) & _M32)
+    ck = _fmix32_t((torch.arange(width, dtype=torch.int64, device=g.device) * 0xCC9E2D51 + (s ^ 0x5BD1E995)) & _M32)
     x = torch.bitwise_xor(_as_i32(rk)[:, None], _as_i32(ck)[None, :])  # int32, wraps like uint32
     x.mul_(-2048144789)                                                # K1 = 0x85EBCA6B
     x.bitwise_xor_(torch.bitwise_right_shift(x, 15).bitwise_and_(0x1FFFF))  # logical >> 15
@@ -185,8 +192,9 @@ def node_dropout(h_nF: torch.Tensor, gids_n: torch.Tensor, p: float, *, seed: in
     if rng == "node":
         keep = dropout_keep(gids_n, h_nF.shape[1], p, seed, epoch, layer)
     elif rng == "local":
-        gen = torch.Generator().manual_seed(_salt(seed ^ (rank * 0x632BE5AB), epoch, layer))
-        keep = torch.rand(h_nF.shape, generator=gen) >= p
+        # a generator on the rows' device (CUDA's Philox on CUDA: other masks than the CPU's)
+        gen = torch.Generator(device=h_nF.device).manual_seed(_salt(seed ^ (rank * 0x632BE5AB), epoch, layer))
+        keep = torch.rand(h_nF.shape, generator=gen, device=h_nF.device) >= p
     else:
         raise ValueError(f"dropout rng must be 'node' or 'local', got {rng!r}")
     return h_nF.mul(keep).mul_(1.0 / (1.0 - p))
@@ -196,17 +204,19 @@ def node_dropout(h_nF: torch.Tensor, gids_n: torch.Tensor, p: float, *, seed: in
 class LocalGraph:
     """What the layers see of one rank's part: book, halo exchange, blocks, dropout seed.
 
-    Blocks are built once per edge normalisation and kept. Nothing per pass lives here:
-    the epoch (dropout masks depend on it), the training flag and the timer come with each
-    pass's :class:`PassContext`.
+    Blocks are built once per edge normalisation and kept, on ``device`` (default: the
+    exchange's device), as are the owned nodes' global ids (the dropout keys). Nothing per
+    pass lives here: the epoch (dropout masks depend on it), the training flag and the
+    timer come with each pass's :class:`PassContext`.
     """
 
     def __init__(self, book: PartitionBook, halo: HaloExchange, *, dtype: torch.dtype = torch.float32,
-                 seed: int = 0, dropout_rng: str = "node"):
+                 seed: int = 0, dropout_rng: str = "node", device: torch.device | str | None = None):
         self.book = book
         self.halo = halo
         self.dtype = dtype
-        self.owned_gids = torch.from_numpy(book.owned_ids)
+        self.device = torch.device(device) if device is not None else halo.device
+        self.owned_gids = torch.from_numpy(book.owned_ids).to(self.device)
         self.seed = seed
         self.dropout_rng = dropout_rng
         self._blocks: dict[str, tuple[TorchBlock, TorchBlock]] = {}
@@ -214,7 +224,8 @@ class LocalGraph:
     def blocks(self, norm: str) -> tuple[TorchBlock, TorchBlock]:
         if norm not in self._blocks:
             c, m = split_blocks(self.book, norm)
-            self._blocks[norm] = (TorchBlock.from_block(c, self.dtype), TorchBlock.from_block(m, self.dtype))
+            self._blocks[norm] = (TorchBlock.from_block(c, self.dtype, self.device),
+                                  TorchBlock.from_block(m, self.dtype, self.device))
         return self._blocks[norm]
 
     def dropout(self, h_nF: torch.Tensor, p: float, layer: int, ctx: PassContext) -> torch.Tensor:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .adaqp import AdaQPExchange
 from .adaqp_plan import AdaQPOptions
 from .book import PartitionBook
@@ -63,22 +65,30 @@ def mode_spec(mode: str) -> Mode:
 
 def make_exchange(mode: str, book: PartitionBook, *, group=None, pattern: str = "direct",
                   options: AdaQPOptions | None = None, seed: int = 0,
-                  norm: str | None = None) -> HaloExchange:
-    """The exchange strategy of ``mode`` for one rank's ``book``.
+                  norm: str | None = None, device: torch.device | str | None = None,
+                  wire_dtype: torch.dtype | None = None) -> HaloExchange:
+    """The exchange strategy of ``mode`` for one rank's ``book``, on ``device`` (default:
+    the CPU).
 
     options, seed: the run's AdaQP options and seed (``TrainConfig.adaqp``, ``.seed``);
     norm: the model's edge normalisation (the conv class's ``norm``), which the quantized
-    modes need to weigh their messages. The other modes ignore all three."""
+    modes need to weigh their messages. The other modes ignore all three. wire_dtype: the
+    dtype full-precision rows cross the wire in (``--dtype bfloat16``: ``torch.bfloat16``);
+    only the Vanilla exchanges take one."""
     spec = mode_spec(mode)
+    if wire_dtype is not None and spec.exchange == "adaqp":
+        raise ValueError(f"--mode {mode} quantizes its rows: it takes no wire dtype (the "
+                         "bfloat16 wire is an option of vanilla and adaqp-p)")
     if spec.exchange == "vanilla":
-        return VanillaExchange(book, group=group, pattern=pattern, asynchronous=spec.asynchronous)
+        return VanillaExchange(book, group=group, pattern=pattern, asynchronous=spec.asynchronous,
+                               wire_dtype=wire_dtype, device=device)
     if spec.exchange == "zero":
-        return ZeroExchange(book, group=group, pattern=pattern)
+        return ZeroExchange(book, group=group, pattern=pattern, device=device)
     if norm is None:
         raise ValueError(f"--mode {mode} weighs its messages by the model's edge normalisation: "
                          "pass norm= (the layer's norm, e.g. \"gcn\" or \"mean\")")
     return AdaQPExchange(book, scheme=spec.scheme, overlap=spec.overlap, norm=norm,
-                         options=options, seed=seed, group=group, pattern=pattern)
+                         options=options, seed=seed, group=group, pattern=pattern, device=device)
 
 
 __all__ = ["MODES", "MODE_NAMES", "Mode", "make_exchange", "mode_spec"]

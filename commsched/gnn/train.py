@@ -18,13 +18,13 @@ from typing import Sequence
 import torch.distributed as dist
 
 from ..config import read_env
-from ..dist import check_same_config, init_distributed, scatter_object
+from ..dist import DEVICE_CHOICES, check_same_config, init_distributed, scatter_object
 from .adaqp_plan import AdaQPOptions
 from .cliargs import add_graph_args, graph_args_given, source_from_args
 from .data import GraphSource, load_source
 from .modes import MODE_NAMES, mode_spec
 from .partition import METHODS, PartData, load_part, make_parts, partition_nodes
-from .trainer import TrainConfig, run_training
+from .trainer import DTYPES, TrainConfig, run_training
 
 _D = TrainConfig()
 
@@ -56,7 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lam", type=float, default=_D.adaqp.lam, help="AdaQP variance/time trade-off")
     t.add_argument("--pattern", choices=("direct", "ring"), default=_D.pattern,
                    help="all_to_all pattern of the halo exchange")
-    t.add_argument("--dtype", choices=("float32", "float64"), default=_D.dtype)
+    t.add_argument("--dtype", choices=tuple(DTYPES), default=_D.dtype,
+                   help="float32, float64: the dtype of everything; bfloat16 (vanilla, adaqp-p, "
+                        "nocomm): float32 parameters and loss, bf16 autocast compute, bf16 rows on "
+                        "the wire (docs/gnn.md)")
+    t.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="auto (default): CUDA when every local rank has its own GPU, else the CPU")
     t.add_argument("--dropout-rng", choices=("node", "local"), default=_D.dropout_rng,
                    help="node: masks keyed by global node id (N ranks == 1 rank); local: faster")
     t.add_argument("--eval-every", type=int, default=_D.eval_every)
@@ -73,7 +78,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                        dropout=a.dropout, layer_norm=a.layer_norm, lr=a.lr,
                        weight_decay=a.weight_decay, epochs=a.epochs, seed=a.seed, dtype=a.dtype,
                        pattern=a.pattern, dropout_rng=a.dropout_rng, eval_every=a.eval_every,
-                       checkpoint_every=a.checkpoint_every,
+                       checkpoint_every=a.checkpoint_every, device=a.device,
                        adaqp=AdaQPOptions(bits=a.bits, period=a.period, group_size=a.group_size,
                                           lam=a.lam))
 
@@ -136,7 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"commsched.gnn.train: {e}", file=sys.stderr)
         return 2
-    rank, world, _ = init_distributed()
+    try:
+        di = init_distributed(device=cfg.device)
+    except ValueError as e:  # --device cuda without CUDA, or fewer GPUs than local ranks
+        print(f"commsched.gnn.train: {e}", file=sys.stderr)
+        return 2
+    rank, world, device = di.rank, di.world_size, di.device
     if mode_spec(cfg.mode).timing_only and rank == 0:
         print("commsched.gnn.train: --mode nocomm is TIMING ONLY: remote rows are replaced by "
               "zeros, so the model trained is wrong; it measures the no-communication limit",
@@ -152,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = {k: v for k, v in info.items() if k != "partition"}
         extra["partitioning"] = info["partition"]
         metrics, _ = run_training(cfg, part, out_dir=a.out, resume=a.resume,
-                                  progress=read_env().progress, dataset=part.name, extra=extra)
+                                  progress=read_env().progress, dataset=part.name, extra=extra,
+                                  device=device)
     except ValueError as e:
         print(f"commsched.gnn.train (rank {rank}): {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,20 @@ Each training epoch and each evaluation is one pass with its own
 :class:`~commsched.gnn.context.PassContext` (epoch, training flag, a fresh timer, byte
 counters for training), handed to the model and the exchange; the trainer sets nothing
 on them between passes.
+
+**Device.** Everything a run touches per epoch lives on the run's device
+(``TrainConfig.device``, resolved by :func:`commsched.dist.resolve_device`, or the
+``device`` given to :class:`Trainer`): the model, features, labels, masks, the adjacency
+blocks, the exchange's indices. Epoch times and the breakdown are taken with a
+:class:`commsched.clock.Clock` of that device (CUDA events on CUDA, ``perf_counter`` on
+the CPU).
+
+**dtype.** ``float32`` (default) and ``float64`` are the dtype of everything.
+``bfloat16`` is the mixed-precision full-precision baseline (``vanilla``, ``adaqp-p``,
+``nocomm`` only): parameters, optimizer, loss and the gradient allreduce stay float32;
+the forward runs under ``torch.autocast(dtype=bfloat16)`` (linear layers in bf16); the
+sparse aggregation runs in float32 (torch's CPU CSR product has no bf16 kernel); every
+exchanged row, forward and backward, crosses the wire in bf16 (half of float32's bytes).
 """
 
 from __future__ import annotations
@@ -31,21 +45,31 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..all2all import CommStats
-from ..dist import all_gather_object, barrier, comm_guard, config_digest
+from ..clock import Clock
+from ..dist import (
+    DEVICE_CHOICES,
+    all_gather_object,
+    barrier,
+    comm_guard,
+    config_digest,
+    resolve_device,
+)
 from ..results import Progress
 from .adaqp_plan import AdaQPOptions
 from .context import PassContext
 from .halo import HaloExchange
 from .layers import LocalGraph, build_model
 from .metrics import GNNMetrics, summarize
-from .modes import MODE_NAMES, make_exchange
+from .modes import MODE_NAMES, make_exchange, mode_spec
 from .partition import PartData
 from .timing import Breakdown
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+# dtypes run as mixed precision: float32 parameters, autocast compute, this dtype on the wire
+MIXED_DTYPES = ("bfloat16",)
 CHECKPOINT = "checkpoint.pt"
 # config fields a resumed run may change
-_RESUMABLE = ("epochs", "checkpoint_every", "eval_every")
+_RESUMABLE = ("epochs", "checkpoint_every", "eval_every", "device")
 
 
 @dataclass(frozen=True)
@@ -56,7 +80,10 @@ class TrainConfig:
     ``adaqp`` (``--bits``, ``--period``, ``--group-size``, ``--lam``) belongs to the
     quantized modes and is recorded but unused by the others. ``dropout_rng="node"`` draws dropout masks per
     global node id so N-rank training equals single-process training; ``"local"`` is
-    faster but rank-count dependent.
+    faster but rank-count dependent. ``device``: one of
+    :data:`commsched.dist.DEVICE_CHOICES` (``auto``: CUDA when every local rank has its
+    own GPU); the library default is the CPU, ``--device`` defaults to ``auto``. ``dtype``: see the module doc (``bfloat16``: the mixed-precision baseline of
+    the full-precision modes).
     """
 
     model: str = "gcn"
@@ -75,6 +102,7 @@ class TrainConfig:
     eval_every: int = 1
     checkpoint_every: int = 0
     adaqp: AdaQPOptions = field(default_factory=AdaQPOptions)
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.mode not in MODE_NAMES:
@@ -83,6 +111,12 @@ class TrainConfig:
             raise TypeError(f"adaqp must be an AdaQPOptions, got {type(self.adaqp).__name__}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype in MIXED_DTYPES and mode_spec(self.mode).exchange == "adaqp":
+            raise ValueError(f"--dtype {self.dtype} is an option of the full-precision modes "
+                             f"(vanilla, adaqp-p, nocomm); --mode {self.mode} quantizes float32 "
+                             "rows: use --dtype float32")
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
         if self.epochs < 0 or self.layers < 1 or self.hidden < 1:
             raise ValueError("epochs must be >= 0, layers and hidden >= 1")
         if self.lr <= 0 or self.weight_decay < 0:
@@ -96,7 +130,23 @@ class TrainConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The dtype named by ``dtype``."""
         return DTYPES[self.dtype]
+
+    @property
+    def mixed(self) -> bool:
+        """Mixed precision: float32 parameters, autocast compute, ``torch_dtype`` on the wire."""
+        return self.dtype in MIXED_DTYPES
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype of parameters, features, blocks and optimizer state."""
+        return torch.float32 if self.mixed else DTYPES[self.dtype]
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype exchanged rows cross the wire in, when it is not that of the rows."""
+        return DTYPES[self.dtype] if self.mixed else None
 
 
 def _world(group) -> tuple[int, int]:
@@ -105,16 +155,29 @@ def _world(group) -> tuple[int, int]:
     return 0, 1
 
 
+def run_device(cfg: TrainConfig, group=None) -> torch.device:
+    """The device of a run with ``cfg`` on ``group``: ``cfg.device`` resolved for this
+    process (:func:`commsched.dist.resolve_device`). ``auto`` stays on the CPU when the
+    run's process group has no NCCL backend for CUDA tensors (a gloo group, such as the
+    test harness's)."""
+    dev, _ = resolve_device(cfg.device)
+    if (dev.type == "cuda" and cfg.device == "auto" and dist.is_available() and dist.is_initialized()
+            and "nccl" not in str(dist.get_backend(group)).lower()):
+        return torch.device("cpu")
+    return dev
+
+
 def peak_rss_mib() -> float:
     """Peak resident memory of this process (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 class Trainer:
-    """One rank's side of a training run on its :class:`PartData`."""
+    """One rank's side of a training run on its :class:`PartData`, on ``device`` (default:
+    :func:`run_device` of ``cfg``; a given ``exchange`` is moved there)."""
 
     def __init__(self, cfg: TrainConfig, part: PartData, *, group=None,
-                 exchange: HaloExchange | None = None):
+                 exchange: HaloExchange | None = None, device: torch.device | str | None = None):
         self.cfg = cfg
         self.part = part
         self.group = group
@@ -122,20 +185,23 @@ class Trainer:
         if part.book.num_parts != self.world or part.book.rank != self.rank:
             raise ValueError(f"rank {self.rank} of {self.world} was given part {part.book.rank} of "
                              f"{part.book.num_parts}")
-        dt = cfg.torch_dtype
+        self.device = torch.device(device) if device is not None else run_device(cfg, group)
+        self.clock = Clock(self.device)
+        dev, dt = self.device, cfg.param_dtype
         self.model = build_model(cfg.model, part.num_features, cfg.hidden, part.num_classes,
                                  layers=cfg.layers, dropout=cfg.dropout, layer_norm=cfg.layer_norm,
-                                 seed=cfg.seed, dtype=dt)
+                                 seed=cfg.seed, dtype=dt).to(dev)
         # the quantized modes weigh messages by the model's edge normalisation
-        self.halo = exchange if exchange is not None else make_exchange(
+        self.halo = exchange.to(dev) if exchange is not None else make_exchange(
             cfg.mode, part.book, group=group, pattern=cfg.pattern, options=cfg.adaqp,
-            seed=cfg.seed, norm=self.model.convs[0].norm)
+            seed=cfg.seed, norm=self.model.convs[0].norm, device=dev, wire_dtype=cfg.wire_dtype)
         self.graph = LocalGraph(part.book, self.halo, dtype=dt, seed=cfg.seed,
-                                dropout_rng=cfg.dropout_rng)
+                                dropout_rng=cfg.dropout_rng, device=dev)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.x = part.x_nF.to(dt)
-        self.y = part.y_n
-        self.masks = {"train": part.train_mask, "val": part.val_mask, "test": part.test_mask}
+        self.x = part.x_nF.to(device=dev, dtype=dt)
+        self.y = part.y_n.to(dev)
+        self.masks = {"train": part.train_mask.to(dev), "val": part.val_mask.to(dev),
+                      "test": part.test_mask.to(dev)}
         self.totals = {k: max(int(part.totals[k]), 1) for k in ("train", "val", "test")}
         self.epoch = 0  # epochs completed
         self.history: dict[str, list] = {"loss": [], "epoch_time_s": [], "breakdown_s": [],
@@ -151,15 +217,23 @@ class Trainer:
             barrier("barrier after set-up", self.group)
 
     # -- one epoch ------------------------------------------------------------------------
+    def _forward(self, ctx: PassContext) -> torch.Tensor:
+        """Logits [n, K] of the owned nodes (float32 under mixed precision)."""
+        if not self.cfg.mixed:
+            return self.model(self.x, self.graph, ctx)
+        with torch.autocast(self.device.type, dtype=self.cfg.torch_dtype):
+            out = self.model(self.x, self.graph, ctx)
+        return out.float()
+
     def train_epoch(self) -> float:
         """Run epoch ``self.epoch``; return the global training loss."""
-        ctx = PassContext(epoch=self.epoch, training=True, timer=Breakdown(),
+        ctx = PassContext(epoch=self.epoch, training=True, timer=Breakdown(self.clock),
                           stats=CommStats(self.world))
         self.model.train()
-        t0 = time.perf_counter()
+        t0 = self.clock.mark()
         self.halo.begin_epoch(ctx)
         self.opt.zero_grad(set_to_none=False)
-        out = self.model(self.x, self.graph, ctx)
+        out = self._forward(ctx)
         m = self.masks["train"]
         loss = F.cross_entropy(out[m], self.y[m], reduction="sum") / self.totals["train"]
         # the whole output joins the graph so that every rank runs every backward exchange
@@ -169,7 +243,7 @@ class Trainer:
         loss_all = self._allreduce_grads(loss.detach(), ctx.timer)
         self.opt.step()
         self.halo.end_epoch(ctx)
-        dt = time.perf_counter() - t0
+        dt = self.clock.seconds(t0, self.clock.mark())
         self.history["loss"].append(loss_all)
         self.history["epoch_time_s"].append(dt)
         self.history["breakdown_s"].append(ctx.timer.as_dict())
@@ -196,19 +270,20 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Accuracy on the train / val / test nodes (no dropout, full-precision exchanges,
         untimed and uncounted traffic); collective."""
-        ctx = PassContext(epoch=self.epoch - 1, training=False)
+        ctx = PassContext(epoch=self.epoch - 1, training=False, timer=Breakdown(self.clock))
         self.model.eval()
-        t0 = time.perf_counter()
-        pred = self.model(self.x, self.graph, ctx).argmax(1)
+        t0 = self.clock.mark()
+        pred = self._forward(ctx).argmax(1)
         ok = pred == self.y
-        counts = torch.tensor([float((ok & self.masks[k]).sum()) for k in ("train", "val", "test")],
-                              dtype=torch.float64)
+        # counted on the device, summed across ranks there, read once
+        counts = torch.stack([(ok & self.masks[k]).sum() for k in ("train", "val", "test")]).double()
         if self.world > 1:
             with comm_guard("allreduce of accuracy counts", self.group):
                 dist.all_reduce(counts, group=self.group)
-        res = {f"{k}_acc": float(counts[i]) / self.totals[k] for i, k in enumerate(("train", "val", "test"))}
+        got = counts.tolist()
+        res = {f"{k}_acc": got[i] / self.totals[k] for i, k in enumerate(("train", "val", "test"))}
         res["epoch"] = self.epoch - 1
-        res["eval_time_s"] = time.perf_counter() - t0
+        res["eval_time_s"] = self.clock.seconds(t0, self.clock.mark())
         return res
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -249,13 +324,15 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
                  resume: bool = False, group=None, progress: bool = False,
                  dataset: str | None = None, extra: dict | None = None,
                  on_epoch: Callable[[Trainer], None] | None = None,
-                 exchange: HaloExchange | None = None) -> tuple[dict[str, Any], Trainer]:
+                 exchange: HaloExchange | None = None,
+                 device: torch.device | str | None = None) -> tuple[dict[str, Any], Trainer]:
     """Train ``cfg.epochs`` epochs (continuing from ``out_dir/checkpoint.pt`` when
     ``resume``); return (metrics, trainer), metrics being :class:`GNNMetrics` as the dict
     metrics.json holds. Rank 0 writes ``out_dir/metrics.json``. Collective: every rank of
-    ``group`` calls it."""
+    ``group`` calls it. ``device``: where to train (default: :func:`run_device`; the CLI
+    passes the device ``init_distributed`` chose)."""
     t_start = time.perf_counter()
-    tr = Trainer(cfg, part, group=group, exchange=exchange)
+    tr = Trainer(cfg, part, group=group, exchange=exchange, device=device)
     out = Path(out_dir) if out_dir is not None else None
     ckpt = out / CHECKPOINT if out is not None else None
     if out is not None and tr.rank == 0:
@@ -263,7 +340,7 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
     if resume:
         if ckpt is None or not ckpt.is_file():
             raise ValueError(f"--resume: no checkpoint at {ckpt} (run with --checkpoint-every K first)")
-        tr.load_state_dict(torch.load(ckpt, weights_only=True))
+        tr.load_state_dict(torch.load(ckpt, weights_only=True, map_location=tr.device))
     with Progress(cfg.epochs, f"{cfg.mode} {cfg.model}", "epoch", enabled=progress and tr.rank == 0,
                   initial=min(tr.epoch, cfg.epochs)) as bar:
         while tr.epoch < cfg.epochs:
@@ -282,7 +359,7 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
     mine["peak_rss_mib"] = peak_rss_mib()
     mine["book"] = tr.part.book.summary()
     per_rank = all_gather_object(mine, "gathering per-rank results", group) if tr.world > 1 else [mine]
-    extra = {**(extra or {}), **tr.halo.report()}
+    extra = {**(extra or {}), **tr.halo.report(), "device": str(tr.device)}
     if tr.rank == 0 and isinstance(extra.get("adaqp"), dict):
         wall = time.perf_counter() - t_start
         assign = sum(a.get("wall_s", 0.0) for a in extra["adaqp"].get("assignments", []))
@@ -296,4 +373,5 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
     return metrics.to_dict(), tr
 
 
-__all__ = ["CHECKPOINT", "DTYPES", "TrainConfig", "Trainer", "peak_rss_mib", "run_training"]
+__all__ = ["CHECKPOINT", "DTYPES", "MIXED_DTYPES", "TrainConfig", "Trainer", "peak_rss_mib",
+           "run_device", "run_training"]
