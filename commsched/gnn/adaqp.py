@@ -184,10 +184,10 @@ class AdaQPExchange(HaloExchange):
         if self.scheme == "adaptive" and self.world_size > 1:
             from ..costmodel import probe_link_costs
 
-            # times CPU buffers with the host clock (core: on CUDA it should take device
-            # buffers and events); the measured/predicted ratio rescales theta either way
+            # probe buffers on the messages' device, timed to a device sync on CUDA; the
+            # measured/predicted ratio of the real exchanges rescales theta every period
             costs = probe_link_costs(self.group, sizes=self.opt.probe_sizes,
-                                     repeats=self.opt.probe_repeats)
+                                     repeats=self.opt.probe_repeats, device=self.device)
             self.link_costs = {p: (c.theta, c.gamma) for p, c in costs.items()}
 
     def prepare(self, dims: list[int]) -> None:
@@ -311,7 +311,7 @@ class AdaQPExchange(HaloExchange):
         timer.add_span("comm", t0, t1, -1.0)  # the caller times this call as comm; quantizing is not
         t_wire = timer.mark()
         h = exchange_segments(segs, recv.segments, group=self.group, pattern=self.pattern,
-                              stats=ctx.stats, async_op=True)
+                              stats=ctx.stats, async_op=True, device=self.device)
         predicted = self._predict(send)
 
         def finish() -> torch.Tensor:
