@@ -459,16 +459,17 @@ def test_bench_context_refuses_emulation_for_nccl():
     # tc shapes gloo's TCP; a CUDA job's NCCL traffic would pass unshaped
     with pytest.raises(EmulationUnavailable, match="gloo's TCP traffic only.*--device cpu"):
         bench_context(_workload(), ["--bandwidth", "1gbit", "--device", "cuda"], euid=0,
-                      which=ALL_TOOLS, cuda_available=True)
+                      which=ALL_TOOLS, gpus=8)
     with pytest.raises(EmulationUnavailable, match="--device auto may run NCCL"):
-        bench_context(_workload(), ["--bandwidth", "1gbit"], euid=0, which=ALL_TOOLS,
-                      cuda_available=True)
+        bench_context(_workload(), ["--bandwidth", "1gbit", "--nproc", "4"], euid=0, which=ALL_TOOLS,
+                      gpus=4)  # auto with a GPU per rank: CUDA
     ctx, rest = bench_context(_workload(), ["--bandwidth", "1gbit", "--device", "cpu"], euid=0,
-                              which=ALL_TOOLS, cuda_available=True)
+                              which=ALL_TOOLS, gpus=8)
     assert ctx.rate_bps == 10**9 and rest == ["--device", "cpu"]  # --device stays for the workload
-    ctx, _ = bench_context(_workload(), ["--bandwidth", "1gbit"], euid=0, which=ALL_TOOLS,
-                           cuda_available=False)  # auto without CUDA: gloo, emulated
-    assert ctx.rate_bps == 10**9
+    for gpus in (0, 1):  # auto with fewer GPUs than ranks runs on the CPU: emulated
+        ctx, _ = bench_context(_workload(), ["--bandwidth", "1gbit", "--nproc", "4"], euid=0,
+                               which=ALL_TOOLS, gpus=gpus)
+        assert ctx.rate_bps == 10**9
     wl = Workload("w", "d", ("x",), variants=lambda a: [], default_bandwidth="300mbit")
-    ctx, _ = bench_context(wl, [], euid=0, which=ALL_TOOLS, cuda_available=True)
+    ctx, _ = bench_context(wl, ["--nproc", "2"], euid=0, which=ALL_TOOLS, gpus=2)
     assert ctx.rate_bps is None and "may run NCCL" in ctx.note

@@ -15,18 +15,22 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
+from ..dist import DEVICE_CHOICES
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="commsched demo", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("runs/demo"))
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--skip-moe", action="store_true", help="run only the GNN part")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="where the ranks compute (auto: CUDA when every rank has its own GPU)")
     a = p.parse_args(list(argv or []))
     from .gnn_demo import main as gnn_demo
 
-    rc = gnn_demo(["--out", str(a.out / "gnn"), "--nproc", str(a.nproc)])
+    rc = gnn_demo(["--out", str(a.out / "gnn"), "--nproc", str(a.nproc), "--device", a.device])
     if rc or a.skip_moe:
         return rc
     from .moe_demo import main as moe_demo
 
-    return moe_demo(["--out", str(a.out / "moe"), "--nproc", str(a.nproc)])
+    return moe_demo(["--out", str(a.out / "moe"), "--nproc", str(a.nproc), "--device", a.device])

@@ -50,21 +50,23 @@ def netem_prefix(rate_bps: int | None, hosts: int = 1, delay_ms: float | None = 
     return cmd + ["--"]
 
 
-def _torch_has_cuda() -> bool:
+def _torch_gpus() -> int:
     import torch
 
-    return torch.cuda.is_available()
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def nccl_possible(device: str, has_cuda: bool) -> bool:
-    """Whether variants run with ``--device device`` may use NCCL (so tc cannot shape them)."""
-    return device == "cuda" or (device == "auto" and has_cuda)
+def nccl_possible(device: str, gpus: int, nproc: int) -> bool:
+    """Whether variants run with ``--device device`` and ``nproc`` ranks per machine may use
+    NCCL, so that tc cannot shape them (``auto`` picks CUDA only when every local rank has
+    its own GPU, see :func:`commsched.dist.choose_device`)."""
+    return device == "cuda" or (device == "auto" and 0 < nproc <= gpus)
 
 
 def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int | None = None,
                   which: Callable[[str], str | None] = shutil.which,
                   probe_delay: Callable[[], bool] | None = None,
-                  cuda_available: bool | None = None):
+                  gpus: int | None = None):
     """Take ``--bandwidth RATE``, ``--hosts K`` and ``--delay MS`` out of a bench command
     line; return ``(RunContext, remaining argv)``.
 
@@ -75,7 +77,7 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
     unshaped and the context's note says so. ``--bandwidth none`` asks for no shaping.
     In hosts mode ``--nproc`` is the number of processes per host. Emulation needs the
     variants on gloo: with ``--device cuda`` (or ``auto`` where CUDA is present) it is
-    refused, and a default regime does not apply. ``cuda_available`` overrides what torch
+    refused, and a default regime does not apply. ``gpus`` overrides the GPU count torch
     reports (for tests).
     """
     wl = workload
@@ -88,8 +90,10 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
     # the workload's own --device, read but left in place: tc shapes gloo's TCP only
     peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     peek.add_argument("--device", default="auto")
-    device = peek.parse_known_args(rest)[0].device
-    nccl = nccl_possible(device, _torch_has_cuda() if cuda_available is None else cuda_available)
+    peek.add_argument("--nproc", type=int, default=1)
+    seen = peek.parse_known_args(rest)[0]
+    device = seen.device
+    nccl = nccl_possible(device, _torch_gpus() if gpus is None else gpus, seen.nproc)
     flags = tuple(a for k, v in (("--bandwidth", ns.bandwidth), ("--hosts", ns.hosts), ("--delay", ns.delay))
                   if v is not None for a in (k, str(v)))
     rate = parse_optional_rate(ns.bandwidth)

@@ -15,6 +15,8 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
+from ..dist import DEVICE_CHOICES
+
 UNSHAPED_NOTE = ("NOTE: no bandwidth emulation here (needs root, ip and tc), so the ranks talk "
                  "over unshaped loopback, where moving bytes costs almost nothing: AdaQP's "
                  "quantization then costs more than it saves and Vanilla may well be faster. "
@@ -22,11 +24,11 @@ UNSHAPED_NOTE = ("NOTE: no bandwidth emulation here (needs root, ip and tc), so 
                  "--bandwidth RATE to `commsched bench gnn`) to see that regime.")
 
 
-def demo_argv(out: Path, nproc: int, epochs: int) -> list[str]:
+def demo_argv(out: Path, nproc: int, epochs: int, device: str = "auto") -> list[str]:
     """The reduced bench command line (also what the README quotes)."""
     return ["--nproc", str(nproc), "--out", str(out), "--models", "gcn", "--modes", "vanilla,adaqp",
             "--syn-nodes", "10000", "--syn-edges", "100000", "--epochs", str(epochs),
-            "--eval-every", str(epochs), "--period", "3"]
+            "--eval-every", str(epochs), "--period", "3", "--device", device]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,10 +36,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/demo/gnn"))
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     a = p.parse_args(list(argv or []))
     from .workloads import run_bench
 
-    summary = run_bench("gnn", demo_argv(a.out, a.nproc, a.epochs))
+    summary = run_bench("gnn", demo_argv(a.out, a.nproc, a.epochs, a.device))
     meta = summary["meta"]
     print(f"\n== commsched demo: Vanilla vs AdaQP, GCN on a synthetic graph, {a.nproc} ranks ==")
     print(f"emulated rate: {meta.get('bandwidth') or 'none (unshaped loopback)'}")

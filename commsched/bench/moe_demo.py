@@ -11,11 +11,13 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
+from ..dist import DEVICE_CHOICES
 
-def demo_argv(out: Path, nproc: int, batches: int) -> list[str]:
+
+def demo_argv(out: Path, nproc: int, batches: int, device: str = "auto") -> list[str]:
     """The reduced bench command line."""
     return ["--nproc", str(nproc), "--variants", "static,lina", "--batches", str(batches),
-            "--warmup", "2", "--bandwidth", "none", "--out", str(out)]
+            "--warmup", "2", "--bandwidth", "none", "--device", device, "--out", str(out)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -23,10 +25,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/demo/moe"))
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     a = p.parse_args(list(argv or []))
     from .workloads import run_bench
 
-    summary = run_bench("moe-infer", demo_argv(a.out, a.nproc, a.batches))
+    summary = run_bench("moe-infer", demo_argv(a.out, a.nproc, a.batches, a.device))
     print(f"\n== commsched demo: MoE inference, static vs Lina placement, {a.nproc} ranks ==")
     med = summary["median"]
     print("| placement | p50 ms | p95 ms | mean imbalance (max/mean device load) |")
