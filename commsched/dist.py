@@ -101,6 +101,26 @@ def resolve_device(choice: str = "auto") -> tuple[torch.device, str]:
     return torch.device(name), why
 
 
+def group_device(choice: str = "auto", group=None) -> torch.device:
+    """The device of a run on an already initialised process group: ``choice`` resolved as
+    :func:`resolve_device` does, except that ``auto`` stays on the CPU when the group's
+    backend has no NCCL (a gloo group carries CPU tensors, as the test harness's does), and
+    ``cuda`` on a gloo group of more than one rank is a ValueError (gloo has no CUDA
+    send/recv). Without a process group it is :func:`resolve_device`."""
+    if choice == "cpu":
+        return torch.device("cpu")
+    if dist.is_available() and dist.is_initialized():
+        backend = str(dist.get_backend(group)).lower()
+        if "nccl" not in backend:
+            if choice == "auto":
+                return torch.device("cpu")
+            if dist.get_world_size(group) > 1:
+                raise ValueError("--device cuda needs a process group with NCCL for its CUDA tensors "
+                                 f"(init_distributed(device='cuda') makes one); this group's backend "
+                                 f"is {backend!r}")
+    return resolve_device(choice)[0]
+
+
 def default_backend(device: torch.device | None = None) -> str:
     """``COMMSCHED_BACKEND`` when set; else gloo for a CPU job and ``cpu:gloo,cuda:nccl`` for
     a CUDA job (NCCL carries the CUDA tensors, gloo the small CPU control tensors)."""

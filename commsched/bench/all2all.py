@@ -170,7 +170,10 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]
     patterns = a.patterns.split(",")
-    device = init_distributed(device=a.device).device
+    try:
+        device = init_distributed(device=a.device).device
+    except ValueError as e:
+        raise SystemExit(f"commsched.bench.all2all: {e}") from None
     me = dist.get_rank()
     addrs = all_gather_object(local_ipv4_addresses(), "gathering the ranks' addresses")
     host_P = host_of_ranks(addrs)

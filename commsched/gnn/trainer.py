@@ -52,7 +52,7 @@ from ..dist import (
     barrier,
     comm_guard,
     config_digest,
-    resolve_device,
+    group_device,
 )
 from ..results import Progress
 from .adaqp_plan import AdaQPOptions
@@ -156,15 +156,9 @@ def _world(group) -> tuple[int, int]:
 
 
 def run_device(cfg: TrainConfig, group=None) -> torch.device:
-    """The device of a run with ``cfg`` on ``group``: ``cfg.device`` resolved for this
-    process (:func:`commsched.dist.resolve_device`). ``auto`` stays on the CPU when the
-    run's process group has no NCCL backend for CUDA tensors (a gloo group, such as the
-    test harness's)."""
-    dev, _ = resolve_device(cfg.device)
-    if (dev.type == "cuda" and cfg.device == "auto" and dist.is_available() and dist.is_initialized()
-            and "nccl" not in str(dist.get_backend(group)).lower()):
-        return torch.device("cpu")
-    return dev
+    """The device of a run with ``cfg`` on ``group``: :func:`commsched.dist.group_device`
+    of ``cfg.device`` (``auto`` stays on the CPU on a group without NCCL)."""
+    return group_device(cfg.device, group)
 
 
 def peak_rss_mib() -> float:

@@ -80,7 +80,7 @@ import torch.distributed as dist
 from .. import dist as cdist
 from ..clock import Clock
 from ..config import read_env
-from ..dist import DEVICE_CHOICES, check_same_config, init_distributed, resolve_device
+from ..dist import DEVICE_CHOICES, check_same_config, group_device, init_distributed
 from ..results import Progress, Record, median
 from .banks import EmulatedBank, ExpertBank, FFNBank
 from .placed import device_rows
@@ -219,21 +219,9 @@ class InferConfig:
 
 
 def job_device(cfg: InferConfig, group=None) -> torch.device:
-    """The device of a run on an already initialised group: the device ``cfg`` chooses
-    (:attr:`InferConfig.device_choice`), except that ``auto`` stays on the CPU when the
-    group's backend has no NCCL (a gloo group carries CPU tensors). ``cuda`` on a gloo
-    group of more than one rank is a ValueError."""
-    choice = cfg.device_choice
-    if choice == "cpu":
-        return torch.device("cpu")
-    backend = dist.get_backend_config(group)
-    if "nccl" not in backend:
-        if choice == "auto":
-            return torch.device("cpu")
-        if dist.get_world_size(group) > 1:
-            raise ValueError("--device cuda needs a process group with NCCL for its CUDA tensors "
-                             f"(init_distributed(device='cuda') makes one); this group's backend is {backend!r}")
-    return resolve_device(choice)[0]
+    """The device of a run on an already initialised group: :func:`commsched.dist.group_device`
+    of the device ``cfg`` chooses (:attr:`InferConfig.device_choice`)."""
+    return group_device(cfg.device_choice, group)
 
 
 # --------------------------------------------------------------------------- drivers

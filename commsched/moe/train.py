@@ -65,8 +65,8 @@ from ..dist import (
     all_gather_object,
     barrier,
     check_same_config,
+    group_device,
     init_distributed,
-    resolve_device,
 )
 from ..dist import new_group as cs_new_group
 from ..observe import A2AEvents, A2AObserver
@@ -158,9 +158,9 @@ def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = 
     on all ranks) and this rank's final ``state_dict`` (on the CPU). Rank 0 writes
     ``out/metrics.json`` and ``out/timeline.json`` when ``out`` is given. ``device``: this
     rank's device (what :func:`commsched.dist.init_distributed` returned); default:
-    ``cfg.device`` resolved here."""
+    :func:`commsched.dist.group_device` of ``cfg.device``."""
     rank = dist.get_rank()
-    dev = torch.device(device) if device is not None else resolve_device(cfg.device)[0]
+    dev = torch.device(device) if device is not None else group_device(cfg.device)
     check_same_config(dataclasses.asdict(cfg), what="training configuration")
     ep = cfg.ep_size or dist.get_world_size()
     corpus = load_corpus(cfg.corpus, max_bytes=cfg.max_corpus_bytes)
@@ -316,7 +316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config_from_args(a)
     except ValueError as e:
         raise SystemExit(f"commsched.moe.train: {e}") from None
-    info = init_distributed(device=cfg.device)
+    try:
+        info = init_distributed(device=cfg.device)
+    except ValueError as e:  # --device cuda where it cannot run: one line, not a traceback
+        raise SystemExit(f"commsched.moe.train: {e}") from None
     if info.device.type == "cpu":
         torch.set_num_threads(1)  # ranks share the host's cores
     try:
