@@ -215,7 +215,7 @@ def test_torchrun_cli_with_partition_folder(tmp_path, capsys):
     env = dict(os.environ, COMMSCHED_PROGRESS="0", OMP_NUM_THREADS="1")
     base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
             "-m", "commsched.gnn.train", "--partition-dir", str(tmp_path / "parts"), "--layers", "2",
-            "--hidden", "8", "--epochs", "3", "--out", str(tmp_path / "run")]
+            "--hidden", "8", "--epochs", "3", "--device", "cpu", "--out", str(tmp_path / "run")]
     p = subprocess.run(base + syn, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
