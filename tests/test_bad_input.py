@@ -21,6 +21,7 @@ import torch
 
 from commsched.dist import CommError, cli_error
 from commsched.results import FAILED_MARKER, load_torch_file, mark_failed, prepare_out
+from tests.mp import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 SYN = ["--syn-nodes", "120", "--syn-edges", "500", "--syn-features", "4", "--syn-classes", "3"]
@@ -71,7 +72,7 @@ def test_graph_file_corrupt_kinds_name_the_file(tmp_path):
 def test_graph_without_training_nodes_is_refused(tmp_path):
     from commsched.gnn.data import from_edges, load_graph
     from commsched.gnn.partition import make_parts
-    from commsched.gnn.trainer import Trainer, TrainConfig
+    from commsched.gnn.trainer import TrainConfig, Trainer
 
     a = _graph_arrays()
     a["train_masks"] = np.zeros(6, bool)
@@ -382,3 +383,30 @@ def test_moe_train_subprocess_prints_one_line_without_traceback(tmp_path):
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr and "has only 0 bytes" in p.stderr
     assert (tmp_path / "o" / FAILED_MARKER).exists()
+
+
+def _moe_train_cli_on_ranks(rank: int, world: int, out: str) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from commsched.moe.train import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):  # main keeps the harness's group and ends it
+        rc = main(["--device", "cpu", "--steps", "1", "--warmup", "0", "--experts", "3",
+                   "--d-model", "8", "--heads", "2", "--d-ff", "8", "--expert-hidden", "8",
+                   "--seq-len", "8", "--out", out])
+    return rc, err.getvalue()
+
+
+@pytest.mark.slow
+def test_moe_train_error_on_two_ranks_names_each_rank(tmp_path):
+    res = run_ranks(2, _moe_train_cli_on_ranks, str(tmp_path / "o"), timeout_s=90, pg_timeout_s=10,
+                    env={"COMMSCHED_PROGRESS": "0", "COMMSCHED_TIMEOUT_S": "10"})
+    for rank, (rc, err) in enumerate(res):
+        lines = [ln for ln in err.strip().splitlines() if not ln.startswith("commsched: --device")]
+        assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+        assert lines[0].startswith(f"commsched.moe.train (rank {rank}): 3 experts cannot be split"), err
+    failed = (tmp_path / "o" / FAILED_MARKER).read_text().splitlines()
+    assert sorted(ln.split(":")[0] for ln in failed) == ["commsched.moe.train (rank 0)",
+                                                        "commsched.moe.train (rank 1)"]
