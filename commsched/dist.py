@@ -49,6 +49,30 @@ def comm_guard(what: str, group=None) -> Iterator[None]:
         raise CommError(f"rank {_rank()}: {what} failed: {hint}: {cause}") from e
 
 
+def cli_error(prog: str, err: BaseException, out=None) -> int:
+    """The CLI edge of an error commsched detected itself (a ValueError or CommError): one
+    line on stderr, ``prog (rank R): message`` when the job has more than one rank, the
+    same line appended to ``out``/FAILED when ``out`` is given; returns the exit status 2.
+    The rank comes from the process group, or torchrun's environment before there is one."""
+    from .results import mark_failed
+
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        try:
+            env = read_env()
+            rank, world = env.rank or 0, env.world_size or 1
+        except ValueError:
+            rank, world = 0, 1
+    msg = " ".join(str(err).split()) or type(err).__name__
+    if world > 1 and msg.startswith(f"rank {rank}: "):
+        msg = msg[len(f"rank {rank}: "):]  # a CommError names its rank already
+    line = f"{prog} (rank {rank}): {msg}" if world > 1 else f"{prog}: {msg}"
+    print(line, file=sys.stderr, flush=True)
+    mark_failed(out, line)
+    return 2
+
+
 DEVICE_CHOICES = ("auto", "cpu", "cuda")  # the --device of every entry point
 
 

@@ -36,6 +36,87 @@ def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2) -> 
     return path
 
 
+FAILED_MARKER = "FAILED"  # the file a failed run leaves in its --out folder
+
+
+def prepare_out(path: str | os.PathLike, *, overwrite: bool = False, resume: bool = False,
+                flag: str = "--out") -> Path:
+    """Make the run folder ``path`` before any work, or refuse it with one ValueError line:
+    a path that cannot be created or written, or a folder that already holds a run's
+    ``metrics.json`` (unless ``overwrite``, which removes that file and the old
+    ``timeline.json``, or ``resume``, which continues that run). A previous run's
+    :data:`FAILED_MARKER` is removed."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{flag} {p}: exists and is not a folder; give a folder path")
+    if (p / "metrics.json").exists() and not (overwrite or resume):
+        raise ValueError(f"{flag} {p} already holds a run (metrics.json); pass --overwrite to "
+                         "replace it, or choose another folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {p}: cannot create the folder ({read_error(e)})") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {p}: the folder is not writable; choose another one")
+    stale = [FAILED_MARKER] + (["metrics.json", "timeline.json"] if overwrite and not resume else [])
+    for name in stale:
+        try:
+            (p / name).unlink(missing_ok=True)
+        except OSError as e:
+            raise ValueError(f"{flag} {p}: cannot remove the old {name} ({read_error(e)})") from None
+    return p
+
+
+def mark_failed(path: str | os.PathLike | None, message: str) -> None:
+    """Append ``message`` (one line) to ``path``/FAILED, so a failed run is never mistaken
+    for a finished one; best effort (never raises), a no-op for ``path`` None or absent."""
+    if path is None:
+        return
+    try:
+        p = Path(path)
+        if p.is_dir():
+            with open(p / FAILED_MARKER, "a") as f:
+                f.write(" ".join(str(message).split()) + "\n")
+    except OSError:
+        pass
+
+
+def read_error(e: BaseException) -> str:
+    """One line saying why reading (or writing) a file failed: the OS's reason, or the
+    exception's type and the first line of its message."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def load_torch_file(path: str | os.PathLike, what: str, *, map_location: Any = "cpu") -> Any:
+    """``torch.load(path, weights_only=True)``, any failure a ValueError naming the file:
+    missing, truncated or garbage, or holding objects that only an unsafe load would
+    build (commsched never retries with ``weights_only=False``)."""
+    import pickle
+    import zipfile
+
+    import torch
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{what} {p}: no such file")
+    try:
+        return torch.load(p, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch.save writes a zip archive; bytes that are not one and fail to unpickle are
+        # garbage, not a file of unsafe objects
+        if "weights_only" in str(e) and zipfile.is_zipfile(p):
+            raise ValueError(f"{what} {p}: holds objects that a safe load (weights_only=True) refuses; "
+                             "commsched does not load such files: write it again with commsched") from None
+        raise ValueError(f"{what} {p}: not a readable torch file (corrupt or truncated: "
+                         f"{read_error(e)})") from None
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad file
+        raise ValueError(f"{what} {p}: not a readable torch file (corrupt or truncated: "
+                         f"{read_error(e)})") from None
+
+
 def _plain(obj: Any) -> Any:
     if isinstance(obj, Record):
         return obj.to_dict()
@@ -127,4 +208,5 @@ def pick(d: Mapping[str, Any], dotted: str) -> Any:
     return cur
 
 
-__all__ = ["Progress", "Record", "median", "pick", "write_json"]
+__all__ = ["FAILED_MARKER", "Progress", "Record", "load_torch_file", "mark_failed", "median", "pick",
+           "prepare_out", "read_error", "write_json"]

@@ -213,7 +213,7 @@ def check_frontends(device: torch.device, quick: bool, out: Path, timeout_s: flo
         env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), COMMSCHED_PROGRESS="0")
         cmd = [sys.executable, "-c", _CHILD, str(run_dir / "peak.json"), module, *argv,
-               "--out", str(run_dir)]
+               "--out", str(run_dir), "--overwrite"]
         t = time.perf_counter()
         with open(run_dir / "log.txt", "w") as logf:
             try:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..config import read_env
-from ..results import Progress, median, pick, write_json
+from ..results import FAILED_MARKER, Progress, median, pick, write_json
 from .plots import plot_breakdown
 
 
@@ -176,6 +176,10 @@ def run_variant(variant: Variant, nproc: int, out_dir: Path, ctx: RunContext,
     interruption the group gets SIGTERM, then SIGKILL after :data:`STOP_GRACE_S`.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    # a repeat's folder may hold an earlier invocation's run: this one replaces it (the
+    # front-ends refuse a folder holding metrics.json), and no stale file is read back
+    for stale in ("metrics.json", FAILED_MARKER):
+        (out_dir / stale).unlink(missing_ok=True)
     cmd = ctx.command(variant, nproc, out_dir)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                COMMSCHED_PROGRESS="0", **ctx.env)

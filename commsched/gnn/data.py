@@ -31,6 +31,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from ..results import read_error
+
 GRAPH_KEYS = ("node_features", "node_labels", "edges", "train_masks", "val_masks", "test_masks")
 PLANETOID = {"cora": "Cora", "citeseer": "CiteSeer"}
 HETEROPHILOUS = ("tolokers", "minesweeper", "squirrel", "chameleon")
@@ -228,11 +230,17 @@ def load_graph(path: str | os.PathLike, *, split: int = 0, directed: bool = Fals
                 arrays[k] = z[k]
             except ValueError as e:  # object arrays need pickle, which is refused
                 raise _fail(where, k, f"unreadable array ({e})") from None
+            except Exception as e:  # noqa: BLE001 - a bad CRC, a truncated member, zlib's errors
+                raise _fail(where, k, f"unreadable array, the file is corrupt or truncated "
+                                      f"({read_error(e)})") from None
     x, y, e, tr, va, te = _check_arrays(
         where, arrays["node_features"], arrays["node_labels"], arrays["edges"],
         {"train": arrays["train_masks"], "val": arrays["val_masks"], "test": arrays["test_masks"]},
         split, {"x": "node_features", "y": "node_labels", "edges": "edges",
                 "train": "train_masks", "val": "val_masks", "test": "test_masks"})
+    if not tr.any():
+        raise _fail(where, "train_masks", f"no training nodes in split {split} (every entry is False); "
+                                          "a graph to train on needs at least one")
     return _make_graph(x, y, e, tr, va, te, name=name or p.stem, directed=directed)
 
 
@@ -472,9 +480,12 @@ class GraphSource:
             return "synthetic:" + json.dumps(asdict(self.synthetic), sort_keys=True)
         if self.kind == "file":
             h = hashlib.blake2b(digest_size=12)
-            with open(self.path, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 22), b""):
-                    h.update(chunk)
+            try:
+                with open(self.path, "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 22), b""):
+                        h.update(chunk)
+            except OSError as e:
+                raise ValueError(f"graph file {self.path}: cannot be read ({read_error(e)})") from None
             return f"file:{h.hexdigest()}:split={self.split}:directed={int(self.directed)}"
         return f"dataset:{self.name.lower()}:split={self.split}:directed={int(self.directed)}"
 

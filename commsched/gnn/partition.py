@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..results import write_json
+from ..results import load_torch_file, prepare_out, read_error, write_json
 from .book import PartitionBook, build_books
 from .data import Graph, GraphSource, clean_edges, graph_fingerprint, load_source
 
@@ -186,10 +186,22 @@ def read_meta(folder: str | os.PathLike) -> dict:
     f = folder / "meta.json"
     if not f.is_file():
         raise ValueError(f"partition folder {folder}: no meta.json (make one with `commsched partition`)")
-    meta = json.loads(f.read_text())
+    try:
+        meta = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"partition folder {folder}: {f.name} is not readable JSON ({read_error(e)}); "
+                         "re-run `commsched partition`") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"partition folder {folder}: {f.name} holds a {type(meta).__name__}, not an "
+                         "object; re-run `commsched partition`")
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"partition folder {folder}: format {meta.get('format')!r}, this build "
                          f"reads format {FORMAT_VERSION}; re-run `commsched partition`")
+    missing = [k for k in ("num_parts", "fingerprint", "graph") if k not in meta]
+    if missing or not isinstance(meta.get("graph"), dict) or not isinstance(meta.get("num_parts"), int):
+        raise ValueError(f"partition folder {folder}: {f.name} is damaged (field "
+                         f"'{missing[0] if missing else 'num_parts or graph'}' missing or of the wrong "
+                         "type); re-run `commsched partition`")
     return meta
 
 
@@ -218,11 +230,18 @@ def load_part(folder: str | os.PathLike, rank: int, world_size: int, *,
     f = _part_file(Path(folder), rank)
     if not f.is_file():
         raise ValueError(f"partition folder {folder}: {f.name} is missing")
-    rec = torch.load(f, weights_only=True)
+    rec = load_torch_file(f, f"partition folder {folder}: part file")
+    if not isinstance(rec, dict):
+        raise ValueError(f"partition folder {folder}: {f.name} is not a part file (it holds a "
+                         f"{type(rec).__name__}); re-run `commsched partition`")
     if rec.get("fingerprint") != meta["fingerprint"] or rec.get("num_parts") != world_size:
         raise ValueError(f"partition folder {folder}: {f.name} belongs to another partition than "
                          "meta.json; re-run `commsched partition`")
-    return _from_record(rec)
+    try:
+        return _from_record(rec)
+    except (KeyError, AttributeError, TypeError, ValueError) as e:
+        raise ValueError(f"partition folder {folder}: {f.name} is damaged ({read_error(e)}); "
+                         "re-run `commsched partition`") from None
 
 
 # --------------------------------------------------------------------------- CLI
@@ -240,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         src = source_from_args(a)
+        prepare_out(a.out)  # the folder is made (or refused) before any work
         t0 = time.perf_counter()
         g = load_source(src)
         t1 = time.perf_counter()
@@ -249,6 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         t3 = time.perf_counter()
     except ValueError as e:
         print(f"commsched partition: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the disk filled up, the folder went away
+        print(f"commsched partition: writing {a.out} failed ({read_error(e)})", file=sys.stderr)
         return 2
     gs = meta["graph"]
     print(f"{gs['name']}: {gs['num_nodes']} nodes, {gs['num_edges']} directed edges "

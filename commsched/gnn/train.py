@@ -18,7 +18,15 @@ from typing import Sequence
 import torch.distributed as dist
 
 from ..config import read_env
-from ..dist import DEVICE_CHOICES, check_same_config, init_distributed, scatter_object
+from ..dist import (
+    DEVICE_CHOICES,
+    CommError,
+    check_same_config,
+    cli_error,
+    init_distributed,
+    scatter_object,
+)
+from ..results import mark_failed, prepare_out
 from .adaqp_plan import AdaQPOptions
 from .cliargs import add_graph_args, graph_args_given, source_from_args
 from .data import GraphSource, load_source
@@ -70,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                    help="write OUT/checkpoint.pt every K epochs (0: never)")
     r.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    r.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in OUT (else a folder holding metrics.json is refused)")
     return p
 
 
@@ -133,20 +143,27 @@ def startup_check(cfg: TrainConfig, src: GraphSource | None, group=None, **run: 
                       group=group, what="training configuration")
 
 
+PROG = "commsched.gnn.train"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         cfg = config_from_args(a)
         src = source_from_args(a) if (graph_args_given(a) or not a.partition_dir) else None
     except ValueError as e:
-        print(f"commsched.gnn.train: {e}", file=sys.stderr)
-        return 2
+        return cli_error(PROG, e)
     try:
         di = init_distributed(device=cfg.device)
     except ValueError as e:  # --device cuda without CUDA, or fewer GPUs than local ranks
-        print(f"commsched.gnn.train: {e}", file=sys.stderr)
-        return 2
+        return cli_error(PROG, e)
     rank, world, device = di.rank, di.world_size, di.device
+    try:
+        # the run folder is made (or refused) before any work
+        prepare_out(a.out, overwrite=a.overwrite, resume=a.resume)
+    except ValueError as e:
+        dist.destroy_process_group()
+        return cli_error(PROG, e)
     if mode_spec(cfg.mode).timing_only and rank == 0:
         print("commsched.gnn.train: --mode nocomm is TIMING ONLY: remote rows are replaced by "
               "zeros, so the model trained is wrong; it measures the no-communication limit",
@@ -164,9 +181,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics, _ = run_training(cfg, part, out_dir=a.out, resume=a.resume,
                                   progress=read_env().progress, dataset=part.name, extra=extra,
                                   device=device)
-    except ValueError as e:
-        print(f"commsched.gnn.train (rank {rank}): {e}", file=sys.stderr)
-        return 2
+    except (ValueError, CommError) as e:
+        return cli_error(PROG, e, a.out)
+    except BaseException as e:  # not one of ours: the traceback stays, the folder says it failed
+        mark_failed(a.out, f"{PROG} (rank {rank}): {type(e).__name__}: {e}")
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

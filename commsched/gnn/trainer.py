@@ -33,6 +33,7 @@ exchanged row, forward and backward, crosses the wire in bf16 (half of float32's
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import resource
 import time
@@ -54,7 +55,7 @@ from ..dist import (
     config_digest,
     group_device,
 )
-from ..results import Progress
+from ..results import Progress, load_torch_file, read_error
 from .adaqp_plan import AdaQPOptions
 from .context import PassContext
 from .halo import HaloExchange
@@ -117,10 +118,15 @@ class TrainConfig:
                              "rows: use --dtype float32")
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
-        if self.epochs < 0 or self.layers < 1 or self.hidden < 1:
-            raise ValueError("epochs must be >= 0, layers and hidden >= 1")
-        if self.lr <= 0 or self.weight_decay < 0:
-            raise ValueError("lr must be > 0 and weight decay >= 0")
+        if self.epochs < 1 or self.layers < 1 or self.hidden < 1:
+            raise ValueError(f"--epochs, --layers and --hidden must be >= 1, got {self.epochs}, "
+                             f"{self.layers}, {self.hidden}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.eval_every < 1 or self.checkpoint_every < 0:
             raise ValueError("eval_every must be >= 1 and checkpoint_every >= 0")
         if self.pattern not in ("direct", "ring"):
@@ -179,6 +185,9 @@ class Trainer:
         if part.book.num_parts != self.world or part.book.rank != self.rank:
             raise ValueError(f"rank {self.rank} of {self.world} was given part {part.book.rank} of "
                              f"{part.book.num_parts}")
+        if int(part.totals.get("train", 0)) < 1:  # global, so every rank stops here alike
+            raise ValueError(f"graph {part.name}: no training nodes (every train mask entry is False); "
+                             "give a graph or split with training nodes")
         self.device = torch.device(device) if device is not None else run_device(cfg, group)
         self.clock = Clock(self.device)
         dev, dt = self.device, cfg.param_dtype
@@ -334,7 +343,13 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
     if resume:
         if ckpt is None or not ckpt.is_file():
             raise ValueError(f"--resume: no checkpoint at {ckpt} (run with --checkpoint-every K first)")
-        tr.load_state_dict(torch.load(ckpt, weights_only=True, map_location=tr.device))
+        state = load_torch_file(ckpt, "--resume: checkpoint", map_location=tr.device)
+        try:
+            tr.load_state_dict(state)
+        except (KeyError, TypeError, RuntimeError, AttributeError) as e:
+            raise ValueError(f"--resume: checkpoint {ckpt} does not fit this run (another model or "
+                             f"configuration, or a damaged file: {read_error(e)}); start without "
+                             "--resume or use the same options") from None
     with Progress(cfg.epochs, f"{cfg.mode} {cfg.model}", "epoch", enabled=progress and tr.rank == 0,
                   initial=min(tr.epoch, cfg.epochs)) as bar:
         while tr.epoch < cfg.epochs:

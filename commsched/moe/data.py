@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ..results import read_error
+
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "idlelib", "lib2to3"}
 
 
@@ -65,8 +67,12 @@ def load_corpus(path: str | Path | None = None, *, max_bytes: int | None = 8 << 
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ValueError(f"--corpus {p}: no such file")
-        blob = p.read_bytes()[:max_bytes] if max_bytes else p.read_bytes()
+            raise ValueError(f"--corpus {p}: " + ("a folder, not a text file" if p.is_dir() else "no such file"))
+        try:
+            with open(p, "rb") as f:
+                blob = f.read(max_bytes) if max_bytes else f.read()
+        except OSError as e:
+            raise ValueError(f"--corpus {p}: cannot be read ({read_error(e)})") from None
         source = str(p)
     else:
         files = stdlib_sources()

@@ -81,7 +81,7 @@ from .. import dist as cdist
 from ..clock import Clock
 from ..config import read_env
 from ..dist import DEVICE_CHOICES, check_same_config, group_device, init_distributed
-from ..results import Progress, Record, median
+from ..results import Progress, Record, mark_failed, median, prepare_out
 from .banks import EmulatedBank, ExpertBank, FFNBank
 from .placed import device_rows
 from .placement_policy import (
@@ -592,6 +592,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile-trace", default=None, help="recorded trace for eplb/lina (default: record one)")
     g.add_argument("--profile-tokens", type=int, default=dm.profile_tokens)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in OUT (else a folder holding metrics.json is refused)")
     return p
 
 
@@ -621,17 +623,25 @@ def config_from_args(a: argparse.Namespace) -> InferConfig:
                                 profile_trace=a.profile_trace, profile_tokens=a.profile_tokens))
 
 
+PROG = "commsched.moe.infer"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(a)
     except ValueError as e:
-        raise SystemExit(f"commsched.moe.infer: {e}") from None
+        return cdist.cli_error(PROG, e)
     torch.set_num_threads(1)
     try:
         info = init_distributed(device=cfg.device_choice)
     except ValueError as e:  # --device cuda without (enough) GPUs
-        raise SystemExit(f"commsched.moe.infer: {e}") from None
+        return cdist.cli_error(PROG, e)
+    try:
+        prepare_out(a.out, overwrite=a.overwrite)  # made (or refused) before any work
+    except ValueError as e:
+        dist.destroy_process_group()
+        return cdist.cli_error(PROG, e)
     if cfg.device == "auto" and cfg.compute == "emulated" and info.rank == 0 and torch.cuda.is_available():
         print("commsched.moe.infer: --compute emulated runs on the CPU (the emulated accelerator); "
               "--compute real computes on the GPU", file=sys.stderr, flush=True)
@@ -640,8 +650,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if dist.get_rank() == 0:
             print(json.dumps({k: m[k] for k in ("placement", "world_size", "latency_ms", "model_latency_ms",
                                                  "imbalance", "estimation_accuracy", "replan_rate")}), flush=True)
-    except ValueError as e:
-        raise SystemExit(f"commsched.moe.infer: {e}") from None
+    except (ValueError, cdist.CommError) as e:
+        return cdist.cli_error(PROG, e, a.out)
+    except BaseException as e:  # not one of ours: the traceback stays, the folder says it failed
+        mark_failed(a.out, f"{PROG} (rank {info.rank}): {type(e).__name__}: {e}")
+        raise
     finally:
         dist.destroy_process_group()
     return 0

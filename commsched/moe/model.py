@@ -22,6 +22,7 @@ holds exactly its block of the experts a single-process model holds.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -51,12 +52,16 @@ class ModelConfig:
     aux_weight: float = 0.01
 
     def __post_init__(self) -> None:
+        if min(self.vocab, self.d_model, self.n_heads, self.seq_len, self.d_ff, self.expert_hidden) < 1:
+            raise ValueError("vocab, d_model, heads, seq_len, d_ff and expert_hidden must be >= 1")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
         if self.n_layers < 1 or self.moe_every < 1:
             raise ValueError("n_layers and moe_every must be >= 1")
         if not any(self.is_moe(i) for i in range(self.n_layers)):
             raise ValueError(f"no MoE block: n_layers={self.n_layers} with moe_every={self.moe_every}")
+        if not (self.aux_weight >= 0 and math.isfinite(self.aux_weight)):
+            raise ValueError(f"--aux-weight must be a finite number >= 0, got {self.aux_weight}")
         RouterConfig(self.num_experts, self.k, self.capacity_factor)  # validates
 
     def is_moe(self, i: int) -> bool:

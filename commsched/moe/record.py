@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from ..dist import DEVICE_CHOICES
+from ..results import load_torch_file, read_error
 from .model import ModelConfig, MoETransformerLM
 from .traces import RoutingTrace, save_trace, trace_stats
 
@@ -55,19 +57,18 @@ def save_checkpoint(path: str | Path, model: MoETransformerLM, info: dict | None
 def load_checkpoint(path: str | Path) -> tuple[MoETransformerLM, dict]:
     """(model holding every expert, info). Raises ValueError for a file that is not one."""
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"checkpoint {p}: no such file")
-    try:
-        ck = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad file
-        raise ValueError(f"checkpoint {p}: not a readable torch file ({e})") from None
+    ck = load_torch_file(p, "checkpoint")
     if not isinstance(ck, dict) or ck.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"checkpoint {p}: not a commsched MoE LM checkpoint (format {CHECKPOINT_FORMAT!r})")
     if ck.get("version") != CHECKPOINT_VERSION:
         raise ValueError(f"checkpoint {p}: version {ck.get('version')} is not supported "
                          f"(this code reads {CHECKPOINT_VERSION})")
-    model = MoETransformerLM(ModelConfig(**ck["model_config"]))
-    model.load_state_dict(ck["state_dict"])
+    try:
+        model = MoETransformerLM(ModelConfig(**ck["model_config"]))
+        model.load_state_dict(ck["state_dict"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"checkpoint {p}: damaged: its model configuration or weights do not fit "
+                         f"({read_error(e)})") from None
     return model.eval(), ck.get("info", {})
 
 
@@ -160,17 +161,39 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--d-ff", type=int, default=m.d_ff)
     g.add_argument("--aux-weight", type=float, default=m.aux_weight)
     p.add_argument("--out", type=Path, required=True, help="trace file to write (.npz)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     return p
+
+
+PROG = "commsched.moe.record"
+
+
+def _prepare_out_file(path: Path, overwrite: bool) -> None:
+    """The trace file's folder is made, and an existing trace refused, before any work."""
+    if path.is_dir():
+        raise ValueError(f"--out {path}: is a folder; give the trace file to write (.npz)")
+    if path.exists() and not overwrite:
+        raise ValueError(f"--out {path} already exists; pass --overwrite to replace it")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot create its folder {path.parent} ({read_error(e)})") from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path}: its folder {path.parent} is not writable")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    from ..dist import CommError, cli_error
     from .data import load_corpus
 
     torch.set_num_threads(1)
     try:
         if (a.checkpoint is None) == (a.train_steps is None):
             raise ValueError("give exactly one of --checkpoint FILE and --train-steps N")
+        _prepare_out_file(a.out, a.overwrite)
+        if a.save_checkpoint is not None:
+            _prepare_out_file(a.save_checkpoint, True)
         if a.checkpoint is not None:
             model, info = load_checkpoint(a.checkpoint)
             source = str(a.checkpoint)
@@ -182,14 +205,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       corpus=a.corpus, device=a.device)
             source = str(a.save_checkpoint) if a.save_checkpoint else f"trained {a.train_steps} steps"
             if a.save_checkpoint is not None:
-                a.save_checkpoint.parent.mkdir(parents=True, exist_ok=True)
                 save_checkpoint(a.save_checkpoint, model, info)
         corpus = load_corpus(a.corpus)
         tr = record_trace(model, corpus, a.tokens, split=a.split, seed=a.seed, source=source)
-    except ValueError as e:
-        raise SystemExit(f"commsched.moe.record: {e}") from None
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    save_trace(a.out, tr)
+        save_trace(a.out, tr)
+    except (ValueError, CommError) as e:
+        return cli_error(PROG, e)
     stats = trace_stats(tr, tokens_per_batch=2048)
     print(json.dumps({"trace": str(a.out), "tokens": tr.num_tokens, "layers": tr.num_layers,
                       "experts": tr.num_experts, "k": tr.k, "info": info, "stats": stats}), flush=True)

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from ..results import read_error
+
 __all__ = [
     "FORMAT_VERSION",
     "RoutingTrace",
@@ -206,25 +208,41 @@ def load_trace(path: str | os.PathLike) -> RoutingTrace:
     except FileNotFoundError:
         raise ValueError(f"{where}: no such file") from None
     except (OSError, ValueError) as e:
-        raise ValueError(f"{where}: not a readable npz file ({e})") from None
-    with z:
-        for key in ("experts", "num_experts", "num_layers", "k", "format_version"):
-            if key not in z.files:
-                raise _fail(where, f"missing key '{key}' (a routing trace needs experts, "
-                                   "num_experts, num_layers, k, format_version)")
-        version = _scalar_int(z, "format_version", where)
-        if version != FORMAT_VERSION:
-            raise _fail(where, f"format_version {version} is not supported (this code reads "
-                               f"version {FORMAT_VERSION})")
-        experts = z["experts"]
-        E = _scalar_int(z, "num_experts", where)
-        seq = z["seq_ids"] if "seq_ids" in z.files else None
-        _validate(experts, E, seq, where)
-        for key, axis in (("num_layers", 1), ("k", 2)):
-            if _scalar_int(z, key, where) != experts.shape[axis]:
-                raise _fail(where, f"'{key}' is {int(z[key])} but 'experts' has "
-                                   f"{experts.shape[axis]} along axis {axis}")
-        source = str(z["source"]) if "source" in z.files else ""
+        raise ValueError(f"{where}: not a readable npz file ({read_error(e)})") from None
+    except Exception as e:  # noqa: BLE001 - zipfile.BadZipFile and kin for a damaged archive
+        raise ValueError(f"{where}: not a readable npz file, corrupt or truncated ({read_error(e)})") from None
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise _fail(where, "holds a single array, not a routing trace archive (.npz)")
+    try:
+        return _read_trace(z, where)
+    except ValueError as e:
+        if str(e).startswith(where):
+            raise
+        raise ValueError(f"{where}: unreadable array ({read_error(e)})") from None
+    except Exception as e:  # noqa: BLE001 - a bad CRC or truncated member surfaces on first read
+        raise ValueError(f"{where}: unreadable, the file is corrupt or truncated ({read_error(e)})") from None
+    finally:
+        z.close()
+
+
+def _read_trace(z: Any, where: str) -> RoutingTrace:
+    for key in ("experts", "num_experts", "num_layers", "k", "format_version"):
+        if key not in z.files:
+            raise _fail(where, f"missing key '{key}' (a routing trace needs experts, "
+                               "num_experts, num_layers, k, format_version)")
+    version = _scalar_int(z, "format_version", where)
+    if version != FORMAT_VERSION:
+        raise _fail(where, f"format_version {version} is not supported (this code reads "
+                           f"version {FORMAT_VERSION})")
+    experts = z["experts"]
+    E = _scalar_int(z, "num_experts", where)
+    seq = z["seq_ids"] if "seq_ids" in z.files else None
+    _validate(experts, E, seq, where)
+    for key, axis in (("num_layers", 1), ("k", 2)):
+        if _scalar_int(z, key, where) != experts.shape[axis]:
+            raise _fail(where, f"'{key}' is {int(z[key])} but 'experts' has "
+                               f"{experts.shape[axis]} along axis {axis}")
+    source = str(z["source"]) if "source" in z.files else ""
     return RoutingTrace(experts, E, source, seq)
 
 

@@ -62,9 +62,11 @@ from ..clock import Clock
 from ..config import read_env
 from ..dist import (
     DEVICE_CHOICES,
+    CommError,
     all_gather_object,
     barrier,
     check_same_config,
+    cli_error,
     group_device,
     init_distributed,
 )
@@ -72,7 +74,7 @@ from ..dist import new_group as cs_new_group
 from ..observe import A2AEvents, A2AObserver
 from ..priority.executor import LOCAL, GradScheduler
 from ..priority.policy import DEFAULT_CREDIT_MICROOPS, LAUNCH_RULES, POLICIES, ScheduleConfig
-from ..results import Progress, write_json
+from ..results import Progress, mark_failed, prepare_out, write_json
 from .data import Corpus, load_corpus
 from .dispatch import ExpertGroup
 from .experts import is_expert_param
@@ -292,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launch", choices=LAUNCH_RULES, default=sc.launch,
                    help="lina's launch rule (default: 'program' on CUDA, 'completion' on the CPU)")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in OUT (else a folder holding metrics.json is refused)")
     return p
 
 
@@ -310,16 +314,24 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                        dtype=a.dtype)
 
 
+PROG = "commsched.moe.train"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(a)
     except ValueError as e:
-        raise SystemExit(f"commsched.moe.train: {e}") from None
+        return cli_error(PROG, e)
     try:
         info = init_distributed(device=cfg.device)
     except ValueError as e:  # --device cuda where it cannot run: one line, not a traceback
-        raise SystemExit(f"commsched.moe.train: {e}") from None
+        return cli_error(PROG, e)
+    try:
+        prepare_out(a.out, overwrite=a.overwrite)  # made (or refused) before any work
+    except ValueError as e:
+        dist.destroy_process_group()
+        return cli_error(PROG, e)
     if info.device.type == "cpu":
         torch.set_num_threads(1)  # ranks share the host's cores
     try:
@@ -335,6 +347,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
+    except (ValueError, CommError) as e:
+        return cli_error(PROG, e, a.out)
+    except BaseException as e:  # not one of ours: the traceback stays, the folder says it failed
+        mark_failed(a.out, f"{PROG} (rank {info.rank}): {type(e).__name__}: {e}")
+        raise
     finally:
         dist.destroy_process_group()
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,17 @@ class TrainConfig:
             raise ValueError(f"--impl must be one of {IMPLS}, got {self.impl!r}")
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError("steps and batch_size must be >= 1")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
+        if self.ep_size is not None and self.ep_size < 1:
+            raise ValueError(f"--ep-size must be >= 1, got {self.ep_size}")
+        if self.probe_steps < 0 or self.eval_batches < 0:
+            raise ValueError(f"--probe-steps and --eval-batches must be >= 0, got {self.probe_steps}, "
+                             f"{self.eval_batches}")
+        if self.max_corpus_bytes < 0:
+            raise ValueError(f"--max-corpus-bytes must be >= 0 (0: the whole file), got {self.max_corpus_bytes}")
+        if self.timeline_step is not None and not 0 <= self.timeline_step < self.steps:
+            raise ValueError(f"--timeline-step {self.timeline_step} must be in 0..steps-1 ({self.steps - 1})")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"warmup={self.warmup} must be in 0..steps-1 ({self.steps - 1})")
         if self.allreduce_threads is not None and self.allreduce_threads < 1:
