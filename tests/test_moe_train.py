@@ -216,6 +216,91 @@ def _one_rank_cuda_matches_cpu(rank: int, world: int) -> None:
     assert all(torch.isfinite(torch.tensor(bf["loss"])))
 
 
+class _Killed(Exception):
+    """Stands for a run killed between two steps (every rank at once)."""
+
+
+def _die_after(k: int):
+    def on_step(step: int) -> None:
+        if step == k:
+            raise _Killed
+    return on_step
+
+
+def _checkpoint_resume_exact(tmp: str, rank: int, world: int) -> None:
+    """A run killed after step 3 (last checkpoint: step 2) and resumed ends bitwise equal to
+    an uninterrupted one: parameters, every step's loss; the resumed run runs only steps
+    3..5; a finished run resumes to the same end; the checkpoints are per rank."""
+    import dataclasses
+    import json
+
+    from commsched.moe.train_state import checkpoint_path
+
+    cfg = dataclasses.replace(_cfg(world, "lina", chunks=2, pipeline=True, steps=5), checkpoint_every=2)
+    full_m, full_state = train(dataclasses.replace(cfg, checkpoint_every=0), None, progress=False)
+    d = Path(tmp) / "run"
+    with pytest.raises(_Killed):
+        train(cfg, d, progress=False, on_step=_die_after(3))
+    st = torch.load(checkpoint_path(d, rank), weights_only=True)
+    assert st["step"] == 2 and st["rank"] == rank and len(st["rows"]) == 2
+    assert not list(d.glob("*.tmp"))
+    m, state = train(cfg, d, progress=False, resume=True)
+    assert _same_state(state, full_state)
+    assert m.loss == full_m.loss and len(m.loss) == 5
+    assert m.to_dict()["resumed_from_step"] == 2
+    # the final state was saved (5 is not a multiple of 2): resuming the finished run trains nothing
+    assert torch.load(checkpoint_path(d, rank), weights_only=True)["step"] == 5
+    m2, state2 = train(cfg, d, progress=False, resume=True)
+    assert _same_state(state2, full_state) and m2.loss == full_m.loss
+    if rank == 0:
+        assert json.loads((d / "metrics.json").read_text())["loss"] == full_m.loss
+    # a longer run continues from the end of the shorter one, as if it had been one run
+    longer = dataclasses.replace(cfg, steps=6)
+    m3, state3 = train(longer, d, progress=False, resume=True)
+    ref_m, ref_state = train(dataclasses.replace(longer, checkpoint_every=0), None, progress=False)
+    assert _same_state(state3, ref_state) and m3.loss == ref_m.loss
+    # a changed configuration is refused, naming the key, on every rank
+    with pytest.raises(ValueError, match=r"lr: 0.01 -> 0.02"):
+        train(dataclasses.replace(longer, lr=2e-2), d, progress=False, resume=True)
+    # one rank's damaged file: every rank stops, naming that file
+    dist.barrier()
+    if rank == 1:
+        checkpoint_path(d, 1).write_bytes(b"not a checkpoint")
+    dist.barrier()
+    with pytest.raises(ValueError, match=r"checkpoint-rank1\.pt"):
+        train(longer, d, progress=False, resume=True)
+    with pytest.raises(ValueError, match="no checkpoint"):
+        train(cfg, Path(tmp) / "empty", progress=False, resume=True)
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_resume_is_exact(tmp_path):
+    import functools
+
+    res = run_cases(2, [("checkpoint_resume_exact", functools.partial(_checkpoint_resume_exact, str(tmp_path)))],
+                    timeout_s=180, env={"COMMSCHED_TIMEOUT_S": "30"})
+    assert_case(res, "checkpoint_resume_exact")
+
+
+def test_checkpoint_options_are_checked():
+    from commsched.moe.train import build_parser, config_from_args
+    from commsched.moe.train_state import config_mismatch, config_record
+
+    with pytest.raises(ValueError, match="--checkpoint-every"):
+        TrainConfig(checkpoint_every=-1)
+    with pytest.raises(ValueError, match="--impl commsched"):
+        TrainConfig(impl="deepspeed", checkpoint_every=2)
+    a = build_parser().parse_args(["--checkpoint-every", "3", "--resume", "--out", "x"])
+    assert config_from_args(a).checkpoint_every == 3 and a.resume
+    base = TrainConfig(steps=4)
+    # the run's length and what is measured after it may change; what shapes a step may not
+    assert config_mismatch(config_record(TrainConfig(steps=9, checkpoint_every=2, warmup=3)),
+                           config_record(base)) is None
+    diff = config_mismatch(config_record(TrainConfig(steps=4, lr=0.5, model=ModelConfig(d_model=96))),
+                           config_record(base))
+    assert diff == "lr: 0.001 -> 0.5, model.d_model: 64 -> 96"
+
+
 def test_one_rank_training_with_device_cpu():
     res = run_cases(1, [("cpu_explicit", _one_rank_cpu_explicit)], timeout_s=240)
     assert_case(res, "cpu_explicit")
