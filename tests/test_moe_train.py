@@ -282,6 +282,46 @@ def test_moe_checkpoint_resume_is_exact(tmp_path):
     assert_case(res, "checkpoint_resume_exact")
 
 
+_TINY_CLI = ["--d-model", "32", "--heads", "2", "--layers", "2", "--seq-len", "16", "--d-ff", "48",
+             "--expert-hidden", "40", "--experts", "2", "--batch-size", "2", "--probe-steps", "1",
+             "--eval-batches", "1", "--max-corpus-bytes", str(1 << 18), "--corpus", str(CORPUS),
+             "--device", "cpu", "--warmup", "1", "--steps", "24", "--checkpoint-every", "4"]
+
+
+@pytest.mark.slow
+def test_cli_resume_after_sigkill_is_exact(tmp_path):
+    """The CLI killed with SIGKILL once its first checkpoint exists, then resumed: the loss
+    curve equals an uninterrupted run's; errors of --resume are one line and exit 2."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "COMMSCHED_PROGRESS": "0", "COMMSCHED_TIMEOUT_S": "20", "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "commsched.moe.train", *_TINY_CLI]
+    subprocess.run([*cli, "--out", str(tmp_path / "full")], env=env, check=True, timeout=120, capture_output=True)
+    run = tmp_path / "run"
+    p = subprocess.Popen([*cli, "--out", str(run)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoint-rank0.pt").exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        p.send_signal(signal.SIGKILL)
+    finally:
+        p.wait(timeout=30)
+    assert not (run / "metrics.json").exists()  # killed before the end
+    subprocess.run([*cli, "--out", str(run), "--resume"], env=env, check=True, timeout=120, capture_output=True)
+    full = json.loads((tmp_path / "full" / "metrics.json").read_text())
+    got = json.loads((run / "metrics.json").read_text())
+    assert 4 <= got["resumed_from_step"] < 24 and got["resumed_from_step"] % 4 == 0
+    assert got["loss"] == full["loss"] and len(got["loss"]) == 24
+    bad = subprocess.run([*cli, "--out", str(run), "--resume", "--lr", "0.5"], env=env, timeout=120,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "different configuration (lr: 0.001 -> 0.5)" in bad.stderr and "checkpoint-rank0.pt" in bad.stderr
+
+
 def test_checkpoint_options_are_checked():
     from commsched.moe.train import build_parser, config_from_args
     from commsched.moe.train_state import config_mismatch, config_record

@@ -62,6 +62,7 @@ from ..clock import Clock
 from ..config import read_env
 from ..dist import (
     DEVICE_CHOICES,
+    CommError,
     all_gather_object,
     barrier,
     check_same_config,
@@ -400,7 +401,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if info.device.type == "cpu":
         torch.set_num_threads(1)  # ranks share the host's cores
     try:
-        m = train(cfg, a.out, device=info.device, resume=a.resume)[0].to_dict()
+        try:
+            m = train(cfg, a.out, device=info.device, resume=a.resume)[0].to_dict()
+        except (ValueError, CommError) as e:  # detected by commsched: one line, not a traceback
+            print(f"commsched.moe.train (rank {dist.get_rank()}): {e}", file=sys.stderr, flush=True)
+            return 2
         if dist.get_rank() == 0:
             print(json.dumps({k: m[k] for k in ("impl", "schedule", "world_size", "step_time_s", "a2a_time_s",
                                                  "allreduce_time_s", "a2a_alone_time_s", "val_loss")}), flush=True)
