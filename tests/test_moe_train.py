@@ -282,6 +282,29 @@ def test_moe_checkpoint_resume_is_exact(tmp_path):
     assert_case(res, "checkpoint_resume_exact")
 
 
+def _cuda_resume_exact(tmp: str, rank: int, world: int) -> None:
+    """On CUDA: the device's optimizer state and random state go through the checkpoint too."""
+    import dataclasses
+
+    cfg = dataclasses.replace(_cfg(world, "lina", chunks=2, pipeline=True, steps=4, device="cuda"),
+                              checkpoint_every=2)
+    dev = torch.device("cuda", 0)
+    full_m, full_state = train(dataclasses.replace(cfg, checkpoint_every=0), None, progress=False, device=dev)
+    d = Path(tmp) / "cuda"
+    with pytest.raises(_Killed):
+        train(cfg, d, progress=False, device=dev, on_step=_die_after(3))
+    m, state = train(cfg, d, progress=False, device=dev, resume=True)
+    assert _same_state(state, full_state) and m.loss == full_m.loss
+
+
+@pytest.mark.cuda
+def test_one_rank_resume_on_cuda_is_exact(tmp_path):
+    import functools
+
+    res = run_cases(1, [("cuda_resume", functools.partial(_cuda_resume_exact, str(tmp_path)))], timeout_s=300)
+    assert_case(res, "cuda_resume")
+
+
 _TINY_CLI = ["--d-model", "32", "--heads", "2", "--layers", "2", "--seq-len", "16", "--d-ff", "48",
              "--expert-hidden", "40", "--experts", "2", "--batch-size", "2", "--probe-steps", "1",
              "--eval-batches", "1", "--max-corpus-bytes", str(1 << 18), "--corpus", str(CORPUS),
