@@ -478,3 +478,38 @@ def test_metrics_record_holds_the_documented_keys(tmp_path):
     ds = summarise(TrainConfig(impl="deepspeed", steps=3, warmup=1), [_rank_result(0, True)], 1, "unit").to_dict()
     assert ds["schedule"] == "deepspeed-zero2" and ds["deepspeed_comm_ops"] == ["all_to_all_single"]
     assert ds["allreduce_in_backward_share"] is None and ds["a2a_alone_time_s"] is None
+
+
+def test_train_state_files_are_read_safely(tmp_path):
+    """Every way a checkpoint file can be wrong is one ValueError naming the file; a good
+    one round-trips (weights_only)."""
+    from commsched.moe.train_state import FORMAT, VERSION, checkpoint_path, make_state, read_state, write_tmp
+
+    path = checkpoint_path(tmp_path, 3)
+    assert path.name == "checkpoint-rank3.pt"
+    with pytest.raises(ValueError, match="no checkpoint at .*checkpoint-rank3.pt"):
+        read_state(path)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters())
+    st = make_state(cfg=TrainConfig(), step=4, rank=3, world_size=4, ep_size=4, model=model, optimizer=opt,
+                    rows=[{"loss": 1.5}], device=torch.device("cpu"))
+    write_tmp(path, st).replace(path)
+    back = read_state(path)
+    assert back["step"] == 4 and back["rows"] == [{"loss": 1.5}] and torch.equal(back["rng"]["cpu"], st["rng"]["cpu"])
+    good = path.read_bytes()
+    cases = {"truncated": good[:len(good) // 2], "garbage": b"\x00garbage" * 10, "empty": b""}
+    for name, blob in cases.items():
+        path.write_bytes(blob)
+        with pytest.raises(ValueError, match=r"cannot read the checkpoint .*checkpoint-rank3\.pt"):
+            read_state(path)
+    for bad, match in (({"format": "other"}, "not a commsched MoE training checkpoint"),
+                       ({"format": FORMAT, "version": 99}, "version 99"),
+                       ({"format": FORMAT, "version": VERSION, "step": 1}, "incomplete .*missing or malformed: config")):
+        torch.save(bad, path)
+        with pytest.raises(ValueError, match=match):
+            read_state(path)
+    # a pickled object that weights_only refuses is refused, never loaded unsafely
+    torch.save({"format": FORMAT, "obj": TrainConfig()}, path)
+    with pytest.raises(ValueError, match="cannot read the checkpoint") as e:
+        read_state(path)
+    assert "weights_only" not in str(e.value) and "\n" not in str(e.value)

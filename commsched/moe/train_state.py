@@ -38,6 +38,9 @@ RESUMABLE = ("steps", "checkpoint_every", "warmup", "probe_steps", "eval_batches
              "device")
 
 
+_KEYS = ("config", "step", "rank", "world_size", "ep_size", "model", "optimizer", "rows", "rng")
+
+
 def checkpoint_path(out: str | os.PathLike, rank: int) -> Path:
     """``out/checkpoint-rank{rank}.pt``."""
     return Path(out) / f"checkpoint-rank{rank}.pt"
@@ -94,6 +97,17 @@ def commit(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _load_failure(e: Exception) -> str:
+    """What went wrong in ``torch.load``, in a few words. torch's advice to retry with
+    ``weights_only=False`` is not passed on: that would run whatever the file holds."""
+    text = str(e)
+    if "Weights only load failed" in text:
+        return ("not a torch file of tensors and plain values: damaged, or holding objects, "
+                "which commsched never unpickles")
+    first = text.splitlines()[0].strip() if text.strip() else ""
+    return f"{type(e).__name__}: {first}" if first else f"{type(e).__name__}: truncated or damaged"
+
+
 def read_state(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
     """One rank's checkpoint; ValueError naming the file when it is missing, unreadable
     (truncated, garbage) or not a commsched MoE training state."""
@@ -104,13 +118,17 @@ def read_state(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]
     try:
         st = torch.load(p, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many kinds for a damaged file
-        raise ValueError(f"--resume: cannot read the checkpoint {p} ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else 'damaged file'}); "
-                         "it is damaged: delete the run folder's checkpoints and start again") from None
+        raise ValueError(f"--resume: cannot read the checkpoint {p} ({_load_failure(e)}); "
+                         "delete the run folder's checkpoints and start again") from None
     if not isinstance(st, dict) or st.get("format") != FORMAT:
         raise ValueError(f"--resume: {p} is not a commsched MoE training checkpoint")
     if st.get("version") != VERSION:
         raise ValueError(f"--resume: {p} has version {st.get('version')!r}; this code reads {VERSION}")
+    missing = [k for k in _KEYS if k not in st]
+    if missing or not isinstance(st["step"], int) or not isinstance(st["config"], dict) \
+            or not isinstance(st["rows"], list) or not isinstance(st["rng"], dict) or "cpu" not in st["rng"]:
+        raise ValueError(f"--resume: {p} is an incomplete commsched MoE training checkpoint "
+                         f"(missing or malformed: {', '.join(missing) or 'step, config, rows or rng'})")
     return st
 
 
