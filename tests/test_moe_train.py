@@ -483,7 +483,14 @@ def test_metrics_record_holds_the_documented_keys(tmp_path):
 def test_train_state_files_are_read_safely(tmp_path):
     """Every way a checkpoint file can be wrong is one ValueError naming the file; a good
     one round-trips (weights_only)."""
-    from commsched.moe.train_state import FORMAT, VERSION, checkpoint_path, make_state, read_state, write_tmp
+    from commsched.moe.train_state import (
+        FORMAT,
+        VERSION,
+        checkpoint_path,
+        make_state,
+        read_state,
+        write_tmp,
+    )
 
     path = checkpoint_path(tmp_path, 3)
     assert path.name == "checkpoint-rank3.pt"
