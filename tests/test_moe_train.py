@@ -505,7 +505,7 @@ def test_train_state_files_are_read_safely(tmp_path):
     assert back["step"] == 4 and back["rows"] == [{"loss": 1.5}] and torch.equal(back["rng"]["cpu"], st["rng"]["cpu"])
     good = path.read_bytes()
     cases = {"truncated": good[:len(good) // 2], "garbage": b"\x00garbage" * 10, "empty": b""}
-    for name, blob in cases.items():
+    for blob in cases.values():  # truncated, garbage, empty
         path.write_bytes(blob)
         with pytest.raises(ValueError, match=r"cannot read the checkpoint .*checkpoint-rank3\.pt"):
             read_state(path)
