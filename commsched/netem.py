@@ -497,14 +497,42 @@ def delay_supported() -> bool:
         return False
 
 
-def stale_namespaces(names: Sequence[str], alive: Callable[[int], bool]) -> list[str]:
-    """Our namespaces (``commsched-<pid>...``) whose creating process ``alive`` says is gone."""
-    out = []
+# the names commsched netem gives: commsched-<pid>-lo | -br | -h<i> (tag = the pid of the
+# `commsched netem` process, no leading zero) and delay_supported's commsched-probe<pid>-lo
+_OWNED_NAME = re.compile(rf"({NETNS_PREFIX}-(?:([1-9][0-9]*)|probe([1-9][0-9]*)))-(lo|br|h[0-9]+)")
+
+
+def namespace_owner(name: str) -> tuple[str, int] | None:
+    """``(base, pid)`` of a namespace named by commsched netem (``commsched-<pid>-lo``,
+    ``-br``, ``-h<i>``, or the probe's ``commsched-probe<pid>-lo``): ``base`` is the name
+    every namespace of that one emulation starts with. None for any other name."""
+    m = _OWNED_NAME.fullmatch(name)
+    if m is None or (m.group(3) is not None and m.group(4) != "lo"):
+        return None
+    return m.group(1), int(m.group(2) or m.group(3))
+
+
+def stale_namespaces(names: Sequence[str], alive: Callable[[int], bool],
+                     occupied: Callable[[str], bool] = lambda ns: False) -> list[str]:
+    """Our namespaces (``commsched-<pid>...``, see :func:`namespace_owner`) left behind by
+    an emulation that is over: its creating process ``alive`` says is gone, and no
+    namespace of that emulation is ``occupied`` (still holds a process: a command that
+    outlived a killed emulator, or an emulator whose pid this process cannot see, as from
+    another pid namespace). An emulation's namespaces are judged together, so the bridge
+    of hosts whose commands still run is kept too. Pure: both tests are passed in."""
+    groups: dict[str, list[str]] = {}
+    pids: dict[str, int] = {}
     for n in names:
-        m = re.fullmatch(rf"{NETNS_PREFIX}-(?:probe)?([0-9]+)-(lo|br|h[0-9]+)", n)
-        if m and not alive(int(m.group(1))):
-            out.append(n)
-    return out
+        owner = namespace_owner(n)
+        if owner is not None:
+            groups.setdefault(owner[0], []).append(n)
+            pids[owner[0]] = owner[1]
+    out = []
+    for base, members in groups.items():
+        if alive(pids[base]) or any(occupied(n) for n in members):
+            continue
+        out += members
+    return [n for n in names if n in set(out)]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -515,6 +543,13 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _namespace_occupied(ns: str) -> bool:
+    """Whether a process still runs in namespace ``ns`` (``ip netns pids``); when that
+    cannot be told, yes (a namespace is kept rather than pulled from under a process)."""
+    p = _run(["ip", "netns", "pids", ns], check=False)
+    return p.returncode != 0 or bool(p.stdout.strip())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -530,7 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", type=int, default=1, metavar="K",
                    help="1 (default): one namespace with a shaped loopback; K >= 2: K hosts on a bridge")
     p.add_argument("--cleanup", action="store_true",
-                   help="delete namespaces left behind by commsched netem processes that no longer exist, then exit")
+                   help="delete namespaces left behind by commsched netem processes that no longer exist "
+                        "(and in which no process still runs), then exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     return p
 
@@ -546,7 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"commsched netem: {problem}", file=sys.stderr)
         return 2
     if a.cleanup:
-        gone = stale_namespaces(list_namespaces(), _pid_alive)
+        gone = stale_namespaces(list_namespaces(), _pid_alive, _namespace_occupied)
         for ns in gone:
             _run(["ip", "netns", "delete", ns], check=False)
         print(f"commsched netem: deleted {len(gone)} stale namespace(s)" + (f": {', '.join(gone)}" if gone else ""))
@@ -565,7 +601,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 __all__ = ["NetSpec", "NetPlan", "NetemError", "TbfParams", "Emulation", "parse_rate",
            "parse_optional_rate", "format_rate", "tbf_params", "plan_network", "teardown_commands",
-           "fill_placeholders", "check_requirements", "run_emulated", "delay_supported", "main"]
+           "fill_placeholders", "check_requirements", "run_emulated", "delay_supported", "namespace_owner",
+           "stale_namespaces", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

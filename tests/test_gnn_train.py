@@ -109,6 +109,34 @@ def _params(tr):
     return [p.detach().clone() for p in tr.model.parameters()]
 
 
+class _Killed(Exception):
+    """Stands for a run killed between two epochs."""
+
+
+def _die_after(epoch: int):
+    def on_epoch(tr) -> None:
+        if tr.epoch == epoch:
+            raise _Killed
+    return on_epoch
+
+
+def test_final_state_is_saved_whatever_the_epoch_count(tmp_path):
+    """--checkpoint-every 2 with 5 epochs: the checkpoint holds epoch 5, not 4; resuming
+    that finished run trains nothing and reports the same losses."""
+    g = synthetic_graph(SYN)
+    part = make_parts(g, partition_nodes(g, 1, "metis", 0), 1)[0]
+    cfg = TrainConfig(model="gcn", layers=2, hidden=8, epochs=5, seed=3, checkpoint_every=2)
+    m, tr = run_training(cfg, part, out_dir=tmp_path)
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert state["epoch"] == 5 and state["history"]["loss"] == m["loss"]
+    assert all(torch.equal(v, tr.model.state_dict()[k]) for k, v in state["model"].items())
+    m2, _ = run_training(cfg, part, out_dir=tmp_path, resume=True)
+    assert m2["loss"] == m["loss"] and m2["epochs_timed"] == 0
+    # no interval, no checkpoint
+    run_training(dataclasses.replace(cfg, checkpoint_every=0), part, out_dir=tmp_path / "none")
+    assert not (tmp_path / "none" / "checkpoint.pt").exists()
+
+
 def _two_rank_cases(rank: int, world: int, tmp: str, group) -> dict:
     from commsched.gnn.data import GraphSource
     from commsched.gnn.modes import make_exchange
@@ -139,7 +167,10 @@ def _two_rank_cases(rank: int, world: int, tmp: str, group) -> dict:
     cfg = TrainConfig(model="sage", layers=2, hidden=8, epochs=6, seed=3, checkpoint_every=2)
     _, full = run_training(cfg, part, group=group)
     d = os.path.join(tmp, "ckpt")
-    run_training(dataclasses.replace(cfg, epochs=5), part, out_dir=d, group=group)  # "dies" after 5
+    try:  # "dies" after epoch 5 (every rank at once), its last checkpoint at 4
+        run_training(cfg, part, out_dir=d, group=group, on_epoch=_die_after(5))
+    except _Killed:
+        pass
     m, resumed = run_training(cfg, part, out_dir=d, resume=True, group=group)      # restarts at 4
     out["resume_params_equal"] = all(torch.equal(a, b) for a, b in zip(_params(full), _params(resumed)))
     out["resume_loss_equal"] = m["loss"] == full.history["loss"]

@@ -216,6 +216,154 @@ def _one_rank_cuda_matches_cpu(rank: int, world: int) -> None:
     assert all(torch.isfinite(torch.tensor(bf["loss"])))
 
 
+class _Killed(Exception):
+    """Stands for a run killed between two steps (every rank at once)."""
+
+
+def _die_after(k: int):
+    def on_step(step: int) -> None:
+        if step == k:
+            raise _Killed
+    return on_step
+
+
+def _checkpoint_resume_exact(tmp: str, rank: int, world: int) -> None:
+    """A run killed after step 3 (last checkpoint: step 2) and resumed ends bitwise equal to
+    an uninterrupted one: parameters, every step's loss; the resumed run runs only steps
+    3..5; a finished run resumes to the same end; the checkpoints are per rank."""
+    import dataclasses
+    import json
+
+    from commsched.moe.train_state import checkpoint_path
+
+    cfg = dataclasses.replace(_cfg(world, "lina", chunks=2, pipeline=True, steps=5), checkpoint_every=2)
+    full_m, full_state = train(dataclasses.replace(cfg, checkpoint_every=0), None, progress=False)
+    d = Path(tmp) / "run"
+    with pytest.raises(_Killed):
+        train(cfg, d, progress=False, on_step=_die_after(3))
+    st = torch.load(checkpoint_path(d, rank), weights_only=True)
+    assert st["step"] == 2 and st["rank"] == rank and len(st["rows"]) == 2
+    assert not list(d.glob("*.tmp"))
+    m, state = train(cfg, d, progress=False, resume=True)
+    assert _same_state(state, full_state)
+    assert m.loss == full_m.loss and len(m.loss) == 5
+    assert m.to_dict()["resumed_from_step"] == 2
+    # the final state was saved (5 is not a multiple of 2): resuming the finished run trains nothing
+    assert torch.load(checkpoint_path(d, rank), weights_only=True)["step"] == 5
+    m2, state2 = train(cfg, d, progress=False, resume=True)
+    assert _same_state(state2, full_state) and m2.loss == full_m.loss
+    if rank == 0:
+        assert json.loads((d / "metrics.json").read_text())["loss"] == full_m.loss
+    # a longer run continues from the end of the shorter one, as if it had been one run
+    longer = dataclasses.replace(cfg, steps=6)
+    m3, state3 = train(longer, d, progress=False, resume=True)
+    ref_m, ref_state = train(dataclasses.replace(longer, checkpoint_every=0), None, progress=False)
+    assert _same_state(state3, ref_state) and m3.loss == ref_m.loss
+    # a changed configuration is refused, naming the key, on every rank
+    with pytest.raises(ValueError, match=r"lr: 0.01 -> 0.02"):
+        train(dataclasses.replace(longer, lr=2e-2), d, progress=False, resume=True)
+    # one rank's damaged file: every rank stops, naming that file
+    dist.barrier()
+    if rank == 1:
+        checkpoint_path(d, 1).write_bytes(b"not a checkpoint")
+    dist.barrier()
+    with pytest.raises(ValueError, match=r"checkpoint-rank1\.pt"):
+        train(longer, d, progress=False, resume=True)
+    with pytest.raises(ValueError, match="no checkpoint"):
+        train(cfg, Path(tmp) / "empty", progress=False, resume=True)
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_resume_is_exact(tmp_path):
+    import functools
+
+    res = run_cases(2, [("checkpoint_resume_exact", functools.partial(_checkpoint_resume_exact, str(tmp_path)))],
+                    timeout_s=180, env={"COMMSCHED_TIMEOUT_S": "30"})
+    assert_case(res, "checkpoint_resume_exact")
+
+
+def _cuda_resume_exact(tmp: str, rank: int, world: int) -> None:
+    """On CUDA: the device's optimizer state and random state go through the checkpoint too."""
+    import dataclasses
+
+    cfg = dataclasses.replace(_cfg(world, "lina", chunks=2, pipeline=True, steps=4, device="cuda"),
+                              checkpoint_every=2)
+    dev = torch.device("cuda", 0)
+    full_m, full_state = train(dataclasses.replace(cfg, checkpoint_every=0), None, progress=False, device=dev)
+    d = Path(tmp) / "cuda"
+    with pytest.raises(_Killed):
+        train(cfg, d, progress=False, device=dev, on_step=_die_after(3))
+    m, state = train(cfg, d, progress=False, device=dev, resume=True)
+    assert _same_state(state, full_state) and m.loss == full_m.loss
+
+
+@pytest.mark.cuda
+def test_one_rank_resume_on_cuda_is_exact(tmp_path):
+    import functools
+
+    res = run_cases(1, [("cuda_resume", functools.partial(_cuda_resume_exact, str(tmp_path)))], timeout_s=300)
+    assert_case(res, "cuda_resume")
+
+
+_TINY_CLI = ["--d-model", "32", "--heads", "2", "--layers", "2", "--seq-len", "16", "--d-ff", "48",
+             "--expert-hidden", "40", "--experts", "2", "--batch-size", "2", "--probe-steps", "1",
+             "--eval-batches", "1", "--max-corpus-bytes", str(1 << 18), "--corpus", str(CORPUS),
+             "--device", "cpu", "--warmup", "1", "--steps", "24", "--checkpoint-every", "4"]
+
+
+@pytest.mark.slow
+def test_cli_resume_after_sigkill_is_exact(tmp_path):
+    """The CLI killed with SIGKILL once its first checkpoint exists, then resumed: the loss
+    curve equals an uninterrupted run's; errors of --resume are one line and exit 2."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "COMMSCHED_PROGRESS": "0", "COMMSCHED_TIMEOUT_S": "20", "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "commsched.moe.train", *_TINY_CLI]
+    subprocess.run([*cli, "--out", str(tmp_path / "full")], env=env, check=True, timeout=120, capture_output=True)
+    run = tmp_path / "run"
+    p = subprocess.Popen([*cli, "--out", str(run)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoint-rank0.pt").exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        p.send_signal(signal.SIGKILL)
+    finally:
+        p.wait(timeout=30)
+    assert not (run / "metrics.json").exists()  # killed before the end
+    subprocess.run([*cli, "--out", str(run), "--resume"], env=env, check=True, timeout=120, capture_output=True)
+    full = json.loads((tmp_path / "full" / "metrics.json").read_text())
+    got = json.loads((run / "metrics.json").read_text())
+    assert 4 <= got["resumed_from_step"] < 24 and got["resumed_from_step"] % 4 == 0
+    assert got["loss"] == full["loss"] and len(got["loss"]) == 24
+    bad = subprocess.run([*cli, "--out", str(run), "--resume", "--lr", "0.5"], env=env, timeout=120,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "different configuration (lr: 0.001 -> 0.5)" in bad.stderr and "checkpoint-rank0.pt" in bad.stderr
+
+
+def test_checkpoint_options_are_checked():
+    from commsched.moe.train import build_parser, config_from_args
+    from commsched.moe.train_state import config_mismatch, config_record
+
+    with pytest.raises(ValueError, match="--checkpoint-every"):
+        TrainConfig(checkpoint_every=-1)
+    with pytest.raises(ValueError, match="--impl commsched"):
+        TrainConfig(impl="deepspeed", checkpoint_every=2)
+    a = build_parser().parse_args(["--checkpoint-every", "3", "--resume", "--out", "x"])
+    assert config_from_args(a).checkpoint_every == 3 and a.resume
+    base = TrainConfig(steps=4)
+    # the run's length and what is measured after it may change; what shapes a step may not
+    assert config_mismatch(config_record(TrainConfig(steps=9, checkpoint_every=2, warmup=3)),
+                           config_record(base)) is None
+    diff = config_mismatch(config_record(TrainConfig(steps=4, lr=0.5, model=ModelConfig(d_model=96))),
+                           config_record(base))
+    assert diff == "lr: 0.001 -> 0.5, model.d_model: 64 -> 96"
+
+
 def test_one_rank_training_with_device_cpu():
     res = run_cases(1, [("cpu_explicit", _one_rank_cpu_explicit)], timeout_s=240)
     assert_case(res, "cpu_explicit")
@@ -330,3 +478,45 @@ def test_metrics_record_holds_the_documented_keys(tmp_path):
     ds = summarise(TrainConfig(impl="deepspeed", steps=3, warmup=1), [_rank_result(0, True)], 1, "unit").to_dict()
     assert ds["schedule"] == "deepspeed-zero2" and ds["deepspeed_comm_ops"] == ["all_to_all_single"]
     assert ds["allreduce_in_backward_share"] is None and ds["a2a_alone_time_s"] is None
+
+
+def test_train_state_files_are_read_safely(tmp_path):
+    """Every way a checkpoint file can be wrong is one ValueError naming the file; a good
+    one round-trips (weights_only)."""
+    from commsched.moe.train_state import (
+        FORMAT,
+        VERSION,
+        checkpoint_path,
+        make_state,
+        read_state,
+        write_tmp,
+    )
+
+    path = checkpoint_path(tmp_path, 3)
+    assert path.name == "checkpoint-rank3.pt"
+    with pytest.raises(ValueError, match="no checkpoint at .*checkpoint-rank3.pt"):
+        read_state(path)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters())
+    st = make_state(cfg=TrainConfig(), step=4, rank=3, world_size=4, ep_size=4, model=model, optimizer=opt,
+                    rows=[{"loss": 1.5}], device=torch.device("cpu"))
+    write_tmp(path, st).replace(path)
+    back = read_state(path)
+    assert back["step"] == 4 and back["rows"] == [{"loss": 1.5}] and torch.equal(back["rng"]["cpu"], st["rng"]["cpu"])
+    good = path.read_bytes()
+    cases = {"truncated": good[:len(good) // 2], "garbage": b"\x00garbage" * 10, "empty": b""}
+    for blob in cases.values():  # truncated, garbage, empty
+        path.write_bytes(blob)
+        with pytest.raises(ValueError, match=r"cannot read the checkpoint .*checkpoint-rank3\.pt"):
+            read_state(path)
+    for bad, match in (({"format": "other"}, "not a commsched MoE training checkpoint"),
+                       ({"format": FORMAT, "version": 99}, "version 99"),
+                       ({"format": FORMAT, "version": VERSION, "step": 1}, "incomplete .*missing or malformed: config")):
+        torch.save(bad, path)
+        with pytest.raises(ValueError, match=match):
+            read_state(path)
+    # a pickled object that weights_only refuses is refused, never loaded unsafely
+    torch.save({"format": FORMAT, "obj": TrainConfig()}, path)
+    with pytest.raises(ValueError, match="cannot read the checkpoint") as e:
+        read_state(path)
+    assert "weights_only" not in str(e.value) and "\n" not in str(e.value)

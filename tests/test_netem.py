@@ -191,6 +191,77 @@ def test_stale_namespaces():
     assert stale_namespaces(names, alive) == ["commsched-100-lo", "commsched-probe300-lo"]
 
 
+def test_cleanup_never_deletes_a_live_emulation():
+    """--cleanup's choice, as pure functions: only names commsched netem gives, only when
+    the owner pid is gone and no namespace of that emulation still holds a process; an
+    emulation's namespaces go (or stay) together."""
+    from commsched.netem import namespace_owner
+
+    assert namespace_owner("commsched-123-h4") == ("commsched-123", 123)
+    assert namespace_owner("commsched-probe9-lo") == ("commsched-probe9", 9)
+    for other in ("commsched-probe9-br", "commsched-0123-lo", "commsched-12a-lo", "commsched-lo",
+                  "commsched-1-2-lo", "xcommsched-1-lo", "commsched-1-lo-x", "commsched-tag-h0"):
+        assert namespace_owner(other) is None, other
+    names = ["commsched-100-br", "commsched-100-h0", "commsched-100-h1",   # dead owner, h1 in use
+             "commsched-200-br", "commsched-200-h0",                       # live owner
+             "commsched-300-br", "commsched-300-h0",                       # dead and empty
+             "commsched-400-lo",                                           # dead owner, in use
+             "commsched-0300-lo", "commsched-probe300-br", "mine-300-lo"]  # not our names
+    alive = {200}.__contains__
+    occupied = {"commsched-100-h1", "commsched-400-lo"}.__contains__
+    assert stale_namespaces(names, alive, occupied) == ["commsched-300-br", "commsched-300-h0"]
+    # a live owner keeps its namespaces even when they are empty (set-up not finished)
+    assert stale_namespaces(["commsched-200-h0"], alive, lambda ns: False) == []
+    # when nothing is alive and nothing occupied, exactly our names go
+    assert stale_namespaces(names, lambda pid: False) == [n for n in names if namespace_owner(n)]
+
+
+def test_cleanup_asks_ip_whether_a_namespace_is_in_use(monkeypatch):
+    import subprocess as sp
+
+    from commsched import netem
+
+    answers = {"commsched-5-lo": (0, "4242\n"), "commsched-6-lo": (0, ""), "commsched-7-lo": (1, "")}
+
+    def fake_run(cmd, check=True):
+        rc, out = answers[cmd[3]]
+        assert cmd[:3] == ["ip", "netns", "pids"]
+        return sp.CompletedProcess(cmd, rc, out, "")
+
+    monkeypatch.setattr(netem, "_run", fake_run)
+    assert netem._namespace_occupied("commsched-5-lo")       # a process runs inside
+    assert not netem._namespace_occupied("commsched-6-lo")   # empty
+    assert netem._namespace_occupied("commsched-7-lo")       # cannot tell: kept
+
+
+def test_duplex_probe_listens_on_loopback_unless_inside_emulated_hosts():
+    from commsched.bench.netem_check import probe_bind_address
+
+    lan = {"eth0": "192.168.1.7", "docker0": "172.17.0.1"}
+    assert probe_bind_address(lan, ()) == "127.0.0.1"                 # never the first LAN address
+    assert probe_bind_address(lan, ("eth0",)) == "127.0.0.1"          # gloo on a real NIC: still not
+    assert probe_bind_address({}, ()) == "127.0.0.1"
+    emulated = {"cs0": "10.213.0.2"}                                  # inside commsched netem --hosts
+    assert probe_bind_address(emulated, ("cs0",)) == "10.213.0.2"
+    assert probe_bind_address(emulated, ()) == "127.0.0.1"            # not sent that way by the emulator
+    assert probe_bind_address({"cs0": "192.168.1.7"}, ("cs0",)) == "127.0.0.1"  # not our subnet
+    assert probe_bind_address(lan, (), asked="192.168.1.7") == "192.168.1.7"    # asked for
+
+
+def _socket_probe_case(rank: int, world: int) -> float:
+    from commsched.bench.netem_check import socket_duplex_probe
+
+    return socket_duplex_probe(1 << 20, "127.0.0.1")
+
+
+@pytest.mark.slow
+def test_socket_duplex_probe_runs_on_loopback():
+    from tests.mp import run_ranks
+
+    rates = run_ranks(2, _socket_probe_case, timeout_s=60, env={"COMMSCHED_TIMEOUT_S": "20"})
+    assert all(r > 0 for r in rates)
+
+
 # --------------------------------------------------------------------------- requirements
 def test_requirements_without_root():
     msg = check_requirements(1000, ALL_TOOLS)

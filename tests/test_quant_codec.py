@@ -380,7 +380,40 @@ def test_generator_and_seed():
     torch.manual_seed(9)
     assert torch.equal(e.payload, Q.quantize(x, 2).payload)
     assert torch.equal(Q.quantize(x, 2, seed=5).payload,
-                       R.quantize_reference(x, 2, 5)[0])
+                       R.quantize_reference(x, 2, R.key_from_seed(5))[0])
+
+
+def _round_up_decisions(key: int | None = None, seed: int | None = None) -> torch.Tensor:
+    """Rounding decisions (1 = up) of 64 x 256 values sitting exactly half-way between two
+    2-bit levels (row [0, 3, 1.5, 1.5, ...]: t = 1.5), flattened in counter order."""
+    x = torch.full((64, 256), 1.5)
+    x[:, 0], x[:, 1] = 0.0, 3.0
+    if seed is not None:
+        q = Q.quantize(x, 2, seed=seed, impl="reference")
+        levels = R.unpack_levels(q.payload, 2, 256)
+    else:
+        levels = R.unpack_levels(R.quantize_reference(x, 2, key)[0], 2, 256)
+    return (levels[:, 2:] - 1).flatten().double()
+
+
+def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.corrcoef(torch.stack([a, b]))[0, 1])
+
+
+def test_consecutive_seeds_give_uncorrelated_rounding():
+    """The seed is hashed into the key (reference.key_from_seed): were it the key, seed k+1's
+    stream would be seed k's shifted by one element (correlation 1 at lag 1)."""
+    for k in (0, 1, 7, 1000, 2**32 - 2):
+        a, b = _round_up_decisions(seed=k), _round_up_decisions(seed=k + 1)
+        assert 0.4 < float(a.mean()) < 0.6
+        for lag in (0, 1):  # element-wise, and aligned as an unhashed key would shift them
+            assert abs(_corr(a[lag:], b[:b.numel() - lag])) < 0.05, (k, lag)
+    # what hashing prevents: consecutive raw keys are one stream shifted by one element
+    raw_a, raw_b = _round_up_decisions(key=7), _round_up_decisions(key=8)
+    row = 254  # decisions of one row are contiguous counters
+    assert torch.equal(raw_a[1:row], raw_b[:row - 1])
+    assert len({R.key_from_seed(s) for s in range(4096)}) == 4096
+    assert R.key_from_seed(5) == R.key_from_seed(5 + 2**32)  # seeds count mod 2^32, as before
 
 
 # --------------------------------------------------------------------------- multi-width groups
@@ -399,7 +432,7 @@ def test_pack_unpack_groups_round_trip(counts, D, data):
     for g, (c, b) in enumerate(zip(counts, bits)):
         r0, b0 = layout.row_offsets[g], layout.byte_offsets[g]
         assert layout.group_nbytes(g) == message_bytes(c, D, b)
-        p, m = R.quantize_reference(x[r0:r0 + c], b, seed, row0=r0)
+        p, m = R.quantize_reference(x[r0:r0 + c], b, R.key_from_seed(seed), row0=r0)
         want = QuantizedRows(p, m, b, D).to_bytes()
         assert torch.equal(buf[b0:b0 + layout.group_nbytes(g)], want)
     # the receiver decodes from an unaligned slice of a bigger buffer
@@ -413,7 +446,8 @@ def test_pack_unpack_groups_round_trip(counts, D, data):
     assert unpack_groups(buf, layout, out=rows) is rows
     assert torch.equal(dest[1:1 + R_], y) and (dest[0] == -1).all() and (dest[1 + R_:] == -1).all()
     parts = [R.dequantize_reference(*R.quantize_reference(x[layout.row_offsets[g]:layout.row_offsets[g + 1]],
-                                                          b, seed, row0=layout.row_offsets[g]), b, D)
+                                                          b, R.key_from_seed(seed), row0=layout.row_offsets[g]),
+                                    b, D)
              for g, b in enumerate(bits)]
     assert torch.equal(y, torch.cat(parts))
 

@@ -11,7 +11,9 @@ exchange time, and a measured time breakdown (``init``, ``comm``, ``verify``).
 
 ``--duplex-bytes N`` (2 ranks) also times N bytes one way, then both ways at once, over
 gloo and over two plain TCP connections, which shows how well the transport (gloo over
-TCP) uses a full-duplex link.
+TCP) uses a full-duplex link. The TCP probe listens on the loopback, or, inside
+``commsched netem --hosts``, on the emulated host's private address; ``--duplex-bind
+ADDR`` asks for another.
 
 Legend: R rows, D row width.
 """
@@ -25,12 +27,15 @@ import struct
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..all2all import all_to_all
+from ..config import read_env
 from ..dist import all_gather_object, barrier, comm_guard, init_distributed
+from ..netem import HOST_IFNAME, SUBNET_PREFIX
 from ..results import write_json
 
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
@@ -48,9 +53,9 @@ def row_values_RD(src: int, dst: int, scale: int, dim: int) -> torch.Tensor:
     return (base + torch.arange(n, dtype=torch.float64)).unsqueeze(1).repeat(1, dim)
 
 
-def local_ipv4_addresses() -> list[str]:
-    """IPv4 addresses of this network namespace's interfaces, loopback excluded."""
-    out = []
+def interface_ipv4_addresses() -> dict[str, str]:
+    """{interface: IPv4 address} of this network namespace, loopback excluded."""
+    out = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
             try:
@@ -59,8 +64,28 @@ def local_ipv4_addresses() -> list[str]:
                 continue  # no IPv4 address on this interface
             addr = socket.inet_ntoa(raw[20:24])
             if not addr.startswith("127."):
-                out.append(addr)
-    return sorted(out)
+                out[name] = addr
+    return out
+
+
+def local_ipv4_addresses() -> list[str]:
+    """IPv4 addresses of this network namespace's interfaces, loopback excluded."""
+    return sorted(interface_ipv4_addresses().values())
+
+
+def probe_bind_address(addrs: dict[str, str], gloo_ifnames: Sequence[str],
+                       asked: str | None = None) -> str:
+    """Where the TCP duplex probe listens: ``asked`` (``--duplex-bind``) if given; the
+    emulated host's address when this process runs inside one of ``commsched netem
+    --hosts`` namespaces (gloo sent over its link ``cs0``, which holds an address of the
+    emulator's private subnet, reachable only from the other emulated hosts); otherwise
+    the loopback. Nothing listens beyond the loopback unless asked. Pure."""
+    if asked:
+        return asked
+    a = addrs.get(HOST_IFNAME, "")
+    if HOST_IFNAME in gloo_ifnames and a.startswith(SUBNET_PREFIX):
+        return a
+    return "127.0.0.1"
 
 
 def duplex_probe(nbytes: int, repeats: int = 2) -> dict[str, float]:
@@ -88,12 +113,11 @@ def duplex_probe(nbytes: int, repeats: int = 2) -> dict[str, float]:
     return {k: sorted(v)[len(v) // 2] for k, v in rates.items()}
 
 
-def socket_duplex_probe(nbytes: int) -> float:
-    """Two ranks, plain TCP beside gloo: each listens on its own address, connects to the
-    other's and sends ``nbytes`` while receiving the peer's on the other connection (both
-    directions at once, one connection each). Returns the bits/s this rank received."""
-    addrs = local_ipv4_addresses()
-    host = addrs[0] if addrs else "127.0.0.1"
+def socket_duplex_probe(nbytes: int, host: str = "127.0.0.1") -> float:
+    """Two ranks, plain TCP beside gloo: each listens on ``host`` (see
+    :func:`probe_bind_address`), connects to the other's and sends ``nbytes`` while
+    receiving the peer's on the other connection (both directions at once, one connection
+    each). Returns the bits/s this rank received."""
     srv = socket.socket()
     srv.bind((host, 0))
     srv.listen(1)
@@ -134,6 +158,9 @@ def main(argv=None) -> None:
     p.add_argument("--pattern", default="direct", choices=("direct", "ring"))
     p.add_argument("--duplex-bytes", type=int, default=0,
                    help="with 2 ranks: also time this many bytes one way, then both ways at once")
+    p.add_argument("--duplex-bind", metavar="ADDR", default=None,
+                   help="address the TCP probe listens on (default: the emulated host's inside "
+                        "`commsched netem --hosts`, else 127.0.0.1)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -155,7 +182,8 @@ def main(argv=None) -> None:
         raise ValueError(f"--duplex-bytes needs exactly 2 ranks, got {world}")
     duplex = duplex_probe(a.duplex_bytes) if a.duplex_bytes else None
     if duplex:
-        got = torch.tensor([socket_duplex_probe(a.duplex_bytes)], dtype=torch.float64)
+        host = probe_bind_address(interface_ipv4_addresses(), read_env().gloo_ifnames, a.duplex_bind)
+        got = torch.tensor([socket_duplex_probe(a.duplex_bytes, host)], dtype=torch.float64)
         with comm_guard("taking the slower side's TCP rate"):
             dist.all_reduce(got, op=dist.ReduceOp.MIN)
         duplex["tcp_both_ways_bps"] = got.item()

@@ -330,7 +330,8 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
                  exchange: HaloExchange | None = None,
                  device: torch.device | str | None = None) -> tuple[dict[str, Any], Trainer]:
     """Train ``cfg.epochs`` epochs (continuing from ``out_dir/checkpoint.pt`` when
-    ``resume``); return (metrics, trainer), metrics being :class:`GNNMetrics` as the dict
+    ``resume``; with ``cfg.checkpoint_every`` K > 0 it is written every K epochs and after
+    the last one, whatever the epoch count); return (metrics, trainer), metrics being :class:`GNNMetrics` as the dict
     metrics.json holds. Rank 0 writes ``out_dir/metrics.json``. Collective: every rank of
     ``group`` calls it. ``device``: where to train (default: :func:`run_device`; the CLI
     passes the device ``init_distributed`` chose)."""
@@ -356,7 +357,9 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
             loss = tr.train_epoch()
             if tr.epoch % cfg.eval_every == 0 or tr.epoch == cfg.epochs:
                 tr.history["eval"].append(tr.evaluate())
-            if ckpt is not None and cfg.checkpoint_every and tr.epoch % cfg.checkpoint_every == 0:
+            # every K epochs, and the final state whatever the epoch count
+            if ckpt is not None and cfg.checkpoint_every and (tr.epoch % cfg.checkpoint_every == 0
+                                                               or tr.epoch == cfg.epochs):
                 tr.save_checkpoint(ckpt)
             if on_epoch is not None:
                 on_epoch(tr)

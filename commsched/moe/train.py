@@ -53,7 +53,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,7 @@ from ..observe import A2AEvents, A2AObserver
 from ..priority.executor import LOCAL, GradScheduler
 from ..priority.policy import DEFAULT_CREDIT_MICROOPS, LAUNCH_RULES, POLICIES, ScheduleConfig
 from ..results import Progress, mark_failed, prepare_out, write_json
+from . import train_state
 from .data import Corpus, load_corpus
 from .dispatch import ExpertGroup
 from .experts import is_expert_param
@@ -155,22 +156,33 @@ def _build_commsched(cfg: TrainConfig, groups: Groups, observer: A2AObserver | N
 
 
 def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = None,
-          device: torch.device | str | None = None) -> tuple[TrainMetrics, dict[str, torch.Tensor]]:
+          device: torch.device | str | None = None, resume: bool = False,
+          on_step: Callable[[int], None] | None = None) -> tuple[TrainMetrics, dict[str, torch.Tensor]]:
     """Run training on the initialised default process group; returns the metrics (the same
     on all ranks) and this rank's final ``state_dict`` (on the CPU). Rank 0 writes
     ``out/metrics.json`` and ``out/timeline.json`` when ``out`` is given. ``device``: this
     rank's device (what :func:`commsched.dist.init_distributed` returned); default:
-    :func:`commsched.dist.group_device` of ``cfg.device``."""
+    :func:`commsched.dist.group_device` of ``cfg.device``.
+
+    Checkpoints (``--impl commsched``, :mod:`commsched.moe.train_state`): with
+    ``cfg.checkpoint_every`` K > 0 every rank writes ``out/checkpoint-rank{r}.pt`` every K
+    steps and after the last; ``resume`` continues from those files, and the run ends
+    bitwise equal (parameters, losses) to one that was never interrupted. ``on_step(k)``
+    is called after step k (1-based) completed and its checkpoint, if any, was written."""
     rank = dist.get_rank()
     dev = torch.device(device) if device is not None else group_device(cfg.device)
-    check_same_config(dataclasses.asdict(cfg), what="training configuration")
+    if (cfg.checkpoint_every or resume) and cfg.impl != "commsched":
+        raise ValueError("--checkpoint-every and --resume are options of --impl commsched")
+    if (cfg.checkpoint_every or resume) and out is None:
+        raise ValueError("--checkpoint-every and --resume need an output folder (out) for the checkpoints")
+    check_same_config({**dataclasses.asdict(cfg), "resume": bool(resume)}, what="training configuration")
     ep = cfg.ep_size or dist.get_world_size()
     corpus = load_corpus(cfg.corpus, max_bytes=cfg.max_corpus_bytes)
     show = (read_env().progress if progress is None else progress) and rank == 0
     t_wall = time.perf_counter()
     with Progress(cfg.steps, "moe-train", "step", enabled=show) as bar:
         if cfg.impl == "commsched":
-            res = _train_commsched(cfg, corpus, ep, bar, dev)
+            res = _train_commsched(cfg, corpus, ep, bar, dev, out=out, resume=resume, on_step=on_step)
         else:
             from .deepspeed_baseline import train_deepspeed  # it imports this module's helpers
 
@@ -186,22 +198,80 @@ def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = 
     return metrics, state
 
 
-def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
-                     device: torch.device | str = "cpu") -> dict:
-    device = torch.device(device)
+def _resume_state(cfg: TrainConfig, out: Path, ep: int, device: torch.device) -> dict:
+    """This rank's checkpoint, checked; every rank learns of any rank's problem and of a
+    step that differs between the ranks' files, and raises the same ValueError (collective)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = train_state.checkpoint_path(out, rank)
+    st, err = None, None
+    try:
+        st = train_state.read_state(path, device)
+        train_state.check_state(st, path, cfg=cfg, rank=rank, world_size=world, ep_size=ep)
+    except ValueError as e:
+        err = str(e)
+    got = all_gather_object((err, st["step"] if st is not None else None), "agreeing on the checkpoint to resume from")
+    bad = [(r, e) for r, (e, _) in enumerate(got) if e]
+    if bad:
+        r, e = bad[0]
+        raise ValueError(e if r == rank else f"rank {r}: {e}")
+    steps = [s for _, s in got]
+    if len(set(steps)) > 1:
+        raise ValueError(f"--resume: the ranks' checkpoints in {out} hold different steps {steps} "
+                         "(a rank was killed while they were being renamed); they cannot be resumed together")
+    return st
+
+
+def _save_state(cfg: TrainConfig, out: Path, step: int, ep: int, model, opt, rows: list[dict],
+                device: torch.device) -> None:
+    """Every rank writes its file beside the old one, the ranks meet, then each renames its
+    file into place (collective)."""
     rank = dist.get_rank()
+    path = train_state.checkpoint_path(out, rank)
+    st = train_state.make_state(cfg=cfg, step=step, rank=rank, world_size=dist.get_world_size(), ep_size=ep,
+                                model=model, optimizer=opt, rows=rows, device=device)
+    tmp = train_state.write_tmp(path, st)
+    barrier(f"barrier before committing the checkpoint of step {step}")
+    train_state.commit(tmp, path)
+
+
+def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
+                     device: torch.device | str = "cpu", *, out: Path | None = None, resume: bool = False,
+                     on_step: Callable[[int], None] | None = None) -> dict:
+    device = torch.device(device)
     # threaded gloo groups carry CPU tensors only: a CUDA run keeps the backend's own groups
     groups = make_groups(ep, cfg.allreduce_threads if device.type == "cpu" else None)
     events = A2AEvents()  # the MoE layers report here; each scheduler registers for its steps
     model, sched_params = _build_commsched(cfg, groups, events, device)
+    try:
+        return _train_loop(cfg, corpus, ep, bar, device, model, sched_params, events,
+                           out=out, resume=resume, on_step=on_step)
+    finally:
+        model.close()
+
+
+def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device: torch.device, model,
+                sched_params, events: A2AEvents, *, out: Path | None, resume: bool,
+                on_step: Callable[[int], None] | None) -> dict:
+    rank = dist.get_rank()
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     B, S = cfg.batch_size, cfg.model.seq_len
     tl_step = cfg.steps - 1 if cfg.timeline_step is None else cfg.timeline_step
     rows: list[dict] = []
     timeline: list[dict] = []
+    start = 0
+    if resume:
+        st = _resume_state(cfg, out, ep, device)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        rows = [dict(r) for r in st["rows"]]
+        start = int(st["step"])
+        train_state.restore_rng(st, device)
+        del st
+        bar.update(start)
+    every = cfg.checkpoint_every if out is not None else 0
     clock = Clock(device)  # host clock on the CPU, CUDA events on CUDA
     with GradScheduler(sched_params, cfg.schedule, device=device) as sched, events.register(sched):
-        for step in range(cfg.steps):
+        for step in range(start, cfg.steps):
             x, y = corpus.batch(B, S, seed=cfg.seed, step=step, rank=rank)
             x, y = to_device(x, device), to_device(y, device)
             sched.begin_step()
@@ -223,6 +293,10 @@ def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
                          "allreduce_in_bwd": st["allreduce_in_backward_share"]})
             if step == tl_step:
                 timeline = _timeline_dicts(sched.records)
+            if every and ((step + 1) % every == 0 or step + 1 == cfg.steps):
+                _save_state(cfg, out, step + 1, ep, model, opt, rows, device)
+            if on_step is not None:
+                on_step(step + 1)
             bar.update(1)
             bar.postfix(loss=f"{ce.item():.3f}", step_s=f"{step_s:.2f}")
     # the all-to-all alone: allreduce held until after the backward pass, no optimizer step
@@ -239,11 +313,10 @@ def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
             alone.append(probe.finish()["a2a_blocked_s"])
             model.zero_grad(set_to_none=True)
     val = evaluate(model, corpus, cfg, device)
-    model.close()
     state = {k: v.detach().cpu().clone() if v.device.type != "cpu" else v.detach().clone()
              for k, v in model.state_dict().items()}
     return {"rows": rows, "timeline": timeline, "a2a_alone_s": alone, "val_loss": val,
-            "sizes": sizes(model, cfg), "state": state}
+            "sizes": sizes(model, cfg), "state": state, "resumed_from_step": start if resume else None}
 
 
 # --------------------------------------------------------------------------- CLI
@@ -296,6 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run already in OUT (else a folder holding metrics.json is refused)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="K",
+                   help="--impl commsched: write OUT/checkpoint-rank{r}.pt every K steps and after the last (0: never)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/checkpoint-rank{r}.pt (same ranks and configuration; --steps may grow)")
     return p
 
 
@@ -311,7 +388,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                        warmup=min(a.warmup, a.steps - 1), probe_steps=a.probe_steps, eval_batches=a.eval_batches,
                        corpus=a.corpus, max_corpus_bytes=a.max_corpus_bytes, timeline_step=a.timeline_step,
                        ds_stage=a.ds_stage, allreduce_threads=a.allreduce_threads, device=a.device,
-                       dtype=a.dtype)
+                       dtype=a.dtype, checkpoint_every=a.checkpoint_every)
 
 
 PROG = "commsched.moe.train"
@@ -328,14 +405,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # --device cuda where it cannot run: one line, not a traceback
         return cli_error(PROG, e)
     try:
-        prepare_out(a.out, overwrite=a.overwrite)  # made (or refused) before any work
+        prepare_out(a.out, overwrite=a.overwrite, resume=a.resume)  # made (or refused) before any work
     except ValueError as e:
         dist.destroy_process_group()
         return cli_error(PROG, e)
     if info.device.type == "cpu":
         torch.set_num_threads(1)  # ranks share the host's cores
     try:
-        m = train(cfg, a.out, device=info.device)[0].to_dict()
+        m = train(cfg, a.out, device=info.device, resume=a.resume)[0].to_dict()
         if dist.get_rank() == 0:
             print(json.dumps({k: m[k] for k in ("impl", "schedule", "world_size", "step_time_s", "a2a_time_s",
                                                  "allreduce_time_s", "a2a_alone_time_s", "val_loss")}), flush=True)

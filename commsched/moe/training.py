@@ -53,6 +53,8 @@ class TrainConfig:
     device: str = "auto"
     # compute dtype (autocast) and all-to-all row dtype; parameters and Adam stay float32
     dtype: str = "float32"
+    # write OUT/checkpoint-rank{r}.pt every K steps and after the last (0: never; commsched only)
+    checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -80,6 +82,12 @@ class TrainConfig:
             raise ValueError(f"--device must be one of {DEVICE_CHOICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+                or self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every must be an integer >= 0, got {self.checkpoint_every!r}")
+        if self.checkpoint_every and self.impl != "commsched":
+            raise ValueError("--checkpoint-every is an option of --impl commsched; DeepSpeed's runs "
+                             "are not checkpointed here")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -89,7 +97,9 @@ class TrainConfig:
 @dataclass(frozen=True)
 class TrainMetrics(Record):
     """``metrics.json`` of an MoE training run (the keys are described in the module
-    docstring); ``extra``: ``deepspeed_comm_ops`` of a DeepSpeed run."""
+    docstring); ``extra``: ``deepspeed_comm_ops`` of a DeepSpeed run, ``resumed_from_step``
+    of a resumed run (the steps before it, their losses and timings, come from the
+    checkpoint)."""
 
     impl: str
     schedule: str
@@ -226,7 +236,9 @@ def summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> T
         corpus=source,
         wall_clock_s=max(p["wall_clock_s"] for p in per_rank),
         config=json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),
-        extra={"deepspeed_comm_ops": per_rank[0]["ds_comm_ops"]} if "ds_comm_ops" in per_rank[0] else {},
+        extra={**({"deepspeed_comm_ops": per_rank[0]["ds_comm_ops"]} if "ds_comm_ops" in per_rank[0] else {}),
+               **({"resumed_from_step": per_rank[0]["resumed_from_step"]}
+                  if per_rank[0].get("resumed_from_step") is not None else {})},
     )
 
 

@@ -35,7 +35,6 @@ from . import reference as _ref
 from .wire import BITS, META_BYTES, message_bytes, payload_bytes
 
 IMPLS = ("auto", "reference", "eager", "compiled", "triton")
-_MASK32 = 0xFFFFFFFF
 
 
 # --------------------------------------------------------------------------- validation
@@ -67,14 +66,16 @@ def _check_rows(x, name: str = "x") -> torch.Tensor:
 
 
 def _draw_key(generator: torch.Generator | None, seed: int | None) -> int:
-    """The 32-bit message key: ``seed`` mod 2^32 if given, else drawn from ``generator``
-    (the default CPU generator when None, so ``torch.manual_seed`` reproduces it)."""
+    """The 32-bit message key: :func:`~commsched.quant.reference.key_from_seed` of ``seed``
+    (a hash, so consecutive seeds give unrelated random streams) if given, else drawn from
+    ``generator`` (the default CPU generator when None, so ``torch.manual_seed`` reproduces
+    it). Computed once on the host, before any implementation is dispatched."""
     if seed is not None:
         if generator is not None:
             raise ValueError("pass either generator or seed, not both")
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        return int(seed) & _MASK32
+        return _ref.key_from_seed(int(seed))
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     device = generator.device if generator is not None else "cpu"
@@ -246,8 +247,8 @@ def quantize(x_ND: torch.Tensor, bits: int, *, generator: torch.Generator | None
              seed: int | None = None, impl: str = "auto") -> QuantizedRows:
     """Stochastically quantize each row of ``x_ND`` (float [N, D]) to ``bits`` in {2, 4, 8}.
 
-    The random bits come from a counter hash keyed by a 32-bit key: ``seed`` (mod 2^32)
-    if given, else drawn from ``generator`` (default: torch's default CPU generator).
+    The random bits come from a counter hash keyed by a 32-bit key: the hash of ``seed``
+    (:func:`~commsched.quant.reference.key_from_seed`) if given, else drawn from ``generator`` (default: torch's default CPU generator).
     Unbiased: E[dequantize(quantize(x))] = x up to float32 rounding. Raises ValueError
     for bits outside {2, 4, 8}, non-float or non-2-D input and non-finite values.
     """

@@ -23,7 +23,11 @@ operation, rounded to nearest; no fused multiply-add anywhere):
 3. The random integer of element (n, d) is ``lowbias32(c) >> 8`` with the counter
    ``c = ((row0 + n) * D + d + key) mod 2^32``, where ``row0`` is the position in its
    message of the first row quantized in this call (so the groups of one message never
-   share random bits) and ``key`` is a 32-bit integer drawn per message.
+   share random bits) and ``key`` is a 32-bit integer drawn per message. A message
+   quantized with a ``seed`` uses ``key = key_from_seed(seed) = lowbias32((seed +
+   0x9E3779B9) mod 2^32)``: a bijection of the 32-bit seeds, so seeds k and k + 1 give
+   unrelated keys (were the seed the key, seed k + 1's stream would be seed k's shifted
+   by one element).
 4. Packing is planar along the feature dimension: byte j of a row holds the levels of
    columns j, j + B, j + 2B, ... in bit slots 0, b, 2b, ...; columns >= D contribute 0.
 5. Decoding: ``x' = fl32(lo + fl32(scale * q))``.
@@ -62,6 +66,22 @@ def lowbias32(h_I: torch.Tensor) -> torch.Tensor:
     h = h ^ (h >> 15)
     h = _mul32(h, HASH_M2)
     h = h ^ (h >> 16)
+    return h
+
+
+SEED_OFFSET = 0x9E3779B9  # added before hashing, so seed 0 does not map to key 0
+
+
+def key_from_seed(seed: int) -> int:
+    """The 32-bit message key of an integer ``seed``: ``lowbias32((seed + SEED_OFFSET) mod
+    2^32)``. A bijection of the seeds mod 2^32, computed once on the host; consecutive
+    seeds give unrelated keys, hence uncorrelated rounding."""
+    h = (int(seed) + SEED_OFFSET) & MASK32
+    h ^= h >> 16
+    h = (h * HASH_M1) & MASK32
+    h ^= h >> 15
+    h = (h * HASH_M2) & MASK32
+    h ^= h >> 16
     return h
 
 
@@ -150,6 +170,6 @@ def dequantize_reference(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: 
     return meta_N2[:, 1:2] + meta_N2[:, 0:1] * q
 
 
-__all__ = ["BITS", "HASH_M1", "HASH_M2", "RANDOM_BITS", "RANGE_MIN", "lowbias32",
+__all__ = ["BITS", "HASH_M1", "HASH_M2", "RANDOM_BITS", "RANGE_MIN", "SEED_OFFSET", "key_from_seed", "lowbias32",
            "dequantize_reference", "levels_reference", "pack_levels", "payload_bytes",
            "quantize_reference", "random_bits", "row_scale", "unpack_levels"]
