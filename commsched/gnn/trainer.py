@@ -50,6 +50,7 @@ from ..dist import (
     DEVICE_CHOICES,
     all_gather_object,
     barrier,
+    check_same_config,
     comm_guard,
     config_digest,
     group_device,
@@ -179,6 +180,11 @@ class Trainer:
         if part.book.num_parts != self.world or part.book.rank != self.rank:
             raise ValueError(f"rank {self.rank} of {self.world} was given part {part.book.rank} of "
                              f"{part.book.num_parts}")
+        # the ranks must agree before anything is built from the config: a different lr or
+        # dropout would train silently apart, a different hidden/dtype/model fail in gloo
+        check_same_config({**dataclasses.asdict(cfg),
+                           "partition": {"fingerprint": part.fingerprint, "num_parts": part.book.num_parts}},
+                          group, what="training configuration")
         self.device = torch.device(device) if device is not None else run_device(cfg, group)
         self.clock = Clock(self.device)
         dev, dt = self.device, cfg.param_dtype
@@ -200,7 +206,7 @@ class Trainer:
         self.epoch = 0  # epochs completed
         self.history: dict[str, list] = {"loss": [], "epoch_time_s": [], "breakdown_s": [],
                                          "bytes_sent": [], "eval": []}
-        self.halo.validate()
+        self.halo.validate(dtype=cfg.wire_dtype or dt, row_numel=part.num_features)
         self.halo.prepare([part.num_features] + [cfg.hidden] * (cfg.layers - 1))  # input width per layer
         # build the adjacency blocks now, not inside the first timed epoch
         for conv in self.model.convs:
