@@ -60,7 +60,7 @@ def comm_guard(what: str, group=None) -> Iterator[None]:
             hint = "a peer process died or closed its connection"
         else:
             hint = "the collective failed"
-        raise CommError(f"rank {_rank()}: {what} failed: {hint}: {cause}{_liveness_note(group)}") from e
+        raise CommError(f"rank {_rank()}: {what} failed: {hint}: {cause}{unresponsive_note(group)}") from e
 
 
 def unresponsive_ranks(group=None, wait_s: float | None = None) -> list[int] | None:
@@ -105,7 +105,11 @@ def unresponsive_ranks(group=None, wait_s: float | None = None) -> list[int] | N
             pass
 
 
-def _liveness_note(group) -> str:
+def unresponsive_note(group=None) -> str:
+    """What :func:`unresponsive_ranks` found, as the tail of an error message ("; rank 2
+    stopped answering ..."); empty when the store could not be asked. For code that
+    detects a failure itself (a wait that timed out) rather than through
+    :func:`comm_guard`."""
     missing = unresponsive_ranks(group)
     if missing is None:
         return ""

@@ -199,7 +199,7 @@ def _case_gnn_hidden_dtype_model(rank, world):
 
     part = _gnn_part(rank, world)
     for key, odd in (("hidden", {"hidden": 4}), ("dtype", {"dtype": "float64"}), ("model", {"model": "sage"})):
-        cfg = TrainConfig(layers=2, hidden=8, epochs=2, **(odd if rank == 1 else {}))
+        cfg = TrainConfig(**{"layers": 2, "hidden": 8, "epochs": 2, **(odd if rank == 1 else {})})
         _expect_value_error(lambda c=cfg: run_training(c, part), "ranks [1]", f"{key}: rank 0 has")
 
 
