@@ -267,3 +267,44 @@ def mismatch_results():
 @pytest.mark.parametrize("case", [c for c, _ in CASES])
 def test_per_rank_config_mismatch_is_one_clear_value_error(mismatch_results, case):
     assert_case(mismatch_results, case)
+
+
+# --------------------------------------------------------------------------- group timeouts
+def _group_timeouts(rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from commsched.dist import new_group
+    from commsched.moe.train import make_groups
+
+    def timeout_of(g) -> float:
+        return g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    g = make_groups(1, allreduce_threads=3)
+    out = {"plain": timeout_of(new_group([0])), "threaded": timeout_of(new_group([0], threads=3)),
+           "given": timeout_of(new_group([0], timeout_s=2.5)),
+           "moe_ep": timeout_of(g.ep_group), "moe_dp": timeout_of(g.dp_group),
+           "torch_default": timeout_of(dist.new_group([0]))}
+    try:
+        import deepspeed
+        from deepspeed.comm import comm as ds_comm
+
+        from commsched.moe.deepspeed_baseline import _groups_under_timeout
+    except ImportError:
+        return out
+    deepspeed.init_distributed(dist_backend="gloo")
+    _groups_under_timeout()
+    out["deepspeed"] = timeout_of(ds_comm.new_group([0]))
+    return out
+
+
+@pytest.mark.slow
+def test_every_group_commsched_makes_has_the_configured_timeout():
+    got = run_ranks(1, _group_timeouts, timeout_s=120, env={"COMMSCHED_TIMEOUT_S": "4"})[0]
+    assert got["torch_default"] == 1800.0  # what a bare dist.new_group would have given
+    assert got.pop("given") == 2.5
+    del got["torch_default"]
+    assert all(v == 4.0 for v in got.values()), got
+    import importlib.util
+
+    assert "deepspeed" in got or importlib.util.find_spec("deepspeed") is None
