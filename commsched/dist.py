@@ -53,14 +53,23 @@ def comm_guard(what: str, group=None) -> Iterator[None]:
         msg = str(e).strip().splitlines()
         cause = msg[0] if msg else type(e).__name__
         cause = cause.split(". This is typically")[0]  # gloo's advice adds nothing here
-        low = str(e).lower()
-        if "timeout" in low or "timed out" in low:
-            hint = "a peer did not take part within the timeout (dead, hung or out of step)"
-        elif "connection" in low or "closed" in low or "reset" in low or "broken pipe" in low:
-            hint = "a peer process died or closed its connection"
-        else:
-            hint = "the collective failed"
-        raise CommError(f"rank {_rank()}: {what} failed: {hint}: {cause}{unresponsive_note(group)}") from e
+        hint = peer_failure_hint(str(e))
+        # only a peer's failure is worth the liveness check: a local error (bad sizes) would
+        # wait for peers that are still blocked in the collective and misname them
+        note = unresponsive_note(group) if hint is not None else ""
+        raise CommError(f"rank {_rank()}: {what} failed: {hint or 'the collective failed'}: "
+                        f"{cause}{note}") from e
+
+
+def peer_failure_hint(text: str) -> str | None:
+    """What a backend's error text says about the peers: a timeout or a closed connection
+    (in words for a message), else None (a local or other error). Pure."""
+    low = text.lower()
+    if "timeout" in low or "timed out" in low:
+        return "a peer did not take part within the timeout (dead, hung or out of step)"
+    if "connection" in low or "closed" in low or "reset" in low or "broken pipe" in low:
+        return "a peer process died or closed its connection"
+    return None
 
 
 def unresponsive_ranks(group=None, wait_s: float | None = None) -> list[int] | None:

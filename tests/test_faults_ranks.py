@@ -308,3 +308,17 @@ def test_every_group_commsched_makes_has_the_configured_timeout():
     import importlib.util
 
     assert "deepspeed" in got or importlib.util.find_spec("deepspeed") is None
+
+
+def test_only_a_peer_failure_asks_who_is_alive():
+    from commsched.dist import CommError, comm_guard, peer_failure_hint, unresponsive_ranks
+
+    assert "timeout" in peer_failure_hint("Timed out waiting 5000ms for recv operation")
+    assert "died" in peer_failure_hint("Connection reset by peer")
+    assert peer_failure_hint("split sizes do not sum to the tensor's rows") is None
+    assert unresponsive_ranks() is None  # no process group: nobody to ask
+    t = time.monotonic()
+    with pytest.raises(CommError, match=r"^rank 0: step x failed: the collective failed: bad sizes$"):
+        with comm_guard("step x"):
+            raise RuntimeError("bad sizes")
+    assert time.monotonic() - t < 1.0

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from ..clock import Clock
 from ..config import read_env
-from ..dist import CommError, unresponsive_note
+from ..dist import CommError, peer_failure_hint, unresponsive_note
 from .microops import CommOp
 from .policy import ScheduleConfig, allreduce_ops, make_policy
 
@@ -429,7 +429,8 @@ class GradScheduler:
                         pass
                     st.work = None
             msg = str(failure)
-            if "stopped answering" not in msg and "is alive" not in msg:
+            peer = not ok or peer_failure_hint(msg) is not None
+            if peer and "stopped answering" not in msg and "is alive" not in msg:
                 msg += unresponsive_note()
             raise CommError(msg) from (failure if not isinstance(failure, CommError) else None)
         # wait on every Work outside the lock (a slow wait must not block the executor thread)
@@ -438,7 +439,8 @@ class GradScheduler:
                 try:
                     st.work.wait()
                 except RuntimeError as e:
-                    raise CommError(f"rank {_rank()}: allreduce {st.spec.seq} failed: {e}{unresponsive_note()}") from None
+                    note = unresponsive_note() if peer_failure_hint(str(e)) else ""
+                    raise CommError(f"rank {_rank()}: allreduce {st.spec.seq} failed: {e}{note}") from None
                 st.work = None
         with self._cv:
             for st in state:
