@@ -11,6 +11,7 @@ import datetime
 import hashlib
 import json
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple
@@ -29,9 +30,21 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+# After a failed collective each rank checks in under this key of the default store and
+# waits at most LIVENESS_WAIT_MAX_S (or the timeout, when shorter) for its peers to do the
+# same; the ranks that never do are the ones that stopped answering.
+LIVENESS_KEY = "commsched/failed/{rank}"
+LIVENESS_WAIT_MAX_S = 10.0
+
+
 @contextmanager
 def comm_guard(what: str, group=None) -> Iterator[None]:
-    """Re-raise any failure inside as a CommError that says where and why."""
+    """Re-raise any failure inside as a CommError that says where and why.
+
+    Before raising, the ranks of ``group`` that did not check in after their own failure
+    (see :func:`unresponsive_ranks`) are named: on a timeout or a closed connection that is
+    the rank that died or froze.
+    """
     try:
         yield
     except CommError:
@@ -39,14 +52,82 @@ def comm_guard(what: str, group=None) -> Iterator[None]:
     except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
         msg = str(e).strip().splitlines()
         cause = msg[0] if msg else type(e).__name__
-        low = str(e).lower()
-        if "timeout" in low or "timed out" in low:
-            hint = "a peer did not take part within the timeout (dead, hung or out of step)"
-        elif "connection" in low or "closed" in low or "reset" in low or "broken pipe" in low:
-            hint = "a peer process died or closed its connection"
-        else:
-            hint = "the collective failed"
-        raise CommError(f"rank {_rank()}: {what} failed: {hint}: {cause}") from e
+        cause = cause.split(". This is typically")[0]  # gloo's advice adds nothing here
+        hint = peer_failure_hint(str(e))
+        # only a peer's failure is worth the liveness check: a local error (bad sizes) would
+        # wait for peers that are still blocked in the collective and misname them
+        note = unresponsive_note(group) if hint is not None else ""
+        raise CommError(f"rank {_rank()}: {what} failed: {hint or 'the collective failed'}: "
+                        f"{cause}{note}") from e
+
+
+def peer_failure_hint(text: str) -> str | None:
+    """What a backend's error text says about the peers: a timeout or a closed connection
+    (in words for a message), else None (a local or other error). Pure."""
+    low = text.lower()
+    if "timeout" in low or "timed out" in low:
+        return "a peer did not take part within the timeout (dead, hung or out of step)"
+    if "connection" in low or "closed" in low or "reset" in low or "broken pipe" in low:
+        return "a peer process died or closed its connection"
+    return None
+
+
+def unresponsive_ranks(group=None, wait_s: float | None = None) -> list[int] | None:
+    """The global ranks of ``group`` that did not check in within ``wait_s`` seconds
+    (default: the configured timeout, at most :data:`LIVENESS_WAIT_MAX_S`); None when the
+    rendezvous store cannot be reached (it may live in the dead process).
+
+    Called by a rank after one of its collectives failed: it checks in under
+    :data:`LIVENESS_KEY` in the default store and waits for its peers, which check in when
+    their own collectives fail in turn (every rank blocked on a dead or frozen peer fails
+    within the timeout). Returns at once when every peer has checked in. Works on any
+    backend, gloo included: only the store is used, never the (possibly broken) group.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    wait = min(LIVENESS_WAIT_MAX_S, read_env().timeout_s) if wait_s is None else float(wait_s)
+    me = dist.get_rank()
+    try:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 -- a best-effort diagnosis
+        return None
+    old = store.timeout
+    try:
+        store.set_timeout(datetime.timedelta(seconds=max(wait, 1.0)))
+        store.set(LIVENESS_KEY.format(rank=me), "1")
+        keys = {r: LIVENESS_KEY.format(rank=r) for r in ranks if r != me}
+        deadline = time.monotonic() + wait
+        missing = sorted(keys)
+        while missing:
+            missing = [r for r in missing if not store.check([keys[r]])]
+            if not missing or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        return missing
+    except Exception:  # noqa: BLE001 -- the store went away with its host
+        return None
+    finally:
+        try:
+            store.set_timeout(old)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def unresponsive_note(group=None) -> str:
+    """What :func:`unresponsive_ranks` found, as the tail of an error message ("; rank 2
+    stopped answering ..."); empty when the store could not be asked. For code that
+    detects a failure itself (a wait that timed out) rather than through
+    :func:`comm_guard`."""
+    missing = unresponsive_ranks(group)
+    if missing is None:
+        return ""
+    if missing:
+        who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
+        return (f"; {who} stopped answering (no sign of life within "
+                f"{min(LIVENESS_WAIT_MAX_S, read_env().timeout_s):.0f} s of the failure: "
+                "dead, frozen, or gone after an error of its own)")
+    return "; every rank of the group is alive (out of step, or the backend failed)"
 
 
 def cli_error(prog: str, err: BaseException, out=None) -> int:
@@ -249,23 +330,31 @@ def _create_threaded_gloo(backend_opts, options: GlooGroupOptions):
     return ProcessGroupGloo(backend_opts.store, backend_opts.group_rank, backend_opts.group_size, opts)
 
 
-def new_group(ranks: list[int], *, threads: int | None = None):
-    """``dist.new_group(ranks)``; on gloo with ``threads``, a group whose collectives run on
-    that many worker threads (gloo's default is 2; ``new_group`` ignores options for gloo).
+def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float | None = None):
+    """``dist.new_group(ranks)`` under the configured timeout (``timeout_s``, default
+    ``COMMSCHED_TIMEOUT_S``: torch's own default for a new group is 30 minutes whatever the
+    default group's is); on gloo with ``threads``, a group whose collectives run on that
+    many worker threads (gloo's default is 2; ``new_group`` ignores options for gloo).
 
     Asynchronous collectives queued on one gloo group run at most ``threads`` at a time, so
     many small operations in flight (Lina's micro-ops) pay one latency each in turn; more
     threads let their latencies overlap. Other backends ignore ``threads``. Every rank must
-    call it, in the same order, like ``dist.new_group``.
+    call it, in the same order, like ``dist.new_group``. Every group commsched creates is
+    made here.
     """
+    t = read_env().timeout_s if timeout_s is None else float(timeout_s)
+    if not t > 0:
+        raise ValueError(f"timeout_s must be > 0, got {t}")
+    timeout = datetime.timedelta(seconds=t)
     if threads is None or dist.get_backend() != "gloo":
-        return dist.new_group(ranks)
+        return dist.new_group(ranks, timeout=timeout)
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     if GLOO_THREADED not in dist.Backend.backend_list:
         dist.Backend.register_backend(GLOO_THREADED, _create_threaded_gloo, extended_api=True,
                                       devices=["cpu", "cuda"])  # gloo reduces CUDA tensors too
-    return dist.new_group(ranks, backend=GLOO_THREADED, pg_options=GlooGroupOptions(threads))
+    return dist.new_group(ranks, backend=GLOO_THREADED, pg_options=GlooGroupOptions(threads),
+                          timeout=timeout)
 
 
 # --------------------------------------------------------------------------- guarded collectives
@@ -313,10 +402,29 @@ def config_digest(config: Any) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+def config_differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """The leaves where two configs differ, as (dotted key, value in a, value in b), in
+    key order; nested dataclasses and dicts are walked (``adaqp.lam``). Pure."""
+    a, b = _as_dict(a), _as_dict(b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[tuple[str, Any, Any]] = []
+        for k in sorted(set(a) | set(b), key=str):
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if k not in a or k not in b:
+                out.append((key, a.get(k, "<missing>"), b.get(k, "<missing>")))
+            else:
+                out.extend(config_differences(a[k], b[k], key))
+        return out
+    same = json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+    return [] if same else [(prefix or "<value>", a, b)]
+
+
 def check_same_config(config: Any, group=None, what: str = "configuration") -> None:
     """Stop every rank with one clear error when ranks were started with different configs.
 
-    All ranks take part; those that differ from rank 0 are named. Raises ValueError.
+    All ranks take part; those that differ from rank 0 are named, with the first differing
+    keys (dotted for nested ones, e.g. ``adaqp.lam``). Raises the same ValueError on every
+    rank.
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
@@ -324,15 +432,17 @@ def check_same_config(config: Any, group=None, what: str = "configuration") -> N
     gathered: list[Any] = [None] * dist.get_world_size(group)
     with comm_guard(f"comparing the {what} across ranks", group):
         dist.all_gather_object(gathered, (digest, config if _small(config) else None), group=group)
-    gathered = [(d, _as_dict(c)) for d, c in gathered]
     ref = gathered[0][0]
     bad = [r for r, (d, _) in enumerate(gathered) if d != ref]
     if bad:
         detail = ""
         c0, cb = gathered[0][1], gathered[bad[0]][1]
-        if isinstance(c0, dict) and isinstance(cb, dict):
-            diffs = sorted(k for k in set(c0) | set(cb) if c0.get(k) != cb.get(k))
-            detail = "; differing: " + ", ".join(f"{k}: rank 0 has {c0.get(k)!r}, rank {bad[0]} has {cb.get(k)!r}" for k in diffs[:5])
+        if c0 is not None and cb is not None:
+            diffs = config_differences(c0, cb)
+            if diffs:
+                more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+                detail = "; differing: " + ", ".join(f"{k}: rank 0 has {v0!r}, rank {bad[0]} has {vb!r}"
+                                                     for k, v0, vb in diffs[:3]) + more
         raise ValueError(f"ranks {bad} were started with a {what} different from rank 0's{detail}. "
                          "Start every rank with the same arguments.")
 

@@ -181,10 +181,12 @@ def _dead_peer(rank: int, world: int) -> str | None:
 
 @pytest.mark.slow
 def test_dead_peer_gives_clear_error():
-    res = run_ranks(2, _dead_peer, allow_missing=[1], pg_timeout_s=5, timeout_s=60)
+    res = run_ranks(2, _dead_peer, allow_missing=[1], pg_timeout_s=5, timeout_s=60,
+                    env={"COMMSCHED_TIMEOUT_S": "5"})
     msg = res[0]
     assert msg is not None and msg.startswith("rank 0:"), msg
     assert "all_to_all" in msg
+    assert "rank 1 stopped answering" in msg, msg
 
 
 def test_plan_offsets_and_reverse():

@@ -179,8 +179,8 @@ class AdaQPExchange(HaloExchange):
         return out
 
     # ---- collective set-up -----------------------------------------------------------------
-    def validate(self) -> None:
-        super().validate()
+    def validate(self, *, dtype: torch.dtype | None = None, row_numel: int | None = None) -> None:
+        super().validate(dtype=dtype, row_numel=row_numel)
         if self.scheme == "adaptive" and self.world_size > 1:
             from ..costmodel import probe_link_costs
 

@@ -100,11 +100,15 @@ class HaloExchange:
     def world_size(self) -> int:
         return self.book.num_parts
 
-    def validate(self) -> None:
+    def validate(self, *, dtype: torch.dtype | None = None, row_numel: int | None = None) -> None:
         """Check once, collectively, that every rank's book agrees with its peers'
-        (send counts of each pair match the receiver's expectation)."""
+        (send counts of each pair match the receiver's expectation) and, when given, that
+        every rank exchanges rows of the same ``dtype`` and ``row_numel`` elements (the
+        first layer's width): a disagreement is the same ValueError on every rank, not a
+        size mismatch inside the backend."""
         if self.world_size > 1:
-            make_plan(self.book.send_counts, group=self.group, recv_counts=self.book.recv_counts)
+            make_plan(self.book.send_counts, group=self.group, recv_counts=self.book.recv_counts,
+                      dtype=dtype, row_numel=row_numel)
 
     # ---- the pluggable part ------------------------------------------------------------
     def prepare(self, dims: list[int]) -> None:

@@ -51,6 +51,7 @@ from ..dist import (
     DEVICE_CHOICES,
     all_gather_object,
     barrier,
+    check_same_config,
     comm_guard,
     config_digest,
     group_device,
@@ -188,6 +189,11 @@ class Trainer:
         if int(part.totals.get("train", 0)) < 1:  # global, so every rank stops here alike
             raise ValueError(f"graph {part.name}: no training nodes (every train mask entry is False); "
                              "give a graph or split with training nodes")
+        # the ranks must agree before anything is built from the config: a different lr or
+        # dropout would train silently apart, a different hidden/dtype/model fail in gloo
+        check_same_config({**dataclasses.asdict(cfg),
+                           "partition": {"fingerprint": part.fingerprint, "num_parts": part.book.num_parts}},
+                          group, what="training configuration")
         self.device = torch.device(device) if device is not None else run_device(cfg, group)
         self.clock = Clock(self.device)
         dev, dt = self.device, cfg.param_dtype
@@ -209,7 +215,7 @@ class Trainer:
         self.epoch = 0  # epochs completed
         self.history: dict[str, list] = {"loss": [], "epoch_time_s": [], "breakdown_s": [],
                                          "bytes_sent": [], "eval": []}
-        self.halo.validate()
+        self.halo.validate(dtype=cfg.wire_dtype or dt, row_numel=part.num_features)
         self.halo.prepare([part.num_features] + [cfg.hidden] * (cfg.layers - 1))  # input width per layer
         # build the adjacency blocks now, not inside the first timed epoch
         for conv in self.model.convs:

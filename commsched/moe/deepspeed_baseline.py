@@ -90,6 +90,22 @@ def to_deepspeed(model: MoETransformerLM, ep_size: int) -> MoETransformerLM:
     return model
 
 
+def _groups_under_timeout() -> None:
+    """Make the groups DeepSpeed creates (expert-parallel, expert-data-parallel) through
+    :func:`commsched.dist.new_group`, so that they run under ``COMMSCHED_TIMEOUT_S`` like
+    every other group of a run: DeepSpeed's backend calls ``torch.distributed.new_group(ranks)``,
+    whose default timeout is 30 minutes whatever the default group's is. Idempotent; it
+    touches only DeepSpeed's communication backend object of this process."""
+    from deepspeed.comm import comm as ds_comm
+
+    from ..dist import new_group
+
+    cdb = ds_comm.cdb
+    if cdb is not None and not getattr(cdb, "_commsched_timeout", False):
+        cdb.new_group = lambda ranks: new_group(list(ranks))
+        cdb._commsched_timeout = True
+
+
 def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
                     device: torch.device | str = "cpu") -> dict:
     """Train ``cfg`` under DeepSpeed's engine on the initialised default process group (gloo
@@ -107,6 +123,7 @@ def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
     device = torch.device(device)
     cuda = device.type == "cuda"
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    _groups_under_timeout()
     torch.manual_seed(cfg.seed)
     model = MoETransformerLM(cfg.model)  # every expert here; DeepSpeed keeps its block of them
     to_deepspeed(model, ep)

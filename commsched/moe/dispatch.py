@@ -44,8 +44,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..all2all import A2APlan, all_to_all, all_to_all_async
+from ..all2all import A2APlan, all_to_all, all_to_all_async, make_plan
 from ..clock import Clock
+from ..dist import check_same_config
 from ..lanes import Lanes
 from ..observe import A2AObserver
 from .experts import ExpertFFN, expert_apply
@@ -93,6 +94,17 @@ class ExpertGroup:
     @property
     def num_local(self) -> int:
         return self.num_experts // self.size
+
+    def validate(self, row_numel: int, dtype: torch.dtype) -> None:
+        """Check once, collectively on the EP group, that every rank holds the same number
+        of experts and exchanges rows of ``row_numel`` elements of ``dtype`` (the model
+        width, the all-to-all dtype): a disagreement is the same ValueError on every rank,
+        naming the rank, instead of a size mismatch inside the backend's all-to-all."""
+        if self.size == 1:
+            return
+        check_same_config({"num_experts": self.num_experts, "ep_size": self.size}, self.group,
+                          what="expert-parallel layout")
+        make_plan((1,) * self.size, group=self.group, rows=self.size, dtype=dtype, row_numel=row_numel)
 
     @property
     def first(self) -> int:

@@ -112,7 +112,7 @@ def make_groups(ep_size: int, allreduce_threads: int | None = None) -> Groups:
         raise ValueError(f"--ep-size {ep_size} must divide the world size {world}")
     ep_group = edp_group = None
     for i in range(world // ep_size):
-        g = dist.new_group(list(range(i * ep_size, (i + 1) * ep_size)))
+        g = cs_new_group(list(range(i * ep_size, (i + 1) * ep_size)))
         if rank // ep_size == i:
             ep_group = g
     if world // ep_size > 1:
@@ -138,6 +138,7 @@ def _build_commsched(cfg: TrainConfig, groups: Groups, observer: A2AObserver | N
     mcfg = cfg.model
     eg = ExpertGroup(mcfg.num_experts, groups.ep_size, groups.ep_rank, groups.ep_group)
     model = MoETransformerLM(mcfg, expert_group=eg, dispatch=cfg.dispatch, observer=observer)
+    eg.validate(mcfg.d_model, torch.float32 if cfg.dtype == "float32" else getattr(torch, cfg.dtype))
     if torch.device(device).type != "cpu":
         model.to(device)
     # The objective is the mean of the ranks' losses. A non-expert gradient is averaged over

@@ -50,9 +50,14 @@ import torch.distributed as dist
 
 from ..clock import Clock
 from ..config import read_env
-from ..dist import CommError
+from ..dist import CommError, peer_failure_hint, unresponsive_note
 from .microops import CommOp
 from .policy import ScheduleConfig, allreduce_ops, make_policy
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
 
 LOCAL = "local"  # group of a gradient that is scaled but not communicated
 POLL_S = 1e-4  # how often the executor thread polls for completions on CUDA (seconds)
@@ -274,7 +279,7 @@ class GradScheduler:
             try:
                 work = self._launch(st.flat, st.group)
             except RuntimeError as e:
-                self._error = CommError(f"launching allreduce {seq} failed: {e}")
+                self._error = CommError(f"rank {_rank()}: launching allreduce {seq} failed: {e}")
                 self._cv.notify_all()
                 continue
             st.work = work
@@ -294,7 +299,7 @@ class GradScheduler:
                 err = e
             with self._cv:
                 if err is not None and self._error is None:
-                    self._error = CommError(f"allreduce {seq} failed: {err}")
+                    self._error = CommError(f"rank {_rank()}: allreduce {seq} failed: {err}")
                 self._completed(seq)
         return done
 
@@ -404,20 +409,38 @@ class GradScheduler:
             ok = self._cv.wait_for(lambda: self._error is not None or self._policy.finished,
                                    timeout=self.timeout_s)
             self._active = False
+            failure = None
             if self._error is not None:
-                err, self._error = self._error, None
-                raise err if isinstance(err, CommError) else CommError(str(err))
-            if not ok:
-                raise CommError(f"gradient allreduce did not finish within {self.timeout_s:.0f} s "
-                                 f"({self._policy.allreduce_pending} not launched); a peer may be stuck")
+                failure, self._error = self._error, None
+            elif not ok:
+                failure = CommError(f"rank {_rank()}: gradient allreduce did not finish within "
+                                    f"{self.timeout_s:.0f} s ({self._policy.allreduce_pending} not "
+                                    "launched): a peer did not take part")
             state = self._state
+        if failure is not None:
+            # let every launched operation end (each fails by the backend's own timeout at
+            # the latest) before the error leaves: a Work still running when the process
+            # groups are destroyed aborts the process ("terminate ... gloo::IoException")
+            for st in state:
+                if st.work is not None:
+                    try:
+                        st.work.wait()
+                    except RuntimeError:
+                        pass
+                    st.work = None
+            msg = str(failure)
+            peer = not ok or peer_failure_hint(msg) is not None
+            if peer and "stopped answering" not in msg and "is alive" not in msg:
+                msg += unresponsive_note()
+            raise CommError(msg) from (failure if not isinstance(failure, CommError) else None)
         # wait on every Work outside the lock (a slow wait must not block the executor thread)
         for st in state:
             if st.work is not None:
                 try:
                     st.work.wait()
                 except RuntimeError as e:
-                    raise CommError(f"allreduce {st.spec.seq} failed: {e}") from None
+                    note = unresponsive_note() if peer_failure_hint(str(e)) else ""
+                    raise CommError(f"rank {_rank()}: allreduce {st.spec.seq} failed: {e}{note}") from None
                 st.work = None
         with self._cv:
             for st in state:
