@@ -8,8 +8,7 @@ The core lives here; front-ends are ``commsched.gnn`` and ``commsched.moe``;
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -39,7 +38,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -6,8 +6,7 @@ Names are resolved lazily from their submodules; importing ``commsched.moe`` run
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._lazy import lazy_getattr
 
 # name -> submodule, for training (router, dispatcher, expert layer, model, schedule)
 _TRAIN_EXPORTS: dict[str, str] = {
@@ -79,7 +78,4 @@ _EXPORTS = {**_TRAIN_EXPORTS, **_INFER_EXPORTS}
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -6,8 +6,7 @@ nothing and pulls in neither the solver nor the kernels until they are used.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._lazy import lazy_getattr
 
 # name -> submodule, for the codec (stochastic quantization, packing, kernels dispatch)
 _CODEC_EXPORTS: dict[str, str] = {
@@ -39,7 +38,4 @@ _EXPORTS = {**_CODEC_EXPORTS, **_ASSIGN_EXPORTS}
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
