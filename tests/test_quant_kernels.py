@@ -5,6 +5,7 @@ Legend: N rows, D features, b bits.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -21,23 +22,30 @@ WIDTHS = R.BITS
 _MODULE = "commsched.kernels.quant"
 
 
-@pytest.fixture(scope="module")
-def K():
-    """The kernels module imported under the interpreter (chosen when the kernels are
-    decorated, i.e. at import), and forgotten afterwards with the environment restored."""
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
+@contextlib.contextmanager
+def _fresh_kernels(interpret: bool):
+    """The kernels module imported anew with ``TRITON_INTERPRET`` set or unset (chosen when
+    the kernels are decorated, i.e. at import), forgotten afterwards with the environment
+    restored."""
+    before = os.environ.pop("TRITON_INTERPRET", None)
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
     sys.modules.pop(_MODULE, None)
     try:
-        mod = importlib.import_module(_MODULE)
-        assert type(mod.quantize_pack_kernel).__name__ == "InterpretedFunction"
-        yield mod
+        yield importlib.import_module(_MODULE)
     finally:
         sys.modules.pop(_MODULE, None)
-        if before is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
+        os.environ.pop("TRITON_INTERPRET", None)
+        if before is not None:
             os.environ["TRITON_INTERPRET"] = before
+
+
+@pytest.fixture(scope="module")
+def K():
+    """The kernels module under the interpreter."""
+    with _fresh_kernels(interpret=True) as mod:
+        assert type(mod.quantize_pack_kernel).__name__ == "InterpretedFunction"
+        yield mod
 
 
 def _cases():
@@ -146,18 +154,10 @@ def test_launcher_validation(K):
 
 @pytest.fixture(scope="module")
 def compiled_module():
-    """The kernels module as a GPU build sees it (real ``@triton.jit`` functions, no
-    interpreter), forgotten afterwards with the environment restored."""
-    before = os.environ.pop("TRITON_INTERPRET", None)
-    sys.modules.pop(_MODULE, None)
-    try:
-        mod = importlib.import_module(_MODULE)
+    """The kernels module as a GPU build sees it (real ``@triton.jit`` functions)."""
+    with _fresh_kernels(interpret=False) as mod:
         assert type(mod.quantize_pack_kernel).__name__ == "JITFunction"
         yield mod
-    finally:
-        sys.modules.pop(_MODULE, None)
-        if before is not None:
-            os.environ["TRITON_INTERPRET"] = before
 
 
 @pytest.mark.parametrize("bits", WIDTHS)
