@@ -12,6 +12,14 @@ to rank p. The result holds the rows received from rank 0, then rank 1, and so o
 
 Both give identical results. The exchange is differentiable: the backward pass is the
 same exchange with send and receive counts swapped.
+
+``observer`` (an :class:`~commsched.observe.A2AObserver`, for example the gradient
+scheduler of :mod:`commsched.priority.executor`) is told when the exchange starts and ends
+(``a2a_begin(bytes sent to peers)`` / ``a2a_end``) and how long the caller was blocked in it,
+in the forward pass and again for the reverse exchange autograd runs in the backward pass.
+``backward_block`` marks the expert block of an MoE layer in the backward pass: the
+combine exchange's backward opens it (``"begin"``: ``block_begin`` before its reverse
+exchange), the dispatch exchange's backward closes it (``"end"``: ``block_end`` after).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import torch.distributed as dist
 
 from .clock import Clock
 from .dist import CommError, comm_guard, control_device
+from .observe import A2AObserver, A2AReport, check_observer
 
 PATTERNS = ("direct", "ring")
 
@@ -78,6 +87,11 @@ class A2APlan:
     @property
     def total_recv(self) -> int:
         return self.recv_offsets[-1]
+
+    @property
+    def peer_rows(self) -> int:
+        """Rows this rank sends to other ranks (its own rows stay here)."""
+        return self.total_send - self.send_counts[self.rank]
 
     def reversed(self) -> "A2APlan":
         """The plan of the reverse exchange (the backward pass)."""
@@ -264,11 +278,29 @@ def _ring(x: torch.Tensor, out: torch.Tensor, plan: A2APlan, group, stats: CommS
             stats.add_time(i, t, clock.mark())
 
 
+def _peer_bytes(x: torch.Tensor, plan: A2APlan) -> int:
+    """Bytes this rank sends to its peers (its own rows stay here)."""
+    return plan.peer_rows * _row_numel(x) * x.element_size()
+
+
 def _exchange(x: torch.Tensor, plan: A2APlan, group, pattern: str,
-              stats: CommStats | None) -> torch.Tensor:
-    """Blocking exchange (no autograd)."""
-    h = _start(x, plan, group, pattern, stats)
-    return h._finish()
+              stats: CommStats | None, observer: A2AObserver | None = None) -> torch.Tensor:
+    """Blocking exchange (no autograd), reported to ``observer`` from start to completion."""
+    _check_x(x, plan)
+    report = A2AReport(observer, _peer_bytes(x, plan), x.device)
+    return report.finish(lambda: _start(x, plan, group, pattern, stats)._finish())
+
+
+def _backward(ctx, g: torch.Tensor) -> torch.Tensor:
+    """The reverse exchange of an exchange's backward pass, reported like the forward one,
+    with the expert block it opens or closes (``ctx.block``)."""
+    obs, block = ctx.observer, ctx.block
+    if obs is not None and block == "begin":
+        obs.block_begin()
+    out = _exchange(g.contiguous(), ctx.plan.reversed(), ctx.group, ctx.pattern, ctx.stats, obs)
+    if obs is not None and block == "end":
+        obs.block_end()
+    return out
 
 
 class _RawHandle:
@@ -348,26 +380,28 @@ def _start(x: torch.Tensor, plan: A2APlan, group, pattern: str, stats: CommStats
 
 class _A2AFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, plan, group, pattern, stats):  # noqa: D401
+    def forward(ctx, x, plan, group, pattern, stats, observer, block):  # noqa: D401
         ctx.plan, ctx.group, ctx.pattern, ctx.stats = plan, group, pattern, stats
-        return _exchange(x, plan, group, pattern, stats)
+        ctx.observer, ctx.block = observer, block
+        return _exchange(x, plan, group, pattern, stats, observer)
 
     @staticmethod
     def backward(ctx, g):
-        return _exchange(g.contiguous(), ctx.plan.reversed(), ctx.group, ctx.pattern, ctx.stats), None, None, None, None
+        return _backward(ctx, g), None, None, None, None, None, None
 
 
 class _WaitFn(torch.autograd.Function):
     """Joins an async exchange into the autograd graph: forward waits, backward reverses."""
 
     @staticmethod
-    def forward(ctx, x, handle, group, pattern):
+    def forward(ctx, x, handle, group, pattern, observer, block):
         ctx.plan, ctx.group, ctx.pattern, ctx.stats = handle.plan, group, pattern, handle.stats
+        ctx.observer, ctx.block = observer, block
         return handle._finish()
 
     @staticmethod
     def backward(ctx, g):
-        return _exchange(g.contiguous(), ctx.plan.reversed(), ctx.group, ctx.pattern, ctx.stats), None, None, None
+        return _backward(ctx, g), None, None, None, None, None
 
 
 def _resolve_plan(x: torch.Tensor, send_counts, group) -> A2APlan:
@@ -384,26 +418,33 @@ def _resolve_plan(x: torch.Tensor, send_counts, group) -> A2APlan:
 
 
 def all_to_all(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *, group=None,
-               pattern: str = "direct", stats: CommStats | None = None) -> torch.Tensor:
+               pattern: str = "direct", stats: CommStats | None = None,
+               observer: A2AObserver | None = None, backward_block: str | None = None) -> torch.Tensor:
     """Uneven all-to-all of the rows of ``x_RD`` (see the module docstring).
 
     ``send_counts`` is a list with one count per rank, or an :class:`A2APlan` to reuse
     (no count exchange then). Returns a new tensor [sum(recv_counts), *x.shape[1:]].
     Differentiable. Disagreeing counts, dtypes or row shapes raise ValueError on every rank;
     a dead or stuck peer raises :class:`CommError` within the group's timeout.
+    ``observer`` / ``backward_block``: who is told about this exchange and its backward
+    (module docstring); the count exchange of a list ``send_counts`` is not reported.
     """
+    check_observer(observer, backward_block)
     plan = _resolve_plan(x_RD, send_counts, group)
     if x_RD.requires_grad and torch.is_grad_enabled():
-        return _A2AFn.apply(x_RD, plan, group, pattern, stats)
-    return _exchange(x_RD, plan, group, pattern, stats)
+        return _A2AFn.apply(x_RD, plan, group, pattern, stats, observer, backward_block)
+    return _exchange(x_RD, plan, group, pattern, stats, observer)
 
 
 class A2AHandle:
-    """An all-to-all in flight. ``wait()`` returns the received rows (differentiable)."""
+    """An all-to-all in flight. ``wait()`` returns the received rows (differentiable) and,
+    for an observed exchange, reports its end to the observer."""
 
     def __init__(self, x: torch.Tensor, raw: _RawHandle, group, pattern: str,
-                 post: Callable[[torch.Tensor], object] | None = None):
+                 post: Callable[[torch.Tensor], object] | None = None, report: A2AReport | None = None,
+                 backward_block: str | None = None):
         self._x, self._raw, self._group, self._pattern, self._post = x, raw, group, pattern, post
+        self._report, self._block = report, backward_block
         self._result = None
 
     @property
@@ -415,25 +456,40 @@ class A2AHandle:
 
     def wait(self):
         if self._result is None:
-            if self._x.requires_grad and torch.is_grad_enabled():
-                out = _WaitFn.apply(self._x, self._raw, self._group, self._pattern)
-            else:
-                out = self._raw._finish()
+            obs = self._report.observer if self._report is not None else None
+
+            def join() -> torch.Tensor:
+                if self._x.requires_grad and torch.is_grad_enabled():
+                    return _WaitFn.apply(self._x, self._raw, self._group, self._pattern, obs, self._block)
+                return self._raw._finish()
+
+            out = self._report.finish(join) if self._report is not None else join()
             self._result = self._post(out) if self._post is not None else out
         return self._result
 
 
 def all_to_all_async(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *, group=None,
-                     pattern: str = "direct", stats: CommStats | None = None) -> A2AHandle:
+                     pattern: str = "direct", stats: CommStats | None = None,
+                     observer: A2AObserver | None = None, backward_block: str | None = None) -> A2AHandle:
     """Start an all-to-all and return at once; compute while the bytes move, then ``wait()``.
 
     The direct pattern uses the backend's asynchronous all_to_all_single; the ring pattern
     runs its rounds on a background thread. Do not issue other collectives on the same
-    group from another thread while a ring exchange is in flight.
+    group from another thread while a ring exchange is in flight. ``observer`` is told the
+    exchange began now and ended when ``wait()`` returns (the time blocked in ``wait()``
+    with it); the backward pass's reverse exchange is reported like
+    :func:`all_to_all`'s, with ``backward_block``.
     """
+    check_observer(observer, backward_block)
     plan = _resolve_plan(x_RD, send_counts, group)
-    raw = _start(x_RD, plan, group, pattern, stats, background=True)
-    return A2AHandle(x_RD, raw, group, pattern)
+    _check_x(x_RD, plan)
+    report = A2AReport(observer, _peer_bytes(x_RD, plan), x_RD.device)
+    try:
+        raw = _start(x_RD, plan, group, pattern, stats, background=True)
+    except BaseException:
+        report.finish(lambda: None)  # never left open: the observer would hold its work for it
+        raise
+    return A2AHandle(x_RD, raw, group, pattern, report=report, backward_block=backward_block)
 
 
 # --------------------------------------------------------------------------- segments

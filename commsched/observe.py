@@ -4,7 +4,9 @@ An MoE layer reports each of its exchanges (``a2a_begin`` / ``a2a_end``), the ex
 of its backward pass (``block_begin`` / ``block_end``) and the time its compute thread
 spent blocked on an exchange (``a2a_blocked``) to the :class:`A2AObserver` it was built
 with. Implementations: the gradient scheduler of :mod:`commsched.priority.executor` and
-:class:`A2ATimer`.
+:class:`A2ATimer`. ``commsched.all_to_all(..., observer=)`` and ``all_to_all_async`` report
+to one in both directions (the forward exchange and the reverse one of the backward pass),
+through :class:`A2AReport`, so any expert-parallel layer built on them is observed.
 
 A model lives longer than the schedulers that watch it (a run times its steps under one
 schedule, then probes the all-to-all alone under another), so it is built with an
@@ -22,9 +24,18 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol, TypeVar
 
+import torch
 from torch.utils.hooks import RemovableHandle
+
+from .clock import Clock
+
+T = TypeVar("T")
+
+# ``backward_block`` of an observed exchange: its backward pass opens ("begin") or closes
+# ("end") the expert block of an MoE layer (see :class:`A2AReport`)
+BLOCK_MARKS = ("begin", "end")
 
 
 class A2AObserver(Protocol):
@@ -87,6 +98,54 @@ class A2AEvents:
                 fn(seconds)
 
 
+def check_observer(observer: object, backward_block: str | None = None) -> None:
+    """A TypeError unless ``observer`` is None or has ``a2a_begin`` / ``a2a_end`` (and, with a
+    ``backward_block``, ``block_begin`` / ``block_end``); a ValueError for a bad ``backward_block``."""
+    if backward_block is not None and backward_block not in BLOCK_MARKS:
+        raise ValueError(f"backward_block must be one of {BLOCK_MARKS} or None, got {backward_block!r}")
+    if observer is None:
+        return
+    need = ("a2a_begin", "a2a_end") + (("block_begin", "block_end") if backward_block else ())
+    missing = [m for m in need if not callable(getattr(observer, m, None))]
+    if missing:
+        raise TypeError(f"observer {type(observer).__name__} lacks {', '.join(missing)}: an all-to-all "
+                        "observer needs a2a_begin(nbytes) -> token and a2a_end(token) (see "
+                        "commsched.observe.A2AObserver)")
+
+
+class A2AReport:
+    """One exchange as an observer sees it: ``a2a_begin(nbytes)`` when made, then
+    :meth:`finish` runs the wait, reports the time the caller was blocked in it
+    (``a2a_blocked``, when the observer has it) and ``a2a_end``. ``observer`` None: a no-op.
+
+    The blocked time is the host clock on the CPU and CUDA events on the current stream of
+    ``device`` on CUDA (waited for when reported). ``finish`` reports once, however often
+    it is called.
+    """
+
+    __slots__ = ("observer", "token", "device", "_open")
+
+    def __init__(self, observer: A2AObserver | None, nbytes: int, device: torch.device | str = "cpu"):
+        self.observer, self.device = observer, torch.device(device)
+        self.token = observer.a2a_begin(int(nbytes)) if observer is not None else None
+        self._open = observer is not None
+
+    def finish(self, wait: Callable[[], T]) -> T:
+        """``wait()``'s result, with the blocked time and the end reported (once)."""
+        if not self._open:
+            return wait()
+        clock = Clock(self.device)
+        t0 = clock.mark()
+        try:
+            return wait()
+        finally:  # a failed exchange ends too: the observer must not hold its work for it
+            self._open = False
+            fn = getattr(self.observer, "a2a_blocked", None)
+            if fn is not None:
+                fn(clock.seconds(t0, clock.mark()))
+            self.observer.a2a_end(self.token)  # type: ignore[union-attr]
+
+
 @dataclass
 class A2ATimer:
     """An observer that adds up exchange time (wall time from start to completion seen by
@@ -137,4 +196,4 @@ class A2ATimer:
             self.intervals = []
 
 
-__all__ = ["A2AEvents", "A2AObserver", "A2ATimer"]
+__all__ = ["A2AEvents", "A2AObserver", "A2AReport", "A2ATimer", "BLOCK_MARKS", "check_observer"]

@@ -187,15 +187,17 @@ def test_capacity_matches_formula():
 
 # --------------------------------------------------------------------------- devices and dtypes
 def _recording_exchange(monkeypatch) -> list:
-    """Replace the dispatcher's all_to_all by a one-rank identity that logs what it sends."""
-    import commsched.moe.dispatch as dispatch
+    """Log what every exchange sends (forward and backward, one rank: the real exchange is
+    a local copy), at the one place every pattern and direction starts an exchange."""
+    import commsched.all2all as a2a
 
     sent: list = []
+    start = a2a._start
 
-    def fake(x, plan, *, group=None, **kw):
+    def logged(x, plan, *args, **kw):
         sent.append((x.dtype, x.numel() * x.element_size(), x.device))
-        return x.clone()
-    monkeypatch.setattr(dispatch, "all_to_all", fake)
+        return start(x, plan, *args, **kw)
+    monkeypatch.setattr(a2a, "_start", logged)
     return sent
 
 

@@ -26,7 +26,10 @@ will receive from each peer.
 An :class:`~commsched.observe.A2AObserver` (the priority scheduler, an
 :class:`~commsched.observe.A2ATimer`, or an :class:`~commsched.observe.A2AEvents` passing
 the reports on) is told when each exchange starts and ends and when the expert block of a
-backward pass starts and ends.
+backward pass starts and ends: the plain path passes it to ``commsched.all_to_all``
+(``observer=``, ``backward_block=``), which reports the forward and the backward exchanges;
+the pipelined path, whose autograd function runs its own backward, reports through
+:class:`~commsched.observe.A2AReport`.
 
 Devices: every index tensor (token order, the regrouping permutations) and the count
 exchange live on the device of the routing and the tokens, so a CUDA layer never mixes
@@ -37,7 +40,6 @@ host clock on the CPU and CUDA events on CUDA (waited for when reported).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -45,33 +47,11 @@ import torch
 import torch.distributed as dist
 
 from ..all2all import A2APlan, all_to_all, all_to_all_async, make_plan
-from ..clock import Clock
 from ..dist import check_same_config
 from ..lanes import Lanes
-from ..observe import A2AObserver
+from ..observe import A2AObserver, A2AReport
 from .experts import ExpertFFN, expert_apply
 from .router import Routing
-
-
-def _blocked(observer: A2AObserver | None, seconds: float) -> None:
-    fn = getattr(observer, "a2a_blocked", None)
-    if fn is not None:
-        fn(seconds)
-
-
-def _mark(device: torch.device):
-    """Now: the host clock on the CPU, a CUDA event on the current stream on CUDA."""
-    if device.type != "cuda":
-        return time.perf_counter()
-    return Clock(device).mark()
-
-
-def _since(device: torch.device, t0) -> float:
-    """Seconds from mark ``t0`` to now (on CUDA: waits until the current stream gets here)."""
-    if device.type != "cuda":
-        return time.perf_counter() - t0
-    c = Clock(device)
-    return c.seconds(t0, c.mark())
 
 
 # --------------------------------------------------------------------------- placement of experts
@@ -210,12 +190,7 @@ def exchange_counts(counts_CE: torch.Tensor, eg: ExpertGroup,
     P, L = eg.size, eg.num_local
     send = counts_CE.reshape(C, P, L).permute(1, 0, 2).reshape(P, C * L).contiguous()
     plan = A2APlan((1,) * P, (1,) * P, eg.rank)
-    tok = observer.a2a_begin(send.numel() * 8) if observer is not None else None
-    t0 = _mark(send.device)
-    got = all_to_all(send, plan, group=eg.group).reshape(P, C, L)
-    if observer is not None:
-        _blocked(observer, _since(send.device, t0))
-        observer.a2a_end(tok)
+    got = all_to_all(send, plan, group=eg.group, observer=observer).reshape(P, C, L)
     g = got.permute(1, 0, 2).tolist()  # [C][P][L]
     return g
 
@@ -239,50 +214,18 @@ def build_chunk_plans(asg: Assignments, eg: ExpertGroup,
     return plans
 
 
-def _peer_bytes(plan: A2APlan, row_bytes: int) -> int:
-    return (plan.total_send - plan.send_counts[plan.rank]) * row_bytes
-
-
 # --------------------------------------------------------------------------- plain EP path
-def _observed(x: torch.Tensor, plan: A2APlan, group, observer: A2AObserver | None) -> torch.Tensor:
-    tok = observer.a2a_begin(_peer_bytes(plan, x[0].numel() * x.element_size() if x.shape[0] else 0)) \
-        if observer is not None else None
-    t0 = _mark(x.device)
-    out = all_to_all(x, plan, group=group)
-    if observer is not None:
-        _blocked(observer, _since(x.device, t0))
-        observer.a2a_end(tok)
-    return out
-
-
-class _ObservedA2A(torch.autograd.Function):
-    """Differentiable exchange that reports to an observer; ``role`` marks the expert block
-    of the backward pass (it opens at the combine exchange and closes after the dispatch)."""
-
-    @staticmethod
-    def forward(ctx, x, plan, group, observer, role):
-        ctx.plan, ctx.group, ctx.observer, ctx.role = plan, group, observer, role
-        return _observed(x, plan, group, observer)
-
-    @staticmethod
-    def backward(ctx, g):
-        obs = ctx.observer
-        if obs is not None and ctx.role == "combine":
-            obs.block_begin()
-        out = _observed(g.contiguous(), ctx.plan.reversed(), ctx.group, obs)
-        if obs is not None and ctx.role == "dispatch":
-            obs.block_end()
-        return out, None, None, None, None
-
-
 def _plain_chunks(x_send: torch.Tensor, plans: Sequence[ChunkPlan], experts: ExpertFFN, eg: ExpertGroup,
                   observer: A2AObserver | None) -> torch.Tensor:
+    """Chunk by chunk: dispatch, experts, combine. In the backward pass the combine
+    exchange opens the expert block and the dispatch exchange closes it."""
     outs = []
     for cp in plans:
         xc = x_send[cp.send_lo:cp.send_hi]
-        xr = _ObservedA2A.apply(xc, cp.plan, eg.group, observer, "dispatch")
+        xr = all_to_all(xc, cp.plan, group=eg.group, observer=observer, backward_block="end")
         y = experts(xr[cp.perm_R], cp.counts_L)
-        outs.append(_ObservedA2A.apply(y[cp.inv_R], cp.plan.reversed(), eg.group, observer, "combine"))
+        outs.append(all_to_all(y[cp.inv_R], cp.plan.reversed(), group=eg.group, observer=observer,
+                               backward_block="begin"))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -301,22 +244,17 @@ class _Pipeline:
         self.plans, self.eg, self.observer, self.lanes = list(plans), eg, observer, lanes
 
     def start(self, x: torch.Tensor, plan: A2APlan):
-        obs = self.observer
-        row_bytes = x[0].numel() * x.element_size() if x.shape[0] else 0
-        tok = obs.a2a_begin(_peer_bytes(plan, row_bytes)) if obs is not None else None
+        """Queue one exchange (reported as begun now); :meth:`finish` waits for it."""
         x = x.contiguous()
-        if self.lanes is not None:
-            return self.lanes.submit("comm", all_to_all, x, plan, group=self.eg.group), tok, x.device
-        return all_to_all_async(x, plan, group=self.eg.group), tok, x.device
+        if self.lanes is None:  # the handle's wait() reports the end
+            return all_to_all_async(x, plan, group=self.eg.group, observer=self.observer), None
+        row_bytes = x[0].numel() * x.element_size() if x.shape[0] else 0
+        report = A2AReport(self.observer, plan.peer_rows * row_bytes, x.device)
+        return self.lanes.submit("comm", all_to_all, x, plan, group=self.eg.group), report
 
     def finish(self, handle) -> torch.Tensor:
-        h, tok, dev = handle
-        t0 = _mark(dev)
-        out = h.wait()
-        if self.observer is not None:
-            _blocked(self.observer, _since(dev, t0))
-            self.observer.a2a_end(tok)
-        return out
+        h, report = handle
+        return h.wait() if report is None else report.finish(h.wait)
 
 
 class _PipelinedExperts(torch.autograd.Function):
