@@ -1,5 +1,5 @@
-"""Micro-op partitioning, the all-to-all-first priority policy, its executor and a
-discrete-event simulator of the policy (Lina).
+"""Micro-op partitioning, the all-to-all-first priority policy, its executor, urgent
+operations beside the background micro-ops, and a discrete-event simulator of the policy (Lina).
 
 Names are resolved lazily from their submodules; importing ``commsched.priority`` runs nothing.
 """
@@ -27,6 +27,8 @@ _EXPORTS: dict[str, str] = {
     "SimResult": "sim",
     "GradScheduler": "executor",
     "LOCAL": "executor",
+    "UrgentOp": "transfer",
+    "urgent": "transfer",
 }
 __all__ = sorted(_EXPORTS)
 

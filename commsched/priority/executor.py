@@ -53,6 +53,7 @@ from ..config import read_env
 from ..dist import CommError, peer_failure_hint, unresponsive_note
 from .microops import CommOp
 from .policy import ScheduleConfig, allreduce_ops, make_policy
+from .transfer import UrgentOp, urgent
 
 
 def _rank() -> int:
@@ -494,6 +495,13 @@ class GradScheduler:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # ------------------------------------------------------------------ urgent operations
+    def urgent(self, start: Callable[..., Any], *args: Any, nbytes: int = 0, **kwargs: Any) -> UrgentOp:
+        """Launch ``start(*args, **kwargs)`` now as an urgent operation (a pipeline send, an
+        all-to-all): no micro-op is launched until its ``wait()`` returns, and those in flight
+        are within the credit. See :func:`commsched.priority.transfer.urgent`."""
+        return urgent(self, start, *args, nbytes=nbytes, **kwargs)
 
 
 __all__ = ["LOCAL", "GradScheduler", "OpRecord"]
