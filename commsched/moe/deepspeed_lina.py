@@ -132,6 +132,9 @@ class DeepSpeedLina:
         from deepspeed.moe import sharded_moe
 
         _check_engine(engine)
+        if not hasattr(engine, "enable_backward_allreduce"):
+            raise ValueError("this DeepSpeed engine has no enable_backward_allreduce switch (DeepSpeed "
+                             "0.19 has it), so its own gradient reduction cannot be turned off")
         if isinstance(sharded_moe._AllToAll, _ObservedAllToAll):
             raise RuntimeError("a DeepSpeedLina is already open in this process; close it first")
         self.engine = engine
