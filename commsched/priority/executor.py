@@ -499,8 +499,8 @@ class GradScheduler:
     # ------------------------------------------------------------------ urgent operations
     def urgent(self, start: Callable[..., Any], *args: Any, nbytes: int = 0, **kwargs: Any) -> UrgentOp:
         """Launch ``start(*args, **kwargs)`` now as an urgent operation (a pipeline send, an
-        all-to-all): no micro-op is launched until its ``wait()`` returns, and those in flight
-        are within the credit. See :func:`commsched.priority.transfer.urgent`."""
+        all-to-all): under ``lina`` no micro-op is launched until its ``wait()`` returns, and
+        those in flight are within the credit. See :func:`commsched.priority.transfer.urgent`."""
         return urgent(self, start, *args, nbytes=nbytes, **kwargs)
 
 

@@ -88,7 +88,8 @@ def urgent(observer: A2AObserver, start: Callable[..., Any], *args: Any, nbytes:
     :class:`~commsched.priority.executor.GradScheduler`, or any all-to-all observer).
 
     The observer is told first (``a2a_begin(nbytes)``), so from now until
-    :meth:`UrgentOp.wait` returns the scheduler launches no background micro-op; then
+    :meth:`UrgentOp.wait` returns a ``lina`` scheduler launches no background micro-op
+    (``fifo`` and ``serial`` never hold for urgent work); then
     ``start`` runs at once. ``start`` returns a ``Work`` (``dist.isend``, an ``async_op=True``
     collective), a list of them (``dist.batch_isend_irecv``), or anything else when it
     completed by itself (a blocking call): the operation then ends at ``wait()``.
