@@ -141,8 +141,9 @@ class UserModel(nn.Module):
 D, T, STEPS = 16, 24, 3
 
 
-def _train(rank: int, world: int, schedule: str | None) -> tuple[dict, list, list]:
-    """STEPS of SGD; ``schedule`` None: no scheduler, a plain allreduce after backward."""
+def _train(rank: int, world: int, schedule: str | None, launch: str | None = None) -> tuple[dict, list, list]:
+    """STEPS of SGD; ``schedule`` None: no scheduler, a plain allreduce after backward;
+    ``launch``: the launch rule (None: the device's default, ``completion`` here)."""
     events = A2AEvents()
     model = UserModel(D, world, rank, events)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -150,7 +151,7 @@ def _train(rank: int, world: int, schedule: str | None) -> tuple[dict, list, lis
     sched = None
     if schedule is not None:
         # 64-byte micro-ops: 16 of the 1 KiB input weight, credit of 2
-        cfg = ScheduleConfig(schedule, microop_bytes=64, credit_bytes=128, bucket_bytes=256)
+        cfg = ScheduleConfig(schedule, microop_bytes=64, credit_bytes=128, bucket_bytes=256, launch=launch)
         sched = GradScheduler(model.sched_params(), cfg)
         events.register(sched)
     events.register(log)
@@ -183,8 +184,9 @@ def _user_layer_trains_alike(rank: int, world: int) -> None:
     torch.manual_seed(0)
     init = UserModel(D, world, rank).state_dict()
     assert not torch.equal(init["inp.weight"], ref["inp.weight"])  # training moved the weights
-    for schedule in ("lina", "fifo", "serial"):
-        got, log, records = _train(rank, world, schedule)
+    # lina under both launch rules ("program" is CUDA's default: it counts launches per gap)
+    for schedule, launch in (("lina", None), ("lina", "program"), ("fifo", None), ("serial", None)):
+        got, log, records = _train(rank, world, schedule, launch)
         for n in ref:
             assert torch.allclose(got[n], ref[n], rtol=1e-6, atol=1e-7), (schedule, n)
         # every step: forward dispatch + combine, then backward combine (opening the expert
