@@ -285,6 +285,11 @@ def _cases(rank: int, world: int) -> dict:
                               part, group=grp)
         out[f"loss_vanilla_{P}"] = mv8["loss"]
         out[f"bytes_vanilla_{P}"] = mv8["bytes_sent_per_epoch"]
+    # the PyG adapter's 3-rank cases (tests/test_gnn_pyg.py) share this spawn: {name: traceback}
+    from tests.mp import _run_cases
+    from tests.test_gnn_pyg import THREE_RANK_CASES
+
+    out["pyg"] = _run_cases(rank, world, THREE_RANK_CASES)
     return out
 
 
@@ -312,3 +317,8 @@ def test_adaqp_on_two_and_three_ranks():
             assert out[f"bytes_uniform_{P}"] < 0.4 * out[f"bytes_vanilla_{P}"]
             assert out[f"bytes_adaqp_{P}"] < 0.4 * out[f"bytes_vanilla_{P}"]
             assert out[f"bytes_nocomm_{P}"] == 0
+    from tests.mp import assert_case
+
+    pyg = {name: {r: out["pyg"][name] for r, out in enumerate(res)} for name in res[0]["pyg"]}
+    for name in pyg:
+        assert_case(pyg, name)
