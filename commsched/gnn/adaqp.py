@@ -109,8 +109,8 @@ def _mix_key(*parts: int) -> int:
 def _check_norm(book: PartitionBook, norm: str) -> None:
     """A ValueError unless ``book`` holds AdaQP's message coefficients for ``norm``."""
     if norm not in NORMS:
-        raise ValueError(f"the AdaQP exchange weighs messages by an edge normalisation of "
-                         f"{', '.join(NORMS)}; got norm={norm!r}")
+        raise ValueError(f"norm must be one of {', '.join(NORMS)} (the layer's edge normalisation, "
+                         f"by which the AdaQP exchange weighs its messages), got {norm!r}")
     if norm not in book.send_coef_sq:
         raise ValueError(f"the partition book of rank {book.rank} has no AdaQP coefficients for "
                          f"norm={norm!r} (it holds {', '.join(sorted(book.send_coef_sq))}): it was "
