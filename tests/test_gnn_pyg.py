@@ -7,6 +7,8 @@ gradients equal to 1e-10 in float64), AdaQP training with the loop protocol (los
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -121,6 +123,15 @@ def test_one_rank_equals_pyg_in_both_forms():
     lay = distributed(ChebConv(g.num_features, 4, K=1).double(), dg, kind=LayerKind("sum"))
     lay.conv.load_state_dict(ref.state_dict())
     _close(lay(dg.x), ref(g.x_NF.double(), g.edge_index_2E)[dg.global_ids].detach(), EXACT)
+    # a kind that may not be split runs after the exchange where it overlaps, and says so once
+    dg2 = DistGraph.from_graph(g, mode="adaqp-p", dtype=torch.float64)
+    lay2 = distributed(ChebConv(g.num_features, 4, K=1).double(), dg2, kind=LayerKind("sum", split=False))
+    lay2.conv.load_state_dict(ref.state_dict())
+    with pytest.warns(RuntimeWarning, match=r"ChebConv \(layer 0\) cannot be split.*without overlap"):
+        _close(lay2(dg2.x), ref(g.x_NF.double(), g.edge_index_2E)[dg2.global_ids], EXACT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lay2(dg2.x)
     with pytest.raises(ValueError, match=r"expects the 300 owned rows \[n, F\].*got shape \[5, 12\]"):
         lay(dg.x[:5])
     with pytest.raises(RuntimeError, match="wrap every layer before the first pass"):

@@ -141,6 +141,7 @@ class AdaQPExchange(HaloExchange):
         # layer -> its own edge normalisation, where it differs from ``norm`` (set_layer_norm)
         self.layer_norms: dict[int, str] = {}
         self.opt = options if options is not None else AdaQPOptions()
+        self._compiles = self.opt.compile and compile_enabled()
         self.rank = book.rank
         self._calls = 0
         # the period whose random draws are in force
@@ -217,8 +218,8 @@ class AdaQPExchange(HaloExchange):
     @property
     def compiles(self) -> bool:
         """Whether this exchange compiles its codec (``options.compile`` and
-        ``COMMSCHED_COMPILE`` both allow it)."""
-        return self.opt.compile and compile_enabled()
+        ``COMMSCHED_COMPILE``, read when the exchange was made, both allow it)."""
+        return self._compiles
 
     def prepare(self, dims: list[int], *, say: Callable[[str], None] | None = say_stderr) -> None:
         """Set-up before the first epoch: compile the codec that will run (for every width

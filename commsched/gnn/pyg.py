@@ -245,7 +245,8 @@ class DistGraph:
         if part.book.num_parts != world or part.book.rank != rank:
             raise ValueError(f"rank {rank} of {world} was given part {part.book.rank} of "
                              f"{part.book.num_parts}")
-        self.spec = mode_spec(mode) if exchange is None else None
+        if exchange is None:
+            mode_spec(mode)  # an unknown mode fails here, naming the known ones
         self.part, self.book, self.mode, self.group = part, part.book, mode, group
         self.rank, self.world = rank, world
         self.device = torch.device(device) if device is not None else torch.device("cpu")
