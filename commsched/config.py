@@ -5,6 +5,7 @@
 | COMMSCHED_TIMEOUT_S     | timeout of every collective, seconds                | 120     |
 | COMMSCHED_BACKEND       | force a torch.distributed backend (gloo, nccl)      | auto    |
 | COMMSCHED_PROGRESS      | 0 disables progress bars                            | 1       |
+| COMMSCHED_COMPILE       | 0: the quantization codec never calls torch.compile (its eager twin runs: same bits, slower; also `AdaQPOptions(compile=False)`, `--no-compile`) | 1 |
 | GLOO_SOCKET_IFNAME      | gloo's interfaces, comma-separated (torch reads it too) | auto |
 | RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT | set by torchrun | |
 """
@@ -27,6 +28,7 @@ class EnvConfig:
     local_rank: int | None
     local_world_size: int | None = None
     gloo_ifnames: tuple[str, ...] = ()
+    compile: bool = True
 
 
 def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
@@ -41,6 +43,16 @@ def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
             return int(v)
         except ValueError:
             raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+
+    def _flag(name: str, default: bool) -> bool:
+        v = env.get(name, "").strip().lower()
+        if v == "":
+            return default
+        if v in ("1", "true", "yes", "on"):
+            return True
+        if v in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"environment variable {name}={env[name]!r}: expected 0 or 1")
 
     raw_t = env.get("COMMSCHED_TIMEOUT_S", "")
     try:
@@ -61,4 +73,5 @@ def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
         local_rank=_int("LOCAL_RANK"),
         local_world_size=_int("LOCAL_WORLD_SIZE"),
         gloo_ifnames=tuple(i for i in env.get("GLOO_SOCKET_IFNAME", "").split(",") if i),
+        compile=_flag("COMMSCHED_COMPILE", True),
     )

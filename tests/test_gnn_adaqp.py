@@ -64,6 +64,86 @@ def _per_rank(P: int, rng) -> list[dict]:
     return out
 
 
+# --------------------------------------------------------------------------- the codec's compiling
+# torch.compile is replaced by the identity (compiling for real takes ~10 s per kernel here);
+# what is tested is what the codec says around it, and that COMMSCHED_COMPILE=0 never calls it.
+_ODD_D = 4099  # a row width no other test compiles
+
+
+@pytest.fixture
+def fake_compile(monkeypatch):
+    from commsched.quant import fast
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    fast._compiled.cache_clear()
+    yield fast
+    fast._compiled.cache_clear()  # no identity-"compiled" kernel outlives the test
+
+
+def test_codec_compiling_says_what_and_how_long(fake_compile):
+    import re
+
+    fast, lines = fake_compile, []
+    assert fast.warm_codec([_ODD_D], bits=[8, 2], say=lines.append) >= 0.0
+    assert len(lines) == 2
+    assert "compiling the CPU quantization codec" in lines[0] and "4 kernels" in lines[0]
+    assert "COMMSCHED_COMPILE=0" in lines[0] and str(_ODD_D) in lines[0]
+    assert re.fullmatch(r"commsched\.quant: codec compiled in \d+\.\d s", lines[1])
+    assert fast.warm_codec([_ODD_D], bits=[8, 2], say=lines.append) == 0.0 and len(lines) == 2
+    # a kernel compiled on first use outside warm_codec says so by itself, once
+    x = torch.randn(8, _ODD_D)
+    p, m = fast.quantize_cpu(x, 4, 1, compile=True, _say=lines.append)
+    fast.quantize_cpu(x, 4, 1, compile=True, _say=lines.append)
+    assert len(lines) == 4 and "compiling the quantize_fused_b4_d4099" in lines[2]
+    assert re.fullmatch(r"commsched\.quant: compiled quantize_fused_b4_d4099 in \d+\.\d s", lines[3])
+    assert torch.equal(p, fast.quantize_cpu(x, 4, 1, compile=False)[0])
+
+
+def test_adaqp_prepare_speaks_on_rank_0_and_not_without_compiling(fake_compile):
+    from commsched.gnn.adaqp import AdaQPExchange
+    from commsched.gnn.book import build_books
+
+    # node i of part 0 joined to node 40 + i of part 1: 40 rows each way, 40 * 4099
+    # elements per exchange, large enough to compile
+    pairs = [(i, 40 + i) for i in range(40)]
+    src = np.array([a for a, b in pairs] + [b for a, b in pairs])
+    dst = np.array([b for a, b in pairs] + [a for a, b in pairs])
+    books = build_books(src, dst, (np.arange(80) >= 40).astype(np.int64), 2)
+    assert min(sum(books[0].send_counts), sum(books[0].recv_counts)) * _ODD_D >= 1 << 16
+    said = {0: [], 1: []}
+    for r in (1, 0):  # (ranks are processes: each compiles its own kernels)
+        fake_compile._compiled.cache_clear()
+        ex = AdaQPExchange(books[r], scheme="uniform", overlap=True, norm="sum")
+        assert ex.compiles
+        ex.prepare([_ODD_D], say=said[r].append)
+    assert said[1] == [] and len(said[0]) == 2 and "compiled in" in said[0][1]
+    quiet = AdaQPExchange(books[0], scheme="uniform", overlap=True, norm="sum",
+                          options=AdaQPOptions(compile=False))
+    fake_compile._compiled.cache_clear()
+    quiet.prepare([_ODD_D], say=said[0].append)
+    assert not quiet.compiles and len(said[0]) == 2 and not quiet._compiled_dims
+
+
+def test_compile_off_by_environment_never_calls_torch_compile(monkeypatch):
+    from commsched.config import read_env
+    from commsched.gnn.adaqp import AdaQPExchange
+    from commsched.gnn.book import build_books
+    from commsched.quant import fast
+
+    assert read_env({}).compile and read_env({"COMMSCHED_COMPILE": "1"}).compile
+    assert not read_env({"COMMSCHED_COMPILE": "0"}).compile
+    with pytest.raises(ValueError, match="COMMSCHED_COMPILE='maybe': expected 0 or 1"):
+        read_env({"COMMSCHED_COMPILE": "maybe"})
+    monkeypatch.setenv("COMMSCHED_COMPILE", "0")
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("torch.compile was called"))
+    x = torch.randn(5, 33)
+    p, m = fast.quantize_cpu(x, 2, 3, compile=True)
+    assert torch.equal(p, fast.quantize_cpu(x, 2, 3, compile=False)[0])
+    assert fast.warm_codec([33], say=lambda s: pytest.fail(f"said {s!r}")) == 0.0
+    b = build_books(np.array([0, 1]), np.array([1, 0]), np.array([0, 1]), 2)[0]
+    assert not AdaQPExchange(b, scheme="uniform", overlap=False, norm="gcn").compiles
+
+
 @pytest.mark.parametrize("P", [2, 3])
 def test_solve_widths_covers_every_channel(P):
     per = _per_rank(P, np.random.default_rng(P))
@@ -205,6 +285,11 @@ def _cases(rank: int, world: int) -> dict:
                               part, group=grp)
         out[f"loss_vanilla_{P}"] = mv8["loss"]
         out[f"bytes_vanilla_{P}"] = mv8["bytes_sent_per_epoch"]
+    # the PyG adapter's 3-rank cases (tests/test_gnn_pyg.py) share this spawn: {name: traceback}
+    from tests.mp import _run_cases
+    from tests.test_gnn_pyg import THREE_RANK_CASES
+
+    out["pyg"] = _run_cases(rank, world, THREE_RANK_CASES)
     return out
 
 
@@ -232,3 +317,8 @@ def test_adaqp_on_two_and_three_ranks():
             assert out[f"bytes_uniform_{P}"] < 0.4 * out[f"bytes_vanilla_{P}"]
             assert out[f"bytes_adaqp_{P}"] < 0.4 * out[f"bytes_vanilla_{P}"]
             assert out[f"bytes_nocomm_{P}"] == 0
+    from tests.mp import assert_case
+
+    pyg = {name: {r: out["pyg"][name] for r, out in enumerate(res)} for name in res[0]["pyg"]}
+    for name in pyg:
+        assert_case(pyg, name)

@@ -45,6 +45,7 @@ def test_path_graph_two_parts():
     # AdaQP weights of the one message each way: node 1 feeds node 2 (degrees 2 and 2)
     assert b0.send_coef_sq["gcn"].tolist() == pytest.approx([1 / 9])
     assert b0.send_coef_sq["mean"].tolist() == pytest.approx([1 / 4])
+    assert b0.send_coef_sq["sum"].tolist() == [1.0]       # one edge into rank 1, weight 1
     # GCN weights with self loops, degrees + 1 = [2, 3, 3]
     s, d, w = edge_weights(b0, "gcn")
     got = {(int(a), int(b)): float(x) for a, b, x in zip(s, d, w)}
@@ -74,6 +75,7 @@ def test_star_three_parts_remote_order_and_counts():
     assert b0.global_ids.tolist() == [5, 0, 2, 4, 1, 3]   # remote by (owner, id)
     assert b0.recv_counts == (0, 2, 2) and b0.send_counts == (0, 1, 1)
     assert b0.send_idx.tolist() == [1, 1]                 # node 0 goes to both peers
+    assert b0.send_coef_sq["sum"].tolist() == [2.0, 2.0]  # it feeds two nodes of each peer
     assert b0.remote_owner().tolist() == [1, 1, 2, 2]
     assert b0.global_ids[b0.recv_slice(2)].tolist() == [1, 3]
     assert b1.num_central == 0 and b1.global_ids.tolist() == [2, 4, 0]

@@ -59,6 +59,12 @@ def test_mode_table_builds_each_modes_exchange(parts):
         make_exchange("adaqp", book)  # the quantized modes need the layer's norm
     with pytest.raises(ValueError, match="norm must be one of"):
         make_exchange("uniform", book, norm="max")
+    # every norm a layer may have, sum included, weighs the quantized modes' messages
+    for norm in ("gcn", "mean", "sum"):
+        assert make_exchange("adaqp", book, norm=norm).norm == norm
+    old = dataclasses.replace(book, send_coef_sq={k: v for k, v in book.send_coef_sq.items() if k != "sum"})
+    with pytest.raises(ValueError, match="no AdaQP coefficients for norm='sum'.*make the partition folder again"):
+        make_exchange("adaqp", old, norm="sum")
 
 
 def test_train_cli_modes_and_adaqp_flags_come_from_the_table():
@@ -71,6 +77,8 @@ def test_train_cli_modes_and_adaqp_flags_come_from_the_table():
                                          "--group-size", "9", "--lam", "0.25"]))
     assert cfg.adaqp == AdaQPOptions(bits=2, period=7, group_size=9, lam=0.25)
     assert config_from_args(p.parse_args([])).adaqp == AdaQPOptions()
+    assert AdaQPOptions().compile
+    assert config_from_args(p.parse_args(["--no-compile"])).adaqp == AdaQPOptions(compile=False)
 
 
 def _imports(path: Path) -> set[str]:

@@ -25,6 +25,10 @@ _EXPORTS: dict[str, str] = {
     "SAGEConv": "layers", "DistGNN": "layers", "LocalGraph": "layers", "CONVS": "layers",
     "build_model": "layers", "Breakdown": "timing", "BREAKDOWN_KEYS": "timing",
     "TrainConfig": "trainer", "Trainer": "trainer", "run_training": "trainer",
+    "allreduce_grads": "trainer",
+    # PyG layers and own loops
+    "DistGraph": "pyg", "DistributedLayer": "pyg", "distributed": "pyg", "LayerKind": "pyg",
+    "LAYER_KINDS": "pyg", "layer_kind": "pyg",
 }
 __all__ = sorted(_EXPORTS)
 

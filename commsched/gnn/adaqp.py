@@ -64,6 +64,7 @@ pass timer's clock: CUDA events on CUDA, ``perf_counter`` on the CPU.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -72,6 +73,7 @@ from ..all2all import all_to_all, exchange_segments
 from ..clock import Clock, Mark
 from ..dist import all_gather_object, broadcast_object
 from ..quant.codec import dequantize_rows, payload_bytes, quantize_rows
+from ..quant.fast import compile_enabled, say_stderr, warm_codec
 from ..quant.reference import BITS
 from ..results import median
 from .adaqp_plan import (
@@ -82,7 +84,7 @@ from .adaqp_plan import (
     solve_widths,
     width_layout,
 )
-from .book import PartitionBook
+from .book import NORMS, PartitionBook
 from .context import PassContext
 from .halo import HaloExchange, Pending
 
@@ -104,6 +106,17 @@ def _mix_key(*parts: int) -> int:
     return h
 
 
+def _check_norm(book: PartitionBook, norm: str) -> None:
+    """A ValueError unless ``book`` holds AdaQP's message coefficients for ``norm``."""
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {', '.join(NORMS)} (the layer's edge normalisation, "
+                         f"by which the AdaQP exchange weighs its messages), got {norm!r}")
+    if norm not in book.send_coef_sq:
+        raise ValueError(f"the partition book of rank {book.rank} has no AdaQP coefficients for "
+                         f"norm={norm!r} (it holds {', '.join(sorted(book.send_coef_sq))}): it was "
+                         "written by an older commsched; make the partition folder again")
+
+
 # --------------------------------------------------------------------------- exchange
 class AdaQPExchange(HaloExchange):
     """The quantized exchange; see the module doc.
@@ -123,11 +136,12 @@ class AdaQPExchange(HaloExchange):
         super().__init__(book, group=group, pattern=pattern)
         if scheme not in SCHEMES:
             raise ValueError(f"AdaQP scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
-        if norm not in book.send_coef_sq:
-            raise ValueError(f"norm must be one of {', '.join(sorted(book.send_coef_sq))} (the "
-                             f"layer's edge normalisation), got {norm!r}")
+        _check_norm(book, norm)
         self.scheme, self.overlap, self.norm, self.seed = scheme, overlap, norm, seed
+        # layer -> its own edge normalisation, where it differs from ``norm`` (set_layer_norm)
+        self.layer_norms: dict[int, str] = {}
         self.opt = options if options is not None else AdaQPOptions()
+        self._compiles = self.opt.compile and compile_enabled()
         self.rank = book.rank
         self._calls = 0
         # the period whose random draws are in force
@@ -167,7 +181,8 @@ class AdaQPExchange(HaloExchange):
             D = self.dims[(layer, direction)]
             out_c, _ = self._counts(direction)
             trace = [np.zeros(0)] * P
-            coef = self.book.send_coef_sq[self.norm] if direction == "forward" else None
+            norm = self.layer_norms.get(layer, self.norm)
+            coef = self.book.send_coef_sq[norm] if direction == "forward" else None
             beta = rng_T.cpu().numpy() ** 2 * (D / 6.0)
             off = 0
             for p in range(P):
@@ -177,6 +192,16 @@ class AdaQPExchange(HaloExchange):
                 off += out_c[p]
             out[(layer, direction)] = trace
         return out
+
+    @property
+    def overlaps(self) -> bool:
+        return self.overlap
+
+    def set_layer_norm(self, layer: int, norm: str) -> None:
+        """Weigh ``layer``'s forward messages by ``norm`` (a model whose layers normalise
+        differently; default: the exchange's ``norm``)."""
+        _check_norm(self.book, norm)
+        self.layer_norms[layer] = norm
 
     # ---- collective set-up -----------------------------------------------------------------
     def validate(self, *, dtype: torch.dtype | None = None, row_numel: int | None = None) -> None:
@@ -190,29 +215,42 @@ class AdaQPExchange(HaloExchange):
                                      repeats=self.opt.probe_repeats, device=self.device)
             self.link_costs = {p: (c.theta, c.gamma) for p, c in costs.items()}
 
-    def prepare(self, dims: list[int]) -> None:
-        """Set-up before the first epoch: warm the codec that will run (for every width and
-        row width this run exchanges, so no epoch pays for compilation): on the CPU the
-        compiled fast path, on CUDA the Triton kernels (``impl="auto"``)."""
-        if self.world_size == 1:
+    @property
+    def compiles(self) -> bool:
+        """Whether this exchange compiles its codec (``options.compile`` and
+        ``COMMSCHED_COMPILE``, read when the exchange was made, both allow it)."""
+        return self._compiles
+
+    def prepare(self, dims: list[int], *, say: Callable[[str], None] | None = say_stderr) -> None:
+        """Set-up before the first epoch: compile the codec that will run (for every width
+        and row width this run exchanges, so no epoch pays for compilation): on the CPU the
+        compiled fast path, on CUDA the Triton kernels (``impl="auto"``). Rank 0 says on
+        ``say`` (default: stderr) what it compiles and, after, how long it took. Nothing
+        with ``options.compile=False`` or ``COMMSCHED_COMPILE=0``."""
+        if self.world_size == 1 or not self.compiles:
             return
+        say = say if self.rank == 0 else None
         if self.device.type != "cpu":
+            if say is not None:
+                say(f"commsched.gnn: compiling the Triton quantization kernels for row widths "
+                    f"{sorted(set(dims))} (first use on this machine: seconds per kernel; "
+                    "--no-compile runs the torch reference instead) ...")
+            t = time.perf_counter()
             gen = torch.Generator(device=self.device)
             for d in sorted(set(dims)):
                 x = torch.randn(64, d, generator=gen.manual_seed(d), device=self.device)
                 for b in BITS:
                     pay, meta = quantize_rows(x, b, 1, 0, "auto")
                     dequantize_rows(pay, meta, b, d, "auto")
+            if say is not None:
+                torch.cuda.synchronize(self.device)
+                say(f"commsched.gnn: Triton kernels ready in {time.perf_counter() - t:.1f} s")
             return
         n_min = min(sum(self.book.send_counts), sum(self.book.recv_counts))
-        for d in sorted(set(dims)):
-            if n_min * d < EXCHANGE_COMPILE_MIN_ELEMENTS:
-                continue  # exchanges this small run eagerly
-            x = torch.randn(64, d, generator=torch.Generator().manual_seed(d))
-            for b in BITS:
-                pay, meta = quantize_rows(x, b, 1, 0, "compiled")
-                dequantize_rows(pay, meta, b, d, "compiled")
-            self._compiled_dims.add(d)
+        big = [d for d in sorted(set(dims)) if n_min * d >= EXCHANGE_COMPILE_MIN_ELEMENTS]
+        if big:  # smaller exchanges run eagerly
+            warm_codec(big, BITS, say=say)
+            self._compiled_dims.update(big)
 
     def begin_epoch(self, ctx: PassContext) -> None:
         epoch = ctx.epoch
@@ -277,8 +315,12 @@ class AdaQPExchange(HaloExchange):
         out_c, in_c = self._counts(direction)
         P = self.world_size
         timer = ctx.timer
-        # the compiled CPU fast path is for CPU rows; CUDA rows go to Triton ("auto")
-        impl = "compiled" if D in self._compiled_dims and rows.device.type == "cpu" else "auto"
+        # the compiled CPU fast path is for CPU rows; CUDA rows go to Triton ("auto"); without
+        # compiling, the CPU's eager twin or the torch reference elsewhere
+        if not self.compiles:
+            impl = "eager" if rows.device.type == "cpu" else "reference"
+        else:
+            impl = "compiled" if D in self._compiled_dims and rows.device.type == "cpu" else "auto"
         t0 = timer.mark()
         x = rows.to(torch.float32).contiguous()
         self._calls += 1

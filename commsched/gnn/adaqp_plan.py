@@ -46,7 +46,10 @@ class AdaQPOptions:
     bits: the width of ``uniform``; period: epochs between re-assignments (adaptive) or
     redraws (random); group_size, lam: the assignment problem's (messages per group, the
     variance/time trade-off); assign_time_limit_s: CP-SAT's limit per problem;
-    probe_sizes, probe_repeats: the start-up link probe's message sizes (bytes) and repeats.
+    probe_sizes, probe_repeats: the start-up link probe's message sizes (bytes) and repeats;
+    compile (``--no-compile`` sets False): compile the codec at set-up (torch.compile on the
+    CPU, the Triton kernels on CUDA); False runs the uncompiled codec (the CPU's eager twin,
+    the torch reference on CUDA: the same bits, slower), as ``COMMSCHED_COMPILE=0`` does.
     """
 
     bits: int = max(BITS)
@@ -56,6 +59,7 @@ class AdaQPOptions:
     assign_time_limit_s: float = 2.0
     probe_sizes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 19)
     probe_repeats: int = 2
+    compile: bool = True
 
     def __post_init__(self) -> None:
         if self.bits not in BITS:

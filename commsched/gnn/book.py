@@ -187,7 +187,7 @@ def build_book(src: np.ndarray, dst: np.ndarray, parts: np.ndarray, rank: int,
     # rows to send: owned nodes with an out-edge into peer q, by global id
     out_e = (S.psrc == r) & (S.pdst != r)
     o_src, o_dst, o_q = src[out_e], dst[out_e], S.pdst[out_e]
-    send_parts, coef_parts = [], {n: [] for n in NORMS if n != "sum"}
+    send_parts, coef_parts = [], {n: [] for n in NORMS}
     send_counts = [0] * P
     for q in range(P):
         if q == r:

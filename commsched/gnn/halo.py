@@ -100,6 +100,12 @@ class HaloExchange:
     def world_size(self) -> int:
         return self.book.num_parts
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether ``start`` returns before the rows arrived (work between ``start`` and
+        ``wait``, the central aggregation, then overlaps the wire)."""
+        return False
+
     def validate(self, *, dtype: torch.dtype | None = None, row_numel: int | None = None) -> None:
         """Check once, collectively, that every rank's book agrees with its peers'
         (send counts of each pair match the receiver's expectation) and, when given, that
@@ -279,6 +285,10 @@ class VanillaExchange(HaloExchange):
         super().__init__(book, group=group, pattern=pattern, device=device)
         self.asynchronous = asynchronous
         self.wire_dtype = wire_dtype
+
+    @property
+    def overlaps(self) -> bool:
+        return self.asynchronous
 
     def transfer(self, rows: torch.Tensor, layer: int, direction: str, ctx: PassContext) -> Pending:
         plan = self.plan if direction == "forward" else self.plan.reversed()

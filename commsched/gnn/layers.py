@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .book import Block, PartitionBook, split_blocks
+from .book import NORMS, Block, PartitionBook, split_blocks
 from .context import PassContext
 from .halo import HaloExchange
 from .timing import Breakdown
@@ -245,6 +245,13 @@ class DistMessagePassing(nn.Module):
 
     norm = "sum"
 
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if cls.norm not in NORMS:
+            raise ValueError(f"layer {cls.__qualname__}: norm = {cls.norm!r} is not an edge "
+                             f"normalisation the halo exchange knows; supported: "
+                             f"{', '.join(NORMS)} (symmetric GCN, 1/in-degree, plain sum)")
+
     # -- the three steps a model defines ---------------------------------------------------
     def message(self, h_j_EF: torch.Tensor, w_E: torch.Tensor) -> torch.Tensor:
         """Message along each edge from its source row ``h_j`` with edge weight ``w``."""
@@ -361,7 +368,8 @@ def build_model(name: str, in_dim: int, hidden: int, num_classes: int, *, layers
     """The model ``name`` (a key of :data:`CONVS`) with parameters drawn from ``seed``
     (identical on every rank; the global RNG state is left untouched)."""
     if name not in CONVS:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(CONVS))}")
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(CONVS))} (register a "
+                         f"DistMessagePassing subclass first: commsched.gnn.CONVS[{name!r}] = MyConv)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         m = DistGNN(CONVS[name], in_dim, hidden, num_classes, layers=layers, dropout=dropout,

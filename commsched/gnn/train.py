@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--period", type=int, default=_D.adaqp.period, help="AdaQP re-assignment period")
     t.add_argument("--group-size", type=int, default=_D.adaqp.group_size, help="AdaQP message group size")
     t.add_argument("--lam", type=float, default=_D.adaqp.lam, help="AdaQP variance/time trade-off")
+    t.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="AdaQP modes: do not compile the quantization codec at start-up (the "
+                        "uncompiled codec: the same bits, slower per epoch; COMMSCHED_COMPILE=0 "
+                        "does the same for every codec call)")
     t.add_argument("--pattern", choices=("direct", "ring"), default=_D.pattern,
                    help="all_to_all pattern of the halo exchange")
     t.add_argument("--dtype", choices=tuple(DTYPES), default=_D.dtype,
@@ -90,7 +94,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                        pattern=a.pattern, dropout_rng=a.dropout_rng, eval_every=a.eval_every,
                        checkpoint_every=a.checkpoint_every, device=a.device,
                        adaqp=AdaQPOptions(bits=a.bits, period=a.period, group_size=a.group_size,
-                                          lam=a.lam))
+                                          lam=a.lam, compile=a.compile))
 
 
 def obtain_part(src: GraphSource | None, rank: int, world: int, *, partition_dir: str | None,

@@ -32,6 +32,7 @@ exchanged row, forward and backward, crosses the wire in bf16 (half of float32's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -156,6 +157,16 @@ class TrainConfig:
         return DTYPES[self.dtype] if self.mixed else None
 
 
+def _comparable(cfg: dict) -> dict:
+    """The config entries a resumed run must share with its checkpoint: all but
+    :data:`_RESUMABLE` and ``adaqp.compile`` (compiled and uncompiled codecs give the same
+    bits)."""
+    out = {k: v for k, v in cfg.items() if k not in _RESUMABLE}
+    if isinstance(out.get("adaqp"), dict):
+        out["adaqp"] = {k: v for k, v in out["adaqp"].items() if k != "compile"}
+    return out
+
+
 def _world(group) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
@@ -166,6 +177,35 @@ def run_device(cfg: TrainConfig, group=None) -> torch.device:
     """The device of a run with ``cfg`` on ``group``: :func:`commsched.dist.group_device`
     of ``cfg.device`` (``auto`` stays on the CPU on a group without NCCL)."""
     return group_device(cfg.device, group)
+
+
+def allreduce_grads(params, loss: torch.Tensor | None = None, *, group=None,
+                    timer: Breakdown | None = None) -> float | None:
+    """Sum every parameter's gradient over the ranks of ``group`` (one flat allreduce, timed
+    as "reduce" in ``timer``), together with ``loss`` (a scalar) when given; returns the
+    summed loss as a float (None without one). Parameters without a gradient get a zero one
+    first, so every rank reduces the same flat tensor. Collective; on one rank (or no
+    process group) the gradients stay as they are."""
+    params = [p for p in params if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    rank, world = _world(group)
+    if world == 1 or not params:
+        return None if loss is None else float(loss.detach())
+    with (timer.time("reduce") if timer is not None else contextlib.nullcontext()):
+        parts = [p.grad.reshape(-1) for p in params]
+        if loss is not None:
+            parts.append(loss.detach().reshape(1).to(device=params[0].device, dtype=params[0].dtype))
+        flat = torch.cat(parts)
+        with comm_guard("allreduce of parameter gradients", group):
+            dist.all_reduce(flat, group=group)
+        off = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[off:off + n].view_as(p))
+            off += n
+    return None if loss is None else float(flat[-1])
 
 
 def peak_rss_mib() -> float:
@@ -261,19 +301,7 @@ class Trainer:
         return loss_all
 
     def _allreduce_grads(self, loss: torch.Tensor, timer: Breakdown) -> float:
-        params = [p for p in self.model.parameters()]
-        if self.world == 1:
-            return float(loss)
-        with timer.time("reduce"):
-            flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.reshape(1).to(params[0].dtype)])
-            with comm_guard("allreduce of parameter gradients", self.group):
-                dist.all_reduce(flat, group=self.group)
-            off = 0
-            for p in params:
-                n = p.numel()
-                p.grad.copy_(flat[off:off + n].view_as(p))
-                off += n
-        return float(flat[-1])
+        return allreduce_grads(self.model.parameters(), loss, group=self.group, timer=timer)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -303,8 +331,8 @@ class Trainer:
                 "history": self.history}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        mine = {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in _RESUMABLE}
-        theirs = {k: v for k, v in state["config"].items() if k not in _RESUMABLE}
+        mine = _comparable(dataclasses.asdict(self.cfg))
+        theirs = _comparable(state["config"])
         if config_digest(mine) != config_digest(theirs):
             diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
             raise ValueError("--resume: the checkpoint was written by a run with a different "
@@ -391,5 +419,5 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
     return metrics.to_dict(), tr
 
 
-__all__ = ["CHECKPOINT", "DTYPES", "MIXED_DTYPES", "TrainConfig", "Trainer", "peak_rss_mib",
+__all__ = ["CHECKPOINT", "DTYPES", "MIXED_DTYPES", "TrainConfig", "Trainer", "allreduce_grads", "peak_rss_mib",
            "run_device", "run_training"]

@@ -26,21 +26,33 @@ evict each other from Dynamo's cache; N is marked dynamic, so messages of differ
 counts share one kernel. If compiling fails (no C++ compiler, unsupported platform) the
 same functions run eagerly and a warning says so once.
 
+Compiling takes seconds per kernel (a minute or more for a run's set on a fresh machine;
+Inductor caches the results on disk, so later runs are faster). It never happens
+silently: the first call of a kernel prints one line on stderr before it compiles and one
+with the time it took after (:func:`warm_codec` compiles a whole set under a single pair
+of lines). ``COMMSCHED_COMPILE=0`` (:mod:`commsched.config`; ``AdaQPOptions(compile=False)``
+and ``--no-compile`` for the AdaQP exchange) runs the eager twin and never compiles:
+the same bits, more time per message.
+
 Legend: N rows, D features, b bits, K = 8 // b slots per byte, B = ceil(D * b / 8).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
+import time
 import types
 import warnings
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 
+from ..config import read_env
 from .reference import HASH_M1, HASH_M2, RANDOM_BITS, RANGE_MIN, payload_bytes
+from .wire import BITS
 
 # the hash multipliers as signed int32 (two's complement), for wrapping int32 arithmetic
 _M1_I32 = HASH_M1 - (1 << 32) if HASH_M1 >= 1 << 31 else HASH_M1
@@ -127,12 +139,24 @@ def dequantize_fused(payload_NB: torch.Tensor, meta_N2: torch.Tensor, out_ND: to
         out_ND[:, full * B:].copy_(lo + scale * q)
 
 
+def say_stderr(msg: str) -> None:
+    """Print one line on stderr (the default voice of the compile notices)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def compile_enabled() -> bool:
+    """False when ``COMMSCHED_COMPILE=0``: every codec call runs its eager twin."""
+    return read_env().compile
+
+
 class _LazyCompiled:
     """``torch.compile(fn)`` on first use; ``fn`` itself if compiling fails.
 
     ``static`` are trailing Python-int arguments fixed for this instance; the tensor
     arguments at ``dynamic_args`` get their first dimension marked dynamic (on fresh
-    views, so the caller's tensors are left untouched).
+    views, so the caller's tensors are left untouched). The first call (the one that
+    compiles) says so on stderr, before and after with the seconds it took, unless it
+    runs with ``say=None`` (:func:`warm_codec` speaks for a whole set).
     """
 
     def __init__(self, fn: Callable, name: str, static: tuple, dynamic_args: tuple[int, ...]):
@@ -141,10 +165,16 @@ class _LazyCompiled:
         self._static = static
         self._dynamic_args = dynamic_args
         self._compiled: Callable | None = None
+        self._ran = False  # the compiled function ran once (so it is compiled)
         self._failed = False
         self._lock = threading.Lock()
 
-    def __call__(self, *args):
+    @property
+    def compiled(self) -> bool:
+        """Whether the kernel has been compiled (a first call ran and did not fail)."""
+        return self._ran and not self._failed
+
+    def __call__(self, *args, say: Callable[[str], None] | None = say_stderr):
         if self._failed:
             return self._fn(*args, *self._static)
         args = list(args)
@@ -156,6 +186,18 @@ class _LazyCompiled:
             with self._lock:
                 if self._compiled is None:
                     self._compiled = torch.compile(self._fn, dynamic=False)
+                first = not self._ran
+                if first:  # compile under the lock: one thread compiles, the others wait
+                    if say is not None:
+                        say(f"commsched.quant: compiling the {self._name} codec kernel with "
+                            "torch.compile (first use in this process; slow on a fresh machine, "
+                            "cached on disk afterwards; COMMSCHED_COMPILE=0 skips compiling) ...")
+                    t = time.perf_counter()
+                    out = self._compiled(*args, *self._static)
+                    self._ran = True
+                    if say is not None:
+                        say(f"commsched.quant: compiled {self._name} in {time.perf_counter() - t:.1f} s")
+                    return out
             return self._compiled(*args, *self._static)
         except Exception as e:  # noqa: BLE001 -- any compiler failure means: run eagerly
             self._failed = True
@@ -183,8 +225,40 @@ def _compiled(kind: str, bits: int, dim: int) -> _LazyCompiled:
 
 def _use_compiled(compile: bool | None, rows: int, dim: int) -> bool:
     if compile is None:
-        return rows > 1 and rows * dim >= CPU_COMPILE_MIN_ELEMENTS
-    return bool(compile) and rows > 1
+        want = rows > 1 and rows * dim >= CPU_COMPILE_MIN_ELEMENTS
+    else:
+        want = bool(compile) and rows > 1
+    return want and compile_enabled()  # COMMSCHED_COMPILE=0 wins over everything
+
+
+def warm_codec(dims: Iterable[int], bits: Iterable[int] = BITS, *,
+               say: Callable[[str], None] | None = say_stderr) -> float:
+    """Compile the quantize and dequantize kernels of every (bits, dim) now; returns the
+    seconds it took (0.0 when all were compiled already, or compiling is off with
+    ``COMMSCHED_COMPILE=0``). ``say`` (default: a line on stderr; None: silent) hears one
+    line before (what, how many kernels) and one after (the time), instead of one pair
+    per kernel."""
+    if not compile_enabled():
+        return 0.0
+    todo = [(b, d) for d in sorted(set(int(d) for d in dims)) for b in bits
+            if not (_compiled("quantize", b, d).compiled and _compiled("dequantize", b, d).compiled)]
+    if not todo:
+        return 0.0
+    if say is not None:
+        say(f"commsched.quant: compiling the CPU quantization codec with torch.compile: "
+            f"{2 * len(todo)} kernels (bits {sorted({b for b, _ in todo})} x row widths "
+            f"{sorted({d for _, d in todo})}); first use on this machine takes a while (about "
+            "5-10 s per kernel), later runs reuse Inductor's disk cache; COMMSCHED_COMPILE=0 or "
+            "--no-compile runs the eager codec instead ...")
+    t = time.perf_counter()
+    for b, d in todo:
+        x = torch.randn(64, d, generator=torch.Generator().manual_seed(d))
+        pay, meta = quantize_cpu(x, b, 1, 0, compile=True, _say=None)
+        dequantize_cpu(pay, meta, b, d, compile=True, _say=None)
+    dt = time.perf_counter() - t
+    if say is not None:
+        say(f"commsched.quant: codec compiled in {dt:.1f} s")
+    return dt
 
 
 # Both entry points run under no_grad: their outputs are never differentiated, and the
@@ -192,13 +266,14 @@ def _use_compiled(compile: bool | None, rows: int, dim: int) -> bool:
 # (grad on) and again in autograd's backward (grad off) would compile every kernel twice.
 @torch.no_grad()
 def quantize_cpu(x_ND: torch.Tensor, bits: int, key: int, row0: int = 0, *,
-                 out_NB: torch.Tensor | None = None,
-                 compile: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 out_NB: torch.Tensor | None = None, compile: bool | None = None,
+                 _say: Callable[[str], None] | None = say_stderr) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a contiguous float32 CPU tensor; returns (payload uint8 [N, B], meta [N, 2]).
 
     ``out_NB`` (a contiguous uint8 [N, B] view, for example into a send buffer) receives
     the payload if given. ``compile=None`` compiles when the message is large enough,
-    ``True`` forces it (N > 1), ``False`` runs the eager twin.
+    ``True`` forces it (N > 1), ``False`` runs the eager twin; ``COMMSCHED_COMPILE=0``
+    means ``False`` whatever ``compile`` says.
     """
     N, D = x_ND.shape
     B = payload_bytes(D, bits)
@@ -208,7 +283,7 @@ def quantize_cpu(x_ND: torch.Tensor, bits: int, key: int, row0: int = 0, *,
     row0_t = torch.tensor(row0, dtype=torch.int64)
     iota_B = torch.arange(B, dtype=torch.int32, device=x_ND.device)
     if _use_compiled(compile, N, D):
-        meta = _compiled("quantize", bits, D)(x_ND, key_t, row0_t, iota_B, out_NB)
+        meta = _compiled("quantize", bits, D)(x_ND, key_t, row0_t, iota_B, out_NB, say=_say)
     else:
         meta = quantize_fused(x_ND, key_t, row0_t, iota_B, out_NB, bits)
     return out_NB, meta
@@ -216,18 +291,19 @@ def quantize_cpu(x_ND: torch.Tensor, bits: int, key: int, row0: int = 0, *,
 
 @torch.no_grad()
 def dequantize_cpu(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int, dim: int, *,
-                   out_ND: torch.Tensor | None = None, compile: bool | None = None) -> torch.Tensor:
+                   out_ND: torch.Tensor | None = None, compile: bool | None = None,
+                   _say: Callable[[str], None] | None = say_stderr) -> torch.Tensor:
     """Dequantize on the CPU into ``out_ND`` (float32 [N, dim] with unit column stride, for
     example rows of a bigger matrix) or a new tensor; ``compile`` as in ``quantize_cpu``."""
     N = payload_NB.shape[0]
     if out_ND is None:
         out_ND = torch.empty(N, dim, dtype=torch.float32, device=payload_NB.device)
     if _use_compiled(compile, N, dim):
-        _compiled("dequantize", bits, dim)(payload_NB, meta_N2, out_ND)
+        _compiled("dequantize", bits, dim)(payload_NB, meta_N2, out_ND, say=_say)
     else:
         dequantize_fused(payload_NB, meta_N2, out_ND, bits, dim)
     return out_ND
 
 
-__all__ = ["CPU_COMPILE_MIN_ELEMENTS", "dequantize_cpu", "dequantize_fused", "quantize_cpu",
-           "quantize_fused"]
+__all__ = ["CPU_COMPILE_MIN_ELEMENTS", "compile_enabled", "dequantize_cpu", "dequantize_fused",
+           "quantize_cpu", "quantize_fused", "say_stderr", "warm_codec"]
