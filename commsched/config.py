@@ -6,7 +6,7 @@
 | COMMSCHED_BACKEND       | force a torch.distributed backend (gloo, nccl)      | auto    |
 | COMMSCHED_PROGRESS      | 0 disables progress bars                            | 1       |
 | GLOO_SOCKET_IFNAME      | gloo's interfaces, comma-separated (torch reads it too) | auto |
-| RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT | set by torchrun | |
+| RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK / MASTER_ADDR / MASTER_PORT | set by torchrun (GROUP_RANK: the node's index) | |
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class EnvConfig:
     local_rank: int | None
     local_world_size: int | None = None
     gloo_ifnames: tuple[str, ...] = ()
+    group_rank: int | None = None  # torchrun's node index (GROUP_RANK)
 
 
 def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
@@ -61,4 +62,5 @@ def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
         local_rank=_int("LOCAL_RANK"),
         local_world_size=_int("LOCAL_WORLD_SIZE"),
         gloo_ifnames=tuple(i for i in env.get("GLOO_SOCKET_IFNAME", "").split(",") if i),
+        group_rank=_int("GROUP_RANK"),
     )

@@ -2,7 +2,9 @@
 
 ``fit_link_cost`` is pure (least squares with both terms kept >= 0);
 ``probe_link_costs`` times ring-ordered paired exchanges on a process group and fits
-one model per peer. The bit-width assigner consumes (theta, gamma).
+one model per peer. The bit-width assigner consumes (theta, gamma); :mod:`commsched.topology`
+turns per-pair fits into link classes. Importing this module does not import torch (the
+functions do), so the topology and its file format load without it.
 """
 
 from __future__ import annotations
@@ -10,8 +12,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Sequence
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ def fit_link_cost(nbytes: Sequence[float], times_s: Sequence[float]) -> LinkCost
     Needs at least two distinct sizes. Raises ValueError on mismatched, empty or
     non-finite input.
     """
+    import torch
+
     x = torch.as_tensor(list(nbytes), dtype=torch.float64)
     y = torch.as_tensor(list(times_s), dtype=torch.float64)
     if x.numel() != y.numel():
@@ -72,6 +74,7 @@ def probe_link_costs(group=None, sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 
     On CUDA each round is timed up to a device synchronisation, since NCCL's ``wait()``
     returns at enqueue.
     """
+    import torch
     import torch.distributed as dist
 
     from .clock import Clock
