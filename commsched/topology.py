@@ -117,14 +117,11 @@ class Topology:
             if not (0 <= a < P and 0 <= b < P) or a == b:
                 raise ValueError(f"pairs[{key}]: a pair is two different ranks in 0..{P - 1}")
             pairs[(a, b)] = _check_cost(c, f"pairs[{key}]")
-        per_host: dict[str, int] = {}
-        for h in hosts:
-            per_host[h] = per_host.get(h, 0) + 1
-        needed = ([INTRA] if max(per_host.values()) > 1 else []) + ([INTER] if len(per_host) > 1 else [])
+        needed = used_classes(hosts)
         missing = [k for k in needed if k not in links]
         if missing:
             raise ValueError(f"links has no cost for link class {missing[0]!r}, which this layout "
-                             f"({P} ranks on {len(per_host)} hosts) uses; give links[{missing[0]!r}]")
+                             f"({P} ranks on {len(set(hosts))} hosts) uses; give links[{missing[0]!r}]")
         object.__setattr__(self, "hosts_P", hosts)
         object.__setattr__(self, "links", MappingProxyType(links))
         object.__setattr__(self, "pairs", MappingProxyType(dict(sorted(pairs.items()))))
@@ -135,8 +132,10 @@ class Topology:
     def from_hosts(cls, hosts_P: Sequence[str], *, intra: LinkCost = DEFAULT_INTRA,
                    inter: LinkCost = DEFAULT_INTER, source: str = "hand-built") -> "Topology":
         """Rank r on host ``hosts_P[r]``; link classes ``intra`` / ``inter`` (defaults:
-        :data:`DEFAULT_INTRA`, :data:`DEFAULT_INTER`, placeholders, not measurements)."""
-        return cls(tuple(hosts_P), {INTRA: intra, INTER: inter}, source=source)
+        :data:`DEFAULT_INTRA`, :data:`DEFAULT_INTER`, placeholders, not measurements); a
+        class the layout does not use is left out."""
+        given = {INTRA: intra, INTER: inter}
+        return cls(tuple(hosts_P), {k: given[k] for k in used_classes(hosts_P)}, source=source)
 
     @classmethod
     def grid(cls, hosts: int, ranks_per_host: int, **kw: Any) -> "Topology":
@@ -404,6 +403,14 @@ class Topology:
 
 
 # --------------------------------------------------------------------------- graph
+def used_classes(hosts_P: Sequence[str]) -> list[str]:
+    """The link classes a layout has: ``intra`` when a host has two or more ranks,
+    ``inter`` when there are two or more hosts. Pure."""
+    hosts = list(hosts_P)
+    out = [INTRA] if len(set(hosts)) < len(hosts) else []
+    return out + ([INTER] if len(set(hosts)) > 1 else [])
+
+
 def _build_graph(hosts_P: Sequence[str], links: Mapping[str, LinkCost]) -> nx.DiGraph:
     g = nx.DiGraph()
     hosts = list(dict.fromkeys(hosts_P))
@@ -475,7 +482,7 @@ def fit_link_classes(hosts_P: Sequence[str], probed: Mapping[tuple[int, int], Li
     of those costs alone. Raises ValueError when a class the layout uses has no pair.
     """
     hosts = tuple(hosts_P)
-    shape = Topology(hosts, {INTRA: DEFAULT_INTRA, INTER: DEFAULT_INTER})  # the graph only
+    shape = Topology.from_hosts(hosts)  # the graph only
     alone: dict[tuple[int, int], LinkCost] = {}
     for (a, b), c in probed.items():
         _check_cost(c, f"probed[{(a, b)}]")
@@ -632,4 +639,4 @@ def _rate(theta: float) -> str:
 
 __all__ = ["ATTACH", "DEFAULT_INTER", "DEFAULT_INTRA", "INTER", "INTRA", "LINK_CLASSES",
            "ExchangePrediction", "Topology", "fit_link_classes", "host_names", "predict_exchange",
-           "ring_round_flows"]
+           "ring_round_flows", "used_classes"]
