@@ -82,7 +82,7 @@ class Topology:
     class that the layout uses must be there (``intra`` when a host has two or more ranks,
     ``inter`` when there are two or more hosts), others may be left out. ``pairs`` maps
     (src, dst) to that pair's own cost when it is the only traffic on its links (a probe
-    fills it); :meth:`pair_cost` falls back to the class. ``source`` says where it came
+    fills it: each pair is timed alone); :meth:`pair_cost` falls back to the class. ``source`` says where it came
     from (``hand-built``, ``file``, ``env``, ``probe``).
     """
 
@@ -147,13 +147,12 @@ class Topology:
         return cls.from_hosts([f"host{r // ranks_per_host}" for r in range(hosts * ranks_per_host)], **kw)
 
     @classmethod
-    def from_pair_costs(cls, hosts_P: Sequence[str], probed: Mapping[tuple[int, int], LinkCost],
+    def from_pair_costs(cls, hosts_P: Sequence[str], alone: Mapping[tuple[int, int], LinkCost],
                         *, source: str = "probe") -> "Topology":
-        """The topology of a probe: ``probed[(a, b)]`` is the cost ``probe_link_costs``
-        fitted on rank a for peer b, measured in its ring round (round (b - a) mod P, in
-        which every rank r sends to r + i at once). See :func:`fit_link_classes`."""
-        links, alone = fit_link_classes(hosts_P, probed)
-        return cls(tuple(hosts_P), links, alone, source=source)
+        """The topology of a probe: ``alone[(a, b)]`` is pair (a, b)'s cost with no other
+        traffic on its links; each class costs the median of its pairs
+        (:func:`fit_link_classes`)."""
+        return cls(tuple(hosts_P), fit_link_classes(hosts_P, alone), alone, source=source)
 
     @classmethod
     def from_env(cls, group=None, *, intra: LinkCost = DEFAULT_INTRA,
@@ -171,18 +170,15 @@ class Topology:
     @classmethod
     def probe(cls, group=None, *, sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20, 1 << 22),
               repeats: int = 3, device=None) -> "Topology":
-        """Hosts as :meth:`from_env`, costs measured: ``probe_link_costs`` on every rank,
-        the per-pair fits gathered, then :meth:`from_pair_costs`. Collective; every rank
-        gets the same topology."""
-        from .costmodel import probe_link_costs
-        from .dist import all_gather_object
+        """Hosts as :meth:`from_env`, costs measured: every ordered pair timed alone
+        (``probe_pair_costs`` over :func:`probe_rounds`, a fit per pair over ``sizes``),
+        then :meth:`from_pair_costs`. Collective; every rank gets the same topology."""
+        from .costmodel import probe_pair_costs
 
-        hosts = cls.from_env(group).hosts_P
-        mine = probe_link_costs(group, sizes=sizes, repeats=repeats, device=device)
-        rows = all_gather_object({p: (c.gamma, c.theta) for p, c in mine.items()},
-                                 "gathering the link probe's fits", group)
-        probed = {(a, b): LinkCost(*gt) for a, row in enumerate(rows) for b, gt in row.items()}
-        return cls.from_pair_costs(hosts, probed)
+        layout = cls.from_env(group)
+        alone = probe_pair_costs(probe_rounds(layout), group, sizes=sizes, repeats=repeats,
+                                 device=device)
+        return cls.from_pair_costs(layout.hosts_P, alone)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -458,43 +454,42 @@ def _positions(t: Topology) -> tuple[dict[Node, tuple[float, float]], int]:
 
 
 # --------------------------------------------------------------------------- probe -> classes
-def ring_round_flows(t: Topology, a: int, b: int) -> int:
-    """How many flows of the probe's ring round (b - a) mod P share the busiest limiting
-    link on a -> b's path (the round's pairs are r -> r + i for every rank r)."""
+def probe_rounds(t: Topology) -> list[list[tuple[int, int]]]:
+    """Every ordered pair of ranks, packed into rounds in which no rank is in two pairs and
+    no limiting link (a fabric port, a NIC direction) carries two pairs, so each pair of a
+    round is timed alone. Greedy first fit, inter-host pairs first; pure."""
     P = t.world_size
-    i = (b - a) % P
-    load: dict[Link, int] = {}
-    for r in range(P):
-        for link in t.path(r, (r + i) % P):
-            load[link] = load.get(link, 0) + 1
-    limited = [load[link] for link in t.path(a, b) if t._graph.edges[link]["cls"] != ATTACH]
-    return max(limited)
+    pairs = sorted(((a, b) for a in range(P) for b in range(P) if a != b),
+                   key=lambda ab: (t.link_class(*ab) != INTER, (ab[1] - ab[0]) % P, ab[0]))
+    rounds: list[list[tuple[int, int]]] = []
+    busy: list[set] = []
+    for a, b in pairs:
+        need = {("rank", a), ("rank", b)} | {link for link in t.path(a, b)
+                                             if t._graph.edges[link]["cls"] != ATTACH}
+        for rnd, used in zip(rounds, busy):
+            if not need & used:
+                rnd.append((a, b))
+                used |= need
+                break
+        else:
+            rounds.append([(a, b)])
+            busy.append(set(need))
+    return rounds
 
 
-def fit_link_classes(hosts_P: Sequence[str], probed: Mapping[tuple[int, int], LinkCost]
-                     ) -> tuple[dict[str, LinkCost], dict[tuple[int, int], LinkCost]]:
-    """Link-class costs and per-pair costs alone from a probe's per-pair fits. Pure.
-
-    In the probe's round i every rank r sends to r + i at once, so an inter-host pair's
-    bytes share its host's NIC with the other ranks of that host that send off-host in the
-    same round: a pair fitted at theta whose busiest link carried n such flows alone costs
-    theta / n per byte (its latency is kept). A class's cost is the median over its pairs
-    of those costs alone. Raises ValueError when a class the layout uses has no pair.
-    """
-    hosts = tuple(hosts_P)
-    shape = Topology.from_hosts(hosts)  # the graph only
-    alone: dict[tuple[int, int], LinkCost] = {}
-    for (a, b), c in probed.items():
-        _check_cost(c, f"probed[{(a, b)}]")
-        n = ring_round_flows(shape, a, b)
-        alone[(a, b)] = LinkCost(gamma=c.gamma, theta=c.theta / n)
+def fit_link_classes(hosts_P: Sequence[str], alone: Mapping[tuple[int, int], LinkCost]
+                     ) -> dict[str, LinkCost]:
+    """One cost per link class from pairs each timed alone: the median over the class's
+    pairs of their latency, and of their seconds per byte. Pure; a class with no pair is
+    left out (the Topology then says which class is missing)."""
+    shape = Topology.from_hosts(tuple(hosts_P))  # the layout only
     links: dict[str, LinkCost] = {}
     for cls in LINK_CLASSES:
-        mine = [c for (a, b), c in alone.items() if shape.link_class(a, b) == cls]
+        mine = [_check_cost(c, f"pair {ab}") for ab, c in alone.items() if shape.link_class(*ab) == cls]
         if mine:
             links[cls] = LinkCost(gamma=statistics.median(c.gamma for c in mine),
                                   theta=statistics.median(c.theta for c in mine))
-    return links, alone
+    return links
 
 
 def host_names(gathered: Iterable[tuple[str, int | None]]) -> tuple[str, ...]:
@@ -639,4 +634,4 @@ def _rate(theta: float) -> str:
 
 __all__ = ["ATTACH", "DEFAULT_INTER", "DEFAULT_INTRA", "INTER", "INTRA", "LINK_CLASSES",
            "ExchangePrediction", "Topology", "fit_link_classes", "host_names", "predict_exchange",
-           "ring_round_flows", "used_classes"]
+           "probe_rounds", "used_classes"]

@@ -11,11 +11,12 @@ import pytest
 
 from commsched import LinkCost, Topology, predict_exchange
 from commsched.cli import main as cli_main
+from commsched.costmodel import check_probe_rounds
 from commsched.topology import (
     SWITCH,
     fit_link_classes,
     host_names,
-    ring_round_flows,
+    probe_rounds,
     used_classes,
 )
 from tests.mp import run_ranks
@@ -145,33 +146,47 @@ def test_predict_rejects_bad_tables(bytes_PP, msg):
 
 
 # --------------------------------------------------------------------------- probe -> classes
-def test_ring_round_flows_on_2x2():
-    t = grid()
-    # round 1: 1->2 and 3->0 cross hosts, one per NIC; round 2: all four cross, two per NIC
-    assert ring_round_flows(t, 1, 2) == 1 and ring_round_flows(t, 0, 2) == 2
-    assert ring_round_flows(t, 0, 1) == 1  # intra: each rank's own fabric port
+@pytest.mark.parametrize("hosts,per_host", [(2, 2), (3, 2), (1, 4), (4, 1), (2, 3)])
+def test_probe_rounds_time_every_pair_alone(hosts, per_host):
+    t = Topology.grid(hosts, per_host)
+    rounds = probe_rounds(t)
+    P = t.world_size
+    flat = [ab for rnd in rounds for ab in rnd]
+    assert sorted(flat) == [(a, b) for a in range(P) for b in range(P) if a != b]
+    check_probe_rounds(rounds, P)  # each rank in one pair a round at most
+    for rnd in rounds:
+        # no limiting link carries two of a round's pairs
+        p = predict_exchange(t, [[1 if (a, b) in rnd else 0 for b in range(P)] for a in range(P)])
+        assert all(nb <= 1 for link, nb in p.link_bytes.items() if t.link_cost(link) is not None)
+    if hosts == 2 and per_host == 2:
+        # 8 inter pairs, 2 a round (one each way), use all 4 ranks; then 4 intra pairs, 2 a
+        # round: 6 rounds, the fewest possible
+        assert len(rounds) == 6
 
 
-def test_probe_fits_recover_the_links_that_made_them():
-    # per-pair fits as a probe would see them on links INTRA / INTER: in its round a pair
-    # shares its NIC with the other flows of that round, so its per-byte time is n x theta
+@pytest.mark.parametrize("rounds,msg", [
+    ([[(0, 1), (1, 2)]], "rank 1 is in two pairs"),
+    ([[(0, 0)]], "two different ranks"),
+    ([[(0, 3)]], "two different ranks in 0..2"),
+    ([[(0, 1)], [(0, 1)]], "probed twice"),
+    ([[0, 1]], "a pair is"),
+])
+def test_probe_rounds_are_checked(rounds, msg):
+    with pytest.raises(ValueError, match=msg):
+        check_probe_rounds(rounds, 3)
+
+
+def test_link_classes_are_the_median_of_their_pairs():
     hosts = ("host0", "host0", "host1", "host1")
-    t = grid()
-    probed = {}
-    for a in range(4):
-        for b in range(4):
-            if a != b:
-                c = t.links[t.link_class(a, b)]
-                probed[(a, b)] = LinkCost(c.gamma, c.theta * ring_round_flows(t, a, b))
-    assert probed[(0, 2)].theta == pytest.approx(2 / 1e9)  # two flows on host0's NIC
-    fitted = Topology.from_pair_costs(hosts, probed)
-    assert fitted.links["inter"].theta == pytest.approx(INTER.theta)
-    assert fitted.links["intra"].theta == pytest.approx(INTRA.theta)
-    assert fitted.links["inter"].gamma == pytest.approx(INTER.gamma)
-    assert fitted.pair_cost(0, 2).theta == pytest.approx(INTER.theta)  # the pair alone
-    assert fitted.source == "probe" and len(fitted.pairs) == 12
-    links, _ = fit_link_classes(("a", "b"), {(0, 1): INTER, (1, 0): INTER})
-    assert set(links) == {"inter"}
+    alone = {(a, b): (INTER if (a < 2) != (b < 2) else INTRA) for a in range(4) for b in range(4) if a != b}
+    alone[(0, 2)] = LinkCost(1.0, 1.0)  # one outlier pair does not move the median
+    t = Topology.from_pair_costs(hosts, alone)
+    assert t.links["inter"] == INTER and t.links["intra"] == INTRA
+    assert t.pair_cost(0, 2) == LinkCost(1.0, 1.0) and t.pair_cost(2, 0) == INTER
+    assert t.source == "probe" and len(t.pairs) == 12
+    assert fit_link_classes(("a", "b"), {(0, 1): INTER, (1, 0): INTER}) == {"inter": INTER}
+    with pytest.raises(ValueError, match="no cost for link class 'intra'"):
+        Topology.from_pair_costs(hosts, {(0, 2): INTER})
 
 
 # --------------------------------------------------------------------------- files
@@ -291,7 +306,7 @@ def test_probe_on_two_ranks_fills_the_pairs(tmp_path):
     assert res[0] == res[1]  # every rank gets the same topology
     t = Topology.from_dict(res[0])
     assert t.hosts == (t.hosts_P[0],) and sorted(t.pairs) == [(0, 1), (1, 0)]
-    # one host, one pair each way: the class is the median of the two pairs (ring flows = 1)
+    # one host, one pair each way: the class is the median of the two pairs
     thetas = sorted(c.theta for c in t.pairs.values())
     assert t.links["intra"].theta == pytest.approx(sum(thetas) / 2)
     assert all(c.theta * (1 << 20) < 1.0 for c in t.pairs.values())  # a MiB well under 1 s
