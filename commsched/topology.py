@@ -59,6 +59,11 @@ SWITCH: Node = ("switch",)
 # what-if sums, not a measurement: probe a real group for that)
 DEFAULT_INTRA = LinkCost(gamma=3e-6, theta=1 / 200e9)    # 3 us, 200 GB/s (1600 Gbit/s)
 DEFAULT_INTER = LinkCost(gamma=10e-6, theta=1 / 12.5e9)  # 10 us, 12.5 GB/s (100 Gbit/s)
+# the probe's message sizes: one small (the latency), the others large enough that a
+# token bucket's burst (62.5 KB on an emulated 1 Gbit/s link) does not set the rate: with
+# 64 KiB among them the fit read 1.15-1.47 Gbit/s on a 1 Gbit/s link, without it 0.92-0.96
+# (docs/topology.md)
+PROBE_SIZES = (1 << 12, 1 << 20, 1 << 22, 1 << 24)
 FILE_KEYS = ("ranks", "links", "pairs", "source")
 LINK_KEYS = ("latency_us", "rate", "rate_Bps")
 
@@ -168,8 +173,8 @@ class Topology:
         return cls.from_hosts(host_names(gathered), intra=intra, inter=inter, source="env")
 
     @classmethod
-    def probe(cls, group=None, *, sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20, 1 << 22),
-              repeats: int = 3, device=None) -> "Topology":
+    def probe(cls, group=None, *, sizes: Sequence[int] = PROBE_SIZES, repeats: int = 3,
+              device=None) -> "Topology":
         """Hosts as :meth:`from_env`, costs measured: every ordered pair timed alone
         (``probe_pair_costs`` over :func:`probe_rounds`, a fit per pair over ``sizes``),
         then :meth:`from_pair_costs`. Collective; every rank gets the same topology."""
@@ -632,6 +637,6 @@ def _rate(theta: float) -> str:
     return f"{bps:.3g} bit/s"
 
 
-__all__ = ["ATTACH", "DEFAULT_INTER", "DEFAULT_INTRA", "INTER", "INTRA", "LINK_CLASSES",
+__all__ = ["ATTACH", "DEFAULT_INTER", "DEFAULT_INTRA", "INTER", "INTRA", "LINK_CLASSES", "PROBE_SIZES",
            "ExchangePrediction", "Topology", "fit_link_classes", "host_names", "predict_exchange",
            "probe_rounds", "used_classes"]
