@@ -153,11 +153,11 @@ def _build_topology(a):
                 raise ValueError(f"--{cls}-latency-us must be >= 0, got {lat}")
             return LinkCost(gamma=default.gamma if lat is None else lat * 1e-6, theta=theta)
 
-        try:
-            return Topology.grid(a.hosts, a.nproc, intra=cost("intra", DEFAULT_INTRA),
-                                 inter=cost("inter", DEFAULT_INTER))
-        except ValueError as e:
-            raise ValueError(str(e).replace("ranks_per_host", "--nproc").replace("hosts must", "--hosts must")) from None
+        for flag, v in (("--hosts", a.hosts), ("--nproc", a.nproc)):
+            if v < 1:
+                raise ValueError(f"{flag} must be an integer >= 1, got {v}")
+        return Topology.grid(a.hosts, a.nproc, intra=cost("intra", DEFAULT_INTRA),
+                             inter=cost("inter", DEFAULT_INTER))
     from .dist import group_device, init_distributed
 
     rank = init_distributed(device=a.device).rank

@@ -165,9 +165,15 @@ class Topology:
         """The hosts of ``group``'s ranks, learnt with one all_gather of each rank's host
         name and torchrun's node index (``GROUP_RANK``; emulated hosts share one host name);
         link costs as :meth:`from_hosts`. Collective: every rank of ``group`` calls it."""
+        import torch.distributed as dist
+
         from .config import read_env
         from .dist import all_gather_object
 
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("Topology.from_env and Topology.probe are collectives over a process "
+                             "group: call commsched.init_distributed() first (under torchrun), or "
+                             "build the topology with Topology.from_hosts / Topology.load")
         me = (socket.gethostname(), read_env().group_rank)
         gathered = all_gather_object(me, "gathering host names for the topology", group)
         return cls.from_hosts(host_names(gathered), intra=intra, inter=inter, source="env")

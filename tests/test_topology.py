@@ -313,3 +313,8 @@ def test_probe_on_two_ranks_fills_the_pairs(tmp_path):
     written = Topology.load(tmp_path / "topology.json")  # rank 0 wrote the command's result
     assert written.source == "probe" and sorted(written.pairs) == [(0, 1), (1, 0)]
     assert _is_png(tmp_path / "topology.png")
+
+
+def test_from_env_without_a_process_group_says_what_to_do():
+    with pytest.raises(ValueError, match="call commsched.init_distributed"):
+        Topology.from_env()
