@@ -62,14 +62,16 @@ TOPOLOGY_HELP = """\
 usage: commsched topology --file FILE.json [--out DIR]
        commsched topology --hosts K --nproc N [--intra-rate R] [--intra-latency-us X]
                           [--inter-rate R] [--inter-latency-us X] [--out DIR]
-       torchrun --nproc-per-node N -m commsched.cli topology --probe [--device D] [--out DIR]
+       torchrun --nproc-per-node N -m commsched.cli topology --probe [--device D]
+                          [--sizes B,B,...] [--repeats R] [--out DIR]
 
 Prints the topology's hosts, link classes and (probed) per-pair costs; with --out, writes
 DIR/topology.png (the graph of ranks, host fabrics, NICs and the switch) and
 DIR/topology.json (the file form, readable with --file). --hosts K --nproc N lays out K
 hosts of N ranks each; rates are tc style (100gbit, 25gbps), latencies in microseconds.
 --probe measures every pair on the job's process group (a collective: run it on every
-rank); rank 0 prints and writes. See docs/topology.md.
+rank), alone, at each of --sizes bytes (default 4 KiB, 1, 4, 16 MiB), --repeats times
+(default 3); rank 0 prints and writes. See docs/topology.md.
 """
 
 
@@ -87,6 +89,8 @@ def _topology(argv: Sequence[str]) -> int:
     p.add_argument("--nproc", type=int)
     p.add_argument("--probe", action="store_true")
     p.add_argument("--device", default="cpu", choices=DEVICE_CHOICES)
+    p.add_argument("--sizes")
+    p.add_argument("--repeats", type=int)
     p.add_argument("--out")
     for cls in ("intra", "inter"):
         p.add_argument(f"--{cls}-rate")
@@ -130,6 +134,9 @@ def _build_topology(a):
                          f"torchrun); got {' and '.join(given) if given else 'none'}")
     link_flags = [f"--{c}-{k}" for c in ("intra", "inter") for k in ("rate", "latency-us")
                   if getattr(a, f"{c}_{k.replace('-', '_')}") is not None]
+    probe_flags = [f for f, v in (("--sizes", a.sizes), ("--repeats", a.repeats)) if v is not None]
+    if probe_flags and not a.probe:
+        raise ValueError(f"{probe_flags[0]} applies to --probe only")
     if link_flags and not layout:
         raise ValueError(f"{link_flags[0]} applies to a hand-built layout (--hosts K --nproc N) only")
     if a.file is not None:
@@ -159,9 +166,19 @@ def _build_topology(a):
         return Topology.grid(a.hosts, a.nproc, intra=cost("intra", DEFAULT_INTRA),
                              inter=cost("inter", DEFAULT_INTER))
     from .dist import group_device, init_distributed
+    from .topology import PROBE_SIZES
 
+    try:
+        sizes = PROBE_SIZES if a.sizes is None else tuple(int(x) for x in a.sizes.split(","))
+    except ValueError:
+        raise ValueError(f"--sizes must be byte counts separated by commas, got {a.sizes!r}") from None
+    if len(set(sizes)) < 2 or min(sizes) < 1:
+        raise ValueError(f"--sizes needs two or more distinct sizes >= 1 byte, got {a.sizes!r}")
+    repeats = 3 if a.repeats is None else a.repeats
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
     rank = init_distributed(device=a.device).rank
-    topo = Topology.probe(device=group_device(a.device))
+    topo = Topology.probe(sizes=sizes, repeats=repeats, device=group_device(a.device))
     return topo if rank == 0 else None
 
 

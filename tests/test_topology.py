@@ -11,6 +11,7 @@ import pytest
 
 from commsched import LinkCost, Topology, predict_exchange
 from commsched.cli import main as cli_main
+from commsched.config import read_env
 from commsched.costmodel import check_probe_rounds
 from commsched.topology import (
     SWITCH,
@@ -86,6 +87,7 @@ def test_host_names_from_gathered_names_and_node_indices():
     # emulated hosts share the machine's name: the node index tells them apart
     assert host_names([("vm", 0), ("vm", 0), ("vm", 1)]) == ("vm#0", "vm#0", "vm#1")
     assert host_names([("vm", None), ("vm", None)]) == ("vm", "vm")
+    assert read_env({"GROUP_RANK": "2"}).group_rank == 2 and read_env({}).group_rank is None
 
 
 # --------------------------------------------------------------------------- prediction
@@ -283,6 +285,9 @@ def test_cli_from_a_file(tmp_path, capsys):
     (["--file", "x.json", "--inter-rate", "1gbit"], "applies to a hand-built layout"),
     (["--hosts", "2", "--nproc", "1", "--inter-rate", "3"], "--inter-rate: rate '3' has no unit"),
     (["--hosts", "2", "--nproc", "1", "--bogus"], "unknown arguments"),
+    (["--hosts", "2", "--nproc", "1", "--repeats", "2"], "--repeats applies to --probe only"),
+    (["--probe", "--sizes", "4k,1m"], "--sizes must be byte counts"),
+    (["--probe", "--sizes", "4096"], "two or more distinct sizes"),
 ])
 def test_cli_bad_arguments_exit_2_with_one_line(argv, msg, capsys):
     assert cli_main(["topology", *argv]) == 2
@@ -292,10 +297,14 @@ def test_cli_bad_arguments_exit_2_with_one_line(argv, msg, capsys):
 
 # --------------------------------------------------------------------------- on real ranks
 def _probe_case(rank, world, out):
+    import os
+
     from commsched.topology import Topology as T
 
-    rc = cli_main(["topology", "--probe", "--out", out])
-    assert rc == 0
+    # one host: no GROUP_RANK
+    assert cli_main(["topology", "--probe", "--sizes", "1024,65536,1048576", "--repeats", "1",
+                     "--out", out]) == 0
+    os.environ["GROUP_RANK"] = str(rank)  # as torchrun sets it on two nodes
     t = T.probe(sizes=(1 << 10, 1 << 16, 1 << 20), repeats=1)  # the library call, every rank
     return t.to_dict()
 
@@ -305,13 +314,16 @@ def test_probe_on_two_ranks_fills_the_pairs(tmp_path):
     res = run_ranks(2, _probe_case, str(tmp_path), timeout_s=120)
     assert res[0] == res[1]  # every rank gets the same topology
     t = Topology.from_dict(res[0])
-    assert t.hosts == (t.hosts_P[0],) and sorted(t.pairs) == [(0, 1), (1, 0)]
-    # one host, one pair each way: the class is the median of the two pairs
+    # node indices 0 and 1 under one host name: two hosts named NAME#0, NAME#1
+    assert len(t.hosts) == 2 and t.hosts[1].endswith("#1") and t.link_class(0, 1) == "inter"
+    assert sorted(t.pairs) == [(0, 1), (1, 0)] and set(t.links) == {"inter"}
+    # one pair each way: the class is the median of the two pairs
     thetas = sorted(c.theta for c in t.pairs.values())
-    assert t.links["intra"].theta == pytest.approx(sum(thetas) / 2)
+    assert t.links["inter"].theta == pytest.approx(sum(thetas) / 2)
     assert all(c.theta * (1 << 20) < 1.0 for c in t.pairs.values())  # a MiB well under 1 s
     written = Topology.load(tmp_path / "topology.json")  # rank 0 wrote the command's result
-    assert written.source == "probe" and sorted(written.pairs) == [(0, 1), (1, 0)]
+    assert written.source == "probe" and len(written.hosts) == 1
+    assert sorted(written.pairs) == [(0, 1), (1, 0)] and set(written.links) == {"intra"}
     assert _is_png(tmp_path / "topology.png")
 
 
