@@ -7,7 +7,7 @@
 | COMMSCHED_PROGRESS      | 0 disables progress bars                            | 1       |
 | COMMSCHED_COMPILE       | 0: the quantization codec never calls torch.compile (its eager twin runs: same bits, slower; also `AdaQPOptions(compile=False)`, `--no-compile`) | 1 |
 | GLOO_SOCKET_IFNAME      | gloo's interfaces, comma-separated (torch reads it too) | auto |
-| RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT | set by torchrun | |
+| RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK / MASTER_ADDR / MASTER_PORT | set by torchrun (GROUP_RANK: the node's index) | |
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class EnvConfig:
     local_world_size: int | None = None
     gloo_ifnames: tuple[str, ...] = ()
     compile: bool = True
+    group_rank: int | None = None  # torchrun's node index (GROUP_RANK)
 
 
 def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
@@ -74,4 +75,5 @@ def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
         local_world_size=_int("LOCAL_WORLD_SIZE"),
         gloo_ifnames=tuple(i for i in env.get("GLOO_SOCKET_IFNAME", "").split(",") if i),
         compile=_flag("COMMSCHED_COMPILE", True),
+        group_rank=_int("GROUP_RANK"),
     )

@@ -2,7 +2,10 @@
 
 ``fit_link_cost`` is pure (least squares with both terms kept >= 0);
 ``probe_link_costs`` times ring-ordered paired exchanges on a process group and fits
-one model per peer. The bit-width assigner consumes (theta, gamma).
+one model per peer. The bit-width assigner consumes (theta, gamma). ``probe_pair_costs``
+times one-way sends of given pairs, round by round, so that :mod:`commsched.topology` can
+time each pair alone and turn the fits into link classes. Importing this module does not import torch (the
+functions do), so the topology and its file format load without it.
 """
 
 from __future__ import annotations
@@ -10,8 +13,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Sequence
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ def fit_link_cost(nbytes: Sequence[float], times_s: Sequence[float]) -> LinkCost
     Needs at least two distinct sizes. Raises ValueError on mismatched, empty or
     non-finite input.
     """
+    import torch
+
     x = torch.as_tensor(list(nbytes), dtype=torch.float64)
     y = torch.as_tensor(list(times_s), dtype=torch.float64)
     if x.numel() != y.numel():
@@ -72,6 +75,7 @@ def probe_link_costs(group=None, sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 
     On CUDA each round is timed up to a device synchronisation, since NCCL's ``wait()``
     returns at enqueue.
     """
+    import torch
     import torch.distributed as dist
 
     from .clock import Clock
@@ -103,3 +107,86 @@ def probe_link_costs(group=None, sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 
                     samples[dst][0].append(nb)
                     samples[dst][1].append(dt)
     return {p: fit_link_cost(*samples[p]) for p in samples}
+
+
+def check_probe_rounds(rounds: Sequence[Sequence[tuple[int, int]]], world_size: int
+                       ) -> list[list[tuple[int, int]]]:
+    """``rounds`` as lists of (src, dst) pairs, checked: ranks in 0..world_size-1, src !=
+    dst, each rank in at most one pair of a round, each pair in one round only. Pure."""
+    out: list[list[tuple[int, int]]] = []
+    seen: set[tuple[int, int]] = set()
+    for i, rnd in enumerate(rounds):
+        used: set[int] = set()
+        cur = []
+        for pair in rnd:
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in pair)):
+                raise ValueError(f"round {i}: a pair is (src, dst) ranks, got {pair!r}")
+            a, b = pair
+            if not (0 <= a < world_size and 0 <= b < world_size) or a == b:
+                raise ValueError(f"round {i}: pair {(a, b)} must be two different ranks in "
+                                 f"0..{world_size - 1}")
+            if a in used or b in used:
+                raise ValueError(f"round {i}: rank {a if a in used else b} is in two pairs; "
+                                 "each rank sends or receives at most once a round")
+            if (a, b) in seen:
+                raise ValueError(f"round {i}: pair {(a, b)} is probed twice")
+            used |= {a, b}
+            seen.add((a, b))
+            cur.append((a, b))
+        out.append(cur)
+    return out
+
+
+def probe_pair_costs(rounds: Sequence[Sequence[tuple[int, int]]], group=None,
+                     sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20, 1 << 22),
+                     repeats: int = 3, device=None) -> dict[tuple[int, int], LinkCost]:
+    """Time one-way sends of the given (src, dst) pairs, round by round, and fit a LinkCost
+    per pair; every rank gets every pair's fit.
+
+    Collective: every rank of ``group`` calls it with the same ``rounds`` (ranks of
+    ``group``; see :func:`check_probe_rounds`). The pairs of a round send at once, after a
+    barrier; the receiver times from the barrier to the last byte, so give rounds whose
+    pairs share no link (``commsched.topology.probe_rounds`` does) to time each pair
+    alone. ``device`` as :func:`probe_link_costs`.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from .clock import Clock
+    from .dist import all_gather_object, comm_guard
+
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    plan = check_probe_rounds(rounds, P)
+    if repeats < 1 or not sizes:
+        raise ValueError(f"probe_pair_costs needs repeats >= 1 and sizes, got {repeats}, {list(sizes)}")
+    clock = Clock(device if device is not None else "cpu")
+
+    def g(r: int) -> int:
+        return r if group is None else dist.get_global_rank(group, r)
+
+    samples: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
+    bufs = {nb: torch.zeros(nb, dtype=torch.uint8, device=device) for nb in sizes}
+    for i, rnd in enumerate(plan):
+        role = next(((a, b) for a, b in rnd if me in (a, b)), None)
+        for nb in sizes:
+            for rep in range(repeats + 1):  # the first repetition warms the connection up
+                with comm_guard(f"pair probe round {i} ({nb} bytes)", group):
+                    dist.barrier(group=group)
+                    t = time.perf_counter()
+                    if role is not None:
+                        a, b = role
+                        if me == a:
+                            dist.isend(bufs[nb], g(b), group=group).wait()
+                        else:
+                            dist.irecv(bufs[nb], g(a), group=group).wait()
+                        clock.sync()
+                    dt = time.perf_counter() - t
+                if rep > 0 and role is not None and me == role[1]:
+                    xs, ys = samples.setdefault(role, ([], []))
+                    xs.append(nb)
+                    ys.append(dt)
+    mine = {pair: fit_link_cost(*s) for pair, s in samples.items()}
+    rows = all_gather_object({p: (c.gamma, c.theta) for p, c in mine.items()},
+                             "gathering the pair probe's fits", group)
+    return {p: LinkCost(*gt) for row in rows for p, gt in row.items()}
