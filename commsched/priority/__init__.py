@@ -27,6 +27,12 @@ _EXPORTS: dict[str, str] = {
     "SimResult": "sim",
     "GradScheduler": "executor",
     "LOCAL": "executor",
+    "GradGroup": "ddp",
+    "LinaDDP": "ddp",
+    "LinaState": "ddp",
+    "lina_hook": "ddp",
+    "ignore_grouped_params": "ddp",
+    "set_grad_group": "ddp",
 }
 __all__ = sorted(_EXPORTS)
 
