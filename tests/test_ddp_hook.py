@@ -22,10 +22,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from commsched.dist import new_group
 from commsched.moe.dispatch import ExpertGroup
 from commsched.moe.model import ModelConfig, MoETransformerLM
 from commsched.observe import A2AEvents
-from commsched.priority import GradScheduler, LinaDDP, LinaState, ScheduleConfig, ignore_grouped_params, lina_hook
+from commsched.priority import (
+    GradScheduler,
+    LinaDDP,
+    LinaState,
+    ScheduleConfig,
+    ignore_grouped_params,
+    lina_hook,
+    set_grad_group,
+)
 from tests.mp import assert_case, run_cases
 
 MCFG = ModelConfig(d_model=16, n_heads=2, n_layers=2, seq_len=8, d_ff=24, expert_hidden=20, num_experts=4, k=2)
@@ -88,7 +97,7 @@ def _lina_ddp_matches_the_single_process_model(rank: int, world: int) -> None:
                 if "experts" in n:
                     w = w[rank * L:(rank + 1) * L]
                 err = (p.grad - w).abs().max().item()
-                assert err <= 1e-6 + 1e-5 * w.abs().max().item(), (micro, n, err)
+                assert err <= 1e-7 + 1e-6 * w.abs().max().item(), (micro, n, err)  # seen: 1.5e-8
             st = ddp.lina.last_stats
             assert st["allreduce_count"] == ddp.lina.scheduler.num_ops > 0 and st["a2a_count"] > 0
             recs = ddp.lina.scheduler.records
@@ -162,13 +171,16 @@ def _dense_accumulation_equals_plain_ddp(rank: int, world: int) -> None:
     """Plain DDP, LinaDDP and a bare GradScheduler with its own no_sync(): the same gradients
     after 1, 2 and 4 micro-batches, float32 and bfloat16 parameters (world 2: a sum of two
     values is order-free and the 1/2 scale exact, so they agree bit for bit); unused
-    parameters as DDP leaves them (None when no rank used one)."""
+    parameters as DDP leaves them (None when no rank used one). In the hook's model three
+    parameters are marked as reduced over a group of their own (as experts over their
+    expert-data-parallel group): the state, not DDP, reduces those."""
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
         nets = [Dense().to(dtype) for _ in range(3)]
         for n in nets[1:]:
             n.load_state_dict(nets[0].state_dict())
         plain = DDP(nets[0], find_unused_parameters=True)
+        set_grad_group([nets[1].b.bias, nets[1].some, nets[1].never], new_group([0, 1]), world)
         lina = LinaDDP(nets[1], schedule=ScheduleConfig("lina", microop_bytes=64), find_unused_parameters=True,
                        bucket_cap_mb=0.001)
         bare = nets[2]
@@ -197,6 +209,7 @@ def _dense_accumulation_equals_plain_ddp(rank: int, world: int) -> None:
                     assert p.grad.dtype == dtype
                     assert torch.equal(p.grad, q.grad), (dtype, micro, n, "hook")
                     assert torch.equal(p.grad, r.grad), (dtype, micro, n, "GradScheduler")
+            assert "b.bias" in lina.parameters_to_ignore and "a.bias" not in lina.parameters_to_ignore
             # the natural wrong pattern: two backwards in one step without no_sync
             sched.begin_step()
             F.mse_loss(bare(_dense_tokens(rank, 0, dtype)[0]), _dense_tokens(rank, 0, dtype)[1]).backward()

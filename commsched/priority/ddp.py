@@ -107,8 +107,11 @@ def ignore_grouped_params(module: nn.Module) -> list[str]:
     """Tell DDP to leave ``module``'s marked parameters alone (call before wrapping it);
     names already ignored are kept. Returns the marked names."""
     names = grouped_param_names(module)
+    # DDP's reducer spells a parameter of the root module ".name" ("{module_name}.{param_name}"
+    # with an empty module name) where the rest of DDP says "name": give both
+    spelled = names + ["." + n for n in names if "." not in n]
     old = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, old + [n for n in names if n not in old])
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, old + [n for n in spelled if n not in old])
     return names
 
 
