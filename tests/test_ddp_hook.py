@@ -78,22 +78,32 @@ def _accumulate(ddp, rank: int, micro: int, tokens=None) -> None:
 
 
 def _lina_ddp_matches_the_single_process_model(rank: int, world: int) -> None:
+    """Under the completion launch rule (gloo's default) over 1, 2, 4 and again 1 micro-batches,
+    the last after DDP rebuilt its buckets; under the program rule (CUDA's default) over 2."""
+    want = {}
+    for cfg, micros in ((LINA, (1, 2, 4, 1)), (ScheduleConfig("lina", microop_bytes=512, launch="program"), (2,))):
+        _lina_ddp_case(rank, world, cfg, micros, want)
+
+
+def _lina_ddp_case(rank: int, world: int, cfg: ScheduleConfig, micros, want: dict) -> None:
     events = A2AEvents()
     model = _ep_model(rank, world, events)
-    ddp = LinaDDP(model, schedule=LINA, events=events, bucket_cap_mb=0.01)
+    ddp = LinaDDP(model, schedule=cfg, events=events, bucket_cap_mb=0.01)
     try:
+        assert ddp.lina.scheduler.launch_rule == cfg.launch_rule("cpu")
         L = MCFG.num_experts // world
         experts = model.moe_layers()[0].experts
         torch.manual_seed(7)
         ref0 = MoETransformerLM(MCFG)
         # DDP left the experts alone: this rank still holds its own block, not rank 0's
         assert torch.equal(experts.w1, ref0.moe_layers()[0].experts.w1[rank * L:(rank + 1) * L])
-        for micro in (1, 2, 4, 1):  # the last step runs after DDP rebuilt its buckets
-            want = _reference_grads(world, micro)
+        for micro in micros:
+            if micro not in want:
+                want[micro] = _reference_grads(world, micro)
             model.zero_grad(set_to_none=True)
             _accumulate(ddp, rank, micro)
             for n, p in model.named_parameters():
-                w = want[n]
+                w = want[micro][n]
                 if "experts" in n:
                     w = w[rank * L:(rank + 1) * L]
                 err = (p.grad - w).abs().max().item()
@@ -168,7 +178,7 @@ def _dense_tokens(rank: int, m: int, dtype):
 
 
 def _dense_accumulation_equals_plain_ddp(rank: int, world: int) -> None:
-    """Plain DDP, LinaDDP and a bare GradScheduler with its own no_sync(): the same gradients
+    """Plain DDP, LinaDDP (lina and serial) and a bare GradScheduler with its own no_sync(): the same gradients
     after 1, 2 and 4 micro-batches, float32 and bfloat16 parameters (world 2: a sum of two
     values is order-free and the 1/2 scale exact, so they agree bit for bit); unused
     parameters as DDP leaves them (None when no rank used one). In the hook's model three
@@ -176,13 +186,15 @@ def _dense_accumulation_equals_plain_ddp(rank: int, world: int) -> None:
     expert-data-parallel group): the state, not DDP, reduces those."""
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
-        nets = [Dense().to(dtype) for _ in range(3)]
+        nets = [Dense().to(dtype) for _ in range(4)]
         for n in nets[1:]:
             n.load_state_dict(nets[0].state_dict())
         plain = DDP(nets[0], find_unused_parameters=True)
         set_grad_group([nets[1].b.bias, nets[1].some, nets[1].never], new_group([0, 1]), world)
         lina = LinaDDP(nets[1], schedule=ScheduleConfig("lina", microop_bytes=64), find_unused_parameters=True,
                        bucket_cap_mb=0.001)
+        serial = LinaDDP(nets[3], schedule=ScheduleConfig("serial", microop_bytes=64), find_unused_parameters=True,
+                         gradient_as_bucket_view=True)  # the gradients are the bucket's views
         bare = nets[2]
         named = list(bare.named_parameters())
         sched = GradScheduler([(p, None) for _, p in named], ScheduleConfig("lina", microop_bytes=64),
@@ -191,7 +203,7 @@ def _dense_accumulation_equals_plain_ddp(rank: int, world: int) -> None:
             for micro in (1, 2, 4):
                 for net in nets:
                     net.zero_grad(set_to_none=True)
-                for ddp in (plain, lina):
+                for ddp in (plain, lina, serial):
                     for m in range(micro):
                         x, y = _dense_tokens(rank, m, dtype)
                         with ddp.no_sync() if m < micro - 1 else contextlib.nullcontext():
@@ -202,13 +214,14 @@ def _dense_accumulation_equals_plain_ddp(rank: int, world: int) -> None:
                     with sched.no_sync() if m < micro - 1 else contextlib.nullcontext():
                         F.mse_loss(bare(x), y).backward()
                 sched.finish()
-                for (n, p), q, r in zip(nets[0].named_parameters(), nets[1].parameters(), nets[2].parameters()):
+                for (n, p), q, r, t in zip(nets[0].named_parameters(), *(net.parameters() for net in nets[1:])):
                     if n == "never":
-                        assert p.grad is None and q.grad is None and r.grad is None, (dtype, micro)
+                        assert p.grad is None and q.grad is None and r.grad is None and t.grad is None, (dtype, micro)
                         continue
                     assert p.grad.dtype == dtype
                     assert torch.equal(p.grad, q.grad), (dtype, micro, n, "hook")
                     assert torch.equal(p.grad, r.grad), (dtype, micro, n, "GradScheduler")
+                    assert torch.equal(p.grad, t.grad), (dtype, micro, n, "hook, serial")
             assert "b.bias" in lina.parameters_to_ignore and "a.bias" not in lina.parameters_to_ignore
             # the natural wrong pattern: two backwards in one step without no_sync
             sched.begin_step()
@@ -219,6 +232,7 @@ def _dense_accumulation_equals_plain_ddp(rank: int, world: int) -> None:
         finally:
             sched.close()
             lina.close()
+            serial.close()
 
 
 def _registration_mismatch_is_one_clear_error(rank: int, world: int) -> None:
