@@ -2,7 +2,9 @@
 
 - LinaDDP on an expert-parallel MoE model equals the single-process model (all experts
   local) over 1, 2 and 4 micro-batches accumulated with ``no_sync()``, experts kept per
-  rank, allreduce never launched while an all-to-all of the rank is in flight;
+  rank, allreduce never launched while an all-to-all of the rank is in flight; on 4 ranks
+  with expert-data-parallel groups too (that case runs in tests/test_moe_train.py's
+  4-rank spawn);
 - a plain DDP around expert-parallel MoE layers raises instead of silently replacing
   rank 1's experts and averaging their gradients;
 - on a dense model the hook, and a bare GradScheduler with its own ``no_sync()``, give
@@ -154,6 +156,11 @@ def _plain_ddp_around_experts_raises(rank: int, world: int) -> None:
     assert torch.allclose(g, want["blocks.0.attn.qkv.weight"], rtol=1e-5, atol=1e-6)
     state.close()
     model.close()
+    # experts laid out for another world (expert_dp_group forgotten when the EP group is smaller)
+    model = _ep_model(rank, world)
+    set_grad_group(model.moe_layers()[0].experts.parameters(), None, 2 * world)
+    with pytest.raises(ValueError, match=f"laid out for {2 * world} data-parallel ranks.*expert_dp_group"):
+        LinaDDP(model)
 
 
 class Dense(nn.Module):
@@ -247,6 +254,36 @@ def _registration_mismatch_is_one_clear_error(rank: int, world: int) -> None:
         GradScheduler([(p, None) for p in ps], LINA)
     with GradScheduler([(p, None) for p in (a, b, c)], LINA, timeout_s=5.0) as s:  # agreeing ranks: fine
         assert s.timeout_s == 5.0
+
+
+def lina_ddp_with_expert_dp_groups(rank: int, world: int) -> None:
+    """4 ranks, expert-parallel groups {0, 1} and {2, 3}, expert-data-parallel groups {0, 2}
+    and {1, 3}: DDP averages the dense parameters over all four, the state sums each expert's
+    gradient over the two ranks holding it (scaled by 1/4); equal to the single-process model
+    over 2 accumulated micro-batches and 1. Runs in tests/test_moe_train.py's 4-rank spawn."""
+    ep = 2
+    eps = [new_group([0, 1]), new_group([2, 3])]
+    edps = [new_group([0, 2]), new_group([1, 3])]
+    events = A2AEvents()
+    torch.manual_seed(7)
+    model = MoETransformerLM(MCFG, expert_group=ExpertGroup(MCFG.num_experts, ep, rank % ep, eps[rank // ep]),
+                             observer=events, expert_dp_group=edps[rank % ep])
+    ddp = LinaDDP(model, schedule=LINA, events=events, bucket_cap_mb=0.01)
+    L = MCFG.num_experts // ep
+    try:
+        for micro in (2, 1):
+            want = _reference_grads(world, micro)
+            model.zero_grad(set_to_none=True)
+            _accumulate(ddp, rank, micro)
+            for n, p in model.named_parameters():
+                w = want[n]
+                if "experts" in n:
+                    w = w[(rank % ep) * L:(rank % ep + 1) * L]
+                err = (p.grad - w).abs().max().item()
+                assert err <= 1e-7 + 1e-6 * w.abs().max().item(), (micro, n, err)
+    finally:
+        ddp.close()
+        model.close()
 
 
 CASES2 = [("lina_ddp_matches_the_single_process_model", _lina_ddp_matches_the_single_process_model),
