@@ -32,12 +32,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..lanes import Lanes
 from ..observe import A2AObserver
 from ..priority.ddp import check_ddp, set_grad_group
-from ..priority.executor import LOCAL, _group_size
+from ..priority.executor import LOCAL
 from .dispatch import ExpertGroup, ep_moe, local_moe
 from .experts import ExpertFFN
 from .router import Router, RouterConfig, Routing
@@ -72,7 +73,7 @@ class MoELayer(nn.Module):
         else:
             self.experts = ExpertFFN(E, d_model, d_hidden, expert_group.first, expert_group.num_local)
             if expert_group.size > 1:
-                dp = 1 if expert_dp_group is None else _group_size(expert_dp_group)
+                dp = 1 if expert_dp_group is None else dist.get_world_size(expert_dp_group)
                 set_grad_group(self.experts.parameters(), LOCAL if expert_dp_group is None else expert_dp_group,
                                expert_group.size * dp)
         self.last_routing: Routing | None = None
