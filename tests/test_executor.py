@@ -244,3 +244,114 @@ def test_finish_orders_the_consumer_stream_after_a_slow_gpu_reduction():
     for g, want in zip(got, local):
         assert torch.equal(g, want * 2.0)
     assert st["allreduce_time_s"] > 0.01
+
+
+def _doubling(flat, group):
+    """A fake allreduce over two identical ranks: the sum is twice the local value."""
+    flat.mul_(2.0)
+    return BackgroundWork(flat.new_zeros(0), 0.0)
+
+
+@pytest.mark.parametrize("micro", [1, 2, 4])
+def test_no_sync_accumulates_exactly_and_the_last_backward_reduces_the_sum(micro):
+    """k micro-batches, all but the last inside no_sync(): the reduced gradient is
+    scale * 2 * (sum of the micro-batch gradients), exactly; as a plain local loop computes it."""
+    torch.manual_seed(1)
+    w = torch.nn.Parameter(torch.randn(33))
+    xs = [torch.randn(33) for _ in range(micro)]
+    ref = sum(x * x.sum() for x in xs)  # d/dw of 0.5 * (w.x)^2 summed, at w = 1 below
+    with torch.no_grad():
+        w.fill_(1.0)
+    cfg = ScheduleConfig("lina", microop_bytes=40)
+    with GradScheduler([(w, FakeGroup(2))], cfg, device="cpu", launch=_doubling) as sched:
+        sched.begin_step()
+        for j, x in enumerate(xs):
+            if j < micro - 1:
+                with sched.no_sync():
+                    (0.5 * (w * x).sum() ** 2).backward()
+                assert sched.active and w.grad is not None  # accumulated, not reduced
+            else:
+                (0.5 * (w * x).sum() ** 2).backward()
+        sched.finish()
+    want = torch.zeros(33)
+    for x in xs:  # autograd's accumulation order
+        want += x * (x * 1.0).sum()
+    assert torch.allclose(want, ref)
+    assert torch.equal(w.grad, want * 0.5 * 2.0)  # 1 / group size, then the fake sum over two ranks
+
+
+def test_two_backwards_in_one_step_raise_instead_of_a_partial_reduction():
+    w = torch.nn.Parameter(torch.ones(8))
+    with GradScheduler([(w, FakeGroup(2))], ScheduleConfig("serial"), device="cpu", launch=_doubling,
+                       names=["layer.weight"]) as sched:
+        sched.begin_step()
+        (w * 2).sum().backward()
+        with pytest.raises(RuntimeError, match=r"'layer.weight' received a second gradient.*no_sync"):
+            (w * 3).sum().backward()
+        # a backward inside no_sync after the step's synchronising one is the same mistake
+        with sched.no_sync(), pytest.raises(RuntimeError, match="second gradient"):
+            (w * 3).sum().backward()
+        with sched.no_sync(), pytest.raises(RuntimeError, match="inside GradScheduler.no_sync"):
+            sched.finish()
+        sched.finish()
+    with pytest.raises(RuntimeError, match="does not nest"):
+        with sched.no_sync(), sched.no_sync():
+            pass
+
+
+def test_unused_parameters_keep_grad_none():
+    """A parameter no gradient reached stays None after finish; a used one is reduced; one
+    with a gradient left from no_sync micro-batches counts as used."""
+    a, b, c = (torch.nn.Parameter(torch.ones(4)) for _ in range(3))
+    with GradScheduler([(a, FakeGroup(2)), (b, FakeGroup(2)), (c, FakeGroup(2))], ScheduleConfig("lina"),
+                       device="cpu", launch=_doubling) as sched:
+        sched.begin_step()
+        with sched.no_sync():
+            (c * 4).sum().backward()
+        (a * 3).sum().backward()
+        sched.finish()
+    assert torch.equal(a.grad, torch.full((4,), 3.0)) and torch.equal(c.grad, torch.full((4,), 4.0))
+    assert b.grad is None
+    b2 = torch.nn.Parameter(torch.ones(2))
+    with GradScheduler([(b2, FakeGroup(2))], ScheduleConfig(), device="cpu", launch=_doubling,
+                       find_unused_parameters=False) as sched:
+        sched.begin_step()
+        sched.finish()
+    assert torch.equal(b2.grad, torch.zeros(2))  # without the flag: the reduced zeros
+
+
+def test_registration_mismatch_names_the_first_difference():
+    from commsched.priority.executor import registration_mismatch
+
+    a = ("w", (3, 4), "float32", 2)
+    b = ("b", (4,), "float32", 2)
+    assert registration_mismatch([[a, b], [a, b]]) is None
+    msg = registration_mismatch([[a, b], [a, b], [b, a]])
+    assert msg.startswith("rank 2 registered parameter 0 as 'b' [4] float32 (reduced over 2 ranks), "
+                          "rank 0 as 'w' [3, 4] float32")
+    swapped = ("w", (3, 4), "bfloat16", 2)
+    assert "rank 1 registered parameter 0 as 'w' [3, 4] bfloat16" in registration_mismatch([[a], [swapped]])
+    assert "rank 1 registered 1 parameters, rank 0 2" in registration_mismatch([[a, b], [a]])
+    assert "scaled only" in registration_mismatch([[a], [("w", (3, 4), "float32", 1)]])
+
+
+def test_external_gradients_are_reduced_in_place_and_reported():
+    """``external`` parameters get no hook: grad_ready hands the tensor to reduce (a view of a
+    DDP bucket, say); on_complete tells the caller each operation is done."""
+    p = torch.nn.Parameter(torch.ones(10))
+    buf = torch.arange(10.0)
+    done: list = []
+    cfg = ScheduleConfig("lina", microop_bytes=16)
+    with GradScheduler([(p, FakeGroup(2))], cfg, device="cpu", launch=_doubling, external=[p],
+                       on_complete=lambda seq, err: done.append((seq, err))) as sched:
+        sched.begin_step()
+        (p * 5).sum().backward()  # no hook: nothing reduced
+        assert done == []
+        sched.grad_ready(p, buf)
+        sched.end_backward()
+        sched.finish()
+        assert sorted(done) == [(s, None) for s in sched.ops_of(p)] and len(done) == 3
+        with pytest.raises(ValueError, match="shape"):
+            sched.grad_ready(p, torch.zeros(3))
+    assert torch.equal(buf, torch.arange(10.0))  # scaled by 1/2, then the fake sum over two ranks
+    assert torch.equal(p.grad, torch.full((10,), 5.0))  # the parameter's own grad untouched

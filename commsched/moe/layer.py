@@ -8,6 +8,16 @@ rank's block of E / P experts and exchange tokens over that process group; ``chu
 ``pipeline`` select the pipelined exchange (see :mod:`commsched.moe.dispatch`);
 ``observer`` (an :class:`~commsched.observe.A2AObserver`, given at construction) is told
 about its exchanges.
+
+Data parallelism. With an expert group of more than one rank each rank holds different
+experts, so they are not data-parallel over all ranks: the layer marks them
+(:func:`commsched.priority.ddp.set_grad_group`) as reduced over ``expert_dp_group``, the
+ranks that hold the same experts (None: this rank alone, when the expert group spans every
+rank), after scaling by 1 / (expert group size x expert_dp_group size).
+:class:`commsched.priority.LinaDDP` keeps them out of DDP and reduces them so; inside a
+plain ``DistributedDataParallel`` that reduces them (having replaced every rank's experts
+with rank 0's when it was built), or that leaves their gradients to nobody, the forward
+pass raises a ValueError saying what to use instead.
 The forward pass returns ``(y, aux_loss)``; add ``aux_weight * aux_loss`` to the loss.
 
 The layer runs on the device of its input (move it with ``.to(device)``); the pipelined
@@ -22,10 +32,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..lanes import Lanes
 from ..observe import A2AObserver
+from ..priority.ddp import check_ddp, set_grad_group
+from ..priority.executor import LOCAL
 from .dispatch import ExpertGroup, ep_moe, local_moe
 from .experts import ExpertFFN
 from .router import Router, RouterConfig, Routing
@@ -46,7 +59,7 @@ class DispatchConfig:
 class MoELayer(nn.Module):
     def __init__(self, d_model: int, d_hidden: int, router_cfg: RouterConfig, *,
                  expert_group: ExpertGroup | None = None, dispatch: DispatchConfig | None = None,
-                 observer: A2AObserver | None = None):
+                 observer: A2AObserver | None = None, expert_dp_group: object | None = None):
         super().__init__()
         E = router_cfg.num_experts
         if expert_group is not None and expert_group.num_experts != E:
@@ -59,6 +72,10 @@ class MoELayer(nn.Module):
             self.experts = ExpertFFN(E, d_model, d_hidden)
         else:
             self.experts = ExpertFFN(E, d_model, d_hidden, expert_group.first, expert_group.num_local)
+            if expert_group.size > 1:
+                dp = 1 if expert_dp_group is None else dist.get_world_size(expert_dp_group)
+                set_grad_group(self.experts.parameters(), LOCAL if expert_dp_group is None else expert_dp_group,
+                               expert_group.size * dp)
         self.last_routing: Routing | None = None
         self._lanes: Lanes | None = None  # comm lane of the pipelined exchange, made on first use
 
@@ -78,6 +95,8 @@ class MoELayer(nn.Module):
         if self.expert_group is None:
             y_TD = local_moe(x_TD, routing, self.experts)
         else:
+            if self.expert_group.size > 1:
+                check_ddp(self, self.experts.parameters())  # inside DistributedDataParallel: leaves them to commsched
             if self.dispatch.pipeline and (self._lanes is None or self._lanes.device != x.device):
                 self.close()
                 self._lanes = Lanes(x.device, names=("compute", "comm"))

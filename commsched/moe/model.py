@@ -120,7 +120,10 @@ class Block(nn.Module):
 
 class MoETransformerLM(nn.Module):
     def __init__(self, cfg: ModelConfig, *, expert_group: ExpertGroup | None = None,
-                 dispatch: DispatchConfig | None = None, observer: A2AObserver | None = None):
+                 dispatch: DispatchConfig | None = None, observer: A2AObserver | None = None,
+                 expert_dp_group: object | None = None):
+        """``expert_dp_group``: the ranks holding the same experts as this one (see
+        :class:`~commsched.moe.layer.MoELayer`; None: this rank alone)."""
         super().__init__()
         self.cfg = cfg
         dispatch = dispatch or DispatchConfig()
@@ -131,7 +134,7 @@ class MoETransformerLM(nn.Module):
         for i in range(cfg.n_layers):
             if cfg.is_moe(i):
                 ffn: nn.Module = MoELayer(D, cfg.expert_hidden, cfg.router, expert_group=expert_group,
-                                          dispatch=dispatch, observer=observer)
+                                          dispatch=dispatch, observer=observer, expert_dp_group=expert_dp_group)
             else:
                 ffn = DenseFFN(D, cfg.d_ff)
             blocks.append(Block(D, cfg.n_heads, ffn))

@@ -29,6 +29,12 @@ _EXPORTS: dict[str, str] = {
     "LOCAL": "executor",
     "UrgentOp": "transfer",
     "urgent": "transfer",
+    "GradGroup": "ddp",
+    "LinaDDP": "ddp",
+    "LinaState": "ddp",
+    "lina_hook": "ddp",
+    "ignore_grouped_params": "ddp",
+    "set_grad_group": "ddp",
 }
 __all__ = sorted(_EXPORTS)
 

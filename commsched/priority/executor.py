@@ -13,6 +13,33 @@ The MoE layers report their all-to-alls and expert blocks through the observer m
 :meth:`finish` ends the backward pass and waits for every allreduce, so the optimizer step
 that follows sees fully reduced gradients.
 
+Agreement. Construction is collective over the default process group when one is
+initialised: the ranks compare (name, shape, dtype, group size) of every entry once, and a
+rank that registered other parameters, or the same ones in another order, makes every rank
+raise one ValueError naming the first mismatching rank, index and name -- instead of
+mismatched collectives (gloo's "collective mismatch" abort, or two swapped same-sized
+parameters silently reduced into each other).
+
+Accumulation. A step reduces the gradient one backward pass leaves. To accumulate several
+micro-batches, run all but the last backward inside :meth:`no_sync` (the hooks only let
+autograd accumulate there); the last backward, outside it, reduces the sum -- exactly what
+``DistributedDataParallel.no_sync`` does. Two backward passes that both reach a parameter
+between :meth:`begin_step` and :meth:`finish` outside ``no_sync`` raise a RuntimeError
+from the second backward (the first one's partial gradient was already on the wire).
+
+Unused parameters. A parameter no gradient reached on this rank contributes zeros, so every
+rank launches the same collectives; the reduced gradient is that sum. With
+``find_unused_parameters`` (the default) :meth:`finish` also exchanges one small used-flag
+tensor per group and leaves ``grad`` None for a parameter no rank of its group used
+(scale-only parameters: unused here), as ``DistributedDataParallel(find_unused_parameters=True)``
+does; a parameter used on some ranks only gets the sum of their gradients.
+
+External readiness. Parameters named in ``external`` get no hook: their caller reports
+each gradient with :meth:`grad_ready` (a tensor of the parameter's shape, such as a view
+into a ``DistributedDataParallel`` bucket), which is scaled and reduced in place;
+``on_complete(seq, error)`` is called (lock held) when operation ``seq`` is done.
+:mod:`commsched.priority.ddp` drives the scheduler this way from a DDP communication hook.
+
 Schedules: ``lina`` (micro-ops, all-to-all first, credit), ``fifo`` (DDP-style fused
 buckets launched as soon as ready), ``serial`` (micro-ops, launched only after the
 backward pass). All three compute the same sums; only the timing differs.
@@ -42,15 +69,16 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..clock import Clock
 from ..config import read_env
-from ..dist import CommError, peer_failure_hint, unresponsive_note
+from ..dist import CommError, all_gather_object, comm_guard, peer_failure_hint, unresponsive_note
 from .microops import CommOp
 from .policy import ScheduleConfig, allreduce_ops, make_policy
 from .transfer import UrgentOp, urgent
@@ -77,6 +105,35 @@ def _group_size(g) -> int:
     if g is None or isinstance(g, dist.ProcessGroup):
         return dist.get_world_size(g)
     return int(g.size())
+
+
+def _describe(name: str, p: torch.Tensor, group_size: int) -> tuple:
+    return (name, tuple(p.shape), str(p.dtype).replace("torch.", ""), group_size)
+
+
+def _show(d: tuple) -> str:
+    name, shape, dtype, n = d
+    where = "scaled only" if n == 1 else f"reduced over {n} ranks"
+    return f"{name!r} {list(shape)} {dtype} ({where})"
+
+
+def registration_mismatch(lists: Sequence[Sequence[tuple]]) -> str | None:
+    """The first difference between the ranks' parameter lists (each entry ``(name, shape,
+    dtype, group size)``, rank 0's list the reference), as one sentence; None when they agree.
+    Pure: :class:`GradScheduler` calls it on what every rank registered."""
+    ref = lists[0]
+    for r, got in enumerate(lists[1:], start=1):
+        for i, (a, b) in enumerate(zip(ref, got)):
+            if a != b:
+                return (f"rank {r} registered parameter {i} as {_show(b)}, rank 0 as {_show(a)}; every rank "
+                        "must register the same parameters in the same order with the same shapes and dtypes")
+        if len(got) != len(ref):
+            i = min(len(got), len(ref))
+            extra = _show(got[i]) if len(got) > i else _show(ref[i])
+            return (f"rank {r} registered {len(got)} parameters, rank 0 {len(ref)} (the first unmatched is "
+                    f"parameter {i}, {extra} on rank {r if len(got) > i else 0}); every rank must register "
+                    "the same parameters in the same order")
+    return None
 
 
 @dataclass
@@ -132,13 +189,19 @@ class GradScheduler:
     operation is started (default: an asynchronous ``all_reduce``; tests inject slow fakes).
     ``completion``: ``"callback"`` (the ``Work``'s future) or ``"poll"``
     (``work.is_completed()``, polled by the executor thread); default: the callback on the
-    CPU. On CUDA completion is always a polled CUDA event.
+    CPU. On CUDA completion is always a polled CUDA event. ``names``: one name per entry
+    (default ``param{i}``), used by the construction check's error. ``find_unused_parameters``,
+    ``external``, ``on_complete``: module docstring.
     """
 
     def __init__(self, params: Sequence[tuple], cfg: ScheduleConfig, *, timeout_s: float | None = None,
                  device: torch.device | str | None = None, launch: Launcher | None = None,
-                 completion: str | None = None):
+                 completion: str | None = None, names: Sequence[str] | None = None,
+                 find_unused_parameters: bool = True, external: Iterable[torch.Tensor] = (),
+                 on_complete: Callable[[int, BaseException | None], None] | None = None):
         self.cfg = cfg
+        if names is not None and len(names) != len(params):
+            raise ValueError(f"{len(names)} names for {len(params)} parameters")
         self.timeout_s = timeout_s if timeout_s is not None else read_env().timeout_s
         if device is None:
             device = params[0][0].device if len(params) else torch.device("cpu")
@@ -150,17 +213,30 @@ class GradScheduler:
         self._launch = launch or _all_reduce
         self.clock = Clock(self.device)
         self.launch_rule = cfg.launch_rule(self.device.type)
-        entries = []
-        for e in params:
+        entries, described = [], []
+        for i, e in enumerate(params):
+            if not isinstance(e, (tuple, list)) or len(e) not in (2, 3) or not isinstance(e[0], torch.Tensor):
+                raise TypeError(f"GradScheduler entry {i} must be (parameter, group) or (parameter, group, scale), "
+                                f"got {type(e).__name__}")
             p, g = e[0], e[1]
             n = 1 if g is LOCAL else _group_size(g)
             scale = float(e[2]) if len(e) > 2 else 1.0 / n
-            entries.append((p, g if n > 1 else LOCAL, scale))
+            entries.append((p, g if n > 1 else LOCAL, scale, names[i] if names is not None else f"param{i}"))
+            described.append(_describe(entries[-1][3], p, n))
+        self._check_same_registration(described)
         # communicated parameters first (in the order given), then the scale-only ones
         entries = [e for e in entries if e[1] is not LOCAL] + [e for e in entries if e[1] is LOCAL]
-        self._params = [p for p, _, _ in entries]
-        self._groups = [g for _, g, _ in entries]
-        self._scale = [s for _, _, s in entries]
+        self._params = [p for p, _, _, _ in entries]
+        self._groups = [g for _, g, _, _ in entries]
+        self._scale = [s for _, _, s, _ in entries]
+        self.names = [nm for _, _, _, nm in entries]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._find_unused = bool(find_unused_parameters)
+        self._on_complete = on_complete
+        ext = {id(p) for p in external}
+        if not ext <= set(self._index):
+            raise ValueError("external parameters must be among the scheduler's parameters")
+        self._external = [id(p) in ext for p in self._params]
         n_comm = sum(1 for g in self._groups if g is not LOCAL)
         ops: list[tuple[CommOp, object]] = []
         # operations never span two groups (nor, for buckets, two dtypes)
@@ -189,11 +265,13 @@ class GradScheduler:
         self._marks: dict[tuple[str, int, str], Any] = {}  # CUDA: (kind, key, field) -> event
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
         self._cv = threading.Condition()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                       for i, p in enumerate(self._params) if not self._external[i]]
         self._thread_wake = False
         self._closed = False
         self._error: BaseException | None = None
         self._active = False
+        self._sync = True  # False inside no_sync(): backward passes only accumulate
         self._a2a_key = 0
         self._a2a_blocked_s = 0.0
         self.records: list[OpRecord] = []
@@ -202,10 +280,43 @@ class GradScheduler:
         self._thread = threading.Thread(target=self._loop, name="commsched-gradsched", daemon=True)
         self._thread.start()
 
+    def _check_same_registration(self, described: list[tuple]) -> None:
+        """Collective over the default group (when initialised, several ranks and every group a
+        real process group): the same ValueError on every rank when the lists differ."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        # what each rank registered, in its given order; group identity may differ (each rank
+        # has its own expert-data-parallel group), its size may not
+        lists = all_gather_object(described, "comparing the parameters every rank's GradScheduler registered")
+        msg = registration_mismatch(lists)
+        if msg is not None:
+            raise ValueError(f"GradScheduler: {msg}")
+
     # ------------------------------------------------------------------ step
     @property
     def num_ops(self) -> int:
         return len(self.ops)
+
+    @property
+    def active(self) -> bool:
+        """Whether a step is open (between :meth:`begin_step` and :meth:`finish`)."""
+        return self._active
+
+    def ops_of(self, p: torch.Tensor) -> list[int]:
+        """Sequence numbers of the operations that carry ``p``'s gradient."""
+        return list(self._ops_of_param[self._index[id(p)]])
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients; the next one outside reduces the
+        sum (module docstring, "Accumulation"). Usable before or after :meth:`begin_step`."""
+        if not self._sync:
+            raise RuntimeError("GradScheduler.no_sync() is already active (it does not nest)")
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
 
     def begin_step(self) -> None:
         with self._cv:
@@ -214,6 +325,8 @@ class GradScheduler:
             self._policy.begin_step(len(self.ops))
             self._state = [_Op(spec, g, len(spec.tensors)) for spec, g in zip(self.ops, self._op_groups)]
             self._param_ready = [False] * len(self._params)
+            self._src: list[torch.Tensor | None] = [None] * len(self._params)
+            self._used = [False] * len(self._params)
             self.records, self._rec = [], {}
             self._polled, self._marks = {}, {}
             self._a2a_blocked_s = 0.0
@@ -239,19 +352,59 @@ class GradScheduler:
             if not self._active:
                 return
             with self._cv:
+                if self._check_second_gradient(i):
+                    return
                 self._grad_ready(i)
                 self._pump()
         return hook
 
-    def _grad_ready(self, i: int) -> None:
+    def _check_second_gradient(self, i: int) -> bool:
+        """True inside no_sync (nothing to do); raises when parameter ``i`` was already reduced
+        in this step (lock held, step active)."""
+        if self._param_ready[i]:
+            raise RuntimeError(
+                f"GradScheduler: parameter {self.names[i]!r} received a second gradient in one step: its "
+                "first backward pass's gradient is already being reduced. Run the backward passes of all "
+                "micro-batches but the last inside `with scheduler.no_sync():`, then finish()")
+        return not self._sync
+
+    def grad_ready(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """An ``external`` parameter's gradient is ready in ``grad`` (its shape; reduced in place)."""
+        i = self._index[id(p)]
+        if not self._external[i]:
+            raise ValueError(f"parameter {self.names[i]!r} is not external: its hook reports it")
+        if grad.shape != p.shape:
+            raise ValueError(f"gradient of {self.names[i]!r} has shape {list(grad.shape)}, the parameter "
+                             f"{list(p.shape)}")
+        with self._cv:
+            if not self._active:
+                raise RuntimeError("grad_ready() outside a step: call begin_step() first")
+            if self._check_second_gradient(i):
+                return
+            self._grad_ready(i, grad)
+            self._pump()
+
+    def end_backward(self) -> None:
+        """Tell the policy the backward pass is over (no all-to-all follows before the
+        optimizer step), so it holds nothing back; :meth:`finish` does this too."""
+        with self._cv:
+            if self._active:
+                self._policy.end_backward()
+                self._pump()
+
+    def _grad_ready(self, i: int, src: torch.Tensor | None = None) -> None:
         if self._param_ready[i]:
             return
         self._param_ready[i] = True
         p = self._params[i]
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+        self._used[i] = src is not None or p.grad is not None
+        if src is None:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            src = p.grad
+        self._src[i] = src
         if self._scale[i] != 1.0:
-            p.grad.mul_(self._scale[i])
+            src.mul_(self._scale[i])
         for seq in self._ops_of_param[i]:
             st = self._state[seq]
             st.missing -= 1
@@ -262,7 +415,7 @@ class GradScheduler:
                 self._stamp(rec, "ready_s")
 
     def _make_buffer(self, st: _Op) -> None:
-        views = [self._params[pc.tensor].grad.view(-1)[pc.offset:pc.offset + pc.numel] for pc in st.spec.pieces]
+        views = [self._src[pc.tensor].view(-1)[pc.offset:pc.offset + pc.numel] for pc in st.spec.pieces]
         st.views = views
         st.flat = views[0] if len(views) == 1 else torch.cat(views)
 
@@ -281,6 +434,8 @@ class GradScheduler:
                 work = self._launch(st.flat, st.group)
             except RuntimeError as e:
                 self._error = CommError(f"rank {_rank()}: launching allreduce {seq} failed: {e}")
+                if self._on_complete is not None:
+                    self._on_complete(seq, self._error)
                 self._cv.notify_all()
                 continue
             st.work = work
@@ -301,11 +456,13 @@ class GradScheduler:
             with self._cv:
                 if err is not None and self._error is None:
                     self._error = CommError(f"rank {_rank()}: allreduce {seq} failed: {err}")
-                self._completed(seq)
+                self._completed(seq, error=self._error if err is not None else None)
         return done
 
-    def _completed(self, seq: int, end_mark: Any = None) -> None:
+    def _completed(self, seq: int, end_mark: Any = None, error: BaseException | None = None) -> None:
         """Allreduce ``seq`` is done (caller holds the lock)."""
+        if self._on_complete is not None:
+            self._on_complete(seq, error)
         rec = self._rec.get(("allreduce", seq))
         if rec is not None:
             if end_mark is not None:
@@ -402,6 +559,9 @@ class GradScheduler:
         with self._cv:
             if not self._active:
                 raise RuntimeError("finish() without begin_step()")
+            if not self._sync:
+                raise RuntimeError("finish() inside GradScheduler.no_sync(): leave the no_sync block and run the "
+                                   "last micro-batch's backward pass outside it, then finish()")
             for i in range(len(self._params)):
                 if not self._param_ready[i]:  # no gradient reached this parameter on this rank
                     self._grad_ready(i)
@@ -451,6 +611,11 @@ class GradScheduler:
                         v.copy_(st.flat[off:off + v.numel()])
                         off += v.numel()
                 st.views, st.flat = [], None
+            used = list(self._used)
+            self._src = [None] * len(self._params)
+        if self._find_unused:
+            self._clear_unused(used)
+        with self._cv:
             t_done = self._now()
             recs = list(self._rec.values())
             if self._cuda:
@@ -467,6 +632,28 @@ class GradScheduler:
                 # share of the allreduce bytes already reduced when the backward pass ended
                 "allreduce_in_backward_share": in_bwd / ar_bytes if ar_bytes else 1.0,
                 "a2a_count": len(a2a), "allreduce_count": len(ar)}
+
+    def _clear_unused(self, used: list[bool]) -> None:
+        """Leave ``grad`` None where no rank of the parameter's group used it: one used-flag
+        all_reduce per communicated group with hooked parameters (the same on every rank, in
+        the order of the list; external parameters are always used). Groups that are not
+        process groups (test stand-ins) keep this rank's flags."""
+        flags = torch.tensor(used, dtype=torch.int32, device=self.device)
+        groups: list[Any] = []
+        for g in self._groups:
+            if g is not LOCAL and not any(g is h for h in groups):
+                groups.append(g)
+        for g in groups:
+            idx = [i for i, h in enumerate(self._groups) if h is g]
+            if all(self._external[i] for i in idx) or not (g is None or isinstance(g, dist.ProcessGroup)):
+                continue
+            sub = flags[idx].clone()
+            with comm_guard("exchanging which parameters were used (GradScheduler.finish)", g):
+                dist.all_reduce(sub, group=g)
+            flags[idx] = sub
+        for i, n in enumerate(flags.tolist()):
+            if not n:
+                self._params[i].grad = None
 
     def _resolve_marks(self, end_mark: Any) -> tuple[float, float]:
         """CUDA: turn this step's events into seconds from the step start; returns (end of
