@@ -50,6 +50,8 @@ _INFER_EXPORTS: dict[str, str] = {
     "ReplanDecision": "popularity",
     "phase2_decision": "popularity",
     "two_phase_placement": "popularity",
+    "DEFAULT_REPLAN_THRESHOLD": "popularity",
+    "DEFAULT_MAX_PATH_ENTRIES": "popularity",
     "RoutingTrace": "traces",
     "load_trace": "traces",
     "save_trace": "traces",
