@@ -46,6 +46,9 @@ __all__ = [
     "Placement",
     "plan_placement",
     "greedy_placement",
+    "eplb_placement",
+    "EplbPlan",
+    "balanced_packing",
     "static_placement",
     "lower_bound",
     "replica_counts_greedy",
@@ -321,6 +324,151 @@ def static_placement(num_experts: int, num_devices: int,
     return _make(replicas, load, N, S)
 
 
+# --------------------------------------------------------------------------- EPLB
+def balanced_packing(weight_X: Sequence[float] | np.ndarray, num_packs: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """EPLB's packing: X items into ``num_packs`` packs of exactly X / num_packs items each.
+
+    Items go in descending weight (ties: lower index), each into the lightest pack
+    (ties: lower pack) that still has room. Returns ([X] pack of each item, [X] its
+    position within the pack, in the order it arrived)."""
+    w = np.asarray(weight_X, dtype=np.float64)
+    X = w.size
+    P = _check_positive_int(num_packs, "num_packs")
+    if X % P:
+        raise ValueError(f"{X} items do not split into {P} packs of equal count")
+    per = X // P
+    pack = np.empty(X, dtype=np.int64)
+    rank = np.empty(X, dtype=np.int64)
+    pack_w = [0.0] * P
+    pack_n = [0] * P
+    for i in np.argsort(-w, kind="stable").tolist():
+        best = min((p for p in range(P) if pack_n[p] < per), key=pack_w.__getitem__)
+        pack[i], rank[i] = best, pack_n[best]
+        pack_w[best] += float(w[i])
+        pack_n[best] += 1
+    return pack, rank
+
+
+@dataclass(frozen=True)
+class EplbPlan:
+    """DeepSeek EPLB's layout of one layer: N devices x S physical expert slots, every slot
+    filled, an expert's tokens split evenly over its *physical* replicas -- two replicas
+    of one expert may share a device, which then carries two shares.
+
+    slots[d]        -- [S] the expert of each physical slot of device d
+    replica_counts  -- [E] physical replicas of each expert (>= 1; may exceed N)
+    device_load[d]  -- sum over the slots of d of load_e / replica_counts[e]
+    """
+
+    slots: tuple[tuple[int, ...], ...]
+    replica_counts: tuple[int, ...]
+    device_load: tuple[float, ...]
+
+    @property
+    def max_load(self) -> float:
+        return max(self.device_load)
+
+    @property
+    def imbalance(self) -> float:
+        return imbalance(self.device_load)
+
+    @property
+    def duplicates(self) -> int:
+        """Physical replicas beyond the first of an expert on the same device: what a
+        :class:`Placement` (distinct devices per expert) cannot express."""
+        return sum(len(row) - len(set(row)) for row in self.slots)
+
+    def placement(self, load_E: Sequence[float] | np.ndarray) -> Placement:
+        """The layout as a :class:`Placement`: each expert on the distinct devices of its
+        slots, loads split evenly over those (so device loads differ from EPLB's own when
+        :attr:`duplicates` > 0, and the duplicate slots are left unused)."""
+        load = _check_load(load_E)
+        reps: list[set[int]] = [set() for _ in self.replica_counts]
+        for d, row in enumerate(self.slots):
+            for e in row:
+                reps[e].add(d)
+        return _make([sorted(r) for r in reps], load, len(self.slots), len(self.slots[0]))
+
+
+def _eplb_within(load: np.ndarray, experts: np.ndarray, num_devices: int, S: int,
+                 first_device: int, slots: list[list[int]], counts: np.ndarray) -> None:
+    """EPLB's replicate-then-pack for ``experts`` on devices first_device.. (+num_devices):
+    the num_devices*S physical slots go by the greedy apportionment without a cap (each
+    further replica to the highest load per replica, ties: lower position), then the
+    replicas (first replicas in expert order, then extras in the order given) are packed
+    by :func:`balanced_packing`, S per device."""
+    w = load[experts]
+    R = num_devices * S
+    # the physical replicas in EPLB's order: one of each expert, then each extra as the
+    # apportionment hands it out (the same counts as replica_counts_greedy, uncapped)
+    phys = list(range(experts.size))
+    heap = [(-float(w[i]), i) for i in range(experts.size)]
+    heapq.heapify(heap)
+    c = np.ones(experts.size, dtype=np.int64)
+    while len(phys) < R:
+        _, i = heapq.heappop(heap)
+        phys.append(i)
+        c[i] += 1
+        heapq.heappush(heap, (-float(w[i]) / c[i], i))
+    per_phys = np.array([w[i] / c[i] for i in phys])
+    pack, rank = balanced_packing(per_phys, num_devices)
+    order = np.lexsort((rank, pack))
+    for j in order.tolist():
+        slots[first_device + int(pack[j])].append(int(experts[phys[j]]))
+    counts[experts] = c
+
+
+def eplb_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
+                   slots_per_device: int, *, num_nodes: int = 1,
+                   num_groups: int | None = None) -> EplbPlan:
+    """DeepSeek's Expert Parallelism Load Balancer (EPLB), rewritten from its published
+    algorithm (github.com/deepseek-ai/EPLB, ``rebalance_experts``) for one layer.
+
+    Global policy (``num_groups`` None, or not a multiple of ``num_nodes``, as EPLB
+    falls back): all N*S physical slots are filled: starting from one replica per
+    expert, each further slot goes to the expert with the highest load per replica
+    (ties: lower id; no cap, an expert may get more replicas than there are devices);
+    the replicas, in descending load per replica, each go to the lightest device that
+    has a free slot (:func:`balanced_packing`: exactly S per device). Nothing keeps two
+    replicas of one expert off the same device (:attr:`EplbPlan.duplicates`).
+
+    Hierarchical policy (``num_groups`` G experts groups of E/G consecutive experts,
+    ``num_nodes`` M nodes of N/M consecutive devices, G a multiple of M): the groups
+    are packed onto nodes by :func:`balanced_packing` of their total loads (G/M groups
+    per node), then each node runs the global policy on its own experts and devices.
+
+    Raises ValueError when N*S < E, or for the hierarchical policy when G does not
+    divide E or M does not divide N."""
+    load = _check_load(load_E)
+    E = load.size
+    N, S = _check_sizes(E, num_devices, slots_per_device)
+    M = _check_positive_int(num_nodes, "num_nodes")
+    G = None if num_groups is None else _check_positive_int(num_groups, "num_groups")
+    slots: list[list[int]] = [[] for _ in range(N)]
+    counts = np.zeros(E, dtype=np.int64)
+    if G is None or G % M:
+        _eplb_within(load, np.arange(E), N, S, 0, slots, counts)
+    else:
+        if E % G:
+            raise ValueError(f"num_groups={G} must divide the {E} experts (groups of "
+                             "consecutive experts, equal size)")
+        if N % M:
+            raise ValueError(f"num_nodes={M} must divide the {N} devices (nodes of "
+                             "consecutive devices, equal size)")
+        size = E // G
+        group_pack, group_rank = balanced_packing(load.reshape(G, size).sum(axis=1), M)
+        per_node = N // M
+        for n in range(M):
+            groups = np.flatnonzero(group_pack == n)
+            groups = groups[np.argsort(group_rank[groups], kind="stable")]
+            experts = (groups[:, None] * size + np.arange(size)).reshape(-1)
+            _eplb_within(load, experts, per_node, S, n * per_node, slots, counts)
+    dl = [sum(load[e] / counts[e] for e in row) for row in slots]
+    return EplbPlan(tuple(tuple(r) for r in slots), tuple(int(c) for c in counts),
+                    tuple(float(x) for x in dl))
+
+
 # --------------------------------------------------------------------------- local search
 class _Search:
     """Mutable layout for local search on the maximum device load (plain Python floats:
@@ -340,16 +488,30 @@ class _Search:
         return self.load[e] / (len(self.devs[e]) + extra)
 
     def step(self) -> bool:
-        """Apply the best improving move that involves the busiest device; False if none."""
+        """Apply the best improving move that involves the busiest device; False if none.
+
+        A move changes the loads of a few devices (``delta``: device -> change); its
+        maximum is the largest changed load or the largest unchanged one (the first device
+        of the descending order not in ``delta``), its sum of squares the current one
+        plus the changes, so a candidate costs O(devices it touches), not O(N)."""
         dl, N = self.dl, self.N
         d = max(range(N), key=lambda i: (dl[i], -i))
-        cur = (max(dl), sum(x * x for x in dl))
-        best, best_move = cur, None
+        order = sorted(range(N), key=lambda i: -dl[i])
+        cur_ss = sum(x * x for x in dl)
+        best, best_move = (dl[d], cur_ss), None
 
-        def consider(new: list[float], move: tuple) -> None:
+        def consider(delta: dict[int, float], move: tuple) -> None:
             nonlocal best, best_move
-            m = max(new)
-            ss = sum(x * x for x in new)
+            m = -math.inf
+            ss = cur_ss
+            for dd, dv in delta.items():
+                v = dl[dd] + dv
+                m = v if v > m else m
+                ss += v * v - dl[dd] * dl[dd]
+            for dd in order:
+                if dd not in delta:
+                    m = dl[dd] if dl[dd] > m else m
+                    break
             if m < best[0] - self.eps or (m <= best[0] + self.eps and ss < best[1] - self.eps2):
                 best, best_move = (m, ss), move
 
@@ -357,42 +519,31 @@ class _Search:
             pe = self.per(e)
             r_e = len(self.devs[e])
             pe_add = self.per(e, +1)
+            grow_e = {dd: pe_add - pe for dd in self.devs[e]}  # e gains a replica elsewhere
             if r_e >= 2:  # drop the replica of e on d; its share goes to e's other replicas
                 pe_drop = self.per(e, -1)
-                new = dl[:]
-                for dd in self.devs[e]:
-                    new[dd] += pe_drop - pe
-                new[d] -= pe_drop
-                consider(new, ("drop", e, d))
+                delta = {dd: pe_drop - pe for dd in self.devs[e]}
+                delta[d] = -pe
+                consider(delta, ("drop", e, d))
             for d2 in range(N):
                 if d2 == d or e in self.held[d2]:
                     continue
                 if len(self.held[d2]) < self.S:
-                    new = dl[:]
-                    new[d] -= pe
-                    new[d2] += pe
-                    consider(new, ("move", e, d, d2))
-                    new = dl[:]
-                    for dd in self.devs[e]:
-                        new[dd] += pe_add - pe
-                    new[d2] += pe_add
-                    consider(new, ("add", e, d2))
+                    consider({d: -pe, d2: pe}, ("move", e, d, d2))
+                    delta = dict(grow_e)
+                    delta[d2] = pe_add
+                    consider(delta, ("add", e, d2))
                 for f in sorted(self.held[d2]):
                     pf = self.per(f)
                     if pf < pe and f not in self.held[d]:
-                        new = dl[:]
-                        new[d] += pf - pe
-                        new[d2] += pe - pf
-                        consider(new, ("swap", e, d, f, d2))
+                        consider({d: pf - pe, d2: pe - pf}, ("swap", e, d, f, d2))
                     if len(self.devs[f]) >= 2:  # re-target f's replica on d2 to e
                         pf_drop = self.per(f, -1)
-                        new = dl[:]
-                        for dd in self.devs[e]:
-                            new[dd] += pe_add - pe
+                        delta = dict(grow_e)
                         for dd in self.devs[f]:
-                            new[dd] += pf_drop - pf
-                        new[d2] += pe_add - pf_drop
-                        consider(new, ("retarget", e, f, d2))
+                            delta[dd] = delta.get(dd, 0.0) + pf_drop - pf
+                        delta[d2] = delta.get(d2, 0.0) + pe_add - pf_drop
+                        consider(delta, ("retarget", e, f, d2))
         if best_move is None:
             return False
         self.apply(best_move)
@@ -451,7 +602,7 @@ def _improve(p: Placement, load: np.ndarray, max_steps: int) -> Placement:
 # --------------------------------------------------------------------------- planner
 def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
                    slots_per_device: int, *, max_candidates: int = 16,
-                   refine: int = 2, max_steps: int | None = None) -> Placement:
+                   refine: int = 6, max_steps: int | None = None) -> Placement:
     """Place E experts on N devices with at most S experts each, minimising the maximum
     device load (an expert's load split evenly over its replicas).
 
@@ -484,8 +635,9 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
         totals = sorted({int(round(x)) for x in np.linspace(E, top, max_candidates)})
     packed = [pack_lpt(load, replica_counts_greedy(load, R, N), N, S) for R in totals]
     packed.sort(key=_key)
-    starts = [greedy] + packed[:max(0, refine)]
-    cands = [greedy] + packed + [_improve(p, load, steps) for p in starts]
+    eplb = eplb_placement(load, N, S).placement(load)
+    starts = [greedy, eplb] + packed[:max(0, refine)]
+    cands = starts + packed + [_improve(p, load, steps) for p in starts]
     return min(cands, key=_key)
 
 
