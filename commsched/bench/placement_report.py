@@ -86,7 +86,7 @@ def _random_load(kind: str, E: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def planner_study(cfg: ReportConfig) -> list[dict[str, Any]]:
-    """plan_placement vs the EPLB-style greedy vs the lower bound on random loads."""
+    """plan_placement vs the greedy vs the lower bound on random loads."""
     rows = []
     rng = np.random.default_rng(cfg.seed)
     for E, N, S in cfg.planner_shapes:

@@ -10,23 +10,32 @@ busiest device, so every planner here minimises the *maximum* device load.
 
 Planners (all pure, no process group):
 
-* :func:`greedy_placement` -- the EPLB-style baseline: every spare slot goes, one at a
-  time, to the expert with the highest load per replica; the replicas are then packed in
-  descending per-replica load, each onto the lightest device with room that does not
-  already hold that expert.
+* :func:`eplb_placement` -- DeepSeek's EPLB, rewritten from its published algorithm: all
+  N*S slots are filled, each spare one to the expert with the highest load per replica
+  (no cap); the replicas are packed in descending load, each onto the lightest device
+  with room (:func:`balanced_packing`, exactly S per device), and two replicas of one
+  expert may land on one device; the hierarchical variant packs expert groups onto
+  nodes first. It returns an :class:`EplbPlan` (physical slots), the baseline the
+  planner is measured against.
+* :func:`greedy_placement` -- the greedy: every spare slot goes, one at a time, to the
+  expert with the highest load per replica (at most N replicas each); the replicas are
+  then packed in descending per-replica load, each onto the lightest device with room
+  that does not already hold that expert. Fast: the online planner.
 * :func:`plan_placement` -- the planner the runtime uses. It tries several total replica
   counts (the greedy apportionment of each), packs each by LPT, improves the best
-  packings by local search (move, swap, add, drop and re-target replicas on the busiest
-  device), and returns the best of those and of the greedy baseline, so it is never worse
-  than the greedy by construction.
+  packings, the greedy's and EPLB's layouts by local search (move, swap, add, drop and
+  re-target replicas on the busiest device), and returns the best layout found, so it is
+  never worse than the greedy by construction (against EPLB: measured, see
+  docs/benchmarks.md).
 * :func:`static_placement` -- E/N contiguous experts per device and no replicas, as
   DeepSpeed serves experts.
 * :func:`lower_bound` -- no placement can have a lower maximum device load.
 
 The strategies of the inference runtime are these functions on different inputs:
-``static`` is :func:`static_placement`; ``eplb`` is :func:`plan_placement` on a
-historical mean load; ``lina`` is :func:`plan_placement` on the estimated load (see
-``popularity.py``); ``oracle`` is :func:`plan_placement` on the actual load.
+``static`` is :func:`static_placement`; ``eplb`` is a planner (default
+:func:`plan_placement`; ``eplb_placement`` on request) on a historical mean load;
+``lina`` is :func:`plan_placement` on the estimated load (see ``popularity.py``);
+``oracle`` is :func:`plan_placement` on the actual load.
 
 :func:`split_tokens` maps each token of a replicated expert to one of its replicas,
 round robin, so every replica gets an equal share (within one token).
@@ -292,7 +301,7 @@ def pack_lpt(load_E: Sequence[float] | np.ndarray, counts_E: Sequence[int], num_
 
 def greedy_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
                      slots_per_device: int) -> Placement:
-    """The EPLB-style baseline: fill all N*S slots by :func:`replica_counts_greedy`
+    """The greedy: fill all N*S slots by :func:`replica_counts_greedy`
     (at most N replicas per expert), then :func:`pack_lpt`."""
     load = _check_load(load_E)
     N, S = _check_sizes(load.size, num_devices, slots_per_device)
@@ -609,11 +618,14 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
     Popular experts get more replicas; unpopular ones are packed together. Method: for up
     to ``max_candidates`` total replica counts between E and N*S, take the greedy
     apportionment (:func:`replica_counts_greedy`) and pack it by LPT
-    (:func:`pack_lpt`); the ``refine`` best packings and the EPLB-style greedy
-    (:func:`greedy_placement`) are improved by local search on the busiest device
-    (``max_steps`` moves each, default 20*N*S); the best layout found wins (maximum device
-    load, then sum of squares). The greedy itself is a candidate, so the result is never
-    worse than :func:`greedy_placement`.
+    (:func:`pack_lpt`); the ``refine`` best packings, the greedy
+    (:func:`greedy_placement`) and EPLB's layout (:func:`eplb_placement`, a replica that
+    shares a device with another of its expert merged into it) are improved by local
+    search on the busiest device (``max_steps`` moves each, default 20*N*S); the best
+    layout found wins (maximum device load, then sum of squares). The greedy itself is a
+    candidate, so the result is never worse than :func:`greedy_placement`; against EPLB's
+    own maximum load (duplicates included) it was never more than 0.5% worse on the
+    instances of docs/benchmarks.md (``refine=6``: with ``refine=2`` two of 500 were).
 
     load_E: [E] non-negative finite loads (tokens routed to each expert, or an estimate).
     Raises ValueError when N*S < E or a load is negative or not finite.
