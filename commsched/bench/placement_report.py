@@ -68,6 +68,8 @@ class ReportConfig:
     # EPLB study: instances (8-256 experts, 2-64 devices; Zipf 0.5-2.0, hot experts,
     # uniform) and the 256 x 64 shapes timed
     eplb_instances: int = 600
+    eplb_max_experts: int = 256
+    eplb_max_devices: int = 64
     eplb_timing_slots: tuple[int, ...] = (5, 6, 8)
     eplb_timing_repeats: int = 3
     studies: tuple[str, ...] = ("traces", "planner", "eplb")
@@ -177,7 +179,8 @@ def eplb_study(cfg: ReportConfig) -> dict[str, Any]:
     dup: list[bool] = []
     kinds: list[str] = []
     t_plan = t_eplb = 0.0
-    for inst in eplb_instances(cfg.seed, cfg.eplb_instances):
+    for inst in eplb_instances(cfg.seed, cfg.eplb_instances, cfg.eplb_max_experts,
+                               cfg.eplb_max_devices):
         t0 = time.perf_counter()
         ep = eplb_placement(inst.load, inst.num_devices, inst.slots)
         t1 = time.perf_counter()
@@ -329,8 +332,8 @@ def _pct(x: float) -> str:
 
 def _eplb_markdown(ep: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     lines = ["### plan_placement vs DeepSeek's EPLB", "",
-             f"{ep['instances']} instances (`eplb_instances(seed={cfg['seed']})`: 8-256 experts, "
-             "2-64 devices, ceil(E/N) + 0-2 slots per device; 80% Zipf 0.5-2.0, 10% hot "
+             f"{ep['instances']} instances (`eplb_instances(seed={cfg['seed']})`: "
+             f"8-{cfg['eplb_max_experts']} experts, 2-{cfg['eplb_max_devices']} devices, ceil(E/N) + 0-2 slots per device; 80% Zipf 0.5-2.0, 10% hot "
              "experts, 10% uniform; token counts, 64 per expert on average). Relative "
              "difference of the maximum device load against `eplb_placement` (global "
              "policy); positive is worse than EPLB. EPLB put two replicas of one expert on "

@@ -70,6 +70,18 @@ __all__ = [
 ]
 
 
+# plan_placement's search effort (docs/benchmarks.md, "Planner against DeepSeek's EPLB"):
+# packings improved by local search besides the greedy's and EPLB's layouts, for up to
+# REFINE_SMALL_SLOTS slots (N*S) and above; at 256 x 64 the extra starts changed the
+# maximum load by under 0.01% for about twice the time
+REFINE_SMALL = 6
+REFINE_LARGE = 1
+REFINE_SMALL_SLOTS = 256
+# up to this many slots every replica-count change of the count search is decoded by LPT
+# and local search (milliseconds there); above it by LPT alone
+THOROUGH_SLOTS = 16
+
+
 # --------------------------------------------------------------------------- validation
 def _check_positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -277,6 +289,16 @@ def pack_lpt(load_E: Sequence[float] | np.ndarray, counts_E: Sequence[int], num_
         raise ValueError(f"replica counts must lie in 1..{N} (num_devices), got {counts}")
     if sum(counts) > N * S:
         raise ValueError(f"{sum(counts)} replicas do not fit in {N * S} slots")
+    return _make(_lpt([float(x) for x in load], counts, N, S), load, N, S)
+
+
+def _lpt(load: list[float], counts: list[int], N: int, S: int) -> list[list[int]]:
+    """:func:`pack_lpt` on checked inputs: [E] the devices of each expert's replicas.
+
+    The lightest device (ties: lowest id) comes off a heap of (load, device); full
+    devices leave it for good, devices already holding the expert are set aside and
+    pushed back after the replica is placed."""
+    E = len(load)
     per = [load[e] / counts[e] for e in range(E)]
     # first replicas of all experts come before extra replicas of equal per-replica load,
     # so an expert's first replica never loses its slot to another's extra replica
@@ -285,18 +307,28 @@ def pack_lpt(load_E: Sequence[float] | np.ndarray, counts_E: Sequence[int], num_
     dev_load = [0.0] * N
     held: list[set[int]] = [set() for _ in range(N)]
     replicas: list[list[int]] = [[] for _ in range(E)]
+    heap = [(0.0, d) for d in range(N)]
     for e, _i in items:
+        aside = []
         best = -1
-        for d in range(N):
-            if len(held[d]) < S and e not in held[d] and (best < 0 or dev_load[d] < dev_load[best]):
-                best = d
+        while heap:
+            entry = heapq.heappop(heap)
+            if e in held[entry[1]]:
+                aside.append(entry)
+                continue
+            best = entry[1]
+            break
+        for entry in aside:
+            heapq.heappush(heap, entry)
         if best < 0:
             continue  # dropped replica
         held[best].add(e)
         replicas[e].append(best)
         dev_load[best] += per[e]
+        if len(held[best]) < S:
+            heapq.heappush(heap, (dev_load[best], best))
     assert all(replicas), "an expert lost its first replica (slots < experts?)"
-    return _make(replicas, load, N, S)
+    return replicas
 
 
 def greedy_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
@@ -479,6 +511,28 @@ def eplb_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
 
 
 # --------------------------------------------------------------------------- local search
+class _Expert:
+    """What :meth:`_Search.step` needs of expert x in one step: its devices (``devs``,
+    and ``order``: descending load), its share ``per`` now, the change ``grow`` of each
+    replica's share when x gains a replica and ``shrink`` when it loses one, and the
+    resulting changes of the sum of squared device loads, over all of x's devices."""
+
+    __slots__ = ("devs", "order", "per", "per_add", "grow", "shrink", "grow_ss", "shrink_ss")
+
+    def __init__(self, s: _Search, x: int) -> None:
+        dl = s.dl
+        self.devs = s.devs[x]
+        self.order = sorted(self.devs, key=lambda i: -dl[i])
+        r = len(self.devs)
+        self.per = s.load[x] / r
+        self.per_add = s.load[x] / (r + 1)
+        self.grow = self.per_add - self.per
+        self.shrink = s.load[x] / (r - 1) - self.per if r >= 2 else 0.0
+        g, h = self.grow, self.shrink
+        self.grow_ss = sum(g * (2.0 * dl[i] + g) for i in self.devs)
+        self.shrink_ss = sum(h * (2.0 * dl[i] + h) for i in self.devs)
+
+
 class _Search:
     """Mutable layout for local search on the maximum device load (plain Python floats:
     N and S are small, and list copies beat NumPy calls at this size)."""
@@ -496,13 +550,111 @@ class _Search:
     def per(self, e: int, extra: int = 0) -> float:
         return self.load[e] / (len(self.devs[e]) + extra)
 
-    def step(self) -> bool:
-        """Apply the best improving move that involves the busiest device; False if none.
+    def step(self, tabu: _Tabu | None = None) -> tuple | None:
+        """Apply the best improving move that involves the busiest device and return it;
+        None if there is none. With ``tabu`` apply the best move that is not tabu even if
+        it makes things worse (a move that beats the best layout seen, ``tabu.best``, is
+        always allowed), for the tabu search of :func:`_tabu_search`.
+
+        Moves and their order are those of :meth:`step_reference`; a candidate is scored
+        in O(1) amortised instead of O(devices it touches). Per expert x (once per step):
+        its devices in descending load, its share now / with one replica more / one less,
+        and the change of the sum of squares when all its replicas grow or shrink by that
+        share (``_Expert``). A move's maximum is then the largest of: the first entry of
+        those descending lists not otherwise changed, the one or two single devices it
+        changes, and the busiest device it leaves alone (the first of the global order
+        outside the changed sets); its sum of squares the current one plus the
+        precomputed changes (with the cross term of devices both experts share)."""
+        dl, N, S = self.dl, self.N, self.S
+        d = max(range(N), key=lambda i: (dl[i], -i))
+        order = sorted(range(N), key=lambda i: -dl[i])
+        cur_ss = sum(x * x for x in dl)
+        best, best_move = (dl[d], cur_ss), None
+        eps, eps2 = self.eps, self.eps2
+        cache: dict[int, _Expert] = {}
+
+        def info(x: int) -> _Expert:
+            got = cache.get(x)
+            if got is None:
+                got = cache[x] = _Expert(self, x)
+            return got
+
+        def untouched(a: set[int], b: set[int] | None = None, c: int = -1) -> float:
+            for dd in order:
+                if dd not in a and (b is None or dd not in b) and dd != c:
+                    return dl[dd]
+            return -math.inf
+
+        if tabu is not None:
+            best = (math.inf, math.inf)
+
+        def consider(m: float, ss: float, move: tuple) -> None:
+            nonlocal best, best_move
+            if m < best[0] - eps or (m <= best[0] + eps and ss < best[1] - eps2):
+                if tabu is not None and tabu.forbids(move) and not m < tabu.best - eps:
+                    return
+                best, best_move = (m, ss), move
+
+        def sq(x: int, delta: float) -> float:  # change of x's square when it moves by delta
+            return delta * (2.0 * dl[x] + delta)
+
+        for e in sorted(self.held[d]):
+            ie = info(e)
+            de, pe, pe_add, g = ie.devs, ie.per, ie.per_add, ie.grow
+            top_e = dl[ie.order[0]] + g  # e's busiest replica after e gains a replica
+            if len(de) >= 2:  # drop the replica of e on d; its share goes to e's other replicas
+                sh = ie.shrink
+                m = max(dl[d] - pe, untouched(de))
+                for dd in ie.order:
+                    if dd != d:
+                        m = max(m, dl[dd] + sh)
+                        break
+                consider(m, cur_ss + ie.shrink_ss - sq(d, sh) + sq(d, -pe), ("drop", e, d))
+            for d2 in range(N):
+                if d2 == d or e in self.held[d2]:
+                    continue
+                if len(self.held[d2]) < S:
+                    m = max(dl[d] - pe, dl[d2] + pe, untouched({d, d2}))
+                    consider(m, cur_ss + sq(d, -pe) + sq(d2, pe), ("move", e, d, d2))
+                    m = max(top_e, dl[d2] + pe_add, untouched(de, None, d2))
+                    consider(m, cur_ss + ie.grow_ss + sq(d2, pe_add), ("add", e, d2))
+                for f in sorted(self.held[d2]):
+                    jf = info(f)
+                    pf = jf.per
+                    if pf < pe and f not in self.held[d]:
+                        m = max(dl[d] + pf - pe, dl[d2] + pe - pf, untouched({d, d2}))
+                        consider(m, cur_ss + sq(d, pf - pe) + sq(d2, pe - pf), ("swap", e, d, f, d2))
+                    if len(jf.devs) >= 2:  # re-target f's replica on d2 to e
+                        df, sh = jf.devs, jf.shrink
+                        m = dl[d2] + pe_add - pf
+                        for dd in jf.order:  # f's other replicas gain sh (and lose g on e's)
+                            if dd == d2:
+                                continue
+                            if dd in de:
+                                m = max(m, dl[dd] + sh + g)
+                            else:
+                                m = max(m, dl[dd] + sh)
+                                break
+                        for dd in ie.order:  # e's replicas that f does not share
+                            if dd not in df:
+                                m = max(m, dl[dd] + g)
+                                break
+                        m = max(m, untouched(de, df))
+                        both = len(de & df)
+                        ss = (cur_ss + ie.grow_ss + jf.shrink_ss - sq(d2, sh)
+                              + sq(d2, pe_add - pf) + 2.0 * g * sh * both)
+                        consider(m, ss, ("retarget", e, f, d2))
+        if best_move is not None:
+            self.apply(best_move)
+        return best_move
+
+    def step_reference(self) -> tuple | None:
+        """Slow twin of :meth:`step`: every candidate's changed loads in a dict.
 
         A move changes the loads of a few devices (``delta``: device -> change); its
         maximum is the largest changed load or the largest unchanged one (the first device
         of the descending order not in ``delta``), its sum of squares the current one
-        plus the changes, so a candidate costs O(devices it touches), not O(N)."""
+        plus the changes."""
         dl, N = self.dl, self.N
         d = max(range(N), key=lambda i: (dl[i], -i))
         order = sorted(range(N), key=lambda i: -dl[i])
@@ -553,10 +705,9 @@ class _Search:
                             delta[dd] = delta.get(dd, 0.0) + pf_drop - pf
                         delta[d2] = delta.get(d2, 0.0) + pe_add - pf_drop
                         consider(delta, ("retarget", e, f, d2))
-        if best_move is None:
-            return False
-        self.apply(best_move)
-        return True
+        if best_move is not None:
+            self.apply(best_move)
+        return best_move
 
     def _place(self, e: int, d: int) -> None:
         self.devs[e].add(d)
@@ -603,15 +754,128 @@ class _Search:
 def _improve(p: Placement, load: np.ndarray, max_steps: int) -> Placement:
     s = _Search(p, load)
     for _ in range(max_steps):
-        if not s.step():
+        if s.step() is None:
             break
     return s.result(load)
+
+
+def _changes(move: tuple) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(expert, device) pairs a move (of :meth:`_Search.step`) removes and adds."""
+    kind = move[0]
+    if kind == "drop":
+        return [(move[1], move[2])], []
+    if kind == "move":
+        _, e, d, d2 = move
+        return [(e, d)], [(e, d2)]
+    if kind == "add":
+        return [], [(move[1], move[2])]
+    if kind == "swap":
+        _, e, d, f, d2 = move
+        return [(e, d), (f, d2)], [(e, d2), (f, d)]
+    _, e, f, d2 = move  # retarget
+    return [(f, d2)], [(e, d2)]
+
+
+class _Tabu:
+    """Recent changes a tabu search may not undo for ``tenure`` steps: a removed (expert,
+    device) pair may not come back, an added one may not go."""
+
+    def __init__(self, tenure: int, best: float) -> None:
+        self.tenure, self.best, self.now = tenure, best, 0
+        self.no_add: dict[tuple[int, int], int] = {}
+        self.no_remove: dict[tuple[int, int], int] = {}
+
+    def forbids(self, move: tuple) -> bool:
+        removed, added = _changes(move)
+        return (any(self.no_remove.get(x, -1) >= self.now for x in removed)
+                or any(self.no_add.get(x, -1) >= self.now for x in added))
+
+    def record(self, move: tuple) -> None:
+        removed, added = _changes(move)
+        for x in removed:
+            self.no_add[x] = self.now + self.tenure
+        for x in added:
+            self.no_remove[x] = self.now + self.tenure
+        self.now += 1
+
+
+def _tabu_search(p: Placement, load: np.ndarray, steps: int, tenure: int) -> Placement:
+    """``steps`` moves of tabu search from ``p`` (each the best move on the busiest device
+    that undoes no change of the last ``tenure`` moves, improving or not); the best layout
+    met (maximum load, then sum of squares) is returned, ``p`` if none beats it."""
+    s = _Search(p, load)
+    best, best_key = p, _key(p)
+    tabu = _Tabu(tenure, best_key[0])
+    for _ in range(steps):
+        move = s.step(tabu)
+        if move is None:
+            break
+        tabu.record(move)
+        m, ss = max(s.dl), sum(x * x for x in s.dl)
+        if m < best_key[0] - s.eps or (m <= best_key[0] + s.eps and ss < best_key[1] - s.eps2):
+            best, best_key = s.result(load), (m, ss)
+            tabu.best = m
+    return best
+
+
+def _count_search(p: Placement, load: np.ndarray, max_evals: int, thorough: bool) -> Placement:
+    """Search over replica counts with :func:`pack_lpt` as the decoder, from ``p``'s
+    counts: try, in order, one more replica of an expert on the busiest device (any
+    expert when ``thorough``), taken from a free slot or from any expert with two or
+    more replicas, then one fewer replica of any expert; pack each by LPT (then improve
+    it by local search when ``thorough``) and move to the first that lowers (maximum
+    load, then sum of squares). Stops at a local optimum or after ``max_evals`` packings.
+
+    Local search on a layout moves one replica at a time and each move must help; a
+    count change re-packs everything, which finds layouts such as a mid-sized expert cut
+    into many small shares that fill the devices of the big ones (tight slots)."""
+    N, S, E = p.num_devices, p.slots_per_device, p.num_experts
+    lo = [float(x) for x in load]
+    counts = list(p.replica_counts)
+    best, best_key = p, _key(p)
+    tol = 1e-12 * max(1.0, float(load.sum()))
+    evals = 0
+
+    def neighbours():
+        busiest = max(range(N), key=lambda i: (best.device_load[i], -i))
+        free = sum(counts) < N * S
+        for x in (range(E) if thorough else best.device_experts[busiest]):
+            if counts[x] >= N:
+                continue
+            if free:
+                yield ((x, 1),)
+            for y in range(E):
+                if y != x and counts[y] > 1:
+                    yield ((x, 1), (y, -1))
+        for y in range(E):
+            if counts[y] > 1:
+                yield ((y, -1),)
+
+    while evals < max_evals:
+        for change in neighbours():
+            if evals >= max_evals:
+                break
+            evals += 1
+            trial = list(counts)
+            for x, dx in change:
+                trial[x] += dx
+            q = _make(_lpt(lo, trial, N, S), load, N, S)
+            if thorough:
+                q = _improve(q, load, 20 * N * S)
+            k = _key(q)
+            if k[0] < best_key[0] - tol or (k[0] <= best_key[0] + tol and k[1] < best_key[1] - tol * tol):
+                best, best_key, counts = q, k, list(q.replica_counts)
+                break
+        else:
+            break  # no neighbour is better: a local optimum
+    return best
 
 
 # --------------------------------------------------------------------------- planner
 def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
                    slots_per_device: int, *, max_candidates: int = 16,
-                   refine: int = 6, max_steps: int | None = None) -> Placement:
+                   refine: int | None = None, max_steps: int | None = None,
+                   count_evals: int = 1000) -> Placement:
     """Place E experts on N devices with at most S experts each, minimising the maximum
     device load (an expert's load split evenly over its replicas).
 
@@ -633,10 +897,14 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
     load = _check_load(load_E)
     E = load.size
     N, S = _check_sizes(E, num_devices, slots_per_device)
-    if max_candidates < 1 or refine < 0 or (max_steps is not None and max_steps < 0):
-        raise ValueError(f"need max_candidates >= 1, refine >= 0 and max_steps >= 0; got "
-                         f"{max_candidates}, {refine}, {max_steps}")
+    if (max_candidates < 1 or (refine is not None and refine < 0) or (max_steps is not None and max_steps < 0)
+            or count_evals < 0):
+        raise ValueError(f"need max_candidates >= 1, refine >= 0, max_steps >= 0 and "
+                         f"count_evals >= 0; got {max_candidates}, {refine}, {max_steps}, "
+                         f"{count_evals}")
     steps = 20 * N * S if max_steps is None else max_steps
+    if refine is None:
+        refine = REFINE_SMALL if N * S <= REFINE_SMALL_SLOTS else REFINE_LARGE
     greedy = greedy_placement(load, N, S)
     if N == 1 or load.sum() == 0.0:
         return greedy
@@ -650,7 +918,12 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
     eplb = eplb_placement(load, N, S).placement(load)
     starts = [greedy, eplb] + packed[:max(0, refine)]
     cands = starts + packed + [_improve(p, load, steps) for p in starts]
-    return min(cands, key=_key)
+    best = min(cands, key=_key)
+    if count_evals > 0:
+        thorough = N * S <= THOROUGH_SLOTS
+        found = _count_search(best, load, count_evals, thorough)
+        best = min(best, found if thorough else _improve(found, load, steps), key=_key)
+    return best
 
 
 # --------------------------------------------------------------------------- token split
