@@ -24,8 +24,9 @@ Planners (all pure, no process group):
 * :func:`plan_placement` -- the planner the runtime uses. It tries several total replica
   counts (the greedy apportionment of each), packs each by LPT, improves the best
   packings, the greedy's and EPLB's layouts by local search (move, swap, add, drop and
-  re-target replicas on the busiest device), and returns the best layout found, so it is
-  never worse than the greedy by construction (against EPLB: measured, see
+  re-target replicas on the busiest device), then searches over replica counts
+  (re-packing after each change), and returns the best layout found, so it is never
+  worse than the greedy by construction (against EPLB: measured, see
   docs/benchmarks.md).
 * :func:`static_placement` -- E/N contiguous experts per device and no replicas, as
   DeepSpeed serves experts.
@@ -550,11 +551,9 @@ class _Search:
     def per(self, e: int, extra: int = 0) -> float:
         return self.load[e] / (len(self.devs[e]) + extra)
 
-    def step(self, tabu: _Tabu | None = None) -> tuple | None:
+    def step(self) -> tuple | None:
         """Apply the best improving move that involves the busiest device and return it;
-        None if there is none. With ``tabu`` apply the best move that is not tabu even if
-        it makes things worse (a move that beats the best layout seen, ``tabu.best``, is
-        always allowed), for the tabu search of :func:`_tabu_search`.
+        None if there is none.
 
         Moves and their order are those of :meth:`step_reference`; a candidate is scored
         in O(1) amortised instead of O(devices it touches). Per expert x (once per step):
@@ -585,14 +584,9 @@ class _Search:
                     return dl[dd]
             return -math.inf
 
-        if tabu is not None:
-            best = (math.inf, math.inf)
-
         def consider(m: float, ss: float, move: tuple) -> None:
             nonlocal best, best_move
             if m < best[0] - eps or (m <= best[0] + eps and ss < best[1] - eps2):
-                if tabu is not None and tabu.forbids(move) and not m < tabu.best - eps:
-                    return
                 best, best_move = (m, ss), move
 
         def sq(x: int, delta: float) -> float:  # change of x's square when it moves by delta
@@ -759,65 +753,6 @@ def _improve(p: Placement, load: np.ndarray, max_steps: int) -> Placement:
     return s.result(load)
 
 
-def _changes(move: tuple) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(expert, device) pairs a move (of :meth:`_Search.step`) removes and adds."""
-    kind = move[0]
-    if kind == "drop":
-        return [(move[1], move[2])], []
-    if kind == "move":
-        _, e, d, d2 = move
-        return [(e, d)], [(e, d2)]
-    if kind == "add":
-        return [], [(move[1], move[2])]
-    if kind == "swap":
-        _, e, d, f, d2 = move
-        return [(e, d), (f, d2)], [(e, d2), (f, d)]
-    _, e, f, d2 = move  # retarget
-    return [(f, d2)], [(e, d2)]
-
-
-class _Tabu:
-    """Recent changes a tabu search may not undo for ``tenure`` steps: a removed (expert,
-    device) pair may not come back, an added one may not go."""
-
-    def __init__(self, tenure: int, best: float) -> None:
-        self.tenure, self.best, self.now = tenure, best, 0
-        self.no_add: dict[tuple[int, int], int] = {}
-        self.no_remove: dict[tuple[int, int], int] = {}
-
-    def forbids(self, move: tuple) -> bool:
-        removed, added = _changes(move)
-        return (any(self.no_remove.get(x, -1) >= self.now for x in removed)
-                or any(self.no_add.get(x, -1) >= self.now for x in added))
-
-    def record(self, move: tuple) -> None:
-        removed, added = _changes(move)
-        for x in removed:
-            self.no_add[x] = self.now + self.tenure
-        for x in added:
-            self.no_remove[x] = self.now + self.tenure
-        self.now += 1
-
-
-def _tabu_search(p: Placement, load: np.ndarray, steps: int, tenure: int) -> Placement:
-    """``steps`` moves of tabu search from ``p`` (each the best move on the busiest device
-    that undoes no change of the last ``tenure`` moves, improving or not); the best layout
-    met (maximum load, then sum of squares) is returned, ``p`` if none beats it."""
-    s = _Search(p, load)
-    best, best_key = p, _key(p)
-    tabu = _Tabu(tenure, best_key[0])
-    for _ in range(steps):
-        move = s.step(tabu)
-        if move is None:
-            break
-        tabu.record(move)
-        m, ss = max(s.dl), sum(x * x for x in s.dl)
-        if m < best_key[0] - s.eps or (m <= best_key[0] + s.eps and ss < best_key[1] - s.eps2):
-            best, best_key = s.result(load), (m, ss)
-            tabu.best = m
-    return best
-
-
 def _count_search(p: Placement, load: np.ndarray, max_evals: int, thorough: bool) -> Placement:
     """Search over replica counts with :func:`pack_lpt` as the decoder, from ``p``'s
     counts: try, in order, one more replica of an expert on the busiest device (any
@@ -882,14 +817,17 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
     Popular experts get more replicas; unpopular ones are packed together. Method: for up
     to ``max_candidates`` total replica counts between E and N*S, take the greedy
     apportionment (:func:`replica_counts_greedy`) and pack it by LPT
-    (:func:`pack_lpt`); the ``refine`` best packings, the greedy
+    (:func:`pack_lpt`); the ``refine`` best packings (default :data:`REFINE_SMALL` up to
+    :data:`REFINE_SMALL_SLOTS` slots, :data:`REFINE_LARGE` above), the greedy
     (:func:`greedy_placement`) and EPLB's layout (:func:`eplb_placement`, a replica that
     shares a device with another of its expert merged into it) are improved by local
-    search on the busiest device (``max_steps`` moves each, default 20*N*S); the best
-    layout found wins (maximum device load, then sum of squares). The greedy itself is a
-    candidate, so the result is never worse than :func:`greedy_placement`; against EPLB's
-    own maximum load (duplicates included) it was never more than 0.5% worse on the
-    instances of docs/benchmarks.md (``refine=6``: with ``refine=2`` two of 500 were).
+    search on the busiest device (``max_steps`` moves each, default 20*N*S). From the
+    best of all these a search over replica counts (up to ``count_evals`` re-packings;
+    0 turns it off) changes one expert's count at a time and re-packs, then local
+    search polishes its result. The best layout found wins (maximum device load, then
+    sum of squares). The greedy itself is a candidate, so the result is never worse
+    than :func:`greedy_placement`; against EPLB's own maximum load (two replicas of one
+    expert on one device included) it is measured in docs/benchmarks.md.
 
     load_E: [E] non-negative finite loads (tokens routed to each expert, or an estimate).
     Raises ValueError when N*S < E or a load is negative or not finite.
@@ -916,7 +854,10 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
     packed = [pack_lpt(load, replica_counts_greedy(load, R, N), N, S) for R in totals]
     packed.sort(key=_key)
     eplb = eplb_placement(load, N, S).placement(load)
-    starts = [greedy, eplb] + packed[:max(0, refine)]
+    starts: list[Placement] = []
+    for p in [greedy, eplb] + packed[:max(0, refine)]:
+        if all(p.replicas != q.replicas for q in starts):  # the greedy is often packed[0]
+            starts.append(p)
     cands = starts + packed + [_improve(p, load, steps) for p in starts]
     best = min(cands, key=_key)
     if count_evals > 0:
