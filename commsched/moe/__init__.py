@@ -40,6 +40,8 @@ _INFER_EXPORTS: dict[str, str] = {
     "plan_placement": "placement",
     "Placement": "placement",
     "greedy_placement": "placement",
+    "eplb_placement": "placement",
+    "EplbPlan": "placement",
     "static_placement": "placement",
     "lower_bound": "placement",
     "split_tokens": "placement",
