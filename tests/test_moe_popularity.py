@@ -7,6 +7,7 @@ import pytest
 
 from commsched.moe.placement import plan_placement, static_placement
 from commsched.moe.popularity import (
+    DEFAULT_REPLAN_THRESHOLD,
     PopularityEstimator,
     estimation_accuracy,
     phase2_decision,
@@ -240,6 +241,118 @@ def test_estimator_errors():
         PopularityEstimator.fit(tr, max_path=0)
     with pytest.raises(TypeError, match="RoutingTrace"):
         PopularityEstimator.fit(np.zeros((1, 2, 1)))
+
+
+# --------------------------------------------------------------------------- streaming
+def _tables_equal(a: PopularityEstimator, b: PopularityEstimator) -> None:
+    assert a.num_tokens == b.num_tokens and np.array_equal(a.marginal_LE, b.marginal_LE)
+    assert a._tables.keys() == b._tables.keys()
+    for key, ta in a._tables.items():
+        tb = b._tables[key]
+        assert np.array_equal(ta.codes_U, tb.codes_U), key
+        assert np.array_equal(ta.count_U, tb.count_U) and np.array_equal(ta.sum_UE, tb.sum_UE), key
+
+
+def test_update_equals_fit_on_the_concatenation_exactly():
+    tr = synthetic_trace(SyntheticTraceConfig(num_tokens=3000, num_layers=5, num_experts=8, k=2), 0)
+    whole = PopularityEstimator.fit(tr, max_path=3)
+    cuts = [0, 1, 100, 613, 1000, 1999, 2500, 3000]  # uneven batches, one of one token
+    parts = [tr.select(slice(a, b)) for a, b in zip(cuts, cuts[1:])]
+    stream = PopularityEstimator(8, 5, 2, max_path=3, max_entries=None)
+    for i, b in enumerate(parts):  # RoutingTraces and plain arrays, mixed
+        stream.update(b if i % 2 else b.experts)
+    _tables_equal(stream, whole)
+    hist = synthetic_trace(SyntheticTraceConfig(num_tokens=200, num_layers=5, num_experts=8, k=2), 1)
+    for j in range(5):
+        assert np.array_equal(stream.estimate_load(hist.top1, j), whole.estimate_load(hist.top1, j))
+    # the default cap (4096 paths per table) is not reached here: the same tables
+    capped = PopularityEstimator(8, 5, 2, max_path=3)
+    for b in parts:
+        capped.update(b)
+    _tables_equal(capped, whole)
+
+
+def test_update_accepts_a_torch_tensor_and_checks_it():
+    torch = pytest.importorskip("torch")
+    ex = torch.tensor([[[0, 1], [2, 0]], [[0, 2], [2, 1]]])  # [T=2, L=2, k=2]
+    est = PopularityEstimator(3, 2, 2, max_path=1).update(ex)
+    np.testing.assert_allclose(est.marginal_LE, [[1, 0.5, 0.5], [0.5, 0.5, 1]])
+    np.testing.assert_allclose(est.estimate_load(torch.tensor([[0]]), 1), [0.5, 0.5, 1])
+    with pytest.raises(ValueError, match="built for E=3, L=2, k=2"):
+        est.update(np.zeros((4, 3, 2), np.int64) + np.arange(2))
+    with pytest.raises(ValueError, match="outside 0..2"):
+        est.update(np.full((1, 2, 2), 3) - np.arange(2) + 1)
+    with pytest.raises(ValueError, match=r"\[T, L, k\]"):
+        est.update(np.zeros((4, 2), np.int64))
+    with pytest.raises(ValueError, match="seen no tokens"):
+        PopularityEstimator(3, 2, 2).estimate_load(np.zeros((1, 1), np.int64), 1)
+    for kw, match in ((dict(decay=0.0), r"decay .* in \(0, 1\]"), (dict(decay=1.5), "decay"),
+                      (dict(max_entries=0), "max_entries must be a positive int"),
+                      (dict(min_count=0), "min_count must be a positive number")):
+        with pytest.raises(ValueError, match=match):
+            PopularityEstimator(3, 2, 2, **kw)
+
+
+def test_decay_forgets_an_old_pattern():
+    """E=3, L=2, k=1. First 10 batches send path (0) to expert 1 at layer 1, then 3
+    batches send it to expert 2. Without decay the old pattern (10 batches) still wins;
+    with decay 0.5 after 3 new batches the old one weighs 10-ish * 0.5**3 < 1.25 batches
+    against 1 + 0.5 + 0.25 = 1.75 new ones: expert 2 takes over."""
+    old = trace_from_top1(np.array([[0, 1]] * 8), 3)
+    new = trace_from_top1(np.array([[0, 2]] * 8), 3)
+    keep = PopularityEstimator(3, 2, 1, max_path=1)
+    fade = PopularityEstimator(3, 2, 1, max_path=1, decay=0.5)
+    for _ in range(10):
+        keep.update(old), fade.update(old)
+    for est in (keep, fade):
+        assert topk_experts(est.estimate_load(np.array([[0]]), 1), 1).tolist() == [1]
+    for _ in range(3):
+        keep.update(new), fade.update(new)
+    assert topk_experts(keep.estimate_load(np.array([[0]]), 1), 1).tolist() == [1]
+    d = fade.token_distribution(np.array([[0]]), 1)[0]
+    w_old = sum(0.5 ** i for i in range(3, 13))  # batch weights: newest 1, then halving
+    w_new = 1 + 0.5 + 0.25
+    np.testing.assert_allclose(d, [0, w_old / (w_old + w_new), w_new / (w_old + w_new)])
+    assert d[2] > d[1]
+    assert fade.num_tokens == pytest.approx(8 * (w_old + w_new))
+    # a decayed path that falls under min_count backs off to the marginal
+    strict = PopularityEstimator(3, 2, 1, max_path=1, decay=0.5, min_count=4)
+    strict.update(trace_from_top1(np.array([[1, 0]] * 4 + [[0, 1]] * 8), 3))
+    for _ in range(2):
+        strict.update(new)
+    _, used = strict.token_distribution(np.array([[1], [0]]), 1, return_used=True)
+    assert used.tolist() == [0, 1]  # path (1): 4 * 0.25 = 1 < 4 tokens; path (0) still held
+
+
+def test_max_entries_keeps_the_heaviest_paths():
+    # layer 1 of E=4, k=1: path (0) 5 tokens, (1) 3, (2) 2, (3) 1; a cap of 2 keeps 0 and 1
+    top1 = np.array([[0, 1]] * 5 + [[1, 2]] * 3 + [[2, 3]] * 2 + [[3, 0]])
+    est = PopularityEstimator(4, 2, 1, max_path=1, max_entries=2).update(trace_from_top1(top1, 4))
+    assert est.num_paths() == {(1, 1): 2}
+    assert est._tables[(1, 1)].codes_U.tolist() == [0, 1]
+    _, used = est.token_distribution(np.array([[0], [1], [2], [3]]), 1, return_used=True)
+    assert used.tolist() == [1, 1, 0, 0]  # dropped paths back off to the marginal
+    # the marginal itself keeps every token
+    np.testing.assert_allclose(est.marginal_LE[1] * 11, [1, 5, 3, 2])
+    # memory stays bounded however many distinct paths stream in
+    tr = synthetic_trace(SyntheticTraceConfig(num_tokens=4000, num_layers=4, num_experts=16), 2)
+    big = PopularityEstimator(16, 4, 2, max_path=3, max_entries=50)
+    for b in tr.batches(500):
+        big.update(b)
+    assert max(big.num_paths().values()) == 50
+    assert PopularityEstimator.fit(tr, max_path=3).num_paths()[(3, 3)] > 50
+
+
+def test_replan_threshold_default_is_the_named_constant():
+    import commsched.moe as moe
+    from commsched.moe.infer import PlacementConfig
+    from commsched.moe.placement_policy import PolicyConfig
+
+    assert moe.DEFAULT_REPLAN_THRESHOLD is DEFAULT_REPLAN_THRESHOLD
+    assert PlacementConfig().threshold == DEFAULT_REPLAN_THRESHOLD
+    assert PolicyConfig(4, 2, 1, 1, 2).threshold == DEFAULT_REPLAN_THRESHOLD
+    est, half = [10, 9, 8, 7, 1, 1, 1, 1], [10, 9, 0, 0, 8, 7, 0, 0]
+    assert phase2_decision(est, half, k=2) == phase2_decision(est, half, 2, DEFAULT_REPLAN_THRESHOLD)
 
 
 # --------------------------------------------------------------------------- phase 2

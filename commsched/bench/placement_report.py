@@ -1,10 +1,14 @@
-"""Measurements behind docs/moe_inference.md: planner quality, estimation accuracy per
-path length, and placement imbalance of the inference strategies on synthetic traces.
+"""Measurements behind docs/moe_inference.md and docs/benchmarks.md: planner quality,
+the planner against DeepSeek's EPLB, estimation accuracy per path length, and placement
+imbalance of the inference strategies on synthetic traces.
 
     python -m commsched.bench.placement_report --out DIR [--seed S] [--quick]
+            [--only traces,planner,eplb] [--eplb-instances N]
 
 writes ``DIR/placement_report.json`` and ``DIR/placement_report.md`` (and prints the
-markdown). Everything is computed from seeded synthetic data by the pure planners of
+markdown). The EPLB study (:func:`eplb_study`) runs ``plan_placement`` and
+``eplb_placement`` on the same seeded instances (:func:`eplb_instances`) and reports
+the relative difference of their maximum device loads. Everything is computed from seeded synthetic data by the pure planners of
 ``placement.py`` and ``popularity.py``; no process group, no timing claims beyond the
 planner's own run time.
 
@@ -22,7 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from ..moe.placement import greedy_placement, lower_bound, plan_placement, static_placement
+from ..moe.placement import (
+    eplb_placement,
+    greedy_placement,
+    lower_bound,
+    plan_placement,
+    static_placement,
+)
 from ..moe.popularity import DEFAULT_REPLAN_THRESHOLD, PopularityEstimator, topk_overlap
 from ..moe.traces import SyntheticTraceConfig, synthetic_trace, trace_stats
 from ..results import write_json
@@ -55,6 +65,14 @@ class ReportConfig:
                                                         (32, 8, 6), (64, 8, 10))
     planner_loads: tuple[str, ...] = ("zipf0.8", "zipf1.2", "lognormal1.0", "lognormal2.0")
     planner_instances: int = 100
+    # EPLB study: instances (8-256 experts, 2-64 devices; Zipf 0.5-2.0, hot experts,
+    # uniform) and the 256 x 64 shapes timed
+    eplb_instances: int = 600
+    eplb_max_experts: int = 256
+    eplb_max_devices: int = 64
+    eplb_timing_slots: tuple[int, ...] = (5, 6, 8)
+    eplb_timing_repeats: int = 3
+    studies: tuple[str, ...] = ("traces", "planner", "eplb")
 
 
 def _random_load(kind: str, E: int, rng: np.random.Generator) -> np.ndarray:
@@ -70,7 +88,7 @@ def _random_load(kind: str, E: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def planner_study(cfg: ReportConfig) -> list[dict[str, Any]]:
-    """plan_placement vs the EPLB-style greedy vs the lower bound on random loads."""
+    """plan_placement vs the greedy vs the lower bound on random loads."""
     rows = []
     rng = np.random.default_rng(cfg.seed)
     for E, N, S in cfg.planner_shapes:
@@ -102,6 +120,118 @@ def planner_study(cfg: ReportConfig) -> list[dict[str, Any]]:
                 "plan_ms_mean": 1000 * t_plan / n,
             })
     return rows
+
+
+@dataclass(frozen=True)
+class LoadInstance:
+    """One placement problem: ``load`` [E] on ``num_devices`` x ``slots``; ``kind`` says
+    how the load was drawn (``zipf1.23``, ``hot3``, ``uniform``)."""
+
+    kind: str
+    load: np.ndarray
+    num_devices: int
+    slots: int
+
+
+_SIZES_E = (8, 16, 32, 64, 128, 256)
+_SIZES_N = (2, 4, 8, 16, 32, 64)
+
+
+def eplb_instances(seed: int, count: int, max_experts: int = 256,
+                   max_devices: int = 64) -> list[LoadInstance]:
+    """``count`` seeded instances: E from 8..max_experts and N from 2..max_devices (powers
+    of two, N <= E), S = ceil(E/N) plus 0-2 spare slots; of every 10, 8 draw token counts
+    (64 per expert on average) from a Zipf popularity with exponent uniform in [0.5, 2.0]
+    over a random expert order, 1 from a uniform popularity with 1-3 hot experts 4-20x
+    the others, 1 from a uniform popularity."""
+    rng = np.random.default_rng(seed)
+    Es = [e for e in _SIZES_E if e <= max_experts]
+    Ns = [n for n in _SIZES_N if n <= max_devices]
+    out = []
+    for i in range(count):
+        E = int(rng.choice(Es))
+        N = int(rng.choice([n for n in Ns if n <= E]))
+        S = -(-E // N) + int(rng.integers(0, 3))
+        slot = i % 10
+        if slot < 8:
+            s = float(rng.uniform(0.5, 2.0))
+            w = (np.arange(1, E + 1, dtype=np.float64) ** -s)[rng.permutation(E)]
+            kind = f"zipf{s:.2f}"
+        elif slot == 8:
+            w = np.ones(E)
+            hot = rng.choice(E, size=int(rng.integers(1, 4)), replace=False)
+            w[hot] *= rng.uniform(4.0, 20.0, hot.size)
+            kind = f"hot{hot.size}"
+        else:
+            w = np.ones(E)
+            kind = "uniform"
+        load = rng.multinomial(64 * E, w / w.sum()).astype(np.float64)
+        out.append(LoadInstance(kind, load, N, S))
+    return out
+
+
+def eplb_study(cfg: ReportConfig) -> dict[str, Any]:
+    """plan_placement (and the greedy) against DeepSeek's EPLB on :func:`eplb_instances`:
+    relative difference of the maximum device load (positive: worse than EPLB), split by
+    whether EPLB put two replicas of one expert on one device (which the even-split model
+    of a Placement cannot express); and the planners' time at 256 experts x 64 devices."""
+    rows: dict[str, list[float]] = {"plan": [], "greedy": []}
+    dup: list[bool] = []
+    kinds: list[str] = []
+    t_plan = t_eplb = 0.0
+    for inst in eplb_instances(cfg.seed, cfg.eplb_instances, cfg.eplb_max_experts,
+                               cfg.eplb_max_devices):
+        t0 = time.perf_counter()
+        ep = eplb_placement(inst.load, inst.num_devices, inst.slots)
+        t1 = time.perf_counter()
+        p = plan_placement(inst.load, inst.num_devices, inst.slots)
+        t2 = time.perf_counter()
+        g = greedy_placement(inst.load, inst.num_devices, inst.slots)
+        t_eplb += t1 - t0
+        t_plan += t2 - t1
+        rows["plan"].append(p.max_load / ep.max_load - 1.0)
+        rows["greedy"].append(g.max_load / ep.max_load - 1.0)
+        dup.append(ep.duplicates > 0)
+        kinds.append(inst.kind.rstrip("0123456789.") or inst.kind)
+    d = np.asarray(dup)
+    kind_arr = np.asarray(kinds)
+
+    def summary(x: np.ndarray) -> dict[str, Any]:
+        if x.size == 0:
+            return {"instances": 0}
+        return {"instances": int(x.size), "worst": float(x.max()), "mean": float(x.mean()),
+                "best": float(x.min()), "worse_than_0.5pct": int((x > 0.005).sum()),
+                "worse": int((x > 1e-9).sum()), "better": int((x < -1e-9).sum())}
+
+    table = []
+    for name, vals in rows.items():
+        v = np.asarray(vals)
+        table.append({"planner": name, "subset": "all", **summary(v)})
+        table.append({"planner": name, "subset": "EPLB duplicates", **summary(v[d])})
+        table.append({"planner": name, "subset": "no duplicates", **summary(v[~d])})
+        for k in ("zipf", "hot", "uniform"):
+            table.append({"planner": name, "subset": k, **summary(v[kind_arr == k])})
+    timing = []
+    rng = np.random.default_rng(cfg.seed + 1)
+    for S in cfg.eplb_timing_slots:
+        for s in (0.8, 1.2):
+            w = (np.arange(1, 257, dtype=np.float64) ** -s)[rng.permutation(256)]
+            load = rng.multinomial(64 * 256, w / w.sum()).astype(np.float64)
+            t: dict[str, list[float]] = {"plan": [], "greedy": [], "eplb": []}
+            got: dict[str, float] = {}
+            for _ in range(cfg.eplb_timing_repeats):
+                for name, fn in (("plan", plan_placement), ("greedy", greedy_placement),
+                                 ("eplb", eplb_placement)):
+                    t0 = time.perf_counter()
+                    got[name] = fn(load, 64, S).max_load
+                    t[name].append(time.perf_counter() - t0)
+            timing.append({"E": 256, "N": 64, "S": S, "zipf": s,
+                           **{f"{k}_s": float(np.median(v)) for k, v in t.items()},
+                           "plan_vs_eplb": got["plan"] / got["eplb"] - 1.0})
+    n = len(dup)
+    return {"instances": n, "duplicates_frac": float(d.mean()), "table": table,
+            "plan_ms_mean": 1000 * t_plan / n, "eplb_ms_mean": 1000 * t_eplb / n,
+            "timing": timing}
 
 
 def trace_study(name: str, tcfg: SyntheticTraceConfig, cfg: ReportConfig) -> dict[str, Any]:
@@ -182,8 +312,12 @@ def trace_study(name: str, tcfg: SyntheticTraceConfig, cfg: ReportConfig) -> dic
 def run_report(cfg: ReportConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     out: dict[str, Any] = {"config": asdict(cfg)}
-    out["traces"] = [trace_study(n, PRESETS[n], cfg) for n in cfg.presets]
-    out["planner"] = planner_study(cfg)
+    if "traces" in cfg.studies:
+        out["traces"] = [trace_study(n, PRESETS[n], cfg) for n in cfg.presets]
+    if "planner" in cfg.studies:
+        out["planner"] = planner_study(cfg)
+    if "eplb" in cfg.studies:
+        out["eplb"] = eplb_study(cfg)
     out["wall_clock_s"] = time.perf_counter() - t0
     return out
 
@@ -192,10 +326,44 @@ def _f(x: float, d: int = 3) -> str:
     return f"{x:.{d}f}"
 
 
+def _pct(x: float) -> str:
+    return f"{100 * x:+.2f}%"
+
+
+def _eplb_markdown(ep: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    lines = ["### plan_placement vs DeepSeek's EPLB", "",
+             f"{ep['instances']} instances (`eplb_instances(seed={cfg['seed']})`: "
+             f"8-{cfg['eplb_max_experts']} experts, 2-{cfg['eplb_max_devices']} devices, ceil(E/N) + 0-2 slots per device; 80% Zipf 0.5-2.0, 10% hot "
+             "experts, 10% uniform; token counts, 64 per expert on average). Relative "
+             "difference of the maximum device load against `eplb_placement` (global "
+             "policy); positive is worse than EPLB. EPLB put two replicas of one expert on "
+             f"one device in {100 * ep['duplicates_frac']:.0f}% of them (a Placement cannot: "
+             "an expert's replicas are distinct devices with equal shares).", "",
+             "| planner | instances | worst | mean | best | worse by > 0.5% | worse | better |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in ep["table"]:
+        if r["instances"] == 0:
+            continue
+        lines.append(f"| {r['planner']} ({r['subset']}) | {r['instances']} | {_pct(r['worst'])} | "
+                     f"{_pct(r['mean'])} | {_pct(r['best'])} | {r['worse_than_0.5pct']} | "
+                     f"{r['worse']} | {r['better']} |")
+    lines += ["", f"Mean time per instance: plan_placement {ep['plan_ms_mean']:.1f} ms, "
+              f"eplb_placement {ep['eplb_ms_mean']:.1f} ms.", "",
+              "Time at 256 experts x 64 devices (median of "
+              f"{cfg['eplb_timing_repeats']} runs, one process):", "",
+              "| S | Zipf | plan_placement | greedy | EPLB | plan vs EPLB max load |",
+              "|---|---|---|---|---|---|"]
+    for t in ep["timing"]:
+        lines.append(f"| {t['S']} | {t['zipf']} | {t['plan_s']:.2f} s | {1000 * t['greedy_s']:.0f} ms "
+                     f"| {1000 * t['eplb_s']:.0f} ms | {_pct(t['plan_vs_eplb'])} |")
+    lines.append("")
+    return lines
+
+
 def to_markdown(rep: dict[str, Any], command: str) -> str:
     cfg = rep["config"]
     lines = [f"Produced by `{command}` ({rep['wall_clock_s']:.0f} s).", ""]
-    for tr in rep["traces"]:
+    for tr in rep.get("traces", []):
         st, tc = tr["stats"], tr["trace_config"]
         lines += [
             f"### Trace preset `{tr['preset']}`",
@@ -240,21 +408,24 @@ def to_markdown(rep: dict[str, Any], command: str) -> str:
             lines.append(f"| {row['threshold']} | {100 * row['replan_frac']:.1f}% | "
                          f"{_f(row['imbalance_mean'])} | {_f(row['imbalance_p95'])} |")
         lines.append("")
-    lines += ["### Planner vs EPLB-style greedy vs lower bound (random loads)", "",
-              f"{cfg['planner_instances']} instances per row; zipfS: multinomial token counts "
-              "(64 per expert on average) from Zipf popularity with exponent S; lognormalS: "
-              "log-normal loads with sigma S.", "",
-              "| E | N | S | load | plan/LB mean | plan/LB max | greedy/LB mean | greedy/LB max "
-              "| strictly better | greedy/plan mean | greedy/plan max | ms/plan |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rep["planner"]:
-        lines.append(
-            f"| {r['E']} | {r['N']} | {r['S']} | {r['load']} | {_f(r['plan_over_lb_mean'], 4)} | "
-            f"{_f(r['plan_over_lb_max'], 4)} | {_f(r['greedy_over_lb_mean'], 4)} | "
-            f"{_f(r['greedy_over_lb_max'], 4)} | {100 * r['strictly_better_frac']:.0f}% | "
-            f"{_f(r['greedy_over_plan_mean'], 4)} | {_f(r['greedy_over_plan_max'], 4)} | "
-            f"{_f(r['plan_ms_mean'], 1)} |")
-    lines.append("")
+    if "planner" in rep:
+        lines += ["### Planner vs greedy vs lower bound (random loads)", "",
+                  f"{cfg['planner_instances']} instances per row; zipfS: multinomial token counts "
+                  "(64 per expert on average) from Zipf popularity with exponent S; lognormalS: "
+                  "log-normal loads with sigma S.", "",
+                  "| E | N | S | load | plan/LB mean | plan/LB max | greedy/LB mean | greedy/LB max "
+                  "| strictly better | greedy/plan mean | greedy/plan max | ms/plan |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rep["planner"]:
+            lines.append(
+                f"| {r['E']} | {r['N']} | {r['S']} | {r['load']} | {_f(r['plan_over_lb_mean'], 4)} | "
+                f"{_f(r['plan_over_lb_max'], 4)} | {_f(r['greedy_over_lb_mean'], 4)} | "
+                f"{_f(r['greedy_over_lb_max'], 4)} | {100 * r['strictly_better_frac']:.0f}% | "
+                f"{_f(r['greedy_over_plan_mean'], 4)} | {_f(r['greedy_over_plan_max'], 4)} | "
+                f"{_f(r['plan_ms_mean'], 1)} |")
+        lines.append("")
+    if "eplb" in rep:
+        lines += _eplb_markdown(rep["eplb"], cfg)
     return "\n".join(lines)
 
 
@@ -267,13 +438,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", type=int, default=ReportConfig.slots_per_device)
     ap.add_argument("--threshold", type=float, default=ReportConfig.threshold,
                     help="phase-2 re-plan threshold on the top-2k overlap")
+    ap.add_argument("--only", default=",".join(ReportConfig.studies),
+                    help="comma-separated studies to run: traces, planner, eplb")
+    ap.add_argument("--eplb-instances", type=int, default=ReportConfig.eplb_instances,
+                    help="instances of the plan_placement vs EPLB study")
     ap.add_argument("--quick", action="store_true",
                     help="a small run (fewer tokens, batches and planner instances)")
     a = ap.parse_args(argv)
+    studies = tuple(x.strip() for x in a.only.split(",") if x.strip())
+    unknown = sorted(set(studies) - set(ReportConfig.studies))
+    if unknown or not studies:
+        ap.error(f"--only takes a comma-separated list of {', '.join(ReportConfig.studies)}; "
+                 f"got {a.only!r}")
+    if a.eplb_instances < 1:
+        ap.error(f"--eplb-instances must be at least 1, got {a.eplb_instances}")
     cfg = ReportConfig(seed=a.seed, num_devices=a.devices, slots_per_device=a.slots,
-                       threshold=a.threshold)
+                       threshold=a.threshold, studies=studies, eplb_instances=a.eplb_instances)
     if a.quick:
-        cfg = replace(cfg, num_tokens=8192, max_batches=8, planner_instances=10)
+        cfg = replace(cfg, num_tokens=8192, max_batches=8, planner_instances=10,
+                      eplb_instances=min(cfg.eplb_instances, 50), eplb_timing_slots=(5,),
+                      eplb_timing_repeats=1)
     rep = run_report(cfg)
     a.out.mkdir(parents=True, exist_ok=True)
     command = "python -m commsched.bench.placement_report " + " ".join(

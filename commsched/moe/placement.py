@@ -10,23 +10,33 @@ busiest device, so every planner here minimises the *maximum* device load.
 
 Planners (all pure, no process group):
 
-* :func:`greedy_placement` -- the EPLB-style baseline: every spare slot goes, one at a
-  time, to the expert with the highest load per replica; the replicas are then packed in
-  descending per-replica load, each onto the lightest device with room that does not
-  already hold that expert.
+* :func:`eplb_placement` -- DeepSeek's EPLB, rewritten from its published algorithm: all
+  N*S slots are filled, each spare one to the expert with the highest load per replica
+  (no cap); the replicas are packed in descending load, each onto the lightest device
+  with room (:func:`balanced_packing`, exactly S per device), and two replicas of one
+  expert may land on one device; the hierarchical variant packs expert groups onto
+  nodes first. It returns an :class:`EplbPlan` (physical slots), the baseline the
+  planner is measured against.
+* :func:`greedy_placement` -- the greedy: every spare slot goes, one at a time, to the
+  expert with the highest load per replica (at most N replicas each); the replicas are
+  then packed in descending per-replica load, each onto the lightest device with room
+  that does not already hold that expert. Fast: the online planner.
 * :func:`plan_placement` -- the planner the runtime uses. It tries several total replica
   counts (the greedy apportionment of each), packs each by LPT, improves the best
-  packings by local search (move, swap, add, drop and re-target replicas on the busiest
-  device), and returns the best of those and of the greedy baseline, so it is never worse
-  than the greedy by construction.
+  packings, the greedy's and EPLB's layouts by local search (move, swap, add, drop and
+  re-target replicas on the busiest device), then searches over replica counts
+  (re-packing after each change), and returns the best layout found, so it is never
+  worse than the greedy by construction (against EPLB: measured, see
+  docs/benchmarks.md).
 * :func:`static_placement` -- E/N contiguous experts per device and no replicas, as
   DeepSpeed serves experts.
 * :func:`lower_bound` -- no placement can have a lower maximum device load.
 
 The strategies of the inference runtime are these functions on different inputs:
-``static`` is :func:`static_placement`; ``eplb`` is :func:`plan_placement` on a
-historical mean load; ``lina`` is :func:`plan_placement` on the estimated load (see
-``popularity.py``); ``oracle`` is :func:`plan_placement` on the actual load.
+``static`` is :func:`static_placement`; ``eplb`` is a planner (default
+:func:`plan_placement`; ``eplb_placement`` on request) on a historical mean load;
+``lina`` is :func:`plan_placement` on the estimated load (see ``popularity.py``);
+``oracle`` is :func:`plan_placement` on the actual load.
 
 :func:`split_tokens` maps each token of a replicated expert to one of its replicas,
 round robin, so every replica gets an equal share (within one token).
@@ -46,6 +56,9 @@ __all__ = [
     "Placement",
     "plan_placement",
     "greedy_placement",
+    "eplb_placement",
+    "EplbPlan",
+    "balanced_packing",
     "static_placement",
     "lower_bound",
     "replica_counts_greedy",
@@ -56,6 +69,18 @@ __all__ = [
     "split_offsets",
     "imbalance",
 ]
+
+
+# plan_placement's search effort (docs/benchmarks.md, "Planner against DeepSeek's EPLB"):
+# packings improved by local search besides the greedy's and EPLB's layouts, for up to
+# REFINE_SMALL_SLOTS slots (N*S) and above; at 256 x 64 the extra starts changed the
+# maximum load by under 0.01% for about twice the time
+REFINE_SMALL = 6
+REFINE_LARGE = 1
+REFINE_SMALL_SLOTS = 256
+# up to this many slots every replica-count change of the count search is decoded by LPT
+# and local search (milliseconds there); above it by LPT alone
+THOROUGH_SLOTS = 16
 
 
 # --------------------------------------------------------------------------- validation
@@ -265,6 +290,16 @@ def pack_lpt(load_E: Sequence[float] | np.ndarray, counts_E: Sequence[int], num_
         raise ValueError(f"replica counts must lie in 1..{N} (num_devices), got {counts}")
     if sum(counts) > N * S:
         raise ValueError(f"{sum(counts)} replicas do not fit in {N * S} slots")
+    return _make(_lpt([float(x) for x in load], counts, N, S), load, N, S)
+
+
+def _lpt(load: list[float], counts: list[int], N: int, S: int) -> list[list[int]]:
+    """:func:`pack_lpt` on checked inputs: [E] the devices of each expert's replicas.
+
+    The lightest device (ties: lowest id) comes off a heap of (load, device); full
+    devices leave it for good, devices already holding the expert are set aside and
+    pushed back after the replica is placed."""
+    E = len(load)
     per = [load[e] / counts[e] for e in range(E)]
     # first replicas of all experts come before extra replicas of equal per-replica load,
     # so an expert's first replica never loses its slot to another's extra replica
@@ -273,23 +308,33 @@ def pack_lpt(load_E: Sequence[float] | np.ndarray, counts_E: Sequence[int], num_
     dev_load = [0.0] * N
     held: list[set[int]] = [set() for _ in range(N)]
     replicas: list[list[int]] = [[] for _ in range(E)]
+    heap = [(0.0, d) for d in range(N)]
     for e, _i in items:
+        aside = []
         best = -1
-        for d in range(N):
-            if len(held[d]) < S and e not in held[d] and (best < 0 or dev_load[d] < dev_load[best]):
-                best = d
+        while heap:
+            entry = heapq.heappop(heap)
+            if e in held[entry[1]]:
+                aside.append(entry)
+                continue
+            best = entry[1]
+            break
+        for entry in aside:
+            heapq.heappush(heap, entry)
         if best < 0:
             continue  # dropped replica
         held[best].add(e)
         replicas[e].append(best)
         dev_load[best] += per[e]
+        if len(held[best]) < S:
+            heapq.heappush(heap, (dev_load[best], best))
     assert all(replicas), "an expert lost its first replica (slots < experts?)"
-    return _make(replicas, load, N, S)
+    return replicas
 
 
 def greedy_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
                      slots_per_device: int) -> Placement:
-    """The EPLB-style baseline: fill all N*S slots by :func:`replica_counts_greedy`
+    """The greedy: fill all N*S slots by :func:`replica_counts_greedy`
     (at most N replicas per expert), then :func:`pack_lpt`."""
     load = _check_load(load_E)
     N, S = _check_sizes(load.size, num_devices, slots_per_device)
@@ -321,7 +366,174 @@ def static_placement(num_experts: int, num_devices: int,
     return _make(replicas, load, N, S)
 
 
+# --------------------------------------------------------------------------- EPLB
+def balanced_packing(weight_X: Sequence[float] | np.ndarray, num_packs: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """EPLB's packing: X items into ``num_packs`` packs of exactly X / num_packs items each.
+
+    Items go in descending weight (ties: lower index), each into the lightest pack
+    (ties: lower pack) that still has room. Returns ([X] pack of each item, [X] its
+    position within the pack, in the order it arrived)."""
+    w = np.asarray(weight_X, dtype=np.float64)
+    X = w.size
+    P = _check_positive_int(num_packs, "num_packs")
+    if X % P:
+        raise ValueError(f"{X} items do not split into {P} packs of equal count")
+    per = X // P
+    pack = np.empty(X, dtype=np.int64)
+    rank = np.empty(X, dtype=np.int64)
+    pack_w = [0.0] * P
+    pack_n = [0] * P
+    for i in np.argsort(-w, kind="stable").tolist():
+        best = min((p for p in range(P) if pack_n[p] < per), key=pack_w.__getitem__)
+        pack[i], rank[i] = best, pack_n[best]
+        pack_w[best] += float(w[i])
+        pack_n[best] += 1
+    return pack, rank
+
+
+@dataclass(frozen=True)
+class EplbPlan:
+    """DeepSeek EPLB's layout of one layer: N devices x S physical expert slots, every slot
+    filled, an expert's tokens split evenly over its *physical* replicas -- two replicas
+    of one expert may share a device, which then carries two shares.
+
+    slots[d]        -- [S] the expert of each physical slot of device d
+    replica_counts  -- [E] physical replicas of each expert (>= 1; may exceed N)
+    device_load[d]  -- sum over the slots of d of load_e / replica_counts[e]
+    """
+
+    slots: tuple[tuple[int, ...], ...]
+    replica_counts: tuple[int, ...]
+    device_load: tuple[float, ...]
+
+    @property
+    def max_load(self) -> float:
+        return max(self.device_load)
+
+    @property
+    def imbalance(self) -> float:
+        return imbalance(self.device_load)
+
+    @property
+    def duplicates(self) -> int:
+        """Physical replicas beyond the first of an expert on the same device: what a
+        :class:`Placement` (distinct devices per expert) cannot express."""
+        return sum(len(row) - len(set(row)) for row in self.slots)
+
+    def placement(self, load_E: Sequence[float] | np.ndarray) -> Placement:
+        """The layout as a :class:`Placement`: each expert on the distinct devices of its
+        slots, loads split evenly over those (so device loads differ from EPLB's own when
+        :attr:`duplicates` > 0, and the duplicate slots are left unused)."""
+        load = _check_load(load_E)
+        reps: list[set[int]] = [set() for _ in self.replica_counts]
+        for d, row in enumerate(self.slots):
+            for e in row:
+                reps[e].add(d)
+        return _make([sorted(r) for r in reps], load, len(self.slots), len(self.slots[0]))
+
+
+def _eplb_within(load: np.ndarray, experts: np.ndarray, num_devices: int, S: int,
+                 first_device: int, slots: list[list[int]], counts: np.ndarray) -> None:
+    """EPLB's replicate-then-pack for ``experts`` on devices first_device.. (+num_devices):
+    the num_devices*S physical slots go by the greedy apportionment without a cap (each
+    further replica to the highest load per replica, ties: lower position), then the
+    replicas (first replicas in expert order, then extras in the order given) are packed
+    by :func:`balanced_packing`, S per device."""
+    w = load[experts]
+    R = num_devices * S
+    # the physical replicas in EPLB's order: one of each expert, then each extra as the
+    # apportionment hands it out (the same counts as replica_counts_greedy, uncapped)
+    phys = list(range(experts.size))
+    heap = [(-float(w[i]), i) for i in range(experts.size)]
+    heapq.heapify(heap)
+    c = np.ones(experts.size, dtype=np.int64)
+    while len(phys) < R:
+        _, i = heapq.heappop(heap)
+        phys.append(i)
+        c[i] += 1
+        heapq.heappush(heap, (-float(w[i]) / c[i], i))
+    per_phys = np.array([w[i] / c[i] for i in phys])
+    pack, rank = balanced_packing(per_phys, num_devices)
+    order = np.lexsort((rank, pack))
+    for j in order.tolist():
+        slots[first_device + int(pack[j])].append(int(experts[phys[j]]))
+    counts[experts] = c
+
+
+def eplb_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
+                   slots_per_device: int, *, num_nodes: int = 1,
+                   num_groups: int | None = None) -> EplbPlan:
+    """DeepSeek's Expert Parallelism Load Balancer (EPLB), rewritten from its published
+    algorithm (github.com/deepseek-ai/EPLB, ``rebalance_experts``) for one layer.
+
+    Global policy (``num_groups`` None, or not a multiple of ``num_nodes``, as EPLB
+    falls back): all N*S physical slots are filled: starting from one replica per
+    expert, each further slot goes to the expert with the highest load per replica
+    (ties: lower id; no cap, an expert may get more replicas than there are devices);
+    the replicas, in descending load per replica, each go to the lightest device that
+    has a free slot (:func:`balanced_packing`: exactly S per device). Nothing keeps two
+    replicas of one expert off the same device (:attr:`EplbPlan.duplicates`).
+
+    Hierarchical policy (``num_groups`` G experts groups of E/G consecutive experts,
+    ``num_nodes`` M nodes of N/M consecutive devices, G a multiple of M): the groups
+    are packed onto nodes by :func:`balanced_packing` of their total loads (G/M groups
+    per node), then each node runs the global policy on its own experts and devices.
+
+    Raises ValueError when N*S < E, or for the hierarchical policy when G does not
+    divide E or M does not divide N."""
+    load = _check_load(load_E)
+    E = load.size
+    N, S = _check_sizes(E, num_devices, slots_per_device)
+    M = _check_positive_int(num_nodes, "num_nodes")
+    G = None if num_groups is None else _check_positive_int(num_groups, "num_groups")
+    slots: list[list[int]] = [[] for _ in range(N)]
+    counts = np.zeros(E, dtype=np.int64)
+    if G is None or G % M:
+        _eplb_within(load, np.arange(E), N, S, 0, slots, counts)
+    else:
+        if E % G:
+            raise ValueError(f"num_groups={G} must divide the {E} experts (groups of "
+                             "consecutive experts, equal size)")
+        if N % M:
+            raise ValueError(f"num_nodes={M} must divide the {N} devices (nodes of "
+                             "consecutive devices, equal size)")
+        size = E // G
+        group_pack, group_rank = balanced_packing(load.reshape(G, size).sum(axis=1), M)
+        per_node = N // M
+        for n in range(M):
+            groups = np.flatnonzero(group_pack == n)
+            groups = groups[np.argsort(group_rank[groups], kind="stable")]
+            experts = (groups[:, None] * size + np.arange(size)).reshape(-1)
+            _eplb_within(load, experts, per_node, S, n * per_node, slots, counts)
+    dl = [sum(load[e] / counts[e] for e in row) for row in slots]
+    return EplbPlan(tuple(tuple(r) for r in slots), tuple(int(c) for c in counts),
+                    tuple(float(x) for x in dl))
+
+
 # --------------------------------------------------------------------------- local search
+class _Expert:
+    """What :meth:`_Search.step` needs of expert x in one step: its devices (``devs``,
+    and ``order``: descending load), its share ``per`` now, the change ``grow`` of each
+    replica's share when x gains a replica and ``shrink`` when it loses one, and the
+    resulting changes of the sum of squared device loads, over all of x's devices."""
+
+    __slots__ = ("devs", "order", "per", "per_add", "grow", "shrink", "grow_ss", "shrink_ss")
+
+    def __init__(self, s: _Search, x: int) -> None:
+        dl = s.dl
+        self.devs = s.devs[x]
+        self.order = sorted(self.devs, key=lambda i: -dl[i])
+        r = len(self.devs)
+        self.per = s.load[x] / r
+        self.per_add = s.load[x] / (r + 1)
+        self.grow = self.per_add - self.per
+        self.shrink = s.load[x] / (r - 1) - self.per if r >= 2 else 0.0
+        g, h = self.grow, self.shrink
+        self.grow_ss = sum(g * (2.0 * dl[i] + g) for i in self.devs)
+        self.shrink_ss = sum(h * (2.0 * dl[i] + h) for i in self.devs)
+
+
 class _Search:
     """Mutable layout for local search on the maximum device load (plain Python floats:
     N and S are small, and list copies beat NumPy calls at this size)."""
@@ -339,17 +551,122 @@ class _Search:
     def per(self, e: int, extra: int = 0) -> float:
         return self.load[e] / (len(self.devs[e]) + extra)
 
-    def step(self) -> bool:
-        """Apply the best improving move that involves the busiest device; False if none."""
+    def step(self) -> tuple | None:
+        """Apply the best improving move that involves the busiest device and return it;
+        None if there is none.
+
+        Moves and their order are those of :meth:`step_reference`; a candidate is scored
+        in O(1) amortised instead of O(devices it touches). Per expert x (once per step):
+        its devices in descending load, its share now / with one replica more / one less,
+        and the change of the sum of squares when all its replicas grow or shrink by that
+        share (``_Expert``). A move's maximum is then the largest of: the first entry of
+        those descending lists not otherwise changed, the one or two single devices it
+        changes, and the busiest device it leaves alone (the first of the global order
+        outside the changed sets); its sum of squares the current one plus the
+        precomputed changes (with the cross term of devices both experts share)."""
+        dl, N, S = self.dl, self.N, self.S
+        d = max(range(N), key=lambda i: (dl[i], -i))
+        order = sorted(range(N), key=lambda i: -dl[i])
+        cur_ss = sum(x * x for x in dl)
+        best, best_move = (dl[d], cur_ss), None
+        eps, eps2 = self.eps, self.eps2
+        cache: dict[int, _Expert] = {}
+
+        def info(x: int) -> _Expert:
+            got = cache.get(x)
+            if got is None:
+                got = cache[x] = _Expert(self, x)
+            return got
+
+        def untouched(a: set[int], b: set[int] | None = None, c: int = -1) -> float:
+            for dd in order:
+                if dd not in a and (b is None or dd not in b) and dd != c:
+                    return dl[dd]
+            return -math.inf
+
+        def consider(m: float, ss: float, move: tuple) -> None:
+            nonlocal best, best_move
+            if m < best[0] - eps or (m <= best[0] + eps and ss < best[1] - eps2):
+                best, best_move = (m, ss), move
+
+        def sq(x: int, delta: float) -> float:  # change of x's square when it moves by delta
+            return delta * (2.0 * dl[x] + delta)
+
+        for e in sorted(self.held[d]):
+            ie = info(e)
+            de, pe, pe_add, g = ie.devs, ie.per, ie.per_add, ie.grow
+            top_e = dl[ie.order[0]] + g  # e's busiest replica after e gains a replica
+            if len(de) >= 2:  # drop the replica of e on d; its share goes to e's other replicas
+                sh = ie.shrink
+                m = max(dl[d] - pe, untouched(de))
+                for dd in ie.order:
+                    if dd != d:
+                        m = max(m, dl[dd] + sh)
+                        break
+                consider(m, cur_ss + ie.shrink_ss - sq(d, sh) + sq(d, -pe), ("drop", e, d))
+            for d2 in range(N):
+                if d2 == d or e in self.held[d2]:
+                    continue
+                if len(self.held[d2]) < S:
+                    m = max(dl[d] - pe, dl[d2] + pe, untouched({d, d2}))
+                    consider(m, cur_ss + sq(d, -pe) + sq(d2, pe), ("move", e, d, d2))
+                    m = max(top_e, dl[d2] + pe_add, untouched(de, None, d2))
+                    consider(m, cur_ss + ie.grow_ss + sq(d2, pe_add), ("add", e, d2))
+                for f in sorted(self.held[d2]):
+                    jf = info(f)
+                    pf = jf.per
+                    if pf < pe and f not in self.held[d]:
+                        m = max(dl[d] + pf - pe, dl[d2] + pe - pf, untouched({d, d2}))
+                        consider(m, cur_ss + sq(d, pf - pe) + sq(d2, pe - pf), ("swap", e, d, f, d2))
+                    if len(jf.devs) >= 2:  # re-target f's replica on d2 to e
+                        df, sh = jf.devs, jf.shrink
+                        m = dl[d2] + pe_add - pf
+                        for dd in jf.order:  # f's other replicas gain sh (and lose g on e's)
+                            if dd == d2:
+                                continue
+                            if dd in de:
+                                m = max(m, dl[dd] + sh + g)
+                            else:
+                                m = max(m, dl[dd] + sh)
+                                break
+                        for dd in ie.order:  # e's replicas that f does not share
+                            if dd not in df:
+                                m = max(m, dl[dd] + g)
+                                break
+                        m = max(m, untouched(de, df))
+                        both = len(de & df)
+                        ss = (cur_ss + ie.grow_ss + jf.shrink_ss - sq(d2, sh)
+                              + sq(d2, pe_add - pf) + 2.0 * g * sh * both)
+                        consider(m, ss, ("retarget", e, f, d2))
+        if best_move is not None:
+            self.apply(best_move)
+        return best_move
+
+    def step_reference(self) -> tuple | None:
+        """Slow twin of :meth:`step`: every candidate's changed loads in a dict.
+
+        A move changes the loads of a few devices (``delta``: device -> change); its
+        maximum is the largest changed load or the largest unchanged one (the first device
+        of the descending order not in ``delta``), its sum of squares the current one
+        plus the changes."""
         dl, N = self.dl, self.N
         d = max(range(N), key=lambda i: (dl[i], -i))
-        cur = (max(dl), sum(x * x for x in dl))
-        best, best_move = cur, None
+        order = sorted(range(N), key=lambda i: -dl[i])
+        cur_ss = sum(x * x for x in dl)
+        best, best_move = (dl[d], cur_ss), None
 
-        def consider(new: list[float], move: tuple) -> None:
+        def consider(delta: dict[int, float], move: tuple) -> None:
             nonlocal best, best_move
-            m = max(new)
-            ss = sum(x * x for x in new)
+            m = -math.inf
+            ss = cur_ss
+            for dd, dv in delta.items():
+                v = dl[dd] + dv
+                m = v if v > m else m
+                ss += v * v - dl[dd] * dl[dd]
+            for dd in order:
+                if dd not in delta:
+                    m = dl[dd] if dl[dd] > m else m
+                    break
             if m < best[0] - self.eps or (m <= best[0] + self.eps and ss < best[1] - self.eps2):
                 best, best_move = (m, ss), move
 
@@ -357,46 +674,34 @@ class _Search:
             pe = self.per(e)
             r_e = len(self.devs[e])
             pe_add = self.per(e, +1)
+            grow_e = {dd: pe_add - pe for dd in self.devs[e]}  # e gains a replica elsewhere
             if r_e >= 2:  # drop the replica of e on d; its share goes to e's other replicas
                 pe_drop = self.per(e, -1)
-                new = dl[:]
-                for dd in self.devs[e]:
-                    new[dd] += pe_drop - pe
-                new[d] -= pe_drop
-                consider(new, ("drop", e, d))
+                delta = {dd: pe_drop - pe for dd in self.devs[e]}
+                delta[d] = -pe
+                consider(delta, ("drop", e, d))
             for d2 in range(N):
                 if d2 == d or e in self.held[d2]:
                     continue
                 if len(self.held[d2]) < self.S:
-                    new = dl[:]
-                    new[d] -= pe
-                    new[d2] += pe
-                    consider(new, ("move", e, d, d2))
-                    new = dl[:]
-                    for dd in self.devs[e]:
-                        new[dd] += pe_add - pe
-                    new[d2] += pe_add
-                    consider(new, ("add", e, d2))
+                    consider({d: -pe, d2: pe}, ("move", e, d, d2))
+                    delta = dict(grow_e)
+                    delta[d2] = pe_add
+                    consider(delta, ("add", e, d2))
                 for f in sorted(self.held[d2]):
                     pf = self.per(f)
                     if pf < pe and f not in self.held[d]:
-                        new = dl[:]
-                        new[d] += pf - pe
-                        new[d2] += pe - pf
-                        consider(new, ("swap", e, d, f, d2))
+                        consider({d: pf - pe, d2: pe - pf}, ("swap", e, d, f, d2))
                     if len(self.devs[f]) >= 2:  # re-target f's replica on d2 to e
                         pf_drop = self.per(f, -1)
-                        new = dl[:]
-                        for dd in self.devs[e]:
-                            new[dd] += pe_add - pe
+                        delta = dict(grow_e)
                         for dd in self.devs[f]:
-                            new[dd] += pf_drop - pf
-                        new[d2] += pe_add - pf_drop
-                        consider(new, ("retarget", e, f, d2))
-        if best_move is None:
-            return False
-        self.apply(best_move)
-        return True
+                            delta[dd] = delta.get(dd, 0.0) + pf_drop - pf
+                        delta[d2] = delta.get(d2, 0.0) + pe_add - pf_drop
+                        consider(delta, ("retarget", e, f, d2))
+        if best_move is not None:
+            self.apply(best_move)
+        return best_move
 
     def _place(self, e: int, d: int) -> None:
         self.devs[e].add(d)
@@ -443,26 +748,86 @@ class _Search:
 def _improve(p: Placement, load: np.ndarray, max_steps: int) -> Placement:
     s = _Search(p, load)
     for _ in range(max_steps):
-        if not s.step():
+        if s.step() is None:
             break
     return s.result(load)
+
+
+def _count_search(p: Placement, load: np.ndarray, max_evals: int, thorough: bool) -> Placement:
+    """Search over replica counts with :func:`pack_lpt` as the decoder, from ``p``'s
+    counts: try, in order, one more replica of an expert on the busiest device (any
+    expert when ``thorough``), taken from a free slot or from any expert with two or
+    more replicas, then one fewer replica of any expert; pack each by LPT (then improve
+    it by local search when ``thorough``) and move to the first that lowers (maximum
+    load, then sum of squares). Stops at a local optimum or after ``max_evals`` packings.
+
+    Local search on a layout moves one replica at a time and each move must help; a
+    count change re-packs everything, which finds layouts such as a mid-sized expert cut
+    into many small shares that fill the devices of the big ones (tight slots)."""
+    N, S, E = p.num_devices, p.slots_per_device, p.num_experts
+    lo = [float(x) for x in load]
+    counts = list(p.replica_counts)
+    best, best_key = p, _key(p)
+    tol = 1e-12 * max(1.0, float(load.sum()))
+    evals = 0
+
+    def neighbours():
+        busiest = max(range(N), key=lambda i: (best.device_load[i], -i))
+        free = sum(counts) < N * S
+        for x in (range(E) if thorough else best.device_experts[busiest]):
+            if counts[x] >= N:
+                continue
+            if free:
+                yield ((x, 1),)
+            for y in range(E):
+                if y != x and counts[y] > 1:
+                    yield ((x, 1), (y, -1))
+        for y in range(E):
+            if counts[y] > 1:
+                yield ((y, -1),)
+
+    while evals < max_evals:
+        for change in neighbours():
+            if evals >= max_evals:
+                break
+            evals += 1
+            trial = list(counts)
+            for x, dx in change:
+                trial[x] += dx
+            q = _make(_lpt(lo, trial, N, S), load, N, S)
+            if thorough:
+                q = _improve(q, load, 20 * N * S)
+            k = _key(q)
+            if k[0] < best_key[0] - tol or (k[0] <= best_key[0] + tol and k[1] < best_key[1] - tol * tol):
+                best, best_key, counts = q, k, list(q.replica_counts)
+                break
+        else:
+            break  # no neighbour is better: a local optimum
+    return best
 
 
 # --------------------------------------------------------------------------- planner
 def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
                    slots_per_device: int, *, max_candidates: int = 16,
-                   refine: int = 2, max_steps: int | None = None) -> Placement:
+                   refine: int | None = None, max_steps: int | None = None,
+                   count_evals: int = 1000) -> Placement:
     """Place E experts on N devices with at most S experts each, minimising the maximum
     device load (an expert's load split evenly over its replicas).
 
     Popular experts get more replicas; unpopular ones are packed together. Method: for up
     to ``max_candidates`` total replica counts between E and N*S, take the greedy
     apportionment (:func:`replica_counts_greedy`) and pack it by LPT
-    (:func:`pack_lpt`); the ``refine`` best packings and the EPLB-style greedy
-    (:func:`greedy_placement`) are improved by local search on the busiest device
-    (``max_steps`` moves each, default 20*N*S); the best layout found wins (maximum device
-    load, then sum of squares). The greedy itself is a candidate, so the result is never
-    worse than :func:`greedy_placement`.
+    (:func:`pack_lpt`); the ``refine`` best packings (default :data:`REFINE_SMALL` up to
+    :data:`REFINE_SMALL_SLOTS` slots, :data:`REFINE_LARGE` above), the greedy
+    (:func:`greedy_placement`) and EPLB's layout (:func:`eplb_placement`, a replica that
+    shares a device with another of its expert merged into it) are improved by local
+    search on the busiest device (``max_steps`` moves each, default 20*N*S). From the
+    best of all these a search over replica counts (up to ``count_evals`` re-packings;
+    0 turns it off) changes one expert's count at a time and re-packs, then local
+    search polishes its result. The best layout found wins (maximum device load, then
+    sum of squares). The greedy itself is a candidate, so the result is never worse
+    than :func:`greedy_placement`; against EPLB's own maximum load (two replicas of one
+    expert on one device included) it is measured in docs/benchmarks.md.
 
     load_E: [E] non-negative finite loads (tokens routed to each expert, or an estimate).
     Raises ValueError when N*S < E or a load is negative or not finite.
@@ -470,10 +835,14 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
     load = _check_load(load_E)
     E = load.size
     N, S = _check_sizes(E, num_devices, slots_per_device)
-    if max_candidates < 1 or refine < 0 or (max_steps is not None and max_steps < 0):
-        raise ValueError(f"need max_candidates >= 1, refine >= 0 and max_steps >= 0; got "
-                         f"{max_candidates}, {refine}, {max_steps}")
+    if (max_candidates < 1 or (refine is not None and refine < 0) or (max_steps is not None and max_steps < 0)
+            or count_evals < 0):
+        raise ValueError(f"need max_candidates >= 1, refine >= 0, max_steps >= 0 and "
+                         f"count_evals >= 0; got {max_candidates}, {refine}, {max_steps}, "
+                         f"{count_evals}")
     steps = 20 * N * S if max_steps is None else max_steps
+    if refine is None:
+        refine = REFINE_SMALL if N * S <= REFINE_SMALL_SLOTS else REFINE_LARGE
     greedy = greedy_placement(load, N, S)
     if N == 1 or load.sum() == 0.0:
         return greedy
@@ -484,9 +853,18 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
         totals = sorted({int(round(x)) for x in np.linspace(E, top, max_candidates)})
     packed = [pack_lpt(load, replica_counts_greedy(load, R, N), N, S) for R in totals]
     packed.sort(key=_key)
-    starts = [greedy] + packed[:max(0, refine)]
-    cands = [greedy] + packed + [_improve(p, load, steps) for p in starts]
-    return min(cands, key=_key)
+    eplb = eplb_placement(load, N, S).placement(load)
+    starts: list[Placement] = []
+    for p in [greedy, eplb] + packed[:max(0, refine)]:
+        if all(p.replicas != q.replicas for q in starts):  # the greedy is often packed[0]
+            starts.append(p)
+    cands = starts + packed + [_improve(p, load, steps) for p in starts]
+    best = min(cands, key=_key)
+    if count_evals > 0:
+        thorough = N * S <= THOROUGH_SLOTS
+        found = _count_search(best, load, count_evals, thorough)
+        best = min(best, found if thorough else _improve(found, load, steps), key=_key)
+    return best
 
 
 # --------------------------------------------------------------------------- token split

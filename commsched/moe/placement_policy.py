@@ -10,8 +10,9 @@ builds the same strategy from the same inputs and calls it with the same global 
 is ever broadcast. The strategies (``STRATEGIES``, name -> class):
 
 * ``static`` -- DeepSpeed's layout, E/N contiguous experts per device, never changes.
-* ``eplb``   -- :func:`~commsched.moe.placement.plan_placement` on the historical mean
-  load of the layer (from the profiling trace), fixed for the whole run.
+* ``eplb``   -- ``planner`` (default :func:`~commsched.moe.placement.plan_placement`;
+  ``"eplb"``: DeepSeek's algorithm, :func:`eplb_layout`) on the historical mean load of
+  the layer (from the profiling trace), fixed for the whole run.
 * ``lina``   -- phase 1: ``plan_placement`` on the layer's load *estimated* from tokens'
   cross-layer paths, before gating (the runtime computes it while the previous layer is
   still running); phase 2: after gating, if the estimated and actual top-2k experts
@@ -28,8 +29,8 @@ threshold and the path length apply). A new strategy is one subclass and one ent
 
 Plans made once before inference (eplb) use ``planner`` (default the full
 ``plan_placement``); plans made during inference (lina's phases, oracle) use
-``online_planner`` (default the EPLB-style greedy: about 15x faster than the full
-planner for a maximum load under 1% higher; docs/moe_inference.md has the figures).
+``online_planner`` (default the greedy: much faster than the full planner for a maximum
+load under 1% higher; docs/moe_inference.md has the figures).
 
 Resident experts. Every device keeps at most S experts of each layer resident (loaded
 from host memory); a new placement loads the experts a device lacks and evicts the
@@ -49,17 +50,35 @@ from typing import Callable, ClassVar, Sequence
 
 import numpy as np
 
-from .placement import Placement, device_loads, greedy_placement, plan_placement, static_placement
+from .placement import (
+    Placement,
+    device_loads,
+    eplb_placement,
+    greedy_placement,
+    plan_placement,
+    static_placement,
+)
 from .popularity import DEFAULT_REPLAN_THRESHOLD, phase2_decision
+
+
+def eplb_layout(load_E: Sequence[float] | np.ndarray, num_devices: int,
+                slots_per_device: int) -> Placement:
+    """DeepSeek's EPLB (:func:`~commsched.moe.placement.eplb_placement`) as a
+    :class:`Placement`: a replica that shares a device with another of its expert is
+    merged into it, and the expert's load splits evenly over its distinct devices."""
+    return eplb_placement(load_E, num_devices, slots_per_device).placement(load_E)
+
 
 PLANNERS: dict[str, Callable[..., Placement]] = {
     "full": plan_placement,
     "greedy": greedy_placement,
+    "eplb": eplb_layout,
 }
 
 __all__ = [
     "STRATEGIES",
     "PLANNERS",
+    "eplb_layout",
     "PolicyConfig",
     "LayerDecision",
     "PlacementStrategy",

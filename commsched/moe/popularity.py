@@ -4,11 +4,13 @@ Legend: T tokens, L MoE layers, k experts per token per layer, E experts, J laye
 history (top-1 expert ids of the layers before the one estimated), U distinct paths.
 
 A token's *path* at layer j, of length m, is its top-1 experts at layers j-m .. j-1.
-:class:`PopularityEstimator` counts, from a profiling trace, for every layer j and every
-path of length 1..max_path seen there, how often each expert was chosen at layer j (all
-k choices of a token count). To estimate a batch's load at layer j it gives each token
-the next-layer distribution of its longest path that was seen at least ``min_count``
-times, backing off to shorter paths and finally to the layer's marginal distribution
+:class:`PopularityEstimator` counts, from routing batches (a profiling trace, or any
+router's [T, L, k] expert ids fed in as they come), for every layer j and every path of
+length 1..max_path seen there, how often each expert was chosen at layer j (all k
+choices of a token count). It updates incrementally with bounded memory and can forget
+old batches (exponential decay of the counts, a cap on the paths kept). To estimate a
+batch's load at layer j it gives each token the next-layer distribution of its longest
+path that was seen at least ``min_count`` times (decayed counts), backing off to shorter paths and finally to the layer's marginal distribution
 (layer 0 has no history and always uses its marginal), and sums over tokens.
 
 Accuracy (:func:`topk_overlap`) is the fraction of the actual top-k experts of a batch
@@ -39,6 +41,7 @@ __all__ = [
     "phase2_decision",
     "two_phase_placement",
     "DEFAULT_REPLAN_THRESHOLD",
+    "DEFAULT_MAX_PATH_ENTRIES",
 ]
 
 # phase-2 threshold on the top-2k overlap (Lina does not publish one). Chosen from the
@@ -49,6 +52,10 @@ __all__ = [
 # re-plan cost.
 DEFAULT_REPLAN_THRESHOLD = 1.0
 
+# paths kept per (layer, path length) table of a streaming estimator (see
+# PopularityEstimator): 4096 rows of E + 2 float64 each, 2 MiB per table at E = 64
+DEFAULT_MAX_PATH_ENTRIES = 4096
+
 
 def _path_codes(top1_TM: np.ndarray, E: int) -> np.ndarray:
     """[T] int64 code of each row's path (base-E digits, oldest layer most significant)."""
@@ -58,61 +65,158 @@ def _path_codes(top1_TM: np.ndarray, E: int) -> np.ndarray:
     return code
 
 
+def _positive_int(name: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
+
+
 @dataclass(frozen=True)
 class _Table:
     codes_U: np.ndarray  # sorted path codes
-    dist_UE: np.ndarray  # expected assignments per token of the path at the next layer
-    count_U: np.ndarray  # tokens seen with that path
+    sum_UE: np.ndarray   # (decayed) assignments to each expert at the next layer
+    count_U: np.ndarray  # (decayed) tokens seen with that path; > 0
+
+
+def _merge(old: _Table | None, new: _Table, decay: float, cap: int | None) -> _Table:
+    """``old`` scaled by ``decay`` plus ``new``, then the ``cap`` heaviest paths kept
+    (ties: lower code). Both inputs hold distinct codes, so each merged row gets at most
+    one contribution from each: a plain indexed add, exact for integer counts."""
+    if old is None:
+        merged = new
+    else:
+        uniq, inv = np.unique(np.concatenate([old.codes_U, new.codes_U]), return_inverse=True)
+        n_old = old.codes_U.size
+        count = np.zeros(uniq.size)
+        sums = np.zeros((uniq.size, new.sum_UE.shape[1]))
+        if decay == 1.0:
+            count[inv[:n_old]] = old.count_U
+            sums[inv[:n_old]] = old.sum_UE
+        else:
+            count[inv[:n_old]] = old.count_U * decay
+            sums[inv[:n_old]] = old.sum_UE * decay
+        count[inv[n_old:]] += new.count_U
+        sums[inv[n_old:]] += new.sum_UE
+        merged = _Table(uniq, sums, count)
+    if cap is not None and merged.codes_U.size > cap:
+        keep = np.sort(np.lexsort((merged.codes_U, -merged.count_U))[:cap])
+        merged = _Table(merged.codes_U[keep], merged.sum_UE[keep], merged.count_U[keep])
+    return merged
 
 
 class PopularityEstimator:
-    """Per-layer path tables fitted from a routing trace (see the module docstring).
+    """Per-layer path tables counted from routing batches (see the module docstring).
 
-    Build with :meth:`fit`. ``max_path`` is the longest path kept (Lina's l; default 3);
-    every estimate may ask for any ``path_length`` up to it.
+    Build one empty and feed it with :meth:`update` (streaming), or in one call with
+    :meth:`fit` (a whole profiling trace). ``max_path`` is the longest path kept (Lina's
+    l; default 3); every estimate may ask for any ``path_length`` up to it.
+
+    Forgetting and memory. Before each update every count held so far is multiplied by
+    ``decay`` (1.0, the default, forgets nothing; ``0.5 ** (1 / h)`` halves a batch's
+    weight after h more updates), so an old routing pattern fades and a new one takes
+    over. Each (layer, path length) table keeps at most ``max_entries`` paths, the ones
+    with the largest (decayed) token count (ties: lower path code); a token whose path
+    was dropped backs off to a shorter path as an unseen path does. Memory is therefore
+    bounded by (L - 1) * max_path * max_entries * (E + 2) * 8 bytes for the tables plus
+    the [L, E] marginal, whatever the number of tokens seen. ``max_entries=None`` keeps
+    every path (the table grows with the distinct paths seen; :meth:`fit`'s default).
+    With ``decay=1`` and no path dropped, updates with batches A then B equal one update
+    (or :meth:`fit`) with A and B concatenated, exactly: counts are sums of integers.
     """
 
-    def __init__(self, num_experts: int, k: int, marginal_LE: np.ndarray,
-                 tables: dict[tuple[int, int], _Table], max_path: int, min_count: int) -> None:
-        self.num_experts = num_experts
-        self.k = k
-        self.num_layers = marginal_LE.shape[0]
-        self.marginal_LE = marginal_LE  # expected assignments per token, rows sum to k
-        self._tables = tables
-        self.max_path = max_path
+    def __init__(self, num_experts: int, num_layers: int, k: int, *, max_path: int = 3,
+                 min_count: float = 1, decay: float = 1.0,
+                 max_entries: int | None = DEFAULT_MAX_PATH_ENTRIES) -> None:
+        self.num_experts = _positive_int("num_experts", num_experts)
+        self.num_layers = _positive_int("num_layers", num_layers)
+        self.k = _positive_int("k", k)
+        self.max_path = _positive_int("max_path", max_path)
+        if self.k > self.num_experts:
+            raise ValueError(f"k={k} experts per token exceeds num_experts={num_experts}")
+        if isinstance(min_count, bool) or not isinstance(min_count, numbers.Real) or not min_count > 0:
+            raise ValueError(f"min_count must be a positive number (tokens a path needs), "
+                             f"got {min_count!r}")
         self.min_count = min_count
+        if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay is the weight old counts keep at each update, in (0, 1] "
+                             f"(1.0 forgets nothing); got {decay!r}")
+        self.decay = float(decay)
+        if max_entries is not None:
+            max_entries = _positive_int("max_entries", max_entries)
+        self.max_entries = max_entries
+        if self.max_path * np.log2(max(self.num_experts, 2)) >= 62:
+            raise ValueError(f"paths of {max_path} layers over {num_experts} experts do not fit "
+                             "a 64-bit code: use a shorter max_path")
+        self.num_tokens = 0.0  # (decayed) tokens seen
+        self._counts_LE = np.zeros((self.num_layers, self.num_experts))
+        self._tables: dict[tuple[int, int], _Table] = {}
 
     @classmethod
-    def fit(cls, trace: RoutingTrace, max_path: int = 3, min_count: int = 1) -> PopularityEstimator:
-        """Count next-layer experts per (layer, path) for paths of length 1..max_path."""
+    def fit(cls, trace: RoutingTrace, max_path: int = 3, min_count: float = 1,
+            max_entries: int | None = None) -> PopularityEstimator:
+        """An estimator counted from the whole of ``trace`` (one :meth:`update`; every path
+        kept unless ``max_entries`` is given)."""
         if not isinstance(trace, RoutingTrace):
             raise TypeError(f"trace must be a RoutingTrace, got {type(trace).__name__}")
-        for name, v in (("max_path", max_path), ("min_count", min_count)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        E, L, T = trace.num_experts, trace.num_layers, trace.num_tokens
+        est = cls(trace.num_experts, trace.num_layers, trace.k, max_path=max_path,
+                  min_count=min_count, max_entries=max_entries)
+        return est.update(trace)
+
+    def _as_trace(self, batch) -> RoutingTrace:
+        if isinstance(batch, RoutingTrace):
+            tr = batch
+        else:
+            if hasattr(batch, "detach"):  # a torch tensor, on any device
+                batch = batch.detach().cpu().numpy()
+            tr = RoutingTrace(np.asarray(batch), self.num_experts, "update")
+        if tr.num_experts != self.num_experts or tr.num_layers != self.num_layers or tr.k != self.k:
+            raise ValueError(f"the batch has E={tr.num_experts}, L={tr.num_layers}, k={tr.k}; "
+                             f"the estimator was built for E={self.num_experts}, "
+                             f"L={self.num_layers}, k={self.k}")
+        return tr
+
+    def update(self, batch) -> PopularityEstimator:
+        """Count one batch: a :class:`RoutingTrace`, or a plain int [T, L, k] array or
+        tensor of expert ids (``batch[t, l, 0]`` the top-1 of token t at layer l, the k
+        ids of one (t, l) distinct). Old counts are first scaled by ``decay``; tables are
+        cut to ``max_entries`` paths. Returns ``self``."""
+        tr = self._as_trace(batch)
+        T, E, L = tr.num_tokens, self.num_experts, self.num_layers
         if T == 0:
-            raise ValueError("cannot fit a popularity estimator on an empty trace")
-        if max_path * np.log2(E) >= 62:
-            raise ValueError(f"paths of {max_path} layers over {E} experts do not fit a 64-bit "
-                             "code: use a shorter max_path")
-        loads = trace.loads().astype(np.float64)
-        marginal = loads / T
-        top1 = trace.top1
-        tables: dict[tuple[int, int], _Table] = {}
+            raise ValueError("cannot count an empty trace or batch (no tokens) into a "
+                             "popularity estimator")
+        d = self.decay
+        self.num_tokens = self.num_tokens * d + T
+        self._counts_LE = (self._counts_LE * d if d != 1.0 else self._counts_LE) + tr.loads()
+        top1 = tr.top1
         for j in range(1, L):
-            nxt = trace.experts[:, j, :]  # [T, k]
-            for m in range(1, min(max_path, j) + 1):
+            nxt = tr.experts[:, j, :]  # [T, k]
+            for m in range(1, min(self.max_path, j) + 1):
                 codes = _path_codes(top1[:, j - m:j], E)
                 uniq, inv = np.unique(codes, return_inverse=True)
                 U = uniq.size
-                counts = np.bincount(inv, minlength=U)
+                counts = np.bincount(inv, minlength=U).astype(np.float64)
                 flat = (inv[:, None] * E + nxt).reshape(-1)
-                dist = np.bincount(flat, minlength=U * E).reshape(U, E).astype(np.float64)
-                tables[(j, m)] = _Table(uniq, dist / counts[:, None], counts)
-        return cls(E, trace.k, marginal, tables, max_path, min_count)
+                sums = np.bincount(flat, minlength=U * E).reshape(U, E).astype(np.float64)
+                self._tables[(j, m)] = _merge(self._tables.get((j, m)), _Table(uniq, sums, counts),
+                                              d, self.max_entries)
+        return self
+
+    @property
+    def marginal_LE(self) -> np.ndarray:
+        """[L, E] expected assignments per token at each layer (rows sum to k)."""
+        if self.num_tokens == 0:
+            raise ValueError("the popularity estimator has seen no tokens yet: call update() "
+                             "with a batch first")
+        return self._counts_LE / self.num_tokens
+
+    def num_paths(self) -> dict[tuple[int, int], int]:
+        """(layer, path length) -> paths held in that table (at most ``max_entries``)."""
+        return {key: int(t.codes_U.size) for key, t in sorted(self._tables.items())}
 
     def _check_history(self, history, layer: int) -> np.ndarray:
+        if hasattr(history, "detach"):  # a torch tensor, on any device
+            history = history.detach().cpu().numpy()
         h = np.asarray(history)
         if h.ndim == 3:
             h = h[:, :, 0]
@@ -154,7 +258,7 @@ class PopularityEstimator:
             pos_c = np.minimum(pos, tab.codes_U.size - 1)
             hit = (tab.codes_U[pos_c] == codes) & (tab.count_U[pos_c] >= self.min_count)
             rows = idx[hit]
-            out[rows] = tab.dist_UE[pos_c[hit]]
+            out[rows] = tab.sum_UE[pos_c[hit]] / tab.count_U[pos_c[hit], None]
             used[rows] = m
             pending[rows] = False
         return (out, used) if return_used else out
@@ -208,7 +312,8 @@ class ReplanDecision:
     replan: bool    # overlap < threshold
 
 
-def phase2_decision(estimated_E, actual_E, k: int, threshold: float) -> ReplanDecision:
+def phase2_decision(estimated_E, actual_E, k: int,
+                    threshold: float = DEFAULT_REPLAN_THRESHOLD) -> ReplanDecision:
     """Lina's phase-2 test after gating: re-plan when the estimated and actual top-2k
     experts overlap by less than ``threshold`` (0 never re-plans; 1 re-plans unless the
     sets are identical)."""
@@ -221,7 +326,7 @@ def phase2_decision(estimated_E, actual_E, k: int, threshold: float) -> ReplanDe
 
 
 def two_phase_placement(estimated_E, actual_E, num_devices: int, slots_per_device: int,
-                        k: int, threshold: float,
+                        k: int, threshold: float = DEFAULT_REPLAN_THRESHOLD,
                         planner: Callable[..., Placement] = plan_placement,
                         phase1: Placement | None = None) -> tuple[Placement, ReplanDecision]:
     """Both phases for one layer: plan from the estimate (or take ``phase1``, already
