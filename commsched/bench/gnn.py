@@ -33,8 +33,37 @@ from .runner import Variant, Workload, median_of
 
 DEFAULT_BANDWIDTH = "300mbit"
 BF16_SUFFIX = "-bf16"  # a full-precision mode run with --dtype bfloat16
+# an adaptive mode's link-cost source (--link-costs): adaqp-topo, adaqp-avg (adaqp: ring)
+COST_SUFFIXES = {"-topoev": ("topology", "--equal-variance"), "-topo": ("topology",),
+                 "-avg": ("averaged",)}
+HOSTS_SUFFIX = "-hp"  # partitioned with --partition-method metis-hosts (heavy cuts inside hosts)
+# `--hosts K` comparison of issue 17: the four variants of the topology table
+MODES_TOPOLOGY = ("vanilla", "adaqp-topo", "adaqp-topoev", "adaqp-avg", "uniform")
 MODES_GCN = ("vanilla", "vanilla" + BF16_SUFFIX) + tuple(m for m in MODE_NAMES if m != "vanilla")
 MODES_SAGE = ("vanilla", "vanilla" + BF16_SUFFIX, "adaqp")
+
+
+def mode_args(name: str) -> tuple[str, ...]:
+    """The ``commsched.gnn.train`` options of a bench mode name: ``--mode`` (and
+    ``--dtype``, :func:`split_mode`) after the suffixes are taken off: a trailing
+    :data:`HOSTS_SUFFIX` (``vanilla-hp``: ``--partition-method metis-hosts``), then one of
+    :data:`COST_SUFFIXES` on an adaptive mode (``adaqp-topo``: ``--link-costs topology``,
+    ``adaqp-topoev``: ``--link-costs topology --equal-variance``, ``adaqp-avg``: ``averaged``)."""
+    extra: tuple[str, ...] = ()
+    base = name
+    if base.endswith(HOSTS_SUFFIX):
+        base, extra = base[: -len(HOSTS_SUFFIX)], ("--partition-method", "metis-hosts")
+    for suf, src in COST_SUFFIXES.items():
+        if base.endswith(suf):
+            base = base[: -len(suf)]
+            spec = mode_spec(base)
+            if spec.exchange != "adaqp" or mode_spec(base).scheme != "adaptive":
+                raise ValueError(f"--modes {name}: {suf} picks the link costs of an adaptive "
+                                 f"mode (adaqp, adaqp-q), not of {base}")
+            extra += ("--link-costs", *src)
+            break
+    mode, dtype = split_mode(base)
+    return ("--mode", mode) + (("--dtype", dtype) if dtype != "float32" else ()) + extra
 
 
 def split_mode(name: str) -> tuple[str, str]:
@@ -87,10 +116,8 @@ def variants(a: argparse.Namespace) -> list[Variant]:
     for model in a.models.split(","):
         modes = a.modes.split(",") if a.modes else (MODES_GCN if model == "gcn" else MODES_SAGE)
         for name in modes:
-            mode, dtype = split_mode(name)
-            dt = ("--dtype", dtype) if dtype != "float32" else ()
             out.append(Variant(f"{model}-{name}", "commsched.gnn.train",
-                               ("--model", model, "--mode", mode, *dt, *common)))
+                               ("--model", model, *mode_args(name), *common)))
     return out
 
 
