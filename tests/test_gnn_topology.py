@@ -210,3 +210,31 @@ def test_bench_mode_names():
     assert mode_args("vanilla-bf16") == ("--mode", "vanilla", "--dtype", "bfloat16")
     with pytest.raises(ValueError, match="-topo picks the link costs of an adaptive mode"):
         mode_args("uniform-topo")
+
+
+def test_bench_seeds_pool_and_class_figures():
+    import argparse
+
+    from commsched.bench.gnn import add_arguments, class_figures, parse_seeds, pool_seeds, variants
+
+    assert parse_seeds(None, 3) is None and parse_seeds("2,0", 3) == [2, 0]
+    for bad in ("1,x", "1,1", ""):
+        with pytest.raises(ValueError, match="--seeds"):
+            parse_seeds(bad, 0)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    a = p.parse_args(["--models", "gcn", "--modes", "vanilla,adaqp-topoev", "--seeds", "0,1"])
+    vs = variants(a)
+    assert [v.name for v in vs] == ["gcn-vanilla-s0", "gcn-adaqp-topoev-s0",
+                                    "gcn-vanilla-s1", "gcn-adaqp-topoev-s1"]
+    assert vs[3].args[vs[3].args.index("--seed") + 1] == "1"
+    assert "--equal-variance" in vs[3].args
+    pooled = pool_seeds({"gcn-vanilla-s0": [{"k": 0}], "gcn-vanilla-s1": [{"k": 1}], "x": [{}]})
+    assert pooled == {"gcn-vanilla": [{"k": 0}, {"k": 1}], "x": [{}]}
+    run = {"bytes_per_epoch_by_class": {"intra": 2e6, "inter": 5e6},
+           "adaqp": {"assignments": [{"link_classes": {"intra": {"mean_bits": 8.0},
+                                                      "inter": {"mean_bits": 3.5}}}]}}
+    assert class_figures(run, 4) == {"intra_MB": 2.0, "inter_MB": 5.0, "intra_bits": 8.0,
+                                     "inter_bits": 3.5}
+    uni = {"bytes_per_epoch_by_class": {"inter": 1e6}, "adaqp": {"scheme": "uniform"}}
+    assert class_figures(uni, 4) == {"inter_MB": 1.0, "inter_bits": 4.0}
