@@ -217,10 +217,10 @@ def test_bench_seeds_pool_and_class_figures():
 
     from commsched.bench.gnn import add_arguments, class_figures, parse_seeds, pool_seeds, variants
 
-    assert parse_seeds(None, 3) is None and parse_seeds("2,0", 3) == [2, 0]
+    assert parse_seeds(None) is None and parse_seeds("2,0") == [2, 0]
     for bad in ("1,x", "1,1", ""):
         with pytest.raises(ValueError, match="--seeds"):
-            parse_seeds(bad, 0)
+            parse_seeds(bad)
     p = argparse.ArgumentParser()
     add_arguments(p)
     a = p.parse_args(["--models", "gcn", "--modes", "vanilla,adaqp-topoev", "--seeds", "0,1"])

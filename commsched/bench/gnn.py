@@ -12,6 +12,15 @@ the wire: the Vanilla a modern framework runs). The default variants include
 ``vanilla-bf16``, so AdaQP is reported against both Vanillas. ``--device`` is passed to
 every variant (``auto``: CUDA when every rank has its own GPU).
 
+Topology variants (issue 17; docs/benchmarks.md, "AdaQP per link class"): an adaptive
+mode may end in ``-topo`` (``--link-costs topology``), ``-topoev`` (that and
+``--equal-variance``) or ``-avg`` (``--link-costs averaged``), any mode in ``-hp``
+(``--partition-method metis-hosts``); ``--seeds 0,1,2`` runs every variant once per seed
+and the summary pools them. With ``--hosts`` the summary's "Per link class" table gives
+each variant's mean width and bytes inside and across hosts, its speed-up over
+``adaqp-avg`` and the inter-host halo rows; ``widths_by_class.png`` the width histogram
+per link class.
+
 The summary adds, per model: each mode's per-epoch speed-up over Vanilla (and over the
 bf16 Vanilla, when it ran), Vanilla's communication share, each mode's quantization share of its epoch, assignment share of
 wall-clock, bytes per epoch, test accuracy, and AdaQP's epoch time as a multiple of the
@@ -112,7 +121,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="device of every variant (default auto: CUDA when every rank has its own GPU)")
 
 
-def parse_seeds(text: str | None, seed: int) -> list[int] | None:
+def parse_seeds(text: str | None) -> list[int] | None:
     """``--seeds 0,1,2`` -> [0, 1, 2]; None without it (one run per variant at ``--seed``)."""
     if text is None:
         return None
@@ -126,7 +135,7 @@ def parse_seeds(text: str | None, seed: int) -> list[int] | None:
 
 
 def variants(a: argparse.Namespace) -> list[Variant]:
-    seeds = parse_seeds(getattr(a, "seeds", None), a.seed)
+    seeds = parse_seeds(getattr(a, "seeds", None))
     if seeds is not None:
         out = []
         for s in seeds:

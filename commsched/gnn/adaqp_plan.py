@@ -14,7 +14,10 @@ the exchange that uses them.
   channel and the period, so both ends agree without talking).
 * :func:`build_problems` / :func:`solve_widths`: rank 0's re-assignment, from every
   rank's traces to one bit-width problem per (layer, direction) and back to a width
-  vector per channel.
+  vector per channel (optionally within the averaged-cost assignment's variance).
+* :func:`peer_costs` / :func:`link_class_report`: per-peer costs from a probed
+  ``Topology`` (each pair's own, or their mean), and an assignment's mean width and
+  bytes per link class.
 """
 
 from __future__ import annotations
