@@ -26,6 +26,7 @@ from commsched.quant.assign import (
     group_messages,
     rounding_errors,
     solve_problem,
+    solve_within_variance,
 )
 from commsched.quant.assign_cpsat import OBJECTIVE_SCALE, PerGroupModel, ThresholdModel
 from commsched.quant.assign_problem import variance_factor
@@ -70,6 +71,17 @@ def tiny_problem(seed: int, **kw) -> AssignmentProblem:
 def brute_force(problem: AssignmentProblem, lam: float):
     """Every assignment, vectorised: (optimal objective, one optimal bits)."""
     w_time, w_var = problem.weights(lam)
+    combos, T, V = brute_tv(problem)
+    obj = w_time * T + w_var * V
+    k = int(np.argmin(obj))
+    it = iter(combos[k])
+    bits = tuple(tuple(tuple(problem.bits[next(it)] for _ in range(len(a.count_G))) for a in row)
+                 for row in problem.arrays)
+    return float(obj[k]), bits
+
+
+def brute_tv(problem: AssignmentProblem):
+    """Every assignment (width indices [K, slots]) with its time T [K] and variance V [K]."""
     slots = [(r, c, g) for r, row in enumerate(problem.arrays) for c, a in enumerate(row)
              for g in range(len(a.count_G))]
     W = len(problem.bits)
@@ -89,12 +101,7 @@ def brute_force(problem: AssignmentProblem, lam: float):
             V += (a.beta_G[None, :] * f_W[w]).sum(axis=1) if n else 0
             col += n
         T += round_t
-    obj = w_time * T + w_var * V
-    k = int(np.argmin(obj))
-    it = iter(combos[k])
-    bits = tuple(tuple(tuple(problem.bits[next(it)] for _ in range(len(a.count_G))) for a in row)
-                 for row in problem.arrays)
-    return float(obj[k]), bits
+    return combos, T, V
 
 
 # --------------------------------------------------------------------------- checker
@@ -184,6 +191,34 @@ def test_brute_force_with_fewer_widths(bits):
     a = solve_problem(p, lam=0.4, rel_gap=0.0, **LIMIT)
     assert best - 1e-12 <= a.objective <= best + a.tolerance + 1e-12
     assert {b for row in a.bits for bc in row for b in bc} <= set(bits)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_within_variance_meets_the_budget_and_trades_time(seed):
+    p = tiny_problem(seed)
+    _, T, V = brute_tv(p)
+    # the budget: the variance of the lam = 0.5 answer under other link costs (as AdaQP's
+    # equal-variance mode takes it from the averaged-cost problem)
+    rng = np.random.default_rng(seed)
+    other = AssignmentProblem([[Channel(c.theta * float(rng.uniform(0.2, 5)), c.gamma, c.groups)
+                                for c in row] for row in p.rounds], meta=8)
+    budget = solve_problem(other, lam=0.5, **LIMIT).variance
+    a = solve_within_variance(p, budget, time_limit_s=20.0)
+    assert a.variance <= budget * (1 + 1e-9)
+    assert a.stats["v_budget"] == budget
+    assert evaluate(p, a.bits, a.lam).time_s == pytest.approx(a.time_s)
+    t_opt = T[V <= budget * (1 + 1e-9)].min()  # the constrained optimum, by brute force
+    assert t_opt - 1e-12 <= a.time_s
+    if budget > V.min() * (1 + 1e-6):  # room to trade: faster than every group at 8 bits
+        assert a.time_s < solve_problem(p, lam=1.0, **LIMIT).time_s
+    with pytest.raises(ValueError, match="below the least variance"):
+        solve_within_variance(p, V.min() * 0.5 - 1e-9 if V.min() > 0 else -1.0)
+    many = assign_many([p.rounds, other.rounds], lam=0.5, time_limit_s=20.0,
+                       variance_budgets=[budget, None])
+    assert many[0].bits == a.bits
+    assert many[1].bits == solve_problem(other, lam=0.5, **LIMIT).bits
+    with pytest.raises(ValueError, match="variance_budgets has 1 entries for 2 problems"):
+        assign_many([p.rounds, other.rounds], lam=0.5, variance_budgets=[budget])
 
 
 def test_model_objective_is_within_the_stated_rounding_errors():

@@ -214,6 +214,39 @@ def _overlap_case(part, grp) -> tuple[bool, bool]:
     return order == ["launch-backward", "central", "done-backward"], torch.allclose(*grads, rtol=1e-12)
 
 
+def _topology_case(part, rank: int) -> dict:
+    """Ranks 0, 1 on one emulated host, rank 2 on another (torchrun's GROUP_RANK): the
+    pair probe, per-pair costs into the assigner, the per-link-class report, the bytes
+    per link class."""
+    import os
+
+    from commsched import Topology
+
+    saved = os.environ.get("GROUP_RANK")
+    os.environ["GROUP_RANK"] = str(rank // 2)
+    try:
+        hosts = Topology.from_env().hosts_P
+        cfg = TrainConfig(mode="adaqp", model="sage", layers=2, hidden=16, epochs=3, seed=1,
+                          adaqp=AdaQPOptions(period=2, group_size=10, link_costs="topology",
+                                             equal_variance=True, probe_repeats=1))
+        m, tr = run_training(cfg, part, hosts_P=hosts)
+    finally:
+        if saved is None:
+            os.environ.pop("GROUP_RANK")
+        else:
+            os.environ["GROUP_RANK"] = saved
+    ex = tr.halo
+    last = m["adaqp"]["assignments"][-1]
+    return {"topo_hosts": list(hosts), "topo_peers": sorted(ex.link_costs),
+            "topo_classes": {c: r["rows"] for c, r in last["link_classes"].items()},
+            "topo_rows": sum(int(w.size) for k in ex.assigned.values() for (s, d), w in k.items()
+                             if s == rank),
+            "topo_budget_ok": all(p["variance"] <= p["variance_budget"] * (1 + 1e-9)
+                                  for p in last["problems"]),
+            "topo_bytes": m.get("bytes_per_epoch_by_class"),
+            "topo_source": m["adaqp"]["link_cost_source"]}
+
+
 def _cases(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
@@ -285,6 +318,8 @@ def _cases(rank: int, world: int) -> dict:
                               part, group=grp)
         out[f"loss_vanilla_{P}"] = mv8["loss"]
         out[f"bytes_vanilla_{P}"] = mv8["bytes_sent_per_epoch"]
+        if P == 3:
+            out.update(_topology_case(part, rank))
     # the PyG adapter's 3-rank cases (tests/test_gnn_pyg.py) share this spawn: {name: traceback}
     from tests.mp import _run_cases
     from tests.test_gnn_pyg import THREE_RANK_CASES
@@ -317,6 +352,16 @@ def test_adaqp_on_two_and_three_ranks():
             assert out[f"bytes_uniform_{P}"] < 0.4 * out[f"bytes_vanilla_{P}"]
             assert out[f"bytes_adaqp_{P}"] < 0.4 * out[f"bytes_vanilla_{P}"]
             assert out[f"bytes_nocomm_{P}"] == 0
+    # the probed topology of 2 emulated hosts (ranks 0, 1 | 2)
+    for rank, out in enumerate(res):
+        assert out["topo_hosts"][0] == out["topo_hosts"][1] != out["topo_hosts"][2]
+        assert out["topo_peers"] == [p for p in range(3) if p != rank]
+        assert out["topo_source"] == "topology" and out["topo_budget_ok"]
+        assert set(out["topo_bytes"]) == {"intra", "inter"}
+        assert out["topo_bytes"]["intra"] > 0 and out["topo_bytes"]["inter"] > 0
+    # every row of every channel is counted once, in its class (rank 0 writes the metrics)
+    assert set(res[0]["topo_classes"]) == {"intra", "inter"}
+    assert sum(res[0]["topo_classes"].values()) == sum(out["topo_rows"] for out in res)
     from tests.mp import assert_case
 
     pyg = {name: {r: out["pyg"][name] for r, out in enumerate(res)} for name in res[0]["pyg"]}

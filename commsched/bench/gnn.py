@@ -12,6 +12,15 @@ the wire: the Vanilla a modern framework runs). The default variants include
 ``vanilla-bf16``, so AdaQP is reported against both Vanillas. ``--device`` is passed to
 every variant (``auto``: CUDA when every rank has its own GPU).
 
+Topology variants (issue 17; docs/benchmarks.md, "AdaQP per link class"): an adaptive
+mode may end in ``-topo`` (``--link-costs topology``), ``-topoev`` (that and
+``--equal-variance``) or ``-avg`` (``--link-costs averaged``), any mode in ``-hp``
+(``--partition-method metis-hosts``); ``--seeds 0,1,2`` runs every variant once per seed
+and the summary pools them. With ``--hosts`` the summary's "Per link class" table gives
+each variant's mean width and bytes inside and across hosts, its speed-up over
+``adaqp-avg`` and the inter-host halo rows; ``widths_by_class.png`` the width histogram
+per link class.
+
 The summary adds, per model: each mode's per-epoch speed-up over Vanilla (and over the
 bf16 Vanilla, when it ran), Vanilla's communication share, each mode's quantization share of its epoch, assignment share of
 wall-clock, bytes per epoch, test accuracy, and AdaQP's epoch time as a multiple of the
@@ -22,6 +31,7 @@ and the histogram of assigned widths.
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from ..dist import DEVICE_CHOICES
@@ -33,8 +43,38 @@ from .runner import Variant, Workload, median_of
 
 DEFAULT_BANDWIDTH = "300mbit"
 BF16_SUFFIX = "-bf16"  # a full-precision mode run with --dtype bfloat16
+# an adaptive mode's link-cost source (--link-costs): adaqp-topo, adaqp-avg (adaqp: ring)
+COST_SUFFIXES = {"-topoev": ("topology", "--equal-variance"), "-topo": ("topology",),
+                 "-avg": ("averaged",)}
+SEED_MARK = "-s"  # VARIANT-sSEED: one seed's run of VARIANT (--seeds)
+HOSTS_SUFFIX = "-hp"  # partitioned with --partition-method metis-hosts (heavy cuts inside hosts)
+# `--hosts K` comparison of issue 17: the four variants of the topology table
+MODES_TOPOLOGY = ("vanilla", "adaqp-topo", "adaqp-topoev", "adaqp-avg", "uniform")
 MODES_GCN = ("vanilla", "vanilla" + BF16_SUFFIX) + tuple(m for m in MODE_NAMES if m != "vanilla")
 MODES_SAGE = ("vanilla", "vanilla" + BF16_SUFFIX, "adaqp")
+
+
+def mode_args(name: str) -> tuple[str, ...]:
+    """The ``commsched.gnn.train`` options of a bench mode name: ``--mode`` (and
+    ``--dtype``, :func:`split_mode`) after the suffixes are taken off: a trailing
+    :data:`HOSTS_SUFFIX` (``vanilla-hp``: ``--partition-method metis-hosts``), then one of
+    :data:`COST_SUFFIXES` on an adaptive mode (``adaqp-topo``: ``--link-costs topology``,
+    ``adaqp-topoev``: ``--link-costs topology --equal-variance``, ``adaqp-avg``: ``averaged``)."""
+    extra: tuple[str, ...] = ()
+    base = name
+    if base.endswith(HOSTS_SUFFIX):
+        base, extra = base[: -len(HOSTS_SUFFIX)], ("--partition-method", "metis-hosts")
+    for suf, src in COST_SUFFIXES.items():
+        if base.endswith(suf):
+            base = base[: -len(suf)]
+            spec = mode_spec(base)
+            if spec.exchange != "adaqp" or mode_spec(base).scheme != "adaptive":
+                raise ValueError(f"--modes {name}: {suf} picks the link costs of an adaptive "
+                                 f"mode (adaqp, adaqp-q), not of {base}")
+            extra += ("--link-costs", *src)
+            break
+    mode, dtype = split_mode(base)
+    return ("--mode", mode) + (("--dtype", dtype) if dtype != "float32" else ()) + extra
 
 
 def split_mode(name: str) -> tuple[str, str]:
@@ -65,6 +105,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bits", type=int, default=4, help="width of the uniform variant")
     g.add_argument("--hidden", type=int, default=256)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seeds", default=None, metavar="S,S,...",
+                   help="several seeds: every variant once per seed (named VARIANT-sSEED, run "
+                        "seed by seed); the summary pools them, pairing each variant with "
+                        "Vanilla of the same seed and repeat")
+    g.add_argument("--partition-method", default="metis",
+                   help="partitioner of every variant (metis, random, metis-hosts); a mode "
+                        f"ending in {HOSTS_SUFFIX} uses metis-hosts")
     g.add_argument("--models", default="gcn,sage", help="comma-separated: gcn, sage")
     g.add_argument("--modes", default=None,
                    help=f"comma-separated modes for every model, a full-precision one may end in "
@@ -74,7 +121,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="device of every variant (default auto: CUDA when every rank has its own GPU)")
 
 
+def parse_seeds(text: str | None) -> list[int] | None:
+    """``--seeds 0,1,2`` -> [0, 1, 2]; None without it (one run per variant at ``--seed``)."""
+    if text is None:
+        return None
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds takes comma-separated integers, e.g. 0,1,2; got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds needs one or more distinct integers, got {text!r}")
+    return seeds
+
+
 def variants(a: argparse.Namespace) -> list[Variant]:
+    seeds = parse_seeds(getattr(a, "seeds", None))
+    if seeds is not None:
+        out = []
+        for s in seeds:
+            one = argparse.Namespace(**{**vars(a), "seed": s, "seeds": None})
+            out += [Variant(f"{v.name}{SEED_MARK}{s}", v.module, v.args, v.nproc) for v in variants(one)]
+        return out
     common = ["--epochs", str(a.epochs), "--eval-every", str(a.eval_every), "--period", str(a.period),
               "--group-size", str(a.group_size), "--lam", str(a.lam), "--bits", str(a.bits),
               "--hidden", str(a.hidden), "--seed", str(a.seed), "--dropout-rng", "local",
@@ -83,14 +150,15 @@ def variants(a: argparse.Namespace) -> list[Variant]:
         common += ["--dataset", a.dataset] + (["--data-root", a.data_root] if a.data_root else [])
     else:
         common += ["--syn-nodes", str(a.syn_nodes), "--syn-edges", str(a.syn_edges)]
+    pm = getattr(a, "partition_method", "metis")
     out = []
     for model in a.models.split(","):
         modes = a.modes.split(",") if a.modes else (MODES_GCN if model == "gcn" else MODES_SAGE)
         for name in modes:
-            mode, dtype = split_mode(name)
-            dt = ("--dtype", dtype) if dtype != "float32" else ()
+            args = mode_args(name)
+            part = () if "--partition-method" in args or pm == "metis" else ("--partition-method", pm)
             out.append(Variant(f"{model}-{name}", "commsched.gnn.train",
-                               ("--model", model, "--mode", mode, *dt, *common)))
+                               ("--model", model, *args, *part, *common)))
     return out
 
 
@@ -127,10 +195,72 @@ def _plots(runs: dict[str, list[dict]], out: Path) -> list[str]:
         p = out / "widths.png"
         save_figure(fig, p)
         paths.append(str(p))
+    p = plot_class_widths(runs, out / "widths_by_class.png")
+    if p is not None:
+        paths.append(str(p))
     return paths
 
 
+def plot_class_widths(runs: dict[str, list[dict]], path: Path) -> Path | None:
+    """One panel per link class: per adaptive variant, the share of the rows sent at each
+    width (last assignment, summed over the runs); None when no run has link classes."""
+    hists: dict[str, dict[str, dict[str, int]]] = {}
+    for v, rs in runs.items():
+        for r in rs:
+            last = ((r.get("adaqp") or {}).get("assignments") or [{}])[-1]
+            for cls, rec in (last.get("link_classes") or {}).items():
+                h = hists.setdefault(cls, {}).setdefault(v, {str(b): 0 for b in BITS})
+                for b, n in rec["rows_per_width"].items():
+                    h[b] += n
+    if not hists:
+        return None
+    plt = pyplot()
+    classes = sorted(hists)
+    fig, axes = plt.subplots(1, len(classes), figsize=(5 * len(classes), 4), squeeze=False)
+    for ax, cls in zip(axes[0], classes):
+        vs = hists[cls]
+        w = 0.8 / len(vs)
+        for i, (v, h) in enumerate(vs.items()):
+            tot = max(sum(h.values()), 1)
+            ax.bar([j + i * w for j in range(len(BITS))], [h[str(b)] / tot for b in BITS], width=w, label=v)
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(BITS))], [f"{b} bits" for b in BITS])
+        ax.set_title(f"{cls}-host rows" if cls in ("intra", "inter") else cls)
+        ax.set_ylabel("share of rows (last assignment, all runs)")
+        ax.legend(fontsize="small")
+    return save_figure(fig, path)
+
+
+def pool_seeds(runs: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """{VARIANT: runs of every seed, seed by seed} from ``VARIANT-sSEED`` names (--seeds);
+    other names pass unchanged. Pairing run i of two pooled variants pairs the same seed
+    and repeat."""
+    out: dict[str, list[dict]] = {}
+    for v, rs in runs.items():
+        m = re.fullmatch(rf"(.+){re.escape(SEED_MARK)}(\d+)", v)
+        out.setdefault(m.group(1) if m else v, []).extend(rs)
+    return out
+
+
+def class_figures(r: dict, uniform_bits: int) -> dict:
+    """One run's per-link-class figures: ``{cls}_MB`` (bytes per epoch, from
+    ``bytes_per_epoch_by_class``) and ``{cls}_bits`` (mean width of the rows: the last
+    assignment's for adaptive modes, ``uniform_bits`` for uniform; none for full precision)."""
+    out: dict = {}
+    for cls, b in (r.get("bytes_per_epoch_by_class") or {}).items():
+        out[f"{cls}_MB"] = b / 1e6
+    ad = r.get("adaqp") or {}
+    assigned = ad.get("assignments") or []
+    if assigned and assigned[-1].get("link_classes"):
+        for cls, rec in assigned[-1]["link_classes"].items():
+            out[f"{cls}_bits"] = rec["mean_bits"]
+    elif ad.get("scheme") == "uniform":
+        for cls in (r.get("bytes_per_epoch_by_class") or {}):
+            out[f"{cls}_bits"] = float(uniform_bits)
+    return out
+
+
 def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> dict:
+    runs = pool_seeds(runs)
     rows, lines = {}, []
     for v, rs in runs.items():
         model, mode = v.split("-", 1)
@@ -154,6 +284,18 @@ def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> 
         noc = runs.get(f"{model}-nocomm")
         if noc and mode != "nocomm":
             r["x_nocomm"] = ep / median_of(noc, "epoch_time_s")
+        avg = runs.get(f"{model}-adaqp-avg")
+        if avg and mode != "adaqp-avg":
+            r["speedup_vs_avg"] = median(b["epoch_time_s"] / x["epoch_time_s"] for b, x in zip(avg, rs))
+        accs = [x["test_acc"] for x in rs if isinstance(x.get("test_acc"), (int, float))]
+        r["test_acc_mean"] = sum(accs) / len(accs) if accs else None
+        r["test_acc_per_run"] = accs
+        per = [class_figures(x, a.bits) for x in rs]
+        for k in sorted({k for f in per for k in f}):
+            vals = [f[k] for f in per if isinstance(f.get(k), (int, float))]
+            r[k] = median(vals) if vals else None
+        r["inter_host_rows"] = median_of(rs, "partitioning.inter_host_rows")
+        r["runs"] = len(rs)
         rows[v] = r
     keys = ("epoch_time_s", "speedup_vs_vanilla", "speedup_vs_vanilla_bf16", "comm_share", "quant_share", "assign_share_of_wall",
             "bytes_per_epoch_MB", "test_acc", "x_nocomm")
@@ -168,8 +310,29 @@ def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> 
     lines.append("speedup_vs_vanilla: median over repeats of (vanilla epoch / variant epoch) of the "
                  "same repeat (_bf16: against vanilla with --dtype bfloat16); comm/quant shares: of the variant's median epoch; x_nocomm: epoch time "
                  "as a multiple of the timing-only nocomm mode (remote rows = zeros, wrong maths).")
-    return {"gnn": rows, "extra_tables": {"AdaQP against Vanilla (per model)": "\n".join(lines)},
-            "plots": _plots(runs, out)}
+    tables = {"AdaQP against Vanilla (per model)": "\n".join(lines)}
+    if any(k.endswith("_MB") for r in rows.values() for k in r):
+        tables["Per link class (topology)"] = _class_table(rows)
+    return {"gnn": rows, "extra_tables": tables, "plots": _plots(runs, out)}
+
+
+def _class_table(rows: dict[str, dict]) -> str:
+    keys = ("runs", "epoch_time_s", "speedup_vs_vanilla", "speedup_vs_avg", "test_acc_mean",
+            "intra_bits", "inter_bits", "intra_MB", "inter_MB", "inter_host_rows")
+    lines = ["| variant | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for v, r in rows.items():
+        cells = []
+        for k in keys:
+            x = r.get(k)
+            cells.append("-" if x is None else (f"{x:.4g}" if isinstance(x, float) else str(x)))
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("runs: seeds x repeats pooled; speedup_vs_avg: median of (adaqp-avg epoch / variant "
+                 "epoch) of the same seed and repeat; test_acc_mean: mean over the runs; "
+                 "{intra,inter}_bits: mean width of the rows sent inside / across hosts (last "
+                 "assignment; '-' for full precision); {intra,inter}_MB: bytes per epoch, all ranks; "
+                 "inter_host_rows: halo rows per exchange whose ends are on different hosts.")
+    return "\n".join(lines)
 
 
 WORKLOAD = Workload(
@@ -185,4 +348,6 @@ WORKLOAD = Workload(
     default_bandwidth=DEFAULT_BANDWIDTH,
 )
 
-__all__ = ["BF16_SUFFIX", "DEFAULT_BANDWIDTH", "WORKLOAD", "split_mode"]
+__all__ = ["BF16_SUFFIX", "COST_SUFFIXES", "DEFAULT_BANDWIDTH", "HOSTS_SUFFIX", "MODES_TOPOLOGY",
+           "SEED_MARK", "WORKLOAD", "class_figures", "mode_args", "parse_seeds", "plot_class_widths",
+           "pool_seeds", "split_mode"]

@@ -37,8 +37,17 @@ variance weight beta_k = c_k * D * (max_k - min_k)^2 / 6, where the range comes 
 quantization metadata and c_k is the sum of squared aggregation coefficients of k's
 receivers (``PartitionBook.send_coef_sq``) forward, and 1 backward (a gradient row is
 added into its owner's gradient with weight 1). Link costs (theta, gamma per peer) are
-probed at start-up (``commsched.costmodel.probe_link_costs``) and refined by scaling theta
-with the ratio of measured to predicted exchange times.
+probed at start-up and refined by scaling theta with the ratio of measured to predicted
+exchange times. ``AdaQPOptions.link_costs`` (``--link-costs``) picks the probe: ``ring``
+(``commsched.costmodel.probe_link_costs``, the default), ``topology`` (``Topology.probe``:
+every ordered pair timed alone, each peer its own measured cost, so a channel that
+crosses the slow inter-host link costs more than one inside a host) or ``averaged`` (the
+same probe, one cost for every pair: the mean of the pair fits, what a system that does
+not know the topology assumes). The assignment's ``link_classes`` reports, per link class,
+the mean width and the bytes per epoch it gives (``adaqp_plan.link_class_report``).
+With ``equal_variance`` (``--equal-variance``) the topology-aware widths are the fastest
+the solver finds at no more modelled variance than the averaged-cost assignment of the
+same traces (``adaqp_plan.solve_widths``).
 
 **Overlap.** ``start`` quantizes on the caller's thread, launches the exchange in the
 background (the core's asynchronous exchange: gloo's worker thread for the direct
@@ -78,8 +87,10 @@ from ..quant.reference import BITS
 from ..results import median
 from .adaqp_plan import (
     SCHEMES,
+    TOPOLOGY_PROBE_SIZES,
     AdaQPOptions,
     WidthLayout,
+    peer_costs,
     random_widths,
     solve_widths,
     width_layout,
@@ -154,6 +165,9 @@ class AdaQPExchange(HaloExchange):
         self._ranges: dict[tuple[int, str], torch.Tensor] = {}
         self.dims: dict[tuple[int, str], int] = {}
         self.link_costs: dict[int, tuple[float, float]] = {}
+        self.hosts_P: tuple[str, ...] | None = None  # the host of every rank (adaptive, set-up)
+        self.topology = None  # the probed Topology (link_costs topology / averaged)
+        self.ref_link_costs: dict[int, tuple[float, float]] = {}  # averaged (equal_variance)
         # (predicted s, mark at launch, mark after the wait) per exchange, resolved in
         # refined_costs (once a period: on CUDA the marks are events)
         self._measured: list[tuple[float, Clock, Mark, Mark]] = []
@@ -209,11 +223,21 @@ class AdaQPExchange(HaloExchange):
         if self.scheme == "adaptive" and self.world_size > 1:
             from ..costmodel import probe_link_costs
 
+            from ..topology import Topology
+
             # probe buffers on the messages' device, timed to a device sync on CUDA; the
             # measured/predicted ratio of the real exchanges rescales theta every period
-            costs = probe_link_costs(self.group, sizes=self.opt.probe_sizes,
-                                     repeats=self.opt.probe_repeats, device=self.device)
-            self.link_costs = {p: (c.theta, c.gamma) for p, c in costs.items()}
+            if self.opt.link_costs == "ring":
+                costs = probe_link_costs(self.group, sizes=self.opt.probe_sizes,
+                                         repeats=self.opt.probe_repeats, device=self.device)
+                self.link_costs = {p: (c.theta, c.gamma) for p, c in costs.items()}
+                self.hosts_P = Topology.from_env(self.group).hosts_P
+            else:  # every pair timed alone; its own cost (topology) or the mean (averaged)
+                self.topology = Topology.probe(self.group, sizes=TOPOLOGY_PROBE_SIZES,
+                                               repeats=self.opt.probe_repeats, device=self.device)
+                self.hosts_P = self.topology.hosts_P
+                self.link_costs = peer_costs(self.topology, self.rank, self.opt.link_costs)
+                self.ref_link_costs = peer_costs(self.topology, self.rank, "averaged")
 
     @property
     def compiles(self) -> bool:
@@ -392,13 +416,16 @@ class AdaQPExchange(HaloExchange):
         return max((self.link_costs[p][1] + self.link_costs[p][0] * tot[p]
                     for p in self.link_costs if tot[p]), default=0.0)
 
-    def refined_costs(self) -> dict[int, tuple[float, float]]:
-        """Probed (theta, gamma) per peer, theta scaled by the median ratio of measured to
-        predicted exchange time since the last assignment (1 without measurements)."""
+    def refined_costs(self, costs: dict[int, tuple[float, float]] | None = None
+                      ) -> dict[int, tuple[float, float]]:
+        """Probed (theta, gamma) per peer (``costs``, default the exchange's link costs),
+        theta scaled by the median ratio of measured to predicted exchange time since the
+        last assignment (1 without measurements)."""
+        costs = self.link_costs if costs is None else costs
         if not self._measured:
-            return dict(self.link_costs)
+            return dict(costs)
         ratio = median(clock.seconds(a, b) / p for p, clock, a, b in self._measured)
-        return {p: (th * ratio, ga) for p, (th, ga) in self.link_costs.items()}
+        return {p: (th * ratio, ga) for p, (th, ga) in costs.items()}
 
     def reassign(self, epoch: int) -> None:
         """Collective, at the start of ``epoch``: gather traces on rank 0, solve one problem
@@ -407,11 +434,13 @@ class AdaQPExchange(HaloExchange):
         me = self.rank
         mine = {"trace": {k: [np.asarray(a, dtype=np.float32) for a in v] for k, v in self.trace.items()},
                 "dims": dict(self.dims), "costs": self.refined_costs(),
+                "ref_costs": self.refined_costs(self.ref_link_costs),
                 "counts": (self.book.send_counts, self.book.recv_counts)}
         # all_gather rather than gather: the same cost on gloo
         got = all_gather_object(mine, "gathering AdaQP traces", self.group)
         solved = (solve_widths(got, group_size=self.opt.group_size, lam=self.opt.lam,
-                               time_limit_s=self.opt.assign_time_limit_s, seed=self.seed)
+                               time_limit_s=self.opt.assign_time_limit_s, seed=self.seed,
+                               hosts_P=self.hosts_P, equal_variance=self.opt.equal_variance)
                   if me == 0 else None)
         table, info = broadcast_object(solved, "broadcasting AdaQP widths", 0, self.group)
         self.assigned = {k: {c: w for c, w in chans.items() if me in c} for k, chans in table.items()}
@@ -424,7 +453,9 @@ class AdaQPExchange(HaloExchange):
         """What goes into metrics.json beside the standard keys."""
         out: dict = {"adaqp": {"scheme": self.scheme, "overlap": self.overlap,
                                "period": self.opt.period, "group_size": self.opt.group_size,
-                               "lam": self.opt.lam,
+                               "lam": self.opt.lam, "link_cost_source": self.opt.link_costs,
+                               "equal_variance": self.opt.equal_variance,
+                               "hosts": list(self.hosts_P) if self.hosts_P else None,
                                "link_costs": {str(p): {"theta_s_per_byte": th, "gamma_s": ga}
                                               for p, (th, ga) in self.link_costs.items()},
                                "assignments": self.assignments}}

@@ -14,7 +14,10 @@ the exchange that uses them.
   channel and the period, so both ends agree without talking).
 * :func:`build_problems` / :func:`solve_widths`: rank 0's re-assignment, from every
   rank's traces to one bit-width problem per (layer, direction) and back to a width
-  vector per channel.
+  vector per channel (optionally within the averaged-cost assignment's variance).
+* :func:`peer_costs` / :func:`link_class_report`: per-peer costs from a probed
+  ``Topology`` (each pair's own, or their mean), and an assignment's mean width and
+  bytes per link class.
 """
 
 from __future__ import annotations
@@ -27,12 +30,21 @@ import numpy as np
 import torch
 
 from ..all2all import SegmentLayout
+from ..topology import INTER, INTRA, Topology
 from ..quant.assign_problem import Channel, expand_group_bits, group_messages
 from ..quant.codec import META_BYTES, payload_bytes
 from ..quant.reference import BITS
 
 # width schemes of the quantized exchange
 SCHEMES = ("adaptive", "uniform", "random")
+# where the adaptive assigner's per-peer (theta, gamma) come from (``--link-costs``):
+# ring: probe_link_costs (every rank sends to rank + i at once, per peer); topology: every
+# ordered pair timed alone (Topology.probe), each pair its own fit; averaged: the same probe,
+# one cost for every pair (the mean of the pair fits: what the published systems assume)
+LINK_COST_SOURCES = ("ring", "topology", "averaged")
+# the pair probe's sizes for topology / averaged: 4 KiB (latency), then sizes past an
+# emulated link's token bucket (docs/topology.md, "Known limits")
+TOPOLOGY_PROBE_SIZES = (1 << 12, 1 << 20, 1 << 22)
 _DIRS = {"forward": 0, "backward": 1}
 
 
@@ -49,7 +61,12 @@ class AdaQPOptions:
     probe_sizes, probe_repeats: the start-up link probe's message sizes (bytes) and repeats;
     compile (``--no-compile`` sets False): compile the codec at set-up (torch.compile on the
     CPU, the Triton kernels on CUDA); False runs the uncompiled codec (the CPU's eager twin,
-    the torch reference on CUDA: the same bits, slower), as ``COMMSCHED_COMPILE=0`` does.
+    the torch reference on CUDA: the same bits, slower), as ``COMMSCHED_COMPILE=0`` does;
+    link_costs (``--link-costs``, one of :data:`LINK_COST_SOURCES`): where the assigner's
+    per-peer costs come from (``topology``/``averaged`` probe with
+    :data:`TOPOLOGY_PROBE_SIZES` and ``probe_repeats``); equal_variance
+    (``--equal-variance``, needs ``topology``): widths as fast as the per-pair costs allow
+    at no more variance than the averaged-cost assignment (:func:`solve_widths`).
     """
 
     bits: int = max(BITS)
@@ -60,8 +77,17 @@ class AdaQPOptions:
     probe_sizes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 19)
     probe_repeats: int = 2
     compile: bool = True
+    link_costs: str = "ring"
+    equal_variance: bool = False
 
     def __post_init__(self) -> None:
+        if self.link_costs not in LINK_COST_SOURCES:
+            raise ValueError(f"--link-costs must be one of {', '.join(LINK_COST_SOURCES)}, "
+                             f"got {self.link_costs!r}")
+        if self.equal_variance and self.link_costs != "topology":
+            raise ValueError("--equal-variance caps the variance of topology-aware widths at that "
+                             "of the averaged-cost ones: it needs --link-costs topology, got "
+                             f"--link-costs {self.link_costs}")
         if self.bits not in BITS:
             raise ValueError(f"--bits must be one of {', '.join(map(str, BITS))}, got {self.bits}")
         if self.period < 1 or self.group_size < 1:
@@ -192,17 +218,75 @@ def build_problems(per_rank: list[dict], *, group_size: int) -> WidthProblems:
     return WidthProblems(tuple(keys), tuple(problems), tuple(members))
 
 
+def peer_costs(topology: Topology, rank: int, source: str) -> dict[int, tuple[float, float]]:
+    """{peer: (theta, gamma)} of ``rank``'s channels from a probed topology: ``topology``
+    gives each pair its own measured cost (``pair_cost(rank, p)``), ``averaged`` every pair
+    one cost, the mean over all ordered pairs of their theta and of their gamma."""
+    P = topology.world_size
+    if not 0 <= rank < P:
+        raise ValueError(f"rank must be in 0..{P - 1}, got {rank}")
+    if source == "topology":
+        return {p: (topology.pair_cost(rank, p).theta, topology.pair_cost(rank, p).gamma)
+                for p in range(P) if p != rank}
+    if source == "averaged":
+        pairs = [topology.pair_cost(a, b) for a in range(P) for b in range(P) if a != b]
+        th = float(np.mean([c.theta for c in pairs])) if pairs else 0.0
+        ga = float(np.mean([c.gamma for c in pairs])) if pairs else 0.0
+        return {p: (th, ga) for p in range(P) if p != rank}
+    raise ValueError(f"peer_costs: source must be 'topology' or 'averaged', got {source!r}")
+
+
+def link_class_report(table: dict, dims: dict, hosts_P) -> dict:
+    """Per link class (``intra``: both ends on one host, ``inter``: not) of an assignment
+    ``table`` {(layer, dir): {(src, dst): widths [n]}} with row widths ``dims`` {(layer,
+    dir): D}: ``rows`` exchanged per epoch, ``rows_per_width``, ``mean_bits`` (over rows)
+    and ``bytes_per_epoch`` (payload and metadata, every (layer, direction) once). Only the
+    classes some channel has appear."""
+    out: dict = {}
+    for key, chans in table.items():
+        D = int(dims[key])
+        for (src, dst), w in chans.items():
+            cls = INTRA if hosts_P[src] == hosts_P[dst] else INTER
+            r = out.setdefault(cls, {"rows": 0, "rows_per_width": {str(b): 0 for b in BITS},
+                                     "bits_sum": 0, "bytes_per_epoch": 0})
+            w = np.asarray(w)
+            for b in BITS:
+                n = int((w == b).sum())
+                r["rows_per_width"][str(b)] += n
+                r["bytes_per_epoch"] += n * (payload_bytes(D, b) + META_BYTES)
+            r["rows"] += int(w.size)
+            r["bits_sum"] += int(w.sum())
+    for r in out.values():
+        r["mean_bits"] = r.pop("bits_sum") / r["rows"] if r["rows"] else None
+    return out
+
+
 def solve_widths(per_rank: list[dict], *, group_size: int, lam: float, time_limit_s: float,
-                 seed: int = 0) -> tuple[dict, dict]:
+                 seed: int = 0, hosts_P=None, equal_variance: bool = False) -> tuple[dict, dict]:
     """Rank 0's part of the re-assignment: :func:`build_problems`, solve them in parallel
     (``assign_many``), expand each group's width to its messages. Returns
-    ({(layer, dir): {(src, dst): widths [n]}}, info: solve time, widths histogram and each
-    problem's solver status)."""
+    ({(layer, dir): {(src, dst): widths [n]}}, info: solve time, widths histogram, each
+    problem's solver status and, given ``hosts_P`` (the host of every rank),
+    ``link_classes``: :func:`link_class_report`).
+
+    ``equal_variance``: every report also holds ``ref_costs`` {peer: (theta, gamma)} (the
+    averaged costs); each problem is first solved at ``lam`` under those, and then, under
+    the reports' own ``costs``, the fastest assignment found whose variance is at most that
+    one's (``assign_many(variance_budgets=...)``): as precise as the averaged-cost
+    assignment, with the time spent where the links are slow."""
     from ..quant import assign_many  # the solver (OR-Tools) loads only when rank 0 solves
 
     wp = build_problems(per_rank, group_size=group_size)
     t = time.perf_counter()
-    res = assign_many(list(wp.problems), lam=lam, time_limit_s=time_limit_s, seed=seed)
+    budgets = None
+    if equal_variance:
+        if any("ref_costs" not in r for r in per_rank):
+            raise ValueError("equal_variance needs every rank's ref_costs (the averaged link costs)")
+        ref = build_problems([{**r, "costs": r["ref_costs"]} for r in per_rank], group_size=group_size)
+        budgets = [a.variance for a in assign_many(list(ref.problems), lam=lam,
+                                                   time_limit_s=time_limit_s, seed=seed)]
+    res = assign_many(list(wp.problems), lam=lam, time_limit_s=time_limit_s, seed=seed,
+                      variance_budgets=budgets)
     solve_s = time.perf_counter() - t
     table: dict = {}
     hist = {b: 0 for b in BITS}
@@ -217,11 +301,17 @@ def solve_widths(per_rank: list[dict], *, group_size: int, lam: float, time_limi
                     hist[b] += int((w == b).sum())
         table[key] = chans
         status.append({"layer": key[0], "direction": key[1], "status": a.status,
-                       "objective": a.objective, "gap": a.gap, "wall_s": a.wall_s})
+                       "objective": a.objective, "gap": a.gap, "wall_s": a.wall_s,
+                       "lam": a.lam, "time_s": a.time_s, "variance": a.variance,
+                       **({"variance_budget": a.stats["v_budget"]} if "v_budget" in a.stats else {})})
     info = {"solve_s": solve_s, "rows_per_width": {str(b): n for b, n in hist.items()},
             "problems": status}
+    if hosts_P is not None:
+        dims = {k: max(r["dims"].get(k, 1) for r in per_rank) for k in wp.keys}
+        info["link_classes"] = link_class_report(table, dims, hosts_P)
     return table, info
 
 
-__all__ = ["AdaQPOptions", "SCHEMES", "WidthLayout", "WidthProblems", "build_problems",
+__all__ = ["AdaQPOptions", "LINK_COST_SOURCES", "SCHEMES", "TOPOLOGY_PROBE_SIZES",
+           "link_class_report", "peer_costs", "WidthLayout", "WidthProblems", "build_problems",
            "random_widths", "solve_widths", "width_layout"]

@@ -29,19 +29,34 @@ from ..results import load_torch_file, prepare_out, read_error, write_json
 from .book import PartitionBook, build_books
 from .data import Graph, GraphSource, clean_edges, graph_fingerprint, load_source
 
-METHODS = ("metis", "random")
+METHODS = ("metis", "random", "metis-hosts")
+# group_parts searches every assignment of parts to hosts up to this many, else greedy + swaps
+EXACT_GROUPINGS = 20_000
 FORMAT_VERSION = 1
 
 
 # --------------------------------------------------------------------------- partitioning
-def partition_nodes(g: Graph, num_parts: int, method: str = "metis", seed: int = 0) -> np.ndarray:
+def partition_nodes(g: Graph, num_parts: int, method: str = "metis", seed: int = 0, *,
+                    hosts_P: Sequence[str] | None = None) -> np.ndarray:
     """Owner of every node, int64 [N], deterministic in ``seed``.
 
     ``metis`` minimises the edge cut of the undirected graph with balanced part sizes;
-    ``random`` deals a random permutation of the nodes round-robin (balanced, no locality).
+    ``random`` deals a random permutation of the nodes round-robin (balanced, no locality);
+    ``metis-hosts`` cuts as ``metis``, then gives the parts to ranks so that the heaviest
+    cuts stay inside hosts (:func:`group_parts` on :func:`halo_rows`; ``hosts_P``, the
+    host of every rank, is required).
     """
     if method not in METHODS:
         raise ValueError(f"partition method must be one of {METHODS}, got {method!r}")
+    if method == "metis-hosts":
+        if hosts_P is None or len(hosts_P) != num_parts:
+            raise ValueError(f"partition method metis-hosts needs the host of each of the "
+                             f"{num_parts} ranks (hosts_P), got {hosts_P!r}")
+        owner = partition_nodes(g, num_parts, "metis", seed)
+        part_of_rank = group_parts(halo_rows(g, owner, num_parts), hosts_P)
+        rank_of_part = np.empty(num_parts, dtype=np.int64)
+        rank_of_part[part_of_rank] = np.arange(num_parts)
+        return rank_of_part[owner]
     if num_parts < 1:
         raise ValueError(f"number of parts must be >= 1, got {num_parts}")
     N = g.num_nodes
@@ -68,6 +83,101 @@ def partition_nodes(g: Graph, num_parts: int, method: str = "metis", seed: int =
     else:  # pymetis < 2025.2
         _, parts = pymetis.part_graph(num_parts, xadj=xadj, adjncy=ei[0], options=opts)
     return np.asarray(parts, dtype=np.int64)
+
+
+def halo_rows(g: Graph, parts: np.ndarray, num_parts: int) -> np.ndarray:
+    """rows_PP[a, b] (int64): how many nodes of part a have an edge to a node of part b
+    (a != b), i.e. the rows a sends b in one halo exchange; the diagonal is 0."""
+    ei = g.edge_index_2E.numpy()
+    parts = np.asarray(parts, dtype=np.int64)
+    src, dst = parts[ei[0]], parts[ei[1]]
+    cut = src != dst
+    pairs = np.unique(ei[0][cut] * num_parts + dst[cut])  # distinct (node, destination part)
+    rows = np.zeros((num_parts, num_parts), dtype=np.int64)
+    np.add.at(rows, (parts[pairs // num_parts], pairs % num_parts), 1)
+    return rows
+
+
+def inter_host_rows(rows_PP: np.ndarray, hosts_P: Sequence[str]) -> int:
+    """The rows of ``rows_PP`` (rank a sends rank b) whose two ranks are on different hosts."""
+    h = np.asarray([str(x) for x in hosts_P])
+    return int(np.asarray(rows_PP)[h[:, None] != h[None, :]].sum())
+
+
+def group_parts(rows_PP: np.ndarray, hosts_P: Sequence[str]) -> np.ndarray:
+    """Which part each rank should hold so that as few halo rows as possible cross hosts.
+
+    ``rows_PP[a, b]``: rows part a sends part b (:func:`halo_rows`); ``hosts_P[r]``: the host
+    of rank r. Returns ``part_of_rank`` [P] (a permutation) minimising
+    ``inter_host_rows(rows_PP[part_of_rank][:, part_of_rank], hosts_P)``: exact (every
+    assignment of parts to hosts, pruned by host capacity) while there are at most
+    :data:`EXACT_GROUPINGS` of them, else greedy (each part to the host it talks to most,
+    heaviest first) improved by pairwise swaps until none helps. Ties keep the identity.
+    """
+    W = np.asarray(rows_PP, dtype=np.int64)
+    P = len(hosts_P)
+    if W.shape != (P, P):
+        raise ValueError(f"rows_PP must be {P} x {P} (one row and column per rank), got {W.shape}")
+    W = W + W.T  # rows either way cross the same host boundary
+    names = list(dict.fromkeys(str(h) for h in hosts_P))
+    slots = [[r for r in range(P) if str(hosts_P[r]) == h] for h in names]
+    K = len(names)
+    if K == 1:
+        return np.arange(P, dtype=np.int64)
+    cap = [len(s) for s in slots]
+
+    def cost(host_of: Sequence[int]) -> int:  # rows inside hosts (maximised)
+        h = np.asarray(host_of)
+        return int(W[h[:, None] == h[None, :]].sum())
+
+    best: list[int] = [next(k for k in range(K) if sum(cap[:k + 1]) > p) for p in range(P)]
+    if K ** P <= EXACT_GROUPINGS:
+        best_val = [cost(best)]
+        cur: list[int] = []
+        left = list(cap)
+
+        def rec(p: int) -> None:
+            if p == P:
+                v = cost(cur)
+                if v > best_val[0]:
+                    best_val[0], best[:] = v, list(cur)
+                return
+            for k in range(K):
+                if left[k]:
+                    left[k] -= 1
+                    cur.append(k)
+                    rec(p + 1)
+                    cur.pop()
+                    left[k] += 1
+
+        rec(0)
+    else:
+        order = np.argsort(-W.sum(1), kind="stable")
+        host = [-1] * P
+        left = list(cap)
+        for p in order:
+            gain = [W[p, [q for q in range(P) if host[q] == k]].sum() if left[k] else -1
+                    for k in range(K)]
+            k = int(np.argmax(gain))
+            host[p], left[k] = k, left[k] - 1
+        val, improved = cost(host), True
+        while improved:
+            improved = False
+            for a in range(P):
+                for b in range(a + 1, P):
+                    if host[a] != host[b]:
+                        host[a], host[b] = host[b], host[a]
+                        v = cost(host)
+                        if v > val:
+                            val, improved = v, True
+                        else:
+                            host[a], host[b] = host[b], host[a]
+        best = host
+    part_of_rank = np.empty(P, dtype=np.int64)
+    fill = [list(s) for s in slots]
+    for p in range(P):  # parts in ascending order onto their host's ranks in ascending order
+        part_of_rank[fill[best[p]].pop(0)] = p
+    return part_of_rank
 
 
 # --------------------------------------------------------------------------- one rank's data

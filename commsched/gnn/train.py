@@ -27,11 +27,12 @@ from ..dist import (
     scatter_object,
 )
 from ..results import mark_failed, prepare_out
-from .adaqp_plan import AdaQPOptions
+from ..topology import Topology
+from .adaqp_plan import LINK_COST_SOURCES, AdaQPOptions
 from .cliargs import add_graph_args, graph_args_given, source_from_args
 from .data import GraphSource, load_source
 from .modes import MODE_NAMES, mode_spec
-from .partition import METHODS, PartData, load_part, make_parts, partition_nodes
+from .partition import METHODS, PartData, halo_rows, inter_host_rows, load_part, make_parts, partition_nodes
 from .trainer import DTYPES, TrainConfig, run_training
 
 _D = TrainConfig()
@@ -45,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition-dir", metavar="DIR",
                    help="a folder written by `commsched partition` (each rank loads its part)")
     p.add_argument("--partition-method", choices=METHODS, default="metis",
-                   help="partitioner when no folder is given (default metis)")
+                   help="partitioner when no folder is given (default metis; metis-hosts: METIS, "
+                        "then the parts given to ranks so that the heaviest cuts stay inside hosts)")
     p.add_argument("--partition-seed", type=int, default=0)
     t = p.add_argument_group("model and training")
     t.add_argument("--model", choices=("gcn", "sage"), default=_D.model)
@@ -62,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--period", type=int, default=_D.adaqp.period, help="AdaQP re-assignment period")
     t.add_argument("--group-size", type=int, default=_D.adaqp.group_size, help="AdaQP message group size")
     t.add_argument("--lam", type=float, default=_D.adaqp.lam, help="AdaQP variance/time trade-off")
+    t.add_argument("--link-costs", choices=LINK_COST_SOURCES, default=_D.adaqp.link_costs,
+                   help="AdaQP's link costs: ring (probe_link_costs), topology (every pair timed "
+                        "alone, its own cost) or averaged (that probe, one mean cost for every pair)")
+    t.add_argument("--equal-variance", action="store_true",
+                   help="with --link-costs topology: the fastest widths at no more variance than "
+                        "the averaged-cost assignment")
     t.add_argument("--no-compile", dest="compile", action="store_false",
                    help="AdaQP modes: do not compile the quantization codec at start-up (the "
                         "uncompiled codec: the same bits, slower per epoch; COMMSCHED_COMPILE=0 "
@@ -94,12 +102,16 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                        pattern=a.pattern, dropout_rng=a.dropout_rng, eval_every=a.eval_every,
                        checkpoint_every=a.checkpoint_every, device=a.device,
                        adaqp=AdaQPOptions(bits=a.bits, period=a.period, group_size=a.group_size,
-                                          lam=a.lam, compile=a.compile))
+                                          lam=a.lam, compile=a.compile, link_costs=a.link_costs,
+                                          equal_variance=a.equal_variance))
 
 
 def obtain_part(src: GraphSource | None, rank: int, world: int, *, partition_dir: str | None,
-                method: str, seed: int, group=None) -> tuple[PartData, dict]:
-    """This rank's part: from a folder, or partitioned on the fly by rank 0 and scattered."""
+                method: str, seed: int, group=None,
+                hosts_P: Sequence[str] | None = None) -> tuple[PartData, dict]:
+    """This rank's part: from a folder, or partitioned on the fly by rank 0 and scattered.
+    ``hosts_P`` (the host of every rank; needed by ``metis-hosts``) adds the halo rows
+    that cross hosts to the partition's info (``inter_host_rows``, ``halo_rows``)."""
     info: dict = {}
     if partition_dir:
         t = time.perf_counter()
@@ -115,7 +127,7 @@ def obtain_part(src: GraphSource | None, rank: int, world: int, *, partition_dir
             t = time.perf_counter()
             g = load_source(src if src is not None else GraphSource())
             t1 = time.perf_counter()
-            owner = partition_nodes(g, world, method, seed)
+            owner = partition_nodes(g, world, method, seed, hosts_P=hosts_P)
             t2 = time.perf_counter()
             parts_list = make_parts(g, owner, world)
             info.update(load_time_s=t1 - t, partition_time_s=t2 - t1,
@@ -123,6 +135,10 @@ def obtain_part(src: GraphSource | None, rank: int, world: int, *, partition_dir
             info["partition"] = {"method": method, "seed": seed,
                                  "edge_cut": int((owner[g.edge_index_2E[0].numpy()]
                                                   != owner[g.edge_index_2E[1].numpy()]).sum())}
+            if hosts_P is not None and world > 1:
+                rows = halo_rows(g, owner, world)
+                info["partition"].update(halo_rows=int(rows.sum()),
+                                         inter_host_rows=inter_host_rows(rows, hosts_P))
             info["graph"] = g.summary()
             del g
         except ValueError as e:
@@ -175,8 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         startup_check(cfg, src, partition_dir=a.partition_dir, partition_method=a.partition_method,
                       partition_seed=a.partition_seed, resume=a.resume, out=a.out)
+        # the host of every rank (one all_gather): metis-hosts and the bytes per link class
+        hosts_P = Topology.from_env().hosts_P if world > 1 else None
         part, info = obtain_part(src, rank, world, partition_dir=a.partition_dir,
-                                 method=a.partition_method, seed=a.partition_seed)
+                                 method=a.partition_method, seed=a.partition_seed, hosts_P=hosts_P)
         check_same_config({"fingerprint": part.fingerprint, "num_parts": part.book.num_parts},
                           what="graph partition")
         # metrics.json's "partition" is the per-rank books; how they were made goes beside it
@@ -184,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra["partitioning"] = info["partition"]
         metrics, _ = run_training(cfg, part, out_dir=a.out, resume=a.resume,
                                   progress=read_env().progress, dataset=part.name, extra=extra,
-                                  device=device)
+                                  device=device, hosts_P=hosts_P)
     except (ValueError, CommError) as e:
         return cli_error(PROG, e, a.out)
     except BaseException as e:  # not one of ours: the traceback stays, the folder says it failed

@@ -40,7 +40,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,7 @@ from ..dist import (
     config_digest,
     group_device,
 )
-from ..results import Progress, load_torch_file, read_error
+from ..results import Progress, load_torch_file, median, read_error
 from .adaqp_plan import AdaQPOptions
 from .context import PassContext
 from .halo import HaloExchange
@@ -208,6 +208,24 @@ def allreduce_grads(params, loss: torch.Tensor | None = None, *, group=None,
     return None if loss is None else float(flat[-1])
 
 
+def bytes_by_class(sent_RES: Sequence[Sequence[Sequence[int]]], hosts_P: Sequence[str]) -> dict[str, float]:
+    """{"intra": bytes, "inter": bytes}: the median over epochs of the bytes all ranks sent
+    to peers on their own host / on another host. ``sent_RES[r][e][p]``: bytes rank r sent
+    to rank p in epoch e; ``hosts_P[r]``: the host of rank r. Only the classes of the
+    layout appear (intra when a host has 2+ ranks, inter when there are 2+ hosts)."""
+    P = len(hosts_P)
+    if len(sent_RES) != P:
+        raise ValueError(f"bytes_by_class: {len(sent_RES)} ranks' bytes for {P} hosts_P entries")
+    E = min((len(r) for r in sent_RES), default=0)
+    out: dict[str, float] = {}
+    for cls, same in (("intra", True), ("inter", False)):
+        pairs = [(a, b) for a in range(P) for b in range(P)
+                 if a != b and (hosts_P[a] == hosts_P[b]) == same]
+        if pairs:
+            out[cls] = float(median([sum(sent_RES[a][e][b] for a, b in pairs) for e in range(E)])) if E else 0.0
+    return out
+
+
 def peak_rss_mib() -> float:
     """Peak resident memory of this process (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
@@ -254,7 +272,7 @@ class Trainer:
         self.totals = {k: max(int(part.totals[k]), 1) for k in ("train", "val", "test")}
         self.epoch = 0  # epochs completed
         self.history: dict[str, list] = {"loss": [], "epoch_time_s": [], "breakdown_s": [],
-                                         "bytes_sent": [], "eval": []}
+                                         "bytes_sent": [], "bytes_sent_P": [], "eval": []}
         self.halo.validate(dtype=cfg.wire_dtype or dt, row_numel=part.num_features)
         self.halo.prepare([part.num_features] + [cfg.hidden] * (cfg.layers - 1))  # input width per layer
         # build the adjacency blocks now, not inside the first timed epoch
@@ -297,6 +315,7 @@ class Trainer:
         self.history["epoch_time_s"].append(dt)
         self.history["breakdown_s"].append(ctx.timer.as_dict())
         self.history["bytes_sent"].append(ctx.stats.total_bytes_sent)
+        self.history["bytes_sent_P"].append(list(ctx.stats.bytes_sent))
         self.epoch += 1
         return loss_all
 
@@ -362,13 +381,16 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
                  dataset: str | None = None, extra: dict | None = None,
                  on_epoch: Callable[[Trainer], None] | None = None,
                  exchange: HaloExchange | None = None,
-                 device: torch.device | str | None = None) -> tuple[dict[str, Any], Trainer]:
+                 device: torch.device | str | None = None,
+                 hosts_P: Sequence[str] | None = None) -> tuple[dict[str, Any], Trainer]:
     """Train ``cfg.epochs`` epochs (continuing from ``out_dir/checkpoint.pt`` when
     ``resume``; with ``cfg.checkpoint_every`` K > 0 it is written every K epochs and after
     the last one, whatever the epoch count); return (metrics, trainer), metrics being :class:`GNNMetrics` as the dict
     metrics.json holds. Rank 0 writes ``out_dir/metrics.json``. Collective: every rank of
     ``group`` calls it. ``device``: where to train (default: :func:`run_device`; the CLI
-    passes the device ``init_distributed`` chose)."""
+    passes the device ``init_distributed`` chose). ``hosts_P`` (the host of every rank)
+    adds ``bytes_per_epoch_by_class``: the median over epochs of the bytes sent between
+    ranks on one host (``intra``) and on different hosts (``inter``), all ranks summed."""
     t_start = time.perf_counter()
     tr = Trainer(cfg, part, group=group, exchange=exchange, device=device)
     out = Path(out_dir) if out_dir is not None else None
@@ -401,11 +423,14 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
             bar.postfix(loss=f"{loss:.4f}", val=f"{ev.get('val_acc', 0):.3f}",
                         s=f"{tr.history['epoch_time_s'][-1]:.2f}")
             bar.update(1)
-    mine = {k: tr.history[k] for k in ("epoch_time_s", "breakdown_s", "bytes_sent")}
+    mine = {k: tr.history[k] for k in ("epoch_time_s", "breakdown_s", "bytes_sent", "bytes_sent_P")}
     mine["peak_rss_mib"] = peak_rss_mib()
     mine["book"] = tr.part.book.summary()
     per_rank = all_gather_object(mine, "gathering per-rank results", group) if tr.world > 1 else [mine]
     extra = {**(extra or {}), **tr.halo.report(), "device": str(tr.device)}
+    if hosts_P is not None and tr.world > 1:
+        extra["bytes_per_epoch_by_class"] = bytes_by_class(
+            [r["bytes_sent_P"] for r in per_rank], hosts_P)
     if tr.rank == 0 and isinstance(extra.get("adaqp"), dict):
         wall = time.perf_counter() - t_start
         assign = sum(a.get("wall_s", 0.0) for a in extra["adaqp"].get("assignments", []))
@@ -419,5 +444,5 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
     return metrics.to_dict(), tr
 
 
-__all__ = ["CHECKPOINT", "DTYPES", "MIXED_DTYPES", "TrainConfig", "Trainer", "allreduce_grads", "peak_rss_mib",
+__all__ = ["CHECKPOINT", "DTYPES", "MIXED_DTYPES", "TrainConfig", "Trainer", "allreduce_grads", "bytes_by_class", "peak_rss_mib",
            "run_device", "run_training"]

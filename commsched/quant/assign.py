@@ -202,18 +202,68 @@ def assign_bitwidths(rounds: Sequence[Sequence[Channel]], *, lam: float,
                          formulation=formulation)
 
 
+# lam bisection steps of solve_within_variance (the lam found is within 2^-steps of the
+# threshold where the variance meets the budget)
+BUDGET_STEPS = 8
+
+
+def solve_within_variance(problem: AssignmentProblem, v_budget: float, *,
+                          time_limit_s: float = 10.0, seed: int = 0, rel_gap: float = 1e-4,
+                          solver: str = "cp-sat", steps: int = BUDGET_STEPS) -> BitwidthAssignment:
+    """The assignment of least modelled time T among those found whose variance V is at
+    most ``v_budget``: bisection over lam in [0, 1] (V falls as lam grows), one
+    :func:`solve_problem` per step, each with ``time_limit_s / (steps + 1)``. lam = 1 (every
+    group at the widest) has the least V, so a budget below it is a ValueError. The
+    result's ``lam`` is the one of the assignment returned; ``stats["v_budget"]`` the budget.
+    This trades a time-vs-variance weight for a variance cap: "as precise as that
+    assignment, as fast as possible" (the lam that meets the cap is a supported point of
+    the trade-off, not the exact constrained optimum)."""
+    if not (v_budget >= 0 and math.isfinite(v_budget)):
+        raise ValueError(f"v_budget must be a finite variance >= 0, got {v_budget!r}")
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    per = time_limit_s / (steps + 1)
+
+    def at(lam: float) -> BitwidthAssignment:
+        return solve_problem(problem, lam=lam, time_limit_s=per, seed=seed, workers=1,
+                             rel_gap=rel_gap, solver=solver)
+
+    slack = 1e-9 * max(v_budget, 1e-300)
+    best = at(1.0)
+    if best.variance > v_budget + slack:
+        raise ValueError(f"v_budget {v_budget:.6g} is below the least variance of this problem "
+                         f"({best.variance:.6g}, every group at {max(problem.bits)} bits)")
+    lo, hi = 0.0, 1.0
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        a = at(mid)
+        if a.variance <= v_budget + slack:
+            hi = mid
+            if a.time_s < best.time_s:
+                best = a
+        else:
+            lo = mid
+    return replace(best, stats={**best.stats, "v_budget": v_budget})
+
+
 def assign_many(problems: Sequence[Sequence[Sequence[Channel]]], *, lam: float,
                 bits: Sequence[int] = DEFAULT_BITS, time_limit_s: float = 10.0, seed: int = 0,
                 rel_gap: float = 1e-4, max_threads: int | None = None,
-                solver: str = "cp-sat") -> list[BitwidthAssignment]:
+                solver: str = "cp-sat",
+                variance_budgets: Sequence[float] | None = None) -> list[BitwidthAssignment]:
     """Solve independent problems (e.g. each layer and direction) in a thread pool.
 
     Each problem is ``rounds`` as for ``assign_bitwidths`` and is solved with one CP-SAT
     worker (deterministic); CP-SAT releases the GIL while it searches, so the solves run
-    in parallel. Results come back in the order of ``problems``.
+    in parallel. Results come back in the order of ``problems``. With
+    ``variance_budgets`` (one per problem) each is solved by :func:`solve_within_variance`
+    instead (lam is then unused): the fastest assignment found within that variance.
     """
     parsed = [AssignmentProblem(rounds, bits) for rounds in problems]
     lam = check_lam(lam)
+    if variance_budgets is not None and len(variance_budgets) != len(parsed):
+        raise ValueError(f"variance_budgets has {len(variance_budgets)} entries for "
+                         f"{len(parsed)} problems; give one per problem")
     _check_options(time_limit_s, seed, 1, rel_gap, solver, "threshold")
     if max_threads is not None and (isinstance(max_threads, bool) or
                                     not isinstance(max_threads, numbers.Integral) or max_threads < 1):
@@ -222,14 +272,19 @@ def assign_many(problems: Sequence[Sequence[Sequence[Channel]]], *, lam: float,
         return []
     threads = min(len(parsed), max_threads or len(parsed))
 
-    def one(p: AssignmentProblem) -> BitwidthAssignment:
-        return solve_problem(p, lam=lam, time_limit_s=time_limit_s, seed=seed, workers=1,
+    budgets = list(variance_budgets) if variance_budgets is not None else [None] * len(parsed)
+
+    def one(i: int) -> BitwidthAssignment:
+        if budgets[i] is not None:
+            return solve_within_variance(parsed[i], float(budgets[i]), time_limit_s=time_limit_s,
+                                         seed=seed, rel_gap=rel_gap, solver=solver)
+        return solve_problem(parsed[i], lam=lam, time_limit_s=time_limit_s, seed=seed, workers=1,
                              rel_gap=rel_gap, solver=solver)
 
     if threads == 1:
-        return [one(p) for p in parsed]
+        return [one(i) for i in range(len(parsed))]
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="assign") as pool:
-        return list(pool.map(one, parsed))
+        return list(pool.map(one, range(len(parsed))))
 
 
 __all__ = [
@@ -237,4 +292,5 @@ __all__ = [
     "OBJECTIVE_SCALE", "assign_bitwidths", "assign_many", "evaluate", "evaluate_assignment",
     "expand_group_bits",
     "greedy_assignment", "group_messages", "meta_bytes", "rounding_errors", "solve_problem",
+    "solve_within_variance", "BUDGET_STEPS",
 ]
