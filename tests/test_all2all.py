@@ -280,3 +280,16 @@ def test_control_device_is_the_cpu_on_gloo():
     from commsched.dist import control_device
 
     assert control_device().type == "cpu"  # no process group: the CPU
+
+
+def test_bench_inter_host_bytes_from_the_topology():
+    from commsched import Topology
+    from commsched.bench.all2all import inter_host_bytes
+
+    # 2 hosts x 2 ranks, 10 B per ordered pair: 8 pairs cross hosts; each host sends 2 x 2 x 10
+    assert inter_host_bytes(Topology.grid(2, 2), 10) == (80, 40)
+    # 3 ranks on host a, 1 on host b: a sends 3 x 1 x 10, b sends 1 x 3 x 10
+    assert inter_host_bytes(Topology.from_hosts(["a", "a", "a", "b"]), 10) == (60, 30)
+    # 4 hosts x 1 rank: 12 crossing pairs, 3 x 10 out of each host
+    assert inter_host_bytes(Topology.grid(4, 1), 10) == (120, 30)
+    assert inter_host_bytes(Topology.grid(1, 2), 10) == (0, 0)
