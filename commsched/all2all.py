@@ -288,7 +288,7 @@ def _gloo_backend(group, device: torch.device):
     pg = group if group is not None else dist.group.WORLD
     try:
         be = pg._get_backend(device)
-    except RuntimeError:  # the group has no backend for this device
+    except (RuntimeError, ValueError):  # the group has no backend for this device
         return None
     return be if isinstance(be, ProcessGroupGloo) else None
 
@@ -318,15 +318,17 @@ def _reverse_group(group):
             return rev
         for old in [g for g in _reverse_groups if g not in c10d._world.pg_map]:
             del _reverse_groups[old]  # groups destroyed since: drop their connections
-        opts = ProcessGroupGloo._Options()
-        opts._devices = gloo_devices()
-        opts._timeout = _gloo_backend(pg, torch.device("cpu")).options._timeout
-        store = PrefixStore(_REVERSE_PREFIX, c10d._get_process_group_store(pg))
-        with comm_guard("connecting the all_to_all reverse group (every rank of the group "
-                        "must reach its first exchange)", group):
-            rev = ProcessGroupGloo(store, dist.get_rank(pg), dist.get_world_size(pg), opts)
-        _reverse_groups[pg] = rev
-        return rev
+    opts = ProcessGroupGloo._Options()
+    opts._devices = gloo_devices()
+    opts._timeout = _gloo_backend(pg, torch.device("cpu")).options._timeout
+    store = PrefixStore(_REVERSE_PREFIX, c10d._get_process_group_store(pg))
+    # connected outside the lock: another thread's first exchange on another group must not
+    # wait for this one's peers (two threads on one group at once is not allowed anyway)
+    with comm_guard("connecting the all_to_all reverse group (every rank of the group "
+                    "must reach its first exchange)", group):
+        rev = ProcessGroupGloo(store, dist.get_rank(pg), dist.get_world_size(pg), opts)
+    with _reverse_lock:
+        return _reverse_groups.setdefault(pg, rev)
 
 
 def _post_pair(x_out, peer: int, send: bool, plan: A2APlan, group, reverse):
