@@ -293,3 +293,20 @@ def test_bench_inter_host_bytes_from_the_topology():
     # 4 hosts x 1 rank: 12 crossing pairs, 3 x 10 out of each host
     assert inter_host_bytes(Topology.grid(4, 1), 10) == (120, 30)
     assert inter_host_bytes(Topology.grid(1, 2), 10) == (0, 0)
+
+
+def test_bench_variants_per_transport():
+    import argparse
+
+    from commsched.bench.all2all import WORKLOAD
+
+    def names(transports: str) -> list[tuple[str, tuple]]:
+        a = argparse.Namespace(sizes=None, min_time=1.0, device="cpu", transports=transports)
+        return [(v.name, v.args) for v in WORKLOAD.variants(a)]
+
+    got = names("single,auto")
+    assert [n for n, _ in got] == ["direct-single", "ring-single", "direct", "ring"]
+    assert got[0][1][:4] == ("--patterns", "direct", "--transport", "single")
+    assert [n for n, _ in names("auto")] == ["direct", "ring"]
+    with pytest.raises(ValueError, match="--transports: 'tcp' is not a transport"):
+        names("auto,tcp")
