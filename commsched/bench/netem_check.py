@@ -111,10 +111,11 @@ def duplex_probe(nbytes: int, repeats: int = 2) -> dict[str, float]:
             with comm_guard(f"duplex probe ({mode})"):
                 if mode == "both_ways_two_connections_bps":
                     all_to_all(x, plan, transport="duplex")
-                elif mode == "both_ways_bps" or me == 0:
-                    reqs.append(dist.isend(x, peer))
-                if mode == "both_ways_bps" or me == 1:
-                    reqs.append(dist.irecv(y, peer))
+                else:
+                    if mode == "both_ways_bps" or me == 0:
+                        reqs.append(dist.isend(x, peer))
+                    if mode == "both_ways_bps" or me == 1:
+                        reqs.append(dist.irecv(y, peer))
                 for q in reqs:
                     q.wait()
             barrier("ending the duplex probe")
