@@ -13,6 +13,24 @@ to rank p. The result holds the rows received from rank 0, then rank 1, and so o
 Both give identical results. The exchange is differentiable: the backward pass is the
 same exchange with send and receive counts swapped.
 
+Transport (``transport=``, :data:`TRANSPORTS`): on gloo with CPU rows (``"auto"`` picks it
+there) both patterns run as point-to-point messages on two connections per rank pair
+(``"duplex"``): sends from a lower to a higher rank go on the group itself, sends from a
+higher to a lower rank on a second gloo group of the same ranks, the group's *reverse*.
+Gloo moves a pair's two directions on one connection at about half the rate each (measured
+0.45-0.57 of an emulated link per direction at 8 MiB, against 0.95 on two connections;
+docs/netem.md), so an exchange where every pair sends both ways would otherwise run at half
+speed. ``"single"`` is the one-connection transport (direct: one ``all_to_all_single``;
+ring: ``isend``/``irecv`` on the group), the only one on NCCL, which drives both directions
+of a communicator at once (one NVLink / NIC queue per direction), so a second communicator
+would buy nothing but memory. The reverse group is made once per group, at the first duplex
+exchange on it, by the caller's thread (never the ring's background thread): that exchange
+is collective over the group, so every member makes it at the same point and only members
+take part (a sub-group such as an expert group needs nothing from the other ranks). It
+connects through the group's own store under a fixed prefix, with the group's timeout, and
+is kept in a small per-process table until the group is destroyed (the one piece of
+module state here: open connections, like torch's own table of groups).
+
 ``observer`` (an :class:`~commsched.observe.A2AObserver`, for example the gradient
 scheduler of :mod:`commsched.priority.executor`) is told when the exchange starts and ends
 (``a2a_begin(bytes sent to peers)`` / ``a2a_end``) and how long the caller was blocked in it,
@@ -32,10 +50,11 @@ import torch
 import torch.distributed as dist
 
 from .clock import Clock
-from .dist import CommError, comm_guard, control_device
+from .dist import CommError, comm_guard, control_device, gloo_devices
 from .observe import A2AObserver, A2AReport, check_observer
 
 PATTERNS = ("direct", "ring")
+TRANSPORTS = ("auto", "single", "duplex")  # module docstring
 
 # dtype codes carried in the plan header so that ranks can check they agree
 _DTYPE_CODES = {
@@ -257,7 +276,90 @@ def _check_x(x: torch.Tensor, plan: A2APlan) -> None:
                          f"{plan.send_counts} sum to {plan.total_send}")
 
 
-def _ring(x: torch.Tensor, out: torch.Tensor, plan: A2APlan, group, stats: CommStats | None) -> None:
+_REVERSE_PREFIX = "commsched-a2a-reverse/"  # store prefix of a group's reverse connections
+_reverse_lock = threading.Lock()
+_reverse_groups: dict = {}  # group -> its reverse gloo backend (module docstring)
+
+
+def _gloo_backend(group, device: torch.device):
+    """The group's gloo backend for ``device``, or None (another backend, or none)."""
+    from torch.distributed import ProcessGroupGloo
+
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        be = pg._get_backend(device)
+    except (RuntimeError, ValueError):  # the group has no backend for this device
+        return None
+    return be if isinstance(be, ProcessGroupGloo) else None
+
+
+def _resolve_transport(transport: str, group, device: torch.device) -> str:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    duplex_ok = device.type == "cpu" and _gloo_backend(group, device) is not None
+    if transport == "duplex" and not duplex_ok:
+        raise ValueError("transport='duplex' needs a gloo group and CPU rows (got rows on "
+                         f"{device} and a {dist.get_backend(group)} group); use 'auto' or 'single'")
+    if transport == "auto":
+        return "duplex" if duplex_ok else "single"
+    return transport
+
+
+def _reverse_group(group):
+    """The gloo backend that carries the group's higher-to-lower-rank sends, made at the first
+    call on each member (collective over the group's members only; module docstring)."""
+    import torch.distributed.distributed_c10d as c10d
+    from torch.distributed import PrefixStore, ProcessGroupGloo
+
+    pg = group if group is not None else dist.group.WORLD
+    with _reverse_lock:
+        rev = _reverse_groups.get(pg)
+        if rev is not None:
+            return rev
+        for old in [g for g in _reverse_groups if g not in c10d._world.pg_map]:
+            del _reverse_groups[old]  # groups destroyed since: drop their connections
+    opts = ProcessGroupGloo._Options()
+    opts._devices = gloo_devices()
+    opts._timeout = _gloo_backend(pg, torch.device("cpu")).options._timeout
+    store = PrefixStore(_REVERSE_PREFIX, c10d._get_process_group_store(pg))
+    # connected outside the lock: another thread's first exchange on another group must not
+    # wait for this one's peers (two threads on one group at once is not allowed anyway)
+    with comm_guard("connecting the all_to_all reverse group (every rank of the group "
+                    "must reach its first exchange)", group):
+        rev = ProcessGroupGloo(store, dist.get_rank(pg), dist.get_world_size(pg), opts)
+    with _reverse_lock:
+        return _reverse_groups.setdefault(pg, rev)
+
+
+def _post_pair(x_out, peer: int, send: bool, plan: A2APlan, group, reverse):
+    """Post one message to / from ``peer`` (a rank of ``group``): on the group itself when it
+    goes from a lower to a higher rank, else on ``reverse``; with ``reverse`` None, on the
+    group (the single transport)."""
+    me = plan.rank
+    lower_to_higher = me < peer if send else peer < me
+    if reverse is None or lower_to_higher:
+        op = dist.isend if send else dist.irecv
+        return op(x_out, _global(group, peer), group=group)
+    return reverse.send([x_out], peer, 0) if send else reverse.recv([x_out], peer, 0)
+
+
+def _p2p_direct(x: torch.Tensor, out: torch.Tensor, plan: A2APlan, group, reverse) -> list:
+    """Post every peer's send and receive at once (the duplex direct pattern); returns the
+    works. The rows this rank keeps are copied here."""
+    so, ro, me = plan.send_offsets, plan.recv_offsets, plan.rank
+    out[ro[me]:ro[me + 1]].copy_(x[so[me]:so[me + 1]])
+    works = []
+    with comm_guard("all_to_all (direct, duplex)", group):
+        for dst, src in plan.ring_rounds():
+            if plan.send_counts[dst] > 0:
+                works.append(_post_pair(x[so[dst]:so[dst + 1]], dst, True, plan, group, reverse))
+            if plan.recv_counts[src] > 0:
+                works.append(_post_pair(out[ro[src]:ro[src + 1]], src, False, plan, group, reverse))
+    return works
+
+
+def _ring(x: torch.Tensor, out: torch.Tensor, plan: A2APlan, group, stats: CommStats | None,
+          reverse=None) -> None:
     so, ro, me = plan.send_offsets, plan.recv_offsets, plan.rank
     clock = Clock(x.device)
     t0 = clock.mark()
@@ -269,9 +371,9 @@ def _ring(x: torch.Tensor, out: torch.Tensor, plan: A2APlan, group, stats: CommS
         reqs = []
         with comm_guard(f"all_to_all ring round {i} (send to rank {dst}, receive from rank {src})", group):
             if plan.send_counts[dst] > 0:
-                reqs.append(dist.isend(x[so[dst]:so[dst + 1]], _global(group, dst), group=group))
+                reqs.append(_post_pair(x[so[dst]:so[dst + 1]], dst, True, plan, group, reverse))
             if plan.recv_counts[src] > 0:
-                reqs.append(dist.irecv(out[ro[src]:ro[src + 1]], _global(group, src), group=group))
+                reqs.append(_post_pair(out[ro[src]:ro[src + 1]], src, False, plan, group, reverse))
             for r in reqs:
                 r.wait()
         if stats is not None:
@@ -284,11 +386,13 @@ def _peer_bytes(x: torch.Tensor, plan: A2APlan) -> int:
 
 
 def _exchange(x: torch.Tensor, plan: A2APlan, group, pattern: str,
-              stats: CommStats | None, observer: A2AObserver | None = None) -> torch.Tensor:
+              stats: CommStats | None, observer: A2AObserver | None = None,
+              transport: str = "auto") -> torch.Tensor:
     """Blocking exchange (no autograd), reported to ``observer`` from start to completion."""
     _check_x(x, plan)
     report = A2AReport(observer, _peer_bytes(x, plan), x.device)
-    return report.finish(lambda: _start(x, plan, group, pattern, stats)._finish())
+    return report.finish(lambda: _start(x, plan, group, pattern, stats,
+                                        transport=transport)._finish())
 
 
 def _backward(ctx, g: torch.Tensor) -> torch.Tensor:
@@ -297,7 +401,8 @@ def _backward(ctx, g: torch.Tensor) -> torch.Tensor:
     obs, block = ctx.observer, ctx.block
     if obs is not None and block == "begin":
         obs.block_begin()
-    out = _exchange(g.contiguous(), ctx.plan.reversed(), ctx.group, ctx.pattern, ctx.stats, obs)
+    out = _exchange(g.contiguous(), ctx.plan.reversed(), ctx.group, ctx.pattern, ctx.stats, obs,
+                    ctx.transport)
     if obs is not None and block == "end":
         obs.block_end()
     return out
@@ -307,17 +412,18 @@ class _RawHandle:
     """An exchange in flight; ``_finish`` blocks until the received tensor is complete."""
 
     def __init__(self, out: torch.Tensor, plan: A2APlan, stats: CommStats | None, t0,
-                 work=None, thread: threading.Thread | None = None, err: list | None = None,
-                 what: str = "all_to_all"):
+                 works: Sequence = (), thread: threading.Thread | None = None,
+                 err: list | None = None, what: str = "all_to_all"):
         self.out, self.plan, self.stats, self.t0 = out, plan, stats, t0
-        self._work, self._thread, self._err, self._what = work, thread, err, what
+        self._works, self._thread, self._err, self._what = list(works), thread, err, what
         self._done = False
 
     def _finish(self) -> torch.Tensor:
         if not self._done:
-            if self._work is not None:
+            if self._works:
                 with comm_guard(self._what):
-                    self._work.wait()
+                    for w in self._works:
+                        w.wait()
             if self._thread is not None:
                 self._thread.join()
                 if self._err:
@@ -325,7 +431,7 @@ class _RawHandle:
             if self.stats is not None:
                 end = Clock(self.out.device).mark()
                 self.stats.add_time(None, self.t0, end)
-                if self._work is not None:
+                if self._works:
                     self.stats.add_time(0, self.t0, end)
             self._done = True
         return self.out
@@ -333,16 +439,17 @@ class _RawHandle:
     def is_completed(self) -> bool:
         if self._done:
             return True
-        if self._work is not None:
-            return bool(self._work.is_completed())
+        if self._works:
+            return all(bool(w.is_completed()) for w in self._works)
         return self._thread is None or not self._thread.is_alive()
 
 
 def _start(x: torch.Tensor, plan: A2APlan, group, pattern: str, stats: CommStats | None,
-           background: bool = False) -> _RawHandle:
+           background: bool = False, transport: str = "auto") -> _RawHandle:
     if pattern not in PATTERNS:
         raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
     _check_x(x, plan)
+    duplex = _resolve_transport(transport, group, x.device) == "duplex"
     x = x.contiguous()
     out = x.new_empty((plan.total_recv, *x.shape[1:]))
     row_bytes = _row_numel(x) * x.element_size()
@@ -351,13 +458,17 @@ def _start(x: torch.Tensor, plan: A2APlan, group, pattern: str, stats: CommStats
     if plan.world_size == 1:
         out.copy_(x)
         return _RawHandle(out, plan, stats, t0)
+    reverse = _reverse_group(group) if duplex else None  # here: never on the ring's thread
+    if pattern == "direct" and duplex:
+        works = _p2p_direct(x, out, plan, group, reverse)
+        return _RawHandle(out, plan, stats, t0, works=works, what="all_to_all (direct, duplex)")
     if pattern == "direct":
         with comm_guard("all_to_all (direct)", group):
             work = dist.all_to_all_single(out, x, list(plan.recv_counts), list(plan.send_counts),
                                           group=group, async_op=True)
-        return _RawHandle(out, plan, stats, t0, work=work, what="all_to_all (direct)")
+        return _RawHandle(out, plan, stats, t0, works=[work], what="all_to_all (direct)")
     if not background:
-        _ring(x, out, plan, group, stats)
+        _ring(x, out, plan, group, stats, reverse)
         return _RawHandle(out, plan, stats, t0)
     err: list = []
 
@@ -366,10 +477,10 @@ def _start(x: torch.Tensor, plan: A2APlan, group, pattern: str, stats: CommStats
     def run() -> None:
         try:
             if stream is None:
-                _ring(x, out, plan, group, stats)
+                _ring(x, out, plan, group, stats, reverse)
             else:  # the caller's device and stream, not the thread's defaults
                 with torch.cuda.device(x.device), torch.cuda.stream(stream):
-                    _ring(x, out, plan, group, stats)
+                    _ring(x, out, plan, group, stats, reverse)
         except BaseException as e:  # re-raised in the caller's thread by wait()
             err.append(e)
 
@@ -380,28 +491,28 @@ def _start(x: torch.Tensor, plan: A2APlan, group, pattern: str, stats: CommStats
 
 class _A2AFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, plan, group, pattern, stats, observer, block):  # noqa: D401
+    def forward(ctx, x, plan, group, pattern, stats, observer, block, transport):  # noqa: D401
         ctx.plan, ctx.group, ctx.pattern, ctx.stats = plan, group, pattern, stats
-        ctx.observer, ctx.block = observer, block
-        return _exchange(x, plan, group, pattern, stats, observer)
+        ctx.observer, ctx.block, ctx.transport = observer, block, transport
+        return _exchange(x, plan, group, pattern, stats, observer, transport)
 
     @staticmethod
     def backward(ctx, g):
-        return _backward(ctx, g), None, None, None, None, None, None
+        return _backward(ctx, g), None, None, None, None, None, None, None
 
 
 class _WaitFn(torch.autograd.Function):
     """Joins an async exchange into the autograd graph: forward waits, backward reverses."""
 
     @staticmethod
-    def forward(ctx, x, handle, group, pattern, observer, block):
+    def forward(ctx, x, handle, group, pattern, observer, block, transport):
         ctx.plan, ctx.group, ctx.pattern, ctx.stats = handle.plan, group, pattern, handle.stats
-        ctx.observer, ctx.block = observer, block
+        ctx.observer, ctx.block, ctx.transport = observer, block, transport
         return handle._finish()
 
     @staticmethod
     def backward(ctx, g):
-        return _backward(ctx, g), None, None, None, None, None
+        return _backward(ctx, g), None, None, None, None, None, None
 
 
 def _resolve_plan(x: torch.Tensor, send_counts, group) -> A2APlan:
@@ -419,7 +530,8 @@ def _resolve_plan(x: torch.Tensor, send_counts, group) -> A2APlan:
 
 def all_to_all(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *, group=None,
                pattern: str = "direct", stats: CommStats | None = None,
-               observer: A2AObserver | None = None, backward_block: str | None = None) -> torch.Tensor:
+               observer: A2AObserver | None = None, backward_block: str | None = None,
+               transport: str = "auto") -> torch.Tensor:
     """Uneven all-to-all of the rows of ``x_RD`` (see the module docstring).
 
     ``send_counts`` is a list with one count per rank, or an :class:`A2APlan` to reuse
@@ -428,12 +540,13 @@ def all_to_all(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *, grou
     a dead or stuck peer raises :class:`CommError` within the group's timeout.
     ``observer`` / ``backward_block``: who is told about this exchange and its backward
     (module docstring); the count exchange of a list ``send_counts`` is not reported.
+    ``transport``: one of :data:`TRANSPORTS` (module docstring; ``"auto"`` is the fast one).
     """
     check_observer(observer, backward_block)
     plan = _resolve_plan(x_RD, send_counts, group)
     if x_RD.requires_grad and torch.is_grad_enabled():
-        return _A2AFn.apply(x_RD, plan, group, pattern, stats, observer, backward_block)
-    return _exchange(x_RD, plan, group, pattern, stats, observer)
+        return _A2AFn.apply(x_RD, plan, group, pattern, stats, observer, backward_block, transport)
+    return _exchange(x_RD, plan, group, pattern, stats, observer, transport)
 
 
 class A2AHandle:
@@ -442,9 +555,9 @@ class A2AHandle:
 
     def __init__(self, x: torch.Tensor, raw: _RawHandle, group, pattern: str,
                  post: Callable[[torch.Tensor], object] | None = None, report: A2AReport | None = None,
-                 backward_block: str | None = None):
+                 backward_block: str | None = None, transport: str = "auto"):
         self._x, self._raw, self._group, self._pattern, self._post = x, raw, group, pattern, post
-        self._report, self._block = report, backward_block
+        self._report, self._block, self._transport = report, backward_block, transport
         self._result = None
 
     @property
@@ -460,7 +573,8 @@ class A2AHandle:
 
             def join() -> torch.Tensor:
                 if self._x.requires_grad and torch.is_grad_enabled():
-                    return _WaitFn.apply(self._x, self._raw, self._group, self._pattern, obs, self._block)
+                    return _WaitFn.apply(self._x, self._raw, self._group, self._pattern, obs,
+                                         self._block, self._transport)
                 return self._raw._finish()
 
             out = self._report.finish(join) if self._report is not None else join()
@@ -470,11 +584,13 @@ class A2AHandle:
 
 def all_to_all_async(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *, group=None,
                      pattern: str = "direct", stats: CommStats | None = None,
-                     observer: A2AObserver | None = None, backward_block: str | None = None) -> A2AHandle:
+                     observer: A2AObserver | None = None, backward_block: str | None = None,
+                     transport: str = "auto") -> A2AHandle:
     """Start an all-to-all and return at once; compute while the bytes move, then ``wait()``.
 
-    The direct pattern uses the backend's asynchronous all_to_all_single; the ring pattern
-    runs its rounds on a background thread. Do not issue other collectives on the same
+    The direct pattern posts its messages asynchronously (the backend's all_to_all_single,
+    or every peer's send and receive on the duplex transport); the ring pattern runs its
+    rounds on a background thread. Do not issue other collectives on the same
     group from another thread while a ring exchange is in flight. ``observer`` is told the
     exchange began now and ended when ``wait()`` returns (the time blocked in ``wait()``
     with it); the backward pass's reverse exchange is reported like
@@ -485,11 +601,12 @@ def all_to_all_async(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *
     _check_x(x_RD, plan)
     report = A2AReport(observer, _peer_bytes(x_RD, plan), x_RD.device)
     try:
-        raw = _start(x_RD, plan, group, pattern, stats, background=True)
+        raw = _start(x_RD, plan, group, pattern, stats, background=True, transport=transport)
     except BaseException:
         report.finish(lambda: None)  # never left open: the observer would hold its work for it
         raise
-    return A2AHandle(x_RD, raw, group, pattern, report=report, backward_block=backward_block)
+    return A2AHandle(x_RD, raw, group, pattern, report=report, backward_block=backward_block,
+                     transport=transport)
 
 
 # --------------------------------------------------------------------------- segments
@@ -549,7 +666,7 @@ def pack_segments(send_segments: Sequence[Sequence[torch.Tensor]], *,
 def exchange_segments(send_segments: Sequence[Sequence[torch.Tensor]], recv_layout: SegmentLayout,
                       *, group=None, pattern: str = "direct", stats: CommStats | None = None,
                       async_op: bool = False, validate: bool = False,
-                      device: torch.device | str | None = None):
+                      device: torch.device | str | None = None, transport: str = "auto"):
     """Send several byte segments per peer as one message per peer.
 
     ``send_segments[p]`` is the list of 1-D uint8 tensors for rank p; ``recv_layout``
@@ -558,7 +675,7 @@ def exchange_segments(send_segments: Sequence[Sequence[torch.Tensor]], recv_layo
     ``validate`` the byte counts are checked against the peers' (one small all_gather),
     which is worth doing the first time a layout is used. ``device`` is where the buffer
     lives when this rank sends no segment at all (pass the job's device on CUDA: NCCL
-    needs a CUDA buffer on every rank).
+    needs a CUDA buffer on every rank). ``transport``: as :func:`all_to_all`'s.
     """
     buf, send_layout = pack_segments(send_segments, device=device)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -570,7 +687,7 @@ def exchange_segments(send_segments: Sequence[Sequence[torch.Tensor]], recv_layo
                          dtype=torch.uint8, row_numel=1, recv_counts=recv_layout.peer_totals())
     else:
         plan = segment_plan(send_layout, recv_layout, rank)
-    raw = _start(buf, plan, group, pattern, stats, background=async_op)
+    raw = _start(buf, plan, group, pattern, stats, background=async_op, transport=transport)
     if not async_op:
         return _split_segments(raw._finish(), recv_layout)
     return A2AHandle(buf, raw, group, pattern, post=lambda out: _split_segments(out, recv_layout))
@@ -579,5 +696,5 @@ def exchange_segments(send_segments: Sequence[Sequence[torch.Tensor]], recv_layo
 __all__ = [
     "A2APlan", "A2AHandle", "CommError", "CommStats", "SegmentLayout", "all_to_all",
     "all_to_all_async", "exchange_segments", "make_plan", "pack_segments", "segment_plan",
-    "PATTERNS",
+    "PATTERNS", "TRANSPORTS",
 ]

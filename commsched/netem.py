@@ -9,7 +9,10 @@ Two layouts, both built from scratch for one command and removed after it:
   has one veth link ``cs0`` with address ``10.213.0.(i+1)/24`` whose other end sits on
   a bridge in the bridge namespace. Both ends of every link carry a ``tbf``, so each host
   sends at most RATE and receives at most RATE, like a machine on a switch. The command
-  runs once per host, with placeholders filled in (see :data:`PLACEHOLDERS`).
+  runs once per host, with placeholders filled in (see :data:`PLACEHOLDERS`). Traffic
+  between processes of one host uses that host's loopback: unlimited, or limited to
+  ``--host-rate`` (one ``tbf`` on the host's ``lo``, shared by all its processes, as a
+  host's fabric is shared), which sets the intra/inter ratio (NVLink vs NIC: 10-20x).
 
 Nothing is added to the root namespace: the addresses exist only inside the namespaces
 created here, which have no route anywhere else. The namespaces are deleted when the
@@ -204,12 +207,15 @@ def shaping_commands(ns: str, dev: str, rate_bps: int | None, mtu: int,
 class NetSpec:
     """What to emulate. ``rate_bps`` None: links are not limited (hosts still emulated).
     ``hosts`` 1: a shaped loopback; K >= 2: K hosts on a bridge. ``delay_ms``: one-way
-    delay added to every packet (needs sch_netem). ``tag`` makes the names unique."""
+    delay added to every packet (needs sch_netem). ``tag`` makes the names unique.
+    ``host_rate_bps`` (hosts mode only): the limit of each host's own loopback, which
+    carries the traffic between the processes of that host (None: unlimited)."""
 
     rate_bps: int | None
     hosts: int = 1
     delay_ms: float | None = None
     tag: str = ""
+    host_rate_bps: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.hosts, int) or not 1 <= self.hosts <= MAX_HOSTS:
@@ -218,6 +224,12 @@ class NetSpec:
             raise ValueError(f"delay must be >= 0 ms, got {self.delay_ms}")
         if self.rate_bps is not None and self.rate_bps <= 0:
             raise ValueError(f"rate must be > 0 bits/s, got {self.rate_bps}")
+        if self.host_rate_bps is not None:
+            if self.hosts < 2:
+                raise ValueError("a host rate (--host-rate) needs --hosts K >= 2: with one host "
+                                 "the loopback is the link and --rate limits it")
+            if self.host_rate_bps <= 0:
+                raise ValueError(f"host rate must be > 0 bits/s, got {self.host_rate_bps}")
         if not re.fullmatch(r"[A-Za-z0-9_]*", self.tag):
             raise ValueError(f"tag must be letters, digits or _, got {self.tag!r}")
 
@@ -270,7 +282,11 @@ def plan_network(spec: NetSpec) -> NetPlan:
                                    "peer", "name", HOST_IFNAME, "mtu", str(mtu), "netns", h]))
         cmds.append(netns_cmd(br, ["ip", "link", "set", "dev", port, "master", BRIDGE_IFNAME]))
         cmds.append(netns_cmd(br, ["ip", "link", "set", "dev", port, "up"]))
+        lo_mtu = loopback_mtu(spec.host_rate_bps)
+        if lo_mtu != LOOPBACK_MTU:
+            cmds.append(netns_cmd(h, ["ip", "link", "set", "dev", "lo", "mtu", str(lo_mtu)]))
         cmds.append(netns_cmd(h, ["ip", "link", "set", "dev", "lo", "up"]))
+        cmds += shaping_commands(h, "lo", spec.host_rate_bps, lo_mtu)
         cmds.append(netns_cmd(h, ["ip", "addr", "add", f"{a}/{SUBNET_BITS}", "dev", HOST_IFNAME]))
         cmds.append(netns_cmd(h, ["ip", "link", "set", "dev", HOST_IFNAME, "up"]))
         # host -> bridge (upload) carries the one-way delay; bridge -> host (download) the rate only
@@ -564,6 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one-way delay in milliseconds (needs the netem qdisc; refused when missing)")
     p.add_argument("--hosts", type=int, default=1, metavar="K",
                    help="1 (default): one namespace with a shaped loopback; K >= 2: K hosts on a bridge")
+    p.add_argument("--host-rate", default=None, metavar="RATE",
+                   help="with --hosts K: limit of traffic between the processes of one host (its "
+                        "loopback, shared by them), tc syntax; default unlimited")
     p.add_argument("--cleanup", action="store_true",
                    help="delete namespaces left behind by commsched netem processes that no longer exist "
                         "(and in which no process still runs), then exit")
@@ -592,7 +611,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not cmd:
         p.error("no command given; put it after --, e.g. commsched netem --rate 1gbit -- python x.py")
     try:
-        spec = NetSpec(parse_optional_rate(a.rate), a.hosts, a.delay, tag=str(os.getpid()))
+        spec = NetSpec(parse_optional_rate(a.rate), a.hosts, a.delay, tag=str(os.getpid()),
+                       host_rate_bps=parse_optional_rate(a.host_rate))
         return run_emulated(spec, cmd)
     except (ValueError, NetemError) as e:
         print(f"commsched netem: {e}", file=sys.stderr)

@@ -1,4 +1,6 @@
-"""all_to_all against a slow point-to-point reference, on 2, 3 and 4 gloo ranks."""
+"""all_to_all against a slow point-to-point reference, on 2, 3 and 4 gloo ranks, over both
+transports (one connection per pair; the duplex one with a reverse group), on the world
+and on sub-groups."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from commsched import (
     all_to_all_async,
     exchange_segments,
 )
+from commsched.all2all import TRANSPORTS
 from tests.mp import assert_case, run_cases, run_ranks
 
 DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
@@ -70,12 +73,14 @@ def _case_exchange(rank: int, world: int) -> None:
             for d in (1, 5):
                 x = _rows(rank, sum(send), d, dtype, seed)
                 ref = _reference(x, send, recv)
-                for pattern in ("direct", "ring"):
-                    got = all_to_all(x, send, pattern=pattern)
+                # auto is duplex here; the one-connection transport on a subset (same code path)
+                trs = ("auto", "single") if seed == 0 and d == 5 else ("auto",)
+                for pattern, tr in [(p, t) for p in ("direct", "ring") for t in trs]:
+                    got = all_to_all(x, send, pattern=pattern, transport=tr)
                     assert got.dtype == dtype and got.shape == ref.shape, (got.shape, ref.shape)
-                    assert torch.equal(got, ref), (pattern, dtype, d)
-                    h = all_to_all_async(x, send, pattern=pattern)
-                    assert torch.equal(h.wait(), ref), ("async", pattern, dtype, d)
+                    assert torch.equal(got, ref), (pattern, tr, dtype, d)
+                    h = all_to_all_async(x, send, pattern=pattern, transport=tr)
+                    assert torch.equal(h.wait(), ref), ("async", pattern, tr, dtype, d)
 
 
 def _case_backward(rank: int, world: int) -> None:
@@ -83,14 +88,14 @@ def _case_backward(rank: int, world: int) -> None:
     send = C[rank]
     recv = [C[p][rank] for p in range(world)]
     for pattern in ("direct", "ring"):
-        for use_async in (False, True):
+        for use_async, tr in ((False, "single"), (False, "duplex"), (True, "auto")):
             x = _rows(rank, sum(send), 3, torch.float32, 1).requires_grad_(True)
             w = _rows(rank + 10, sum(recv), 3, torch.float32, 2)
-            out = all_to_all_async(x, send, pattern=pattern).wait() if use_async else \
-                all_to_all(x, send, pattern=pattern)
+            out = all_to_all_async(x, send, pattern=pattern, transport=tr).wait() if use_async \
+                else all_to_all(x, send, pattern=pattern, transport=tr)
             (out * w).sum().backward()
             expected = _reference(w, recv, send)  # gradient = reverse exchange of w
-            assert torch.equal(x.grad, expected), (pattern, use_async)
+            assert torch.equal(x.grad, expected), (pattern, use_async, tr)
 
 
 def _case_plan_reuse_and_stats(rank: int, world: int) -> None:
@@ -132,6 +137,34 @@ def _case_segments(rank: int, world: int) -> None:
                     assert bool((got[p][s] == (p * 16 + rank * 4 + s) % 256).all())
 
 
+def _case_sub_groups(rank: int, world: int) -> None:
+    """Expert-group style sub-groups: the reverse group of a sub-group is made by its members
+    alone (the other ranks are elsewhere: here doing nothing), and exchanges on two sub-groups
+    at once stay exact."""
+    from commsched.dist import new_group
+
+    halves = [list(range(world // 2)), list(range(world // 2, world))]
+    groups = [new_group(h) for h in halves]  # every rank, in the same order
+    mine = 0 if rank in halves[0] else 1
+    g, members = groups[mine], halves[mine]
+    sub_rank, P = members.index(rank), len(members)
+    send = [sub_rank + p + 1 for p in range(P)]  # rows to each member; member q sends q + me + 1
+    recv = [q + sub_rank + 1 for q in range(P)]
+    x = _rows(rank, sum(send), 2, torch.float32, 5)
+    expected = []
+    for q in range(P):  # member q's rows for this rank, rebuilt from its deterministic input
+        xq = _rows(members[q], sum(q + p + 1 for p in range(P)), 2, torch.float32, 5)
+        off = sum(q + p + 1 for p in range(sub_rank))
+        expected.append(xq[off:off + recv[q]])
+    expected = torch.cat(expected)
+    if mine == 0 and P > 1:  # the first half's first duplex exchange while the rest wait
+        assert torch.equal(all_to_all(x, send, group=g, transport="duplex"), expected)
+    dist.barrier()
+    for pattern in ("direct", "ring"):
+        got = all_to_all_async(x, send, group=g, pattern=pattern).wait()
+        assert torch.equal(got, expected), (pattern, halves[mine])
+
+
 def _case_bad_counts(rank: int, world: int) -> None:
     x = torch.zeros(world, 2)
     send = [1] * world if rank != 1 else [1] * (world - 1)  # rank 1 gives too few
@@ -154,6 +187,7 @@ def _case_bad_dtype_shape(rank: int, world: int) -> None:
 
 CASES = [("exchange", _case_exchange), ("backward", _case_backward),
          ("plan_reuse_and_stats", _case_plan_reuse_and_stats), ("segments", _case_segments),
+         ("sub_groups", _case_sub_groups),
          ("bad_counts", _case_bad_counts), ("bad_dtype_shape", _case_bad_dtype_shape)]
 
 
@@ -187,6 +221,13 @@ def test_dead_peer_gives_clear_error():
     assert msg is not None and msg.startswith("rank 0:"), msg
     assert "all_to_all" in msg
     assert "rank 1 stopped answering" in msg, msg
+
+
+def test_transport_is_checked():
+    plan = A2APlan((1, 1), (1, 1), 0)
+    with pytest.raises(ValueError, match="transport must be one of"):
+        all_to_all(torch.zeros(2, 1), plan, transport="tcp")
+    assert TRANSPORTS == ("auto", "single", "duplex")
 
 
 def test_plan_offsets_and_reverse():
@@ -239,3 +280,33 @@ def test_control_device_is_the_cpu_on_gloo():
     from commsched.dist import control_device
 
     assert control_device().type == "cpu"  # no process group: the CPU
+
+
+def test_bench_inter_host_bytes_from_the_topology():
+    from commsched import Topology
+    from commsched.bench.all2all import inter_host_bytes
+
+    # 2 hosts x 2 ranks, 10 B per ordered pair: 8 pairs cross hosts; each host sends 2 x 2 x 10
+    assert inter_host_bytes(Topology.grid(2, 2), 10) == (80, 40)
+    # 3 ranks on host a, 1 on host b: a sends 3 x 1 x 10, b sends 1 x 3 x 10
+    assert inter_host_bytes(Topology.from_hosts(["a", "a", "a", "b"]), 10) == (60, 30)
+    # 4 hosts x 1 rank: 12 crossing pairs, 3 x 10 out of each host
+    assert inter_host_bytes(Topology.grid(4, 1), 10) == (120, 30)
+    assert inter_host_bytes(Topology.grid(1, 2), 10) == (0, 0)
+
+
+def test_bench_variants_per_transport():
+    import argparse
+
+    from commsched.bench.all2all import WORKLOAD
+
+    def names(transports: str) -> list[tuple[str, tuple]]:
+        a = argparse.Namespace(sizes=None, min_time=1.0, device="cpu", transports=transports)
+        return [(v.name, v.args) for v in WORKLOAD.variants(a)]
+
+    got = names("single,auto")
+    assert [n for n, _ in got] == ["direct-single", "ring-single", "direct", "ring"]
+    assert got[0][1][:4] == ("--patterns", "direct", "--transport", "single")
+    assert [n for n, _ in names("auto")] == ["direct", "ring"]
+    with pytest.raises(ValueError, match="--transports: 'tcp' is not a transport"):
+        names("auto,tcp")

@@ -173,16 +173,3 @@ def test_run_variant_timeout_under_netem_removes_namespace(tmp_path):
     assert ns.startswith("commsched-")
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert ns not in listed
-
-
-
-def test_all2all_host_grouping_and_link_bytes():
-    from commsched.bench.all2all import host_of_ranks, link_bytes
-
-    assert host_of_ranks([["10.0.0.2"], ["10.0.0.2"], ["10.0.0.1"], ["10.0.0.1"]]) == [0, 0, 1, 1]
-    assert host_of_ranks([[], [], []]) == [0, 0, 0]
-    # 2 hosts x 2 ranks, 10 B per ordered pair: 8 pairs cross hosts; each host sends 2 x 2 x 10
-    assert link_bytes([0, 0, 1, 1], 10) == (80, 40)
-    # 3 ranks on host 0, 1 on host 1: host 0 sends 3 x 1 x 10, host 1 sends 1 x 3 x 10
-    assert link_bytes([0, 0, 0, 1], 10) == (60, 30)
-    assert link_bytes([0, 0], 10) == (0, 0)

@@ -161,8 +161,32 @@ def test_plan_hosts_stays_inside_its_namespaces():
     assert len(teardown_commands(plan)) == 4
 
 
+def test_plan_hosts_with_a_host_rate_shapes_each_hosts_loopback():
+    plan = plan_network(NetSpec(10**9, hosts=2, tag="7", host_rate_bps=10 * 10**9))
+    ours = set(plan.namespaces)
+    assert all(c[:3] in (("ip", "netns", "add"), ("ip", "netns", "exec")) and c[3] in ours
+               for c in plan.setup)
+    lo_tbfs = [c for c in plan.setup if "tbf" in c and c[8] == "lo"]
+    # one tbf per host on its own lo, at the host rate (10 Gbit/s: a 625 KB bucket fits lo's 64 KiB packets)
+    assert [(c[3], c[c.index("rate") + 1]) for c in lo_tbfs] == [
+        ("commsched-7-h0", "10000000000bit"), ("commsched-7-h1", "10000000000bit")]
+    assert not [c for c in plan.setup if "mtu" in c and "lo" in c]
+    # the links keep their own tbfs
+    assert len([c for c in plan.setup if "tbf" in c and c[8] != "lo"]) == 4
+    # 1 Gbit/s inside a host: lo's MTU comes down to 9000 so a packet fits the 62.5 KB bucket
+    slow = plan_network(NetSpec(10**9, hosts=2, tag="7", host_rate_bps=10**9))
+    mtus = [c for c in slow.setup if c[4:9] == ("ip", "link", "set", "dev", "lo") and "mtu" in c]
+    assert [(c[3], c[-1]) for c in mtus] == [("commsched-7-h0", "9000"), ("commsched-7-h1", "9000")]
+    up = [i for i, c in enumerate(slow.setup) if c[4:] == ("ip", "link", "set", "dev", "lo", "up")]
+    assert all(slow.setup.index(m) < u for m, u in zip(mtus, up))
+    # without a host rate, no host's lo is touched beyond bringing it up
+    plain = plan_network(NetSpec(10**9, hosts=2, tag="7"))
+    assert not [c for c in plain.setup if "lo" in c and ("tbf" in c or "mtu" in c)]
+
+
 def test_netspec_validation():
-    for bad in (dict(hosts=0), dict(hosts=251), dict(delay_ms=-1), dict(rate_bps=0), dict(tag="a-b")):
+    for bad in (dict(hosts=0), dict(hosts=251), dict(delay_ms=-1), dict(rate_bps=0), dict(tag="a-b"),
+                dict(hosts=2, host_rate_bps=0), dict(host_rate_bps=10**6)):
         kw = dict(rate_bps=10**6)
         kw.update(bad)
         with pytest.raises(ValueError):
@@ -324,6 +348,18 @@ def test_bench_context_hosts_launch():
               "--local-addr={addr}", "--rdzv-conf=is_host={is_host0}", "--node-rank={host}"):
         assert a in inner
     assert inner[-5:] == ["commsched.bench.netem_check", "--scale", "2", "--out", "/o"]
+
+
+def test_bench_context_host_rate():
+    ctx, rest = bench_context(_workload(), ["--hosts", "2", "--bandwidth", "1gbit", "--host-rate", "10gbit",
+                                            "--nproc", "2"], euid=0, which=ALL_TOOLS)
+    assert rest == ["--nproc", "2"] and ctx.info["host_rate_bps"] == 10 * 10**9
+    assert ("--host-rate", "10gbit") == ctx.flags[-2:] and "10gbit, shared" in ctx.info["layout"]
+    cmd = ctx.command(Variant("v", "commsched.bench.netem_check"), 2, Path("/o"))
+    i = cmd.index("--")
+    assert cmd[i - 2:i] == ["--host-rate", "10000000000bit"]
+    with pytest.raises(ValueError, match="--host-rate .* needs --hosts K >= 2"):
+        bench_context(_workload(), ["--bandwidth", "1gbit", "--host-rate", "10gbit"], euid=0, which=ALL_TOOLS)
 
 
 def test_bench_context_default_regime():

@@ -7,12 +7,17 @@ measures a plain TCP socket pair on loopback in the same run: the ceiling here.
 
 Under ``commsched bench --bandwidth RATE`` (one shaped loopback shared by all ranks) every
 cross-rank byte passes the one limit, so ``ratio_to_rate`` = throughput / RATE. Under
-``--hosts K`` ranks are grouped into hosts by the addresses they see; ``uplink_MBps`` is
-the busiest host's outgoing link and ``ratio_to_rate`` = uplink / RATE (traffic between
-ranks of one host stays on that host's unshaped loopback).
+``--hosts K`` the ranks' hosts come from :meth:`commsched.Topology.from_env` and the bytes
+on each link from :func:`commsched.predict_exchange`; ``uplink_MBps`` is the busiest host's
+outgoing link and ``ratio_to_rate`` = uplink / RATE (traffic between ranks of one host
+stays on that host's unshaped loopback). ``--transport`` picks the all-to-all transport
+(``commsched.all2all.TRANSPORTS``); the bench's ``--transports single,auto`` runs both
+side by side (variants ``direct-single``, ``ring-single`` beside ``direct``, ``ring``).
 
     torchrun --standalone --nproc_per_node 4 -m commsched.bench.all2all --out DIR
     commsched bench all2all --nproc 4          # both patterns side by side
+    commsched bench all2all --bandwidth 1gbit --hosts 2 --nproc 1 --sizes 8388608 \
+        --transports single,auto --repeat 5    # one connection per pair against two
 """
 
 from __future__ import annotations
@@ -26,18 +31,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..all2all import A2APlan, all_to_all
+from ..all2all import TRANSPORTS, A2APlan, all_to_all
 from ..clock import Clock
 from ..dist import (
     DEVICE_CHOICES,
-    all_gather_object,
     barrier,
     comm_guard,
     control_device,
     init_distributed,
 )
 from ..results import write_json
-from .netem_check import local_ipv4_addresses
+from ..topology import SWITCH, Topology, predict_exchange
 from .runner import Variant, Workload, median_of
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
@@ -77,37 +81,26 @@ def loopback_socket_MBps(nbytes: int = 256 << 20, chunk: int = 1 << 20, host: st
     return got / dt / 1e6
 
 
-def host_of_ranks(addresses_by_rank: list[list[str]]) -> list[int]:
-    """Host index of each rank: ranks that see the same interface addresses share a host
-    (hosts numbered in order of first appearance)."""
-    seen: dict[tuple[str, ...], int] = {}
-    return [seen.setdefault(tuple(a), len(seen)) for a in addresses_by_rank]
-
-
-def link_bytes(host_P: list[int], nbytes: int) -> tuple[int, int]:
-    """For an all-to-all of ``nbytes`` per ordered rank pair: (bytes crossing between
-    hosts in total, bytes leaving the busiest host). P: ranks."""
-    P = len(host_P)
-    out_of = [0] * (max(host_P) + 1 if host_P else 0)
-    total = 0
-    for s in range(P):
-        for d in range(P):
-            if host_P[s] != host_P[d]:
-                total += nbytes
-                out_of[host_P[s]] += nbytes
-    return total, max(out_of, default=0)
+def inter_host_bytes(topo: Topology, nbytes: int) -> tuple[int, int]:
+    """For an all-to-all of ``nbytes`` per ordered rank pair on ``topo``: (bytes crossing
+    between hosts in total, bytes leaving the busiest host), read off the NIC links of
+    :func:`commsched.predict_exchange`."""
+    P = topo.world_size
+    pred = predict_exchange(topo, [[0 if a == b else nbytes for b in range(P)] for a in range(P)])
+    out_of = [int(pred.link_bytes.get((("nic", h), SWITCH), 0)) for h in topo.hosts]
+    return sum(out_of), max(out_of, default=0)
 
 
 def measure(pattern: str, size: int, min_time_s: float, max_iters: int,
-            host_P: list[int] | None = None, rate_bps: int | None = None, *,
-            device: torch.device | str = "cpu") -> dict:
+            topo: Topology | None = None, rate_bps: int | None = None, *,
+            device: torch.device | str = "cpu", transport: str = "auto") -> dict:
     """Exchange time and throughputs for ``size`` bytes per ordered rank pair.
 
     ``time_s`` is the median over iterations of the exchange's span: from the first rank
     starting to the last rank finishing (all ranks run on one machine, so they share the
     monotonic clock). ``rank_time_s`` is the older, looser figure: each rank's median own
     time, max over ranks; a rank that starts late finds data already delivered, so for
-    small messages it flatters the link. ``host_P`` (host of each rank) adds the
+    small messages it flatters the link. ``topo`` (the ranks' hosts) adds the
     inter-host figures, ``rate_bps`` the ratio to the emulated rate. The rows live on
     ``device``; on CUDA each exchange is timed up to a device synchronisation (NCCL returns
     at enqueue), and the stop flag and stamps stay on the CPU (gloo's side of the group).
@@ -118,13 +111,13 @@ def measure(pattern: str, size: int, min_time_s: float, max_iters: int,
     plan = A2APlan(tuple(counts), tuple(counts), me)
     clock, ctl = Clock(device), control_device()
     x = torch.randn(rows * P, 1).to(device)
-    all_to_all(x, plan, pattern=pattern)  # warm-up
+    all_to_all(x, plan, pattern=pattern, transport=transport)  # warm-up
     stamps = []  # (start, end) of each exchange on this rank, monotonic clock
     t_start = time.perf_counter()
     for i in range(max_iters):
         barrier(f"aligning ranks before a {pattern} exchange")
         t = time.monotonic()
-        all_to_all(x, plan, pattern=pattern)
+        all_to_all(x, plan, pattern=pattern, transport=transport)
         clock.sync()
         stamps.append((t, time.monotonic()))
         # all ranks agree on when to stop
@@ -145,9 +138,9 @@ def measure(pattern: str, size: int, min_time_s: float, max_iters: int,
     cross = rows * 4 * (P - 1) * P  # bytes between distinct ranks, all ranks together
     r = {"size_bytes": rows * 4, "time_s": t, "rank_time_s": rank_t, "iters": len(stamps),
          "throughput_MBps": cross / t / 1e6}
-    hosts = len(set(host_P)) if host_P else 1
+    hosts = len(topo.hosts) if topo is not None else 1
     if hosts > 1:
-        inter, uplink = link_bytes(host_P, rows * 4)
+        inter, uplink = inter_host_bytes(topo, rows * 4)
         r["inter_host_MBps"] = inter / t / 1e6
         r["uplink_MBps"] = uplink / t / 1e6  # the busiest host's link, one direction
     if rate_bps:
@@ -159,6 +152,9 @@ def measure(pattern: str, size: int, min_time_s: float, max_iters: int,
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--patterns", default="direct,ring")
+    p.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                   help="the all-to-all transport; results of another than auto are keyed "
+                        "PATTERN-TRANSPORT")
     p.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES),
                    help="bytes each rank sends to each peer, comma-separated")
     p.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement")
@@ -175,26 +171,27 @@ def main(argv=None) -> None:
     except ValueError as e:
         raise SystemExit(f"commsched.bench.all2all: {e}") from None
     me = dist.get_rank()
-    addrs = all_gather_object(local_ipv4_addresses(), "gathering the ranks' addresses")
-    host_P = host_of_ranks(addrs)
+    topo = Topology.from_env()
+    host_P = [topo.hosts.index(h) for h in topo.hosts_P]
     loop = loopback_socket_MBps() if me == 0 else 0.0
     barrier("aligning ranks after the loopback probe")
-    results = {pat: [measure(pat, s, a.min_time, a.max_iters, host_P, a.rate_bps, device=device)
-                     for s in sizes]
+    label = (lambda pat: pat) if a.transport == "auto" else (lambda pat: f"{pat}-{a.transport}")
+    results = {label(pat): [measure(pat, s, a.min_time, a.max_iters, topo, a.rate_bps,
+                                    device=device, transport=a.transport) for s in sizes]
                for pat in patterns}
     if me == 0:
-        best = max((results[pat][-1] for pat in patterns), key=lambda r: r["throughput_MBps"])
+        best = max((rs[-1] for rs in results.values()), key=lambda r: r["throughput_MBps"])
         m = {"world_size": dist.get_world_size(), "hosts": len(set(host_P)), "host_of_rank": host_P,
              "rate_bps": a.rate_bps, "patterns": results, "loopback_MBps": loop,
              "throughput_MBps": best["throughput_MBps"],
              "ratio_to_loopback": best["throughput_MBps"] / loop if loop else None,
              "uplink_MBps": best.get("uplink_MBps"), "ratio_to_rate": best.get("ratio_to_rate")}
         write_json(a.out / "metrics.json", m)
-        for pat in patterns:
+        for pat in results:
             for r in results[pat]:
                 extra = (f"  uplink {r['uplink_MBps']:.1f} MB/s" if "uplink_MBps" in r else "") + (
                     f"  {r['ratio_to_rate']:.3f} of the rate" if "ratio_to_rate" in r else "")
-                print(f"{pat:6s} {r['size_bytes']:>10d} B/peer  {r['throughput_MBps']:9.1f} MB/s  "
+                print(f"{pat:13s} {r['size_bytes']:>10d} B/peer  {r['throughput_MBps']:9.1f} MB/s  "
                       f"(loopback socket {loop:.0f} MB/s){extra}", flush=True)
     dist.destroy_process_group()
 
@@ -204,6 +201,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-time", type=float, default=1.0)
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="where the exchanged rows live (each variant's --device)")
+    p.add_argument("--transports", default="auto",
+                   help=f"all-to-all transports to compare, comma-separated, of {TRANSPORTS} "
+                        "(another than auto names its variants PATTERN-TRANSPORT)")
 
 
 def _variants(args) -> list[Variant]:
@@ -211,7 +211,14 @@ def _variants(args) -> list[Variant]:
              + ["--min-time", str(args.min_time), "--device", args.device])
     if getattr(args, "rate_bps", None):
         extra += ["--rate-bps", str(args.rate_bps)]
-    return [Variant(pat, "commsched.bench.all2all", ("--patterns", pat, *extra)) for pat in ("direct", "ring")]
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    bad = [t for t in transports if t not in TRANSPORTS]
+    if bad or not transports:
+        raise ValueError(f"--transports: {bad[0] if bad else args.transports!r} is not a transport; "
+                         f"give a comma-separated list of {TRANSPORTS}")
+    return [Variant(pat if tr == "auto" else f"{pat}-{tr}", "commsched.bench.all2all",
+                    ("--patterns", pat, "--transport", tr, *extra))
+            for tr in transports for pat in ("direct", "ring")]
 
 
 def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:

@@ -1,4 +1,4 @@
-"""Bench glue for the bandwidth emulator: ``--bandwidth/--hosts/--delay`` of
+"""Bench glue for the bandwidth emulator: ``--bandwidth/--hosts/--host-rate/--delay`` of
 ``commsched bench`` become a :class:`~commsched.bench.runner.RunContext` whose commands
 run under :mod:`commsched.netem` (the emulator itself knows nothing of benchmarks)."""
 
@@ -34,7 +34,7 @@ class EmulationUnavailable(NetemError):
 
 
 def netem_prefix(rate_bps: int | None, hosts: int = 1, delay_ms: float | None = None,
-                 python: str = sys.executable) -> list[str]:
+                 python: str = sys.executable, host_rate_bps: int | None = None) -> list[str]:
     """The ``commsched netem ... --`` prefix that runs a command under this emulation.
 
     It loads the emulator's file on its own (:data:`_STANDALONE`) rather than
@@ -47,6 +47,8 @@ def netem_prefix(rate_bps: int | None, hosts: int = 1, delay_ms: float | None = 
         cmd += ["--delay", f"{delay_ms:g}"]
     if hosts > 1:
         cmd += ["--hosts", str(hosts)]
+    if host_rate_bps is not None:
+        cmd += ["--host-rate", f"{host_rate_bps}bit"]
     return cmd + ["--"]
 
 
@@ -67,8 +69,9 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
                   which: Callable[[str], str | None] = shutil.which,
                   probe_delay: Callable[[], bool] | None = None,
                   gpus: int | None = None):
-    """Take ``--bandwidth RATE``, ``--hosts K`` and ``--delay MS`` out of a bench command
-    line; return ``(RunContext, remaining argv)``.
+    """Take ``--bandwidth RATE``, ``--hosts K``, ``--host-rate RATE`` (the limit between
+    ranks of one emulated host) and ``--delay MS`` out of a bench command line; return
+    ``(RunContext, remaining argv)``.
 
     ``workload`` is the workload the options are for (None: not known yet). Explicit
     emulation that this machine cannot provide raises :class:`EmulationUnavailable`
@@ -86,6 +89,7 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
     p.add_argument("--bandwidth", default=None)
     p.add_argument("--hosts", type=int, default=None)
     p.add_argument("--delay", type=float, default=None)
+    p.add_argument("--host-rate", default=None)
     ns, rest = p.parse_known_args(list(argv))
     # the workload's own --device, read but left in place: tc shapes gloo's TCP only
     peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -94,7 +98,8 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
     seen = peek.parse_known_args(rest)[0]
     device = seen.device
     nccl = nccl_possible(device, _torch_gpus() if gpus is None else gpus, seen.nproc)
-    flags = tuple(a for k, v in (("--bandwidth", ns.bandwidth), ("--hosts", ns.hosts), ("--delay", ns.delay))
+    flags = tuple(a for k, v in (("--bandwidth", ns.bandwidth), ("--hosts", ns.hosts), ("--delay", ns.delay),
+                                 ("--host-rate", ns.host_rate))
                   if v is not None for a in (k, str(v)))
     rate = parse_optional_rate(ns.bandwidth)
     hosts = 1 if ns.hosts is None else ns.hosts
@@ -102,6 +107,10 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
         raise ValueError(f"--hosts must be in 1..{MAX_HOSTS}, got {hosts}")
     if ns.delay is not None and not ns.delay >= 0:
         raise ValueError(f"--delay must be >= 0 ms, got {ns.delay}")
+    host_rate = parse_optional_rate(ns.host_rate)
+    if host_rate is not None and hosts < 2:
+        raise ValueError("--host-rate limits traffic between ranks of one emulated host: it needs "
+                         "--hosts K >= 2 (with one host, --bandwidth limits the shared loopback)")
     problem = check_requirements(os.geteuid() if euid is None else euid, which)
     inline = wl is not None and wl.inline is not None
     notes = []
@@ -136,12 +145,14 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
     if ns.delay and not (probe_delay or delay_supported)():
         raise EmulationUnavailable("--delay is not supported on this machine: the kernel has no "
                                    "netem qdisc (sch_netem); run without --delay")
-    prefix = netem_prefix(rate, hosts, ns.delay)
+    prefix = netem_prefix(rate, hosts, ns.delay, host_rate_bps=host_rate)
     info = {"mode": "hosts" if hosts > 1 else "loopback", "hosts": hosts,
-            "rate_bps": rate, "delay_ms": ns.delay,
+            "rate_bps": rate, "delay_ms": ns.delay, "host_rate_bps": host_rate,
             "nproc_meaning": "processes per host" if hosts > 1 else "processes (ranks)",
             "layout": (f"{hosts} host namespaces on a bridge, each link limited to the rate in both "
-                       "directions" if hosts > 1 else
+                       "directions; between ranks of one host "
+                       + (f"{format_rate(host_rate)}, shared" if host_rate else "unlimited")
+                       if hosts > 1 else
                        "one namespace; all ranks share one loopback limited to the rate")}
     if hosts == 1:
         return RunContext(wrap=lambda cmd: prefix + list(cmd), bandwidth=format_rate(rate) if rate else None,

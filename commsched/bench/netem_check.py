@@ -10,8 +10,9 @@ exchange time, and a measured time breakdown (``init``, ``comm``, ``verify``).
     commsched netem --rate 200mbit --hosts 2 -- torchrun --nnodes 2 ... -m commsched.bench.netem_check --out DIR
 
 ``--duplex-bytes N`` (2 ranks) also times N bytes one way, then both ways at once, over
-gloo and over two plain TCP connections, which shows how well the transport (gloo over
-TCP) uses a full-duplex link. The TCP probe listens on the loopback, or, inside
+gloo (on one group, and as ``all_to_all``'s duplex transport sends them: each direction on
+its own connection) and over two plain TCP connections, which shows how well the transport
+(gloo over TCP) uses a full-duplex link. The TCP probe listens on the loopback, or, inside
 ``commsched netem --hosts``, on the emulated host's private address; ``--duplex-bind
 ADDR`` asks for another.
 
@@ -32,7 +33,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..all2all import all_to_all
+from ..all2all import A2APlan, all_to_all
 from ..config import read_env
 from ..dist import all_gather_object, barrier, comm_guard, init_distributed
 from ..netem import HOST_IFNAME, SUBNET_PREFIX
@@ -90,22 +91,31 @@ def probe_bind_address(addrs: dict[str, str], gloo_ifnames: Sequence[str],
 
 def duplex_probe(nbytes: int, repeats: int = 2) -> dict[str, float]:
     """Two ranks: ``nbytes`` from rank 0 to rank 1 alone, then both ways at once
-    (isend + irecv on each side); the median rate per direction of each, bits/s."""
+    (isend + irecv on each side, one group), then both ways as ``all_to_all(...,
+    transport="duplex")`` sends them (each direction on its own connection); the median
+    rate per direction of each, bits/s."""
     me = dist.get_rank()
     peer = 1 - me
     x = torch.zeros(max(1, nbytes // 4))
     y = torch.empty_like(x)
-    rates: dict[str, list[float]] = {"one_way_bps": [], "both_ways_bps": []}
+    n = x.numel()
+    plan = A2APlan((0, n) if me == 0 else (n, 0), (0, n) if me == 0 else (n, 0), me)
+    rates: dict[str, list[float]] = {"one_way_bps": [], "both_ways_bps": [],
+                                     "both_ways_two_connections_bps": []}
+    all_to_all(x, plan, transport="duplex")  # connects the reverse group outside the timing
     for _ in range(repeats):
         for mode in rates:
             barrier("aligning the duplex probe")
             t = time.monotonic()
             reqs = []
             with comm_guard(f"duplex probe ({mode})"):
-                if mode == "both_ways_bps" or me == 0:
-                    reqs.append(dist.isend(x, peer))
-                if mode == "both_ways_bps" or me == 1:
-                    reqs.append(dist.irecv(y, peer))
+                if mode == "both_ways_two_connections_bps":
+                    all_to_all(x, plan, transport="duplex")
+                else:
+                    if mode == "both_ways_bps" or me == 0:
+                        reqs.append(dist.isend(x, peer))
+                    if mode == "both_ways_bps" or me == 1:
+                        reqs.append(dist.irecv(y, peer))
                 for q in reqs:
                     q.wait()
             barrier("ending the duplex probe")
@@ -200,7 +210,9 @@ def main(argv=None) -> None:
         if duplex:
             m["duplex"] = duplex
             print(f"netem_check: gloo one way {duplex['one_way_bps'] / 1e6:.0f} Mbit/s, gloo both ways at "
-                  f"once {duplex['both_ways_bps'] / 1e6:.0f} Mbit/s per direction, plain TCP both ways "
+                  f"once {duplex['both_ways_bps'] / 1e6:.0f} Mbit/s per direction on one group, "
+                  f"{duplex['both_ways_two_connections_bps'] / 1e6:.0f} on two (all_to_all duplex), "
+                  f"plain TCP both ways "
                   f"at once {duplex['tcp_both_ways_bps'] / 1e6:.0f} Mbit/s per direction (slower side)",
                   flush=True)
         write_json(a.out / "metrics.json", m)
