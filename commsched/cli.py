@@ -15,7 +15,7 @@ commands:
   bench WORKLOAD [--nproc N] [--bandwidth RATE] [--hosts K] [--repeat R] --out DIR
                   run a workload's variants side by side and write a summary
                   (workloads: {workloads})
-  netem --rate RATE [--delay MS] [--hosts K] -- COMMAND...
+  netem --rate RATE [--delay MS] [--hosts K [--host-rate RATE]] -- COMMAND...
                   run COMMAND under an emulated link (needs root, ip and tc)
   partition ...   write a graph partition folder (see `commsched partition -h`)
   topology (--file F | --hosts K --nproc N | --probe) [--out DIR]
