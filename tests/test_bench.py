@@ -141,6 +141,34 @@ def test_run_variant_timeout_stops_the_process_group(tmp_path):
     assert _gone(child)  # the background sleep in the same group is gone too
 
 
+SIGTERM_BENCH = """
+import sys
+from pathlib import Path
+from commsched.bench.runner import RunContext, Variant, run_variant
+tmp, marker = Path(sys.argv[1]), sys.argv[2]
+ctx = RunContext(launch=lambda v, n, d: ["sh", "-c", f"sleep 60 & echo $! > {marker}; wait"])
+run_variant(Variant("slow", "none"), 1, tmp / "v", ctx, timeout_s=60.0)
+"""
+
+
+def test_sigterm_to_the_bench_stops_the_running_variant(tmp_path):
+    """A bench stopped by SIGTERM (a scheduler, ``kill``) stops its variant's process group
+    instead of orphaning it, and exits 128 + SIGTERM."""
+    import signal
+    import sys
+
+    marker = tmp_path / "pid"
+    bench = subprocess.Popen([sys.executable, "-c", SIGTERM_BENCH, str(tmp_path), str(marker)])
+    deadline = time.monotonic() + 30
+    while not (marker.exists() and marker.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(marker.read_text())
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=30) == 128 + signal.SIGTERM
+    time.sleep(0.2)
+    assert _gone(child)
+
+
 def _gone(pid: int) -> bool:
     """No such process, or only a zombie left for init to reap."""
     try:

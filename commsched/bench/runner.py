@@ -20,6 +20,7 @@ or under the bandwidth emulator) is a :class:`RunContext`, built by
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -28,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,13 +169,42 @@ def _stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
     proc.wait()
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # besides SIGINT, which raises already
+
+
+@contextlib.contextmanager
+def _stop_signals_raise():
+    """Inside: SIGTERM and SIGHUP raise ``SystemExit(128 + signal)`` in the main thread, as
+    SIGINT raises KeyboardInterrupt, so that a bench stopped by either still stops its
+    running variant's process group (and the emulator below it removes its namespaces)
+    instead of leaving it orphaned in its own session. Later signals are ignored while the
+    clean-up runs. Elsewhere than the main thread (where handlers cannot be set) a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    state = {"raised": False}
+
+    def on_signal(signum, frame):
+        if not state["raised"]:
+            state["raised"] = True
+            raise SystemExit(128 + signum)
+
+    old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def run_variant(variant: Variant, nproc: int, out_dir: Path, ctx: RunContext,
                 timeout_s: float, tick: Callable[[float], None] | None = None) -> dict:
     """Run one variant to completion and return its metrics (its ``metrics.json``).
 
     The command runs in its own process group with output in ``out_dir/log.txt``;
     ``tick(elapsed_s)`` is called about once a second while it runs. On timeout or
-    interruption the group gets SIGTERM, then SIGKILL after :data:`STOP_GRACE_S`.
+    interruption (SIGINT, SIGTERM, SIGHUP) the group gets SIGTERM, then SIGKILL after
+    :data:`STOP_GRACE_S`.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     # a repeat's folder may hold an earlier invocation's run: this one replaces it (the
@@ -185,7 +216,7 @@ def run_variant(variant: Variant, nproc: int, out_dir: Path, ctx: RunContext,
                COMMSCHED_PROGRESS="0", **ctx.env)
     log = out_dir / "log.txt"
     t0 = time.perf_counter()
-    with open(log, "w") as f:
+    with open(log, "w") as f, _stop_signals_raise():
         f.write("# " + shlex.join(cmd) + "\n")
         f.flush()
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
