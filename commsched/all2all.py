@@ -285,6 +285,8 @@ def _gloo_backend(group, device: torch.device):
     """The group's gloo backend for ``device``, or None (another backend, or none)."""
     from torch.distributed import ProcessGroupGloo
 
+    if not dist.is_initialized():  # no process group: a one-rank exchange, no transport
+        return None
     pg = group if group is not None else dist.group.WORLD
     try:
         be = pg._get_backend(device)
@@ -293,13 +295,17 @@ def _gloo_backend(group, device: torch.device):
     return be if isinstance(be, ProcessGroupGloo) else None
 
 
+def _backend_name(group) -> str:
+    return f"a {dist.get_backend(group)} group" if dist.is_initialized() else "no process group"
+
+
 def _resolve_transport(transport: str, group, device: torch.device) -> str:
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     duplex_ok = device.type == "cpu" and _gloo_backend(group, device) is not None
     if transport == "duplex" and not duplex_ok:
         raise ValueError("transport='duplex' needs a gloo group and CPU rows (got rows on "
-                         f"{device} and a {dist.get_backend(group)} group); use 'auto' or 'single'")
+                         f"{device} and {_backend_name(group)}); use 'auto' or 'single'")
     if transport == "auto":
         return "duplex" if duplex_ok else "single"
     return transport
