@@ -42,6 +42,7 @@ exchange), the dispatch exchange's backward closes it (``"end"``: ``block_end`` 
 
 from __future__ import annotations
 
+import atexit
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -334,7 +335,30 @@ def _reverse_group(group):
                     "must reach its first exchange)", group):
         rev = ProcessGroupGloo(store, dist.get_rank(pg), dist.get_world_size(pg), opts)
     with _reverse_lock:
+        if not _reverse_groups:
+            atexit.register(close_reverse_groups)  # idempotent: registered when the table fills
         return _reverse_groups.setdefault(pg, rev)
+
+
+def close_reverse_groups() -> None:
+    """Shut down every reverse connection group the duplex transport made and forget them.
+
+    They are not in torch's group registry, so ``destroy_process_group`` does not reach
+    them; left to the interpreter's final clean-up, a gloo backend's worker threads can be
+    destroyed while still joinable, which aborts the process at exit ("terminate called
+    without an active exception") after the job's work is done. This runs at exit
+    (``atexit``) and may be called after ``destroy_process_group``; a later duplex exchange
+    connects afresh.
+    """
+    with _reverse_lock:
+        revs = list(_reverse_groups.values())
+        _reverse_groups.clear()
+    for rev in revs:
+        try:
+            rev.shutdown()
+        except Exception:  # already closed, or a backend without shutdown: dropping it is enough
+            pass
+    del revs
 
 
 def _post_pair(x_out, peer: int, send: bool, plan: A2APlan, group, reverse):
