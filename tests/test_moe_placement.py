@@ -289,7 +289,8 @@ def test_fast_local_search_step_equals_its_reference():
 
     rng = np.random.default_rng(5)
     for trial in range(40):
-        E = int(rng.choice([4, 8, 16])); N = int(rng.choice([2, 3, 4, 8]))
+        E = int(rng.choice([4, 8, 16]))
+        N = int(rng.choice([2, 3, 4, 8]))
         S = -(-E // N) + int(rng.integers(0, 4))
         load = rng.lognormal(0, 1.5, E) * 100 if trial % 2 else rng.integers(0, 50, E).astype(float)
         for start in (greedy_placement(load, N, S), eplb_placement(load, N, S).placement(load)):

@@ -222,7 +222,6 @@ class AdaQPExchange(HaloExchange):
         super().validate(dtype=dtype, row_numel=row_numel)
         if self.scheme == "adaptive" and self.world_size > 1:
             from ..costmodel import probe_link_costs
-
             from ..topology import Topology
 
             # probe buffers on the messages' device, timed to a device sync on CUDA; the

@@ -30,10 +30,10 @@ import numpy as np
 import torch
 
 from ..all2all import SegmentLayout
-from ..topology import INTER, INTRA, Topology
 from ..quant.assign_problem import Channel, expand_group_bits, group_messages
 from ..quant.codec import META_BYTES, payload_bytes
 from ..quant.reference import BITS
+from ..topology import INTER, INTRA, Topology
 
 # width schemes of the quantized exchange
 SCHEMES = ("adaptive", "uniform", "random")

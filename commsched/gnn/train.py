@@ -32,7 +32,15 @@ from .adaqp_plan import LINK_COST_SOURCES, AdaQPOptions
 from .cliargs import add_graph_args, graph_args_given, source_from_args
 from .data import GraphSource, load_source
 from .modes import MODE_NAMES, mode_spec
-from .partition import METHODS, PartData, halo_rows, inter_host_rows, load_part, make_parts, partition_nodes
+from .partition import (
+    METHODS,
+    PartData,
+    halo_rows,
+    inter_host_rows,
+    load_part,
+    make_parts,
+    partition_nodes,
+)
 from .trainer import DTYPES, TrainConfig, run_training
 
 _D = TrainConfig()
