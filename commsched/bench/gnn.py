@@ -299,14 +299,7 @@ def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> 
         rows[v] = r
     keys = ("epoch_time_s", "speedup_vs_vanilla", "speedup_vs_vanilla_bf16", "comm_share", "quant_share", "assign_share_of_wall",
             "bytes_per_epoch_MB", "test_acc", "x_nocomm")
-    lines = ["| variant | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
-    for v, r in rows.items():
-        cells = []
-        for k in keys:
-            x = r.get(k)
-            cells.append("-" if x is None else (f"{x:.3g}" if isinstance(x, float) else str(x)))
-        lines.append(f"| {v} | " + " | ".join(cells) + " |")
-    lines.append("")
+    lines = _variant_rows(rows, keys, 3)
     lines.append("speedup_vs_vanilla: median over repeats of (vanilla epoch / variant epoch) of the "
                  "same repeat (_bf16: against vanilla with --dtype bfloat16); comm/quant shares: of the variant's median epoch; x_nocomm: epoch time "
                  "as a multiple of the timing-only nocomm mode (remote rows = zeros, wrong maths).")
@@ -316,17 +309,24 @@ def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> 
     return {"gnn": rows, "extra_tables": tables, "plots": _plots(runs, out)}
 
 
-def _class_table(rows: dict[str, dict]) -> str:
-    keys = ("runs", "epoch_time_s", "speedup_vs_vanilla", "speedup_vs_avg", "test_acc_mean",
-            "intra_bits", "inter_bits", "intra_MB", "inter_MB", "inter_host_rows")
+def _variant_rows(rows: dict[str, dict], keys: tuple[str, ...], digits: int) -> list[str]:
+    """A markdown table, a row per variant and a column per key (floats to ``digits``
+    significant digits, missing values as '-'), followed by an empty line."""
     lines = ["| variant | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for v, r in rows.items():
         cells = []
         for k in keys:
             x = r.get(k)
-            cells.append("-" if x is None else (f"{x:.4g}" if isinstance(x, float) else str(x)))
+            cells.append("-" if x is None else (f"{x:.{digits}g}" if isinstance(x, float) else str(x)))
         lines.append(f"| {v} | " + " | ".join(cells) + " |")
     lines.append("")
+    return lines
+
+
+def _class_table(rows: dict[str, dict]) -> str:
+    keys = ("runs", "epoch_time_s", "speedup_vs_vanilla", "speedup_vs_avg", "test_acc_mean",
+            "intra_bits", "inter_bits", "intra_MB", "inter_MB", "inter_host_rows")
+    lines = _variant_rows(rows, keys, 4)
     lines.append("runs: seeds x repeats pooled; speedup_vs_avg: median of (adaqp-avg epoch / variant "
                  "epoch) of the same seed and repeat; test_acc_mean: mean over the runs; "
                  "{intra,inter}_bits: mean width of the rows sent inside / across hosts (last "
