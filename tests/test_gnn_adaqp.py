@@ -1,6 +1,7 @@
 """AdaQP exchanges: pure width layouts and the rank-0 solve; on 2 and 3 gloo ranks,
 adaqp-p equals vanilla exactly, quantized exchanges round-trip within the quantization
-error bound (forward and backward), quantized modes train, widths agree across ranks."""
+error bound (forward and backward), quantized modes train, widths agree across ranks.
+The 3-rank cases of tests/test_gnn_pyg.py and tests/test_gnn_peers.py share its spawn."""
 
 from __future__ import annotations
 
@@ -325,6 +326,10 @@ def _cases(rank: int, world: int) -> dict:
     from tests.test_gnn_pyg import THREE_RANK_CASES
 
     out["pyg"] = _run_cases(rank, world, THREE_RANK_CASES)
+    # and the peers' modes (tests/test_gnn_peers.py: pipegcn, bns)
+    from tests.test_gnn_peers import THREE_RANK_CASES as PEER_CASES
+
+    out["peers"] = _run_cases(rank, world, PEER_CASES)
     return out
 
 
@@ -364,6 +369,7 @@ def test_adaqp_on_two_and_three_ranks():
     assert sum(res[0]["topo_classes"].values()) == sum(out["topo_rows"] for out in res)
     from tests.mp import assert_case
 
-    pyg = {name: {r: out["pyg"][name] for r, out in enumerate(res)} for name in res[0]["pyg"]}
-    for name in pyg:
-        assert_case(pyg, name)
+    for key in ("pyg", "peers"):
+        cases = {name: {r: out[key][name] for r, out in enumerate(res)} for name in res[0][key]}
+        for name in cases:
+            assert_case(cases, name)

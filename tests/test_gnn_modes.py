@@ -14,6 +14,7 @@ import torch
 from commsched.all2all import CommStats
 from commsched.gnn.adaqp import AdaQPExchange
 from commsched.gnn.adaqp_plan import AdaQPOptions, build_problems
+from commsched.gnn.bns import BNSExchange
 from commsched.gnn.context import PassContext
 from commsched.gnn.data import SyntheticSpec, synthetic_graph
 from commsched.gnn.halo import VanillaExchange, ZeroExchange
@@ -21,6 +22,7 @@ from commsched.gnn.layers import GCNConv, LocalGraph, build_model
 from commsched.gnn.metrics import GNNMetrics, summarize
 from commsched.gnn.modes import MODE_NAMES, MODES, make_exchange, mode_spec
 from commsched.gnn.partition import make_parts, partition_nodes
+from commsched.gnn.stale import PipeGCNExchange
 from commsched.gnn.trainer import TrainConfig
 from commsched.quant.reference import BITS
 
@@ -39,8 +41,10 @@ def parts():
 def test_mode_table_builds_each_modes_exchange(parts):
     _, ps = parts
     book = ps[0].book  # rank 0 of 2; building an exchange needs no process group
-    assert MODE_NAMES == ("vanilla", "adaqp", "adaqp-q", "adaqp-p", "uniform", "random", "nocomm")
-    want = {"vanilla": (VanillaExchange, False), "adaqp-p": (VanillaExchange, True)}
+    assert MODE_NAMES == ("vanilla", "adaqp", "adaqp-q", "adaqp-p", "uniform", "random", "nocomm",
+                          "pipegcn", "bns")
+    want = {"vanilla": (VanillaExchange, False), "adaqp-p": (VanillaExchange, True),
+            "pipegcn": (PipeGCNExchange, True), "bns": (BNSExchange, False)}
     for mode in MODE_NAMES:
         ex = make_exchange(mode, book, options=AdaQPOptions(bits=4), seed=3, norm="mean")
         if mode in want:

@@ -291,7 +291,11 @@ class VanillaExchange(HaloExchange):
         return self.asynchronous
 
     def transfer(self, rows: torch.Tensor, layer: int, direction: str, ctx: PassContext) -> Pending:
-        plan = self.plan if direction == "forward" else self.plan.reversed()
+        return self._wire(rows, self.plan if direction == "forward" else self.plan.reversed(), ctx)
+
+    def _wire(self, rows: torch.Tensor, plan: A2APlan, ctx: PassContext) -> Pending:
+        """``rows`` across the wire with ``plan`` (in ``wire_dtype`` when one is set, cast back
+        on arrival): the one send of every Vanilla-based exchange."""
         wire = self.wire_dtype
         if wire is not None and wire != rows.dtype:
             back, inner = rows.dtype, self._send(rows.to(wire), plan, ctx)

@@ -10,10 +10,20 @@ adaqp-p    VanillaExchange asynchronous full precision with overlap: equals vani
 uniform    AdaQPExchange uniform        every message at ``--bits``; overlap
 random     AdaQPExchange random         widths drawn from BITS every period; overlap
 nocomm     ZeroExchange                 TIMING ONLY: nothing; remote rows are zeros
+pipegcn    PipeGCNExchange (stale.py)   full precision in the background; training uses
+                                        last epoch's halo rows and gradients (PipeGCN)
+bns        BNSExchange (bns.py)         full-precision rows of a random ``--boundary-rate``
+                                        share of the boundary nodes per epoch (BNS-GCN)
 =========  ===========================  ==============================================
 
+Allowed combinations: ``pipegcn`` and ``bns`` take ``--dtype float32|float64|bfloat16``
+(bf16 rows on the wire, as Vanilla) and both models; ``pipegcn`` needs ``--pattern
+direct``. They are modes of their own, so neither composes with AdaQP's widths nor with
+the other (stale quantized rows or sampled stale rows are not implemented).
+
 This module is the only one that knows both the plain exchanges (:mod:`.halo`) and
-AdaQP's (:mod:`.adaqp`); neither of those imports the other's mode names.
+AdaQP's (:mod:`.adaqp`); neither of those imports the other's mode names. PipeGCN's
+(:mod:`.stale`) and BNS-GCN's (:mod:`.bns`) exchanges extend the Vanilla one.
 """
 
 from __future__ import annotations
@@ -24,16 +34,18 @@ import torch
 
 from .adaqp import AdaQPExchange
 from .adaqp_plan import AdaQPOptions
+from .bns import BNSExchange, BNSOptions
 from .book import PartitionBook
 from .halo import HaloExchange, VanillaExchange, ZeroExchange
+from .stale import PipeGCNExchange, PipeGCNOptions
 
 
 @dataclass(frozen=True)
 class Mode:
     """One row of :data:`MODES`.
 
-    exchange: "vanilla", "adaqp" or "zero" (the strategy class); asynchronous: the
-    vanilla exchange in the background; scheme, overlap: the AdaQP width scheme and
+    exchange: "vanilla", "adaqp", "zero", "pipegcn" or "bns" (the strategy class);
+    asynchronous: the vanilla exchange in the background; scheme, overlap: the AdaQP width scheme and
     whether its exchange overlaps the central aggregation; timing_only: the model trained
     is wrong on purpose (never a training mode)."""
 
@@ -52,6 +64,8 @@ MODES: dict[str, Mode] = {
     "uniform": Mode("adaqp", scheme="uniform", overlap=True),
     "random": Mode("adaqp", scheme="random", overlap=True),
     "nocomm": Mode("zero", timing_only=True),
+    "pipegcn": Mode("pipegcn"),
+    "bns": Mode("bns"),
 }
 MODE_NAMES: tuple[str, ...] = tuple(MODES)
 
@@ -66,15 +80,18 @@ def mode_spec(mode: str) -> Mode:
 def make_exchange(mode: str, book: PartitionBook, *, group=None, pattern: str = "direct",
                   options: AdaQPOptions | None = None, seed: int = 0,
                   norm: str | None = None, device: torch.device | str | None = None,
-                  wire_dtype: torch.dtype | None = None) -> HaloExchange:
+                  wire_dtype: torch.dtype | None = None, pipegcn: PipeGCNOptions | None = None,
+                  bns: BNSOptions | None = None) -> HaloExchange:
     """The exchange strategy of ``mode`` for one rank's ``book``, on ``device`` (default:
     the CPU).
 
     options, seed: the run's AdaQP options and seed (``TrainConfig.adaqp``, ``.seed``);
     norm: the model's edge normalisation (the conv class's ``norm``), which the quantized
-    modes need to weigh their messages. The other modes ignore all three. wire_dtype: the
+    modes need to weigh their messages. The other modes ignore all three (but bns: seed). wire_dtype: the
     dtype full-precision rows cross the wire in (``--dtype bfloat16``: ``torch.bfloat16``);
-    only the Vanilla exchanges take one."""
+    only the Vanilla exchanges (vanilla, adaqp-p, pipegcn, bns) take one. pipegcn, bns: the
+    options of those modes (``TrainConfig.pipegcn``, ``.bns``; default: their defaults); bns
+    draws its boundary samples from ``seed``."""
     spec = mode_spec(mode)
     if wire_dtype is not None and spec.exchange == "adaqp":
         raise ValueError(f"--mode {mode} quantizes its rows: it takes no wire dtype (the "
@@ -84,6 +101,12 @@ def make_exchange(mode: str, book: PartitionBook, *, group=None, pattern: str = 
                                wire_dtype=wire_dtype, device=device)
     if spec.exchange == "zero":
         return ZeroExchange(book, group=group, pattern=pattern, device=device)
+    if spec.exchange == "pipegcn":
+        return PipeGCNExchange(book, options=pipegcn, group=group, pattern=pattern,
+                               wire_dtype=wire_dtype, device=device)
+    if spec.exchange == "bns":
+        return BNSExchange(book, options=bns, seed=seed, group=group, pattern=pattern,
+                           wire_dtype=wire_dtype, device=device)
     if norm is None:
         raise ValueError(f"--mode {mode} weighs its messages by the model's edge normalisation: "
                          "pass norm= (the layer's norm, e.g. \"gcn\" or \"mean\")")

@@ -29,6 +29,7 @@ from ..dist import (
 from ..results import mark_failed, prepare_out
 from ..topology import Topology
 from .adaqp_plan import LINK_COST_SOURCES, AdaQPOptions
+from .bns import DEFAULT_BOUNDARY_RATE, BNSOptions
 from .cliargs import add_graph_args, graph_args_given, source_from_args
 from .data import GraphSource, load_source
 from .modes import MODE_NAMES, mode_spec
@@ -41,6 +42,7 @@ from .partition import (
     make_parts,
     partition_nodes,
 )
+from .stale import PipeGCNOptions
 from .trainer import DTYPES, TrainConfig, run_training
 
 _D = TrainConfig()
@@ -82,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="AdaQP modes: do not compile the quantization codec at start-up (the "
                         "uncompiled codec: the same bits, slower per epoch; COMMSCHED_COMPILE=0 "
                         "does the same for every codec call)")
+    t.add_argument("--stale-delay", type=int, default=None, metavar="D",
+                   help="--mode pipegcn: 1 (default) uses the previous epoch's halo rows and "
+                        "gradients; 0 this epoch's (exact, equal to vanilla)")
+    t.add_argument("--stale-smoothing", type=float, default=None, metavar="GAMMA",
+                   help="--mode pipegcn: moving average of the stale rows and gradients, "
+                        "s = GAMMA s + (1 - GAMMA) received, GAMMA in [0, 1) (default 0: off)")
+    t.add_argument("--boundary-rate", type=float, default=None, metavar="P",
+                   help="--mode bns: fraction in (0, 1] of each part's boundary nodes kept per "
+                        f"epoch (default {DEFAULT_BOUNDARY_RATE}; 1 equals vanilla)")
     t.add_argument("--pattern", choices=("direct", "ring"), default=_D.pattern,
                    help="all_to_all pattern of the halo exchange")
     t.add_argument("--dtype", choices=tuple(DTYPES), default=_D.dtype,
@@ -103,8 +114,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _mode_options(a: argparse.Namespace) -> tuple[PipeGCNOptions, BNSOptions]:
+    """The options of --mode pipegcn and bns; one of them given to another mode is an error."""
+    stale = {k: v for k, v in (("delay", a.stale_delay), ("smoothing", a.stale_smoothing)) if v is not None}
+    if stale and a.mode != "pipegcn":
+        raise ValueError(f"--stale-delay and --stale-smoothing are options of --mode pipegcn, not "
+                         f"of --mode {a.mode}")
+    if a.boundary_rate is not None and a.mode != "bns":
+        raise ValueError(f"--boundary-rate is an option of --mode bns, not of --mode {a.mode}")
+    bns = BNSOptions() if a.boundary_rate is None else BNSOptions(rate=a.boundary_rate)
+    return PipeGCNOptions(**stale), bns
+
+
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(model=a.model, mode=a.mode, layers=a.layers, hidden=a.hidden,
+    pipegcn, bns = _mode_options(a)
+    return TrainConfig(pipegcn=pipegcn, bns=bns, model=a.model, mode=a.mode, layers=a.layers, hidden=a.hidden,
                        dropout=a.dropout, layer_norm=a.layer_norm, lr=a.lr,
                        weight_decay=a.weight_decay, epochs=a.epochs, seed=a.seed, dtype=a.dtype,
                        pattern=a.pattern, dropout_rng=a.dropout_rng, eval_every=a.eval_every,

@@ -24,7 +24,7 @@ the CPU).
 
 **dtype.** ``float32`` (default) and ``float64`` are the dtype of everything.
 ``bfloat16`` is the mixed-precision full-precision baseline (``vanilla``, ``adaqp-p``,
-``nocomm`` only): parameters, optimizer, loss and the gradient allreduce stay float32;
+``nocomm``, ``pipegcn``, ``bns`` only): parameters, optimizer, loss and the gradient allreduce stay float32;
 the forward runs under ``torch.autocast(dtype=bfloat16)`` (linear layers in bf16); the
 sparse aggregation runs in float32 (torch's CPU CSR product has no bf16 kernel); every
 exchanged row, forward and backward, crosses the wire in bf16 (half of float32's bytes).
@@ -59,12 +59,14 @@ from ..dist import (
 )
 from ..results import Progress, load_torch_file, median, read_error
 from .adaqp_plan import AdaQPOptions
+from .bns import BNSOptions
 from .context import PassContext
 from .halo import HaloExchange
 from .layers import LocalGraph, build_model
 from .metrics import GNNMetrics, summarize
 from .modes import MODE_NAMES, make_exchange, mode_spec
 from .partition import PartData
+from .stale import PipeGCNOptions
 from .timing import Breakdown
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -86,7 +88,9 @@ class TrainConfig:
     faster but rank-count dependent. ``device``: one of
     :data:`commsched.dist.DEVICE_CHOICES` (``auto``: CUDA when every local rank has its
     own GPU); the library default is the CPU, ``--device`` defaults to ``auto``. ``dtype``: see the module doc (``bfloat16``: the mixed-precision baseline of
-    the full-precision modes).
+    the full-precision modes). ``pipegcn`` (``--stale-delay``, ``--stale-smoothing``) and
+    ``bns`` (``--boundary-rate``) are the options of those modes; another mode refuses
+    values other than their defaults.
     """
 
     model: str = "gcn"
@@ -106,17 +110,30 @@ class TrainConfig:
     checkpoint_every: int = 0
     adaqp: AdaQPOptions = field(default_factory=AdaQPOptions)
     device: str = "cpu"
+    pipegcn: PipeGCNOptions = field(default_factory=PipeGCNOptions)
+    bns: BNSOptions = field(default_factory=BNSOptions)
 
     def __post_init__(self) -> None:
         if self.mode not in MODE_NAMES:
             raise ValueError(f"--mode must be one of {', '.join(MODE_NAMES)}, got {self.mode!r}")
         if not isinstance(self.adaqp, AdaQPOptions):
             raise TypeError(f"adaqp must be an AdaQPOptions, got {type(self.adaqp).__name__}")
+        if not isinstance(self.pipegcn, PipeGCNOptions) or not isinstance(self.bns, BNSOptions):
+            raise TypeError("pipegcn must be a PipeGCNOptions and bns a BNSOptions, got "
+                            f"{type(self.pipegcn).__name__} and {type(self.bns).__name__}")
+        if self.mode != "pipegcn" and self.pipegcn != PipeGCNOptions():
+            raise ValueError(f"--stale-delay and --stale-smoothing are options of --mode pipegcn, "
+                             f"not of --mode {self.mode}")
+        if self.mode != "bns" and self.bns != BNSOptions():
+            raise ValueError(f"--boundary-rate is an option of --mode bns, not of --mode {self.mode}")
+        if self.mode == "pipegcn" and self.pattern != "direct":
+            raise ValueError("--mode pipegcn keeps every exchange of an epoch in flight across the "
+                             f"gradient allreduce, which needs --pattern direct (got {self.pattern!r})")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.dtype in MIXED_DTYPES and mode_spec(self.mode).exchange == "adaqp":
             raise ValueError(f"--dtype {self.dtype} is an option of the full-precision modes "
-                             f"(vanilla, adaqp-p, nocomm); --mode {self.mode} quantizes float32 "
+                             f"(vanilla, adaqp-p, nocomm, pipegcn, bns); --mode {self.mode} quantizes float32 "
                              "rows: use --dtype float32")
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
@@ -261,7 +278,8 @@ class Trainer:
         # the quantized modes weigh messages by the model's edge normalisation
         self.halo = exchange.to(dev) if exchange is not None else make_exchange(
             cfg.mode, part.book, group=group, pattern=cfg.pattern, options=cfg.adaqp,
-            seed=cfg.seed, norm=self.model.convs[0].norm, device=dev, wire_dtype=cfg.wire_dtype)
+            seed=cfg.seed, norm=self.model.convs[0].norm, device=dev, wire_dtype=cfg.wire_dtype,
+            pipegcn=cfg.pipegcn, bns=cfg.bns)
         self.graph = LocalGraph(part.book, self.halo, dtype=dt, seed=cfg.seed,
                                 dropout_rng=cfg.dropout_rng, device=dev)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
