@@ -130,6 +130,20 @@ def test_one_rank_peer_modes_equal_vanilla():
         assert m["loss"] == ref["loss"] and m["test_acc"] == ref["test_acc"], cfg.mode
 
 
+def test_bns_refuses_attention_layers_in_the_pyg_adapter():
+    from torch_geometric.nn import GATConv, SAGEConv
+
+    from commsched.gnn.pyg import DistGraph, distributed
+
+    g = synthetic_graph(SYN)
+    dg = DistGraph.from_graph(g, mode="bns")
+    lay = distributed(GATConv(g.num_features, 4), dg)
+    with pytest.raises(ValueError, match="mode='bns' drops boundary rows.*GATConv's attention"):
+        lay(dg.x)
+    ok = DistGraph.from_graph(g, mode="bns")
+    assert distributed(SAGEConv(g.num_features, 4), ok)(ok.x).shape == (g.num_nodes, 4)
+
+
 # --------------------------------------------------------------------------- 3 ranks
 class _Recording(PipeGCNExchange):
     """PipeGCN's exchange, remembering per training epoch what it sent and what it gave

@@ -324,6 +324,12 @@ class DistGraph:
         will run (``prepare``). Called by the first pass or layer call."""
         if self._ready:
             return
+        attention = [type(lay.conv).__name__ for lay in self._layers
+                     if type(lay.conv).__name__ in ("GATConv", "GATv2Conv")]
+        if self.mode == "bns" and attention:
+            raise ValueError(f"mode='bns' drops boundary rows by sending zeros in their place, "
+                             f"which a weighted-sum aggregation ignores but {attention[0]}'s attention "
+                             "does not: use bns with GCNConv, SAGEConv, GINConv or GraphConv")
         self._ready = True
         check_same_config({"partition": {"fingerprint": self.part.fingerprint,
                                          "num_parts": self.book.num_parts},
