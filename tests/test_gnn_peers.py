@@ -206,6 +206,8 @@ def _stale_run(rank: int, world: int, smoothing: float):
     cfg = dataclasses.replace(BASE, mode="pipegcn", epochs=4, pipegcn=PipeGCNOptions(smoothing=smoothing))
     ex = _Recording(part.book, options=cfg.pipegcn)
     m, _ = run_training(cfg, part, exchange=ex)
+    # the kept rows join no graph (else each epoch's graph would hold the one before)
+    assert ex._stale and not any(v.requires_grad for v in ex._stale.values())
     sent = {e: {k: s for k, (s, _) in d.items()} for e, d in ex.log.items()}
     used = {e: {k: p.wait() for k, (_, p) in d.items()} for e, d in ex.log.items()}
     allsent: list = [None] * world

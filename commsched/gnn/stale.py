@@ -90,7 +90,8 @@ class PipeGCNExchange(VanillaExchange):
         stale = self._stale.get(key)
         if self.options.delay == 0 or stale is None:
             return fresh  # exact: the first epoch, or no delay
-        return Pending.ready(stale)
+        # a new alias each pass: the pass's autograd marks the tensor it is given, not the kept one
+        return Pending.ready(stale.detach())
 
     def end_epoch(self, ctx: PassContext) -> None:
         """Wait for this epoch's exchanges (blocked time: "comm") and keep what arrived (or its
@@ -102,10 +103,11 @@ class PipeGCNExchange(VanillaExchange):
             return
         gamma = self.options.smoothing
         t = ctx.timer.mark()
-        for key, pend in self._inflight.items():
-            got = pend.wait()
-            old = self._stale.get(key)
-            self._stale[key] = got if old is None or gamma == 0.0 else old * gamma + got * (1.0 - gamma)
+        with torch.no_grad():  # kept values join no graph: one epoch's graph never holds the next
+            for key, pend in self._inflight.items():
+                got = pend.wait().detach()
+                old = self._stale.get(key)
+                self._stale[key] = got if old is None or gamma == 0.0 else old * gamma + got * (1.0 - gamma)
         self._inflight.clear()
         ctx.timer.add_span("comm", t, ctx.timer.mark())
 
