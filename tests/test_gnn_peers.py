@@ -153,11 +153,19 @@ class _Recording(PipeGCNExchange):
         super().__init__(*a, **kw)
         self.log: dict[int, dict] = {}
 
+        self.waited_in_pass: dict[int, list[bool]] = {}
+
     def transfer(self, rows, layer, direction, ctx):
         pend = super().transfer(rows, layer, direction, ctx)
         if ctx.training:
             self.log.setdefault(ctx.epoch, {})[(layer, direction)] = (rows.clone(), pend)
         return pend
+
+    def end_epoch(self, ctx):
+        # whether the pass itself waited for each of this epoch's exchanges (it must not,
+        # after the first epoch: they stay in flight until here)
+        self.waited_in_pass[ctx.epoch] = [p._out is not None for p in self._inflight.values()]
+        super().end_epoch(ctx)
 
 
 def _part3(rank: int):
@@ -208,6 +216,10 @@ def _stale_run(rank: int, world: int, smoothing: float):
     m, _ = run_training(cfg, part, exchange=ex)
     # the kept rows join no graph (else each epoch's graph would hold the one before)
     assert ex._stale and not any(v.requires_grad for v in ex._stale.values())
+    # epoch 0 waited for its own rows; later epochs' exchanges ran in the background until
+    # the end of the epoch, five of them (3 forward, 2 backward: layer 0 needs no gradient)
+    assert ex.asynchronous and ex.waited_in_pass[0] == [True] * 5
+    assert all(ex.waited_in_pass[e] == [False] * 5 for e in range(1, cfg.epochs))
     sent = {e: {k: s for k, (s, _) in d.items()} for e, d in ex.log.items()}
     used = {e: {k: p.wait() for k, (_, p) in d.items()} for e, d in ex.log.items()}
     allsent: list = [None] * world
