@@ -672,6 +672,11 @@ def test_bench_variants_summary_and_heatmap(tmp_path):
     assert vs["lina@0"].count("--threshold") == 1 and vs["lina@0"][-2:] == ("--threshold", "0")
     with pytest.raises(ValueError, match="outside"):
         WORKLOAD.variants(build_parser(WORKLOAD).parse_args(["--lina-thresholds", "2"]))
+    h = build_parser(WORKLOAD).parse_args(["--batches", "5"])
+    h.hosts, h.rate_bps = 2, 1_000_000_000  # what the runner sets under --hosts 2 --bandwidth 1gbit
+    hv = {v.name: v.args for v in WORKLOAD.variants(h)}
+    assert list(hv) == ["static", "eplb", "eplb-hier", "lina", "lina-node", "oracle"]
+    assert hv["lina-node"][-2:] == ("--inter-rate", "1000000000bit") and "--inter-rate" not in hv["lina"]
     runs = {"static": [_metrics(200, 100, 1.6, [190, 200, 210])] * 2,
             "lina": [_metrics(120, 60, 1.1, [110, 120, 125])] * 2,
             "oracle": [_metrics(110, 58, 1.0, [105, 110, 112])] * 2}
@@ -683,3 +688,9 @@ def test_bench_variants_summary_and_heatmap(tmp_path):
     assert g["model_latency_p95_speedup_vs_static"]["measured"] == pytest.approx(100 / 60)
     assert out["latency_ms_batch_median_over_repeats"]["lina"]["p50"] == pytest.approx(120)
     assert (tmp_path / "heatmap.png").stat().st_size > 1000
+    for v, b in (("static", 4e6), ("lina", 1e6)):  # on hosts: the bytes table, medians of the repeats
+        for m in runs[v]:
+            m.update(hosts=2, inter_host_bytes_per_batch=b, intra_host_bytes_per_batch=2e6)
+    out = WORKLOAD.summarize({v: runs[v] for v in ("static", "lina")}, a, tmp_path)
+    table = out["extra_tables"]["hosts: latency, imbalance and bytes measured by the row exchanges"]
+    assert "| lina | 120 | 1.100 | 1.00 | 2.00 | 0.250 |" in table

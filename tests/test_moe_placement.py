@@ -442,8 +442,12 @@ def test_placement_report_smoke():
     cfg = ReportConfig(num_tokens=8192, max_batches=3, max_path=3, presets=("default",),
                        planner_shapes=((8, 4, 3),), planner_loads=("zipf1.2",),
                        planner_instances=3, eplb_instances=10, eplb_max_experts=32,
-                       eplb_max_devices=8, eplb_timing_slots=())
+                       eplb_max_devices=8, eplb_timing_slots=(), node_instances=2, node_max_experts=16,
+                       node_max_devices=4)
     rep = run_report(cfg)
+    nd = {(r["hosts"], r["planner"]): r for r in rep["node"]["table"]}
+    assert set(nd) == {(2, "eplb-hier"), (2, "node w=0.04"), (2, "node w=0.5")}
+    assert nd[(2, "node w=0.5")]["cross_mean"] <= 1.0 and nd[(2, "node w=0.5")]["instances"] == 2
     (tr,) = rep["traces"]
     assert set(tr["accuracy_topk"]) == {1, 2, 3} and tr["test_batches"] == 3
     imb = tr["imbalance_mean"]
@@ -459,7 +463,7 @@ def test_placement_report_smoke():
     assert ep[("plan", "all")]["worse_than_0.5pct"] == 0
     assert ep[("plan", "all")]["mean"] <= ep[("greedy", "all")]["mean"] + 1e-12
     md = to_markdown(rep, "cmd")
-    assert "| oracle |" in md and "`cmd`" in md and "| plan (all) | 10 |" in md
+    assert "| oracle |" in md and "`cmd`" in md and "| plan (all) | 10 |" in md and "| 2 | node w=0.5 | 2 |" in md
 
 
 # --------------------------------------------------------------------------- node-aware
