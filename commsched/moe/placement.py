@@ -52,10 +52,12 @@ without it (the default) every device serves an equal share of every expert's to
 (:func:`even_origin`), so the gain comes from keeping replicas of the heavy experts on
 every host. The planner tries k = the number of most loaded experts kept on every host
 (:data:`NODE_CANDIDATES` values of k), places each other expert on one host (descending
-load, to the host whose devices would serve the fewest tokens, with room), plans each
-host's devices on the tokens they serve with the greedy, re-plans the
-:data:`NODE_REFINE` best k with the full planner, and returns the best of those and the
-flat plan split host-locally. Without hosts, with one host or with weight 0 the result is
+load, to the host whose devices would serve the fewest tokens, each host taking at most
+its devices' share of them), plans each host's devices on the tokens they serve with the
+greedy, re-plans the :data:`NODE_REFINE` best k with the full planner, and returns the
+best of those and the flat plan split host-locally -- or the flat plan itself, with the
+flat split and no ``device_host``, when its cost is lower: the node-aware cost is never
+above the flat plan's. Without hosts, with one host or with weight 0 the result is
 exactly the flat planner's.
 
 :func:`split_tokens` maps each token of a replicated expert to one of its replicas,
@@ -885,8 +887,9 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
     plus ``cross_weight`` times the rows through the busiest host link, with the
     host-local split (module docstring, "Node-aware placement"); ``origin_HE`` [H, E]
     gives each host's tokens per expert (default :func:`even_origin`). The result carries
-    ``device_host``. Without hosts, with one host or with ``cross_weight`` 0 the result
-    is exactly the flat planner's.
+    ``device_host`` (a host-local placement), unless the flat plan with the flat split has
+    the lower cost: then it is that plan. Without hosts, with one host or with
+    ``cross_weight`` 0 the result is exactly the flat planner's.
 
     Popular experts get more replicas; unpopular ones are packed together. Method: for up
     to ``max_candidates`` total replica counts between E and N*S, take the greedy
@@ -1084,7 +1087,8 @@ def _node_aware(load: np.ndarray, N: int, S: int, hosts: tuple[int, ...], w: flo
     on every host (the k most loaded), the others each on one host, plan each host's
     devices with ``fast`` on the tokens its devices would serve; re-plan the
     :data:`NODE_REFINE` best k (by :func:`_node_key`) with ``inner``; compare with the
-    flat plan (``inner`` on all devices) split host-locally."""
+    flat plan (``inner`` on all devices) split host-locally, and return the flat plan
+    itself (the flat split) when its :func:`node_cost` is lower still."""
     E = load.size
     H = max(hosts) + 1
     dev_H = [[d for d in range(N) if hosts[d] == h] for h in range(H)]
@@ -1098,12 +1102,16 @@ def _node_aware(load: np.ndarray, N: int, S: int, hosts: tuple[int, ...], w: flo
         everywhere, rest = set(order[:k]), order[k:]
         served = origin[:, order[:k]].sum(axis=1)  # tokens each host's devices serve
         room = [c - k for c in cap_H]
+        # each host takes at most its devices' share of the other experts while another host
+        # has room, so that every host keeps spare slots for replicas of its heavy experts
+        fair = [min(room[h], -(-len(rest) * len(dev_H[h]) // N)) for h in range(H)]
         on: list[list[int]] = [sorted(everywhere) for _ in range(H)]
         for e in rest:  # descending load, to the host whose devices would serve the least
-            h = min((h for h in range(H) if room[h] > 0),
-                    key=lambda h: ((served[h] + load[e]) / len(dev_H[h]), h))
+            free = [h for h in range(H) if fair[h] > 0] or [h for h in range(H) if room[h] > 0]
+            h = min(free, key=lambda h: ((served[h] + load[e]) / len(dev_H[h]), h))
             on[h].append(e)
             room[h] -= 1
+            fair[h] -= 1
             served[h] += load[e]
         reps: list[list[int]] = [[] for _ in range(E)]
         for h in range(H):
@@ -1118,8 +1126,11 @@ def _node_aware(load: np.ndarray, N: int, S: int, hosts: tuple[int, ...], w: flo
                     key=lambda t: t[:2])
     cands = [r for _, _, r in scored[:NODE_REFINE]] if inner is fast else \
         [layout(k, inner) for _, k, _ in scored[:NODE_REFINE]]
-    cands.append([list(r) for r in inner(load, N, S).replicas])
+    flat = inner(load, N, S)
+    cands.append([list(r) for r in flat.replicas])
     best = min(cands, key=lambda r: _node_key(r, origin, hosts, w))
+    if node_cost(flat, load, w, hosts, origin) < _node_key(best, origin, hosts, w)[0]:
+        return flat  # the flat split wins: never worse than the flat plan in the objective
     return _make(best, load, N, S, hosts)
 
 
