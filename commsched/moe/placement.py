@@ -861,12 +861,17 @@ def _count_search(p: Placement, load: np.ndarray, max_evals: int, thorough: bool
             trial = list(counts)
             for x, dx in change:
                 trial[x] += dx
-            q = _make(_lpt(lo, trial, N, S), load, N, S)
+            reps = _lpt(lo, trial, N, S)
             if thorough:
-                q = _improve(q, load, 20 * N * S)
-            k = _key(q)
+                q: Placement | None = _improve(_make(reps, load, N, S), load, 20 * N * S)
+                k = _key(q)
+            else:  # scored without building the Placement (the same sums as _make's), built if taken
+                q = None
+                dl = device_loads(reps, load, N).tolist()
+                k = (max(dl), float(sum(x * x for x in dl)))
             if k[0] < best_key[0] - tol or (k[0] <= best_key[0] + tol and k[1] < best_key[1] - tol * tol):
-                best, best_key, counts = q, k, list(q.replica_counts)
+                best = q if q is not None else _make(reps, load, N, S)
+                best_key, counts = k, list(best.replica_counts)
                 break
         else:
             break  # no neighbour is better: a local optimum
