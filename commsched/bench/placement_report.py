@@ -269,7 +269,7 @@ def node_study(cfg: ReportConfig) -> dict[str, Any]:
                 t_node += time.perf_counter() - t0
                 n_node += 1
                 rows.setdefault((H, f"node w={w:g}"), []).append(
-                    (node.max_load / flat.max_load, max(x.max() for x in cross_rows(node, load)) / f_cross))
+                    (node.max_load / flat.max_load, max(x.max() for x in cross_rows(node, load, hosts)) / f_cross))
     table = []
     for (H, name), v in rows.items():
         a = np.asarray(v)

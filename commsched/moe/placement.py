@@ -111,7 +111,7 @@ THOROUGH_SLOTS = 16
 # node-aware placement: how many counts k of experts kept on every host are tried (each
 # plans every host with the greedy; the best k is then planned with the full planner)
 NODE_CANDIDATES = 16
-NODE_REFINE = 3  # the best counts k (by the greedy) that are planned again with the full planner
+NODE_REFINE = 3  # the best counts k by the packing-free estimate, planned in full
 
 
 # --------------------------------------------------------------------------- validation
@@ -403,8 +403,7 @@ def greedy_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
     N, S = _check_sizes(load.size, num_devices, slots_per_device)
     node = _node_inputs(load, N, device_host, cross_weight, origin_HE)
     if node is not None:
-        return _node_aware(load, N, S, node[0], float(cross_weight), node[1], greedy_placement,
-                           greedy_placement, NODE_CANDIDATES)
+        return _node_aware(load, N, S, node[0], float(cross_weight), node[1], _greedy_reps, NODE_CANDIDATES)
     counts = replica_counts_greedy(load, min(N * S, N * load.size), N)
     return pack_lpt(load, counts, N, S)
 
@@ -925,11 +924,10 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
     node = _node_inputs(load, N, device_host, cross_weight, origin_HE)
     if node is not None:
         def flat(ld, n, s):
-            return plan_placement(ld, n, s, max_candidates=max_candidates, refine=refine,
-                                  max_steps=max_steps, count_evals=count_evals)
+            return [list(r) for r in plan_placement(ld, n, s, max_candidates=max_candidates, refine=refine,
+                                                    max_steps=max_steps, count_evals=count_evals).replicas]
 
-        return _node_aware(load, N, S, node[0], float(cross_weight), node[1], flat, greedy_placement,
-                           NODE_CANDIDATES)
+        return _node_aware(load, N, S, node[0], float(cross_weight), node[1], flat, NODE_CANDIDATES)
     steps = 20 * N * S if max_steps is None else max_steps
     if refine is None:
         refine = REFINE_SMALL if N * S <= REFINE_SMALL_SLOTS else REFINE_LARGE
@@ -1085,15 +1083,37 @@ def _node_key(reps: Sequence[Sequence[int]], origin: np.ndarray, hosts: tuple[in
     return (float(dl.max()) + w * x, float(dl.max()), x)
 
 
+def _counts(lo: list[float], N: int, S: int) -> list[int]:
+    """:func:`replica_counts_greedy` of all N*S slots on checked inputs (plain lists)."""
+    E = len(lo)
+    counts = [1] * E
+    heap = [(-lo[e], e) for e in range(E)] if N > 1 else []
+    heapq.heapify(heap)
+    spare = min(N * S, N * E) - E
+    while spare > 0 and heap:
+        _, e = heapq.heappop(heap)
+        counts[e] += 1
+        spare -= 1
+        if counts[e] < N:
+            heapq.heappush(heap, (-lo[e] / counts[e], e))
+    return counts
+
+
+def _greedy_reps(load: np.ndarray, N: int, S: int) -> list[list[int]]:
+    """:func:`greedy_placement`'s replicas on checked inputs, without building a Placement
+    (the node-aware search calls it once per host and candidate)."""
+    lo = [float(x) for x in load]
+    return _lpt(lo, _counts(lo, N, S), N, S)
+
+
 def _node_aware(load: np.ndarray, N: int, S: int, hosts: tuple[int, ...], w: float,
-                origin: np.ndarray, inner: Callable[..., Placement], fast: Callable[..., Placement],
-                max_candidates: int) -> Placement:
+                origin: np.ndarray, inner: Callable[..., list[list[int]]], max_candidates: int) -> Placement:
     """The node-aware planner (module docstring, "Node-aware placement"): for k experts kept
-    on every host (the k most loaded), the others each on one host, plan each host's
-    devices with ``fast`` on the tokens its devices would serve; re-plan the
-    :data:`NODE_REFINE` best k (by :func:`_node_key`) with ``inner``; compare with the
-    flat plan (``inner`` on all devices) split host-locally, and return the flat plan
-    itself (the flat split) when its :func:`node_cost` is lower still."""
+    on every host (the k most loaded), the others each on one host, estimate the cost
+    without packing (``estimate``); plan the :data:`NODE_REFINE` best k with ``inner`` on
+    each host's devices (the tokens they serve); compare with the flat plan (``inner`` on
+    all devices) split host-locally, and return the flat plan itself (the flat split) when
+    its :func:`node_cost` is lower still."""
     E = load.size
     H = max(hosts) + 1
     dev_H = [[d for d in range(N) if hosts[d] == h] for h in range(H)]
@@ -1103,38 +1123,75 @@ def _node_aware(load: np.ndarray, N: int, S: int, hosts: tuple[int, ...], w: flo
     if len(ks) > max_candidates:
         ks = sorted({ks[int(round(i))] for i in np.linspace(0, len(ks) - 1, max_candidates)})
 
-    def layout(k: int, planner: Callable[..., Placement]) -> list[list[int]]:
+    lo = [float(x) for x in load]
+    n_H = [len(ds) for ds in dev_H]
+    assigned: dict[int, tuple[list[list[int]], list[list[float]]]] = {}
+
+    def assign(k: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Which experts each host holds, and the tokens its devices serve of each."""
+        if k in assigned:
+            return assigned[k]
         everywhere, rest = set(order[:k]), order[k:]
-        served = origin[:, order[:k]].sum(axis=1)  # tokens each host's devices serve
+        served = [float(x) for x in origin[:, order[:k]].sum(axis=1)]  # tokens each host's devices serve
         room = [c - k for c in cap_H]
         # each host takes at most its devices' share of the other experts while another host
         # has room, so that every host keeps spare slots for replicas of its heavy experts
-        fair = [min(room[h], -(-len(rest) * len(dev_H[h]) // N)) for h in range(H)]
+        fair = [min(room[h], -(-len(rest) * n_H[h] // N)) for h in range(H)]
         on: list[list[int]] = [sorted(everywhere) for _ in range(H)]
         for e in rest:  # descending load, to the host whose devices would serve the least
-            free = [h for h in range(H) if fair[h] > 0] or [h for h in range(H) if room[h] > 0]
-            h = min(free, key=lambda h: ((served[h] + load[e]) / len(dev_H[h]), h))
-            on[h].append(e)
-            room[h] -= 1
-            fair[h] -= 1
-            served[h] += load[e]
+            quota = fair if any(x > 0 for x in fair) else room
+            best_h, best_v = -1, math.inf
+            for h in range(H):
+                if quota[h] > 0:
+                    v = (served[h] + lo[e]) / n_H[h]
+                    if v < best_v:
+                        best_h, best_v = h, v
+            on[best_h].append(e)
+            room[best_h] -= 1
+            fair[best_h] -= 1
+            served[best_h] += lo[e]
+        on = [sorted(x) for x in on]
+        local = [[float(origin[h, e]) if e in everywhere else lo[e] for e in on[h]] for h in range(H)]
+        assigned[k] = (on, local)
+        return on, local
+
+    def estimate(k: int) -> tuple[float, float]:
+        """(node cost, max load) of k without packing: each host's devices at the larger of
+        their mean and the largest share of the greedy apportionment of their slots (a bound
+        LPT comes close to), the rows crossing from the assignment alone."""
+        on, local = assign(k)
+        top = 0.0
+        out_H, in_H = np.zeros(H), np.zeros(H)
+        held = np.zeros((H, E), dtype=bool)
+        for h in range(H):
+            held[h, on[h]] = True
+        for h in range(H):
+            if on[h]:
+                c = _counts(local[h], n_H[h], S)
+                top = max(top, sum(local[h]) / n_H[h], max(x / r for x, r in zip(local[h], c)))
+        only = held.sum(axis=0) == 1  # experts on one host: every other host's tokens cross to it
+        for h in range(H):
+            out_H[h] = float(origin[h, ~held[h]].sum())
+            in_H[h] = float((load - origin[h])[only & held[h]].sum())
+        x = float(max(out_H.max(), in_H.max()))
+        return top + w * x, top
+
+    def layout(k: int, planner: Callable[..., list[list[int]]]) -> list[list[int]]:
+        on, local = assign(k)
         reps: list[list[int]] = [[] for _ in range(E)]
         for h in range(H):
-            mine = sorted(on[h])
-            local = np.array([origin[h, e] if e in everywhere else load[e] for e in mine])
-            sub = planner(local, len(dev_H[h]), S)
-            for i, e in enumerate(mine):
-                reps[e].extend(dev_H[h][d] for d in sub.replicas[i])
+            sub = planner(np.asarray(local[h]), n_H[h], S)
+            for i, e in enumerate(on[h]):
+                reps[e].extend(dev_H[h][d] for d in sub[i])
         return reps
 
-    scored = sorted(((_node_key(r, origin, hosts, w), k, r) for k in ks for r in [layout(k, fast)]),
-                    key=lambda t: t[:2])
-    cands = [r for _, _, r in scored[:NODE_REFINE]] if inner is fast else \
-        [layout(k, inner) for _, k, _ in scored[:NODE_REFINE]]
-    flat = inner(load, N, S)
-    cands.append([list(r) for r in flat.replicas])
-    best = min(cands, key=lambda r: _node_key(r, origin, hosts, w))
-    if node_cost(flat, load, w, hosts, origin) < _node_key(best, origin, hosts, w)[0]:
+    best_ks = sorted(ks, key=lambda k: (*estimate(k), k))[:NODE_REFINE]
+    cands = [(_node_key(r, origin, hosts, w), r) for k in best_ks for r in [layout(k, inner)]]
+    flat_reps = inner(load, N, S)
+    cands.append((_node_key(flat_reps, origin, hosts, w), flat_reps))
+    best_key, best = min(cands, key=lambda t: t[0])
+    flat = _make(flat_reps, load, N, S)
+    if node_cost(flat, load, w, hosts, origin) < best_key[0]:
         return flat  # the flat split wins: never worse than the flat plan in the objective
     return _make(best, load, N, S, hosts)
 
