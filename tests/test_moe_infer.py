@@ -688,9 +688,10 @@ def test_bench_variants_summary_and_heatmap(tmp_path):
     assert g["model_latency_p95_speedup_vs_static"]["measured"] == pytest.approx(100 / 60)
     assert out["latency_ms_batch_median_over_repeats"]["lina"]["p50"] == pytest.approx(120)
     assert (tmp_path / "heatmap.png").stat().st_size > 1000
+    from commsched.bench.moe_infer import hosts_table
+
     for v, b in (("static", 4e6), ("lina", 1e6)):  # on hosts: the bytes table, medians of the repeats
         for m in runs[v]:
             m.update(hosts=2, inter_host_bytes_per_batch=b, intra_host_bytes_per_batch=2e6)
-    out = WORKLOAD.summarize({v: runs[v] for v in ("static", "lina")}, a, tmp_path)
-    table = out["extra_tables"]["hosts: latency, imbalance and bytes measured by the row exchanges"]
-    assert "| lina | 120 | 1.100 | 1.00 | 2.00 | 0.250 |" in table
+    table, ib = hosts_table({v: runs[v] for v in ("static", "lina")})
+    assert "| lina | 120 | 1.100 | 1.00 | 2.00 | 0.250 |" in table and ib == {"static": 4e6, "lina": 1e6}

@@ -225,17 +225,7 @@ def _summarize(runs: dict[str, list[dict]], args: argparse.Namespace, out: Path)
                           else f"| {k} | - | {g['goal']} | no |")
         tables["goals"] = "\n".join(g_rows)
     if any(rs and (rs[0].get("hosts") or 1) > 1 for rs in runs.values()):
-        ib = {v: median_of(rs, "inter_host_bytes_per_batch") for v, rs in runs.items()}
-        h_rows = ["| variant | p95 (ms) | imbalance | inter-host MB / batch | intra-host MB / batch | "
-                  "inter-host vs static |", "|---|---|---|---|---|---|"]
-        for v, rs in runs.items():
-            intra = median_of(rs, "intra_host_bytes_per_batch")
-            rel = _ratio(ib[v], ib.get("static"))
-            h_rows.append(f"| {v} | {med[v]['latency_ms.p95']:.0f} | {med[v]['imbalance']:.3f} | "
-                          f"{(ib[v] or 0) / 1e6:.2f} | {(intra or 0) / 1e6:.2f} | "
-                          + (f"{rel:.3f}" if rel is not None else "-") + " |")
-        tables["hosts: latency, imbalance and bytes measured by the row exchanges"] = "\n".join(h_rows)
-        extra["inter_host_bytes_per_batch"] = ib
+        tables[HOSTS_TABLE], extra["inter_host_bytes_per_batch"] = hosts_table(runs)
     extra["extra_tables"] = tables
     try:
         extra["plots"] = [str(plot_heatmap(runs, out / "heatmap.png"))]
@@ -245,6 +235,25 @@ def _summarize(runs: dict[str, list[dict]], args: argparse.Namespace, out: Path)
                  for v, rs in runs.items() if rs and "breakdown_s" in rs[0]}
     extra["breakdown_ms"] = {v: {k: 1e3 * x for k, x in b.items()} for v, b in breakdown.items()}
     return extra
+
+
+HOSTS_TABLE = "hosts: latency, imbalance and bytes measured by the row exchanges"
+
+
+def hosts_table(runs: dict[str, list[dict]]) -> tuple[str, dict[str, float | None]]:
+    """The markdown table of a run on hosts (p95 latency, imbalance, inter- and intra-host
+    bytes a batch, inter-host bytes against static; medians over the repeats) and the
+    inter-host bytes per variant."""
+    ib = {v: median_of(rs, "inter_host_bytes_per_batch") for v, rs in runs.items()}
+    rows = ["| variant | p95 (ms) | imbalance | inter-host MB / batch | intra-host MB / batch | "
+            "inter-host vs static |", "|---|---|---|---|---|---|"]
+    for v, rs in runs.items():
+        p95, imb = median_of(rs, "latency_ms.p95"), median_of(rs, "imbalance")
+        intra = median_of(rs, "intra_host_bytes_per_batch")
+        rel = _ratio(ib[v], ib.get("static"))
+        rows.append(f"| {v} | {p95 or 0:.0f} | {imb or 0:.3f} | {(ib[v] or 0) / 1e6:.2f} | "
+                    f"{(intra or 0) / 1e6:.2f} | " + (f"{rel:.3f}" if rel is not None else "-") + " |")
+    return "\n".join(rows), ib
 
 
 def plot_heatmap(runs: dict[str, list[dict]], path: Path) -> Path:
