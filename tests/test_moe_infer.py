@@ -478,6 +478,12 @@ def test_strategy_table_is_the_cli_choice_list():
     assert tuple(choices) == tuple(STRATEGIES)
     with pytest.raises(ValueError, match="--placement must be one of"):
         PlacementConfig("round-robin")
+    with pytest.raises(ValueError, match="--cross-weight"):
+        PlacementConfig("lina-node", cross_weight=-1.0)
+    with pytest.raises(ValueError, match="rate"):
+        PlacementConfig("lina-node", inter_rate="fast")
+    with pytest.raises(ValueError, match="device_host"):
+        PolicyConfig(4, 2, 1, 1, 3, device_host=(0, 2))
 
 
 def test_placed_local_twin_is_the_dense_sum():
