@@ -4,6 +4,7 @@ strategy, both drivers, emulated and real experts, a rank without tokens)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -52,21 +53,28 @@ def test_replica_share_by_hand_and_brute_force():
             assert int(replica_share(off, cnt, r, i)) == want, (off, cnt, r, i)
 
 
-def test_recv_matrix_matches_what_senders_send():
+@pytest.mark.parametrize("host_local", [False, True], ids=["flat", "host-local"])
+def test_recv_matrix_matches_what_senders_send(host_local):
     rng = np.random.default_rng(3)
     for _ in range(20):
         N, E = int(rng.integers(2, 5)), int(rng.integers(2, 9))
         S = default_slots(E, N)
         counts = rng.integers(0, 6, size=(N, E))
-        p = greedy_placement(counts.sum(axis=0) + rng.random(E), N, S)
-        off = split_offsets(counts)
+        hosts = tuple(d * 2 // N for d in range(N)) if host_local else None
+        p = greedy_placement(counts.sum(axis=0) + rng.random(E), N, S, device_host=hosts,
+                             cross_weight=0.5 if host_local else 0.0)
+        assert p.device_host == hosts
+        off = split_offsets(counts, p)
         sent = np.zeros((N, N, E), dtype=int)  # [source, device, expert]
         for src in range(N):
             ex = np.repeat(np.arange(E), counts[src])
             rng.shuffle(ex)  # any token order: the i-th token of e takes position off + i
-            dev = split_tokens(ex, p, off[src])
+            dev = split_tokens(ex, p, off[src], source=src)
             np.add.at(sent, (src, dev, ex), 1)
-            order, send_N = send_order(ex, p, off[src])
+            if host_local:  # a host holding the expert keeps its tokens
+                assert all(p.device_host[d] == p.device_host[src] for d, e in zip(dev, ex)
+                           if p.device_host[src] in {p.device_host[x] for x in p.replicas[e]})
+            order, send_N = send_order(ex, p, off[src], src)
             assert send_N.tolist() == sent[src].sum(axis=1).tolist()
             assert (np.diff(dev[order] * E + ex[order]) >= 0).all()  # grouped by device, then expert
         for d in range(N):
@@ -77,6 +85,8 @@ def test_recv_matrix_matches_what_senders_send():
         tot = sent.sum(axis=0)  # [device, expert]
         assert tot.sum() == counts.sum()
         for e, devs in enumerate(p.replicas):
+            if host_local:  # within each group of ranks that split over the same replicas
+                continue
             shares = tot[list(devs), e]
             assert shares.max() - shares.min() <= 1
 
@@ -401,16 +411,79 @@ def test_oracle_strategy_class():
     assert d.placement.device_load == (3.0, 3.0)
 
 
+def test_eplb_hier_strategy_class():
+    from commsched.moe.placement_policy import EplbHierPlacement
+
+    assert strategy_class("eplb-hier") is EplbHierPlacement
+    assert (EplbHierPlacement.needs_profile, EplbHierPlacement.loads_online, EplbHierPlacement.uses_hosts) == (
+        True, False, False)
+    hist = np.array([[8.0, 1.0, 1.0, 6.0], [1.0, 1.0, 1.0, 1.0]])
+    ep = _policy("eplb-hier", hist, num_devices=4, slots=2, device_host=(0, 0, 1, 1))
+    p0, _ = ep.phase1(0)
+    # experts packed onto the hosts by load first (8 + 1 | 6 + 1), then replicated inside
+    # each host (EPLB gives expert 0 three slots of host 0, two on one device: merged)
+    assert p0.replicas == ((0, 1), (3,), (1,), (2, 3)) and p0.device_load == (4.0, 5.0, 3.0, 4.0)
+    flat = _policy("eplb-hier", hist, num_devices=4, slots=2)  # one host: EPLB's global policy
+    assert flat.phase1(0)[0].replicas == _policy("eplb", hist, num_devices=4, slots=2, planner="eplb"
+                                                ).phase1(0)[0].replicas
+    with pytest.raises(ValueError, match="consecutive devices"):
+        _policy("eplb-hier", hist, num_devices=4, slots=2, device_host=(0, 1, 0, 1))
+
+
+def test_lina_node_strategy_class():
+    from commsched.moe.placement_policy import LinaNodePlacement, cross_host_weight
+
+    assert strategy_class("lina-node") is LinaNodePlacement
+    assert (LinaNodePlacement.estimates_paths, LinaNodePlacement.uses_hosts) == (True, True)
+    hosts = (0, 1)
+    pol = _policy("lina-node", HIST, k=1, threshold=0.5, device_host=hosts, cross_weight=0.1)
+    p, loads = pol.phase1(0)  # layer 0 (historical 4, 3, 2, 1): expert 0 on both hosts, 5 | 5
+    assert p.device_host == hosts and p.replicas == ((0, 1), (0,), (1,), (1,)) and p.device_load == (5.0, 5.0)
+    assert loads == ((0, 1), (0, 2, 3))
+    # the hand-worked case of test_moe_placement: experts 0 and 1 on both hosts
+    d = pol.decide(1, pol.phase1(1, np.array([6.0, 2.0, 2.0, 2.0]))[0], [6, 2, 2, 2],
+                   np.array([6.0, 2.0, 2.0, 2.0]))
+    assert not d.replanned and d.placement.device_host == hosts
+    assert d.placement.replicas == ((0, 1), (0, 1), (0,), (1,))
+    flat = _policy("lina", HIST, k=1, threshold=0.5)
+    one = _policy("lina-node", HIST, k=1, threshold=0.5, device_host=(0, 0), cross_weight=0.1)
+    assert one.phase1(1, HIST[1])[0] == flat.phase1(1, HIST[1])[0]  # one host: lina exactly
+    with pytest.raises(ValueError, match="eplb-hier"):
+        _policy("lina-node", HIST, online_planner="eplb", device_host=hosts)
+    from commsched import Topology
+    from commsched.costmodel import LinkCost
+
+    t = Topology.from_hosts(["a", "a", "b", "b"], intra=LinkCost(0.0, 1e-10), inter=LinkCost(0.0, 8e-9))
+    # 2 exchanges x 256 B x (8e-9 - 1e-10) s/B over 100 us of compute per row
+    assert cross_host_weight(t, 256, 100e-6) == pytest.approx(2 * 256 * (8e-9 - 1e-10) / 100e-6)
+    assert cross_host_weight(Topology.from_hosts(["a", "a"]), 256, 100e-6) == 0.0
+
+
+def test_relabel_stays_within_hosts():
+    p = Placement(((0,), (1,), (2,), (3,)), (0.0,) * 4, 1, (0, 0, 1, 1))
+    # expert 0 is resident on device 3 (another host): it may not move there
+    q = relabel(p, [set(), {1}, set(), {0}])
+    assert q.device_host == p.device_host
+    assert all(p.device_host[p.replicas[e][0]] == q.device_host[q.replicas[e][0]] for e in range(4))
+    assert q.replicas[1] == (1,)
+
+
 def test_strategy_table_is_the_cli_choice_list():
     from commsched.moe.infer import PlacementConfig, build_parser
     from commsched.moe.placement_policy import STRATEGIES
 
-    assert list(STRATEGIES) == ["static", "eplb", "lina", "oracle"]
+    assert list(STRATEGIES) == ["static", "eplb", "lina", "oracle", "eplb-hier", "lina-node"]
     assert all(c.name == n for n, c in STRATEGIES.items())
     choices = next(a.choices for a in build_parser()._actions if a.dest == "placement")
     assert tuple(choices) == tuple(STRATEGIES)
     with pytest.raises(ValueError, match="--placement must be one of"):
         PlacementConfig("round-robin")
+    with pytest.raises(ValueError, match="--cross-weight"):
+        PlacementConfig("lina-node", cross_weight=-1.0)
+    with pytest.raises(ValueError, match="rate"):
+        PlacementConfig("lina-node", inter_rate="fast")
+    with pytest.raises(ValueError, match="device_host"):
+        PolicyConfig(4, 2, 1, 1, 3, device_host=(0, 2))
 
 
 def test_placed_local_twin_is_the_dense_sum():
@@ -449,18 +522,39 @@ def _local_layer(bank, j, h, e, g, keep):
 
 
 def _trace_equals_local(rank: int, world: int) -> None:
+    import os
+
     from commsched.moe.infer import build, run
     from commsched.moe.runtime import trace_forward
 
-    # pipelined (the default) and the sequential twin; 16 tokens: one sequence, the other ranks idle
+    # pipelined (the default) and the sequential twin; 16 tokens: one sequence, the other ranks idle;
+    # "hosts" (4 ranks): two hosts of two ranks told apart by torchrun's node index (GROUP_RANK), as
+    # emulated hosts are, with the host-local split of lina-node's placements
     for compute, placement, tpb, exchange in [
             ("emulated", "static", 96, "pipelined"), ("emulated", "eplb", 96, "pipelined"),
             ("emulated", "lina", 96, "pipelined"), ("emulated", "oracle", 96, "pipelined"),
             ("real", "lina", 96, "pipelined"), ("real", "oracle", 96, "pipelined"),
             ("emulated", "lina", 16, "pipelined"), ("emulated", "lina", 96, "sequential"),
-            ("emulated", "oracle", 16, "sequential")]:
+            ("emulated", "oracle", 16, "sequential")] + [("emulated", "lina-node", 96, "hosts")] * (world == 4):
+        hosts = exchange == "hosts"
+        if hosts:
+            os.environ["GROUP_RANK"] = str(rank * 2 // world)
+            exchange = "pipelined"
         cfg = _trace_cfg(placement, compute, tpb, exchange)
-        m = run(cfg, return_outputs=True)
+        if placement == "lina-node":
+            cfg = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, cross_weight=1.0))
+        try:
+            m = run(cfg, return_outputs=True)
+        finally:
+            os.environ.pop("GROUP_RANK", None)
+        if hosts:
+            assert m["hosts"] == 2 and m["host_of_rank"] == [r * 2 // world for r in range(world)]
+            assert m["inter_host_bytes_per_batch"] > 0
+        elif world > 1:  # one host: nothing crosses, and the row exchanges counted what they sent
+            assert m["hosts"] == 1 and m["inter_host_bytes_per_batch"] == 0
+            assert m["intra_host_bytes_per_batch"] > 0 or tpb == 16
+        if placement == "lina-node":  # the weight reached the planner
+            assert m["cross_weight"] == 1.0
         setup = build(cfg, rank, world)
         drv, bank = setup.driver, setup.bank
         what = (compute, placement, tpb, exchange)
@@ -584,6 +678,11 @@ def test_bench_variants_summary_and_heatmap(tmp_path):
     assert vs["lina@0"].count("--threshold") == 1 and vs["lina@0"][-2:] == ("--threshold", "0")
     with pytest.raises(ValueError, match="outside"):
         WORKLOAD.variants(build_parser(WORKLOAD).parse_args(["--lina-thresholds", "2"]))
+    h = build_parser(WORKLOAD).parse_args(["--batches", "5"])
+    h.hosts, h.rate_bps = 2, 1_000_000_000  # what the runner sets under --hosts 2 --bandwidth 1gbit
+    hv = {v.name: v.args for v in WORKLOAD.variants(h)}
+    assert list(hv) == ["static", "eplb", "eplb-hier", "lina", "lina-node", "oracle"]
+    assert hv["lina-node"][-2:] == ("--inter-rate", "1000000000bit") and "--inter-rate" not in hv["lina"]
     runs = {"static": [_metrics(200, 100, 1.6, [190, 200, 210])] * 2,
             "lina": [_metrics(120, 60, 1.1, [110, 120, 125])] * 2,
             "oracle": [_metrics(110, 58, 1.0, [105, 110, 112])] * 2}
@@ -595,3 +694,10 @@ def test_bench_variants_summary_and_heatmap(tmp_path):
     assert g["model_latency_p95_speedup_vs_static"]["measured"] == pytest.approx(100 / 60)
     assert out["latency_ms_batch_median_over_repeats"]["lina"]["p50"] == pytest.approx(120)
     assert (tmp_path / "heatmap.png").stat().st_size > 1000
+    from commsched.bench.moe_infer import hosts_table
+
+    for v, b in (("static", 4e6), ("lina", 1e6)):  # on hosts: the bytes table, medians of the repeats
+        for m in runs[v]:
+            m.update(hosts=2, inter_host_bytes_per_batch=b, intra_host_bytes_per_batch=2e6)
+    table, ib = hosts_table({v: runs[v] for v in ("static", "lina")})
+    assert "| lina | 120 | 1.100 | 1.00 | 2.00 | 0.250 |" in table and ib == {"static": 4e6, "lina": 1e6}

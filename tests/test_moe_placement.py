@@ -442,8 +442,12 @@ def test_placement_report_smoke():
     cfg = ReportConfig(num_tokens=8192, max_batches=3, max_path=3, presets=("default",),
                        planner_shapes=((8, 4, 3),), planner_loads=("zipf1.2",),
                        planner_instances=3, eplb_instances=10, eplb_max_experts=32,
-                       eplb_max_devices=8, eplb_timing_slots=())
+                       eplb_max_devices=8, eplb_timing_slots=(), node_instances=2, node_max_experts=16,
+                       node_max_devices=4)
     rep = run_report(cfg)
+    nd = {(r["hosts"], r["planner"]): r for r in rep["node"]["table"]}
+    assert set(nd) == {(2, "eplb-hier"), (2, "node w=0.04"), (2, "node w=0.5")}
+    assert nd[(2, "node w=0.5")]["cross_mean"] <= 1.0 and nd[(2, "node w=0.5")]["instances"] == 2
     (tr,) = rep["traces"]
     assert set(tr["accuracy_topk"]) == {1, 2, 3} and tr["test_batches"] == 3
     imb = tr["imbalance_mean"]
@@ -459,4 +463,106 @@ def test_placement_report_smoke():
     assert ep[("plan", "all")]["worse_than_0.5pct"] == 0
     assert ep[("plan", "all")]["mean"] <= ep[("greedy", "all")]["mean"] + 1e-12
     md = to_markdown(rep, "cmd")
-    assert "| oracle |" in md and "`cmd`" in md and "| plan (all) | 10 |" in md
+    assert "| oracle |" in md and "`cmd`" in md and "| plan (all) | 10 |" in md and "| 2 | node w=0.5 | 2 |" in md
+
+
+# --------------------------------------------------------------------------- node-aware
+def test_node_aware_is_flat_with_one_host_or_zero_weight():
+    rng = np.random.default_rng(7)
+    for _ in range(6):
+        N, E = int(rng.integers(2, 5)), int(rng.integers(3, 9))
+        S = -(-E // N) + int(rng.integers(0, 2))
+        load = rng.integers(0, 30, size=E).astype(float)
+        hosts2 = tuple(d * 2 // N for d in range(N))
+        for fn in (plan_placement, greedy_placement):
+            flat = fn(load, N, S)
+            for hosts, w in (((0,) * N, 1.0), (hosts2, 0.0), (None, 0.0)):
+                q = fn(load, N, S, device_host=hosts, cross_weight=w)
+                assert q == flat and q.device_host is None, (fn.__name__, hosts, w)
+
+
+def test_node_aware_keeps_tokens_on_their_host_by_hand():
+    from commsched.moe.placement import cross_rows, node_cost
+
+    # two experts, two hosts of one device, two slots each: the flat plan replicates both on
+    # both devices and splits every expert's tokens over both (half of each host's cross);
+    # host-locally the same layout keeps every token home at the same device loads
+    flat = plan_placement([4.0, 4.0], 2, 2)
+    assert flat.replicas == ((0, 1), (0, 1)) and flat.device_load == (4.0, 4.0)
+    assert [x.tolist() for x in cross_rows(flat, [4.0, 4.0], (0, 1))] == [[2.0, 2.0], [2.0, 2.0]]
+    node = plan_placement([4.0, 4.0], 2, 2, device_host=(0, 1), cross_weight=0.5)
+    assert node.replicas == flat.replicas and node.device_host == (0, 1) and node.device_load == (4.0, 4.0)
+    assert [x.tolist() for x in cross_rows(node, [4.0, 4.0])] == [[0.0, 0.0], [0.0, 0.0]]
+    # load [6, 2, 2, 2] on 2 hosts x 1 device x 3 slots: the flat optimum 6 | 6 keeps expert 0
+    # alone, so 3 of each host's rows cross. Node-aware: experts 0 and 1 on both hosts
+    # (k = 2), 2 on host 0, 3 on host 1 -- max load 6 | 6 still, 1 row each way
+    load = [6.0, 2.0, 2.0, 2.0]
+    flat = plan_placement(load, 2, 3)
+    assert flat.max_load == 6.0
+    assert max(x.max() for x in cross_rows(flat, load, (0, 1))) == 3.0
+    node = plan_placement(load, 2, 3, device_host=(0, 1), cross_weight=0.1)
+    assert node.replicas == ((0, 1), (0, 1), (0,), (1,))
+    assert node.device_load == (6.0, 6.0)
+    assert [x.tolist() for x in cross_rows(node, load)] == [[1.0, 1.0], [1.0, 1.0]]
+    assert node_cost(node, load, 0.1) == pytest.approx(6.1)
+    assert node_cost(flat, load, 0.1, device_host=(0, 1)) == pytest.approx(6.3)
+    # the greedy's node-aware form finds the same layout here
+    g = greedy_placement(load, 2, 3, device_host=(0, 1), cross_weight=0.1)
+    assert g.replicas == node.replicas
+
+
+def test_node_aware_never_costs_more_than_flat():
+    from commsched.moe.placement import node_cost
+
+    rng = np.random.default_rng(11)
+    for _ in range(8):
+        H, n = int(rng.integers(2, 4)), int(rng.integers(1, 3))
+        N = H * n
+        E = int(rng.integers(N, 3 * N + 1))
+        S = -(-E // N) + int(rng.integers(1, 3))
+        w = (np.arange(1, E + 1) ** -float(rng.uniform(0.8, 1.6)))[rng.permutation(E)]
+        load = rng.multinomial(64 * E, w / w.sum()).astype(float)
+        hosts = tuple(d // n for d in range(N))
+        flat = plan_placement(load, N, S)
+        for wt in (0.05, 0.5):
+            node = plan_placement(load, N, S, device_host=hosts, cross_weight=wt)
+            # the flat plan, split flat or host-locally, is a candidate: the objective never loses to it
+            as_local = Placement(flat.replicas, device_loads(flat.replicas, load, N, hosts), S, hosts)
+            cost = node_cost(node, load, wt, device_host=hosts)
+            assert cost <= min(node_cost(as_local, load, wt), node_cost(flat, load, wt, device_host=hosts)) + TOL
+            assert all(len(r) >= 1 for r in node.replicas) and max(map(len, node.device_experts)) <= S
+
+
+def test_host_local_split_matches_reference_and_stays_home():
+    from commsched.moe.placement import host_local_loads
+
+    # 2 hosts x 2 devices; expert 0 on devices 0 and 2 (both hosts), expert 1 on 1 only
+    p = Placement(((0, 2), (1,)), (0.0,) * 4, 2, (0, 0, 1, 1))
+    assert p.candidates(0, 3) == (2,) and p.candidates(0, 1) == (0,) and p.candidates(1, 3) == (1,)
+    counts = np.array([[2, 1], [3, 0], [1, 2], [4, 1]])
+    off = split_offsets(counts, p)
+    assert off[:, 0].tolist() == [0, 2, 0, 1] and off[:, 1].tolist() == [0, 1, 0, 2]
+    for src in range(4):
+        ex = np.repeat([0, 1], counts[src])
+        dev = split_tokens(ex, p, off[src], source=src)
+        assert dev.tolist() == split_tokens_reference(ex, p, off[src], source=src).tolist()
+        assert set(dev[ex == 0].tolist()) <= {0 if src < 2 else 2}  # expert 0's tokens stay home
+    with pytest.raises(ValueError, match="pass source"):
+        split_tokens([0], p)
+    dl, out_H, in_H = host_local_loads(p.replicas, np.array([[5.0, 1.0], [5.0, 3.0]]), p.device_host)
+    assert dl.tolist() == [5.0, 4.0, 5.0, 0.0] and out_H.tolist() == [0.0, 3.0] and in_H.tolist() == [3.0, 0.0]
+    from commsched.moe.placement import _host_local_loads_reference
+
+    rng = np.random.default_rng(5)
+    for _ in range(20):  # the vectorised split equals its loop twin
+        N, E = int(rng.integers(2, 6)), int(rng.integers(1, 7))
+        hosts = tuple(sorted(rng.integers(0, 2, size=N).tolist()))
+        hosts = tuple(h - hosts[0] for h in hosts)
+        reps = [sorted(rng.choice(N, size=int(rng.integers(1, N + 1)), replace=False).tolist()) for _ in range(E)]
+        o = rng.random((max(hosts) + 1, E)) * (rng.random((max(hosts) + 1, E)) > 0.2)
+        for a, b in zip(host_local_loads(reps, o, hosts), _host_local_loads_reference(reps, o, hosts)):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="0..H-1"):
+        Placement(((0,),), (0.0, 0.0), 1, (0, 2))
+    with pytest.raises(ValueError, match="cross_weight"):
+        plan_placement([1.0, 2.0], 2, 1, device_host=(0, 1), cross_weight=-1.0)

@@ -9,6 +9,12 @@ model, same batches, same seed), differing only in ``--placement``:
   when the top-2k overlap falls below the threshold;
 * ``oracle`` -- planned from the actual gating of every layer.
 
+On emulated hosts (``--hosts K``) two more: ``eplb-hier`` (EPLB's hierarchical policy on
+the hosts) and ``lina-node`` (lina with the node-aware planner, its cross-host weight
+from the emulated link rate, ``--inter-rate``, unless ``--cross-weight`` is given); the
+summary then adds a table of p95 latency, imbalance and the bytes the row exchanges sent
+between and within hosts (counted per peer by the exchanges, ``inter_host_bytes_per_batch``).
+
 The default configuration (stated in docs/benchmarks.md) replays the synthetic trace
 (16 experts, 12 layers, top-2; busiest expert about 4.2x the mean) on an *emulated
 accelerator* per rank: rows travel through the real all-to-all, and a device is busy
@@ -37,13 +43,16 @@ from ..results import median
 from .plots import pyplot, save_figure
 from .runner import Variant, Workload, median_of
 
-VARIANTS = tuple(STRATEGIES)  # one variant per placement strategy
+# one variant per placement strategy; the two that know hosts run when there are hosts
+HOST_VARIANTS = ("eplb-hier", "lina-node")
+VARIANTS = tuple(v for v in STRATEGIES if v not in HOST_VARIANTS)
+HOSTS_ORDER = ("static", "eplb", "eplb-hier", "lina", "lina-node", "oracle")
 DEFAULTS = {
     "driver": "trace", "compute": "emulated", "batches": 22, "warmup": 2, "tokens_per_batch": 2048,
     "us_per_row": 100.0, "load_ms": 1.0, "d_model": 64, "experts": 16, "layers": 12, "k": 2,
 }
 KEY_METRICS = ("latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "model_latency_ms.p95", "imbalance",
-               "estimation_accuracy", "replan_rate", "expert_loads_per_batch")
+               "estimation_accuracy", "replan_rate", "expert_loads_per_batch", "inter_host_bytes_per_batch")
 GOAL_SPEEDUP, GOAL_ORACLE, GOAL_IMBALANCE = 1.6, 1.15, 1.25
 
 
@@ -59,6 +68,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threshold", type=float, default=None, help="lina phase-2 threshold (default: the runtime's)")
     g.add_argument("--path-length", type=int, default=None, help="lina path length l (default 3)")
     g.add_argument("--online-planner", choices=("greedy", "full"), default=None)
+    g.add_argument("--cross-weight", type=float, default=None,
+                   help="lina-node's weight of a row crossing hosts (default: from the topology, the row "
+                        "cost and, with --hosts and --bandwidth, the emulated link rate)")
     g.add_argument("--exchange", choices=("pipelined", "sequential"), default=None,
                    help="runtime exchange (default: the runtime's, pipelined); sequential is the first runtime")
     g.add_argument("--lina-thresholds", default="",
@@ -112,7 +124,14 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
         raise ValueError("--device cuda runs real expert FFNs: add --compute real (the emulated device is the "
                          "CPU model of an accelerator)")
     c = _common(a)
-    out = [Variant(v, "commsched.moe.infer", ("--placement", v, *c)) for v in VARIANTS]
+    hosts = getattr(a, "hosts", 1) or 1
+    names = HOSTS_ORDER if hosts > 1 else VARIANTS
+    rate = getattr(a, "rate_bps", None)
+    node = ["--inter-rate", f"{rate}bit"] if hosts > 1 and rate and a.cross_weight is None else []
+    if a.cross_weight is not None:
+        node = ["--cross-weight", str(a.cross_weight)]
+    out = [Variant(v, "commsched.moe.infer", ("--placement", v, *c, *(node if v in HOST_VARIANTS else ())))
+           for v in names]
     for t in (x.strip() for x in a.lina_thresholds.split(",") if x.strip()):
         try:
             thr = float(t)
@@ -205,6 +224,8 @@ def _summarize(runs: dict[str, list[dict]], args: argparse.Namespace, out: Path)
             g_rows.append(f"| {k} | {m:.3f} | {g['goal']} | {'yes' if g['met'] else 'no'} |" if m is not None
                           else f"| {k} | - | {g['goal']} | no |")
         tables["goals"] = "\n".join(g_rows)
+    if any(rs and (rs[0].get("hosts") or 1) > 1 for rs in runs.values()):
+        tables[HOSTS_TABLE], extra["inter_host_bytes_per_batch"] = hosts_table(runs)
     extra["extra_tables"] = tables
     try:
         extra["plots"] = [str(plot_heatmap(runs, out / "heatmap.png"))]
@@ -214,6 +235,25 @@ def _summarize(runs: dict[str, list[dict]], args: argparse.Namespace, out: Path)
                  for v, rs in runs.items() if rs and "breakdown_s" in rs[0]}
     extra["breakdown_ms"] = {v: {k: 1e3 * x for k, x in b.items()} for v, b in breakdown.items()}
     return extra
+
+
+HOSTS_TABLE = "hosts: latency, imbalance and bytes measured by the row exchanges"
+
+
+def hosts_table(runs: dict[str, list[dict]]) -> tuple[str, dict[str, float | None]]:
+    """The markdown table of a run on hosts (p95 latency, imbalance, inter- and intra-host
+    bytes a batch, inter-host bytes against static; medians over the repeats) and the
+    inter-host bytes per variant."""
+    ib = {v: median_of(rs, "inter_host_bytes_per_batch") for v, rs in runs.items()}
+    rows = ["| variant | p95 (ms) | imbalance | inter-host MB / batch | intra-host MB / batch | "
+            "inter-host vs static |", "|---|---|---|---|---|---|"]
+    for v, rs in runs.items():
+        p95, imb = median_of(rs, "latency_ms.p95"), median_of(rs, "imbalance")
+        intra = median_of(rs, "intra_host_bytes_per_batch")
+        rel = _ratio(ib[v], ib.get("static"))
+        rows.append(f"| {v} | {p95 or 0:.0f} | {imb or 0:.3f} | {(ib[v] or 0) / 1e6:.2f} | "
+                    f"{(intra or 0) / 1e6:.2f} | " + (f"{rel:.3f}" if rel is not None else "-") + " |")
+    return "\n".join(rows), ib
 
 
 def plot_heatmap(runs: dict[str, list[dict]], path: Path) -> Path:

@@ -3,12 +3,13 @@ the planner against DeepSeek's EPLB, estimation accuracy per path length, and pl
 imbalance of the inference strategies on synthetic traces.
 
     python -m commsched.bench.placement_report --out DIR [--seed S] [--quick]
-            [--only traces,planner,eplb] [--eplb-instances N]
+            [--only traces,planner,eplb,node] [--eplb-instances N]
 
 writes ``DIR/placement_report.json`` and ``DIR/placement_report.md`` (and prints the
 markdown). The EPLB study (:func:`eplb_study`) runs ``plan_placement`` and
 ``eplb_placement`` on the same seeded instances (:func:`eplb_instances`) and reports
-the relative difference of their maximum device loads. Everything is computed from seeded synthetic data by the pure planners of
+the relative difference of their maximum device loads; the node study
+(:func:`node_study`) the node-aware planner against the flat one on hosts. Everything is computed from seeded synthetic data by the pure planners of
 ``placement.py`` and ``popularity.py``; no process group, no timing claims beyond the
 planner's own run time.
 
@@ -27,12 +28,14 @@ from typing import Any
 import numpy as np
 
 from ..moe.placement import (
+    cross_rows,
     eplb_placement,
     greedy_placement,
     lower_bound,
     plan_placement,
     static_placement,
 )
+from ..moe.placement_policy import eplb_hier_layout
 from ..moe.popularity import DEFAULT_REPLAN_THRESHOLD, PopularityEstimator, topk_overlap
 from ..moe.traces import SyntheticTraceConfig, synthetic_trace, trace_stats
 from ..results import write_json
@@ -72,7 +75,12 @@ class ReportConfig:
     eplb_max_devices: int = 64
     eplb_timing_slots: tuple[int, ...] = (5, 6, 8)
     eplb_timing_repeats: int = 3
-    studies: tuple[str, ...] = ("traces", "planner", "eplb")
+    # node study: instances of the EPLB generator, small enough for the full planner per host
+    node_instances: int = 120
+    node_max_experts: int = 64
+    node_max_devices: int = 16
+    node_weights: tuple[float, ...] = (0.04, 0.5)
+    studies: tuple[str, ...] = ("traces", "planner", "eplb", "node")
 
 
 def _random_load(kind: str, E: int, rng: np.random.Generator) -> np.ndarray:
@@ -234,6 +242,59 @@ def eplb_study(cfg: ReportConfig) -> dict[str, Any]:
             "timing": timing}
 
 
+def node_study(cfg: ReportConfig) -> dict[str, Any]:
+    """Node-aware placement against the flat planner and EPLB's hierarchical policy on
+    :func:`eplb_instances` (up to ``node_max_experts`` experts, ``node_max_devices`` devices)
+    laid out on 2 hosts (and 4 where N >= 8) of consecutive devices, tokens spread evenly
+    over the devices (:func:`even_origin`): per weight, the node-aware plan's maximum
+    device load and rows through the busiest host link (:func:`cross_rows`) relative to
+    the flat plan's (the flat split: every expert's tokens evenly over all its replicas)."""
+    rows: dict[tuple, list[tuple[float, float]]] = {}
+    t_node = 0.0
+    n_node = 0
+    for inst in eplb_instances(cfg.seed, cfg.node_instances, cfg.node_max_experts, cfg.node_max_devices):
+        N, S, load = inst.num_devices, inst.slots, inst.load
+        flat = plan_placement(load, N, S)
+        for H in (2, 4):
+            if N < 2 * H and H > 2 or N % H:
+                continue
+            hosts = tuple(d * H // N for d in range(N))
+            f_cross = max(x.max() for x in cross_rows(flat, load, hosts))
+            hier = eplb_hier_layout(load, N, S, hosts)
+            rows.setdefault((H, "eplb-hier"), []).append(
+                (hier.max_load / flat.max_load, max(x.max() for x in cross_rows(hier, load, hosts)) / f_cross))
+            for w in cfg.node_weights:
+                t0 = time.perf_counter()
+                node = plan_placement(load, N, S, device_host=hosts, cross_weight=w)
+                t_node += time.perf_counter() - t0
+                n_node += 1
+                rows.setdefault((H, f"node w={w:g}"), []).append(
+                    (node.max_load / flat.max_load, max(x.max() for x in cross_rows(node, load, hosts)) / f_cross))
+    table = []
+    for (H, name), v in rows.items():
+        a = np.asarray(v)
+        table.append({"hosts": H, "planner": name, "instances": len(v),
+                      "load_mean": float(a[:, 0].mean()), "load_worst": float(a[:, 0].max()),
+                      "cross_mean": float(a[:, 1].mean()), "cross_worst": float(a[:, 1].max())})
+    return {"table": table, "node_ms_mean": 1000 * t_node / max(1, n_node)}
+
+
+def _node_markdown(nd: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    lines = ["### Node-aware placement against the flat planner", "",
+             f"`eplb_instances(seed={cfg['seed']})`, {cfg['node_instances']} drawn, up to "
+             f"{cfg['node_max_experts']} experts and {cfg['node_max_devices']} devices, on H hosts of "
+             "consecutive devices; tokens spread evenly over the devices. Ratios to the flat "
+             "`plan_placement` (flat split): maximum device load, and rows through the busiest "
+             "host link (the larger of the rows leaving and entering a host).", "",
+             "| hosts | planner | instances | max load mean | max load worst | cross rows mean | cross rows worst |",
+             "|---|---|---|---|---|---|---|"]
+    for r in nd["table"]:
+        lines.append(f"| {r['hosts']} | {r['planner']} | {r['instances']} | {_f(r['load_mean'], 4)} | "
+                     f"{_f(r['load_worst'], 4)} | {_f(r['cross_mean'], 3)} | {_f(r['cross_worst'], 3)} |")
+    lines += ["", f"Mean time per node-aware plan: {nd['node_ms_mean']:.0f} ms.", ""]
+    return lines
+
+
 def trace_study(name: str, tcfg: SyntheticTraceConfig, cfg: ReportConfig) -> dict[str, Any]:
     """Estimation accuracy per path length and imbalance per strategy on one preset."""
     tcfg = replace(tcfg, num_tokens=cfg.num_tokens)
@@ -318,6 +379,8 @@ def run_report(cfg: ReportConfig) -> dict[str, Any]:
         out["planner"] = planner_study(cfg)
     if "eplb" in cfg.studies:
         out["eplb"] = eplb_study(cfg)
+    if "node" in cfg.studies:
+        out["node"] = node_study(cfg)
     out["wall_clock_s"] = time.perf_counter() - t0
     return out
 
@@ -426,6 +489,8 @@ def to_markdown(rep: dict[str, Any], command: str) -> str:
         lines.append("")
     if "eplb" in rep:
         lines += _eplb_markdown(rep["eplb"], cfg)
+    if "node" in rep:
+        lines += _node_markdown(rep["node"], cfg)
     return "\n".join(lines)
 
 
@@ -439,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threshold", type=float, default=ReportConfig.threshold,
                     help="phase-2 re-plan threshold on the top-2k overlap")
     ap.add_argument("--only", default=",".join(ReportConfig.studies),
-                    help="comma-separated studies to run: traces, planner, eplb")
+                    help="comma-separated studies to run: traces, planner, eplb, node")
     ap.add_argument("--eplb-instances", type=int, default=ReportConfig.eplb_instances,
                     help="instances of the plan_placement vs EPLB study")
     ap.add_argument("--quick", action="store_true",
@@ -457,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         cfg = replace(cfg, num_tokens=8192, max_batches=8, planner_instances=10,
                       eplb_instances=min(cfg.eplb_instances, 50), eplb_timing_slots=(5,),
-                      eplb_timing_repeats=1)
+                      eplb_timing_repeats=1, node_instances=10)
     rep = run_report(cfg)
     a.out.mkdir(parents=True, exist_ok=True)
     command = "python -m commsched.bench.placement_report " + " ".join(

@@ -82,6 +82,7 @@ from ..clock import Clock
 from ..config import read_env
 from ..dist import DEVICE_CHOICES, check_same_config, group_device, init_distributed
 from ..results import Progress, Record, mark_failed, median, prepare_out
+from ..topology import Topology
 from .banks import EmulatedBank, ExpertBank, FFNBank
 from .placed import device_rows
 from .placement_policy import (
@@ -89,6 +90,7 @@ from .placement_policy import (
     STRATEGIES,
     PlacementStrategy,
     PolicyConfig,
+    cross_host_weight,
     default_slots,
     strategy_class,
 )
@@ -107,7 +109,11 @@ class PlacementConfig:
     """Where experts go: ``strategy`` (a name in
     :data:`~commsched.moe.placement_policy.STRATEGIES`), ``slots`` S (None: ceil(E/N) +
     2), the phase-2 ``threshold`` and ``path_length`` of strategies that estimate paths,
-    and the planners before (``planner``) and during (``online_planner``) inference."""
+    the planners before (``planner``) and during (``online_planner``) inference, and for
+    the node-aware strategies the weight of a row crossing hosts (``cross_weight``; None:
+    :func:`~commsched.moe.placement_policy.cross_host_weight` of the run's topology, its
+    row size and compute per row) and the inter-host rate that weight assumes
+    (``inter_rate``, tc syntax; None: the topology's placeholder inter-host class)."""
 
     strategy: str = "lina"
     slots: int | None = None
@@ -115,12 +121,20 @@ class PlacementConfig:
     path_length: int = 3
     planner: str = "full"
     online_planner: str = "greedy"
+    cross_weight: float | None = None
+    inter_rate: str | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"--placement must be one of {tuple(STRATEGIES)}, got {self.strategy!r}")
         if not 1 <= self.path_length <= 8:
             raise ValueError(f"--path-length must be in 1..8, got {self.path_length}")
+        if self.cross_weight is not None and not (np.isfinite(self.cross_weight) and self.cross_weight >= 0):
+            raise ValueError(f"--cross-weight must be a finite number >= 0, got {self.cross_weight}")
+        if self.inter_rate is not None:
+            from ..netem import parse_rate
+
+            parse_rate(self.inter_rate)  # a ValueError that says how to write a rate
 
     @property
     def strategy_class(self) -> type[PlacementStrategy]:
@@ -297,10 +311,12 @@ class Setup:
     estimator: PopularityEstimator | None
 
 
-def build(cfg: InferConfig, rank: int, world: int, device: torch.device | str = "cpu") -> Setup:
+def build(cfg: InferConfig, rank: int, world: int, device: torch.device | str = "cpu",
+          device_host: Sequence[int] | None = None, cross_weight: float | None = None) -> Setup:
     """Everything a rank needs (see :class:`Setup`), built identically on every rank; the
     bank's slots and the model on ``device`` (the expert weights' master copies stay in
-    host memory)."""
+    host memory). ``device_host``: the host of each rank (None: one host);
+    ``cross_weight``: the node-aware strategies' weight (None: ``cfg``'s, else 0)."""
     pc, tc, mc = cfg.placement, cfg.trace, cfg.model
     device = torch.device(device)
     cls = pc.strategy_class
@@ -342,7 +358,9 @@ def build(cfg: InferConfig, rank: int, world: int, device: torch.device | str = 
         if device.type != "cpu":  # after the profile (recorded on the CPU, where the corpus is)
             model = model.to(device)
         drv = corpus
-    pcfg = PolicyConfig(E, world, L, k, S, pc.threshold, pc.planner, pc.online_planner)
+    w = cross_weight if cross_weight is not None else (pc.cross_weight or 0.0)
+    pcfg = PolicyConfig(E, world, L, k, S, pc.threshold, pc.planner, pc.online_planner,
+                        None if device_host is None else tuple(device_host), float(w))
     est = hist = None
     if profile is not None:
         hist = profile.loads().astype(np.float64) / max(1, profile.num_tokens)
@@ -362,9 +380,16 @@ def run(cfg: InferConfig, out: Path | None = None, *, group=None, device: torch.
     check_same_config(dataclasses.asdict(cfg), group, what="inference configuration")
     dev = torch.device(device) if device is not None else job_device(cfg, group)
     t_wall = time.perf_counter()
-    s = build(cfg, rank, world, dev)
+    topo = Topology.from_env(group)  # the hosts of the ranks (one all_gather of host names)
+    host_P = tuple(topo.hosts.index(h) for h in topo.hosts_P)
+    s = build(cfg, rank, world, dev, host_P)
     bank = s.bank
     row_cost_s = row_cost(bank, rank, world, group)
+    weight = _cross_weight(cfg, s, topo, row_cost_s)
+    if s.strategy.uses_hosts and weight != s.strategy.cfg.cross_weight:  # the weight needs the row cost
+        st = s.strategy
+        s = dataclasses.replace(s, strategy=type(st)(dataclasses.replace(st.cfg, cross_weight=weight),
+                                                     st.historical_LE))
     rt = Runtime(s.strategy, bank, s.estimator, path_length=cfg.placement.path_length,
                  pipelined=cfg.exchange == "pipelined", rank=rank, world=world, group=group, device=dev)
     clock = Clock(dev)  # batch latency: CUDA events on a GPU, the host clock on the CPU
@@ -410,13 +435,32 @@ def run(cfg: InferConfig, out: Path | None = None, *, group=None, device: torch.
     gathered = cdist.all_gather_object({"records": mine, "loaded": sum(bank.loaded_L)},
                                        "gathering the inference records", group)
     metrics = summarise(cfg, s.strategy, gathered, row_cost_s, wall_clock_s=time.perf_counter() - t_wall,
-                        device=dev.type)
+                        device=dev.type, host_P=host_P)
     if out is not None and rank == 0:
         metrics.write(Path(out) / "metrics.json")
     m = metrics.to_dict()
     if return_outputs:
         m["outputs"] = outputs
     return m
+
+
+def _cross_weight(cfg: InferConfig, s: Setup, topo: Topology, row_cost_s: float) -> float:
+    """The node-aware weight of a run: ``--cross-weight``, else
+    :func:`~commsched.moe.placement_policy.cross_host_weight` of the topology (its inter-host
+    class at ``--inter-rate`` when given), the row size on the wire (float32 rows of the
+    model width) and the compute time per row (``row_cost_s``)."""
+    pc = cfg.placement
+    if pc.cross_weight is not None:
+        return float(pc.cross_weight)
+    if pc.inter_rate is not None and "inter" in topo.links:
+        from ..costmodel import LinkCost
+        from ..netem import parse_rate
+
+        links = dict(topo.links)
+        links["inter"] = LinkCost(gamma=links["inter"].gamma, theta=8.0 / parse_rate(pc.inter_rate))
+        topo = Topology(topo.hosts_P, links, source=topo.source)
+    width = cfg.trace.d_model if cfg.driver == "trace" else s.model.cfg.d_model
+    return cross_host_weight(topo, 4.0 * width, row_cost_s)
 
 
 # --------------------------------------------------------------------------- metrics
@@ -453,8 +497,9 @@ def _layer_view(lr: dict, k: int) -> dict:
 
 
 def summarise(cfg: InferConfig, strategy: PlacementStrategy, per_rank: list[dict], row_cost_s: float,
-              *, wall_clock_s: float, device: str = "cpu") -> InferMetrics:
-    """The run's metrics from every rank's records (rank 0's with per-layer detail)."""
+              *, wall_clock_s: float, device: str = "cpu", host_P: Sequence[int] | None = None) -> InferMetrics:
+    """The run's metrics from every rank's records (rank 0's with per-layer detail).
+    ``host_P``: the host of each rank, to count the bytes that crossed hosts (default: one)."""
     pcfg = strategy.cfg
     N, L, E = pcfg.num_devices, pcfg.num_layers, pcfg.num_experts
     recs0 = per_rank[0]["records"]
@@ -480,6 +525,12 @@ def summarise(cfg: InferConfig, strategy: PlacementStrategy, per_rank: list[dict
     breakdown = {p: median(float(np.mean([per_rank[r]["records"][b]["parts_s"][p] for r in range(N)]))
                            for b in timed) for p in parts}
     loads_per_batch = float(np.mean([sum(lr["loads"] for lr in bl) for bl in layers]))
+    hosts = tuple(host_P) if host_P is not None else (0,) * N
+    cross = np.array([[hosts[q] != hosts[r] for q in range(N)] for r in range(N)])
+
+    def peer_bytes(b: int, inter: bool) -> int:  # both row exchanges, all ranks, as the exchanges counted
+        return int(sum(x for r in range(N) for q, x in enumerate(per_rank[r]["records"][b].get("peer_bytes", []))
+                       if cross[r, q] == inter))
     paths = strategy.estimates_paths
     return InferMetrics(
         placement=strategy.name,
@@ -522,6 +573,11 @@ def summarise(cfg: InferConfig, strategy: PlacementStrategy, per_rank: list[dict
             "breakdown_s": breakdown,
             "bytes_sent_per_batch": float(np.mean([sum(per_rank[r]["records"][b]["bytes_sent"] for r in range(N))
                                                    for b in timed])),
+            "host_of_rank": list(hosts),
+            "hosts": len(set(hosts)),
+            "cross_weight": strategy.cfg.cross_weight if strategy.uses_hosts else None,
+            "inter_host_bytes_per_batch": float(np.mean([peer_bytes(b, True) for b in timed])),
+            "intra_host_bytes_per_batch": float(np.mean([peer_bytes(b, False) for b in timed])),
             "expert_load_share": share.tolist(),
             "replicas": reps.tolist(),
             "device_rows_share": dev_share.tolist(),
@@ -554,6 +610,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="planner of the layouts fixed before inference (eplb)")
     p.add_argument("--online-planner", choices=tuple(PLANNERS), default=dp.online_planner,
                    help="planner during inference (lina phases 1 and 2, oracle)")
+    p.add_argument("--cross-weight", type=float, default=None,
+                   help="node-aware strategies (lina-node): weight of a row crossing hosts, in rows of "
+                        "device compute (default: from the topology's link classes and the row cost)")
+    p.add_argument("--inter-rate", default=None,
+                   help="inter-host link rate the default --cross-weight assumes (tc syntax, e.g. 1gbit; "
+                        "default: the topology's placeholder inter-host class)")
     p.add_argument("--exchange", choices=EXCHANGES, default=d.exchange,
                    help="pipelined: count exchange in one step, own rows computed while the row exchanges "
                         "run, loads after gating in the background; sequential: the first runtime (ring "
@@ -614,7 +676,8 @@ def config_from_args(a: argparse.Namespace) -> InferConfig:
         warmup=min(a.warmup, a.batches - 1), seed=a.seed,
         placement=PlacementConfig(strategy=a.placement, slots=a.slots, threshold=a.threshold,
                                   path_length=a.path_length, planner=a.planner,
-                                  online_planner=a.online_planner),
+                                  online_planner=a.online_planner, cross_weight=a.cross_weight,
+                                  inter_rate=a.inter_rate),
         emulation=EmulationConfig(us_per_row=a.us_per_row, load_ms=a.load_ms),
         trace=TraceDriverConfig(path=a.trace, synthetic=syn, profile_fraction=a.profile_fraction,
                                 tokens_per_batch=a.tokens_per_batch, d_model=a.d_model,

@@ -10,7 +10,9 @@ One MoE layer on rank ``me`` with a :class:`~commsched.moe.placement.Placement` 
    runtime gathers it once per layer with the next layer's popularity estimate);
 2. the i-th assignment (in this rank's token order) to expert e goes to replica
    ``(split_offsets(counts_PE)[me][e] + i) % r_e`` of e (:func:`split_tokens`), so the
-   replicas of e share the tokens of *all* ranks evenly (within one token);
+   replicas of e share the tokens of *all* ranks evenly (within one token); with a
+   host-local placement (``p.device_host`` set) over e's replicas on this rank's host
+   when it has any, evenly over the ranks of that host;
 3. rows are sent grouped by device, then expert, through the uneven
    ``commsched.all_to_all`` with a plan built locally: the send counts are this rank's,
    the receive counts follow from ``counts_PE`` and ``p`` (:func:`recv_matrix`) -- so no
@@ -42,7 +44,7 @@ from typing import Callable, Collection, Protocol, Sequence
 import numpy as np
 import torch
 
-from ..all2all import A2APlan, all_to_all, all_to_all_async
+from ..all2all import A2APlan, CommStats, all_to_all, all_to_all_async
 from .placement import Placement, split_offsets, split_tokens
 
 # compute(experts_M, counts_M, x_RD) -> y_RD: rows grouped by expert (ascending ids, counts_M
@@ -92,12 +94,18 @@ def recv_matrix(counts_PE: np.ndarray, placement: Placement, device: int) -> tup
     """(experts_M, rows_PM): the experts ``device`` holds and how many rows of each it
     receives from each source rank, given every rank's counts and the placement."""
     c = np.asarray(counts_PE, dtype=np.int64)
-    off = split_offsets(c)
+    off = split_offsets(c, placement)
     experts = list(placement.device_experts[device])
     rows = np.zeros((c.shape[0], len(experts)), dtype=np.int64)
     for m, e in enumerate(experts):
-        reps = placement.replicas[e]
-        rows[:, m] = replica_share(off[:, e], c[:, e], len(reps), reps.index(device))
+        if placement.device_host is None:
+            reps = placement.replicas[e]
+            rows[:, m] = replica_share(off[:, e], c[:, e], len(reps), reps.index(device))
+            continue
+        for p in range(c.shape[0]):  # host-local: each source splits over its own candidates
+            cand = placement.candidates(e, p)
+            if device in cand:
+                rows[p, m] = replica_share(off[p, e], c[p, e], len(cand), cand.index(device))
     return experts, rows
 
 
@@ -107,11 +115,11 @@ def device_rows(counts_PE: np.ndarray, placement: Placement) -> np.ndarray:
                      for d in range(placement.num_devices)], dtype=np.int64)
 
 
-def send_order(expert_A: np.ndarray, placement: Placement, offset_E: np.ndarray
+def send_order(expert_A: np.ndarray, placement: Placement, offset_E: np.ndarray, source: int | None = None
                ) -> tuple[np.ndarray, np.ndarray]:
-    """(order_A, send_counts_N): the assignments sorted by (device, expert, position)
-    and how many go to each device."""
-    dev_A = split_tokens(expert_A, placement, offset_E)
+    """(order_A, send_counts_N): the assignments of rank ``source`` (needed by a host-local
+    placement) sorted by (device, expert, position) and how many go to each device."""
+    dev_A = split_tokens(expert_A, placement, offset_E, source)
     key = dev_A * placement.num_experts + expert_A
     order = np.argsort(key, kind="stable")
     counts = np.bincount(dev_A, minlength=placement.num_devices)
@@ -178,11 +186,14 @@ class PlacedTimes:
     load_wait: float = 0.0  # waiting in ``wait_loaded`` for experts still loading
     bytes_sent: int = 0
     rows_computed: list[int] = field(default_factory=list)
+    stats: CommStats | None = None  # when set, the row exchanges' own per-peer byte counts
 
     def reset(self) -> None:
         self.a2a = self.expert = self.other = self.load_wait = 0.0
         self.bytes_sent = 0
         self.rows_computed = []
+        if self.stats is not None:
+            self.stats.reset()
 
 
 def _flatten(expert_TK: torch.Tensor | np.ndarray, gate_TK: torch.Tensor, keep_TK: torch.Tensor | None):
@@ -242,11 +253,12 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
     if not np.array_equal(mine, c[rank]):
         raise ValueError(f"rank {rank}: counts_PE[{rank}] = {c[rank].tolist()} does not match this rank's "
                          f"routing {mine.tolist()}")
-    order, send_N = send_order(ex_np, placement, split_offsets(c)[rank])
+    order, send_N = send_order(ex_np, placement, split_offsets(c, placement)[rank], rank)
     order_t = _on(order, dev)
     experts_M, rows_PM = recv_matrix(c, placement, rank)
     x_send = x_TD.index_select(0, token_A[order_t])
     tm = {"a2a": 0.0, "expert": 0.0, "load_wait": 0.0, "meanwhile": 0.0}
+    stats = times.stats if times is not None else None
 
     def timed(part: str, fn, *a, **kw):
         t = time.perf_counter()
@@ -263,7 +275,7 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
             timed("meanwhile", meanwhile)
         recv_N = rows_PM.sum(axis=1)
         plan = A2APlan(tuple(int(v) for v in send_N), tuple(int(v) for v in recv_N), rank)
-        x_recv = timed("a2a", all_to_all, x_send, plan, group=group)
+        x_recv = timed("a2a", all_to_all, x_send, plan, group=group, stats=stats)
         if wait_loaded is not None:
             timed("load_wait", wait_loaded)
         perm = _regroup(rows_PM, dev)
@@ -271,7 +283,7 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
         device_done()
         y_recv = torch.empty_like(y_exp)
         y_recv[perm] = y_exp
-        y_send = timed("a2a", all_to_all, y_recv, plan.reversed(), group=group)
+        y_send = timed("a2a", all_to_all, y_recv, plan.reversed(), group=group, stats=stats)
         sent_rows = int(plan.total_send - plan.send_counts[rank])
     else:
         # own rows (this rank -> this device) stay here; the exchanges carry the others'
@@ -291,7 +303,7 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
         if len(idx_f):  # queued first: the device starts at once, the dispatch right after
             y_own[idx_f] = timed("expert", _run, compute, experts_M, first_M, own_x.index_select(0, idx_f))
         x_rem = torch.cat([x_send[:so[rank]], x_send[so[rank + 1]:]])
-        h = timed("a2a", all_to_all_async, x_rem, plan, group=group)
+        h = timed("a2a", all_to_all_async, x_rem, plan, group=group, stats=stats)
         if meanwhile is not None:
             timed("meanwhile", meanwhile)
         x_recv = timed("a2a", h.wait)
@@ -305,7 +317,8 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
         device_done(remote_done)
         y_recv = torch.empty_like(y_exp)
         y_recv[perm] = y_exp
-        h2 = timed("a2a", all_to_all_async, y_recv, plan.reversed(), group=group)
+        h2 = timed("a2a", all_to_all_async, y_recv, plan.reversed(), group=group,
+                   stats=stats)
         device_done()
         y_back = timed("a2a", h2.wait)
         y_send = torch.cat([y_back[:so[rank]], y_own, y_back[so[rank]:]])

@@ -1,7 +1,8 @@
 """Expert placement for MoE inference: replicate popular experts, pack unpopular ones.
 
 Legend: E experts, N devices, S slots per device (how many experts' weights a device
-may hold at once), R replicas in all, T tokens (or token assignments), P source ranks.
+may hold at once), R replicas in all, T tokens (or token assignments), P source ranks,
+H hosts.
 
 A *placement* says which devices hold each expert. An expert held by r devices has its
 tokens split evenly over them, so each of its replicas carries ``load_e / r``; a device's
@@ -38,8 +39,30 @@ The strategies of the inference runtime are these functions on different inputs:
 ``lina`` is :func:`plan_placement` on the estimated load (see ``popularity.py``);
 ``oracle`` is :func:`plan_placement` on the actual load.
 
+Node-aware placement. Devices sit on hosts, and a row sent to a device on another host
+crosses the hosts' NICs, which are far slower than the links inside a host. With
+``device_host`` (the host 0..H-1 of each device) and ``cross_weight`` > 0,
+:func:`plan_placement` and :func:`greedy_placement` minimise :func:`node_cost`: the
+busiest device's load plus ``cross_weight`` times the rows through the busiest host link
+(the larger of the rows leaving and entering a host, over hosts). Their placements carry
+``device_host`` and split *host-locally*: the tokens a host sends an expert go evenly to
+the expert's replicas on that host when it has any (they cross nothing), else evenly to
+all its replicas (they all cross). Where the tokens come from is ``origin_HE`` [H, E];
+without it (the default) every device serves an equal share of every expert's tokens
+(:func:`even_origin`), so the gain comes from keeping replicas of the heavy experts on
+every host. The planner tries k = the number of most loaded experts kept on every host
+(:data:`NODE_CANDIDATES` values of k), places each other expert on one host (descending
+load, to the host whose devices would serve the fewest tokens, each host taking at most
+its devices' share of them), plans each host's devices on the tokens they serve with the
+greedy, re-plans the :data:`NODE_REFINE` best k with the full planner, and returns the
+best of those and the flat plan split host-locally -- or the flat plan itself, with the
+flat split and no ``device_host``, when its cost is lower: the node-aware cost is never
+above the flat plan's. Without hosts, with one host or with weight 0 the result is
+exactly the flat planner's.
+
 :func:`split_tokens` maps each token of a replicated expert to one of its replicas,
-round robin, so every replica gets an equal share (within one token).
+round robin, so every replica gets an equal share (within one token); with a host-local
+placement, round robin over the replicas of :meth:`Placement.candidates`.
 """
 
 from __future__ import annotations
@@ -48,7 +71,7 @@ import heapq
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -68,6 +91,10 @@ __all__ = [
     "split_tokens_reference",
     "split_offsets",
     "imbalance",
+    "even_origin",
+    "host_local_loads",
+    "cross_rows",
+    "node_cost",
 ]
 
 
@@ -81,6 +108,10 @@ REFINE_SMALL_SLOTS = 256
 # up to this many slots every replica-count change of the count search is decoded by LPT
 # and local search (milliseconds there); above it by LPT alone
 THOROUGH_SLOTS = 16
+# node-aware placement: how many counts k of experts kept on every host are tried (each
+# plans every host with the greedy; the best k is then planned with the full planner)
+NODE_CANDIDATES = 16
+NODE_REFINE = 3  # the best counts k by the packing-free estimate, planned in full
 
 
 # --------------------------------------------------------------------------- validation
@@ -134,16 +165,23 @@ class Placement:
     replicas[e]     -- ascending tuple of the distinct devices holding expert e (>= 1)
     device_load[d]  -- sum over experts e on d of load_e / len(replicas[e])
     slots_per_device -- the bound the placement respects (experts per device)
+    device_host[d]  -- None (the flat split), or the host (0..H-1) of each device: the
+                       host-local split (module docstring, "Node-aware placement"); the
+                       device loads are then those of that split with the tokens spread
+                       over the hosts in proportion to their devices (:func:`device_loads`)
     """
 
     replicas: tuple[tuple[int, ...], ...]
     device_load: tuple[float, ...]
     slots_per_device: int
+    device_host: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         N, S = len(self.device_load), self.slots_per_device
         if N < 1:
             raise ValueError("a placement needs at least one device")
+        if self.device_host is not None:
+            object.__setattr__(self, "device_host", _check_hosts(self.device_host, N))
         held = [0] * N
         for e, devs in enumerate(self.replicas):
             if len(devs) == 0:
@@ -197,8 +235,25 @@ class Placement:
         if load.size != self.num_experts:
             raise ValueError(f"load_E has {load.size} entries, the placement {self.num_experts} "
                              "experts")
-        dl = device_loads(self.replicas, load, self.num_devices)
-        return Placement(self.replicas, tuple(float(x) for x in dl), self.slots_per_device)
+        dl = device_loads(self.replicas, load, self.num_devices, self.device_host)
+        return Placement(self.replicas, tuple(float(x) for x in dl), self.slots_per_device,
+                         self.device_host)
+
+    @property
+    def num_hosts(self) -> int:
+        """Hosts of the host-local split (1 for the flat split)."""
+        return 1 if self.device_host is None else max(self.device_host) + 1
+
+    def candidates(self, e: int, source: int) -> tuple[int, ...]:
+        """The replicas of expert e that the tokens of rank ``source`` (a device index) are
+        split over: all of them (flat split), or with ``device_host`` those on the host of
+        ``source`` when there are any, else all of them."""
+        devs = self.replicas[e]
+        if self.device_host is None:
+            return devs
+        h = self.device_host[source]
+        local = tuple(d for d in devs if self.device_host[d] == h)
+        return local or devs
 
 
 def imbalance(device_load_N: Sequence[float] | np.ndarray) -> float:
@@ -211,9 +266,13 @@ def imbalance(device_load_N: Sequence[float] | np.ndarray) -> float:
 
 
 def device_loads(replicas: Sequence[Sequence[int]], load_E: Sequence[float] | np.ndarray,
-                 num_devices: int) -> np.ndarray:
-    """[N] float64 device loads: each expert's load split evenly over its replicas."""
+                 num_devices: int, device_host: Sequence[int] | None = None) -> np.ndarray:
+    """[N] float64 device loads: each expert's load split evenly over its replicas; with
+    ``device_host``, split host-locally with the load spread over the hosts in proportion
+    to their devices (:func:`even_origin`, :func:`host_local_loads`)."""
     load = np.asarray(load_E, dtype=np.float64)
+    if device_host is not None:
+        return host_local_loads(replicas, even_origin(load, device_host), device_host)[0]
     out = np.zeros(num_devices, dtype=np.float64)
     for e, devs in enumerate(replicas):
         share = load[e] / len(devs)
@@ -222,10 +281,11 @@ def device_loads(replicas: Sequence[Sequence[int]], load_E: Sequence[float] | np
     return out
 
 
-def _make(replicas: Sequence[Sequence[int]], load: np.ndarray, N: int, S: int) -> Placement:
+def _make(replicas: Sequence[Sequence[int]], load: np.ndarray, N: int, S: int,
+          device_host: tuple[int, ...] | None = None) -> Placement:
     reps = tuple(tuple(sorted(int(d) for d in devs)) for devs in replicas)
-    dl = device_loads(reps, load, N)
-    return Placement(reps, tuple(float(x) for x in dl), S)
+    dl = device_loads(reps, load, N, device_host)
+    return Placement(reps, tuple(float(x) for x in dl), S, device_host)
 
 
 def _key(p: Placement) -> tuple[float, float]:
@@ -333,11 +393,17 @@ def _lpt(load: list[float], counts: list[int], N: int, S: int) -> list[list[int]
 
 
 def greedy_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
-                     slots_per_device: int) -> Placement:
+                     slots_per_device: int, *, device_host: Sequence[int] | None = None,
+                     cross_weight: float = 0.0, origin_HE: np.ndarray | None = None) -> Placement:
     """The greedy: fill all N*S slots by :func:`replica_counts_greedy`
-    (at most N replicas per expert), then :func:`pack_lpt`."""
+    (at most N replicas per expert), then :func:`pack_lpt`. ``device_host``,
+    ``cross_weight``, ``origin_HE``: node-aware, as :func:`plan_placement`, with the greedy
+    inside each host."""
     load = _check_load(load_E)
     N, S = _check_sizes(load.size, num_devices, slots_per_device)
+    node = _node_inputs(load, N, device_host, cross_weight, origin_HE)
+    if node is not None:
+        return _node_aware(load, N, S, node[0], float(cross_weight), node[1], _greedy_reps, NODE_CANDIDATES)
     counts = replica_counts_greedy(load, min(N * S, N * load.size), N)
     return pack_lpt(load, counts, N, S)
 
@@ -794,12 +860,17 @@ def _count_search(p: Placement, load: np.ndarray, max_evals: int, thorough: bool
             trial = list(counts)
             for x, dx in change:
                 trial[x] += dx
-            q = _make(_lpt(lo, trial, N, S), load, N, S)
+            reps = _lpt(lo, trial, N, S)
             if thorough:
-                q = _improve(q, load, 20 * N * S)
-            k = _key(q)
+                q: Placement | None = _improve(_make(reps, load, N, S), load, 20 * N * S)
+                k = _key(q)
+            else:  # scored without building the Placement (the same sums as _make's), built if taken
+                q = None
+                dl = device_loads(reps, load, N).tolist()
+                k = (max(dl), float(sum(x * x for x in dl)))
             if k[0] < best_key[0] - tol or (k[0] <= best_key[0] + tol and k[1] < best_key[1] - tol * tol):
-                best, best_key, counts = q, k, list(q.replica_counts)
+                best = q if q is not None else _make(reps, load, N, S)
+                best_key, counts = k, list(best.replica_counts)
                 break
         else:
             break  # no neighbour is better: a local optimum
@@ -810,9 +881,19 @@ def _count_search(p: Placement, load: np.ndarray, max_evals: int, thorough: bool
 def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
                    slots_per_device: int, *, max_candidates: int = 16,
                    refine: int | None = None, max_steps: int | None = None,
-                   count_evals: int = 1000) -> Placement:
+                   count_evals: int = 1000, device_host: Sequence[int] | None = None,
+                   cross_weight: float = 0.0, origin_HE: np.ndarray | None = None) -> Placement:
     """Place E experts on N devices with at most S experts each, minimising the maximum
     device load (an expert's load split evenly over its replicas).
+
+    Node-aware (``device_host``: the host 0..H-1 of each device, H >= 2, and
+    ``cross_weight`` > 0): minimises :func:`node_cost` instead, the busiest device's load
+    plus ``cross_weight`` times the rows through the busiest host link, with the
+    host-local split (module docstring, "Node-aware placement"); ``origin_HE`` [H, E]
+    gives each host's tokens per expert (default :func:`even_origin`). The result carries
+    ``device_host`` (a host-local placement), unless the flat plan with the flat split has
+    the lower cost: then it is that plan. Without hosts, with one host or with
+    ``cross_weight`` 0 the result is exactly the flat planner's.
 
     Popular experts get more replicas; unpopular ones are packed together. Method: for up
     to ``max_candidates`` total replica counts between E and N*S, take the greedy
@@ -840,6 +921,13 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
         raise ValueError(f"need max_candidates >= 1, refine >= 0, max_steps >= 0 and "
                          f"count_evals >= 0; got {max_candidates}, {refine}, {max_steps}, "
                          f"{count_evals}")
+    node = _node_inputs(load, N, device_host, cross_weight, origin_HE)
+    if node is not None:
+        def flat(ld, n, s):
+            return [list(r) for r in plan_placement(ld, n, s, max_candidates=max_candidates, refine=refine,
+                                                    max_steps=max_steps, count_evals=count_evals).replicas]
+
+        return _node_aware(load, N, S, node[0], float(cross_weight), node[1], flat, NODE_CANDIDATES)
     steps = 20 * N * S if max_steps is None else max_steps
     if refine is None:
         refine = REFINE_SMALL if N * S <= REFINE_SMALL_SLOTS else REFINE_LARGE
@@ -867,20 +955,308 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
     return best
 
 
+# --------------------------------------------------------------------------- node-aware
+def _check_hosts(device_host: Sequence[int], N: int) -> tuple[int, ...]:
+    """``device_host`` as a tuple of N host indices 0..H-1 (every host holding a device)."""
+    try:
+        hosts = tuple(int(h) for h in device_host)
+    except (TypeError, ValueError):
+        raise TypeError(f"device_host must be a sequence of host indices (one per device), got "
+                        f"{device_host!r}") from None
+    if len(hosts) != N:
+        raise ValueError(f"device_host has {len(hosts)} entries for {N} devices (one host index per device)")
+    if set(hosts) != set(range(max(hosts) + 1)):
+        raise ValueError(f"device_host must number the hosts 0..H-1, each holding a device; got {list(hosts)}")
+    return hosts
+
+
+def even_origin(load_E: Sequence[float] | np.ndarray, device_host: Sequence[int]) -> np.ndarray:
+    """[H, E] the tokens each host sends each expert when every device serves an equal share of
+    the tokens: host h originates n_h / N of every expert's load (n_h: its devices). The model
+    of a load that does not say where its tokens come from."""
+    load = np.asarray(load_E, dtype=np.float64)
+    hosts = np.asarray(device_host, dtype=np.int64)
+    n_H = np.bincount(hosts)
+    return (n_H / hosts.size)[:, None] * load[None, :]
+
+
+def host_local_loads(replicas: Sequence[Sequence[int]], origin_HE: np.ndarray, device_host: Sequence[int]
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The host-local split of ``origin_HE[h, e]`` tokens (host h's tokens routed to expert e):
+    host h's tokens of e go evenly to e's replicas on h when there are any (they cross no
+    host), else evenly to all of e's replicas (they all cross). Returns ([N] device loads,
+    [H] rows leaving each host, [H] rows entering each host).
+    :func:`_host_local_loads_reference` is the loop-per-token-group twin."""
+    o = np.asarray(origin_HE, dtype=np.float64).T  # [E, H]
+    host = np.asarray(device_host, dtype=np.int64)
+    E, H, N = o.shape[0], o.shape[1], host.size
+    R = np.zeros((E, N))
+    for e, devs in enumerate(replicas):
+        R[e, list(devs)] = 1.0
+    r_EH = R @ (host[:, None] == np.arange(H)[None, :])  # replicas of e on host h
+    local = r_EH > 0
+    stay = np.where(local, o / np.maximum(r_EH, 1.0), 0.0)  # [E, H] share of each local replica
+    away = np.where(local, 0.0, o)  # tokens that find no replica at home
+    spread = away.sum(axis=1) / R.sum(axis=1)  # [E] their share of each replica
+    dl = (R * stay[:, host]).sum(axis=0) + spread @ R
+    return dl, away.sum(axis=0), spread @ r_EH
+
+
+def _host_local_loads_reference(replicas: Sequence[Sequence[int]], origin_HE: np.ndarray,
+                                device_host: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Slow twin of :func:`host_local_loads`: one host's tokens of one expert at a time."""
+    o = np.asarray(origin_HE, dtype=np.float64)
+    host = list(device_host)
+    N, H = len(host), o.shape[0]
+    dl = np.zeros(N)
+    out_H, in_H = np.zeros(H), np.zeros(H)
+    for e, devs in enumerate(replicas):
+        for h in range(H):
+            t = float(o[h, e])
+            if t == 0.0:
+                continue
+            local = [d for d in devs if host[d] == h]
+            cand = local or list(devs)
+            share = t / len(cand)
+            for d in cand:
+                dl[d] += share
+            if not local:
+                out_H[h] += t
+                for d in cand:
+                    in_H[host[d]] += share
+    return dl, out_H, in_H
+
+
+def cross_rows(p: Placement, load_E: Sequence[float] | np.ndarray, device_host: Sequence[int] | None = None,
+               origin_HE: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """([H] rows leaving, [H] rows entering each host) of one layer under placement ``p``.
+
+    ``device_host``: the hosts of the devices (default ``p.device_host``); ``origin_HE``: the
+    tokens of each host per expert (default :func:`even_origin`). A host-local placement
+    (``p.device_host`` set) splits as :func:`host_local_loads`; a flat one splits every
+    expert's tokens evenly over all its replicas, wherever they come from, so host h's
+    tokens of e cross in the share of e's replicas that are on other hosts."""
+    hosts = p.device_host if device_host is None else _check_hosts(device_host, p.num_devices)
+    if hosts is None:
+        raise ValueError("cross_rows needs the host of each device: pass device_host or a placement that has it")
+    load = _check_load(load_E)
+    o = even_origin(load, hosts) if origin_HE is None else np.asarray(origin_HE, dtype=np.float64)
+    H = max(hosts) + 1
+    if o.shape != (H, p.num_experts):
+        raise ValueError(f"origin_HE must be [H, E] = [{H}, {p.num_experts}], got {o.shape}")
+    if p.device_host is not None:
+        return host_local_loads(p.replicas, o, hosts)[1:]
+    out_H, in_H = np.zeros(H), np.zeros(H)
+    for e, devs in enumerate(p.replicas):
+        for h in range(H):
+            for d in devs:
+                if hosts[d] != h:
+                    x = o[h, e] / len(devs)
+                    out_H[h] += x
+                    in_H[hosts[d]] += x
+    return out_H, in_H
+
+
+def node_cost(p: Placement, load_E: Sequence[float] | np.ndarray, cross_weight: float,
+              device_host: Sequence[int] | None = None, origin_HE: np.ndarray | None = None) -> float:
+    """The node-aware objective of one layer: the busiest device's load plus ``cross_weight``
+    times the rows through the busiest host link (the larger of the rows leaving and the rows
+    entering a host, over hosts: one NIC carries all of its host's traffic to other hosts).
+    Loads and rows follow ``p``'s split (:func:`cross_rows`)."""
+    load = _check_load(load_E)
+    hosts = p.device_host if device_host is None else _check_hosts(device_host, p.num_devices)
+    o = None if hosts is None else (even_origin(load, hosts) if origin_HE is None else np.asarray(origin_HE))
+    if p.device_host is not None:
+        dl, out_H, in_H = host_local_loads(p.replicas, o, p.device_host)
+    else:
+        dl = device_loads(p.replicas, load, p.num_devices)
+        out_H, in_H = cross_rows(p, load, hosts, o) if hosts is not None else (np.zeros(1), np.zeros(1))
+    return float(dl.max() + cross_weight * max(out_H.max(), in_H.max()))
+
+
+def _node_key(reps: Sequence[Sequence[int]], origin: np.ndarray, hosts: tuple[int, ...],
+              w: float) -> tuple[float, float, float]:
+    """(node cost, maximum device load, rows through the busiest host link) of a host-local
+    layout: the order the node-aware planner ranks layouts by."""
+    dl, out_H, in_H = host_local_loads(reps, origin, hosts)
+    x = float(max(out_H.max(), in_H.max()))
+    return (float(dl.max()) + w * x, float(dl.max()), x)
+
+
+def _counts(lo: list[float], N: int, S: int) -> list[int]:
+    """:func:`replica_counts_greedy` of all N*S slots on checked inputs (plain lists)."""
+    E = len(lo)
+    counts = [1] * E
+    heap = [(-lo[e], e) for e in range(E)] if N > 1 else []
+    heapq.heapify(heap)
+    spare = min(N * S, N * E) - E
+    while spare > 0 and heap:
+        _, e = heapq.heappop(heap)
+        counts[e] += 1
+        spare -= 1
+        if counts[e] < N:
+            heapq.heappush(heap, (-lo[e] / counts[e], e))
+    return counts
+
+
+def _greedy_reps(load: np.ndarray, N: int, S: int) -> list[list[int]]:
+    """:func:`greedy_placement`'s replicas on checked inputs, without building a Placement
+    (the node-aware search calls it once per host and candidate)."""
+    lo = [float(x) for x in load]
+    return _lpt(lo, _counts(lo, N, S), N, S)
+
+
+def _node_aware(load: np.ndarray, N: int, S: int, hosts: tuple[int, ...], w: float,
+                origin: np.ndarray, inner: Callable[..., list[list[int]]], max_candidates: int) -> Placement:
+    """The node-aware planner (module docstring, "Node-aware placement"): for k experts kept
+    on every host (the k most loaded), the others each on one host, estimate the cost
+    without packing (``estimate``); plan the :data:`NODE_REFINE` best k with ``inner`` on
+    each host's devices (the tokens they serve); compare with the flat plan (``inner`` on
+    all devices) split host-locally, and return the flat plan itself (the flat split) when
+    its :func:`node_cost` is lower still."""
+    E = load.size
+    H = max(hosts) + 1
+    dev_H = [[d for d in range(N) if hosts[d] == h] for h in range(H)]
+    cap_H = [len(ds) * S for ds in dev_H]
+    order = sorted(range(E), key=lambda e: (-load[e], e))
+    ks = [k for k in range(min(E, min(cap_H)) + 1) if sum(c - k for c in cap_H) >= E - k]
+    if len(ks) > max_candidates:
+        ks = sorted({ks[int(round(i))] for i in np.linspace(0, len(ks) - 1, max_candidates)})
+
+    lo = [float(x) for x in load]
+    n_H = [len(ds) for ds in dev_H]
+    assigned: dict[int, tuple[list[list[int]], list[list[float]]]] = {}
+
+    def assign(k: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Which experts each host holds, and the tokens its devices serve of each."""
+        if k in assigned:
+            return assigned[k]
+        everywhere, rest = set(order[:k]), order[k:]
+        served = [float(x) for x in origin[:, order[:k]].sum(axis=1)]  # tokens each host's devices serve
+        room = [c - k for c in cap_H]
+        # each host takes at most its devices' share of the other experts while another host
+        # has room, so that every host keeps spare slots for replicas of its heavy experts
+        fair = [min(room[h], -(-len(rest) * n_H[h] // N)) for h in range(H)]
+        on: list[list[int]] = [sorted(everywhere) for _ in range(H)]
+        for e in rest:  # descending load, to the host whose devices would serve the least
+            quota = fair if any(x > 0 for x in fair) else room
+            best_h, best_v = -1, math.inf
+            for h in range(H):
+                if quota[h] > 0:
+                    v = (served[h] + lo[e]) / n_H[h]
+                    if v < best_v:
+                        best_h, best_v = h, v
+            on[best_h].append(e)
+            room[best_h] -= 1
+            fair[best_h] -= 1
+            served[best_h] += lo[e]
+        on = [sorted(x) for x in on]
+        local = [[float(origin[h, e]) if e in everywhere else lo[e] for e in on[h]] for h in range(H)]
+        assigned[k] = (on, local)
+        return on, local
+
+    def estimate(k: int) -> tuple[float, float]:
+        """(node cost, max load) of k without packing: each host's devices at the larger of
+        their mean and the largest share of the greedy apportionment of their slots (a bound
+        LPT comes close to), the rows crossing from the assignment alone."""
+        on, local = assign(k)
+        top = 0.0
+        out_H, in_H = np.zeros(H), np.zeros(H)
+        held = np.zeros((H, E), dtype=bool)
+        for h in range(H):
+            held[h, on[h]] = True
+        for h in range(H):
+            if on[h]:
+                c = _counts(local[h], n_H[h], S)
+                top = max(top, sum(local[h]) / n_H[h], max(x / r for x, r in zip(local[h], c)))
+        only = held.sum(axis=0) == 1  # experts on one host: every other host's tokens cross to it
+        for h in range(H):
+            out_H[h] = float(origin[h, ~held[h]].sum())
+            in_H[h] = float((load - origin[h])[only & held[h]].sum())
+        x = float(max(out_H.max(), in_H.max()))
+        return top + w * x, top
+
+    def layout(k: int, planner: Callable[..., list[list[int]]]) -> list[list[int]]:
+        on, local = assign(k)
+        reps: list[list[int]] = [[] for _ in range(E)]
+        for h in range(H):
+            sub = planner(np.asarray(local[h]), n_H[h], S)
+            for i, e in enumerate(on[h]):
+                reps[e].extend(dev_H[h][d] for d in sub[i])
+        return reps
+
+    best_ks = sorted(ks, key=lambda k: (*estimate(k), k))[:NODE_REFINE]
+    cands = [(_node_key(r, origin, hosts, w), r) for k in best_ks for r in [layout(k, inner)]]
+    flat_reps = inner(load, N, S)
+    cands.append((_node_key(flat_reps, origin, hosts, w), flat_reps))
+    best_key, best = min(cands, key=lambda t: t[0])
+    flat = _make(flat_reps, load, N, S)
+    if node_cost(flat, load, w, hosts, origin) < best_key[0]:
+        return flat  # the flat split wins: never worse than the flat plan in the objective
+    return _make(best, load, N, S, hosts)
+
+
+def _node_inputs(load: np.ndarray, N: int, device_host, cross_weight: float, origin_HE
+                 ) -> tuple[tuple[int, ...], np.ndarray] | None:
+    """Checked (hosts, origin) of a node-aware call, or None when it is the flat planner's
+    (no hosts, one host, or a zero weight)."""
+    if not (isinstance(cross_weight, numbers.Real) and math.isfinite(cross_weight) and cross_weight >= 0):
+        raise ValueError(f"cross_weight must be a finite number >= 0 (load units per row crossing hosts), "
+                         f"got {cross_weight!r}")
+    if device_host is None:
+        if origin_HE is not None:
+            raise ValueError("origin_HE (tokens per host) needs device_host (the host of each device)")
+        return None
+    hosts = _check_hosts(device_host, N)
+    H = max(hosts) + 1
+    if origin_HE is None:
+        origin = even_origin(load, hosts)
+    else:
+        origin = np.asarray(origin_HE, dtype=np.float64)
+        if origin.shape != (H, load.size):
+            raise ValueError(f"origin_HE must be [H, E] = [{H}, {load.size}], got {origin.shape}")
+        if not np.isfinite(origin).all() or (origin < 0).any():
+            raise ValueError("origin_HE must hold finite token counts >= 0")
+        if not np.allclose(origin.sum(axis=0), load, rtol=1e-9, atol=1e-9):
+            raise ValueError("origin_HE's columns must sum to load_E (each expert's tokens, by host)")
+    if H == 1 or cross_weight == 0:
+        return None
+    return hosts, origin
+
+
 # --------------------------------------------------------------------------- token split
-def split_offsets(counts_PE: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
+def split_offsets(counts_PE: Sequence[Sequence[int]] | np.ndarray,
+                  placement: Placement | None = None) -> np.ndarray:
     """[P, E] exclusive prefix over source ranks of per-rank expert token counts.
 
     Passing ``offset_E=split_offsets(counts)[p]`` to :func:`split_tokens` on rank p makes
     the round robin continue where rank p-1 stopped, so each replica of an expert gets
-    an equal share (within one token) of the tokens of *all* ranks together."""
+    an equal share (within one token) of the tokens of *all* ranks together. With a
+    host-local ``placement`` (``device_host`` set; ranks are its devices) the prefix runs
+    over the ranks that split over the same replicas (:meth:`Placement.candidates`): the
+    ranks of one host where it holds the expert, else every rank of a host that does not."""
     c = np.asarray(counts_PE, dtype=np.int64)
     if c.ndim != 2 or (c < 0).any():
         raise ValueError("counts_PE must be a [P, E] array of non-negative token counts")
-    return np.cumsum(c, axis=0) - c
+    if placement is None or placement.device_host is None:
+        return np.cumsum(c, axis=0) - c
+    P, E = c.shape
+    if (P, E) != (placement.num_devices, placement.num_experts):
+        raise ValueError(f"counts_PE must be [N, E] = [{placement.num_devices}, {placement.num_experts}] "
+                         f"for a host-local placement, got {c.shape}")
+    host = placement.device_host
+    off = np.zeros_like(c)
+    for e, devs in enumerate(placement.replicas):
+        held = {host[d] for d in devs}
+        seen: dict[int, int] = {}
+        for p in range(P):
+            key = host[p] if host[p] in held else -1  # -1: hosts without a replica share all of them
+            off[p, e] = seen.get(key, 0)
+            seen[key] = off[p, e] + c[p, e]
+    return off
 
 
-def _check_split_inputs(expert_T, placement: Placement, offset_E) -> tuple[np.ndarray, np.ndarray]:
+def _check_split_inputs(expert_T, placement: Placement, offset_E, source) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(placement, Placement):
         raise TypeError(f"placement must be a Placement, got {type(placement).__name__}")
     ex = np.asarray(expert_T)
@@ -893,27 +1269,41 @@ def _check_split_inputs(expert_T, placement: Placement, offset_E) -> tuple[np.nd
     off = np.zeros(E, dtype=np.int64) if offset_E is None else np.asarray(offset_E, np.int64)
     if off.shape != (E,):
         raise ValueError(f"offset_E must have one entry per expert ({E}), got shape {off.shape}")
+    if placement.device_host is not None and not (isinstance(source, numbers.Integral)
+                                                  and 0 <= source < placement.num_devices):
+        raise ValueError(f"a host-local placement splits by the tokens' host: pass source, the rank "
+                         f"(0..{placement.num_devices - 1}) whose tokens these are; got {source!r}")
     return ex, off
 
 
+def _cands(placement: Placement, source: int | None) -> list[tuple[int, ...]]:
+    if placement.device_host is None:
+        return list(placement.replicas)
+    return [placement.candidates(e, int(source)) for e in range(placement.num_experts)]
+
+
 def split_tokens(expert_T: np.ndarray | Sequence[int], placement: Placement,
-                 offset_E: np.ndarray | Sequence[int] | None = None) -> np.ndarray:
+                 offset_E: np.ndarray | Sequence[int] | None = None, source: int | None = None) -> np.ndarray:
     """Device of each token: the i-th token (in flattened order) routed to expert e goes
-    to ``placement.replicas[e][(offset_E[e] + i) % len(replicas[e])]``.
+    to ``placement.replicas[e][(offset_E[e] + i) % len(replicas[e])]`` -- with a
+    host-local placement, to the i-th (from ``offset_E[e]``) of
+    ``placement.candidates(e, source)``.
 
     expert_T: int array of any shape (e.g. [T] or [T, k]) of expert ids.
     offset_E: [E] starting position of each expert's round robin (default zeros; see
     :func:`split_offsets` to balance across source ranks).
+    source: the rank whose tokens these are (required for a host-local placement).
     Returns an int64 array of the same shape. :func:`split_tokens_reference` is the
     one-token-at-a-time twin."""
-    ex, off = _check_split_inputs(expert_T, placement, offset_E)
+    ex, off = _check_split_inputs(expert_T, placement, offset_E, source)
     flat = ex.reshape(-1)
     E = placement.num_experts
-    rmax = max(placement.replica_counts)
+    cands = _cands(placement, source)
+    rmax = max(len(c) for c in cands)
     table = np.zeros((E, rmax), dtype=np.int64)
-    for e, devs in enumerate(placement.replicas):
+    for e, devs in enumerate(cands):
         table[e, :len(devs)] = devs
-    r = np.asarray(placement.replica_counts, dtype=np.int64)
+    r = np.asarray([len(c) for c in cands], dtype=np.int64)
     order = np.argsort(flat, kind="stable")
     sorted_ex = flat[order]
     starts = np.searchsorted(sorted_ex, np.arange(E))
@@ -924,13 +1314,14 @@ def split_tokens(expert_T: np.ndarray | Sequence[int], placement: Placement,
 
 
 def split_tokens_reference(expert_T: np.ndarray | Sequence[int], placement: Placement,
-                           offset_E: np.ndarray | Sequence[int] | None = None) -> np.ndarray:
+                           offset_E: np.ndarray | Sequence[int] | None = None,
+                           source: int | None = None) -> np.ndarray:
     """Slow twin of :func:`split_tokens`: a plain loop with one counter per expert."""
-    ex, off = _check_split_inputs(expert_T, placement, offset_E)
+    ex, off = _check_split_inputs(expert_T, placement, offset_E, source)
     seen = [int(x) for x in off]
     out = []
     for e in ex.reshape(-1).tolist():
-        devs = placement.replicas[e]
+        devs = placement.candidates(e, source) if placement.device_host is not None else placement.replicas[e]
         out.append(devs[seen[e] % len(devs)])
         seen[e] += 1
     return np.asarray(out, dtype=np.int64).reshape(ex.shape)

@@ -19,6 +19,12 @@ is ever broadcast. The strategies (``STRATEGIES``, name -> class):
   overlap by less than ``threshold``, re-plan from the actual load.
 * ``oracle`` -- planned from the actual load after gating, every layer (the bound a
   runtime can reach; its planning sits on the critical path).
+* ``eplb-hier`` -- ``eplb`` with DeepSeek's hierarchical policy on the run's hosts
+  (:func:`eplb_hier_layout`: experts packed onto hosts first, replicated within them).
+* ``lina-node`` -- ``lina`` with the node-aware planner: the host of each device
+  (``PolicyConfig.device_host``) and the weight of a row that crosses hosts
+  (``cross_weight``, :func:`cross_host_weight`) go to the planners, whose placements
+  split each expert's tokens over the replicas on the tokens' own host when there are any.
 
 Each class states what the runtime must do for it: ``needs_profile`` (it plans from the
 historical load of a profiling trace), ``loads_online`` (it may plan after gating, so
@@ -37,11 +43,13 @@ from host memory); a new placement loads the experts a device lacks and evicts t
 ones it no longer holds. Devices are interchangeable, so before a new plan is used its
 device labels are permuted (:func:`relabel`) to keep as many experts where they already
 are as possible; that lowers the number of loads without changing any device's load.
-The strategy tracks every device's resident set, so all ranks agree on it too.
+The strategy tracks every device's resident set, so all ranks agree on it too. A
+host-local placement is relabelled within hosts only (a device's host is fixed).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from abc import ABC, abstractmethod
@@ -69,6 +77,39 @@ def eplb_layout(load_E: Sequence[float] | np.ndarray, num_devices: int,
     return eplb_placement(load_E, num_devices, slots_per_device).placement(load_E)
 
 
+def eplb_hier_layout(load_E: Sequence[float] | np.ndarray, num_devices: int, slots_per_device: int,
+                     device_host: Sequence[int]) -> Placement:
+    """DeepSeek's EPLB, hierarchical policy, on the hosts ``device_host`` (each host a block of
+    consecutive devices of equal size, as torchrun numbers them): every expert its own
+    group (the finest grouping EPLB allows), the groups packed onto the hosts by their
+    loads, then replicated and packed within each host; as a :class:`Placement` as
+    :func:`eplb_layout`. Each expert ends up on one host only."""
+    hosts = [int(h) for h in device_host]
+    H = max(hosts) + 1
+    size = num_devices // H
+    if len(hosts) != num_devices or hosts != [d // size for d in range(num_devices)] or size * H != num_devices:
+        raise ValueError(f"EPLB's hierarchical policy needs hosts of equal size holding consecutive devices "
+                         f"(0,0,1,1,...); got device_host {hosts}")
+    E = len(load_E)
+    return eplb_placement(load_E, num_devices, slots_per_device, num_nodes=H,
+                          num_groups=E if E % H == 0 else None).placement(load_E)
+
+
+def cross_host_weight(topology, row_bytes: float, row_time_s: float, *, exchanges: int = 2) -> float:
+    """The node-aware planner's weight of a row that crosses hosts, in the load's unit (rows
+    a device computes): the time a row spends on the inter-host link beyond what it would
+    spend on the intra-host one, over the ``exchanges`` it takes (dispatch and combine),
+    divided by a device's compute time per row --
+    ``exchanges * row_bytes * (theta_inter - theta_intra) / row_time_s``, theta the
+    seconds per byte of the topology's link classes (``intra`` taken as 0 when the layout
+    has none). 0 for one host, or when compute per row is free (``row_time_s`` 0)."""
+    links = topology.links
+    if "inter" not in links or row_time_s <= 0:
+        return 0.0
+    intra = links["intra"].theta if "intra" in links else 0.0
+    return max(0.0, exchanges * row_bytes * (links["inter"].theta - intra) / row_time_s)
+
+
 PLANNERS: dict[str, Callable[..., Placement]] = {
     "full": plan_placement,
     "greedy": greedy_placement,
@@ -79,6 +120,8 @@ __all__ = [
     "STRATEGIES",
     "PLANNERS",
     "eplb_layout",
+    "eplb_hier_layout",
+    "cross_host_weight",
     "PolicyConfig",
     "LayerDecision",
     "PlacementStrategy",
@@ -86,6 +129,8 @@ __all__ = [
     "EplbPlacement",
     "LinaPlacement",
     "OraclePlacement",
+    "EplbHierPlacement",
+    "LinaNodePlacement",
     "strategy_class",
     "relabel",
     "placement_digest",
@@ -104,7 +149,9 @@ class PolicyConfig:
 
     slots: S (experts of one layer per device); threshold: phase-2 re-plan threshold on
     the top-2k overlap (lina); planner / online_planner: names in :data:`PLANNERS`
-    (before / during inference).
+    (before / during inference); device_host: the host 0..H-1 of each device (None: one
+    host), used by the strategies that know hosts (``uses_hosts``); cross_weight: the
+    node-aware planner's weight of a row crossing hosts (:func:`cross_host_weight`).
     """
 
     num_experts: int
@@ -115,6 +162,8 @@ class PolicyConfig:
     threshold: float = DEFAULT_REPLAN_THRESHOLD
     planner: str = "full"
     online_planner: str = "greedy"
+    device_host: tuple[int, ...] | None = None
+    cross_weight: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "num_devices", "num_layers", "k", "slots"):
@@ -130,6 +179,15 @@ class PolicyConfig:
         for name in ("planner", "online_planner"):
             if getattr(self, name) not in PLANNERS:
                 raise ValueError(f"{name} must be one of {tuple(PLANNERS)}, got {getattr(self, name)!r}")
+        if self.device_host is not None:
+            hosts = tuple(int(h) for h in self.device_host)
+            if len(hosts) != self.num_devices or set(hosts) != set(range(max(hosts) + 1)):
+                raise ValueError(f"device_host must give each of the {self.num_devices} devices a host "
+                                 f"0..H-1 (every host used), got {list(self.device_host)}")
+            object.__setattr__(self, "device_host", hosts)
+        if not (isinstance(self.cross_weight, (int, float)) and math.isfinite(self.cross_weight)
+                and self.cross_weight >= 0):
+            raise ValueError(f"cross_weight must be a finite number >= 0, got {self.cross_weight!r}")
 
 
 @dataclass(frozen=True)
@@ -160,13 +218,15 @@ def relabel(p: Placement, resident_N: Sequence[set[int] | frozenset[int]],
 
     Planned device b becomes real device perm[b], chosen greedily: pairs (b, d) in
     decreasing |experts of b & resident_N[d]| (ties: lower b, then lower d) are matched
-    while both are free. Device loads are recomputed from ``load_E`` (default: the plan's
-    own loads, permuted)."""
+    while both are free; for a host-local placement only pairs on the same host. Device
+    loads are recomputed from ``load_E`` (default: the plan's own loads, permuted)."""
     N = p.num_devices
     if len(resident_N) != N:
         raise ValueError(f"{len(resident_N)} resident sets for {N} devices")
     bins = p.device_experts
-    pairs = sorted(((-len(set(bins[b]) & set(resident_N[d])), b, d) for b in range(N) for d in range(N)))
+    host = p.device_host
+    pairs = sorted(((-len(set(bins[b]) & set(resident_N[d])), b, d) for b in range(N) for d in range(N)
+                    if host is None or host[b] == host[d]))
     perm = [-1] * N
     used = [False] * N
     for _, b, d in pairs:
@@ -179,8 +239,8 @@ def relabel(p: Placement, resident_N: Sequence[set[int] | frozenset[int]],
         for b in range(N):
             dl[perm[b]] = p.device_load[b]
     else:
-        dl = device_loads(replicas, load_E, N).tolist()
-    return Placement(replicas, tuple(float(x) for x in dl), p.slots_per_device)
+        dl = device_loads(replicas, load_E, N, host).tolist()
+    return Placement(replicas, tuple(float(x) for x in dl), p.slots_per_device, host)
 
 
 class PlacementStrategy(ABC):
@@ -198,6 +258,7 @@ class PlacementStrategy(ABC):
     needs_profile: ClassVar[bool] = False    # plans from the historical load of a profile
     loads_online: ClassVar[bool] = False     # may plan after gating: loads during inference
     estimates_paths: ClassVar[bool] = False  # phase 1 from the path estimate, one layer ahead
+    uses_hosts: ClassVar[bool] = False       # plans with cfg.device_host (and cross_weight)
 
     def __init__(self, cfg: PolicyConfig, historical_LE: np.ndarray | None = None) -> None:
         self.cfg = cfg
@@ -212,6 +273,14 @@ class PlacementStrategy(ABC):
             self.historical_LE = hist
         self._plan = PLANNERS[cfg.planner]
         self._online = PLANNERS[cfg.online_planner]
+        if self.uses_hosts:  # the node-aware planners (eplb_layout has no node-aware form)
+            bad = [n for n in (cfg.planner, cfg.online_planner) if n == "eplb"]
+            if bad:
+                raise ValueError(f"strategy {self.name!r} plans node-aware: planner and online_planner must be "
+                                 f"'full' or 'greedy', got 'eplb' (use the eplb-hier strategy for EPLB)")
+            kw = {"device_host": cfg.device_host, "cross_weight": cfg.cross_weight}
+            self._plan = functools.partial(self._plan, **kw)
+            self._online = functools.partial(self._online, **kw)
         self.resident: list[list[frozenset[int]]] = [[frozenset()] * N for _ in range(L)]
 
     # ---------------------------------------------------------------- loads
@@ -225,24 +294,43 @@ class PlacementStrategy(ABC):
         self.resident[layer] = [frozenset(h) for h in held]
         return loads
 
-    def _replan(self, layer: int, load_E: np.ndarray) -> tuple[Placement, tuple[tuple[int, ...], ...]]:
-        """An online plan from ``load_E``, relabelled and made resident, with its loads."""
+    def origin(self, by_rank_PE: np.ndarray | None) -> np.ndarray | None:
+        """[H, E] the tokens each host sends each expert, from per-rank figures [N, E]
+        (ranks are devices), for a strategy that plans with hosts; None otherwise."""
+        hosts = self.cfg.device_host
+        if not self.uses_hosts or by_rank_PE is None or hosts is None:
+            return None
+        by_rank = np.asarray(by_rank_PE, dtype=np.float64)
+        out = np.zeros((max(hosts) + 1, by_rank.shape[1]))
+        np.add.at(out, list(hosts), by_rank)
+        return out
+
+    def _replan(self, layer: int, load_E: np.ndarray, by_rank_PE: np.ndarray | None = None
+                ) -> tuple[Placement, tuple[tuple[int, ...], ...]]:
+        """An online plan from ``load_E`` (per rank ``by_rank_PE``, when known: the token
+        origin of a node-aware plan), relabelled and made resident, with its loads."""
         cfg = self.cfg
-        p = relabel(self._online(load_E, cfg.num_devices, cfg.slots), self.resident[layer], load_E)
+        o = self.origin(by_rank_PE)
+        kw = {} if o is None else {"origin_HE": o}
+        p = relabel(self._online(load_E, cfg.num_devices, cfg.slots, **kw), self.resident[layer], load_E)
         return p, self._commit(layer, p)
 
     # ---------------------------------------------------------------- phases
     @abstractmethod
-    def phase1(self, layer: int, estimated_E: Sequence[float] | np.ndarray | None = None
-               ) -> tuple[Placement | None, tuple[tuple[int, ...], ...]]:
+    def phase1(self, layer: int, estimated_E: Sequence[float] | np.ndarray | None = None,
+               estimated_PE: np.ndarray | None = None) -> tuple[Placement | None, tuple[tuple[int, ...], ...]]:
         """Before gating: the placement planned for ``layer`` and the experts each device
-        must load for it (None and no loads when the strategy plans only after gating)."""
+        must load for it (None and no loads when the strategy plans only after gating).
+        ``estimated_PE``: the estimate per source rank (its sum is ``estimated_E``), which
+        a strategy that plans with hosts takes as the token origin."""
 
     @abstractmethod
     def decide(self, layer: int, phase1: Placement | None, actual_E: Sequence[float] | np.ndarray,
-               estimated_E: Sequence[float] | np.ndarray | None = None) -> LayerDecision:
+               estimated_E: Sequence[float] | np.ndarray | None = None,
+               actual_PE: np.ndarray | None = None) -> LayerDecision:
         """After gating: the placement used for ``layer`` given its actual load (device
-        loads of the result are the actual ones), and the loads on the critical path."""
+        loads of the result are the actual ones), and the loads on the critical path.
+        ``actual_PE``: the actual load per source rank (the token origin, as above)."""
 
     def planned_from(self, layer: int, estimated_E: np.ndarray | None) -> np.ndarray | None:
         """The load ``layer``'s placement was planned from before gating (its estimation
@@ -261,11 +349,11 @@ class _FixedPlacement(PlacementStrategy):
     def _layout(self, layer: int) -> Placement:
         """The fixed layout of ``layer``."""
 
-    def phase1(self, layer, estimated_E=None):
+    def phase1(self, layer, estimated_E=None, estimated_PE=None):
         p = self.fixed[layer]
         return p, self._commit(layer, p)
 
-    def decide(self, layer, phase1, actual_E, estimated_E=None):
+    def decide(self, layer, phase1, actual_E, estimated_E=None, actual_PE=None):
         assert phase1 is not None, f"{self.name} decides on its fixed layout"
         return LayerDecision(phase1.with_load(np.asarray(actual_E, dtype=np.float64)), False, None,
                              self._no_loads())
@@ -309,16 +397,16 @@ class LinaPlacement(PlacementStrategy):
         planner)."""
         return self.historical_LE[layer] if estimated_E is None else np.asarray(estimated_E, dtype=np.float64)
 
-    def phase1(self, layer, estimated_E=None):
-        return self._replan(layer, self.estimate(layer, estimated_E))
+    def phase1(self, layer, estimated_E=None, estimated_PE=None):
+        return self._replan(layer, self.estimate(layer, estimated_E), None if estimated_E is None else estimated_PE)
 
-    def decide(self, layer, phase1, actual_E, estimated_E=None):
+    def decide(self, layer, phase1, actual_E, estimated_E=None, actual_PE=None):
         assert phase1 is not None, "lina needs its phase-1 placement"
         actual = np.asarray(actual_E, dtype=np.float64)
         d = phase2_decision(self.estimate(layer, estimated_E), actual, self.cfg.k, self.cfg.threshold)
         if not d.replan:
             return LayerDecision(phase1.with_load(actual), False, d.overlap, self._no_loads())
-        p, loads = self._replan(layer, actual)
+        p, loads = self._replan(layer, actual, actual_PE)
         return LayerDecision(p, True, d.overlap, loads)
 
     def planned_from(self, layer, estimated_E):
@@ -331,16 +419,39 @@ class OraclePlacement(PlacementStrategy):
     name = "oracle"
     loads_online = True
 
-    def phase1(self, layer, estimated_E=None):
+    def phase1(self, layer, estimated_E=None, estimated_PE=None):
         return None, self._no_loads()
 
-    def decide(self, layer, phase1, actual_E, estimated_E=None):
-        p, loads = self._replan(layer, np.asarray(actual_E, dtype=np.float64))
+    def decide(self, layer, phase1, actual_E, estimated_E=None, actual_PE=None):
+        p, loads = self._replan(layer, np.asarray(actual_E, dtype=np.float64), actual_PE)
         return LayerDecision(p, True, None, loads)
 
 
+class EplbHierPlacement(EplbPlacement):
+    """DeepSeek's hierarchical EPLB (:func:`eplb_hier_layout`) on the historical mean load and
+    the run's hosts, fixed for the run (one host: EPLB's global policy)."""
+
+    name = "eplb-hier"
+
+    def _layout(self, layer):
+        cfg = self.cfg
+        hosts = cfg.device_host or (0,) * cfg.num_devices
+        return eplb_hier_layout(self.historical_LE[layer], cfg.num_devices, cfg.slots, hosts)
+
+
+class LinaNodePlacement(LinaPlacement):
+    """``lina`` with the node-aware planner (``device_host``, ``cross_weight``): host-local
+    placements, relabelled within hosts; the token origin of each plan is the per-rank
+    estimate (phase 1) or the per-rank counts (phase 2), summed per host; layer 0's phase
+    1 (the historical load, no ranks) assumes tokens spread evenly."""
+
+    name = "lina-node"
+    uses_hosts = True
+
+
 STRATEGIES: dict[str, type[PlacementStrategy]] = {
-    c.name: c for c in (StaticPlacement, EplbPlacement, LinaPlacement, OraclePlacement)
+    c.name: c for c in (StaticPlacement, EplbPlacement, LinaPlacement, OraclePlacement, EplbHierPlacement,
+                        LinaNodePlacement)
 }
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import dist as cdist
-from ..all2all import A2APlan, all_to_all
+from ..all2all import A2APlan, CommStats, all_to_all
 from ..dist import comm_guard
 from ..results import median
 from .banks import ExpertBank
@@ -126,7 +126,7 @@ class Runtime:
         loads_in_background = strategy.estimates_paths or (pipelined and strategy.loads_online)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commsched-loader") \
             if loads_in_background else None
-        self.placed_times = PlacedTimes()
+        self.placed_times = PlacedTimes(stats=CommStats(world))  # per-peer bytes of the row exchanges
         self.records: list[dict] = []  # one per batch
         self._batch = -1
 
@@ -135,13 +135,13 @@ class Runtime:
             self.pool.shutdown(wait=True)
 
     # ---------------------------------------------------------------- phase 1 ahead
-    def _phase1_ahead(self, layer: int, est: np.ndarray | None) -> None:
+    def _phase1_ahead(self, layer: int, est: np.ndarray | None, est_PE: np.ndarray | None = None) -> None:
         """Plan ``layer``'s phase 1 now (main thread: the planner is pure Python, and a
         planner thread contending for the interpreter lock slowed the main thread more
         than planning inline costs) and load its experts in the background thread while
         the current layer's exchange and expert compute run (as a GPU's copy engine
         loads weights during compute)."""
-        p, _ = self.strategy.phase1(layer, est)
+        p, _ = self.strategy.phase1(layer, est, est_PE)
         self._next_p1 = p
         self._future = self.pool.submit(self.bank.ensure, layer, p.device_experts[self.rank])
 
@@ -152,6 +152,7 @@ class Runtime:
         self._future: Future | None = None
         self._next_p1: Placement | None = None
         self._est_next: np.ndarray | None = None
+        self._est_next_PE: np.ndarray | None = None
         self._prev_digest = -1
         self._bt = BatchTimes()
         self._layers: list[dict] = []
@@ -212,7 +213,8 @@ class Runtime:
         counts_PE = M[:, :E].astype(np.int64)
         actual = counts_PE.sum(axis=0).astype(np.float64)
         est_this = self._est_next  # gathered one layer earlier (None at layer 0)
-        self._est_next = M[:, E:2 * E].sum(axis=0)
+        self._est_next_PE = M[:, E:2 * E]
+        self._est_next = self._est_next_PE.sum(axis=0)
         # phase 1 of this layer: planned one layer ahead, its loads prefetched; or now
         if ahead_planned:
             p1 = self._next_p1
@@ -223,7 +225,7 @@ class Runtime:
             if p1 is not None:
                 self.bank.ensure(j, p1.device_experts[self.rank])
         t2 = time.perf_counter()
-        dec: LayerDecision = self.strategy.decide(j, p1, actual, est_this)
+        dec: LayerDecision = self.strategy.decide(j, p1, actual, est_this, counts_PE)
         t3 = time.perf_counter()
         loading: tuple[int, ...] = tuple(dec.loads_N[self.rank])
         wait_loaded = None
@@ -237,11 +239,11 @@ class Runtime:
         t4 = time.perf_counter()
         ahead = None
         if ahead_planned and j + 1 < self.L:  # phase 1 of layer j+1 while this one runs
-            est_next = self._est_next
+            est_next, est_next_PE = self._est_next, self._est_next_PE
 
             def ahead() -> None:
                 t = time.perf_counter()
-                self._phase1_ahead(j + 1, est_next)
+                self._phase1_ahead(j + 1, est_next, est_next_PE)
                 bt.phase1 += time.perf_counter() - t
 
         y = placed_moe(x_TD, expert_TK, gate_TK, counts_PE, dec.placement, self.bank.compute(j),
@@ -275,5 +277,6 @@ class Runtime:
                                      - self._bt.plan - self._bt.load - pt.load_wait - pt.a2a - pt.expert
                                      - pt.other)},
             "bytes_sent": pt.bytes_sent,
+            "peer_bytes": list(pt.stats.bytes_sent),  # sent to each peer by both row exchanges
             "layers": self._layers,
         })
