@@ -260,7 +260,7 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
     opt = (OverlapOptimizer(model, lambda ps: torch.optim.Adam(ps, lr=cfg.lr)) if overlap
            else torch.optim.Adam(model.parameters(), lr=cfg.lr))
     B, S = cfg.batch_size, cfg.model.seq_len
-    tl_step = cfg.steps - 1 if cfg.timeline_step is None else cfg.timeline_step
+    tl_step = cfg.timeline_at
     rows: list[dict] = []
     timeline: list[dict] = []
     start = 0
