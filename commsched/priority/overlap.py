@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dist import CommError, all_gather_object, comm_guard, control_device
+from ..dist import CommError, all_gather_object, control_device
 from ..dist import new_group as cs_new_group
 from .executor import LOCAL, GradScheduler, OpRecord
 from .policy import OverlapPolicy, ScheduleConfig

@@ -144,10 +144,11 @@ class SimResult:
 
 
 def simulate(script: Sequence[Item], link: Link, cfg: ScheduleConfig | None = None, *,
-             element_size: int = 4) -> SimResult:
+             element_size: int = 4, order_tail: bool = True) -> SimResult:
     """Run ``script`` on ``link`` under the schedule ``cfg`` (default: ``ScheduleConfig()``,
     the executor's default); see the module docstring. Gradient sizes in the script are
-    bytes, multiples of ``element_size``.
+    bytes, multiples of ``element_size``. ``order_tail=False``: ``lina-overlap`` keeps its
+    tail in sequence order (no forward order known; what ordering it buys).
     """
     cfg = cfg if cfg is not None else ScheduleConfig()
     grad_bytes = [b for it in script if isinstance(it, Compute) for b in it.grads]
@@ -162,7 +163,7 @@ def simulate(script: Sequence[Item], link: Link, cfg: ScheduleConfig | None = No
     for it in script:
         if isinstance(it, Need) and any(not 0 <= t < len(grad_bytes) for t in it.tensors):
             raise ValueError(f"{it} names a tensor outside 0..{len(grad_bytes) - 1}")
-    if isinstance(pol, OverlapPolicy):
+    if isinstance(pol, OverlapPolicy) and order_tail:
         first_need: dict[int, int] = {}
         for it in script:
             if isinstance(it, Need):
