@@ -140,6 +140,8 @@ def test_overlap_errors_speak():
     entries = [(p, LOCAL) for p in net.parameters()]
     with pytest.raises(ValueError, match="'lina-overlap' schedule"):
         OverlapScheduler(entries, ScheduleConfig("lina"))
+    with pytest.raises(ValueError, match="OverlapScheduler and OverlapOptimizer"):
+        GradScheduler(entries, ScheduleConfig("lina-overlap"))  # its finish() would never see the agreement
     stepper = OverlapOptimizer(net, OPTIMIZERS["sgd"])
     with pytest.raises(RuntimeError, match="not bound"):
         stepper.end_backward()

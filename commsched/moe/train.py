@@ -12,8 +12,10 @@ group is the whole world).
 ``--impl commsched`` (this module: commsched's runtime) uses
 :class:`~commsched.moe.layer.MoELayer` and the gradient executor of
 :mod:`commsched.priority` with ``--schedule lina`` (micro-ops in the gaps of the
-all-to-all), ``fifo`` (DDP-style buckets launched as soon as ready) or ``serial``
-(allreduce after the backward pass); the choices are the names of
+all-to-all), ``fifo`` (DDP-style buckets launched as soon as ready), ``serial``
+(allreduce after the backward pass) or ``lina-overlap`` (``lina``, with the reduction's tail
+running into the next forward pass, one Adam per module stepped as its reduction ends:
+:mod:`commsched.priority.overlap`); the choices are the names of
 :data:`commsched.priority.policy.POLICIES`, and the schedule's knobs travel in one
 :class:`~commsched.priority.policy.ScheduleConfig` (``TrainConfig.schedule``).
 ``--chunks C --pipeline`` pipeline the all-to-all with expert compute. ``--impl

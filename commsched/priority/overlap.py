@@ -72,6 +72,8 @@ class OverlapScheduler(GradScheduler):
     finally :meth:`complete` (what :meth:`finish` is to the other schedules: it waits for
     the rest and returns the step's timings). :class:`OverlapOptimizer` drives these."""
 
+    _OVERLAP = True
+
     def __init__(self, params: Sequence[tuple], cfg: ScheduleConfig, **kw: Any):
         if not cfg.overlapped:
             raise ValueError(f"OverlapScheduler runs the 'lina-overlap' schedule, got {cfg.policy!r}; use "
