@@ -17,7 +17,9 @@ module lets the step end with its reduction still running:
   end, so one small asynchronous ``all_gather`` on a control group of its own tells every
   rank the largest count and, in the same message, which parameters each rank used (the
   ``find_unused_parameters`` flags, needed before a group's optimizer step, not after the
-  whole reduction); no micro-op waits for it but those of the tail.
+  whole reduction); no micro-op waits for it but those of the tail. The tail runs on twins
+  of the reduction's process groups, so its first micro-ops do not queue behind those
+  launched during the backward pass (gloo runs a group's collectives in launch order).
 * :class:`OverlapOptimizer` -- one optimizer per module that holds parameters (any
   optimizer whose update is per parameter: Adam, AdamW, SGD with momentum and weight
   decay; built by a factory), a forward pre-hook on every module, and the stepping: the
@@ -65,7 +67,8 @@ FORWARD = "forward"  # the next step's forward pass: ready = start = its first m
 
 class OverlapScheduler(GradScheduler):
     """:class:`~commsched.priority.executor.GradScheduler` under ``lina-overlap`` (module
-    docstring); the arguments are its, ``cfg.policy`` must be ``"lina-overlap"``.
+    docstring); the arguments are its, ``cfg.policy`` must be ``"lina-overlap"``;
+    ``tail_threads``: gloo worker threads of the tail's twin groups (:meth:`_make_tail_groups`).
 
     A step: :meth:`begin_step`, the backward pass, :meth:`end_backward_async` (returns at
     once), then, while the next forward pass runs, :meth:`wait_params` per module and
@@ -74,7 +77,7 @@ class OverlapScheduler(GradScheduler):
 
     _OVERLAP = True
 
-    def __init__(self, params: Sequence[tuple], cfg: ScheduleConfig, **kw: Any):
+    def __init__(self, params: Sequence[tuple], cfg: ScheduleConfig, *, tail_threads: int | None = 8, **kw: Any):
         if not cfg.overlapped:
             raise ValueError(f"OverlapScheduler runs the 'lina-overlap' schedule, got {cfg.policy!r}; use "
                              "GradScheduler for the others")
@@ -95,12 +98,31 @@ class OverlapScheduler(GradScheduler):
                 self._members.append(tuple(range(dist.get_world_size())))
             else:
                 self._members.append(tuple(dist.get_process_group_ranks(g)))
+        self._tail_group = self._make_tail_groups(tail_threads) if dist_on else {}
         self._agreed = True
         self._used_final: list[bool] = [True] * len(self._params)
         self._remaining: list[int] = [len(o) for o in self._ops_of_param]
         self._ctrl_work: Any = None
         self._t_end = 0.0
         self._end_mark: Any = None
+
+    def _make_tail_groups(self, threads: int | None) -> dict[int, Any]:
+        """A twin of every communicating group for the tail (collective: every rank makes
+        the twins of every rank's groups, in one order). Micro-ops launched before the
+        backward pass ended stay queued on the original groups (gloo runs a group's
+        collectives in launch order, ``threads`` at a time); on the twins the tail's first
+        micro-ops start at once instead of queuing behind them."""
+        mine = sorted({m for m, g in zip(self._members, self._groups) if m is not None and g is not LOCAL})
+        every = sorted({tuple(m) for ms in all_gather_object(mine, "listing the groups of lina-overlap's tail")
+                        for m in ms})
+        made = {m: cs_new_group(list(m), threads=threads) for m in every}
+        return {id(g): made[m] for m, g in zip(self._members, self._groups) if m is not None and g is not LOCAL}
+
+    def _retarget_tail(self, agreed: int) -> None:
+        """Operations from ``agreed`` on (the reordered tail, the same on every rank) go to
+        the twin groups (lock held)."""
+        for st in self._state[agreed:]:
+            st.group = self._tail_group.get(id(st.group), st.group)
 
     # ------------------------------------------------------------------ priorities
     def set_priorities(self, prio: Sequence[int] | None) -> None:
@@ -151,6 +173,8 @@ class OverlapScheduler(GradScheduler):
             for i in range(len(self._params)):
                 if not self._param_ready[i]:
                     self._grad_ready(i)
+            if not self._policy.wants_agreement:  # program rule: the count is already the same everywhere
+                self._retarget_tail(self._policy.launched_count)
             self._policy.end_backward()
             if self._ctrl is None:
                 self._agree([[self._policy.launched_count, *(int(u) for u in self._used)]])
@@ -188,7 +212,9 @@ class OverlapScheduler(GradScheduler):
     def _agree(self, rows: list[list[int]]) -> None:
         """Every rank's [launched count, used flags...] (lock held)."""
         if self._policy.wants_agreement:
-            self._policy.agree(max(r[0] for r in rows))
+            agreed = max(r[0] for r in rows)
+            self._retarget_tail(agreed)
+            self._policy.agree(agreed)
         me = dist.get_rank() if self._ctrl is not None else 0
         for i, ranks in enumerate(self._members):
             if self._find_unused_flags:
