@@ -49,13 +49,13 @@ def _batch(step: int, rank: int):
 
 
 def _train_net(schedule: str, opt: str, *, steps: int = 4, clip: float | None = None, local: bool = False,
-               rank: int = 0) -> tuple[dict, list[float]]:
+               rank: int = 0, launch: str | None = None) -> tuple[dict, list[float]]:
     """``steps`` steps of _Net under ``schedule``; (final state, losses). ``local``: every
     parameter scale-only (one process); else reduced over the default group."""
     torch.manual_seed(0)
     net = _Net()
     entries = [(p, LOCAL if local else None) for p in reversed(list(net.parameters()))]
-    cfg = ScheduleConfig(schedule, microop_bytes=64, bucket_bytes=256, credit_bytes=128)
+    cfg = ScheduleConfig(schedule, microop_bytes=64, bucket_bytes=256, credit_bytes=128, launch=launch)
     losses = []
     if not cfg.overlapped:
         optim = OPTIMIZERS[opt](list(net.parameters()))
@@ -163,12 +163,15 @@ def test_overlap_errors_speak():
 def overlap_dense_exact(rank: int, world: int) -> None:
     """On gloo ranks, a dense model with a branch unused on even steps and one used on
     rank 0 only: lina-overlap equals lina bit for bit (the same micro-ops: the same sums),
+    under both launch rules,
     and fifo bit for bit on 2 ranks (a sum of two is order-free); on 4 ranks fifo's fused
     buckets sum in another order, so its weights agree to 1e-5 (SGD: no amplification)."""
     for opt in ("adam", "sgd"):
         got, got_loss = _train_net("lina-overlap", opt, rank=rank)
         lina, lina_loss = _train_net("lina", opt, rank=rank)
         assert _same(got, lina) and got_loss == lina_loss, opt
+        prog, prog_loss = _train_net("lina-overlap", opt, rank=rank, launch="program")  # CUDA's launch rule
+        assert _same(prog, lina) and prog_loss == lina_loss, opt
         fifo, fifo_loss = _train_net("fifo", opt, rank=rank)
         if world == 2:
             assert _same(got, fifo) and got_loss == fifo_loss, opt
