@@ -20,12 +20,15 @@ def test_workload_variants_parse_as_training_configs(tmp_path):
     assert wl.default_bandwidth and {"step_time_s", "a2a_time_s", "allreduce_time_s"} <= set(wl.key_metrics)
     args = build_parser(wl).parse_args(["--steps", "5", "--chunks", "3"])
     variants = {v.name: v for v in wl.variants(args)}
-    assert list(variants) == ["deepspeed", "fifo", "lina"]
+    assert list(variants) == ["deepspeed", "fifo", "lina", "lina-overlap"]
     cfgs = {n: config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)]))
             for n, v in variants.items()}
     assert cfgs["deepspeed"].impl == "deepspeed"
     assert cfgs["fifo"].schedule.policy == "fifo" and not cfgs["fifo"].dispatch.pipeline
     assert cfgs["lina"].schedule.policy == "lina" and cfgs["lina"].dispatch.pipeline and cfgs["lina"].dispatch.chunks == 3
+    ov = cfgs["lina-overlap"]
+    assert ov.schedule.overlapped and ov.dispatch == cfgs["lina"].dispatch
+    assert ov.schedule.hold_in_block == cfgs["lina"].schedule.hold_in_block
     # the same model, data and seed in every variant
     assert len({(c.model, c.steps, c.seed, c.batch_size) for c in cfgs.values()}) == 1
 
@@ -35,13 +38,19 @@ def test_summary_tables_and_plots(tmp_path):
     args = build_parser(wl).parse_args([])
     runs = {"deepspeed": [_fake_metrics(3.0, 1.2, None, [5.0, 4.0, 3.5])],
             "fifo": [_fake_metrics(2.0, 0.8, 0.6, [5.0, 4.0, 3.6])],
-            "lina": [_fake_metrics(1.6, 0.62, 0.6, [5.0, 4.0, 3.6])]}
+            "lina": [_fake_metrics(1.6, 0.62, 0.6, [5.0, 4.0, 3.6])],
+            "lina-overlap": [_fake_metrics(1.25, 0.6, 0.6, [5.0, 4.0, 3.6])]}
     tl = {"step": 2, "ranks": [[{"kind": "a2a", "key": 0, "nbytes": 10, "ready_s": 0.0, "start_s": 0.0, "end_s": 0.1},
                                 {"kind": "allreduce", "key": 0, "nbytes": 10, "ready_s": 0.1, "start_s": 0.1,
                                  "end_s": 0.3}]] * 2}
-    for v in ("fifo", "lina"):
+    for v in ("fifo", "lina", "lina-overlap"):
         d = tmp_path / v / "rep0"
         d.mkdir(parents=True)
+        if v == "lina-overlap":  # its records reach into the next forward pass
+            tl = {**tl, "ranks": [r + [{"kind": "forward", "key": 0, "nbytes": 0, "ready_s": 0.2, "start_s": 0.2,
+                                        "end_s": 0.5},
+                                       {"kind": "update", "key": 0, "nbytes": 0, "ready_s": 0.2, "start_s": 0.3,
+                                        "end_s": 0.31}] for r in tl["ranks"]]}
         (d / "timeline.json").write_text(json.dumps(tl))
     extra = wl.summarize(runs, args, tmp_path)
     table = extra["extra_tables"]["Lina against fifo and DeepSpeed (medians of per-repeat ratios)"]
@@ -50,6 +59,19 @@ def test_summary_tables_and_plots(tmp_path):
     assert "| all-to-all share of a fifo step | 0.4 |" in table
     assert (tmp_path / "timeline.png").stat().st_size > 0 and (tmp_path / "loss.png").stat().st_size > 0
     assert "max gap to fifo" in extra["extra_tables"]["Loss curves"]
+    assert "| step time: fifo / lina-overlap (goal >= 1.3) | 1.6x |" in table
+    assert "lina-overlap step / its bound (goal <= 1.15)" in table
+
+
+def test_overlap_bound_is_the_larger_of_compute_and_link():
+    """Hand-worked: 4 ranks share one 8 Mbit/s link (1e6 B/s); the ring allreduce of 1 MiB
+    puts 2 * 3 * 1 MiB on it (6.29 s), the all-to-all 0.5 s more."""
+    from commsched.bench.moe_train import overlap_bound
+
+    link, bound = overlap_bound(2.0, 1 << 20, 0.5, 4, 8e6)
+    assert abs(link - (6 * (1 << 20) / 1e6 + 0.5)) < 1e-9 and bound == link
+    assert overlap_bound(9.0, 1 << 20, 0.5, 4, 8e6)[1] == 9.0  # compute-bound
+    assert overlap_bound(1.0, None, 0.5, 4, 8e6) == (None, None)
 
 
 def test_device_and_dtype_reach_every_variant(tmp_path):

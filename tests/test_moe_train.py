@@ -20,6 +20,7 @@ from commsched.priority.executor import GradScheduler
 from commsched.priority.policy import ScheduleConfig
 from tests.mp import assert_case, run_cases
 from tests.test_ddp_hook import lina_ddp_with_expert_dp_groups
+from tests.test_overlap import overlap_dense_exact
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "text" / "tinyshakespeare.txt"
 if not CORPUS.exists():  # a checkout outside the shared workspace: any text will do
@@ -49,11 +50,12 @@ def _same_state(a: dict, b: dict) -> bool:
 
 def _schedules_identical(rank: int, world: int) -> None:
     for chunks, pipe in ((1, False), (2, True)):
-        runs = {s: _run(_cfg(world, s, chunks=chunks, pipeline=pipe)) for s in ("lina", "fifo", "serial")}
+        runs = {s: _run(_cfg(world, s, chunks=chunks, pipeline=pipe))
+                for s in ("lina", "fifo", "serial", "lina-overlap")}
         init = _run(_cfg(world, "lina", chunks=chunks, pipeline=pipe, steps=1))["state"]
         assert not _same_state(init, runs["lina"]["state"])  # steps 2 and 3 moved the weights
         # with 2 ranks a sum is order-free, so even fifo's fused buckets give the same bits
-        for s in ("fifo", "serial"):
+        for s in ("fifo", "serial", "lina-overlap"):
             assert _same_state(runs["lina"]["state"], runs[s]["state"]), (s, chunks, pipe)
             assert runs["lina"]["loss"] == runs[s]["loss"]
         assert all(torch.isfinite(torch.tensor(runs["lina"]["loss"])))
@@ -65,9 +67,10 @@ def _schedules_identical_ep2(rank: int, world: int) -> None:
     buckets sum four values in another order: its gradients equal a plain allreduce up to
     rounding, see grads_match_manual_allreduce, but Adam amplifies last-bit differences of
     near-zero gradients, so its weights are not compared bitwise here.)"""
-    runs = {s: _run(_cfg(world, s, ep=2, chunks=2, pipeline=True, steps=2)) for s in ("lina", "serial")}
-    assert _same_state(runs["lina"]["state"], runs["serial"]["state"])
-    assert runs["lina"]["loss"] == runs["serial"]["loss"]
+    runs = {s: _run(_cfg(world, s, ep=2, chunks=2, pipeline=True, steps=2)) for s in ("lina", "serial", "lina-overlap")}
+    for s in ("serial", "lina-overlap"):  # lina-overlap: the same micro-ops, stepped per module
+        assert _same_state(runs["lina"]["state"], runs[s]["state"]), s
+        assert runs["lina"]["loss"] == runs[s]["loss"], s
 
 
 def _grads_match_manual_allreduce(rank: int, world: int) -> None:
@@ -175,7 +178,39 @@ def _bfloat16_trains_and_halves_the_wire(rank: int, world: int) -> None:
     assert all(v.dtype == torch.float32 for v in bf["state"].values() if v.is_floating_point())
 
 
+def _overlap_checkpoint_holds_the_update(rank: int, world: int) -> None:
+    """lina-overlap leaves a step's reduction running into the next forward pass; a
+    checkpoint written right after step 1 still holds step 1's updated parameters (fifo's
+    after one step, bit for bit), and the run ends where fifo's does."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from commsched.moe.train_state import checkpoint_path
+
+    d = Path(tempfile.gettempdir()) / f"commsched-overlap-ckpt-{os.getppid()}"  # the same on every rank
+    cfg = dataclasses.replace(_cfg(world, "lina-overlap", chunks=2, pipeline=True, steps=3), checkpoint_every=1)
+    one = _run(_cfg(world, "fifo", chunks=2, pipeline=True, steps=1))["state"]
+    three = _run(_cfg(world, "fifo", chunks=2, pipeline=True, steps=3))
+    seen = {}
+
+    def on_step(k: int) -> None:
+        if k == 1:
+            seen["model"] = torch.load(checkpoint_path(d, rank), weights_only=True)["model"]
+    try:
+        m, state = train(cfg, d, progress=False, on_step=on_step)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(d, ignore_errors=True)
+    assert _same_state(seen["model"], one)
+    assert _same_state(state, three["state"]) and m.loss == three["loss"]
+    assert m.timeline_step == 1  # the step before the last: its reduction reaches into the next forward
+
+
 CASES2 = [("schedules_identical", _schedules_identical),
+          ("overlap_checkpoint_holds_the_update", _overlap_checkpoint_holds_the_update),
+          ("overlap_dense_exact", overlap_dense_exact),  # tests/test_overlap.py
           ("program_launch_rule_same_sums", _program_launch_rule_same_sums),
           ("bfloat16_trains_and_halves_the_wire", _bfloat16_trains_and_halves_the_wire),
           ("grads_match_manual_allreduce", _grads_match_manual_allreduce),
@@ -184,7 +219,8 @@ CASES2 = [("schedules_identical", _schedules_identical),
           ("deepspeed_trains_from_the_same_weights", _deepspeed_trains_from_the_same_weights)]
 CASES4 = [("schedules_identical_ep2", _schedules_identical_ep2),
           ("grads_match_manual_allreduce", _grads_match_manual_allreduce),
-          ("lina_ddp_with_expert_dp_groups", lina_ddp_with_expert_dp_groups)]  # tests/test_ddp_hook.py
+          ("lina_ddp_with_expert_dp_groups", lina_ddp_with_expert_dp_groups),  # tests/test_ddp_hook.py
+          ("overlap_dense_exact", overlap_dense_exact)]  # tests/test_overlap.py
 
 
 @pytest.fixture(scope="module")

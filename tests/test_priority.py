@@ -300,7 +300,7 @@ def test_sim_is_deterministic_and_validates():
 
 # --------------------------------------------------------------------------- one schedule config
 def test_policies_table_builds_every_policy_from_the_config():
-    assert tuple(POLICIES) == ("lina", "fifo", "serial")
+    assert tuple(POLICIES) == ("lina", "fifo", "serial", "lina-overlap")
     cfg = ScheduleConfig()
     assert (cfg.policy, cfg.credit, cfg.hold_in_block) == ("lina", DEFAULT_CREDIT_MICROOPS * (256 << 10), True)
     for name in POLICIES:

@@ -10,7 +10,12 @@ Three variants of the same model, data and seed, each a ``torchrun`` run of
   all-to-all, as on a cluster), plain all-to-all;
 * ``lina`` -- the same layer with Lina's schedule: gradients cut into micro-ops launched
   only in the gaps of the all-to-all, and the all-to-all cut into chunks pipelined with
-  expert compute.
+  expert compute;
+* ``lina-overlap`` -- ``lina``, but the step does not wait for the reduction: its tail runs
+  into the next forward pass in layer order, each module's optimizer step happens as soon
+  as its reduction ends and the next forward pass waits only for the module it enters
+  (:mod:`commsched.priority.overlap`). Its bound is max(compute, link bytes / rate) per
+  step (:func:`overlap_bound`), not their sum.
 
 The summary adds lina's ratios against fifo, its all-to-all time against the all-to-all
 measured with no allreduce running (``a2a_alone_time_s``), the share of a fifo step spent
@@ -98,6 +103,8 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
         Variant("fifo", mod, ("--impl", "commsched", "--schedule", "fifo", "--chunks", "1", "--no-pipeline", *c)),
         Variant("lina", mod, ("--impl", "commsched", "--schedule", "lina", "--chunks", str(a.chunks),
                               "--pipeline", "--hold-in-block" if a.hold_in_block else "--no-hold-in-block", *c)),
+        Variant("lina-overlap", mod, ("--impl", "commsched", "--schedule", "lina-overlap", "--chunks", str(a.chunks),
+                                      "--pipeline", "--hold-in-block" if a.hold_in_block else "--no-hold-in-block", *c)),
     ]
 
 
@@ -112,25 +119,32 @@ def _fmt(x, unit: str = "") -> str:
 
 
 def plot_timeline(timelines: dict[str, dict], path: Path) -> Path:
-    """One panel per variant; per rank two lanes: all-to-all (top) and allreduce (bottom)."""
+    """One panel per variant; per rank two lanes: all-to-all (top) and allreduce (bottom),
+    and under ``lina-overlap`` a third: the next step's forward pass (light green, from its
+    start to its end) with each module group's wait for its update and its optimizer step
+    (dark green), which start inside the allreduce tail."""
     plt = pyplot()
 
     names = [n for n, t in timelines.items() if t.get("ranks")]
     fig, axes = plt.subplots(len(names), 1, figsize=(11, 1.0 + 1.1 * max(len(timelines[n]["ranks"]) for n in names)
                                                      * len(names)), squeeze=False)
-    colors = {"a2a": "tab:red", "allreduce": "tab:blue"}
+    colors = {"a2a": "tab:red", "allreduce": "tab:blue", "forward": "palegreen", "update": "darkgreen"}
     for ax, n in zip(axes[:, 0], names):
         ranks = timelines[n]["ranks"]
+        labels = ["a2a", "allreduce"]
+        if any(rec["kind"] == "forward" for recs in ranks for rec in recs):
+            labels.append("next fwd")
+        nl = len(labels)
         for r, recs in enumerate(ranks):
-            for rec in recs:
-                if rec["end_s"] < 0 or rec["start_s"] < 0:
+            for rec in sorted(recs, key=lambda x: x["kind"] == "update"):  # updates drawn over the forward
+                if rec["end_s"] < 0 or rec["start_s"] < 0 or rec["kind"] not in colors:
                     continue
-                lane = 2 * r + (0 if rec["kind"] == "a2a" else 1)
-                ax.broken_barh([(rec["start_s"], rec["end_s"] - rec["start_s"])], (lane + 0.1, 0.8),
+                lane = nl * r + {"a2a": 0, "allreduce": 1}.get(rec["kind"], 2)
+                s0 = rec["ready_s"] if rec["kind"] == "update" else rec["start_s"]
+                ax.broken_barh([(s0, max(rec["end_s"] - s0, 2e-3))], (lane + 0.1, 0.8),
                                facecolors=colors[rec["kind"]], edgecolor="black", linewidth=0.3)
-        ax.set_yticks([2 * r + 0.5 + i for r in range(len(ranks)) for i in (0, 1)])
-        ax.set_yticklabels([f"rank {r} {lab}" for r in range(len(ranks)) for lab in ("a2a", "allreduce")],
-                           fontsize="x-small")
+        ax.set_yticks([nl * r + 0.5 + i for r in range(len(ranks)) for i in range(nl)])
+        ax.set_yticklabels([f"rank {r} {lab}" for r in range(len(ranks)) for lab in labels], fontsize="x-small")
         ax.invert_yaxis()
         ax.set_title(f"{n}: step {timelines[n].get('step')} (seconds from the step start)", fontsize="small")
         ax.grid(axis="x", alpha=0.3)
@@ -151,6 +165,43 @@ def plot_losses(runs: dict[str, list[dict]], path: Path) -> Path:
     ax.legend()
     save_figure(fig, path)
     return path
+
+
+def overlap_bound(compute_s: float | None, grad_bytes: int | None, a2a_link_s: float | None, world: int,
+                  rate_bps: float | None) -> tuple[float | None, float | None]:
+    """(link seconds, bound) of one ``lina-overlap`` step on one emulated link that all
+    ``world`` ranks share: the link must carry the ring allreduce of the non-expert
+    gradients (every rank sends 2 (P - 1) / P of them: 2 (P - 1) * ``grad_bytes`` in all)
+    and the all-to-alls (``a2a_link_s``, the estimate above); the step cannot be shorter
+    than that nor than its compute, and with the reduction overlapping the next forward
+    pass it need not be longer than the larger of the two: bound = max(compute, link)."""
+    if not (grad_bytes and rate_bps and a2a_link_s is not None):
+        return None, None
+    link = 2 * (world - 1) * grad_bytes * 8 / rate_bps + a2a_link_s
+    return link, (max(compute_s, link) if compute_s is not None else None)
+
+
+def _overlap_rows(runs, med, rep_ratio, m_any, P, rate, a2a_link_s, hosts) -> list[tuple]:
+    """Summary rows of ``lina-overlap``: its ratios and its bound (compute: its step less the
+    time its compute thread waited for the all-to-all and for parameter updates)."""
+    ov = med.get("lina-overlap")
+    if ov is None:
+        return []
+    compute = None
+    if ov["step_time_s"] is not None:
+        compute = ov["step_time_s"] - (ov["a2a_time_s"] or 0.0) - (ov["allreduce_wait_s"] or 0.0)
+    grad = m_any.get("sizes", {}).get("non_expert_grad_bytes")
+    link, bound = overlap_bound(compute, grad, a2a_link_s if hosts == 1 else None, P, rate)
+    return [
+        ("step time: fifo / lina-overlap (goal >= 1.3)", rep_ratio("fifo", "lina-overlap", "step_time_s"), "x"),
+        ("step time: lina / lina-overlap", rep_ratio("lina", "lina-overlap", "step_time_s"), "x"),
+        ("step time: deepspeed / lina-overlap", rep_ratio("deepspeed", "lina-overlap", "step_time_s"), "x"),
+        ("lina-overlap compute per step (step - all-to-all wait - update wait), s", compute, ""),
+        ("lina-overlap link per step (allreduce + all-to-all bytes / rate), s", link, ""),
+        ("lina-overlap bound max(compute, link), s", bound, ""),
+        ("lina-overlap step / its bound (goal <= 1.15)", _ratio(ov["step_time_s"], bound), "x"),
+        ("allreduce bytes reduced within the backward pass: lina-overlap", ov["allreduce_in_backward_share"], ""),
+    ]
 
 
 def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
@@ -194,6 +245,7 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
         link_s = crossing * 8 / rate
     rows.append(("all-to-all bytes at the emulated rate / fifo step (estimate)",
                  _ratio(link_s, fifo and fifo["step_time_s"]), ""))
+    rows += _overlap_rows(runs, med, rep_ratio, m_any, P, rate, link_s, getattr(args, "hosts", 1) or 1)
     for name, val, unit in rows:
         lines.append(f"| {name} | {_fmt(val, unit)} |")
     # loss curves: largest per-step gap between variants (repeat 0), and final losses
@@ -203,7 +255,7 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
         gap = max(abs(a - b) for a, b in zip(c, curves["fifo"])) if "fifo" in curves else None
         loss_lines.append(f"| {v} | {c[0]:.4f} | {c[-1]:.4f} | {_fmt(gap)} | {_fmt(med[v]['val_loss'])} |")
     timelines = {}
-    for v in ("fifo", "lina"):
+    for v in ("fifo", "lina", "lina-overlap"):
         p = out / v / "rep0" / "timeline.json"
         if p.exists():
             timelines[v] = json.loads(p.read_text())

@@ -93,6 +93,15 @@ class TrainConfig:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
+    @property
+    def timeline_at(self) -> int:
+        """The step whose operations ``timeline.json`` holds: ``timeline_step``, else the
+        last step -- under ``lina-overlap`` the one before it, whose reduction runs into the
+        next step's forward pass (the last step's waits for everything)."""
+        if self.timeline_step is not None:
+            return self.timeline_step
+        return self.steps - 2 if self.schedule.overlapped and self.steps > 1 else self.steps - 1
+
 
 @dataclass(frozen=True)
 class TrainMetrics(Record):
@@ -231,7 +240,7 @@ def summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> T
         step_times_s=step_max,
         steps=steps,
         warmup=cfg.warmup,
-        timeline_step=cfg.steps - 1 if cfg.timeline_step is None else cfg.timeline_step,
+        timeline_step=cfg.timeline_at,
         sizes=per_rank[0]["sizes"],
         corpus=source,
         wall_clock_s=max(p["wall_clock_s"] for p in per_rank),

@@ -194,12 +194,17 @@ class GradScheduler:
     ``external``, ``on_complete``: module docstring.
     """
 
+    _OVERLAP = False  # whether the class runs lina-overlap (priority/overlap.py's subclass does)
+
     def __init__(self, params: Sequence[tuple], cfg: ScheduleConfig, *, timeout_s: float | None = None,
                  device: torch.device | str | None = None, launch: Launcher | None = None,
                  completion: str | None = None, names: Sequence[str] | None = None,
                  find_unused_parameters: bool = True, external: Iterable[torch.Tensor] = (),
                  on_complete: Callable[[int, BaseException | None], None] | None = None):
         self.cfg = cfg
+        if cfg.overlapped and not self._OVERLAP:
+            raise ValueError("the 'lina-overlap' schedule leaves the reduction running into the next forward "
+                             "pass: run it with commsched.priority.overlap.OverlapScheduler and OverlapOptimizer")
         if names is not None and len(names) != len(params):
             raise ValueError(f"{len(names)} names for {len(params)} parameters")
         self.timeout_s = timeout_s if timeout_s is not None else read_env().timeout_s

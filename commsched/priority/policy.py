@@ -28,6 +28,17 @@ Policies (:data:`POLICIES`, a name -> factory table):
 * ``fifo`` -- every operation is launched as soon as it is ready (DDP's behaviour).
 * ``serial`` -- allreduce waits until the backward pass has ended (no overlap at all; the
   all-to-all then runs alone, which is how its uncontended time is measured).
+* ``lina-overlap`` -- ``lina`` in the backward pass; the step does not wait for the
+  reduction (:class:`OverlapPolicy`): the micro-ops still to launch when the backward pass
+  ends go out in the order in which the next forward pass needs their parameters (first
+  layer first, :meth:`OverlapPolicy.set_priorities`), still under the credit and still
+  behind every all-to-all of this rank (those of the next forward pass), while the
+  optimizer steps each parameter group as soon as its reduction ends and the next forward
+  pass waits, module by module, only for its own parameters
+  (:mod:`commsched.priority.overlap`). Which micro-ops are still to launch differs between
+  ranks under the ``completion`` rule, so the ranks agree on it first
+  (:attr:`OverlapPolicy.wants_agreement`, :meth:`OverlapPolicy.agree`: the largest count
+  launched on any rank); under ``program`` it is the same everywhere already.
 
 Launch rules (:data:`LAUNCH_RULES`, ``ScheduleConfig.launch``):
 
@@ -247,9 +258,137 @@ class ScheduleConfig:
         return self.credit_bytes if self.credit_bytes is not None else DEFAULT_CREDIT_MICROOPS * self.microop_bytes
 
     @property
+    def overlapped(self) -> bool:
+        """Whether the step leaves its reduction running into the next forward pass
+        (``lina-overlap``: :mod:`commsched.priority.overlap` steps the optimizer per group)."""
+        return self.policy == "lina-overlap"
+
+    @property
     def fused(self) -> bool:
         """Whether gradients travel in fused buckets (``fifo``, like DDP) rather than micro-ops."""
         return self.policy == "fifo"
+
+
+class OverlapPolicy(Policy):
+    """``lina-overlap`` (module docstring): :class:`Policy` ``lina`` until the backward pass
+    ends, then the remaining allreduce in the tail order, under the credit (or the gap
+    budget) and behind every all-to-all, across the next forward pass.
+
+    Events beyond :class:`Policy`'s: :meth:`set_priorities` (once the forward order is
+    known), :meth:`agree` (the ranks' launched count after :meth:`end_backward`) and
+    :meth:`need` (the forward pass waits for these operations now)."""
+
+    def __init__(self, *, credit_bytes: int | None, hold_in_block: bool = True, gap_budget: int | None = None):
+        self._prio: tuple[int, ...] | None = None
+        super().__init__("lina-overlap", credit_bytes=credit_bytes, hold_in_block=hold_in_block,
+                         gap_budget=gap_budget)
+
+    def set_priorities(self, prio_ops: Sequence[int] | None) -> None:
+        """``prio_ops[seq]``: when the next forward pass needs operation ``seq``'s parameters
+        (smaller first); None: the tail keeps the sequence order. Must be the same on every rank."""
+        if prio_ops is not None:
+            prio_ops = tuple(int(x) for x in prio_ops)
+            if self._n and len(prio_ops) != self._n:
+                raise ValueError(f"{len(prio_ops)} priorities for {self._n} allreduce operations")
+        self._prio = prio_ops
+
+    def begin_step(self, num_allreduce: int) -> None:
+        if self._prio is not None and num_allreduce and len(self._prio) != num_allreduce:
+            raise ValueError(f"{len(self._prio)} priorities for {num_allreduce} allreduce operations")
+        super().begin_step(num_allreduce)
+        self._order: list[int] | None = None  # launch order from the agreed count on
+        self._pos = 0
+        self._forced = 0  # launches of the order that need() asked for
+
+    @property
+    def wants_agreement(self) -> bool:
+        """Whether :meth:`end_backward` must be followed by :meth:`agree` with the ranks'
+        largest launched count (``completion`` rule), or agrees by itself (``program``)."""
+        return self.gap_budget is None
+
+    @property
+    def launched_count(self) -> int:
+        """Allreduce operations launched so far in sequence order (what the ranks compare)."""
+        return self._next
+
+    @property
+    def tail_order(self) -> tuple[int, ...] | None:
+        """The launch order after the agreement (sequence numbers), None before it."""
+        return None if self._order is None else tuple(self._order)
+
+    def end_backward(self) -> None:
+        if self._ended:
+            return
+        super().end_backward()
+        self._gap_launched = 0
+        if not self.wants_agreement:
+            self.agree(self._next)
+
+    def agree(self, launched: int) -> None:
+        """Every rank has launched the first ``launched`` operations, or will (the largest
+        count any rank launched before its backward pass ended): this rank catches up to
+        it in sequence order, then launches the rest by priority."""
+        if not self._ended:
+            raise ValueError("agree() before end_backward()")
+        if self._order is not None:
+            raise ValueError("agree() called twice in one step")
+        if not self._next <= launched <= self._n:
+            raise ValueError(f"agreed count {launched} outside {self._next}..{self._n} (launched here: {self._next})")
+        rest = list(range(launched, self._n))
+        if self._prio is not None:
+            rest.sort(key=lambda s: (self._prio[s], s))
+        self._order = list(range(self._next, launched)) + rest
+        self._pos = 0
+
+    def need(self, seqs: Sequence[int]) -> None:
+        """The forward pass waits for the operations ``seqs``: under the ``program`` rule
+        everything up to the last of them in the launch order goes out now (nothing
+        completes it otherwise); under ``completion`` they are at the front of the order
+        and go as the credit frees (nothing of this rank's is on the wire but allreduce)."""
+        if self._order is None or self.gap_budget is None:
+            return
+        where = {s: i for i, s in enumerate(self._order)}
+        last = max((where[s] for s in seqs if s in where), default=-1)
+        self._forced = max(self._forced, last + 1)
+
+    @property
+    def allreduce_pending(self) -> int:
+        if self._order is None:
+            return self._n - self._next
+        return len(self._order) - self._pos
+
+    def _may_launch_tail(self, nbytes: int) -> bool:
+        if self._pos < self._forced:
+            return True
+        if self.hold_for_a2a and self.a2a_busy:
+            return False
+        if self.gap_budget is not None:
+            return self._gap_launched < self.gap_budget
+        if self.credit_bytes is not None and self._ar_inflight:
+            return self.allreduce_inflight_bytes + nbytes <= self.credit_bytes
+        return True
+
+    def _may_launch(self, nbytes: int) -> bool:
+        return not self._ended and super()._may_launch(nbytes)
+
+    def next_ops(self) -> list[Launch]:
+        out = super().next_ops()
+        if self._order is None:
+            return out
+        while (self._pos < len(self._order) and self._order[self._pos] in self._ready
+               and self._may_launch_tail(self._ready[self._order[self._pos]])):
+            seq = self._order[self._pos]
+            nb = self._ready.pop(seq)
+            self._ar_inflight[seq] = nb
+            out.append(Launch("allreduce", seq, nb))
+            self._pos += 1
+            self._gap_launched += 1
+        return out
+
+    @property
+    def reduced(self) -> bool:
+        """Every allreduce of the step is done (all-to-alls of the next forward pass may run)."""
+        return self._ar_done == self._n
 
 
 def _lina(cfg: ScheduleConfig) -> Policy:
@@ -265,9 +404,14 @@ def _serial(cfg: ScheduleConfig) -> Policy:
     return Policy("serial", credit_bytes=None, hold_for_a2a=False, hold_in_block=False, defer_to_end=True)
 
 
+def _lina_overlap(cfg: ScheduleConfig) -> Policy:
+    budget = cfg.gap_budget if cfg.launch == "program" else None
+    return OverlapPolicy(credit_bytes=cfg.credit, hold_in_block=cfg.hold_in_block, gap_budget=budget)
+
+
 # name -> factory; the command lines' ``--schedule`` choices are its keys
 POLICIES: Mapping[str, Callable[[ScheduleConfig], Policy]] = MappingProxyType(
-    {"lina": _lina, "fifo": _fifo, "serial": _serial})
+    {"lina": _lina, "fifo": _fifo, "serial": _serial, "lina-overlap": _lina_overlap})
 
 
 def make_policy(cfg: ScheduleConfig, device_type: str | None = None) -> Policy:
@@ -288,5 +432,5 @@ def allreduce_ops(numels: Sequence[int], element_size: int, cfg: ScheduleConfig)
     return partition(numels, element_size, cfg.microop_bytes)
 
 
-__all__ = ["DEFAULT_CREDIT_MICROOPS", "LAUNCH_RULES", "Launch", "POLICIES", "Policy", "ScheduleConfig", "allreduce_ops",
+__all__ = ["DEFAULT_CREDIT_MICROOPS", "LAUNCH_RULES", "Launch", "OverlapPolicy", "POLICIES", "Policy", "ScheduleConfig", "allreduce_ops",
            "make_policy"]

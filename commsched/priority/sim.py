@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
-from .policy import ScheduleConfig, allreduce_ops, make_policy
+from .policy import OverlapPolicy, ScheduleConfig, allreduce_ops, make_policy
 
 _EPS = 1e-12
 
@@ -50,7 +50,20 @@ class BlockEnd:
     pass
 
 
-Item = Union[Compute, AllToAll, BlockBegin, BlockEnd]
+@dataclass(frozen=True)
+class EndBackward:
+    """The backward pass ends here; what follows is the next step's forward pass."""
+
+
+@dataclass(frozen=True)
+class Need:
+    """The forward pass reaches a module whose parameters are these gradient tensors
+    (indices in the order the script's :class:`Compute` items make them ready)."""
+
+    tensors: tuple[int, ...]
+
+
+Item = Union[Compute, AllToAll, BlockBegin, BlockEnd, EndBackward, Need]
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,10 @@ class SimResult:
     ops: list[SimOp] = field(default_factory=list)
     compute_end_s: float = 0.0
     step_s: float = 0.0
+    # the forward pass's waits for parameters: (Need's index in the script, arrival, release)
+    needs: list[tuple[int, float, float]] = field(default_factory=list)
+    backward_end_s: float = 0.0
+    script_end_s: float = 0.0
 
     @property
     def a2a(self) -> list[SimOp]:
@@ -127,10 +144,11 @@ class SimResult:
 
 
 def simulate(script: Sequence[Item], link: Link, cfg: ScheduleConfig | None = None, *,
-             element_size: int = 4) -> SimResult:
+             element_size: int = 4, order_tail: bool = True) -> SimResult:
     """Run ``script`` on ``link`` under the schedule ``cfg`` (default: ``ScheduleConfig()``,
     the executor's default); see the module docstring. Gradient sizes in the script are
-    bytes, multiples of ``element_size``.
+    bytes, multiples of ``element_size``. ``order_tail=False``: ``lina-overlap`` keeps its
+    tail in sequence order (no forward order known; what ordering it buys).
     """
     cfg = cfg if cfg is not None else ScheduleConfig()
     grad_bytes = [b for it in script if isinstance(it, Compute) for b in it.grads]
@@ -138,12 +156,23 @@ def simulate(script: Sequence[Item], link: Link, cfg: ScheduleConfig | None = No
         raise ValueError(f"gradient sizes must be multiples of element_size={element_size}")
     ops = allreduce_ops([b // element_size for b in grad_bytes], element_size, cfg)
     pol = make_policy(cfg)
-    pol.begin_step(len(ops))
-    missing = [len(op.tensors) for op in ops]
     ops_of_tensor: dict[int, list[int]] = {}
     for op in ops:
         for t in op.tensors:
             ops_of_tensor.setdefault(t, []).append(op.seq)
+    for it in script:
+        if isinstance(it, Need) and any(not 0 <= t < len(grad_bytes) for t in it.tensors):
+            raise ValueError(f"{it} names a tensor outside 0..{len(grad_bytes) - 1}")
+    if isinstance(pol, OverlapPolicy) and order_tail:
+        first_need: dict[int, int] = {}
+        for it in script:
+            if isinstance(it, Need):
+                for tn in it.tensors:
+                    first_need.setdefault(tn, len(first_need))
+        pol.set_priorities([min(first_need.get(tn, len(grad_bytes)) for tn in op.tensors) for op in ops])
+    pol.begin_step(len(ops))
+    missing = [len(op.tensors) for op in ops]
+    done: set[int] = set()
     bw = link.bandwidth_Bps
     res = SimResult(cfg.policy, link)
     rec: dict[tuple[str, int], SimOp] = {}
@@ -152,7 +181,13 @@ def simulate(script: Sequence[Item], link: Link, cfg: ScheduleConfig | None = No
     busy_until: float | None = None
     pending_grads: tuple[int, ...] = ()
     blocked_on: tuple[str, int] | None = None
-    ended = False
+    need_wait: tuple[int, float, set[int]] | None = None  # (script index, arrival, seqs awaited)
+    ended = script_done = False
+
+    def end_backward() -> None:
+        pol.end_backward()
+        if isinstance(pol, OverlapPolicy) and pol.wants_agreement:
+            pol.agree(pol.launched_count)  # one rank: the count is its own
 
     def pump() -> None:
         for launch in pol.next_ops():
@@ -161,7 +196,7 @@ def simulate(script: Sequence[Item], link: Link, cfg: ScheduleConfig | None = No
             inflight[k] = rec[k].nbytes + link.latency_s * bw
 
     while True:
-        while busy_until is None and blocked_on is None and pc < len(script):
+        while busy_until is None and blocked_on is None and need_wait is None and pc < len(script):
             item = script[pc]
             pc += 1
             if isinstance(item, Compute):
@@ -178,13 +213,31 @@ def simulate(script: Sequence[Item], link: Link, cfg: ScheduleConfig | None = No
                 pol.block_begin()
             elif isinstance(item, BlockEnd):
                 pol.block_end()
+            elif isinstance(item, EndBackward):
+                if not ended:
+                    end_backward()
+                    ended, res.backward_end_s = True, t
+            elif isinstance(item, Need):
+                if not ended:
+                    raise ValueError(f"script item {pc - 1}: Need before EndBackward")
+                seqs = ({s for tn in item.tensors for s in ops_of_tensor.get(tn, [])} if cfg.overlapped
+                        else set(range(len(ops))))
+                if isinstance(pol, OverlapPolicy):
+                    pol.need(sorted(seqs))
+                need_wait = (pc - 1, t, seqs)
             else:
                 raise TypeError(f"unknown script item {item!r}")
+            if need_wait is not None and need_wait[2] <= done:
+                res.needs.append((need_wait[0], need_wait[1], t))
+                need_wait = None
         if not ended and pc == len(script) and busy_until is None and blocked_on is None:
-            pol.end_backward()
-            ended, res.compute_end_s = True, t
+            end_backward()
+            ended, res.backward_end_s = True, t
+        if not script_done and pc == len(script) and busy_until is None and blocked_on is None \
+                and need_wait is None:
+            script_done, res.compute_end_s, res.script_end_s = True, t, t
         pump()
-        if ended and not inflight and pol.allreduce_pending == 0:
+        if ended and script_done and not inflight and pol.allreduce_pending == 0:
             break
         cands = [] if busy_until is None else [busy_until]
         if inflight:
@@ -206,6 +259,10 @@ def simulate(script: Sequence[Item], link: Link, cfg: ScheduleConfig | None = No
                     blocked_on = None
             else:
                 pol.allreduce_done(k[1])
+                done.add(k[1])
+        if need_wait is not None and need_wait[2] <= done:
+            res.needs.append((need_wait[0], need_wait[1], t))
+            need_wait = None
         if busy_until is not None and busy_until <= t + _EPS:
             busy_until = None
             for _ in pending_grads:
@@ -219,6 +276,28 @@ def simulate(script: Sequence[Item], link: Link, cfg: ScheduleConfig | None = No
             pending_grads = ()
     res.step_s = max([res.compute_end_s] + [o.end_s for o in res.ops])
     return res
+
+
+def forward_script(layers: Sequence[str], *, a2a_bytes: int, expert_s: float, dense_s: float, attn_s: float,
+                   tensors_per_block: Sequence[Sequence[int]], a2a_chunks: int = 1) -> list[Item]:
+    """The next step's forward pass of the model of :func:`moe_backward_script` (blocks
+    first to last): each block waits for its parameters' gradient tensors
+    (``tensors_per_block[i]``, indices in the backward script's readiness order), then
+    runs attention and its FFN (an MoE FFN: dispatch exchanges, expert compute, combine
+    exchanges, each cut into ``a2a_chunks``)."""
+    out: list[Item] = []
+    for i, kind in enumerate(layers):
+        out += [Need(tuple(tensors_per_block[i])), Compute(attn_s)]
+        if kind == "moe":
+            per = a2a_bytes // a2a_chunks
+            out += [AllToAll(per) for _ in range(a2a_chunks)]
+            out.append(Compute(expert_s))
+            out += [AllToAll(per) for _ in range(a2a_chunks)]
+        elif kind == "dense":
+            out.append(Compute(dense_s))
+        else:
+            raise ValueError(f"block kind must be 'moe' or 'dense', got {kind!r}")
+    return out
 
 
 def moe_backward_script(layers: Sequence[str], *, a2a_bytes: int, expert_s: float, dense_s: float,
@@ -247,5 +326,5 @@ def moe_backward_script(layers: Sequence[str], *, a2a_bytes: int, expert_s: floa
     return out
 
 
-__all__ = ["AllToAll", "BlockBegin", "BlockEnd", "Compute", "Link", "SimOp", "SimResult", "moe_backward_script",
-           "simulate"]
+__all__ = ["AllToAll", "BlockBegin", "BlockEnd", "Compute", "EndBackward", "Link", "Need", "SimOp", "SimResult",
+           "forward_script", "moe_backward_script", "simulate"]
