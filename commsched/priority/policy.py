@@ -208,7 +208,10 @@ class ScheduleConfig:
     :data:`DEFAULT_CREDIT_MICROOPS` micro-ops, see :attr:`credit`); ``bucket_bytes``: fused
     bucket size of ``fifo`` (DDP's first bucket is 1 MiB); ``hold_in_block``: ``lina`` also
     holds allreduce inside backward expert blocks; ``launch``: a name of
-    :data:`LAUNCH_RULES`, or None for the device's default (:meth:`launch_rule`)."""
+    :data:`LAUNCH_RULES`, or None for the device's default (:meth:`launch_rule`);
+    ``hier_reduce``: reduce operations over all ranks hierarchically (inside each host,
+    across hosts, inside again; :mod:`commsched.priority.hier`), the policy gating the phase
+    across hosts; the executor only (the simulator models one link and ignores it)."""
 
     policy: str = "lina"
     microop_bytes: int = 256 << 10
@@ -216,6 +219,7 @@ class ScheduleConfig:
     bucket_bytes: int = 1 << 20
     hold_in_block: bool = True
     launch: str | None = None
+    hier_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -224,6 +228,8 @@ class ScheduleConfig:
             raise ValueError("microop_bytes and bucket_bytes must be at least one element (4 bytes)")
         if self.credit_bytes is not None and self.credit_bytes < 1:
             raise ValueError(f"credit_bytes must be >= 1, got {self.credit_bytes}")
+        if not isinstance(self.hier_reduce, bool):
+            raise ValueError(f"hier_reduce must be True or False, got {self.hier_reduce!r}")
         if self.launch is not None and self.launch not in LAUNCH_RULES:
             raise ValueError(f"unknown launch rule {self.launch!r}; choose one of {LAUNCH_RULES} (or None: "
                              f"'program' on CUDA devices, 'completion' elsewhere)")

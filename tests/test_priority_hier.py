@@ -1,0 +1,146 @@
+"""The hierarchical gradient reduction (commsched/priority/hier.py) against its flat twin:
+the host layout (pure), then 4 gloo ranks laid out as 2 hosts x 2 (the layout given, no
+emulation) in one spawn: bitwise equal sums on exactly representable gradients, training
+equal to flat within floating-point reordering, lina's gate on the phase across hosts,
+and the flat fallback said once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commsched.priority.hier import HostLayout, make_hier, shard_numel
+from commsched.priority.policy import ScheduleConfig
+from tests.mp import assert_case, run_cases
+
+GRID_2x2 = ("a", "a", "b", "b")
+
+
+def test_host_layout_local_ranks_and_cross_groups():
+    lay = HostLayout(("x", "y", "x", "y"))  # hosts need not hold consecutive ranks
+    assert lay.hosts == ("x", "y") and lay.local_size == 2
+    assert lay.intra_ranks(0) == [0, 2] and lay.intra_ranks(1) == [1, 3]
+    assert lay.cross_ranks(0) == [0, 1] and lay.cross_ranks(1) == [2, 3]
+    assert [lay.local_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert lay.flat_reason is None
+    assert "one host" in HostLayout(("a",) * 4).flat_reason
+    assert "one rank" in HostLayout(("a", "b", "c")).flat_reason
+    assert [shard_numel(n, 2) for n in (1, 2, 5)] == [1, 1, 3]
+
+
+def test_uneven_hosts_are_refused_with_the_counts():
+    with pytest.raises(ValueError, match=r"same number of ranks on every host; this layout has a: 2, b: 1"):
+        HostLayout(("a", "a", "b"))
+    with pytest.raises(ValueError, match="hier_reduce must be True or False"):
+        ScheduleConfig(hier_reduce="yes")
+
+
+# --------------------------------------------------------------------------- 4 ranks
+def _params(rank: int) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+    """Parameters of odd sizes (padding, several micro-ops) and integer gradients per rank."""
+    g = torch.Generator().manual_seed(7)
+    shapes = [(37,), (8, 9), (5,), (300,)]
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    grads = [torch.randint(-50, 50, s, generator=torch.Generator().manual_seed(rank * 10 + i)).float()
+             for i, s in enumerate(shapes)]
+    return ps, grads
+
+
+def _reduce_once(cfg: ScheduleConfig, hier, a2a_during: bool = False) -> list[torch.Tensor]:
+    from commsched.dist import new_group
+    from commsched.priority.executor import GradScheduler
+
+    rank = dist.get_rank()
+    ps, grads = _params(rank)
+    dp = new_group(list(range(dist.get_world_size())), threads=4)
+    with GradScheduler([(p, dp) for p in ps], cfg, hier=hier) as s:
+        s.begin_step()
+        if a2a_during:  # an all-to-all of this rank in flight while the gradients arrive
+            tok = s.a2a_begin(1 << 16)
+        sum(((p * g).sum() for p, g in zip(ps, grads))).backward()
+        if a2a_during:
+            s.a2a_end(tok)
+        s.finish()
+    return [p.grad for p in ps]
+
+
+def _exact_sums_bitwise(rank: int, world: int) -> None:
+    """Integer gradients: every partial sum is exact, so hierarchical == flat bit for bit,
+    under lina (micro-ops of 64 B: several per tensor, shards padded) and fifo (buckets)."""
+    for policy in ("lina", "fifo"):
+        flat_cfg = ScheduleConfig(policy, microop_bytes=64, bucket_bytes=256)
+        hier_cfg = dataclasses.replace(flat_cfg, hier_reduce=True)
+        hier = make_hier(GRID_2x2, threads=4)
+        flat = _reduce_once(flat_cfg, None)
+        hr = _reduce_once(hier_cfg, hier, a2a_during=True)
+        want = [sum(_params(r)[1][i] for r in range(world)) / world for i in range(len(flat))]
+        for a, b, w in zip(flat, hr, want):
+            assert torch.equal(a, b), (policy, (a - b).abs().max())
+            assert torch.equal(b, w)
+
+
+def _training_matches_flat(rank: int, world: int) -> None:
+    """Three training steps (lina, pipelined all-to-all, Adam): parameters equal flat within
+    float32 reordering; the phase across hosts never starts while this rank's all-to-all is
+    in flight."""
+    from commsched.moe.train import _build_commsched, make_groups, train
+    from commsched.observe import A2AEvents
+    from commsched.priority.executor import GradScheduler
+    from commsched.topology import Topology
+    from tests.test_moe_train import _cfg
+
+    topo = Topology.grid(2, 2)
+    cfg = _cfg(world, "lina", chunks=2, pipeline=True, steps=3)
+    hcfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, hier_reduce=True))
+    mf, sf = train(cfg, None, progress=False)
+    mh, sh = train(hcfg, None, progress=False, topology=topo)
+    assert sf.keys() == sh.keys()
+    worst = max(float((sf[k] - sh[k]).abs().max()) for k in sf)
+    assert worst <= 2e-5, worst  # measured: a few 1e-7 (docs/moe.md)
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(mf.loss, mh.loss)), (mf.loss, mh.loss)
+    # the gate: no phase across hosts starts inside one of this rank's all-to-alls
+    groups = make_groups(world)
+    events = A2AEvents()
+    model, sched_params = _build_commsched(hcfg, groups, events)
+    hier = make_hier(topo.hosts_P)
+    with GradScheduler(sched_params, hcfg.schedule, hier=hier) as sched, events.register(sched):
+        x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
+        sched.begin_step()
+        model.loss(x, x)[0].backward()
+        st = sched.finish()
+        recs = sched.records
+    model.close()
+    a2a = [r for r in recs if r.kind == "a2a"]
+    ar = [r for r in recs if r.kind == "allreduce"]
+    assert a2a and ar and st["allreduce_count"] == len(ar) == sched.num_ops
+    assert all(r.end_s >= r.start_s >= r.ready_s >= 0 for r in ar)
+    for r in ar:
+        assert not any(a.ready_s < r.start_s < a.end_s for a in a2a), (r, a2a)
+
+
+def _flat_fallback_said_once(rank: int, world: int) -> None:
+    said: list[str] = []
+    assert make_hier(("h",) * world, say=said.append) is None
+    assert make_hier(tuple(f"h{r}" for r in range(world)), say=said.append) is None
+    assert len(said) == (2 if rank == 0 else 0)
+    if rank == 0:
+        assert "one host" in said[0] and "reducing flat" in said[0] and "one rank" in said[1]
+
+
+CASES4 = [("exact_sums_bitwise", _exact_sums_bitwise),
+          ("training_matches_flat", _training_matches_flat),
+          ("flat_fallback_said_once", _flat_fallback_said_once)]
+
+
+@pytest.fixture(scope="module")
+def results4():
+    return run_cases(4, CASES4, timeout_s=240)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c, _ in CASES4])
+def test_hier_against_flat_world4(results4, case):
+    assert_case(results4, case)
