@@ -20,6 +20,7 @@ from commsched.priority.executor import GradScheduler
 from commsched.priority.policy import ScheduleConfig
 from tests.mp import assert_case, run_cases
 from tests.test_ddp_hook import lina_ddp_with_expert_dp_groups
+from tests.test_priority_hier import HIER_CASES4
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "text" / "tinyshakespeare.txt"
 if not CORPUS.exists():  # a checkout outside the shared workspace: any text will do
@@ -184,7 +185,8 @@ CASES2 = [("schedules_identical", _schedules_identical),
           ("deepspeed_trains_from_the_same_weights", _deepspeed_trains_from_the_same_weights)]
 CASES4 = [("schedules_identical_ep2", _schedules_identical_ep2),
           ("grads_match_manual_allreduce", _grads_match_manual_allreduce),
-          ("lina_ddp_with_expert_dp_groups", lina_ddp_with_expert_dp_groups)]  # tests/test_ddp_hook.py
+          ("lina_ddp_with_expert_dp_groups", lina_ddp_with_expert_dp_groups),  # tests/test_ddp_hook.py
+          *HIER_CASES4]  # tests/test_priority_hier.py: hierarchical reduction against flat
 
 
 @pytest.fixture(scope="module")

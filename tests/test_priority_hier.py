@@ -1,8 +1,9 @@
 """The hierarchical gradient reduction (commsched/priority/hier.py) against its flat twin:
-the host layout (pure), then 4 gloo ranks laid out as 2 hosts x 2 (the layout given, no
-emulation) in one spawn: bitwise equal sums on exactly representable gradients, training
-equal to flat within floating-point reordering, lina's gate on the phase across hosts,
-and the flat fallback said once."""
+the host layout (pure, here), and cases on 4 gloo ranks laid out as 2 hosts x 2 (the
+layout given, no emulation), run in the 4-rank spawn of tests/test_moe_train.py
+(``HIER_CASES4``): bitwise equal sums on exactly representable gradients, training equal
+to flat within floating-point reordering, lina's gate on the phase across hosts, and the
+flat fallback said once."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import torch.distributed as dist
 
 from commsched.priority.hier import HostLayout, make_hier, shard_numel
 from commsched.priority.policy import ScheduleConfig
-from tests.mp import assert_case, run_cases
 
 GRID_2x2 = ("a", "a", "b", "b")
 
@@ -70,10 +70,10 @@ def _reduce_once(cfg: ScheduleConfig, hier, a2a_during: bool = False) -> list[to
 def _exact_sums_bitwise(rank: int, world: int) -> None:
     """Integer gradients: every partial sum is exact, so hierarchical == flat bit for bit,
     under lina (micro-ops of 64 B: several per tensor, shards padded) and fifo (buckets)."""
+    hier = make_hier(GRID_2x2, threads=4)
     for policy in ("lina", "fifo"):
         flat_cfg = ScheduleConfig(policy, microop_bytes=64, bucket_bytes=256)
         hier_cfg = dataclasses.replace(flat_cfg, hier_reduce=True)
-        hier = make_hier(GRID_2x2, threads=4)
         flat = _reduce_once(flat_cfg, None)
         hr = _reduce_once(hier_cfg, hier, a2a_during=True)
         want = [sum(_params(r)[1][i] for r in range(world)) / world for i in range(len(flat))]
@@ -83,9 +83,12 @@ def _exact_sums_bitwise(rank: int, world: int) -> None:
 
 
 def _training_matches_flat(rank: int, world: int) -> None:
-    """Three training steps (lina, pipelined all-to-all, Adam): parameters equal flat within
-    float32 reordering; the phase across hosts never starts while this rank's all-to-all is
-    in flight."""
+    """Three training steps (lina, pipelined all-to-all, Adam at lr 1e-2): parameters equal
+    flat within float32 reordering; the phase across hosts never starts while this rank's
+    all-to-all is in flight. Tolerance: Adam turns a last-bit difference of a near-zero
+    gradient into up to lr per step, so a few elements move (measured: 0.19% of them by more
+    than 1e-6, at most 3.8e-4; flat fifo's own reordering against flat lina: 0.18%, 3.3e-4),
+    the rest agree to 1e-6, and so do the losses (measured 2.4e-7)."""
     from commsched.moe.train import _build_commsched, make_groups, train
     from commsched.observe import A2AEvents
     from commsched.priority.executor import GradScheduler
@@ -98,9 +101,9 @@ def _training_matches_flat(rank: int, world: int) -> None:
     mf, sf = train(cfg, None, progress=False)
     mh, sh = train(hcfg, None, progress=False, topology=topo)
     assert sf.keys() == sh.keys()
-    worst = max(float((sf[k] - sh[k]).abs().max()) for k in sf)
-    assert worst <= 2e-5, worst  # measured: a few 1e-7 (docs/moe.md)
-    assert all(abs(a - b) <= 1e-5 for a, b in zip(mf.loss, mh.loss)), (mf.loss, mh.loss)
+    d = torch.cat([(sf[k] - sh[k]).abs().flatten() for k in sf if sf[k].is_floating_point()])
+    assert d.max() <= 1e-3 and (d > 1e-6).float().mean() <= 0.01, (d.max(), (d > 1e-6).float().mean())
+    assert all(abs(a - b) <= 1e-6 for a, b in zip(mf.loss, mh.loss)), (mf.loss, mh.loss)
     # the gate: no phase across hosts starts inside one of this rank's all-to-alls
     groups = make_groups(world)
     events = A2AEvents()
@@ -130,17 +133,7 @@ def _flat_fallback_said_once(rank: int, world: int) -> None:
         assert "one host" in said[0] and "reducing flat" in said[0] and "one rank" in said[1]
 
 
-CASES4 = [("exact_sums_bitwise", _exact_sums_bitwise),
-          ("training_matches_flat", _training_matches_flat),
-          ("flat_fallback_said_once", _flat_fallback_said_once)]
-
-
-@pytest.fixture(scope="module")
-def results4():
-    return run_cases(4, CASES4, timeout_s=240)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", [c for c, _ in CASES4])
-def test_hier_against_flat_world4(results4, case):
-    assert_case(results4, case)
+# run in tests/test_moe_train.py's 4-rank spawn (one spawn for the suite)
+HIER_CASES4 = [("hier_exact_sums_bitwise", _exact_sums_bitwise),
+               ("hier_training_matches_flat", _training_matches_flat),
+               ("hier_flat_fallback_said_once", _flat_fallback_said_once)]
