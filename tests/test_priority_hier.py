@@ -38,6 +38,31 @@ def test_uneven_hosts_are_refused_with_the_counts():
         ScheduleConfig(hier_reduce="yes")
 
 
+def test_cli_option_and_deepspeed_refusal(tmp_path):
+    from commsched.moe.train import build_parser, config_from_args
+    from commsched.moe.training import TrainConfig
+
+    p = build_parser()
+    assert config_from_args(p.parse_args(["--hier-reduce", "--out", str(tmp_path)])).schedule.hier_reduce
+    assert not config_from_args(p.parse_args(["--out", str(tmp_path)])).schedule.hier_reduce
+    with pytest.raises(ValueError, match="--hier-reduce is an option of --impl commsched"):
+        TrainConfig(impl="deepspeed", schedule=ScheduleConfig(hier_reduce=True))
+
+
+def test_bench_link_times_by_hand():
+    """2 hosts x 2 ranks at 8 bit/s (1 byte/s): a NIC carries 2 ranks x 8 B x 2/4 of the
+    all-to-all = 8 B; a ring allreduce of 12 B crosses it with 2 x 12 x 3/4 = 18 B, the
+    hierarchical one with 2 x 12 x 1/2 = 12 B. One host: every byte passes the one limit."""
+    from commsched.bench.moe_train import link_times
+
+    assert link_times(8, 12, 4, 2, 8.0) == {"a2a": 8.0, "a2a_backward": 4.0, "allreduce_flat": 18.0,
+                                           "allreduce_hier": 12.0}
+    one = link_times(8, 12, 4, 1, 8.0)
+    assert (one["a2a"], one["allreduce_flat"], one["allreduce_hier"]) == (24.0, 72.0, 72.0)
+    four = link_times(8, 12, 4, 4, 8.0)  # one rank per host: the hierarchy is the ring
+    assert four["allreduce_flat"] == four["allreduce_hier"] == 18.0 and four["a2a"] == 6.0
+
+
 # --------------------------------------------------------------------------- 4 ranks
 def _params(rank: int) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
     """Parameters of odd sizes (padding, several micro-ops) and integer gradients per rank."""

@@ -16,7 +16,10 @@ all-to-all), ``fifo`` (DDP-style buckets launched as soon as ready) or ``serial`
 (allreduce after the backward pass); the choices are the names of
 :data:`commsched.priority.policy.POLICIES`, and the schedule's knobs travel in one
 :class:`~commsched.priority.policy.ScheduleConfig` (``TrainConfig.schedule``).
-``--chunks C --pipeline`` pipeline the all-to-all with expert compute. ``--impl
+``--chunks C --pipeline`` pipeline the all-to-all with expert compute; ``--hier-reduce``
+reduces the non-expert gradients hierarchically (inside each host, across hosts under the
+schedule's gate, inside again; :mod:`commsched.priority.hier`; hosts from
+``Topology.from_env``). ``--impl
 deepspeed`` runs the baseline of :mod:`commsched.moe.deepspeed_baseline`:
 ``deepspeed.moe.layer.MoE`` and DeepSpeed's engine (ZeRO stage ``--ds-stage``, gradient
 reduction overlapping the backward pass), starting from the same weights.

@@ -44,6 +44,14 @@ Schedules: ``lina`` (micro-ops, all-to-all first, credit), ``fifo`` (DDP-style f
 buckets launched as soon as ready), ``serial`` (micro-ops, launched only after the
 backward pass). All three compute the same sums; only the timing differs.
 
+Hierarchy. With ``ScheduleConfig.hier_reduce`` (``hier=``: the groups of
+:func:`commsched.priority.hier.make_hier`; default: built from ``Topology.from_env``) an
+operation over all ranks runs in three phases (:mod:`commsched.priority.hier`): inside the
+host, across hosts, inside again. The policy sees only the phase across hosts: on the CPU
+an operation becomes ready for it when its phase inside the host has finished, and the
+gather inside the host follows its completion; on CUDA the three are issued together at
+the policy's launch, ordered on the side stream.
+
 Launches happen under one lock, from the compute thread (hooks, observer calls) or from
 the executor's own thread (after a completion), so the launch order is the policy's
 order. Completion callbacks only record and wake that thread.
