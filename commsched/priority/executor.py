@@ -535,6 +535,7 @@ class GradScheduler:
             elif phase == INTRA:
                 self._policy.allreduce_ready(seq, self._state[seq].spec.nbytes)
             elif phase == GATHER:
+                self._hier_step.gathered(seq)
                 rec = self._rec.get(("allreduce", seq))
                 if rec is not None:
                     rec.end_s = self._now()

@@ -270,8 +270,6 @@ class HierStep:
                 fut.value()
             except BaseException as x:  # handed to the executor
                 err = x
-            if phase == GATHER and err is None:
-                self._done.add(seq)
             self.on_done(phase, seq, err)
         return done
 
@@ -303,6 +301,10 @@ class HierStep:
             self._done.add(seq)
         else:
             self._inter_done.add(seq)
+
+    def gathered(self, seq: int) -> None:
+        """Phase 3 of ``seq`` has finished: the operation is done."""
+        self._done.add(seq)
 
     # ------------------------------------------------------------------ end of step
     @property
