@@ -36,6 +36,8 @@ def test_uneven_hosts_are_refused_with_the_counts():
         HostLayout(("a", "a", "b"))
     with pytest.raises(ValueError, match="hier_reduce must be True or False"):
         ScheduleConfig(hier_reduce="yes")
+    with pytest.raises(ValueError, match="hier_min_bytes must be an integer >= 0"):
+        ScheduleConfig(hier_min_bytes=-1)
 
 
 def test_cli_option_and_deepspeed_refusal(tmp_path):
@@ -74,7 +76,7 @@ def _params(rank: int) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
     return ps, grads
 
 
-def _reduce_once(cfg: ScheduleConfig, hier, a2a_during: bool = False) -> list[torch.Tensor]:
+def _reduce_once(cfg: ScheduleConfig, hier, a2a_during: bool = False) -> tuple[list[torch.Tensor], list[bool]]:
     from commsched.dist import new_group
     from commsched.priority.executor import GradScheduler
 
@@ -89,18 +91,22 @@ def _reduce_once(cfg: ScheduleConfig, hier, a2a_during: bool = False) -> list[to
         if a2a_during:
             s.a2a_end(tok)
         s.finish()
-    return [p.grad for p in ps]
+        hierarchical = list(s._op_hier)  # which operations went through the hierarchy
+    return [p.grad for p in ps], hierarchical
 
 
 def _exact_sums_bitwise(rank: int, world: int) -> None:
     """Integer gradients: every partial sum is exact, so hierarchical == flat bit for bit,
-    under lina (micro-ops of 64 B: several per tensor, shards padded) and fifo (buckets)."""
+    under lina (micro-ops of 64 B: several per tensor, shards padded, all hierarchical) and
+    fifo (buckets of up to 256 B and one of 1200 B; those below hier_min_bytes stay flat,
+    so one step mixes both kinds)."""
     hier = make_hier(GRID_2x2, threads=4)
-    for policy in ("lina", "fifo"):
+    for policy, least in (("lina", 0), ("fifo", 256)):
         flat_cfg = ScheduleConfig(policy, microop_bytes=64, bucket_bytes=256)
-        hier_cfg = dataclasses.replace(flat_cfg, hier_reduce=True)
-        flat = _reduce_once(flat_cfg, None)
-        hr = _reduce_once(hier_cfg, hier, a2a_during=True)
+        hier_cfg = dataclasses.replace(flat_cfg, hier_reduce=True, hier_min_bytes=least)
+        flat, none = _reduce_once(flat_cfg, None)
+        hr, which = _reduce_once(hier_cfg, hier, a2a_during=True)
+        assert not any(none) and (all(which) if least == 0 else any(which) and not all(which)), which
         want = [sum(_params(r)[1][i] for r in range(world)) / world for i in range(len(flat))]
         for a, b, w in zip(flat, hr, want):
             assert torch.equal(a, b), (policy, (a - b).abs().max())
@@ -122,7 +128,8 @@ def _training_matches_flat(rank: int, world: int) -> None:
 
     topo = Topology.grid(2, 2)
     cfg = _cfg(world, "lina", chunks=2, pipeline=True, steps=3)
-    hcfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, hier_reduce=True))
+    # the test model's micro-ops are 1 KiB: every one hierarchical (hier_min_bytes 0)
+    hcfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, hier_reduce=True, hier_min_bytes=0))
     mf, sf = train(cfg, None, progress=False)
     mh, sh = train(hcfg, None, progress=False, topology=topo)
     assert sf.keys() == sh.keys()

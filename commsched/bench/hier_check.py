@@ -56,6 +56,8 @@ def main(argv=None) -> None:
     p.add_argument("--small-kib", type=int, default=4)
     p.add_argument("--microop-bytes", type=int, default=ScheduleConfig().microop_bytes)
     p.add_argument("--threads", type=int, default=8, help="gloo worker threads of every group")
+    p.add_argument("--hier-min-bytes", type=int, default=ScheduleConfig().hier_min_bytes,
+                   help="operations below this stay flat under the hierarchy (0: none)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
@@ -69,7 +71,7 @@ def main(argv=None) -> None:
     sizes = [a.big_kib * 256] * a.big + [a.small_kib * 256] * a.small  # float32 elements
     params = [torch.nn.Parameter(torch.ones(n)) for n in sizes]
     flat_cfg = ScheduleConfig("lina", microop_bytes=a.microop_bytes)
-    hier_cfg = dataclasses.replace(flat_cfg, hier_reduce=True)
+    hier_cfg = dataclasses.replace(flat_cfg, hier_reduce=True, hier_min_bytes=a.hier_min_bytes)
     times: dict[str, list[float]] = {"flat": [], "hier": []}
     for rep in range(a.repeats + 1):
         for mode, cfg, h in (("flat", flat_cfg, None), ("hier", hier_cfg, hier)):
@@ -77,7 +79,7 @@ def main(argv=None) -> None:
             if rep:  # the first of each is a warm-up
                 times[mode].append(t)
     res = {"hosts": len(set(hosts_P)), "world_size": len(hosts_P), "grad_bytes": 4 * sum(sizes),
-           "microop_bytes": a.microop_bytes, "flat_s": median(times["flat"]), "hier_s": median(times["hier"]),
+           "microop_bytes": a.microop_bytes, "hier_min_bytes": a.hier_min_bytes, "flat_s": median(times["flat"]), "hier_s": median(times["hier"]),
            "repeats_s": times}
     res["flat_over_hier"] = res["flat_s"] / res["hier_s"]
     if dist.get_rank() == 0:

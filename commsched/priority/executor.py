@@ -266,9 +266,10 @@ class GradScheduler:
         self.ops = [spec for spec, _ in ops]
         self._op_groups = [g for _, g in ops]
         self._hier = self._setup_hier(hier)
-        # operations over all ranks go through the hierarchy (priority/hier.py) when there is one
+        # operations over all ranks go through the hierarchy (priority/hier.py) when there is
+        # one, unless they are too small for it to pay (ScheduleConfig.hier_min_bytes)
         self._op_hier = [self._hier is not None and _group_size(g) == self._hier.world_size
-                         for g in self._op_groups]
+                         and spec.nbytes >= cfg.hier_min_bytes for spec, g in zip(self.ops, self._op_groups)]
         self._hier_step: HierStep | None = None
         self._ops_of_param: list[list[int]] = [[] for _ in self._params]
         for spec in self.ops:
