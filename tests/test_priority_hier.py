@@ -45,7 +45,8 @@ def test_cli_option_and_deepspeed_refusal(tmp_path):
     from commsched.moe.training import TrainConfig
 
     p = build_parser()
-    assert config_from_args(p.parse_args(["--hier-reduce", "--out", str(tmp_path)])).schedule.hier_reduce
+    sc = config_from_args(p.parse_args(["--hier-reduce", "--hier-min-bytes", "0", "--out", str(tmp_path)])).schedule
+    assert sc.hier_reduce and sc.hier_min_bytes == 0
     assert not config_from_args(p.parse_args(["--out", str(tmp_path)])).schedule.hier_reduce
     with pytest.raises(ValueError, match="--hier-reduce is an option of --impl commsched"):
         TrainConfig(impl="deepspeed", schedule=ScheduleConfig(hier_reduce=True))

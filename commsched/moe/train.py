@@ -390,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hier-reduce", action=argparse.BooleanOptionalAction, default=sc.hier_reduce,
                    help="reduce the data-parallel gradients inside each host, across hosts (the phase the "
                         "schedule gates), then inside again (needs the same ranks on every host)")
+    p.add_argument("--hier-min-bytes", type=int, default=sc.hier_min_bytes,
+                   help="--hier-reduce: operations smaller than this stay flat")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run already in OUT (else a folder holding metrics.json is refused)")
@@ -406,7 +408,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                         capacity_factor=a.capacity_factor, moe_every=a.moe_every, aux_weight=a.aux_weight)
     return TrainConfig(model=model, impl=a.impl,
                        schedule=ScheduleConfig(a.schedule, a.microop_bytes, a.credit_bytes, a.bucket_bytes,
-                                               a.hold_in_block, a.launch, a.hier_reduce),
+                                               a.hold_in_block, a.launch, a.hier_reduce, a.hier_min_bytes),
                        dispatch=DispatchConfig(a.chunks, a.pipeline),
                        steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed, ep_size=a.ep_size,
                        warmup=min(a.warmup, a.steps - 1), probe_steps=a.probe_steps, eval_batches=a.eval_batches,
