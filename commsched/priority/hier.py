@@ -30,6 +30,10 @@ rule of :mod:`commsched.priority.policy`), never in reaction to a completion, so
 three phases are issued together when the policy launches the operation, one after another
 on the executor's side stream (each waits for the one before it on the device).
 
+The executor (:class:`~commsched.priority.executor.GradScheduler`) sends an operation over
+all ranks through these phases when it is at least ``ScheduleConfig.hier_min_bytes`` long;
+smaller ones stay flat (their NIC bytes save less than two more collectives cost).
+
 Sums. Each element is summed inside its host first (the order of gloo's / NCCL's
 reduce-scatter), then across hosts: the same sum as a flat allreduce up to floating-point
 reordering, bitwise equal where the order does not matter (values whose partial sums are
@@ -179,7 +183,7 @@ class _Entry:
     allreduce inside the host (gloo) or its own tensor after a reduce-scatter (chained);
     ``out``: where the gather lands (gloo: a tensor of its own, never aliasing the shard)."""
 
-    __slots__ = ("seq", "flat", "buf", "shard", "out", "nbytes", "phase", "works")
+    __slots__ = ("seq", "flat", "buf", "shard", "out", "nbytes", "works")
 
     def __init__(self, seq: int, flat: torch.Tensor, local_rank: int, local_size: int, nbytes: int,
                  chained: bool):
@@ -195,7 +199,6 @@ class _Entry:
         else:
             self.shard = self.buf[local_rank * k:(local_rank + 1) * k]
             self.out = torch.empty_like(self.buf)
-        self.phase = None  # the last phase issued
         self.works: list[Any] = []
 
 
@@ -249,7 +252,6 @@ class HierStep:
         except RuntimeError as err:
             self.on_done(phase, e.seq, err)
             return
-        e.phase = phase
         e.works.append(w)
         w.get_future().add_done_callback(self._make_done(phase, e.seq))
 
@@ -292,7 +294,6 @@ class HierStep:
             w2.wait()
             w3 = dist.all_gather_into_tensor(e.out, e.shard, group=self.g.gather, async_op=True)
         e.works += [w1, w2, w3]
-        e.phase = GATHER
         return w3
 
     def inter_done(self, seq: int) -> None:
