@@ -21,6 +21,7 @@ from commsched.priority.policy import ScheduleConfig
 from tests.mp import assert_case, run_cases
 from tests.test_ddp_hook import lina_ddp_with_expert_dp_groups
 from tests.test_overlap import overlap_dense_exact
+from tests.test_priority_hier import HIER_CASES4
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "text" / "tinyshakespeare.txt"
 if not CORPUS.exists():  # a checkout outside the shared workspace: any text will do
@@ -220,7 +221,8 @@ CASES2 = [("schedules_identical", _schedules_identical),
 CASES4 = [("schedules_identical_ep2", _schedules_identical_ep2),
           ("grads_match_manual_allreduce", _grads_match_manual_allreduce),
           ("lina_ddp_with_expert_dp_groups", lina_ddp_with_expert_dp_groups),  # tests/test_ddp_hook.py
-          ("overlap_dense_exact", overlap_dense_exact)]  # tests/test_overlap.py
+          ("overlap_dense_exact", overlap_dense_exact),  # tests/test_overlap.py
+          *HIER_CASES4]  # tests/test_priority_hier.py: hierarchical reduction against flat
 
 
 @pytest.fixture(scope="module")

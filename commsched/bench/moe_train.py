@@ -16,11 +16,15 @@ Three variants of the same model, data and seed, each a ``torchrun`` run of
   as its reduction ends and the next forward pass waits only for the module it enters
   (:mod:`commsched.priority.overlap`). Its bound is max(compute, link bytes / rate) per
   step (:func:`overlap_bound`), not their sum.
+* ``lina-hier`` (only on emulated hosts, ``--hosts K``) -- ``lina`` with the hierarchical
+  reduction (``--hier-reduce``: inside each host, across hosts under lina's gate, inside
+  again; :mod:`commsched.priority.hier`).
 
 The summary adds lina's ratios against fifo, its all-to-all time against the all-to-all
 measured with no allreduce running (``a2a_alone_time_s``), the share of a fifo step spent
-in all-to-all, how closely the loss curves agree, a plot of the loss curves and a
-timeline (PNG) of one step's all-to-all and allreduce operations on every rank.
+in all-to-all, the link's time per step at the emulated rate (:func:`link_times`) and the
+lower bound of a step it implies, how closely the loss curves agree, a plot of the loss
+curves and a timeline (PNG) of one step's all-to-all and allreduce operations on every rank.
 """
 
 from __future__ import annotations
@@ -98,14 +102,39 @@ def _common(a: argparse.Namespace) -> list[str]:
 def _variants(a: argparse.Namespace) -> list[Variant]:
     mod = "commsched.moe.train"
     c = _common(a)
-    return [
+    lina = ("--impl", "commsched", "--schedule", "lina", "--chunks", str(a.chunks), "--pipeline",
+            "--hold-in-block" if a.hold_in_block else "--no-hold-in-block", *c)
+    out = [
         Variant("deepspeed", mod, ("--impl", "deepspeed", *c)),
         Variant("fifo", mod, ("--impl", "commsched", "--schedule", "fifo", "--chunks", "1", "--no-pipeline", *c)),
-        Variant("lina", mod, ("--impl", "commsched", "--schedule", "lina", "--chunks", str(a.chunks),
-                              "--pipeline", "--hold-in-block" if a.hold_in_block else "--no-hold-in-block", *c)),
-        Variant("lina-overlap", mod, ("--impl", "commsched", "--schedule", "lina-overlap", "--chunks", str(a.chunks),
-                                      "--pipeline", "--hold-in-block" if a.hold_in_block else "--no-hold-in-block", *c)),
+        Variant("lina", mod, lina),
+        Variant("lina-overlap", mod, ("--impl", "commsched", "--schedule", "lina-overlap", *lina[4:])),
     ]
+    if (getattr(a, "hosts", 1) or 1) > 1:  # on emulated hosts: lina with the hierarchical reduction
+        out.append(Variant("lina-hier", mod, (*lina, "--hier-reduce")))
+    return out
+
+
+def link_times(payload: float, grad_bytes: float, P: int, hosts: int, rate_bps: float) -> dict[str, float]:
+    """Seconds the busiest emulated link needs per step (pure): ``a2a`` for the all-to-all's
+    bytes (all four exchanges; under even routing a rank sends (P-1)/P of its rows to other
+    ranks), ``a2a_backward`` for the backward half, ``allreduce_flat`` for a ring allreduce of
+    the non-expert gradients, ``allreduce_hier`` for the hierarchical one. One host: every
+    byte between ranks passes the one shared limit (a ring's P edges each carry 2S(P-1)/P).
+    H hosts of L ranks, one limited NIC each way per host: a NIC carries the bytes of its L
+    ranks to the P - L ranks elsewhere; a ring over consecutive ranks crosses each NIC once
+    each way (2S(P-1)/P), the hierarchical reduction 2S(H-1)/H (priority/hier.py)."""
+    L = P // hosts
+    if hosts <= 1:
+        a2a_bytes = payload * (P - 1)
+        flat = hier = 2 * grad_bytes * (P - 1)
+    else:
+        a2a_bytes = L * payload * (P - L) / P
+        flat = 2 * grad_bytes * (P - 1) / P
+        hier = 2 * grad_bytes * (hosts - 1) / hosts
+    sec = 8.0 / rate_bps
+    return {"a2a": a2a_bytes * sec, "a2a_backward": a2a_bytes * sec / 2,
+            "allreduce_flat": flat * sec, "allreduce_hier": hier * sec}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -210,7 +239,7 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
                                              "allreduce_in_backward_share")}
            for v, rs in runs.items()}
     lines = ["| quantity | value |", "|---|---|"]
-    lina, fifo, ds = med.get("lina"), med.get("fifo"), med.get("deepspeed")
+    lina, fifo, ds, hier = med.get("lina"), med.get("fifo"), med.get("deepspeed"), med.get("lina-hier")
     # per-repeat ratios (interleaved runs), then their median
     def rep_ratio(a: str, b: str, key: str) -> float | None:
         if a not in runs or b not in runs:
@@ -232,22 +261,50 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
         ("all-to-all share of a fifo step", _ratio(fifo and fifo["a2a_time_s"], fifo and fifo["step_time_s"]), ""),
         ("all-to-all share of a deepspeed step", _ratio(ds and ds["a2a_time_s"], ds and ds["step_time_s"]), ""),
     ]
-    # the all-to-all's bytes at the emulated rate, as a share of a fifo step (an estimate:
-    # every token row crosses to another rank with probability (P-1)/P under even routing)
+    if hier:
+        rows += [
+            ("step time: deepspeed / lina-hier (goal >= 1.4)", rep_ratio("deepspeed", "lina-hier", "step_time_s"), "x"),
+            ("step time: fifo / lina-hier (goal >= 1.3)", rep_ratio("fifo", "lina-hier", "step_time_s"), "x"),
+            ("step time: lina / lina-hier", rep_ratio("lina", "lina-hier", "step_time_s"), "x"),
+            ("lina-hier all-to-all / its all-to-all alone", _ratio(hier["a2a_time_s"], hier["a2a_alone_time_s"]), "x"),
+            ("allreduce bytes reduced within the backward pass: lina-hier", hier["allreduce_in_backward_share"], ""),
+        ]
+    # the link's share of a step at the emulated rate (estimates from the bytes, see link_times)
     m_any = next(iter(runs.values()))[0]
     payload = m_any.get("sizes", {}).get("a2a_payload_bytes_per_step")
+    grad_bytes = m_any.get("sizes", {}).get("non_expert_grad_bytes")
     P = m_any.get("world_size") or args.nproc
     rate = getattr(args, "rate_bps", None)
-    link_s = None
-    if payload and rate:
-        hosts = getattr(args, "hosts", 1) or 1
-        crossing = payload * (P - 1) / P * (P if hosts == 1 else 1)  # one shared loopback vs a link per host
-        link_s = crossing * 8 / rate
+    hosts = getattr(args, "hosts", 1) or 1
+    lt = link_times(payload, grad_bytes, P, hosts, rate) if payload and grad_bytes and rate else None
     rows.append(("all-to-all bytes at the emulated rate / fifo step (estimate)",
-                 _ratio(link_s, fifo and fifo["step_time_s"]), ""))
-    rows += _overlap_rows(runs, med, rep_ratio, m_any, P, rate, link_s, getattr(args, "hosts", 1) or 1)
+                 _ratio(lt and lt["a2a"], fifo and fifo["step_time_s"]), ""))
+    link_s = lt and lt["a2a"]
+    rows += _overlap_rows(runs, med, rep_ratio, m_any, P, rate, link_s, hosts)
+    # a lower bound of a step for any schedule that waits for every gradient before the
+    # optimizer step: the fastest measured forward pass and optimizer of commsched's
+    # variants, plus the link time of the allreduce and of the backward all-to-alls
+    ours = [runs[v] for v in ("fifo", "lina", "lina-hier") if v in runs]
+    fwd = min((x for x in (median_of(rs, "breakdown_s.forward") for rs in ours) if x is not None), default=None)
+    opt = min((x for x in (median_of(rs, "breakdown_s.optimizer_and_other") for rs in ours) if x is not None),
+              default=None)
+    bounds = {}
+    if lt and fwd is not None and opt is not None:
+        for kind in ("flat", "hier"):
+            bounds[kind] = fwd + lt[f"allreduce_{kind}"] + lt["a2a_backward"] + opt
+        rows += [
+            ("allreduce link time per step: flat ring / hierarchical (s)",
+             f"{lt['allreduce_flat']:.3g} / {lt['allreduce_hier']:.3g}", ""),
+            ("step lower bound, flat allreduce: forward + allreduce link + backward all-to-all link + optimizer (s)",
+             bounds["flat"], ""),
+            ("step lower bound, hierarchical allreduce (s)", bounds["hier"], ""),
+            ("fifo step / flat lower bound (the most a flat schedule can gain over fifo)",
+             _ratio(fifo and fifo["step_time_s"], bounds["flat"]), "x"),
+            ("fifo step / hierarchical lower bound", _ratio(fifo and fifo["step_time_s"], bounds["hier"]), "x"),
+            ("deepspeed step / flat lower bound", _ratio(ds and ds["step_time_s"], bounds["flat"]), "x"),
+        ]
     for name, val, unit in rows:
-        lines.append(f"| {name} | {_fmt(val, unit)} |")
+        lines.append(f"| {name} | {val if isinstance(val, str) else _fmt(val, unit)} |")
     # loss curves: largest per-step gap between variants (repeat 0), and final losses
     curves = {v: rs[0]["loss"] for v, rs in runs.items() if rs and rs[0].get("loss")}
     loss_lines = ["| variant | first loss | last loss | max gap to fifo | held-out loss |", "|---|---|---|---|---|"]
@@ -255,7 +312,7 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
         gap = max(abs(a - b) for a, b in zip(c, curves["fifo"])) if "fifo" in curves else None
         loss_lines.append(f"| {v} | {c[0]:.4f} | {c[-1]:.4f} | {_fmt(gap)} | {_fmt(med[v]['val_loss'])} |")
     timelines = {}
-    for v in ("fifo", "lina", "lina-overlap"):
+    for v in ("fifo", "lina", "lina-overlap", "lina-hier"):
         p = out / v / "rep0" / "timeline.json"
         if p.exists():
             timelines[v] = json.loads(p.read_text())
@@ -278,7 +335,7 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
                              "Loss curves": "\n".join(loss_lines),
                              "Configuration": cfg_line},
             "plots": plots,
-            "lina_ratios": {name: val for name, val, _ in rows}}
+            "lina_ratios": {name: val for name, val, _ in rows}, "link_times_s": lt, "step_bounds_s": bounds}
 
 
 WORKLOAD = Workload(

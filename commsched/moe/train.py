@@ -18,7 +18,10 @@ running into the next forward pass, one Adam per module stepped as its reduction
 :mod:`commsched.priority.overlap`); the choices are the names of
 :data:`commsched.priority.policy.POLICIES`, and the schedule's knobs travel in one
 :class:`~commsched.priority.policy.ScheduleConfig` (``TrainConfig.schedule``).
-``--chunks C --pipeline`` pipeline the all-to-all with expert compute. ``--impl
+``--chunks C --pipeline`` pipeline the all-to-all with expert compute; ``--hier-reduce``
+reduces the non-expert gradients hierarchically (inside each host, across hosts under the
+schedule's gate, inside again; :mod:`commsched.priority.hier`; hosts from
+``Topology.from_env``). ``--impl
 deepspeed`` runs the baseline of :mod:`commsched.moe.deepspeed_baseline`:
 ``deepspeed.moe.layer.MoE`` and DeepSpeed's engine (ZeRO stage ``--ds-stage``, gradient
 reduction overlapping the backward pass), starting from the same weights.
@@ -55,7 +58,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,6 +78,7 @@ from ..dist import (
 from ..dist import new_group as cs_new_group
 from ..observe import A2AEvents, A2AObserver
 from ..priority.executor import LOCAL, GradScheduler
+from ..priority.hier import HierGroups, make_hier
 from ..priority.overlap import OverlapOptimizer, OverlapScheduler
 from ..priority.policy import DEFAULT_CREDIT_MICROOPS, LAUNCH_RULES, POLICIES, ScheduleConfig
 from ..results import Progress, mark_failed, prepare_out, write_json
@@ -95,6 +99,9 @@ from .training import (
     summarise,
     to_device,
 )
+
+if TYPE_CHECKING:
+    from ..topology import Topology
 
 
 @dataclass
@@ -161,7 +168,8 @@ def _build_commsched(cfg: TrainConfig, groups: Groups, observer: A2AObserver | N
 
 def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = None,
           device: torch.device | str | None = None, resume: bool = False,
-          on_step: Callable[[int], None] | None = None) -> tuple[TrainMetrics, dict[str, torch.Tensor]]:
+          on_step: Callable[[int], None] | None = None,
+          topology: Topology | None = None) -> tuple[TrainMetrics, dict[str, torch.Tensor]]:
     """Run training on the initialised default process group; returns the metrics (the same
     on all ranks) and this rank's final ``state_dict`` (on the CPU). Rank 0 writes
     ``out/metrics.json`` and ``out/timeline.json`` when ``out`` is given. ``device``: this
@@ -172,7 +180,11 @@ def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = 
     ``cfg.checkpoint_every`` K > 0 every rank writes ``out/checkpoint-rank{r}.pt`` every K
     steps and after the last; ``resume`` continues from those files, and the run ends
     bitwise equal (parameters, losses) to one that was never interrupted. ``on_step(k)``
-    is called after step k (1-based) completed and its checkpoint, if any, was written."""
+    is called after step k (1-based) completed and its checkpoint, if any, was written.
+
+    ``topology``: the ranks' hosts for ``cfg.schedule.hier_reduce`` (default:
+    ``Topology.from_env()``, collective); with one host or one rank per host the reduction
+    is flat (said once), uneven hosts are a ValueError."""
     rank = dist.get_rank()
     dev = torch.device(device) if device is not None else group_device(cfg.device)
     if (cfg.checkpoint_every or resume) and cfg.impl != "commsched":
@@ -186,7 +198,8 @@ def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = 
     t_wall = time.perf_counter()
     with Progress(cfg.steps, "moe-train", "step", enabled=show) as bar:
         if cfg.impl == "commsched":
-            res = _train_commsched(cfg, corpus, ep, bar, dev, out=out, resume=resume, on_step=on_step)
+            res = _train_commsched(cfg, corpus, ep, bar, dev, out=out, resume=resume, on_step=on_step,
+                                   topology=topology)
         else:
             from .deepspeed_baseline import train_deepspeed  # it imports this module's helpers
 
@@ -240,22 +253,28 @@ def _save_state(cfg: TrainConfig, out: Path, step: int, ep: int, model, opt, row
 
 def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
                      device: torch.device | str = "cpu", *, out: Path | None = None, resume: bool = False,
-                     on_step: Callable[[int], None] | None = None) -> dict:
+                     on_step: Callable[[int], None] | None = None, topology: Topology | None = None) -> dict:
     device = torch.device(device)
     # threaded gloo groups carry CPU tensors only: a CUDA run keeps the backend's own groups
-    groups = make_groups(ep, cfg.allreduce_threads if device.type == "cpu" else None)
+    threads = cfg.allreduce_threads if device.type == "cpu" else None
+    groups = make_groups(ep, threads)
+    hier = None
+    if cfg.schedule.hier_reduce:  # its groups once, for every step (None: reduce flat)
+        from ..topology import Topology
+
+        hier = make_hier((topology if topology is not None else Topology.from_env()).hosts_P, threads=threads)
     events = A2AEvents()  # the MoE layers report here; each scheduler registers for its steps
     model, sched_params = _build_commsched(cfg, groups, events, device)
     try:
         return _train_loop(cfg, corpus, ep, bar, device, model, sched_params, events,
-                           out=out, resume=resume, on_step=on_step)
+                           out=out, resume=resume, on_step=on_step, hier=hier)
     finally:
         model.close()
 
 
 def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device: torch.device, model,
                 sched_params, events: A2AEvents, *, out: Path | None, resume: bool,
-                on_step: Callable[[int], None] | None) -> dict:
+                on_step: Callable[[int], None] | None, hier: HierGroups | None = None) -> dict:
     rank = dist.get_rank()
     overlap = cfg.schedule.overlapped
     # lina-overlap: one Adam per module, stepped as its reduction ends (priority/overlap.py)
@@ -284,7 +303,8 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
                 "allreduce_s": st["allreduce_time_s"], "allreduce_wait_s": st["allreduce_wait_s"],
                 "allreduce_in_bwd": st["allreduce_in_backward_share"]}
 
-    with Sched(sched_params, cfg.schedule, device=device) as sched, events.register(sched):
+    sched_cfg = cfg.schedule if hier is not None else dataclasses.replace(cfg.schedule, hier_reduce=False)
+    with Sched(sched_params, sched_cfg, device=device, hier=hier) as sched, events.register(sched):
         if overlap:
             opt.bind(sched)
         for step in range(start, cfg.steps):
@@ -328,7 +348,7 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
         opt.close()  # every update is in (the last step synchronized); the pre-hooks go
     # the all-to-all alone: allreduce held until after the backward pass, no optimizer step
     alone = []
-    serial = dataclasses.replace(cfg.schedule, policy="serial")
+    serial = dataclasses.replace(cfg.schedule, policy="serial", hier_reduce=False)
     with GradScheduler(sched_params, serial, device=device) as probe, events.register(probe):
         for i in range(cfg.probe_steps):
             x, y = corpus.batch(B, S, seed=cfg.seed, step=cfg.steps + i, rank=rank)
@@ -393,6 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute (autocast) and all-to-all row dtype; parameters stay float32")
     p.add_argument("--launch", choices=LAUNCH_RULES, default=sc.launch,
                    help="lina's launch rule (default: 'program' on CUDA, 'completion' on the CPU)")
+    p.add_argument("--hier-reduce", action=argparse.BooleanOptionalAction, default=sc.hier_reduce,
+                   help="reduce the data-parallel gradients inside each host, across hosts (the phase the "
+                        "schedule gates), then inside again (needs the same ranks on every host)")
+    p.add_argument("--hier-min-bytes", type=int, default=sc.hier_min_bytes,
+                   help="--hier-reduce: operations smaller than this stay flat")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run already in OUT (else a folder holding metrics.json is refused)")
@@ -409,7 +434,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                         capacity_factor=a.capacity_factor, moe_every=a.moe_every, aux_weight=a.aux_weight)
     return TrainConfig(model=model, impl=a.impl,
                        schedule=ScheduleConfig(a.schedule, a.microop_bytes, a.credit_bytes, a.bucket_bytes,
-                                               a.hold_in_block, a.launch),
+                                               a.hold_in_block, a.launch, a.hier_reduce, a.hier_min_bytes),
                        dispatch=DispatchConfig(a.chunks, a.pipeline),
                        steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed, ep_size=a.ep_size,
                        warmup=min(a.warmup, a.steps - 1), probe_steps=a.probe_steps, eval_batches=a.eval_batches,

@@ -85,6 +85,8 @@ class TrainConfig:
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
                 or self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every must be an integer >= 0, got {self.checkpoint_every!r}")
+        if self.schedule.hier_reduce and self.impl != "commsched":
+            raise ValueError("--hier-reduce is an option of --impl commsched (DeepSpeed reduces its own way)")
         if self.checkpoint_every and self.impl != "commsched":
             raise ValueError("--checkpoint-every is an option of --impl commsched; DeepSpeed's runs "
                              "are not checkpointed here")

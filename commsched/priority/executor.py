@@ -44,6 +44,14 @@ Schedules: ``lina`` (micro-ops, all-to-all first, credit), ``fifo`` (DDP-style f
 buckets launched as soon as ready), ``serial`` (micro-ops, launched only after the
 backward pass). All three compute the same sums; only the timing differs.
 
+Hierarchy. With ``ScheduleConfig.hier_reduce`` (``hier=``: the groups of
+:func:`commsched.priority.hier.make_hier`; default: built from ``Topology.from_env``) an
+operation over all ranks runs in three phases (:mod:`commsched.priority.hier`): inside the
+host, across hosts, inside again. The policy sees only the phase across hosts: on the CPU
+an operation becomes ready for it when its phase inside the host has finished, and the
+gather inside the host follows its completion; on CUDA the three are issued together at
+the policy's launch, ordered on the side stream.
+
 Launches happen under one lock, from the compute thread (hooks, observer calls) or from
 the executor's own thread (after a completion), so the launch order is the policy's
 order. Completion callbacks only record and wake that thread.
@@ -79,6 +87,7 @@ import torch.distributed as dist
 from ..clock import Clock
 from ..config import read_env
 from ..dist import CommError, all_gather_object, comm_guard, peer_failure_hint, unresponsive_note
+from .hier import GATHER, INTRA, HierGroups, HierStep, make_hier
 from .microops import CommOp
 from .policy import ScheduleConfig, allreduce_ops, make_policy
 from .transfer import UrgentOp, urgent
@@ -200,7 +209,8 @@ class GradScheduler:
                  device: torch.device | str | None = None, launch: Launcher | None = None,
                  completion: str | None = None, names: Sequence[str] | None = None,
                  find_unused_parameters: bool = True, external: Iterable[torch.Tensor] = (),
-                 on_complete: Callable[[int, BaseException | None], None] | None = None):
+                 on_complete: Callable[[int, BaseException | None], None] | None = None,
+                 hier: HierGroups | None = None):
         self.cfg = cfg
         if cfg.overlapped and not self._OVERLAP:
             raise ValueError("the 'lina-overlap' schedule leaves the reduction running into the next forward "
@@ -260,6 +270,12 @@ class GradScheduler:
             start = end
         self.ops = [spec for spec, _ in ops]
         self._op_groups = [g for _, g in ops]
+        self._hier = self._setup_hier(hier)
+        # operations over all ranks go through the hierarchy (priority/hier.py) when there is
+        # one, unless they are too small for it to pay (ScheduleConfig.hier_min_bytes)
+        self._op_hier = [self._hier is not None and _group_size(g) == self._hier.world_size
+                         and spec.nbytes >= cfg.hier_min_bytes for spec, g in zip(self.ops, self._op_groups)]
+        self._hier_step: HierStep | None = None
         self._ops_of_param: list[list[int]] = [[] for _ in self._params]
         for spec in self.ops:
             for t in spec.tensors:
@@ -296,6 +312,19 @@ class GradScheduler:
         msg = registration_mismatch(lists)
         if msg is not None:
             raise ValueError(f"GradScheduler: {msg}")
+
+    def _setup_hier(self, hier: HierGroups | None) -> HierGroups | None:
+        """The hierarchy of ``cfg.hier_reduce``: ``hier`` when given, else built from the
+        ranks' hosts (``Topology.from_env``, collective); None: reduce flat."""
+        if not self.cfg.hier_reduce:
+            if hier is not None:
+                raise ValueError("GradScheduler got hier= but its ScheduleConfig has hier_reduce=False")
+            return None
+        if hier is None:
+            from ..topology import Topology
+
+            hier = make_hier(Topology.from_env().hosts_P)
+        return hier
 
     # ------------------------------------------------------------------ step
     @property
@@ -335,6 +364,9 @@ class GradScheduler:
             self.records, self._rec = [], {}
             self._polled, self._marks = {}, {}
             self._a2a_blocked_s = 0.0
+            if self._hier is not None:
+                self._hier_step = HierStep(self._hier, self._hier_done, chained=self._cuda)
+                self._hier_step.expect([s for s, h in enumerate(self._op_hier) if h])
             self._t0 = time.perf_counter()
             if self._cuda:
                 self._t0_mark = self.clock.mark()
@@ -415,7 +447,9 @@ class GradScheduler:
             st.missing -= 1
             if st.missing == 0:
                 self._make_buffer(st)
-                self._policy.allreduce_ready(seq, st.spec.nbytes)
+                # a hierarchical operation is ready for the policy once its host-local phase is done
+                if not self._op_hier[seq] or self._hier_step.ready(seq, st.flat, st.spec.nbytes):
+                    self._policy.allreduce_ready(seq, st.spec.nbytes)
                 rec = self._rec[("allreduce", seq)] = OpRecord("allreduce", seq, st.spec.nbytes, 0.0)
                 self._stamp(rec, "ready_s")
 
@@ -426,6 +460,8 @@ class GradScheduler:
 
     def _pump(self) -> None:
         """Launch what the policy allows now (caller holds the lock)."""
+        if self._hier_step is not None:
+            self._hier_step.pump()  # the host-local phases, in sequence order
         for launch in self._policy.next_ops():
             if launch.kind == "a2a":
                 rec = self._rec.get(("a2a", launch.key))  # type: ignore[arg-type]
@@ -436,7 +472,12 @@ class GradScheduler:
             st = self._state[seq]
             self._stamp(self._rec[("allreduce", seq)], "start_s")
             try:
-                work = self._launch(st.flat, st.group)
+                if not self._op_hier[seq]:
+                    work = self._launch(st.flat, st.group)
+                elif self._cuda:  # all three phases now, ordered on the side stream
+                    work = self._hier_step.launch_chained(seq, self._launch, self._side)
+                else:  # the phase across hosts: this rank's shard over its cross group
+                    work = self._launch(self._hier_step.inter_tensor(seq), self._hier_step.cross)
             except RuntimeError as e:
                 self._error = CommError(f"rank {_rank()}: launching allreduce {seq} failed: {e}")
                 if self._on_complete is not None:
@@ -465,8 +506,12 @@ class GradScheduler:
         return done
 
     def _completed(self, seq: int, end_mark: Any = None, error: BaseException | None = None) -> None:
-        """Allreduce ``seq`` is done (caller holds the lock)."""
-        if self._on_complete is not None:
+        """Allreduce ``seq`` is done (caller holds the lock); for a hierarchical operation on
+        the CPU its phase across hosts is, and the gather follows (:meth:`_hier_done`)."""
+        staged = self._op_hier[seq] and not self._cuda
+        if self._hier_step is not None and self._op_hier[seq]:
+            self._hier_step.inter_done(seq)
+        if self._on_complete is not None and (not staged or error is not None):
             self._on_complete(seq, error)
         rec = self._rec.get(("allreduce", seq))
         if rec is not None:
@@ -481,6 +526,29 @@ class GradScheduler:
             pass
         self._thread_wake = True
         self._cv.notify_all()
+
+    def _hier_done(self, phase: str, seq: int, err: BaseException | None) -> None:
+        """Phase ``intra`` or ``gather`` of hierarchical operation ``seq`` finished (a backend
+        thread, or the caller's with the lock held): the policy may launch its phase across
+        hosts, or the operation is done."""
+        with self._cv:
+            if err is not None:
+                if self._error is None:
+                    self._error = CommError(f"rank {_rank()}: hierarchical reduction of operation {seq} "
+                                            f"failed in its {phase} phase: {err}")
+                if self._on_complete is not None:
+                    self._on_complete(seq, self._error)
+            elif phase == INTRA:
+                self._policy.allreduce_ready(seq, self._state[seq].spec.nbytes)
+            elif phase == GATHER:
+                self._hier_step.gathered(seq)
+                rec = self._rec.get(("allreduce", seq))
+                if rec is not None:
+                    rec.end_s = self._now()
+                if self._on_complete is not None:
+                    self._on_complete(seq, None)
+            self._thread_wake = True
+            self._cv.notify_all()
 
     def _poll(self) -> None:
         """Check the polled completions (executor thread, lock held)."""
@@ -572,8 +640,9 @@ class GradScheduler:
                     self._grad_ready(i)
             self._policy.end_backward()
             self._pump()
-            ok = self._cv.wait_for(lambda: self._error is not None or self._policy.finished,
-                                   timeout=self.timeout_s)
+            hs = self._hier_step
+            ok = self._cv.wait_for(lambda: self._error is not None or (
+                self._policy.finished and (hs is None or hs.pending == 0)), timeout=self.timeout_s)
             self._active = False
             failure = None
             if self._error is not None:
@@ -594,6 +663,8 @@ class GradScheduler:
                     except RuntimeError:
                         pass
                     st.work = None
+            if hs is not None:
+                hs.wait_quietly()
             msg = str(failure)
             peer = not ok or peer_failure_hint(msg) is not None
             if peer and "stopped answering" not in msg and "is alive" not in msg:
@@ -608,7 +679,14 @@ class GradScheduler:
                     note = unresponsive_note() if peer_failure_hint(str(e)) else ""
                     raise CommError(f"rank {_rank()}: allreduce {st.spec.seq} failed: {e}{note}") from None
                 st.work = None
+        if hs is not None:
+            try:
+                hs.wait_all()
+            except RuntimeError as e:
+                raise CommError(f"rank {_rank()}: hierarchical reduction failed: {e}") from None
         with self._cv:
+            if hs is not None:
+                hs.copy_back()  # padded operations' sums into their buffers
             for st in state:
                 if len(st.views) > 1:
                     off = 0
