@@ -85,7 +85,7 @@ def split_mode(name: str) -> tuple[str, str]:
     if name.endswith(BF16_SUFFIX):
         mode, dtype = name[: -len(BF16_SUFFIX)], "bfloat16"
     spec = mode_spec(mode)  # ValueError naming the modes
-    if dtype == "bfloat16" and spec.exchange == "adaqp":
+    if dtype == "bfloat16" and spec.quantized:
         raise ValueError(f"--modes {name}: {mode} quantizes its rows; {BF16_SUFFIX} is for "
                          "vanilla, adaqp-p and nocomm")
     return mode, dtype

@@ -9,11 +9,14 @@ adaqp-q    AdaQPExchange adaptive       the same widths, no overlap (exchange, t
 adaqp-p    VanillaExchange asynchronous full precision with overlap: equals vanilla exactly
 uniform    AdaQPExchange uniform        every message at ``--bits``; overlap
 random     AdaQPExchange random         widths drawn from BITS every period; overlap
+onebit     OneBitExchange               signs + a per-row scale, error feedback; overlap
 nocomm     ZeroExchange                 TIMING ONLY: nothing; remote rows are zeros
 =========  ===========================  ==============================================
 
 This module is the only one that knows both the plain exchanges (:mod:`.halo`) and
-AdaQP's (:mod:`.adaqp`); neither of those imports the other's mode names.
+AdaQP's (:mod:`.adaqp`); neither of those imports the other's mode names. ``onebit``
+(:mod:`.onebit`): Sylvie's 1-bit messages (Zhang et al. 2023) with error feedback, without
+Sylvie's bounded staleness (docs/gnn.md, "onebit").
 """
 
 from __future__ import annotations
@@ -26,13 +29,16 @@ from .adaqp import AdaQPExchange
 from .adaqp_plan import AdaQPOptions
 from .book import PartitionBook
 from .halo import HaloExchange, VanillaExchange, ZeroExchange
+from .onebit import OneBitExchange
+
+QUANTIZED_EXCHANGES = ("adaqp", "onebit")  # exchanges that quantize float32 rows (no wire dtype)
 
 
 @dataclass(frozen=True)
 class Mode:
     """One row of :data:`MODES`.
 
-    exchange: "vanilla", "adaqp" or "zero" (the strategy class); asynchronous: the
+    exchange: "vanilla", "adaqp", "onebit" or "zero" (the strategy class); asynchronous: the
     vanilla exchange in the background; scheme, overlap: the AdaQP width scheme and
     whether its exchange overlaps the central aggregation; timing_only: the model trained
     is wrong on purpose (never a training mode)."""
@@ -43,6 +49,11 @@ class Mode:
     overlap: bool = False
     timing_only: bool = False
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the mode quantizes float32 rows itself (it takes no ``--dtype bfloat16``)."""
+        return self.exchange in QUANTIZED_EXCHANGES
+
 
 MODES: dict[str, Mode] = {
     "vanilla": Mode("vanilla"),
@@ -52,6 +63,7 @@ MODES: dict[str, Mode] = {
     "uniform": Mode("adaqp", scheme="uniform", overlap=True),
     "random": Mode("adaqp", scheme="random", overlap=True),
     "nocomm": Mode("zero", timing_only=True),
+    "onebit": Mode("onebit", overlap=True),
 }
 MODE_NAMES: tuple[str, ...] = tuple(MODES)
 
@@ -76,7 +88,7 @@ def make_exchange(mode: str, book: PartitionBook, *, group=None, pattern: str = 
     dtype full-precision rows cross the wire in (``--dtype bfloat16``: ``torch.bfloat16``);
     only the Vanilla exchanges take one."""
     spec = mode_spec(mode)
-    if wire_dtype is not None and spec.exchange == "adaqp":
+    if wire_dtype is not None and spec.quantized:
         raise ValueError(f"--mode {mode} quantizes its rows: it takes no wire dtype (the "
                          "bfloat16 wire is an option of vanilla and adaqp-p)")
     if spec.exchange == "vanilla":
@@ -84,6 +96,8 @@ def make_exchange(mode: str, book: PartitionBook, *, group=None, pattern: str = 
                                wire_dtype=wire_dtype, device=device)
     if spec.exchange == "zero":
         return ZeroExchange(book, group=group, pattern=pattern, device=device)
+    if spec.exchange == "onebit":
+        return OneBitExchange(book, overlap=spec.overlap, group=group, pattern=pattern, device=device)
     if norm is None:
         raise ValueError(f"--mode {mode} weighs its messages by the model's edge normalisation: "
                          "pass norm= (the layer's norm, e.g. \"gcn\" or \"mean\")")
@@ -91,4 +105,4 @@ def make_exchange(mode: str, book: PartitionBook, *, group=None, pattern: str = 
                          options=options, seed=seed, group=group, pattern=pattern, device=device)
 
 
-__all__ = ["MODES", "MODE_NAMES", "Mode", "make_exchange", "mode_spec"]
+__all__ = ["MODES", "MODE_NAMES", "QUANTIZED_EXCHANGES", "Mode", "make_exchange", "mode_spec"]

@@ -114,7 +114,7 @@ class TrainConfig:
             raise TypeError(f"adaqp must be an AdaQPOptions, got {type(self.adaqp).__name__}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.dtype in MIXED_DTYPES and mode_spec(self.mode).exchange == "adaqp":
+        if self.dtype in MIXED_DTYPES and mode_spec(self.mode).quantized:
             raise ValueError(f"--dtype {self.dtype} is an option of the full-precision modes "
                              f"(vanilla, adaqp-p, nocomm); --mode {self.mode} quantizes float32 "
                              "rows: use --dtype float32")

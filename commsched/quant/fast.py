@@ -34,6 +34,14 @@ of lines). ``COMMSCHED_COMPILE=0`` (:mod:`commsched.config`; ``AdaQPOptions(comp
 and ``--no-compile`` for the AdaQP exchange) runs the eager twin and never compiles:
 the same bits, more time per message.
 
+**1-bit sign rows** (:func:`sign_encode_fast`, :func:`sign_decode_fast`): the sign format
+of ``commsched.quant.reference`` (items 6-9) in a few whole-tensor torch operations, no
+compilation, on any device: the signs are packed as uint8 with eight shifted ORs of
+[N, B] slices (the reference widens every bit to int64), decoding expands them with one
+broadcast shift, and the error-feedback residual is taken from the signs before packing
+(``m - where(m < 0, -s, s)``), not by decoding the packed bytes again. Bit-identical to
+the reference (tests): the same comparisons, the same float64 row sums, exact +-scale.
+
 Legend: N rows, D features, b bits, K = 8 // b slots per byte, B = ceil(D * b / 8).
 """
 
@@ -305,5 +313,46 @@ def dequantize_cpu(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int, d
     return out_ND
 
 
+# --------------------------------------------------------------------------- 1-bit signs
+@torch.no_grad()
+def sign_encode_fast(x_ND: torch.Tensor, err_ND: torch.Tensor | None = None, *,
+                     out_NB: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(payload uint8 [N, B], scale float32 [N], new error or None) of contiguous float32
+    rows, as ``reference.sign_encode_reference`` (``err_ND`` None) or
+    ``reference.sign_error_feedback_reference``; ``out_NB`` (a uint8 [N, B] view, for
+    example the payload columns of the sign records) receives the payload if given."""
+    m = x_ND if err_ND is None else x_ND + err_ND
+    N, D = m.shape
+    B = payload_bytes(D, 1)
+    neg = m < 0
+    scale = (m.to(torch.float64).abs_().sum(dim=1) / D).to(torch.float32)
+    bits = neg.view(torch.uint8)
+    if 8 * B != D:
+        bits = F.pad(bits, (0, 8 * B - D))
+    bits_N8B = bits.view(N, 8, B)
+    out = out_NB if out_NB is not None else torch.empty((N, B), dtype=torch.uint8, device=m.device)
+    out.copy_(bits_N8B[:, 0])
+    for s in range(1, 8):
+        out |= bits_N8B[:, s] << s
+    new_err = None
+    if err_ND is not None:
+        sc = scale[:, None]
+        new_err = m - torch.where(neg, -sc, sc)
+    return out, scale, new_err
+
+
+@torch.no_grad()
+def sign_decode_fast(payload_NB: torch.Tensor, scale_N: torch.Tensor, dim: int) -> torch.Tensor:
+    """float32 [N, dim] from packed signs and scales, as ``reference.sign_decode_reference``."""
+    N, B = payload_NB.shape
+    shifts = torch.arange(8, dtype=torch.uint8, device=payload_NB.device)
+    neg_N8B = ((payload_NB[:, None, :] >> shifts[None, :, None]) & 1).bool()
+    sc = scale_N.to(torch.float32)[:, None, None]
+    out = torch.where(neg_N8B, -sc, sc).view(N, 8 * B)
+    return out if 8 * B == dim else out[:, :dim].contiguous()
+
+
 __all__ = ["CPU_COMPILE_MIN_ELEMENTS", "compile_enabled", "dequantize_cpu", "dequantize_fused",
-           "quantize_cpu", "quantize_fused", "say_stderr", "warm_codec"]
+           "quantize_cpu", "quantize_fused", "say_stderr", "sign_decode_fast", "sign_encode_fast",
+           "warm_codec"]
