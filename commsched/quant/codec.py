@@ -481,7 +481,7 @@ def decode_signs(records_NW: torch.Tensor, dim: int, *, impl: str = "auto") -> t
                          f"{getattr(records_NW, 'dtype', type(records_NW).__name__)} "
                          f"{tuple(getattr(records_NW, 'shape', ()))}")
     B = W - SIGN_SCALE_BYTES
-    scale = records_NW[:, B:].contiguous().view(torch.float32).reshape(-1)
+    scale = records_NW[:, B:].reshape(-1).clone().view(torch.float32)  # a copy: 4-byte aligned
     if impl == "reference":
         return _ref.sign_decode_reference(records_NW[:, :B], scale, dim)
     from .fast import sign_decode_fast
