@@ -97,7 +97,8 @@ def make_exchange(mode: str, book: PartitionBook, *, group=None, pattern: str = 
     if spec.exchange == "zero":
         return ZeroExchange(book, group=group, pattern=pattern, device=device)
     if spec.exchange == "onebit":
-        return OneBitExchange(book, overlap=spec.overlap, group=group, pattern=pattern, device=device)
+        return OneBitExchange(book, overlap=spec.overlap, group=group, pattern=pattern, device=device,
+                              compile=options.compile if options is not None else True)
     if norm is None:
         raise ValueError(f"--mode {mode} weighs its messages by the model's edge normalisation: "
                          "pass norm= (the layer's norm, e.g. \"gcn\" or \"mean\")")

@@ -24,6 +24,10 @@ compute. What this module builds, and what it leaves out:
   ``send_idx``, or the remote rows backward), so the error of row k is carried to row k.
   Evaluation passes send full-precision rows (as AdaQP's exchange does) and leave the
   error untouched.
+* **Codec.** The fast twin of the spec (``commsched.quant.fast``); on the CPU it is
+  compiled at set-up (:meth:`OneBitExchange.prepare`, like AdaQP's codec) for the row
+  widths whose exchanges are large enough (``EXCHANGE_COMPILE_MIN_ELEMENTS``), unless
+  ``compile=False`` (``--no-compile``) or ``COMMSCHED_COMPILE=0``: the same bytes either way.
 * **Overlap.** The records are encoded on the caller's thread, launched in the
   background and decoded in ``wait``; the central aggregation (forward and backward)
   runs while they are on the wire, as in AdaQP's ``adaqp`` mode.
@@ -38,10 +42,14 @@ Breakdown keys: ``quant`` is encoding + decoding, ``comm`` the time blocked on t
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..all2all import all_to_all, all_to_all_async
 from ..quant.codec import decode_signs, encode_signs
+from ..quant.fast import compile_enabled, say_stderr, warm_sign_codec
+from .adaqp import EXCHANGE_COMPILE_MIN_ELEMENTS
 from .book import PartitionBook
 from .context import PassContext
 from .halo import HaloExchange, Pending
@@ -53,15 +61,18 @@ class OneBitExchange(HaloExchange):
     error_feedback: carry each message's quantization error into the next message of the
     same layer and direction (default) or send every message on its own; overlap: launch
     the exchange in the background (the central aggregation runs meanwhile) or finish it
-    inside ``start``."""
+    inside ``start``; compile: compile the CPU codec at set-up (``prepare``)."""
 
     name = "onebit"
 
     def __init__(self, book: PartitionBook, *, error_feedback: bool = True, overlap: bool = True,
-                 group=None, pattern: str = "direct", device: torch.device | str | None = None):
+                 compile: bool = True, group=None, pattern: str = "direct",
+                 device: torch.device | str | None = None):
         super().__init__(book, group=group, pattern=pattern, device=device)
         self.error_feedback = error_feedback
         self.overlap = overlap
+        self.compile = compile and compile_enabled()
+        self._compiled_dims: set[int] = set()  # row widths whose exchanges use the compiled codec
         # (layer, direction) -> the error kept from the last message, float32 [T, D]
         self.errors: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -69,9 +80,21 @@ class OneBitExchange(HaloExchange):
     def overlaps(self) -> bool:
         return self.overlap
 
+    def prepare(self, dims: list[int], *, say: Callable[[str], None] | None = say_stderr) -> None:
+        """Compile the CPU sign codec for the row widths whose exchanges hold at least
+        ``EXCHANGE_COMPILE_MIN_ELEMENTS`` values (rank 0 says so on ``say``)."""
+        if self.world_size == 1 or not self.compile or self.device.type != "cpu":
+            return
+        n_min = min(sum(self.book.send_counts), sum(self.book.recv_counts))
+        big = [d for d in sorted(set(dims)) if n_min * d >= EXCHANGE_COMPILE_MIN_ELEMENTS]
+        if big:
+            warm_sign_codec(big, say=say if self.book.rank == 0 else None)
+            self._compiled_dims.update(big)
+
     def report(self) -> dict:
         return {"onebit": {"error_feedback": self.error_feedback, "overlap": self.overlap,
-                           "scale": "mean absolute value per row"}}
+                           "scale": "mean absolute value per row",
+                           "compiled_dims": sorted(self._compiled_dims)}}
 
     def transfer(self, rows: torch.Tensor, layer: int, direction: str, ctx: PassContext) -> Pending:
         plan = self.plan if direction == "forward" else self.plan.reversed()
@@ -86,7 +109,8 @@ class OneBitExchange(HaloExchange):
             err = self.errors.get(key)
             if err is None or tuple(err.shape) != tuple(rows.shape):
                 err = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
-        records, new_err = encode_signs(rows.to(torch.float32), error=err)
+        compiled = D in self._compiled_dims
+        records, new_err = encode_signs(rows.to(torch.float32), error=err, compile=compiled)
         if new_err is not None:
             self.errors[key] = new_err
         t1 = timer.mark()
@@ -97,7 +121,7 @@ class OneBitExchange(HaloExchange):
         def finish() -> torch.Tensor:
             got = h.wait()
             t_got = timer.mark()
-            out = decode_signs(got, D).to(rows.dtype)
+            out = decode_signs(got, D, compile=compiled).to(rows.dtype)
             t_done = timer.mark()
             timer.add_span("quant", t_got, t_done)
             timer.add_span("comm", t_got, t_done, -1.0)

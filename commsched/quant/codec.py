@@ -433,15 +433,17 @@ def unpack_groups(buf_B: torch.Tensor, layout: GroupLayout, *, out: torch.Tensor
 SIGN_IMPLS = ("auto", "reference")  # "auto": the fast twin (commsched.quant.fast), any device
 
 
-def encode_signs(x_ND: torch.Tensor, *, error: torch.Tensor | None = None, impl: str = "auto"
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def encode_signs(x_ND: torch.Tensor, *, error: torch.Tensor | None = None, impl: str = "auto",
+                 compile: bool | None = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sign records of the rows of ``x_ND`` (float [N, D]): (uint8 [N, W], the new error).
 
     Without ``error`` the rows are encoded as they are and the second item is None. With
     ``error`` (float32 [N, D], the error kept from the previous message of these rows) the
     rows ``m = x + error`` are encoded and ``m - decode(encode(m))`` (float32 [N, D]) is
     returned, to be passed as ``error`` next time (error feedback). ``impl``: ``auto``
-    (the fast twin) or ``reference``; both give the same bytes. Raises ValueError for
+    (the fast twin; ``compile``: its compiled form on the CPU, see
+    ``commsched.quant.fast.sign_encode_fast``) or ``reference``; both give the same bytes.
+    Raises ValueError for
     non-2-D, non-float or non-finite input and for an ``error`` of another shape."""
     if impl not in SIGN_IMPLS:
         raise ValueError(f"impl must be one of {SIGN_IMPLS}, got {impl!r}")
@@ -463,15 +465,17 @@ def encode_signs(x_ND: torch.Tensor, *, error: torch.Tensor | None = None, impl:
     else:
         from .fast import sign_encode_fast
 
-        _, scale, new_err = sign_encode_fast(x, error, out_NB=out[:, :B])
+        _, scale, new_err = sign_encode_fast(x, error, out_NB=out[:, :B], compile=compile)
     if scale.numel() and not bool(torch.isfinite(scale).all()):
         raise _nonfinite_error(x if error is None else x + error, "x" if error is None else "x + error")
     out[:, B:] = scale.reshape(N, 1).view(torch.uint8)
     return out, new_err
 
 
-def decode_signs(records_NW: torch.Tensor, dim: int, *, impl: str = "auto") -> torch.Tensor:
-    """float32 [N, dim] from sign records written by :func:`encode_signs` (+-scale per row)."""
+def decode_signs(records_NW: torch.Tensor, dim: int, *, impl: str = "auto",
+                 compile: bool | None = False) -> torch.Tensor:
+    """float32 [N, dim] from sign records written by :func:`encode_signs` (+-scale per row);
+    ``impl``, ``compile`` as there."""
     if impl not in SIGN_IMPLS:
         raise ValueError(f"impl must be one of {SIGN_IMPLS}, got {impl!r}")
     W = sign_row_bytes(dim)
@@ -486,7 +490,7 @@ def decode_signs(records_NW: torch.Tensor, dim: int, *, impl: str = "auto") -> t
         return _ref.sign_decode_reference(records_NW[:, :B], scale, dim)
     from .fast import sign_decode_fast
 
-    return sign_decode_fast(records_NW[:, :B], scale, dim)
+    return sign_decode_fast(records_NW[:, :B], scale, dim, compile=compile)
 
 
 __all__ = ["BITS", "GroupLayout", "IMPLS", "META_BYTES", "QuantizedRows", "SIGN_IMPLS", "dequantize",
