@@ -429,10 +429,15 @@ def warm_sign_codec(dims: Iterable[int], *, say: Callable[[str], None] | None = 
             f"kernels (row widths {todo}); COMMSCHED_COMPILE=0 runs the eager codec instead ...")
     t = time.perf_counter()
     for d in todo:
+        # the layout of the exchange's calls (codec.encode_signs / decode_signs): the payload
+        # is the first B columns of [N, B + 4] sign records, a strided view (a contiguous
+        # stand-in would compile kernels whose guards the real calls fail: a recompile then)
         x = torch.randn(64, d, generator=torch.Generator().manual_seed(d))
-        pay, sc, _ = sign_encode_fast(x, compile=True, _say=None)
-        sign_encode_fast(x, torch.zeros_like(x), compile=True, _say=None)
-        sign_decode_fast(pay, sc, d, compile=True, _say=None)
+        B = payload_bytes(d, 1)
+        records = torch.empty((64, B + 4), dtype=torch.uint8)
+        _, sc, _ = sign_encode_fast(x, compile=True, out_NB=records[:, :B], _say=None)
+        sign_encode_fast(x, torch.zeros_like(x), compile=True, out_NB=records[:, :B], _say=None)
+        sign_decode_fast(records[:, :B], sc, d, compile=True, _say=None)
     dt = time.perf_counter() - t
     if say is not None:
         say(f"commsched.quant: sign codec compiled in {dt:.1f} s")
