@@ -321,6 +321,10 @@ def _cases(rank: int, world: int) -> dict:
         out[f"bytes_vanilla_{P}"] = mv8["bytes_sent_per_epoch"]
         if P == 3:
             out.update(_topology_case(part, rank))
+    # the onebit exchange's 3-rank cases (tests/test_gnn_onebit.py) share this spawn
+    from tests.test_gnn_onebit import three_rank_cases
+
+    out["onebit"] = three_rank_cases(rank, world)
     # the PyG adapter's 3-rank cases (tests/test_gnn_pyg.py) share this spawn: {name: traceback}
     from tests.mp import _run_cases
     from tests.test_gnn_pyg import THREE_RANK_CASES
@@ -368,7 +372,9 @@ def test_adaqp_on_two_and_three_ranks():
     assert set(res[0]["topo_classes"]) == {"intra", "inter"}
     assert sum(res[0]["topo_classes"].values()) == sum(out["topo_rows"] for out in res)
     from tests.mp import assert_case
+    from tests.test_gnn_onebit import check_three_rank
 
+    check_three_rank([out["onebit"] for out in res])
     for key in ("pyg", "peers"):
         cases = {name: {r: out[key][name] for r, out in enumerate(res)} for name in res[0][key]}
         for name in cases:

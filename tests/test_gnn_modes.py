@@ -21,6 +21,7 @@ from commsched.gnn.halo import VanillaExchange, ZeroExchange
 from commsched.gnn.layers import GCNConv, LocalGraph, build_model
 from commsched.gnn.metrics import GNNMetrics, summarize
 from commsched.gnn.modes import MODE_NAMES, MODES, make_exchange, mode_spec
+from commsched.gnn.onebit import OneBitExchange
 from commsched.gnn.partition import make_parts, partition_nodes
 from commsched.gnn.stale import PipeGCNExchange
 from commsched.gnn.trainer import TrainConfig
@@ -42,7 +43,7 @@ def test_mode_table_builds_each_modes_exchange(parts):
     _, ps = parts
     book = ps[0].book  # rank 0 of 2; building an exchange needs no process group
     assert MODE_NAMES == ("vanilla", "adaqp", "adaqp-q", "adaqp-p", "uniform", "random", "nocomm",
-                          "pipegcn", "bns")
+                          "onebit", "pipegcn", "bns")
     want = {"vanilla": (VanillaExchange, False), "adaqp-p": (VanillaExchange, True),
             "pipegcn": (PipeGCNExchange, True), "bns": (BNSExchange, False)}
     for mode in MODE_NAMES:
@@ -52,6 +53,8 @@ def test_mode_table_builds_each_modes_exchange(parts):
             assert type(ex) is cls and ex.asynchronous is asynchronous, mode
         elif mode == "nocomm":
             assert type(ex) is ZeroExchange and MODES[mode].timing_only
+        elif mode == "onebit":
+            assert type(ex) is OneBitExchange and ex.error_feedback and MODES[mode].quantized
         else:
             spec = mode_spec(mode)
             assert type(ex) is AdaQPExchange and (ex.scheme, ex.overlap) == (spec.scheme, spec.overlap)

@@ -21,6 +21,15 @@ each variant's mean width and bytes inside and across hosts, its speed-up over
 ``adaqp-avg`` and the inter-host halo rows; ``widths_by_class.png`` the width histogram
 per link class.
 
+Time to accuracy (issue 20; docs/benchmarks.md, "GNN modes: time to accuracy"):
+``--metric time-to-acc`` (or ``--target-acc A``) evaluates after every epoch and adds the
+report of :mod:`commsched.bench.gnn_tta`: per variant, epochs and wall-clock until the
+validation accuracy first reaches the target (``A``, or ``--target-frac`` of Vanilla's
+best), test accuracy at the best validation epoch, mean and spread over ``--seeds``, and
+``time_to_acc.png`` (validation accuracy against wall-clock). Its default variants are
+:data:`TTA_MODES` on GCN; a name whose mode this checkout does not register is skipped
+with a note.
+
 The summary adds, per model: each mode's per-epoch speed-up over Vanilla (and over the
 bf16 Vanilla, when it ran), Vanilla's communication share, each mode's quantization share of its epoch, assignment share of
 wall-clock, bytes per epoch, test accuracy, and AdaQP's epoch time as a multiple of the
@@ -38,6 +47,7 @@ from ..dist import DEVICE_CHOICES
 from ..gnn.modes import MODE_NAMES, mode_spec
 from ..quant.reference import BITS
 from ..results import median
+from .gnn_tta import DEFAULT_TARGET_FRAC, plot_tta, tta_rows, tta_table
 from .plots import pyplot, save_figure
 from .runner import Variant, Workload, median_of
 
@@ -52,6 +62,28 @@ HOSTS_SUFFIX = "-hp"  # partitioned with --partition-method metis-hosts (heavy c
 MODES_TOPOLOGY = ("vanilla", "adaqp-topo", "adaqp-topoev", "adaqp-avg", "uniform")
 MODES_GCN = ("vanilla", "vanilla" + BF16_SUFFIX) + tuple(m for m in MODE_NAMES if m != "vanilla")
 MODES_SAGE = ("vanilla", "vanilla" + BF16_SUFFIX, "adaqp")
+# the time-to-accuracy comparison (issue 20): a mode that is not registered is skipped
+TTA_MODES = ("vanilla", "vanilla" + BF16_SUFFIX, "adaqp", "onebit", "pipegcn", "bns")
+METRICS = ("epoch", "time-to-acc")
+
+
+def tta_modes(names: tuple[str, ...] = TTA_MODES) -> tuple[list[str], list[str]]:
+    """(the bench mode names of ``names`` this checkout can run, the others): a name is
+    skipped when :func:`split_mode` refuses it (its mode is not registered)."""
+    keep, skipped = [], []
+    for n in names:
+        try:
+            split_mode(n)
+            keep.append(n)
+        except ValueError:
+            skipped.append(n)
+    return keep, skipped
+
+
+def time_to_acc(a: argparse.Namespace) -> bool:
+    """Whether the bench runs the time-to-accuracy report (``--metric time-to-acc`` or
+    ``--target-acc``)."""
+    return getattr(a, "metric", "epoch") == "time-to-acc" or getattr(a, "target_acc", None) is not None
 
 
 def mode_args(name: str) -> tuple[str, ...]:
@@ -85,7 +117,7 @@ def split_mode(name: str) -> tuple[str, str]:
     if name.endswith(BF16_SUFFIX):
         mode, dtype = name[: -len(BF16_SUFFIX)], "bfloat16"
     spec = mode_spec(mode)  # ValueError naming the modes
-    if dtype == "bfloat16" and spec.exchange == "adaqp":
+    if dtype == "bfloat16" and spec.quantized:
         raise ValueError(f"--modes {name}: {mode} quantizes its rows; {BF16_SUFFIX} is for "
                          "vanilla, adaqp-p and nocomm")
     return mode, dtype
@@ -98,7 +130,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--syn-nodes", type=int, default=20_000)
     g.add_argument("--syn-edges", type=int, default=200_000)
     g.add_argument("--epochs", type=int, default=20)
-    g.add_argument("--eval-every", type=int, default=5)
+    g.add_argument("--eval-every", type=int, default=None,
+                   help="evaluate every K epochs (default 5; 1 with --metric time-to-acc)")
+    g.add_argument("--metric", choices=METRICS, default="epoch",
+                   help="epoch: time per epoch (default); time-to-acc: also epochs and wall-clock "
+                        "to a target validation accuracy (docs/benchmarks.md, issue 20)")
+    g.add_argument("--target-acc", type=float, default=None, metavar="A",
+                   help="time-to-acc target validation accuracy in (0, 1] (implies --metric "
+                        "time-to-acc; default: --target-frac of vanilla's best)")
+    g.add_argument("--target-frac", type=float, default=DEFAULT_TARGET_FRAC, metavar="F",
+                   help=f"time-to-acc target as a fraction of vanilla's best validation accuracy, "
+                        f"mean over seeds (default {DEFAULT_TARGET_FRAC})")
     g.add_argument("--period", type=int, default=5, help="AdaQP re-assignment period (epochs)")
     g.add_argument("--group-size", type=int, default=100)
     g.add_argument("--lam", type=float, default=0.5)
@@ -112,7 +154,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--partition-method", default="metis",
                    help="partitioner of every variant (metis, random, metis-hosts); a mode "
                         f"ending in {HOSTS_SUFFIX} uses metis-hosts")
-    g.add_argument("--models", default="gcn,sage", help="comma-separated: gcn, sage")
+    g.add_argument("--models", default=None,
+                   help="comma-separated: gcn, sage (default gcn,sage; gcn with --metric time-to-acc)")
     g.add_argument("--modes", default=None,
                    help=f"comma-separated modes for every model, a full-precision one may end in "
                         f"{BF16_SUFFIX} (--dtype bfloat16) (default: gcn {','.join(MODES_GCN)}; "
@@ -134,7 +177,17 @@ def parse_seeds(text: str | None) -> list[int] | None:
     return seeds
 
 
+def _check_tta(a: argparse.Namespace) -> None:
+    if a.target_acc is not None and not 0 < a.target_acc <= 1:
+        raise ValueError(f"--target-acc is a validation accuracy in (0, 1], got {a.target_acc}")
+    if not 0 < a.target_frac <= 1:
+        raise ValueError(f"--target-frac is a fraction of vanilla's best in (0, 1], got {a.target_frac}")
+
+
 def variants(a: argparse.Namespace) -> list[Variant]:
+    tta = time_to_acc(a)
+    if tta:
+        _check_tta(a)
     seeds = parse_seeds(getattr(a, "seeds", None))
     if seeds is not None:
         out = []
@@ -142,7 +195,8 @@ def variants(a: argparse.Namespace) -> list[Variant]:
             one = argparse.Namespace(**{**vars(a), "seed": s, "seeds": None})
             out += [Variant(f"{v.name}{SEED_MARK}{s}", v.module, v.args, v.nproc) for v in variants(one)]
         return out
-    common = ["--epochs", str(a.epochs), "--eval-every", str(a.eval_every), "--period", str(a.period),
+    eval_every = a.eval_every if a.eval_every is not None else (1 if tta else 5)
+    common = ["--epochs", str(a.epochs), "--eval-every", str(eval_every), "--period", str(a.period),
               "--group-size", str(a.group_size), "--lam", str(a.lam), "--bits", str(a.bits),
               "--hidden", str(a.hidden), "--seed", str(a.seed), "--dropout-rng", "local",
               "--device", getattr(a, "device", "auto")]
@@ -152,8 +206,14 @@ def variants(a: argparse.Namespace) -> list[Variant]:
         common += ["--syn-nodes", str(a.syn_nodes), "--syn-edges", str(a.syn_edges)]
     pm = getattr(a, "partition_method", "metis")
     out = []
-    for model in a.models.split(","):
-        modes = a.modes.split(",") if a.modes else (MODES_GCN if model == "gcn" else MODES_SAGE)
+    models = a.models or ("gcn" if tta else "gcn,sage")
+    for model in models.split(","):
+        if a.modes:
+            modes = a.modes.split(",")
+        elif tta:
+            modes = tta_modes()[0]
+        else:
+            modes = MODES_GCN if model == "gcn" else MODES_SAGE
         for name in modes:
             args = mode_args(name)
             part = () if "--partition-method" in args or pm == "metis" else ("--partition-method", pm)
@@ -306,7 +366,17 @@ def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> 
     tables = {"AdaQP against Vanilla (per model)": "\n".join(lines)}
     if any(k.endswith("_MB") for r in rows.values() for k in r):
         tables["Per link class (topology)"] = _class_table(rows)
-    return {"gnn": rows, "extra_tables": tables, "plots": _plots(runs, out)}
+    res = {"gnn": rows, "extra_tables": tables, "plots": _plots(runs, out)}
+    if time_to_acc(a):
+        skipped = [] if a.modes else tta_modes()[1]
+        tta = tta_rows(runs, a.target_acc, a.target_frac)
+        tables["Time to accuracy"] = tta_table(tta, skipped)
+        regime = getattr(a, "bandwidth", None) or "unshaped"
+        res["time_to_acc"] = {"rows": tta, "skipped_modes": skipped, "target_acc": a.target_acc,
+                              "target_frac": a.target_frac, "regime": regime}
+        res["plots"].append(str(plot_tta(runs, tta, out / "time_to_acc.png",
+                                         title=f"{a.dataset or 'synthetic'}, {regime}")))
+    return res
 
 
 def _variant_rows(rows: dict[str, dict], keys: tuple[str, ...], digits: int) -> list[str]:
@@ -348,6 +418,6 @@ WORKLOAD = Workload(
     default_bandwidth=DEFAULT_BANDWIDTH,
 )
 
-__all__ = ["BF16_SUFFIX", "COST_SUFFIXES", "DEFAULT_BANDWIDTH", "HOSTS_SUFFIX", "MODES_TOPOLOGY",
-           "SEED_MARK", "WORKLOAD", "class_figures", "mode_args", "parse_seeds", "plot_class_widths",
+__all__ = ["BF16_SUFFIX", "COST_SUFFIXES", "DEFAULT_BANDWIDTH", "HOSTS_SUFFIX", "METRICS", "MODES_TOPOLOGY",
+           "SEED_MARK", "TTA_MODES", "WORKLOAD", "time_to_acc", "tta_modes", "class_figures", "mode_args", "parse_seeds", "plot_class_widths",
            "pool_seeds", "split_mode"]

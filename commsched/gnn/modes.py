@@ -9,6 +9,7 @@ adaqp-q    AdaQPExchange adaptive       the same widths, no overlap (exchange, t
 adaqp-p    VanillaExchange asynchronous full precision with overlap: equals vanilla exactly
 uniform    AdaQPExchange uniform        every message at ``--bits``; overlap
 random     AdaQPExchange random         widths drawn from BITS every period; overlap
+onebit     OneBitExchange               signs + a per-row scale, error feedback; overlap
 nocomm     ZeroExchange                 TIMING ONLY: nothing; remote rows are zeros
 pipegcn    PipeGCNExchange (stale.py)   full precision in the background; training uses
                                         last epoch's halo rows and gradients (PipeGCN)
@@ -16,14 +17,17 @@ bns        BNSExchange (bns.py)         full-precision rows of a random ``--boun
                                         share of the boundary nodes per epoch (BNS-GCN)
 =========  ===========================  ==============================================
 
-Allowed combinations: ``pipegcn`` and ``bns`` take ``--dtype float32|float64|bfloat16``
-(bf16 rows on the wire, as Vanilla) and both models; ``pipegcn`` needs ``--pattern
-direct``. They are modes of their own, so neither composes with AdaQP's widths nor with
-the other (stale quantized rows or sampled stale rows are not implemented).
+Allowed combinations: ``onebit`` takes float32 rows only (no ``--dtype bfloat16``);
+``pipegcn`` and ``bns`` take ``--dtype float32|float64|bfloat16`` (bf16 rows on the wire,
+as Vanilla) and both models; ``pipegcn`` needs ``--pattern direct``. Each is a mode of its
+own, so none composes with AdaQP's widths nor with another (stale quantized rows, sampled
+stale rows or stale 1-bit rows are not implemented).
 
 This module is the only one that knows both the plain exchanges (:mod:`.halo`) and
 AdaQP's (:mod:`.adaqp`); neither of those imports the other's mode names. PipeGCN's
-(:mod:`.stale`) and BNS-GCN's (:mod:`.bns`) exchanges extend the Vanilla one.
+(:mod:`.stale`) and BNS-GCN's (:mod:`.bns`) exchanges extend the Vanilla one. ``onebit``
+(:mod:`.onebit`): Sylvie's 1-bit messages (Zhang et al. 2023) with error feedback, without
+Sylvie's bounded staleness (docs/gnn.md, "onebit").
 """
 
 from __future__ import annotations
@@ -37,14 +41,17 @@ from .adaqp_plan import AdaQPOptions
 from .bns import BNSExchange, BNSOptions
 from .book import PartitionBook
 from .halo import HaloExchange, VanillaExchange, ZeroExchange
+from .onebit import OneBitExchange
 from .stale import PipeGCNExchange, PipeGCNOptions
+
+QUANTIZED_EXCHANGES = ("adaqp", "onebit")  # exchanges that quantize float32 rows (no wire dtype)
 
 
 @dataclass(frozen=True)
 class Mode:
     """One row of :data:`MODES`.
 
-    exchange: "vanilla", "adaqp", "zero", "pipegcn" or "bns" (the strategy class);
+    exchange: "vanilla", "adaqp", "onebit", "zero", "pipegcn" or "bns" (the strategy class);
     asynchronous: the vanilla exchange in the background; scheme, overlap: the AdaQP width scheme and
     whether its exchange overlaps the central aggregation; timing_only: the model trained
     is wrong on purpose (never a training mode)."""
@@ -55,6 +62,11 @@ class Mode:
     overlap: bool = False
     timing_only: bool = False
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the mode quantizes float32 rows itself (it takes no ``--dtype bfloat16``)."""
+        return self.exchange in QUANTIZED_EXCHANGES
+
 
 MODES: dict[str, Mode] = {
     "vanilla": Mode("vanilla"),
@@ -64,6 +76,7 @@ MODES: dict[str, Mode] = {
     "uniform": Mode("adaqp", scheme="uniform", overlap=True),
     "random": Mode("adaqp", scheme="random", overlap=True),
     "nocomm": Mode("zero", timing_only=True),
+    "onebit": Mode("onebit", overlap=True),
     "pipegcn": Mode("pipegcn"),
     "bns": Mode("bns"),
 }
@@ -93,7 +106,7 @@ def make_exchange(mode: str, book: PartitionBook, *, group=None, pattern: str = 
     options of those modes (``TrainConfig.pipegcn``, ``.bns``; default: their defaults); bns
     draws its boundary samples from ``seed``."""
     spec = mode_spec(mode)
-    if wire_dtype is not None and spec.exchange == "adaqp":
+    if wire_dtype is not None and spec.quantized:
         raise ValueError(f"--mode {mode} quantizes its rows: it takes no wire dtype (the "
                          "bfloat16 wire is an option of vanilla and adaqp-p)")
     if spec.exchange == "vanilla":
@@ -101,6 +114,9 @@ def make_exchange(mode: str, book: PartitionBook, *, group=None, pattern: str = 
                                wire_dtype=wire_dtype, device=device)
     if spec.exchange == "zero":
         return ZeroExchange(book, group=group, pattern=pattern, device=device)
+    if spec.exchange == "onebit":
+        return OneBitExchange(book, overlap=spec.overlap, group=group, pattern=pattern, device=device,
+                              compile=options.compile if options is not None else True)
     if spec.exchange == "pipegcn":
         return PipeGCNExchange(book, options=pipegcn, group=group, pattern=pattern,
                                wire_dtype=wire_dtype, device=device)
@@ -114,4 +130,4 @@ def make_exchange(mode: str, book: PartitionBook, *, group=None, pattern: str = 
                          options=options, seed=seed, group=group, pattern=pattern, device=device)
 
 
-__all__ = ["MODES", "MODE_NAMES", "Mode", "make_exchange", "mode_spec"]
+__all__ = ["MODES", "MODE_NAMES", "QUANTIZED_EXCHANGES", "Mode", "make_exchange", "mode_spec"]

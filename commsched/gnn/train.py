@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --link-costs topology: the fastest widths at no more variance than "
                         "the averaged-cost assignment")
     t.add_argument("--no-compile", dest="compile", action="store_false",
-                   help="AdaQP modes: do not compile the quantization codec at start-up (the "
+                   help="AdaQP and onebit modes: do not compile the quantization codec at start-up (the "
                         "uncompiled codec: the same bits, slower per epoch; COMMSCHED_COMPILE=0 "
                         "does the same for every codec call)")
     t.add_argument("--stale-delay", type=int, default=None, metavar="D",

@@ -131,7 +131,7 @@ class TrainConfig:
                              f"gradient allreduce, which needs --pattern direct (got {self.pattern!r})")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.dtype in MIXED_DTYPES and mode_spec(self.mode).exchange == "adaqp":
+        if self.dtype in MIXED_DTYPES and mode_spec(self.mode).quantized:
             raise ValueError(f"--dtype {self.dtype} is an option of the full-precision modes "
                              f"(vanilla, adaqp-p, nocomm, pipegcn, bns); --mode {self.mode} quantizes float32 "
                              "rows: use --dtype float32")

@@ -19,6 +19,8 @@ _CODEC_EXPORTS: dict[str, str] = {
     "unpack_groups": "codec",
     "message_bytes": "codec",
     "payload_bytes": "codec",
+    "encode_signs": "codec",
+    "decode_signs": "codec",
 }
 
 # name -> submodule, for the bit-width assignment problem and its solvers

@@ -21,7 +21,18 @@ Dispatch: CUDA tensors go to the Triton kernels (``commsched.kernels.quant``); C
 to the fused fast path (``commsched.quant.fast``, compiled with ``torch.compile`` for
 large messages); anything else to the plain-torch reference. ``impl=`` forces one.
 
-Legend: N (or R) rows, D features per row, B payload bytes per row, G groups.
+**1-bit sign rows** (``--mode onebit``): :func:`encode_signs` / :func:`decode_signs` turn
+float rows into *sign records*, uint8 [N, W] with W = ``sign_row_bytes(D)`` = ceil(D / 8)
++ 4: per row its packed signs (planar, as above with b = 1) then its scale (float32, the
+mean absolute value), so a message of sign rows is a plain uint8 matrix with one record per
+row (it travels through ``commsched.all_to_all`` with the rows' own counts). With
+``error=`` the rows are encoded with error feedback and the new error comes back (the
+spec, items 6-9 of ``commsched.quant.reference``). ``impl="auto"`` runs the fast twin
+(``commsched.quant.fast.sign_encode_fast``: whole-tensor torch operations, any device),
+``"reference"`` the spec; both give the same bytes.
+
+Legend: N (or R) rows, D features per row, B payload bytes per row, G groups, W bytes
+of one sign record.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import reference as _ref
-from .wire import BITS, META_BYTES, message_bytes, payload_bytes
+from .wire import BITS, META_BYTES, SIGN_SCALE_BYTES, message_bytes, payload_bytes, sign_row_bytes
 
 IMPLS = ("auto", "reference", "eager", "compiled", "triton")
 
@@ -418,6 +429,70 @@ def unpack_groups(buf_B: torch.Tensor, layout: GroupLayout, *, out: torch.Tensor
     return out
 
 
-__all__ = ["BITS", "GroupLayout", "IMPLS", "META_BYTES", "QuantizedRows", "dequantize",
-           "dequantize_rows", "message_bytes", "pack_groups", "payload_bytes", "quantize",
+# --------------------------------------------------------------------------- 1-bit signs
+SIGN_IMPLS = ("auto", "reference")  # "auto": the fast twin (commsched.quant.fast), any device
+
+
+def encode_signs(x_ND: torch.Tensor, *, error: torch.Tensor | None = None, impl: str = "auto",
+                 compile: bool | None = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sign records of the rows of ``x_ND`` (float [N, D]): (uint8 [N, W], the new error).
+
+    Without ``error`` the rows are encoded as they are and the second item is None. With
+    ``error`` (float32 [N, D], the error kept from the previous message of these rows) the
+    rows ``m = x + error`` are encoded and ``m - decode(encode(m))`` (float32 [N, D]) is
+    returned, to be passed as ``error`` next time (error feedback). ``impl``: ``auto``
+    (the fast twin; ``compile``: its compiled form on the CPU, see
+    ``commsched.quant.fast.sign_encode_fast``) or ``reference``; both give the same bytes.
+    Raises ValueError for
+    non-2-D, non-float or non-finite input and for an ``error`` of another shape."""
+    if impl not in SIGN_IMPLS:
+        raise ValueError(f"impl must be one of {SIGN_IMPLS}, got {impl!r}")
+    x = _check_rows(x_ND)
+    if error is not None:
+        if not isinstance(error, torch.Tensor) or tuple(error.shape) != tuple(x.shape):
+            raise ValueError(f"error must be a float32 tensor of the rows' shape {tuple(x.shape)}, got "
+                             f"{tuple(getattr(error, 'shape', ())) or type(error).__name__}")
+        error = error.to(torch.float32)
+    N, D = x.shape
+    out = torch.empty((N, sign_row_bytes(D)), dtype=torch.uint8, device=x.device)
+    B = out.shape[1] - SIGN_SCALE_BYTES
+    if impl == "reference":
+        if error is None:
+            (payload, scale), new_err = _ref.sign_encode_reference(x), None
+        else:
+            payload, scale, new_err = _ref.sign_error_feedback_reference(x, error)
+        out[:, :B] = payload
+    else:
+        from .fast import sign_encode_fast
+
+        _, scale, new_err = sign_encode_fast(x, error, out_NB=out[:, :B], compile=compile)
+    if scale.numel() and not bool(torch.isfinite(scale).all()):
+        raise _nonfinite_error(x if error is None else x + error, "x" if error is None else "x + error")
+    out[:, B:] = scale.reshape(N, 1).view(torch.uint8)
+    return out, new_err
+
+
+def decode_signs(records_NW: torch.Tensor, dim: int, *, impl: str = "auto",
+                 compile: bool | None = False) -> torch.Tensor:
+    """float32 [N, dim] from sign records written by :func:`encode_signs` (+-scale per row);
+    ``impl``, ``compile`` as there."""
+    if impl not in SIGN_IMPLS:
+        raise ValueError(f"impl must be one of {SIGN_IMPLS}, got {impl!r}")
+    W = sign_row_bytes(dim)
+    if (not isinstance(records_NW, torch.Tensor) or records_NW.dtype != torch.uint8
+            or records_NW.dim() != 2 or records_NW.shape[1] != W):
+        raise ValueError(f"sign records of rows of {dim} values must be uint8 [N, {W}], got "
+                         f"{getattr(records_NW, 'dtype', type(records_NW).__name__)} "
+                         f"{tuple(getattr(records_NW, 'shape', ()))}")
+    B = W - SIGN_SCALE_BYTES
+    scale = records_NW[:, B:].reshape(-1).clone().view(torch.float32)  # a copy: 4-byte aligned
+    if impl == "reference":
+        return _ref.sign_decode_reference(records_NW[:, :B], scale, dim)
+    from .fast import sign_decode_fast
+
+    return sign_decode_fast(records_NW[:, :B], scale, dim, compile=compile)
+
+
+__all__ = ["BITS", "GroupLayout", "IMPLS", "META_BYTES", "QuantizedRows", "SIGN_IMPLS", "dequantize",
+           "decode_signs", "dequantize_rows", "encode_signs", "message_bytes", "pack_groups", "payload_bytes", "quantize",
            "quantize_rows", "unpack_groups"]

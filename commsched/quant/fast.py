@@ -34,6 +34,18 @@ of lines). ``COMMSCHED_COMPILE=0`` (:mod:`commsched.config`; ``AdaQPOptions(comp
 and ``--no-compile`` for the AdaQP exchange) runs the eager twin and never compiles:
 the same bits, more time per message.
 
+**1-bit sign rows** (:func:`sign_encode_fast`, :func:`sign_decode_fast`): the sign format
+of ``commsched.quant.reference`` (items 6-9) as fused functions in the same style (one
+pass per row: the float64 row sum of |m|, the signs packed with eight shifted ORs in
+int32, the error-feedback residual ``m - where(m < 0, -s, s)`` taken from the signs, not
+by decoding the packed bytes again; decoding through an [N, F, B] view of the output),
+run eagerly on any device, or compiled on the CPU (``compile=True``; the onebit exchange
+compiles them for its row widths at set-up, :func:`warm_sign_codec`). The same bytes as
+the reference: the same comparisons, exact +-scale, and the row sum in float64 rounded
+once to float32 (a float64 sum in another order could round differently only for a row
+whose sum lies within float64 rounding of a float32 rounding boundary; the tests compare
+the compiled and eager paths with the reference bit for bit).
+
 Legend: N rows, D features, b bits, K = 8 // b slots per byte, B = ceil(D * b / 8).
 """
 
@@ -220,6 +232,12 @@ def _compiled(kind: str, bits: int, dim: int) -> _LazyCompiled:
     name = f"{kind}_fused_b{bits}_d{dim}"
     if kind == "quantize":
         return _LazyCompiled(_own_code(quantize_fused, name), name, (bits,), (0, 4))
+    if kind == "sign_encode":
+        return _LazyCompiled(_own_code(sign_encode_fused, name), name, (), (0, 1))
+    if kind == "sign_encode_ef":
+        return _LazyCompiled(_own_code(sign_encode_ef_fused, name), name, (), (0, 1, 2))
+    if kind == "sign_decode":
+        return _LazyCompiled(_own_code(sign_decode_fused, name), name, (dim,), (0, 1, 2))
     return _LazyCompiled(_own_code(dequantize_fused, name), name, (bits, dim), (0, 1, 2))
 
 
@@ -305,5 +323,127 @@ def dequantize_cpu(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int, d
     return out_ND
 
 
+# --------------------------------------------------------------------------- 1-bit signs
+def _sign_pack(m_ND: torch.Tensor, out_NB: torch.Tensor) -> torch.Tensor:
+    """Pack the signs of ``m_ND`` into ``out_NB`` (planar, b = 1); return scale float32 [N]."""
+    N, D = m_ND.shape
+    B = payload_bytes(D, 1)
+    scale = (m_ND.to(torch.float64).abs().sum(dim=1) / D).to(torch.float32)
+    neg = (m_ND < 0).to(torch.int32)
+    if 8 * B != D:
+        neg = F.pad(neg, (0, 8 * B - D))
+    neg_N8B = neg.view(N, 8, B)
+    packed = neg_N8B[:, 0]
+    for s in range(1, 8):
+        packed = packed | (neg_N8B[:, s] << s)
+    out_NB.copy_(packed.to(torch.uint8))
+    return scale
+
+
+def sign_encode_fused(x_ND: torch.Tensor, out_NB: torch.Tensor) -> torch.Tensor:
+    """Signs of float32 [N, D] into ``out_NB`` (uint8 [N, B]); returns the scales [N]."""
+    return _sign_pack(x_ND, out_NB)
+
+
+def sign_encode_ef_fused(x_ND: torch.Tensor, err_ND: torch.Tensor, out_NB: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Error feedback: the signs of ``m = x + err`` into ``out_NB``; returns (scales [N],
+    the new error ``m - where(m < 0, -scale, scale)`` [N, D])."""
+    m = x_ND + err_ND
+    scale = _sign_pack(m, out_NB)
+    sc = scale[:, None]
+    return scale, m - torch.where(m < 0, -sc, sc)
+
+
+def sign_decode_fused(payload_NB: torch.Tensor, scale_N: torch.Tensor, out_ND: torch.Tensor,
+                      dim: int) -> None:
+    """+-scale from packed signs into ``out_ND`` (float32 [N, dim], unit column stride): the
+    full slots through an [N, F, B] view, the partial last one through a slice."""
+    N, B = payload_NB.shape
+    full = dim // B
+    sc = scale_N[:, None]
+    p = payload_NB.to(torch.int32)
+    if full:
+        shifts = torch.arange(full, dtype=torch.int32, device=p.device)
+        neg = ((p.unsqueeze(1) >> shifts[None, :, None]) & 1) != 0
+        out_ND[:, :full * B].view(N, full, B).copy_(torch.where(neg, -sc[:, :, None], sc[:, :, None]))
+    width = dim - full * B
+    if width:
+        neg = ((p[:, :width] >> full) & 1) != 0
+        out_ND[:, full * B:].copy_(torch.where(neg, -sc, sc))
+
+
+@torch.no_grad()
+def sign_encode_fast(x_ND: torch.Tensor, err_ND: torch.Tensor | None = None, *,
+                     out_NB: torch.Tensor | None = None, compile: bool | None = False,
+                     _say: Callable[[str], None] | None = say_stderr
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(payload uint8 [N, B], scale float32 [N], new error or None) of contiguous float32
+    rows, as ``reference.sign_encode_reference`` (``err_ND`` None) or
+    ``reference.sign_error_feedback_reference``; ``out_NB`` (a uint8 [N, B] view, for
+    example the payload columns of the sign records) receives the payload if given.
+    ``compile``: False (default) the eager twin; True compiled (N > 1; CPU); None compiled
+    for large messages; ``COMMSCHED_COMPILE=0`` means False."""
+    N, D = x_ND.shape
+    out = out_NB if out_NB is not None else torch.empty((N, payload_bytes(D, 1)), dtype=torch.uint8,
+                                                        device=x_ND.device)
+    cpu = x_ND.device.type == "cpu"
+    if err_ND is None:
+        fn = _compiled("sign_encode", 1, D) if cpu and _use_compiled(compile, N, D) else None
+        scale = fn(x_ND, out, say=_say) if fn is not None else sign_encode_fused(x_ND, out)
+        return out, scale, None
+    fn = _compiled("sign_encode_ef", 1, D) if cpu and _use_compiled(compile, N, D) else None
+    scale, new_err = fn(x_ND, err_ND, out, say=_say) if fn is not None else sign_encode_ef_fused(x_ND, err_ND, out)
+    return out, scale, new_err
+
+
+@torch.no_grad()
+def sign_decode_fast(payload_NB: torch.Tensor, scale_N: torch.Tensor, dim: int, *,
+                     out_ND: torch.Tensor | None = None, compile: bool | None = False,
+                     _say: Callable[[str], None] | None = say_stderr) -> torch.Tensor:
+    """float32 [N, dim] from packed signs and scales, as ``reference.sign_decode_reference``,
+    into ``out_ND`` if given; ``compile`` as in :func:`sign_encode_fast`."""
+    N = payload_NB.shape[0]
+    if out_ND is None:
+        out_ND = torch.empty((N, dim), dtype=torch.float32, device=payload_NB.device)
+    scale_N = scale_N.to(torch.float32)
+    if payload_NB.device.type == "cpu" and _use_compiled(compile, N, dim):
+        _compiled("sign_decode", 1, dim)(payload_NB, scale_N, out_ND, say=_say)
+    else:
+        sign_decode_fused(payload_NB, scale_N, out_ND, dim)
+    return out_ND
+
+
+def warm_sign_codec(dims: Iterable[int], *, say: Callable[[str], None] | None = say_stderr) -> float:
+    """Compile the sign encode (with and without error feedback) and decode kernels of every
+    row width now; returns the seconds it took (0.0 when compiled already or compiling is
+    off). ``say`` hears one line before and one after."""
+    if not compile_enabled():
+        return 0.0
+    todo = [d for d in sorted(set(int(d) for d in dims))
+            if not all(_compiled(k, 1, d).compiled for k in ("sign_encode", "sign_encode_ef", "sign_decode"))]
+    if not todo:
+        return 0.0
+    if say is not None:
+        say(f"commsched.quant: compiling the 1-bit sign codec with torch.compile: {3 * len(todo)} "
+            f"kernels (row widths {todo}); COMMSCHED_COMPILE=0 runs the eager codec instead ...")
+    t = time.perf_counter()
+    for d in todo:
+        # the layout of the exchange's calls (codec.encode_signs / decode_signs): the payload
+        # is the first B columns of [N, B + 4] sign records, a strided view (a contiguous
+        # stand-in would compile kernels whose guards the real calls fail: a recompile then)
+        x = torch.randn(64, d, generator=torch.Generator().manual_seed(d))
+        B = payload_bytes(d, 1)
+        records = torch.empty((64, B + 4), dtype=torch.uint8)
+        _, sc, _ = sign_encode_fast(x, compile=True, out_NB=records[:, :B], _say=None)
+        sign_encode_fast(x, torch.zeros_like(x), compile=True, out_NB=records[:, :B], _say=None)
+        sign_decode_fast(records[:, :B], sc, d, compile=True, _say=None)
+    dt = time.perf_counter() - t
+    if say is not None:
+        say(f"commsched.quant: sign codec compiled in {dt:.1f} s")
+    return dt
+
+
 __all__ = ["CPU_COMPILE_MIN_ELEMENTS", "compile_enabled", "dequantize_cpu", "dequantize_fused",
-           "quantize_cpu", "quantize_fused", "say_stderr", "warm_codec"]
+           "quantize_cpu", "quantize_fused", "say_stderr", "sign_decode_fast", "sign_decode_fused",
+           "sign_encode_ef_fused", "sign_encode_fast", "sign_encode_fused", "warm_codec", "warm_sign_codec"]

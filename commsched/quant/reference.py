@@ -32,6 +32,18 @@ operation, rounded to nearest; no fused multiply-add anywhere):
    columns j, j + B, j + 2B, ... in bit slots 0, b, 2b, ...; columns >= D contribute 0.
 5. Decoding: ``x' = fl32(lo + fl32(scale * q))``.
 
+**The 1-bit sign format** (``--mode onebit``; not one of BITS: a format of its own, with
+no random bits): for one row x[0..D),
+
+6. ``scale = fl32(S / D)`` where ``S = sum_d |x_d|`` is summed in float64 (the mean
+   absolute value: the s that minimises ``sum_d (x_d - s * sign(x_d))^2``);
+7. bit d is 1 where ``x_d < 0`` and 0 otherwise (zeros, -0.0 included, are positive),
+   packed planar as in 4. with b = 1 (byte j holds columns j, j + B, ..., B = ceil(D / 8));
+8. decoding: ``x'_d = -scale`` where bit d is 1, ``+scale`` otherwise (exact, no rounding);
+9. error feedback (:func:`sign_error_feedback_reference`): the sender encodes
+   ``m = fl32(x + e)``, where e is the error it kept from the previous message of the same
+   rows (zeros at first), and keeps ``e' = fl32(m - decode(encode(m)))`` for the next one.
+
 Why these choices: the quantizer rounds against exactly the float32 scale and zero point
 that travel, so the only bias left is float32 rounding of ``t`` (a few ulps of the row
 range) and the 2^-24 granularity of the rounding probability; see ``docs/quant.md``.
@@ -170,6 +182,39 @@ def dequantize_reference(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: 
     return meta_N2[:, 1:2] + meta_N2[:, 0:1] * q
 
 
+def sign_scale_reference(x_ND: torch.Tensor) -> torch.Tensor:
+    """float32 [N]: the mean absolute value of each row (summed in float64, rounded once)."""
+    D = x_ND.shape[1]
+    return (x_ND.to(torch.float64).abs().sum(dim=1) / D).to(torch.float32)
+
+
+def sign_encode_reference(x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-bit sign encoding of float32 [N, D] rows (spec items 6-7): (payload uint8 [N, B],
+    B = ceil(D / 8), with bit d set where x < 0; scale float32 [N]). Non-finite input gives
+    a non-finite scale; the caller checks."""
+    x_ND = x_ND.to(torch.float32)
+    neg = (x_ND < 0).to(torch.int64)
+    return pack_levels(neg, 1), sign_scale_reference(x_ND)
+
+
+def sign_decode_reference(payload_NB: torch.Tensor, scale_N: torch.Tensor, dim: int) -> torch.Tensor:
+    """Decode the sign format (spec item 8): float32 [N, dim], +-scale per row."""
+    neg = unpack_levels(payload_NB, 1, dim).bool()
+    s = scale_N.to(torch.float32)[:, None].expand(-1, dim)
+    return torch.where(neg, -s, s)
+
+
+def sign_error_feedback_reference(x_ND: torch.Tensor, err_ND: torch.Tensor | None
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One message with error feedback (spec item 9): (payload, scale, new error [N, D]) of
+    ``m = x + err`` (``err`` None: zeros); the new error is ``m - decode(encode(m))``."""
+    m = x_ND.to(torch.float32) if err_ND is None else x_ND.to(torch.float32) + err_ND
+    payload, scale = sign_encode_reference(m)
+    return payload, scale, m - sign_decode_reference(payload, scale, m.shape[1])
+
+
 __all__ = ["BITS", "HASH_M1", "HASH_M2", "RANDOM_BITS", "RANGE_MIN", "SEED_OFFSET", "key_from_seed", "lowbias32",
            "dequantize_reference", "levels_reference", "pack_levels", "payload_bytes",
-           "quantize_reference", "random_bits", "row_scale", "unpack_levels"]
+           "quantize_reference", "random_bits", "row_scale", "sign_decode_reference",
+           "sign_encode_reference", "sign_error_feedback_reference", "sign_scale_reference",
+           "unpack_levels"]

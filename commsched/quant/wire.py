@@ -4,6 +4,10 @@ Per-row asymmetric quantization sends, for each row, ``payload_bytes(D, b)`` byt
 b-bit levels packed along D and ``META_BYTES`` bytes of metadata (a float32 scale and a
 float32 zero point). ``commsched.quant.reference.BITS`` and
 ``commsched.quant.codec.META_BYTES`` are these same objects.
+
+The 1-bit sign format (``--mode onebit``, :func:`commsched.quant.reference.sign_encode_reference`)
+sends, for each row, ``sign_payload_bytes(D)`` = ceil(D / 8) bytes of packed signs and
+``SIGN_SCALE_BYTES`` bytes of scale (one float32): ``sign_row_bytes(D)`` in all.
 """
 
 from __future__ import annotations
@@ -22,4 +26,18 @@ def message_bytes(rows: int, dim: int, bits: int) -> int:
     return rows * (payload_bytes(dim, bits) + META_BYTES)
 
 
-__all__ = ["BITS", "META_BYTES", "message_bytes", "payload_bytes"]
+SIGN_SCALE_BYTES = 4  # float32 scale per row of the 1-bit sign format
+
+
+def sign_payload_bytes(dim: int) -> int:
+    """Packed-sign bytes of one row of ``dim`` values: ceil(dim / 8)."""
+    return payload_bytes(dim, 1)
+
+
+def sign_row_bytes(dim: int) -> int:
+    """Bytes of one row in the 1-bit sign format: ceil(dim / 8) + SIGN_SCALE_BYTES."""
+    return sign_payload_bytes(dim) + SIGN_SCALE_BYTES
+
+
+__all__ = ["BITS", "META_BYTES", "SIGN_SCALE_BYTES", "message_bytes", "payload_bytes",
+           "sign_payload_bytes", "sign_row_bytes"]

@@ -1,0 +1,200 @@
+"""Time to accuracy: the ``--metric time-to-acc`` report of ``commsched bench gnn`` (issue 20).
+
+Legend: E epochs of a run, V evaluations (one per epoch with ``--eval-every 1``).
+
+For every run (one variant, one seed), :func:`time_to_target` finds the first evaluation
+whose validation accuracy reaches the target and reports the epochs trained until then
+and the wall-clock of those epochs: the sum of the run's own measured epoch times
+(``epoch_time_s_per_epoch``, the maximum over ranks of each training epoch; evaluation
+passes are outside the clock, set-up too). Every variant runs in the regime of the bench
+invocation (``--bandwidth``), so each time is measured, not composed from another run.
+The target is ``--target-acc A`` when given, else ``--target-frac F`` (default 0.98) of
+Vanilla's best validation accuracy: the mean over the seeds of each Vanilla run's best,
+per model, in the same bench invocation. :func:`tta_rows` aggregates the seeds (mean,
+standard deviation, per seed), :func:`tta_table` writes the markdown table and
+:func:`plot_tta` validation accuracy against wall-clock, one line per variant (mean over
+seeds at each epoch), the target as a dashed line.
+
+The modes the report compares by default are data in :mod:`commsched.bench.gnn`
+(``TTA_MODES``; a name whose mode is not registered is skipped with a note).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from ..results import median
+from .plots import pyplot, save_figure
+
+DEFAULT_TARGET_FRAC = 0.98
+
+
+@dataclass(frozen=True)
+class TimeToTarget:
+    """When one run first reached the target: epochs trained and their summed wall-clock
+    (seconds); both None when it never did."""
+
+    epochs: int | None
+    seconds: float | None
+
+    @property
+    def reached(self) -> bool:
+        return self.epochs is not None
+
+
+def time_to_target(val_acc_V: Sequence[float], eval_epochs_V: Sequence[int],
+                   epoch_time_s_E: Sequence[float], target: float) -> TimeToTarget:
+    """The first evaluation v with ``val_acc_V[v] >= target``: it followed epoch
+    ``eval_epochs_V[v]`` (0-based), so ``eval_epochs_V[v] + 1`` epochs were trained, in
+    ``sum(epoch_time_s_E[:eval_epochs_V[v] + 1])`` seconds. With ``--eval-every K`` > 1 the
+    epoch found is the first *evaluated* one at the target (up to K - 1 epochs late)."""
+    if len(val_acc_V) != len(eval_epochs_V):
+        raise ValueError(f"{len(val_acc_V)} validation accuracies for {len(eval_epochs_V)} evaluation epochs")
+    for acc, ep in zip(val_acc_V, eval_epochs_V):
+        if acc >= target:
+            n = int(ep) + 1
+            if n > len(epoch_time_s_E):
+                raise ValueError(f"evaluation after epoch {ep} but only {len(epoch_time_s_E)} epoch times")
+            return TimeToTarget(n, float(sum(epoch_time_s_E[:n])))
+    return TimeToTarget(None, None)
+
+
+def run_curve(m: dict) -> tuple[list[float], list[float]]:
+    """(wall-clock at each evaluation: the summed epoch times up to it; validation accuracy)."""
+    times = m["epoch_time_s_per_epoch"]
+    cum, t = [], 0.0
+    for x in times:
+        t += x
+        cum.append(t)
+    return [cum[e] for e in m["eval_epochs"]], list(m["val_acc_per_eval"])
+
+
+def _best_val(m: dict) -> float:
+    return max(m["val_acc_per_eval"]) if m.get("val_acc_per_eval") else float("nan")
+
+
+def _stats(xs: Sequence[float]) -> tuple[float | None, float | None]:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def targets(runs: dict[str, list[dict]], target_acc: float | None = None,
+            frac: float = DEFAULT_TARGET_FRAC) -> dict[str, float | None]:
+    """Per model: ``target_acc``, or ``frac`` x the mean over its Vanilla runs of each run's
+    best validation accuracy (None without a ``MODEL-vanilla`` variant)."""
+    models = dict.fromkeys(v.split("-", 1)[0] for v in runs)
+    out: dict[str, float | None] = {}
+    for model in models:
+        if target_acc is not None:
+            out[model] = target_acc
+            continue
+        base = runs.get(f"{model}-vanilla")
+        out[model] = frac * statistics.fmean(_best_val(m) for m in base) if base else None
+    return out
+
+
+def tta_rows(runs: dict[str, list[dict]], target_acc: float | None = None,
+             frac: float = DEFAULT_TARGET_FRAC) -> dict[str, dict]:
+    """Per variant (``MODEL-MODE``, runs pooled over seeds): the target, per run and
+    aggregated, epochs and seconds to the target, best validation and test accuracy at
+    the best validation epoch, the median epoch time, and the per-seed ratio of Vanilla's
+    time to target to this variant's (median over the seeds where both reached it)."""
+    tg = targets(runs, target_acc, frac)
+    rows: dict[str, dict] = {}
+    for v, rs in runs.items():
+        model = v.split("-", 1)[0]
+        target = tg.get(model)
+        hits = [time_to_target(m["val_acc_per_eval"], m["eval_epochs"], m["epoch_time_s_per_epoch"], target)
+                if target is not None else TimeToTarget(None, None) for m in rs]
+        ep_m, ep_sd = _stats([h.epochs for h in hits if h.reached])
+        t_m, t_sd = _stats([h.seconds for h in hits if h.reached])
+        te_m, te_sd = _stats([m.get("test_acc") for m in rs])
+        bv_m, bv_sd = _stats([_best_val(m) for m in rs])
+        r = {"target": target, "runs": len(rs), "reached": sum(h.reached for h in hits),
+             "epochs_to_target": [h.epochs for h in hits], "seconds_to_target": [h.seconds for h in hits],
+             "epochs_mean": ep_m, "epochs_sd": ep_sd, "seconds_mean": t_m, "seconds_sd": t_sd,
+             "best_val_mean": bv_m, "best_val_sd": bv_sd,
+             "test_acc_per_run": [m.get("test_acc") for m in rs], "test_acc_mean": te_m, "test_acc_sd": te_sd,
+             "epoch_time_s": median(m["epoch_time_s"] for m in rs), "epochs_run": [m["epochs"] for m in rs],
+             "seeds": [(m.get("config") or {}).get("seed") for m in rs]}
+        rows[v] = r
+    for v, r in rows.items():
+        base = rows.get(f"{v.split('-', 1)[0]}-vanilla")
+        if base is None:
+            continue
+        rat = [b / x for b, x in zip(base["seconds_to_target"], r["seconds_to_target"])
+               if b is not None and x is not None and x > 0]
+        r["speedup_vs_vanilla"] = median(rat)
+    return rows
+
+
+def _pm(m: float | None, sd: float | None, fmt: str) -> str:
+    return "-" if m is None else f"{fmt.format(m)} ± {fmt.format(sd or 0.0)}"
+
+
+def tta_table(rows: dict[str, dict], skipped: Sequence[str] = ()) -> str:
+    """The markdown table of :func:`tta_rows` (and a note on the skipped modes)."""
+    lines = ["| variant | target val acc | reached | epochs to target | s to target | time speed-up vs vanilla "
+             "| s/epoch | best val acc | test acc at best val (per seed) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for v, r in rows.items():
+        sp = r.get("speedup_vs_vanilla")
+        per = ", ".join("-" if a is None else f"{100 * a:.1f}" for a in r["test_acc_per_run"])
+        te = "-" if r["test_acc_mean"] is None else f"{100 * r['test_acc_mean']:.2f} ± {100 * r['test_acc_sd']:.2f}%"
+        tgt = "-" if r["target"] is None else f"{r['target']:.4f}"
+        lines.append(f"| {v} | {tgt} "
+                     f"| {r['reached']}/{r['runs']} | {_pm(r['epochs_mean'], r['epochs_sd'], '{:.1f}')} "
+                     f"| {_pm(r['seconds_mean'], r['seconds_sd'], '{:.1f}')} | {'-' if sp is None else f'{sp:.2f}x'} "
+                     f"| {r['epoch_time_s']:.3g} | {_pm(r['best_val_mean'], r['best_val_sd'], '{:.4f}')} "
+                     f"| {te} ({per}) |")
+    lines += ["", "Per variant over its seeds: mean ± standard deviation. epochs / s to target: over the "
+              "seeds that reached it (reached: how many); s to target: the summed wall-clock of the "
+              "training epochs up to the first evaluation at or above the target, evaluation excluded; "
+              "time speed-up: median over seeds of vanilla's s to target / the variant's, same seed; "
+              "test acc at the epoch of best validation accuracy."]
+    if skipped:
+        lines.append(f"Skipped (mode not registered in this checkout): {', '.join(skipped)}.")
+    return "\n".join(lines) + "\n"
+
+
+def plot_tta(runs: dict[str, list[dict]], rows: dict[str, dict], path: Path, title: str = "") -> Path:
+    """Validation accuracy against wall-clock, one line per variant (mean over seeds of the
+    accuracy and of the wall-clock at each evaluation), one panel per model, the target
+    dashed."""
+    plt = pyplot()
+    models = list(dict.fromkeys(v.split("-", 1)[0] for v in runs))
+    fig, axes = plt.subplots(1, len(models), figsize=(6.2 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        target = None
+        for v, rs in runs.items():
+            if v.split("-", 1)[0] != model:
+                continue
+            curves = [run_curve(m) for m in rs]
+            n = min(len(c[0]) for c in curves)
+            t = [statistics.fmean(c[0][i] for c in curves) for i in range(n)]
+            a = [statistics.fmean(c[1][i] for c in curves) for i in range(n)]
+            mode = v.split("-", 1)[1]
+            ax.plot(t, a, label=f"{mode} ({len(rs)} seeds)",
+                    linewidth=2.0 if mode in ("vanilla", "adaqp") else 1.2,
+                    linestyle="--" if "bf16" in mode else "-")
+            target = rows.get(v, {}).get("target", target)
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle=":", linewidth=1.0, label=f"target {target:.3f}")
+            lo = min(target - 0.15, ax.get_ylim()[0])
+            ax.set_ylim(max(lo, 0.0), None)
+        ax.set_xlabel("wall-clock of the training epochs (s, evaluation excluded; mean over seeds)")
+        ax.set_ylabel("validation accuracy (mean over seeds)")
+        ax.set_title(f"{model}{': ' + title if title else ''}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small", loc="lower right")
+    return save_figure(fig, path)
+
+
+__all__ = ["DEFAULT_TARGET_FRAC", "TimeToTarget", "plot_tta", "run_curve", "targets", "time_to_target",
+           "tta_rows", "tta_table"]

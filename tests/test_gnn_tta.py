@@ -1,0 +1,122 @@
+"""The time-to-accuracy report of ``commsched bench gnn`` (commsched/bench/gnn_tta.py), pure:
+the time-to-target computation on hand-made curves, the aggregation over seeds, the
+target from Vanilla's best, the table, the plot, and the bench's variants and summary
+with ``--metric time-to-acc``."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from commsched.bench.gnn_tta import (
+    TimeToTarget,
+    run_curve,
+    targets,
+    time_to_target,
+    tta_rows,
+    tta_table,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_time_to_target_first_evaluation_at_or_above():
+    val = [0.2, 0.5, 0.7, 0.69, 0.8]
+    ev = [0, 1, 2, 3, 4]
+    times = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert time_to_target(val, ev, times, 0.7) == TimeToTarget(3, 6.0)  # reached at epoch index 2
+    assert time_to_target(val, ev, times, 0.2) == TimeToTarget(1, 1.0)
+    assert time_to_target(val, ev, times, 0.75) == TimeToTarget(5, 15.0)
+    never = time_to_target(val, ev, times, 0.81)
+    assert never == TimeToTarget(None, None) and not never.reached
+    # evaluation every 2 epochs: found at the first evaluated epoch, its epochs all counted
+    assert time_to_target([0.3, 0.9], [1, 3], times, 0.5) == TimeToTarget(4, 10.0)
+    with pytest.raises(ValueError, match="3 validation accuracies for 2 evaluation epochs"):
+        time_to_target([0.1, 0.2, 0.3], [0, 1], times, 0.5)
+    with pytest.raises(ValueError, match="only 5 epoch times"):
+        time_to_target([0.9], [7], times, 0.5)
+
+
+def _run(val, times, test, seed, ev=None):
+    ev = list(range(len(val))) if ev is None else ev
+    return {"val_acc_per_eval": val, "eval_epochs": ev, "epoch_time_s_per_epoch": times,
+            "test_acc": test, "epoch_time_s": sorted(times)[len(times) // 2], "epochs": len(times),
+            "config": {"seed": seed}}
+
+
+def _runs():
+    return {
+        "gcn-vanilla": [_run([0.5, 0.8, 0.9, 0.9], [2.0] * 4, 0.88, 0),
+                        _run([0.6, 0.9, 0.92, 0.92], [2.0] * 4, 0.90, 1)],
+        # faster epochs, one more epoch to the target; seed 1 never gets there
+        "gcn-onebit": [_run([0.4, 0.7, 0.89, 0.9], [0.5] * 4, 0.87, 0),
+                       _run([0.4, 0.6, 0.7, 0.8], [0.5] * 4, 0.79, 1)],
+    }
+
+
+def test_rows_target_from_vanilla_and_aggregation():
+    runs = _runs()
+    assert targets(runs) == {"gcn": pytest.approx(0.98 * (0.9 + 0.92) / 2)}  # 0.8918
+    assert targets(runs, target_acc=0.5) == {"gcn": 0.5}
+    assert targets({"sage-adaqp": runs["gcn-onebit"]}) == {"sage": None}  # no vanilla: no target
+    rows = tta_rows(runs)
+    v, o = rows["gcn-vanilla"], rows["gcn-onebit"]
+    assert v["epochs_to_target"] == [3, 2] and v["seconds_to_target"] == [6.0, 4.0]
+    assert v["epochs_mean"] == 2.5 and v["seconds_mean"] == 5.0 and v["seconds_sd"] == pytest.approx(2 ** 0.5)
+    assert o["epochs_to_target"] == [4, None] and o["seconds_to_target"] == [2.0, None]
+    assert o["reached"] == 1 and o["epochs_mean"] == 4 and o["epochs_sd"] == 0.0
+    assert o["speedup_vs_vanilla"] == 3.0  # seed 0 only: 6 s / 2 s
+    assert v["speedup_vs_vanilla"] == 1.0
+    assert o["test_acc_mean"] == pytest.approx(0.83) and o["seeds"] == [0, 1]
+    assert o["best_val_mean"] == pytest.approx(0.85)
+    table = tta_table(rows, skipped=["pipegcn"])
+    assert "| gcn-onebit | 0.8918 | 1/2 | 4.0 ± 0.0 | 2.0 ± 0.0 | 3.00x |" in table
+    assert "83.00 ± 5.66% (87.0, 79.0)" in table
+    assert "Skipped (mode not registered in this checkout): pipegcn." in table
+    # an absolute target none reaches
+    none = tta_rows(runs, target_acc=0.99)
+    assert all(r["reached"] == 0 and r["seconds_mean"] is None and r["speedup_vs_vanilla"] is None
+               for r in none.values())
+    assert "| 0/2 | - | - | - |" in tta_table(none)
+    # the curve: wall-clock at each evaluation = summed epoch times up to it
+    assert run_curve(_run([0.1, 0.2], [1.0, 2.0, 3.0], 0.1, 0, ev=[0, 2])) == ([1.0, 6.0], [0.1, 0.2])
+
+
+def test_bench_variants_and_summary_with_time_to_acc(tmp_path, monkeypatch):
+    from commsched.bench import gnn
+
+    p = argparse.ArgumentParser()
+    gnn.add_arguments(p)
+    a = p.parse_args(["--metric", "time-to-acc", "--seeds", "0,1"])
+    names = [v.name for v in gnn.variants(a)]
+    keep, skipped = gnn.tta_modes()
+    assert names == [f"gcn-{m}-s{s}" for s in (0, 1) for m in keep]  # gcn only, the registered modes
+    assert {"vanilla", "vanilla-bf16", "adaqp", "onebit"} <= set(keep)
+    assert set(keep) | set(skipped) == set(gnn.TTA_MODES)
+    args = gnn.variants(a)[0].args
+    assert args[args.index("--eval-every") + 1] == "1"  # every epoch evaluated
+    plain = p.parse_args([])
+    assert gnn.variants(plain)[0].args[gnn.variants(plain)[0].args.index("--eval-every") + 1] == "5"
+    # a mode this checkout lacks is skipped, not an error
+    monkeypatch.setattr(gnn, "TTA_MODES", ("vanilla", "onebit", "nosuchmode"))
+    monkeypatch.setattr(gnn.tta_modes, "__defaults__", (gnn.TTA_MODES,))
+    assert gnn.tta_modes() == (["vanilla", "onebit"], ["nosuchmode"])
+    for bad in (["--target-acc", "1.5"], ["--metric", "time-to-acc", "--target-frac", "0"]):
+        with pytest.raises(ValueError, match="--target-"):
+            gnn.variants(p.parse_args(bad))
+    # the summary: the table and the plot, from per-seed runs
+    runs = {}
+    for v, rs in _runs().items():
+        for k, m in enumerate(rs):
+            m = dict(m, mode=v.split("-", 1)[1], loss=[1.0, 0.5, 0.4, 0.3],
+                     breakdown_s={"comm": 0.1}, bytes_sent_per_epoch=1.0)
+            runs[f"{v}-s{k}"] = [m]
+    a = p.parse_args(["--target-acc", "0.85", "--seeds", "0,1", "--modes", "vanilla,onebit"])
+    a.bandwidth = "300mbit"
+    s = gnn.summarize(runs, a, tmp_path)
+    rows = s["time_to_acc"]["rows"]
+    assert rows["gcn-onebit"]["target"] == 0.85 and rows["gcn-onebit"]["epochs_to_target"] == [3, None]
+    assert s["time_to_acc"]["regime"] == "300mbit" and s["time_to_acc"]["skipped_modes"] == []
+    assert "Time to accuracy" in s["extra_tables"]
+    assert (tmp_path / "time_to_acc.png").read_bytes()[:8] == PNG_MAGIC
