@@ -20,8 +20,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/commsched demo
 
+# two pytest workers, a test file per worker at a time (its module fixtures spawn once);
+# TEST_JOBS=0 runs the suite in one process
+TEST_JOBS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile) tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check commsched kernels tests
