@@ -19,7 +19,13 @@ from commsched.gnn.context import PassContext
 from commsched.gnn.data import SyntheticSpec, synthetic_graph
 from commsched.gnn.halo import VanillaExchange, ZeroExchange
 from commsched.gnn.layers import GCNConv, LocalGraph, build_model
-from commsched.gnn.metrics import GNNMetrics, summarize
+from commsched.gnn.metrics import (
+    AUC_BINS,
+    GNNMetrics,
+    auc_from_histograms,
+    auc_histograms,
+    summarize,
+)
 from commsched.gnn.modes import MODE_NAMES, MODES, make_exchange, mode_spec
 from commsched.gnn.onebit import OneBitExchange
 from commsched.gnn.partition import make_parts, partition_nodes
@@ -238,3 +244,40 @@ def test_summarize_by_hand():
     assert none.epoch_time_s == 0.0 and none.best_epoch is None
     with pytest.raises(ValueError, match="shadow"):
         dataclasses.replace(m, extra={"loss": []}).to_dict()
+    assert m.val_auc is None and m.val_auc_per_eval == []  # no AUC recorded: a many-class graph
+    # a two-class graph: the AUC's best validation epoch is its own, not the accuracy's
+    auc = [dict(e, val_auc=a, test_auc=b) for e, a, b in zip(evals, (0.7, 0.75, 0.9), (0.6, 0.8, 0.85))]
+    m2 = summarize(cfg, [3.0, 2.0, 1.0], auc, per, world_size=2, wall_s=9.0, dataset="syn")
+    assert (m2.best_epoch, m2.val_auc, m2.test_auc) == (1, 0.9, 0.85)
+    assert m2.val_auc_per_eval == [0.7, 0.75, 0.9] and m2.test_auc_per_eval == [0.6, 0.8, 0.85]
+
+
+def _exact_auc(score, y):
+    pos, neg = score[y == 1], score[y == 0]
+    gt = (pos[:, None] > neg[None, :]).double().sum() + 0.5 * (pos[:, None] == neg[None, :]).double().sum()
+    return float(gt) / (len(pos) * len(neg))
+
+
+def test_roc_auc_from_histograms():
+    # by hand, 4 bins: negatives at bins 0, 1; positives at 1, 3: pairs (pos > neg) = 3 of 4, one tie
+    assert auc_from_histograms([1, 1, 0, 0], [0, 1, 0, 1]) == pytest.approx((3 + 0.5) / 4)
+    assert auc_from_histograms([0, 0, 2], [3, 0, 0]) == 0.0 and auc_from_histograms([2, 0], [0, 5]) == 1.0
+    assert auc_from_histograms([0, 0], [1, 1]) is None and auc_from_histograms([1, 1], [0, 0]) is None
+    with pytest.raises(ValueError, match="shapes"):
+        auc_from_histograms([1, 2], [1, 2, 3])
+    # against the exact pairwise AUC on random scores: within the bin width's share of tied pairs
+    g = torch.Generator().manual_seed(0)
+    n = 3000
+    y = (torch.rand(n, generator=g) < 0.3).long()
+    score = torch.sigmoid(torch.randn(n, generator=g) + 1.2 * y)
+    masks = [torch.ones(n, dtype=torch.bool), torch.arange(n) % 2 == 0]
+    h = auc_histograms(score, y, masks)
+    assert h.shape == (2, 2, AUC_BINS) and h.dtype == torch.float64
+    assert h[0].sum() == n and h[1, 1].sum() == int((y[::2] == 1).sum())
+    for k, m in enumerate(masks):
+        assert auc_from_histograms(h[k, 0], h[k, 1]) == pytest.approx(_exact_auc(score[m], y[m]), abs=2e-4)
+    # scores of exactly 0 and 1 land in the end bins; equal scores are ties in both
+    edge = auc_histograms(torch.tensor([0.0, 1.0, 0.5, 0.5]), torch.tensor([0, 1, 0, 1]), [torch.ones(4, dtype=torch.bool)])
+    assert edge[0, 0, 0] == 1 and edge[0, 1, -1] == 1
+    assert auc_from_histograms(edge[0, 0], edge[0, 1]) == pytest.approx(_exact_auc(torch.tensor([0.0, 1.0, 0.5, 0.5]),
+                                                                                  torch.tensor([0, 1, 0, 1])))

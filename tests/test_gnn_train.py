@@ -23,6 +23,8 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 ROOT = Path(__file__).resolve().parents[1]
 SYN = SyntheticSpec(num_nodes=500, num_edges=2500, num_features=12, num_classes=4,
                     communities_per_class=2, seed=7)
+SYN2 = SyntheticSpec(num_nodes=400, num_edges=2000, num_features=8, num_classes=2,
+                     communities_per_class=2, seed=9)  # two classes: ROC AUC is recorded too
 EPOCHS = 5
 # (graph, config): Cora with Kipf's shape, the synthetic graph with AdaQP's (LayerNorm, 3 layers).
 # float64 so that accuracies can be compared for equality; one float32 case for the loss bound.
@@ -35,9 +37,11 @@ PLAN = [
     ("syn", TrainConfig(model="sage", layers=3, hidden=16, epochs=EPOCHS, dtype="float64", seed=5,
                         pattern="ring")),
     ("syn", TrainConfig(model="gcn", layers=2, hidden=8, epochs=EPOCHS, seed=6)),
+    ("syn2", TrainConfig(model="gcn", layers=2, hidden=8, epochs=EPOCHS, dtype="float64", seed=8)),
 ]
 KEYS = ("mode", "model", "dataset", "world_size", "epochs", "loss", "val_acc", "test_acc",
-        "epoch_time_s", "breakdown_s", "bytes_sent_per_epoch", "wall_clock_s")
+        "epoch_time_s", "breakdown_s", "bytes_sent_per_epoch", "wall_clock_s", "val_auc", "test_auc",
+        "val_auc_per_eval")
 
 
 def _directed_graph():
@@ -81,7 +85,8 @@ def graph_paths(tmp_path_factory):
     d = tmp_path_factory.mktemp("gnn")
     save_graph(load_dataset("cora", DATA), d / "cora.npz")
     save_graph(synthetic_graph(SYN), d / "syn.npz")
-    return {"cora": str(d / "cora.npz"), "syn": str(d / "syn.npz")}
+    save_graph(synthetic_graph(SYN2), d / "syn2.npz")
+    return {"cora": str(d / "cora.npz"), "syn": str(d / "syn.npz"), "syn2": str(d / "syn2.npz")}
 
 
 def _check_matches(ref: list[dict], got: list[dict], world: int) -> None:
@@ -94,6 +99,10 @@ def _check_matches(ref: list[dict], got: list[dict], world: int) -> None:
         if cfg is None or cfg.dtype == "float64":
             assert rel.max() <= 1e-10, (what, rel.max())
             assert (d["val_acc"], d["test_acc"]) == (r["val_acc"], r["test_acc"]), what
+            if cfg is not None:  # ROC AUC (two-class graphs) from histograms summed over the ranks
+                assert (d["val_auc"], d["test_auc"], d["val_auc_per_eval"]) == \
+                    (r["val_auc"], r["test_auc"], r["val_auc_per_eval"]), what
+                assert (r["val_auc"] is not None) == (name == "syn2"), what
         else:  # float32: a one-node flip of an argmax tie would be rounding, not a bug
             assert abs(d["test_acc"] - r["test_acc"]) <= 1.0 / 250 + 1e-12, what
         if cfg is not None:
@@ -135,6 +144,28 @@ def test_final_state_is_saved_whatever_the_epoch_count(tmp_path):
     # no interval, no checkpoint
     run_training(dataclasses.replace(cfg, checkpoint_every=0), part, out_dir=tmp_path / "none")
     assert not (tmp_path / "none" / "checkpoint.pt").exists()
+
+
+def test_roc_auc_on_a_two_class_graph_matches_the_exact_one():
+    """The trainer's evaluation on a two-class graph: the histogram ROC AUC of each split
+    within 1e-3 of the exact pairwise AUC of the model's class-1 probabilities."""
+    from commsched.gnn.context import PassContext
+    from commsched.gnn.timing import Breakdown
+
+    g = synthetic_graph(SYN2)
+    part = make_parts(g, partition_nodes(g, 1, "metis", 0), 1)[0]
+    m, tr = run_training(TrainConfig(model="gcn", layers=2, hidden=8, epochs=3, seed=2), part)
+    assert len(m["val_auc_per_eval"]) == len(m["eval_epochs"]) and 0.5 < m["val_auc"] <= 1.0
+    ev = tr.evaluate()
+    tr.model.eval()
+    with torch.no_grad():
+        p = torch.softmax(tr._forward(PassContext(epoch=2, training=False, timer=Breakdown(tr.clock))), 1)[:, 1]
+    for k in ("train", "val", "test"):
+        sel = tr.masks[k]
+        s, y = p[sel], tr.y[sel]
+        pos, neg = s[y == 1], s[y == 0]
+        exact = float((pos[:, None] > neg[None, :]).double().mean() + 0.5 * (pos[:, None] == neg[None, :]).double().mean())
+        assert ev[f"{k}_auc"] == pytest.approx(exact, abs=1e-3), k
 
 
 def _two_rank_cases(rank: int, world: int, tmp: str, group) -> dict:

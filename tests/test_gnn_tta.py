@@ -11,6 +11,7 @@ import pytest
 
 from commsched.bench.gnn_tta import (
     TimeToTarget,
+    pick_score,
     run_curve,
     targets,
     time_to_target,
@@ -83,6 +84,40 @@ def test_rows_target_from_vanilla_and_aggregation():
     assert run_curve(_run([0.1, 0.2], [1.0, 2.0, 3.0], 0.1, 0, ev=[0, 2])) == ([1.0, 6.0], [0.1, 0.2])
 
 
+def _auc_runs():
+    """The accuracy curves of :func:`_runs` flat at the majority share (a Tolokers), their
+    ROC AUC curves carrying the information."""
+    runs = {}
+    for v, rs in _runs().items():
+        runs[v] = [dict(m, val_acc_per_eval=[0.78] * 4, test_acc=0.78, val_auc_per_eval=m["val_acc_per_eval"],
+                        test_auc=m["test_acc"]) for m in rs]
+    return runs
+
+
+def test_rows_in_roc_auc():
+    runs = _auc_runs()
+    assert pick_score(runs) == "auc" and pick_score(runs, "acc") == "acc"
+    assert pick_score(_runs()) == "acc"  # no AUC recorded: accuracy
+    with pytest.raises(ValueError, match="ROC AUC was asked for"):
+        pick_score(_runs(), "auc")
+    with pytest.raises(ValueError, match="expected one of"):
+        pick_score(runs, "f1")
+    acc = tta_rows(runs, score="acc")
+    assert acc["gcn-onebit"]["epochs_to_target"] == [1, 1]  # accuracy: reached at once, says nothing
+    auc = tta_rows(runs, score="auc")
+    ref = tta_rows(_runs())
+    for v in runs:  # AUC rows are the accuracy rows of the same curves
+        for k in ("target", "epochs_to_target", "seconds_to_target", "best_val_mean", "test_acc_mean",
+                  "speedup_vs_vanilla"):
+            assert auc[v][k] == ref[v][k], (v, k)
+    assert auc["gcn-onebit"]["score"] == "auc"
+    table = tta_table(auc)
+    assert "| variant | target val auc |" in table and "best val auc" in table and "ROC AUC" in table
+    # an evaluation whose split lacked a class (None) never counts as reaching the target
+    assert time_to_target([None, 0.9], [0, 1], [1.0, 1.0], 0.5) == TimeToTarget(2, 2.0)
+    assert run_curve(dict(_run([0.1], [1.0], 0.1, 0), val_auc_per_eval=[None]), "auc")[1][0] != 0.0
+
+
 def test_bench_variants_and_summary_with_time_to_acc(tmp_path, monkeypatch):
     from commsched.bench import gnn
 
@@ -120,3 +155,13 @@ def test_bench_variants_and_summary_with_time_to_acc(tmp_path, monkeypatch):
     assert s["time_to_acc"]["regime"] == "300mbit" and s["time_to_acc"]["skipped_modes"] == []
     assert "Time to accuracy" in s["extra_tables"]
     assert (tmp_path / "time_to_acc.png").read_bytes()[:8] == PNG_MAGIC
+    assert s["time_to_acc"]["score"] == "acc"
+    # runs with ROC AUC: auto picks it, and the table says so
+    for v, rs in _auc_runs().items():
+        for k, m in enumerate(rs):
+            runs[f"{v}-s{k}"][0].update(val_acc_per_eval=m["val_acc_per_eval"], val_auc_per_eval=m["val_auc_per_eval"],
+                                        test_auc=m["test_auc"])
+    s = gnn.summarize(runs, p.parse_args(["--metric", "time-to-acc", "--seeds", "0,1", "--modes", "vanilla,onebit"]),
+                      tmp_path)
+    assert s["time_to_acc"]["score"] == "auc" and "Time to accuracy (ROC AUC)" in s["extra_tables"]
+    assert s["time_to_acc"]["rows"]["gcn-onebit"]["epochs_to_target"] == [4, None]  # target 0.98 x 0.91

@@ -26,7 +26,9 @@ Time to accuracy (issue 20; docs/benchmarks.md, "GNN modes: time to accuracy"):
 report of :mod:`commsched.bench.gnn_tta`: per variant, epochs and wall-clock until the
 validation accuracy first reaches the target (``A``, or ``--target-frac`` of Vanilla's
 best), test accuracy at the best validation epoch, mean and spread over ``--seeds``, and
-``time_to_acc.png`` (validation accuracy against wall-clock). Its default variants are
+``time_to_acc.png`` (validation accuracy against wall-clock); ``--score auc`` (the
+default ``auto`` on a two-class graph such as Tolokers) uses ROC AUC instead of accuracy
+throughout. Its default variants are
 :data:`TTA_MODES` on GCN; a name whose mode this checkout does not register is skipped
 with a note.
 
@@ -47,7 +49,7 @@ from ..dist import DEVICE_CHOICES
 from ..gnn.modes import MODE_NAMES, mode_spec
 from ..quant.reference import BITS
 from ..results import median
-from .gnn_tta import DEFAULT_TARGET_FRAC, plot_tta, tta_rows, tta_table
+from .gnn_tta import DEFAULT_TARGET_FRAC, SCORES, pick_score, plot_tta, tta_rows, tta_table
 from .plots import pyplot, save_figure
 from .runner import Variant, Workload, median_of
 
@@ -141,6 +143,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-frac", type=float, default=DEFAULT_TARGET_FRAC, metavar="F",
                    help=f"time-to-acc target as a fraction of vanilla's best validation accuracy, "
                         f"mean over seeds (default {DEFAULT_TARGET_FRAC})")
+    g.add_argument("--score", choices=SCORES, default="auto",
+                   help="time-to-acc validation score: acc (accuracy), auc (ROC AUC, two-class graphs), "
+                        "auto (default: auc when every run recorded it, else acc)")
     g.add_argument("--period", type=int, default=5, help="AdaQP re-assignment period (epochs)")
     g.add_argument("--group-size", type=int, default=100)
     g.add_argument("--lam", type=float, default=0.5)
@@ -369,13 +374,14 @@ def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> 
     res = {"gnn": rows, "extra_tables": tables, "plots": _plots(runs, out)}
     if time_to_acc(a):
         skipped = [] if a.modes else tta_modes()[1]
-        tta = tta_rows(runs, a.target_acc, a.target_frac)
-        tables["Time to accuracy"] = tta_table(tta, skipped)
+        score = pick_score(runs, getattr(a, "score", "auto"))
+        tta = tta_rows(runs, a.target_acc, a.target_frac, score)
+        tables["Time to accuracy" + (" (ROC AUC)" if score == "auc" else "")] = tta_table(tta, skipped)
         regime = getattr(a, "bandwidth", None) or "unshaped"
         res["time_to_acc"] = {"rows": tta, "skipped_modes": skipped, "target_acc": a.target_acc,
-                              "target_frac": a.target_frac, "regime": regime}
+                              "target_frac": a.target_frac, "regime": regime, "score": score}
         res["plots"].append(str(plot_tta(runs, tta, out / "time_to_acc.png",
-                                         title=f"{a.dataset or 'synthetic'}, {regime}")))
+                                         title=f"{a.dataset or 'synthetic'}, {regime}", score=score)))
     return res
 
 

@@ -15,6 +15,12 @@ standard deviation, per seed), :func:`tta_table` writes the markdown table and
 :func:`plot_tta` validation accuracy against wall-clock, one line per variant (mean over
 seeds at each epoch), the target as a dashed line.
 
+The validation score is accuracy or, with ``score="auc"``, ROC AUC (recorded by the
+trainer on two-class graphs, ``val_auc_per_eval``; on Tolokers 78% of the nodes are in one
+class, so accuracy reaches 98% of its best after one epoch and says nothing);
+:func:`pick_score` chooses AUC when every run recorded it and ``"auto"`` was asked.
+"Accuracy" below stands for the chosen score.
+
 The modes the report compares by default are data in :mod:`commsched.bench.gnn`
 (``TTA_MODES``; a name whose mode is not registered is skipped with a note).
 """
@@ -31,6 +37,21 @@ from ..results import median
 from .plots import pyplot, save_figure
 
 DEFAULT_TARGET_FRAC = 0.98
+SCORES = ("auto", "acc", "auc")
+SCORE_LABEL = {"acc": "accuracy", "auc": "ROC AUC"}
+
+
+def pick_score(runs: dict[str, list[dict]], score: str = "auto") -> str:
+    """``"acc"`` or ``"auc"``: ``score`` itself, or for ``"auto"`` AUC when every run
+    recorded one (a two-class graph), else accuracy. Asking for AUC of a run without it is
+    an error."""
+    if score not in SCORES:
+        raise ValueError(f"score {score!r}: expected one of {', '.join(SCORES)}")
+    has_auc = bool(runs) and all(m.get("val_auc_per_eval") for rs in runs.values() for m in rs)
+    if score == "auc" and not has_auc:
+        raise ValueError("ROC AUC was asked for but not every run recorded it (the trainer computes "
+                         "it on two-class graphs only); use the accuracy")
+    return score if score != "auto" else ("auc" if has_auc else "acc")
 
 
 @dataclass(frozen=True)
@@ -55,7 +76,7 @@ def time_to_target(val_acc_V: Sequence[float], eval_epochs_V: Sequence[int],
     if len(val_acc_V) != len(eval_epochs_V):
         raise ValueError(f"{len(val_acc_V)} validation accuracies for {len(eval_epochs_V)} evaluation epochs")
     for acc, ep in zip(val_acc_V, eval_epochs_V):
-        if acc >= target:
+        if acc is not None and acc >= target:
             n = int(ep) + 1
             if n > len(epoch_time_s_E):
                 raise ValueError(f"evaluation after epoch {ep} but only {len(epoch_time_s_E)} epoch times")
@@ -63,18 +84,20 @@ def time_to_target(val_acc_V: Sequence[float], eval_epochs_V: Sequence[int],
     return TimeToTarget(None, None)
 
 
-def run_curve(m: dict) -> tuple[list[float], list[float]]:
-    """(wall-clock at each evaluation: the summed epoch times up to it; validation accuracy)."""
+def run_curve(m: dict, score: str = "acc") -> tuple[list[float], list[float]]:
+    """(wall-clock at each evaluation: the summed epoch times up to it; validation score)."""
     times = m["epoch_time_s_per_epoch"]
     cum, t = [], 0.0
     for x in times:
         t += x
         cum.append(t)
-    return [cum[e] for e in m["eval_epochs"]], list(m["val_acc_per_eval"])
+    vals = [float("nan") if x is None else x for x in m[f"val_{score}_per_eval"]]
+    return [cum[e] for e in m["eval_epochs"]], vals
 
 
-def _best_val(m: dict) -> float:
-    return max(m["val_acc_per_eval"]) if m.get("val_acc_per_eval") else float("nan")
+def _best_val(m: dict, score: str = "acc") -> float:
+    vals = [x for x in m.get(f"val_{score}_per_eval") or () if x is not None]
+    return max(vals) if vals else float("nan")
 
 
 def _stats(xs: Sequence[float]) -> tuple[float | None, float | None]:
@@ -85,7 +108,7 @@ def _stats(xs: Sequence[float]) -> tuple[float | None, float | None]:
 
 
 def targets(runs: dict[str, list[dict]], target_acc: float | None = None,
-            frac: float = DEFAULT_TARGET_FRAC) -> dict[str, float | None]:
+            frac: float = DEFAULT_TARGET_FRAC, score: str = "acc") -> dict[str, float | None]:
     """Per model: ``target_acc``, or ``frac`` x the mean over its Vanilla runs of each run's
     best validation accuracy (None without a ``MODEL-vanilla`` variant)."""
     models = dict.fromkeys(v.split("-", 1)[0] for v in runs)
@@ -95,32 +118,34 @@ def targets(runs: dict[str, list[dict]], target_acc: float | None = None,
             out[model] = target_acc
             continue
         base = runs.get(f"{model}-vanilla")
-        out[model] = frac * statistics.fmean(_best_val(m) for m in base) if base else None
+        out[model] = frac * statistics.fmean(_best_val(m, score) for m in base) if base else None
     return out
 
 
 def tta_rows(runs: dict[str, list[dict]], target_acc: float | None = None,
-             frac: float = DEFAULT_TARGET_FRAC) -> dict[str, dict]:
+             frac: float = DEFAULT_TARGET_FRAC, score: str = "acc") -> dict[str, dict]:
     """Per variant (``MODEL-MODE``, runs pooled over seeds): the target, per run and
     aggregated, epochs and seconds to the target, best validation and test accuracy at
     the best validation epoch, the median epoch time, and the per-seed ratio of Vanilla's
-    time to target to this variant's (median over the seeds where both reached it)."""
-    tg = targets(runs, target_acc, frac)
+    time to target to this variant's (median over the seeds where both reached it), all in
+    ``score`` (``"acc"`` or ``"auc"``; the keys keep the ``acc`` names)."""
+    tg = targets(runs, target_acc, frac, score)
     rows: dict[str, dict] = {}
     for v, rs in runs.items():
         model = v.split("-", 1)[0]
         target = tg.get(model)
-        hits = [time_to_target(m["val_acc_per_eval"], m["eval_epochs"], m["epoch_time_s_per_epoch"], target)
+        hits = [time_to_target(m[f"val_{score}_per_eval"], m["eval_epochs"], m["epoch_time_s_per_epoch"], target)
                 if target is not None else TimeToTarget(None, None) for m in rs]
         ep_m, ep_sd = _stats([h.epochs for h in hits if h.reached])
         t_m, t_sd = _stats([h.seconds for h in hits if h.reached])
-        te_m, te_sd = _stats([m.get("test_acc") for m in rs])
-        bv_m, bv_sd = _stats([_best_val(m) for m in rs])
+        te_m, te_sd = _stats([m.get(f"test_{score}") for m in rs])
+        bv_m, bv_sd = _stats([_best_val(m, score) for m in rs])
         r = {"target": target, "runs": len(rs), "reached": sum(h.reached for h in hits),
              "epochs_to_target": [h.epochs for h in hits], "seconds_to_target": [h.seconds for h in hits],
              "epochs_mean": ep_m, "epochs_sd": ep_sd, "seconds_mean": t_m, "seconds_sd": t_sd,
              "best_val_mean": bv_m, "best_val_sd": bv_sd,
-             "test_acc_per_run": [m.get("test_acc") for m in rs], "test_acc_mean": te_m, "test_acc_sd": te_sd,
+             "test_acc_per_run": [m.get(f"test_{score}") for m in rs], "test_acc_mean": te_m, "test_acc_sd": te_sd,
+             "score": score,
              "epoch_time_s": median(m["epoch_time_s"] for m in rs), "epochs_run": [m["epochs"] for m in rs],
              "seeds": [(m.get("config") or {}).get("seed") for m in rs]}
         rows[v] = r
@@ -140,8 +165,9 @@ def _pm(m: float | None, sd: float | None, fmt: str) -> str:
 
 def tta_table(rows: dict[str, dict], skipped: Sequence[str] = ()) -> str:
     """The markdown table of :func:`tta_rows` (and a note on the skipped modes)."""
-    lines = ["| variant | target val acc | reached | epochs to target | s to target | time speed-up vs vanilla "
-             "| s/epoch | best val acc | test acc at best val (per seed) |",
+    score = next((r.get("score", "acc") for r in rows.values()), "acc")
+    lines = [f"| variant | target val {score} | reached | epochs to target | s to target | time speed-up vs vanilla "
+             f"| s/epoch | best val {score} | test {score} at best val (per seed) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for v, r in rows.items():
         sp = r.get("speedup_vs_vanilla")
@@ -157,14 +183,15 @@ def tta_table(rows: dict[str, dict], skipped: Sequence[str] = ()) -> str:
               "seeds that reached it (reached: how many); s to target: the summed wall-clock of the "
               "training epochs up to the first evaluation at or above the target, evaluation excluded; "
               "time speed-up: median over seeds of vanilla's s to target / the variant's, same seed; "
-              "test acc at the epoch of best validation accuracy."]
+              f"test {score} at the epoch of best validation {SCORE_LABEL.get(score, score)}."]
     if skipped:
         lines.append(f"Skipped (mode not registered in this checkout): {', '.join(skipped)}.")
     return "\n".join(lines) + "\n"
 
 
-def plot_tta(runs: dict[str, list[dict]], rows: dict[str, dict], path: Path, title: str = "") -> Path:
-    """Validation accuracy against wall-clock, one line per variant (mean over seeds of the
+def plot_tta(runs: dict[str, list[dict]], rows: dict[str, dict], path: Path, title: str = "",
+             score: str = "acc") -> Path:
+    """Validation accuracy (or ``score``) against wall-clock, one line per variant (mean over seeds of the
     accuracy and of the wall-clock at each evaluation), one panel per model, the target
     dashed."""
     plt = pyplot()
@@ -175,7 +202,7 @@ def plot_tta(runs: dict[str, list[dict]], rows: dict[str, dict], path: Path, tit
         for v, rs in runs.items():
             if v.split("-", 1)[0] != model:
                 continue
-            curves = [run_curve(m) for m in rs]
+            curves = [run_curve(m, score) for m in rs]
             n = min(len(c[0]) for c in curves)
             t = [statistics.fmean(c[0][i] for c in curves) for i in range(n)]
             a = [statistics.fmean(c[1][i] for c in curves) for i in range(n)]
@@ -189,12 +216,12 @@ def plot_tta(runs: dict[str, list[dict]], rows: dict[str, dict], path: Path, tit
             lo = min(target - 0.15, ax.get_ylim()[0])
             ax.set_ylim(max(lo, 0.0), None)
         ax.set_xlabel("wall-clock of the training epochs (s, evaluation excluded; mean over seeds)")
-        ax.set_ylabel("validation accuracy (mean over seeds)")
+        ax.set_ylabel(f"validation {SCORE_LABEL.get(score, score)} (mean over seeds)")
         ax.set_title(f"{model}{': ' + title if title else ''}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small", loc="lower right")
     return save_figure(fig, path)
 
 
-__all__ = ["DEFAULT_TARGET_FRAC", "TimeToTarget", "plot_tta", "run_curve", "targets", "time_to_target",
+__all__ = ["DEFAULT_TARGET_FRAC", "SCORES", "TimeToTarget", "pick_score", "plot_tta", "run_curve", "targets", "time_to_target",
            "tta_rows", "tta_table"]

@@ -247,6 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{metrics['mode']} {metrics['model']} on {metrics['dataset']} x{metrics['world_size']}: "
               f"loss {metrics['loss'][-1] if metrics['loss'] else float('nan'):.4f}, "
               f"val {metrics['val_acc']}, test {metrics['test_acc']} (best epoch {metrics['best_epoch']}), "
+              + (f"ROC AUC val {metrics['val_auc']:.4f}, test {metrics['test_auc']:.4f}, "
+                 if metrics.get("val_auc") is not None and metrics.get("test_auc") is not None else "") +
               f"{metrics['epoch_time_s']:.3f} s/epoch, {metrics['bytes_sent_per_epoch'] / 1e6:.2f} MB/epoch; "
               f"wrote {a.out}/metrics.json")
     return 0

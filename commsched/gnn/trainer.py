@@ -63,7 +63,7 @@ from .bns import BNSOptions
 from .context import PassContext
 from .halo import HaloExchange
 from .layers import LocalGraph, build_model
-from .metrics import GNNMetrics, summarize
+from .metrics import GNNMetrics, auc_from_histograms, auc_histograms, summarize
 from .modes import MODE_NAMES, make_exchange, mode_spec
 from .partition import PartData
 from .stale import PipeGCNOptions
@@ -342,20 +342,31 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Accuracy on the train / val / test nodes (no dropout, full-precision exchanges,
-        untimed and uncounted traffic); collective."""
+        """Accuracy on the train / val / test nodes, and on a two-class graph their ROC AUC
+        (``*_auc``, None for a split without both classes); no dropout, full-precision
+        exchanges, untimed and uncounted traffic; collective."""
         ctx = PassContext(epoch=self.epoch - 1, training=False, timer=Breakdown(self.clock))
         self.model.eval()
         t0 = self.clock.mark()
-        pred = self._forward(ctx).argmax(1)
-        ok = pred == self.y
+        logits = self._forward(ctx)
+        ok = logits.argmax(1) == self.y
+        splits = ("train", "val", "test")
         # counted on the device, summed across ranks there, read once
-        counts = torch.stack([(ok & self.masks[k]).sum() for k in ("train", "val", "test")]).double()
+        counts = torch.stack([(ok & self.masks[k]).sum() for k in splits]).double()
+        binary = self.part.num_classes == 2
+        if binary:  # and the ROC AUC histograms, in the same all-reduce
+            hist = auc_histograms(torch.softmax(logits.float(), 1)[:, 1], self.y,
+                                  [self.masks[k] for k in splits])
+            counts = torch.cat([counts, hist.flatten()])
         if self.world > 1:
             with comm_guard("allreduce of accuracy counts", self.group):
                 dist.all_reduce(counts, group=self.group)
-        got = counts.tolist()
-        res = {f"{k}_acc": got[i] / self.totals[k] for i, k in enumerate(("train", "val", "test"))}
+        got = counts[:3].tolist()
+        res = {f"{k}_acc": got[i] / self.totals[k] for i, k in enumerate(splits)}
+        if binary:
+            hist = counts[3:].view(len(splits), 2, -1).cpu()
+            for i, k in enumerate(splits):
+                res[f"{k}_auc"] = auc_from_histograms(hist[i, 0], hist[i, 1])
         res["epoch"] = self.epoch - 1
         res["eval_time_s"] = self.clock.seconds(t0, self.clock.mark())
         return res
