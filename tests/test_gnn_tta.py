@@ -165,3 +165,41 @@ def test_bench_variants_and_summary_with_time_to_acc(tmp_path, monkeypatch):
                       tmp_path)
     assert s["time_to_acc"]["score"] == "auc" and "Time to accuracy (ROC AUC)" in s["extra_tables"]
     assert s["time_to_acc"]["rows"]["gcn-onebit"]["epochs_to_target"] == [4, None]  # target 0.98 x 0.91
+
+
+def _write_bench(d, runs_by_seed):
+    import json
+
+    for name, m in runs_by_seed.items():
+        f = d / name / "rep0" / "metrics.json"
+        f.parent.mkdir(parents=True)
+        f.write_text(json.dumps(m))
+
+
+def test_pool_report_over_separate_invocations(tmp_path, capsys):
+    from commsched.bench import gnn_tta
+
+    runs = _runs()
+    # seed 0 in one folder, seed 1 in another (written first: the pool orders by seed)
+    a, b = tmp_path / "a", tmp_path / "b"
+    _write_bench(b, {f"{v}-s1": rs[1] for v, rs in runs.items()})
+    _write_bench(a, {f"{v}-s0": rs[0] for v, rs in runs.items()})
+    res = gnn_tta.pool_report([b, a], tmp_path / "pooled")
+    want = tta_rows(runs)
+    for v in runs:
+        for k in ("target", "epochs_to_target", "seconds_to_target", "speedup_vs_vanilla", "test_acc_per_run"):
+            assert res["rows"][v][k] == want[v][k], (v, k)
+    assert res["seeds"] == {"gcn-onebit": [0, 1], "gcn-vanilla": [0, 1]} and res["score"] == "acc"
+    md = (tmp_path / "pooled" / "time_to_acc.md").read_text()
+    assert "seeds per variant: gcn-onebit [0, 1], gcn-vanilla [0, 1]" in md and "| gcn-onebit | 0.8918 |" in md
+    assert (tmp_path / "pooled" / "time_to_acc.png").read_bytes()[:8] == PNG_MAGIC
+    # a seed in two folders, a folder with no runs: one clear error, exit 2
+    dup = tmp_path / "dup"
+    _write_bench(dup, {"gcn-vanilla-s0": runs["gcn-vanilla"][0]})
+    with pytest.raises(ValueError, match="gcn-vanilla seed 0 \\(rep0\\) is in both"):
+        gnn_tta.load_bench_runs([a, dup])
+    (tmp_path / "empty").mkdir()
+    assert gnn_tta.main([str(tmp_path / "empty"), "--out", str(tmp_path / "x")]) == 2
+    assert "no VARIANT/repK/metrics.json" in capsys.readouterr().err
+    assert gnn_tta.main([str(a), str(b), "--out", str(tmp_path / "cli")]) == 0
+    assert "| gcn-vanilla |" in capsys.readouterr().out

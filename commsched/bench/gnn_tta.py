@@ -21,19 +21,29 @@ class, so accuracy reaches 98% of its best after one epoch and says nothing);
 :func:`pick_score` chooses AUC when every run recorded it and ``"auto"`` was asked.
 "Accuracy" below stands for the chosen score.
 
+Seeds run in separate invocations (``--seeds 0`` one day, ``--seeds 1,2`` the next, each in
+its regime) are pooled into one report by :func:`pool_report`, from the command line
+``python -m commsched.bench.gnn_tta DIR [DIR ...] --out OUT``: it reads every
+``DIR/VARIANT-sSEED/repK/metrics.json``, refuses a seed found twice, and recomputes the
+target from all the pooled Vanilla runs.
+
 The modes the report compares by default are data in :mod:`commsched.bench.gnn`
 (``TTA_MODES``; a name whose mode is not registered is skipped with a note).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import re
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..results import median
+from ..results import median, write_json
 from .plots import pyplot, save_figure
 
 DEFAULT_TARGET_FRAC = 0.98
@@ -171,8 +181,12 @@ def tta_table(rows: dict[str, dict], skipped: Sequence[str] = ()) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for v, r in rows.items():
         sp = r.get("speedup_vs_vanilla")
-        per = ", ".join("-" if a is None else f"{100 * a:.1f}" for a in r["test_acc_per_run"])
-        te = "-" if r["test_acc_mean"] is None else f"{100 * r['test_acc_mean']:.2f} ± {100 * r['test_acc_sd']:.2f}%"
+        if score == "auc":  # an AUC as a fraction, an accuracy in percent
+            per = ", ".join("-" if a is None else f"{a:.3f}" for a in r["test_acc_per_run"])
+            te = _pm(r["test_acc_mean"], r["test_acc_sd"], "{:.4f}")
+        else:
+            per = ", ".join("-" if a is None else f"{100 * a:.1f}" for a in r["test_acc_per_run"])
+            te = "-" if r["test_acc_mean"] is None else f"{100 * r['test_acc_mean']:.2f} ± {100 * r['test_acc_sd']:.2f}%"
         tgt = "-" if r["target"] is None else f"{r['target']:.4f}"
         lines.append(f"| {v} | {tgt} "
                      f"| {r['reached']}/{r['runs']} | {_pm(r['epochs_mean'], r['epochs_sd'], '{:.1f}')} "
@@ -223,5 +237,76 @@ def plot_tta(runs: dict[str, list[dict]], rows: dict[str, dict], path: Path, tit
     return save_figure(fig, path)
 
 
+def load_bench_runs(dirs: Sequence[str | Path]) -> dict[str, list[dict]]:
+    """``{MODEL-MODE: [metrics of each seed, in seed order]}`` from the bench folders
+    ``dirs`` (``DIR/MODEL-MODE-sSEED/repK/metrics.json``). A seed (and repeat) found in two
+    folders, a folder without runs or an unreadable metrics file is a ValueError."""
+    found: dict[tuple[str, int, str], tuple[Path, dict]] = {}
+    for d in map(Path, dirs):
+        files = sorted(d.glob("*/rep*/metrics.json"))
+        if not files:
+            raise ValueError(f"{d}: no VARIANT/repK/metrics.json (is it a 'commsched bench gnn' --out folder?)")
+        for f in files:
+            m = re.fullmatch(r"(.+)-s(\d+)", f.parent.parent.name)
+            if m is None:
+                raise ValueError(f"{f}: variant {f.parent.parent.name!r} has no -sSEED suffix (run with --seeds)")
+            key = (m.group(1), int(m.group(2)), f.parent.name)
+            if key in found:
+                raise ValueError(f"{key[0]} seed {key[1]} ({key[2]}) is in both {found[key][0]} and {d}")
+            try:
+                found[key] = (d, json.loads(f.read_text()))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{f}: unreadable metrics ({e})") from None
+    runs: dict[str, list[dict]] = {}
+    for key in sorted(found):
+        runs.setdefault(key[0], []).append(found[key][1])
+    return runs
+
+
+def pool_report(dirs: Sequence[str | Path], out: str | Path, target_acc: float | None = None,
+                frac: float = DEFAULT_TARGET_FRAC, score: str = "auto") -> dict:
+    """The time-to-accuracy report over the runs of several bench folders (one seed each at
+    most once): ``OUT/time_to_acc.md`` (the table), ``time_to_acc.json`` (the rows) and
+    ``time_to_acc.png``. Pairs for the speed-up are made seed by seed, so a variant needs
+    the same seeds as Vanilla for its ratio."""
+    runs = load_bench_runs(dirs)
+    seeds = {v: [(m.get("config") or {}).get("seed") for m in rs] for v, rs in runs.items()}
+    score = pick_score(runs, score)
+    rows = tta_rows(runs, target_acc, frac, score)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = tta_table(rows)
+    head = (f"# Time to accuracy, pooled\n\n- folders: {', '.join(str(d) for d in dirs)}\n"
+            f"- seeds per variant: {', '.join(f'{v} {s}' for v, s in seeds.items())}\n"
+            f"- score: {SCORE_LABEL[score]}\n\n")
+    (out / "time_to_acc.md").write_text(head + table)
+    write_json(out / "time_to_acc.json", {"dirs": [str(d) for d in dirs], "score": score, "seeds": seeds, "rows": rows})
+    plot_tta(runs, rows, out / "time_to_acc.png", title="pooled", score=score)
+    return {"rows": rows, "table": table, "seeds": seeds, "score": score}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m commsched.bench.gnn_tta",
+                                description="Pool the time-to-accuracy runs of several 'commsched bench gnn "
+                                            "--metric time-to-acc --seeds ...' folders into one report.")
+    p.add_argument("dirs", nargs="+", help="bench --out folders")
+    p.add_argument("--out", required=True, help="folder for time_to_acc.{md,json,png}")
+    p.add_argument("--target-acc", type=float, default=None, metavar="A")
+    p.add_argument("--target-frac", type=float, default=DEFAULT_TARGET_FRAC, metavar="F")
+    p.add_argument("--score", choices=SCORES, default="auto")
+    a = p.parse_args(argv)
+    try:
+        res = pool_report(a.dirs, a.out, a.target_acc, a.target_frac, a.score)
+    except ValueError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(res["table"], end="")
+    print(f"wrote {a.out}/time_to_acc.md, .json, .png")
+    return 0
+
+
 __all__ = ["DEFAULT_TARGET_FRAC", "SCORES", "TimeToTarget", "pick_score", "plot_tta", "run_curve", "targets", "time_to_target",
-           "tta_rows", "tta_table"]
+           "tta_rows", "tta_table", "load_bench_runs", "pool_report"]
+
+if __name__ == "__main__":
+    sys.exit(main())
