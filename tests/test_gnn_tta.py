@@ -37,6 +37,14 @@ def test_time_to_target_first_evaluation_at_or_above():
         time_to_target([0.1, 0.2, 0.3], [0, 1], times, 0.5)
     with pytest.raises(ValueError, match="only 5 epoch times"):
         time_to_target([0.9], [7], times, 0.5)
+    # held for 2 evaluations in a row: the spike at index 1 does not count, 2-3 does not hold
+    spiky = [0.2, 0.9, 0.3, 0.8, 0.6, 0.8, 0.85]
+    t7 = [1.0] * 7
+    assert time_to_target(spiky, range(7), t7, 0.75) == TimeToTarget(2, 2.0)
+    assert time_to_target(spiky, range(7), t7, 0.75, sustain=2) == TimeToTarget(6, 6.0)
+    assert time_to_target(spiky, range(7), t7, 0.75, sustain=3) == TimeToTarget(None, None)  # ends inside
+    with pytest.raises(ValueError, match="sustain"):
+        time_to_target(spiky, range(7), t7, 0.75, sustain=0)
 
 
 def _run(val, times, test, seed, ev=None):
@@ -140,6 +148,8 @@ def test_bench_variants_and_summary_with_time_to_acc(tmp_path, monkeypatch):
     for bad in (["--target-acc", "1.5"], ["--metric", "time-to-acc", "--target-frac", "0"]):
         with pytest.raises(ValueError, match="--target-"):
             gnn.variants(p.parse_args(bad))
+    with pytest.raises(ValueError, match="--sustain is a number of evaluations"):
+        gnn.variants(p.parse_args(["--metric", "time-to-acc", "--sustain", "0"]))
     # the summary: the table and the plot, from per-seed runs
     runs = {}
     for v, rs in _runs().items():
@@ -203,3 +213,7 @@ def test_pool_report_over_separate_invocations(tmp_path, capsys):
     assert "no VARIANT/repK/metrics.json" in capsys.readouterr().err
     assert gnn_tta.main([str(a), str(b), "--out", str(tmp_path / "cli")]) == 0
     assert "| gcn-vanilla |" in capsys.readouterr().out
+    held = gnn_tta.pool_report([a, b], tmp_path / "held", sustain=2)
+    assert held["rows"]["gcn-onebit"]["epochs_to_target"] == [None, None]  # 0.89, 0.9: one eval at the target
+    assert held["rows"]["gcn-vanilla"]["epochs_to_target"] == [3, 2]
+    assert "that starts 2 evaluations in a row" in held["table"]

@@ -146,6 +146,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--score", choices=SCORES, default="auto",
                    help="time-to-acc validation score: acc (accuracy), auc (ROC AUC, two-class graphs), "
                         "auto (default: auc when every run recorded it, else acc)")
+    g.add_argument("--sustain", type=int, default=1, metavar="S",
+                   help="time-to-acc: the target counts when held for S evaluations in a row "
+                        "(default 1: the first crossing)")
     g.add_argument("--period", type=int, default=5, help="AdaQP re-assignment period (epochs)")
     g.add_argument("--group-size", type=int, default=100)
     g.add_argument("--lam", type=float, default=0.5)
@@ -187,6 +190,8 @@ def _check_tta(a: argparse.Namespace) -> None:
         raise ValueError(f"--target-acc is a validation accuracy in (0, 1], got {a.target_acc}")
     if not 0 < a.target_frac <= 1:
         raise ValueError(f"--target-frac is a fraction of vanilla's best in (0, 1], got {a.target_frac}")
+    if a.sustain < 1:
+        raise ValueError(f"--sustain is a number of evaluations >= 1, got {a.sustain}")
 
 
 def variants(a: argparse.Namespace) -> list[Variant]:
@@ -375,7 +380,7 @@ def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> 
     if time_to_acc(a):
         skipped = [] if a.modes else tta_modes()[1]
         score = pick_score(runs, getattr(a, "score", "auto"))
-        tta = tta_rows(runs, a.target_acc, a.target_frac, score)
+        tta = tta_rows(runs, a.target_acc, a.target_frac, score, getattr(a, "sustain", 1))
         tables["Time to accuracy" + (" (ROC AUC)" if score == "auc" else "")] = tta_table(tta, skipped)
         regime = getattr(a, "bandwidth", None) or "unshaped"
         res["time_to_acc"] = {"rows": tta, "skipped_modes": skipped, "target_acc": a.target_acc,

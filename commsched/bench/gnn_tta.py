@@ -78,15 +78,21 @@ class TimeToTarget:
 
 
 def time_to_target(val_acc_V: Sequence[float], eval_epochs_V: Sequence[int],
-                   epoch_time_s_E: Sequence[float], target: float) -> TimeToTarget:
+                   epoch_time_s_E: Sequence[float], target: float, sustain: int = 1) -> TimeToTarget:
     """The first evaluation v with ``val_acc_V[v] >= target``: it followed epoch
     ``eval_epochs_V[v]`` (0-based), so ``eval_epochs_V[v] + 1`` epochs were trained, in
     ``sum(epoch_time_s_E[:eval_epochs_V[v] + 1])`` seconds. With ``--eval-every K`` > 1 the
-    epoch found is the first *evaluated* one at the target (up to K - 1 epochs late)."""
+    epoch found is the first *evaluated* one at the target (up to K - 1 epochs late).
+    ``sustain`` S > 1 asks for S evaluations in a row at or above the target (v is the first
+    of them; a run that ends inside such a streak has not reached it), so that a transient
+    spike of a noisy curve does not count."""
     if len(val_acc_V) != len(eval_epochs_V):
         raise ValueError(f"{len(val_acc_V)} validation accuracies for {len(eval_epochs_V)} evaluation epochs")
-    for acc, ep in zip(val_acc_V, eval_epochs_V):
-        if acc is not None and acc >= target:
+    if sustain < 1:
+        raise ValueError(f"sustain is a number of evaluations >= 1, got {sustain}")
+    ok = [acc is not None and acc >= target for acc in val_acc_V]
+    for v, ep in enumerate(eval_epochs_V):
+        if v + sustain <= len(ok) and all(ok[v:v + sustain]):
             n = int(ep) + 1
             if n > len(epoch_time_s_E):
                 raise ValueError(f"evaluation after epoch {ep} but only {len(epoch_time_s_E)} epoch times")
@@ -133,18 +139,20 @@ def targets(runs: dict[str, list[dict]], target_acc: float | None = None,
 
 
 def tta_rows(runs: dict[str, list[dict]], target_acc: float | None = None,
-             frac: float = DEFAULT_TARGET_FRAC, score: str = "acc") -> dict[str, dict]:
+             frac: float = DEFAULT_TARGET_FRAC, score: str = "acc", sustain: int = 1) -> dict[str, dict]:
     """Per variant (``MODEL-MODE``, runs pooled over seeds): the target, per run and
     aggregated, epochs and seconds to the target, best validation and test accuracy at
     the best validation epoch, the median epoch time, and the per-seed ratio of Vanilla's
     time to target to this variant's (median over the seeds where both reached it), all in
-    ``score`` (``"acc"`` or ``"auc"``; the keys keep the ``acc`` names)."""
+    ``score`` (``"acc"`` or ``"auc"``; the keys keep the ``acc`` names), the target held for
+    ``sustain`` evaluations in a row (:func:`time_to_target`)."""
     tg = targets(runs, target_acc, frac, score)
     rows: dict[str, dict] = {}
     for v, rs in runs.items():
         model = v.split("-", 1)[0]
         target = tg.get(model)
-        hits = [time_to_target(m[f"val_{score}_per_eval"], m["eval_epochs"], m["epoch_time_s_per_epoch"], target)
+        hits = [time_to_target(m[f"val_{score}_per_eval"], m["eval_epochs"], m["epoch_time_s_per_epoch"], target,
+                               sustain)
                 if target is not None else TimeToTarget(None, None) for m in rs]
         ep_m, ep_sd = _stats([h.epochs for h in hits if h.reached])
         t_m, t_sd = _stats([h.seconds for h in hits if h.reached])
@@ -155,7 +163,7 @@ def tta_rows(runs: dict[str, list[dict]], target_acc: float | None = None,
              "epochs_mean": ep_m, "epochs_sd": ep_sd, "seconds_mean": t_m, "seconds_sd": t_sd,
              "best_val_mean": bv_m, "best_val_sd": bv_sd,
              "test_acc_per_run": [m.get(f"test_{score}") for m in rs], "test_acc_mean": te_m, "test_acc_sd": te_sd,
-             "score": score,
+             "score": score, "sustain": sustain,
              "epoch_time_s": median(m["epoch_time_s"] for m in rs), "epochs_run": [m["epochs"] for m in rs],
              "seeds": [(m.get("config") or {}).get("seed") for m in rs]}
         rows[v] = r
@@ -176,6 +184,7 @@ def _pm(m: float | None, sd: float | None, fmt: str) -> str:
 def tta_table(rows: dict[str, dict], skipped: Sequence[str] = ()) -> str:
     """The markdown table of :func:`tta_rows` (and a note on the skipped modes)."""
     score = next((r.get("score", "acc") for r in rows.values()), "acc")
+    sustain = next((r.get("sustain", 1) for r in rows.values()), 1)
     lines = [f"| variant | target val {score} | reached | epochs to target | s to target | time speed-up vs vanilla "
              f"| s/epoch | best val {score} | test {score} at best val (per seed) |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -195,7 +204,9 @@ def tta_table(rows: dict[str, dict], skipped: Sequence[str] = ()) -> str:
                      f"| {te} ({per}) |")
     lines += ["", "Per variant over its seeds: mean ± standard deviation. epochs / s to target: over the "
               "seeds that reached it (reached: how many); s to target: the summed wall-clock of the "
-              "training epochs up to the first evaluation at or above the target, evaluation excluded; "
+              "training epochs up to the first evaluation at or above the target"
+              + (f" that starts {sustain} evaluations in a row at or above it" if sustain > 1 else "")
+              + ", evaluation excluded; "
               "time speed-up: median over seeds of vanilla's s to target / the variant's, same seed; "
               f"test {score} at the epoch of best validation {SCORE_LABEL.get(score, score)}."]
     if skipped:
@@ -257,14 +268,21 @@ def load_bench_runs(dirs: Sequence[str | Path]) -> dict[str, list[dict]]:
                 found[key] = (d, json.loads(f.read_text()))
             except (OSError, ValueError) as e:
                 raise ValueError(f"{f}: unreadable metrics ({e})") from None
+    from .gnn import TTA_MODES  # the bench's order of modes: vanilla first
+
+    def order(key: tuple[str, int, str]) -> tuple:
+        mode = key[0].split("-", 1)[-1]
+        return (key[0].split("-", 1)[0], TTA_MODES.index(mode) if mode in TTA_MODES else len(TTA_MODES),
+                *key)
+
     runs: dict[str, list[dict]] = {}
-    for key in sorted(found):
+    for key in sorted(found, key=order):
         runs.setdefault(key[0], []).append(found[key][1])
     return runs
 
 
 def pool_report(dirs: Sequence[str | Path], out: str | Path, target_acc: float | None = None,
-                frac: float = DEFAULT_TARGET_FRAC, score: str = "auto") -> dict:
+                frac: float = DEFAULT_TARGET_FRAC, score: str = "auto", sustain: int = 1) -> dict:
     """The time-to-accuracy report over the runs of several bench folders (one seed each at
     most once): ``OUT/time_to_acc.md`` (the table), ``time_to_acc.json`` (the rows) and
     ``time_to_acc.png``. Pairs for the speed-up are made seed by seed, so a variant needs
@@ -272,15 +290,16 @@ def pool_report(dirs: Sequence[str | Path], out: str | Path, target_acc: float |
     runs = load_bench_runs(dirs)
     seeds = {v: [(m.get("config") or {}).get("seed") for m in rs] for v, rs in runs.items()}
     score = pick_score(runs, score)
-    rows = tta_rows(runs, target_acc, frac, score)
+    rows = tta_rows(runs, target_acc, frac, score, sustain)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     table = tta_table(rows)
     head = (f"# Time to accuracy, pooled\n\n- folders: {', '.join(str(d) for d in dirs)}\n"
             f"- seeds per variant: {', '.join(f'{v} {s}' for v, s in seeds.items())}\n"
-            f"- score: {SCORE_LABEL[score]}\n\n")
+            f"- score: {SCORE_LABEL[score]}; target held for {sustain} evaluation(s)\n\n")
     (out / "time_to_acc.md").write_text(head + table)
-    write_json(out / "time_to_acc.json", {"dirs": [str(d) for d in dirs], "score": score, "seeds": seeds, "rows": rows})
+    write_json(out / "time_to_acc.json", {"dirs": [str(d) for d in dirs], "score": score, "sustain": sustain,
+                                          "seeds": seeds, "rows": rows})
     plot_tta(runs, rows, out / "time_to_acc.png", title="pooled", score=score)
     return {"rows": rows, "table": table, "seeds": seeds, "score": score}
 
@@ -294,9 +313,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--target-acc", type=float, default=None, metavar="A")
     p.add_argument("--target-frac", type=float, default=DEFAULT_TARGET_FRAC, metavar="F")
     p.add_argument("--score", choices=SCORES, default="auto")
+    p.add_argument("--sustain", type=int, default=1, metavar="S",
+                   help="the target counts when held for S evaluations in a row (default 1: first crossing)")
     a = p.parse_args(argv)
     try:
-        res = pool_report(a.dirs, a.out, a.target_acc, a.target_frac, a.score)
+        res = pool_report(a.dirs, a.out, a.target_acc, a.target_frac, a.score, a.sustain)
     except ValueError as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
