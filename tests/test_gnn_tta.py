@@ -201,7 +201,7 @@ def test_pool_report_over_separate_invocations(tmp_path, capsys):
             assert res["rows"][v][k] == want[v][k], (v, k)
     assert res["seeds"] == {"gcn-onebit": [0, 1], "gcn-vanilla": [0, 1]} and res["score"] == "acc"
     md = (tmp_path / "pooled" / "time_to_acc.md").read_text()
-    assert "seeds per variant: gcn-onebit [0, 1], gcn-vanilla [0, 1]" in md and "| gcn-onebit | 0.8918 |" in md
+    assert "seeds per variant: gcn-vanilla [0, 1], gcn-onebit [0, 1]" in md and "| gcn-onebit | 0.8918 |" in md
     assert (tmp_path / "pooled" / "time_to_acc.png").read_bytes()[:8] == PNG_MAGIC
     # a seed in two folders, a folder with no runs: one clear error, exit 2
     dup = tmp_path / "dup"
