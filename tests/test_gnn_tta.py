@@ -213,6 +213,12 @@ def test_pool_report_over_separate_invocations(tmp_path, capsys):
     assert "no VARIANT/repK/metrics.json" in capsys.readouterr().err
     assert gnn_tta.main([str(a), str(b), "--out", str(tmp_path / "cli")]) == 0
     assert "| gcn-vanilla |" in capsys.readouterr().out
+    # a variant with fewer seeds than vanilla is paired with vanilla's run of the same seed
+    c = tmp_path / "c"
+    _write_bench(c, {"gcn-vanilla-s0": runs["gcn-vanilla"][0], "gcn-vanilla-s1": runs["gcn-vanilla"][1],
+                     "gcn-onebit-s1": dict(runs["gcn-onebit"][0], config={"seed": 1})})
+    one = gnn_tta.pool_report([c], tmp_path / "one")
+    assert one["seeds"]["gcn-onebit"] == [1] and one["rows"]["gcn-onebit"]["speedup_vs_vanilla"] == 2.0  # 4 s / 2 s
     held = gnn_tta.pool_report([a, b], tmp_path / "held", sustain=2)
     assert held["rows"]["gcn-onebit"]["epochs_to_target"] == [None, None]  # 0.89, 0.9: one eval at the target
     assert held["rows"]["gcn-vanilla"]["epochs_to_target"] == [3, 2]

@@ -171,8 +171,13 @@ def tta_rows(runs: dict[str, list[dict]], target_acc: float | None = None,
         base = rows.get(f"{v.split('-', 1)[0]}-vanilla")
         if base is None:
             continue
-        rat = [b / x for b, x in zip(base["seconds_to_target"], r["seconds_to_target"])
-               if b is not None and x is not None and x > 0]
+        if None not in base["seeds"] + r["seeds"] and len(set(base["seeds"])) == len(base["seeds"]):
+            # by seed: a pooled report may hold a variant for fewer seeds than Vanilla
+            by_seed = dict(zip(base["seeds"], base["seconds_to_target"]))
+            pairs = [(by_seed.get(sd), x) for sd, x in zip(r["seeds"], r["seconds_to_target"])]
+        else:  # repeats of one seed: run i against run i (interleaved)
+            pairs = list(zip(base["seconds_to_target"], r["seconds_to_target"]))
+        rat = [b / x for b, x in pairs if b is not None and x is not None and x > 0]
         r["speedup_vs_vanilla"] = median(rat)
     return rows
 
