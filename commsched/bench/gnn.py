@@ -49,7 +49,15 @@ from ..dist import DEVICE_CHOICES
 from ..gnn.modes import MODE_NAMES, mode_spec
 from ..quant.reference import BITS
 from ..results import median
-from .gnn_tta import DEFAULT_TARGET_FRAC, SCORES, pick_score, plot_tta, tta_rows, tta_table
+from .gnn_tta import (
+    DEFAULT_TARGET_FRAC,
+    SCORES,
+    TTA_MODES,
+    pick_score,
+    plot_tta,
+    tta_rows,
+    tta_table,
+)
 from .plots import pyplot, save_figure
 from .runner import Variant, Workload, median_of
 
@@ -65,7 +73,6 @@ MODES_TOPOLOGY = ("vanilla", "adaqp-topo", "adaqp-topoev", "adaqp-avg", "uniform
 MODES_GCN = ("vanilla", "vanilla" + BF16_SUFFIX) + tuple(m for m in MODE_NAMES if m != "vanilla")
 MODES_SAGE = ("vanilla", "vanilla" + BF16_SUFFIX, "adaqp")
 # the time-to-accuracy comparison (issue 20): a mode that is not registered is skipped
-TTA_MODES = ("vanilla", "vanilla" + BF16_SUFFIX, "adaqp", "onebit", "pipegcn", "bns")
 METRICS = ("epoch", "time-to-acc")
 
 

@@ -27,8 +27,8 @@ its regime) are pooled into one report by :func:`pool_report`, from the command 
 ``DIR/VARIANT-sSEED/repK/metrics.json``, refuses a seed found twice, and recomputes the
 target from all the pooled Vanilla runs.
 
-The modes the report compares by default are data in :mod:`commsched.bench.gnn`
-(``TTA_MODES``; a name whose mode is not registered is skipped with a note).
+The modes the report compares by default are data here (``TTA_MODES``, used by
+:mod:`commsched.bench.gnn`; a name whose mode is not registered is skipped with a note).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from ..results import median, write_json
 from .plots import pyplot, save_figure
 
 DEFAULT_TARGET_FRAC = 0.98
+TTA_MODES = ("vanilla", "vanilla-bf16", "adaqp", "onebit", "pipegcn", "bns")  # bench gnn --metric time-to-acc
 SCORES = ("auto", "acc", "auc")
 SCORE_LABEL = {"acc": "accuracy", "auc": "ROC AUC"}
 
@@ -273,8 +274,6 @@ def load_bench_runs(dirs: Sequence[str | Path]) -> dict[str, list[dict]]:
                 found[key] = (d, json.loads(f.read_text()))
             except (OSError, ValueError) as e:
                 raise ValueError(f"{f}: unreadable metrics ({e})") from None
-    from .gnn import TTA_MODES  # the bench's order of modes: vanilla first
-
     def order(key: tuple[str, int, str]) -> tuple:
         mode = key[0].split("-", 1)[-1]
         return (key[0].split("-", 1)[0], TTA_MODES.index(mode) if mode in TTA_MODES else len(TTA_MODES),
@@ -331,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["DEFAULT_TARGET_FRAC", "SCORES", "TimeToTarget", "pick_score", "plot_tta", "run_curve", "targets", "time_to_target",
+__all__ = ["DEFAULT_TARGET_FRAC", "SCORES", "TTA_MODES", "TimeToTarget", "pick_score", "plot_tta", "run_curve", "targets", "time_to_target",
            "tta_rows", "tta_table", "load_bench_runs", "pool_report"]
 
 if __name__ == "__main__":
