@@ -72,7 +72,7 @@ HOSTS_SUFFIX = "-hp"  # partitioned with --partition-method metis-hosts (heavy c
 MODES_TOPOLOGY = ("vanilla", "adaqp-topo", "adaqp-topoev", "adaqp-avg", "uniform")
 MODES_GCN = ("vanilla", "vanilla" + BF16_SUFFIX) + tuple(m for m in MODE_NAMES if m != "vanilla")
 MODES_SAGE = ("vanilla", "vanilla" + BF16_SUFFIX, "adaqp")
-# the time-to-accuracy comparison (issue 20): a mode that is not registered is skipped
+# TTA_MODES (from gnn_tta): the time-to-accuracy comparison (issue 20); a mode that is not registered is skipped
 METRICS = ("epoch", "time-to-acc")
 
 
