@@ -211,6 +211,8 @@ def test_pool_report_over_separate_invocations(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert gnn_tta.main([str(tmp_path / "empty"), "--out", str(tmp_path / "x")]) == 2
     assert "no VARIANT/repK/metrics.json" in capsys.readouterr().err
+    assert gnn_tta.main([str(a), "--out", str(tmp_path / "x"), "--target-acc", "1.5"]) == 2
+    assert "--target-acc is a validation accuracy in (0, 1], got 1.5" in capsys.readouterr().err
     assert gnn_tta.main([str(a), str(b), "--out", str(tmp_path / "cli")]) == 0
     assert "| gcn-vanilla |" in capsys.readouterr().out
     # a variant with fewer seeds than vanilla is paired with vanilla's run of the same seed

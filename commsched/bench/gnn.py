@@ -53,6 +53,7 @@ from .gnn_tta import (
     DEFAULT_TARGET_FRAC,
     SCORES,
     TTA_MODES,
+    check_tta_args,
     pick_score,
     plot_tta,
     tta_rows,
@@ -193,12 +194,7 @@ def parse_seeds(text: str | None) -> list[int] | None:
 
 
 def _check_tta(a: argparse.Namespace) -> None:
-    if a.target_acc is not None and not 0 < a.target_acc <= 1:
-        raise ValueError(f"--target-acc is a validation accuracy in (0, 1], got {a.target_acc}")
-    if not 0 < a.target_frac <= 1:
-        raise ValueError(f"--target-frac is a fraction of vanilla's best in (0, 1], got {a.target_frac}")
-    if a.sustain < 1:
-        raise ValueError(f"--sustain is a number of evaluations >= 1, got {a.sustain}")
+    check_tta_args(a.target_acc, a.target_frac, a.sustain)
 
 
 def variants(a: argparse.Namespace) -> list[Variant]:

@@ -52,6 +52,17 @@ SCORES = ("auto", "acc", "auc")
 SCORE_LABEL = {"acc": "accuracy", "auc": "ROC AUC"}
 
 
+def check_tta_args(target_acc: float | None, frac: float, sustain: int) -> None:
+    """ValueError naming the option when ``--target-acc``, ``--target-frac`` or ``--sustain``
+    is out of range (shared by ``bench gnn`` and the pooled report)."""
+    if target_acc is not None and not 0 < target_acc <= 1:
+        raise ValueError(f"--target-acc is a validation accuracy in (0, 1], got {target_acc}")
+    if not 0 < frac <= 1:
+        raise ValueError(f"--target-frac is a fraction of vanilla's best in (0, 1], got {frac}")
+    if sustain < 1:
+        raise ValueError(f"--sustain is a number of evaluations >= 1, got {sustain}")
+
+
 def pick_score(runs: dict[str, list[dict]], score: str = "auto") -> str:
     """``"acc"`` or ``"auc"``: ``score`` itself, or for ``"auto"`` AUC when every run
     recorded one (a two-class graph), else accuracy. Asking for AUC of a run without it is
@@ -321,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the target counts when held for S evaluations in a row (default 1: first crossing)")
     a = p.parse_args(argv)
     try:
+        check_tta_args(a.target_acc, a.target_frac, a.sustain)
         res = pool_report(a.dirs, a.out, a.target_acc, a.target_frac, a.score, a.sustain)
     except ValueError as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
@@ -330,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["DEFAULT_TARGET_FRAC", "SCORES", "TTA_MODES", "TimeToTarget", "pick_score", "plot_tta", "run_curve", "targets", "time_to_target",
+__all__ = ["DEFAULT_TARGET_FRAC", "SCORES", "TTA_MODES", "TimeToTarget", "check_tta_args", "pick_score", "plot_tta", "run_curve", "targets", "time_to_target",
            "tta_rows", "tta_table", "load_bench_runs", "pool_report"]
 
 if __name__ == "__main__":
