@@ -434,16 +434,35 @@ SOCKET_RATE = textwrap.dedent("""
 """)
 
 
+def _assert_shaped_rate(measure, rate: int, what: str, tries: int = 3) -> None:
+    """The shaper caps the rate on every try (above 1.2x fails at once); the rate is also
+    reached (0.8x) on at least one of `tries` tries. A single short transfer can fall
+    short when the test suite's other workers hold both cores, so a slow try is retried;
+    a unit slip (bit against byte, kbit against mbit) is off by 8x or more on every try."""
+    seen = []
+    for _ in range(tries):
+        measured = measure()
+        seen.append(measured)
+        assert measured <= 1.2 * rate, f"measured {measured / 1e6:.1f} Mbit/s for {what}: not capped"
+        if measured >= 0.8 * rate:
+            return
+    raise AssertionError(f"{what} delivered below 80% of its rate on every try: "
+                         + ", ".join(f"{m / 1e6:.1f}" for m in seen) + " Mbit/s")
+
+
 @pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
 @pytest.mark.root
 def test_shaped_loopback_delivers_the_rate():
     """200mbit on the loopback, measured with a TCP socket pair inside the namespace."""
     rate = 200 * 10**6
-    p = _netem(["--rate", "200mbit"], [sys.executable, "-c", SOCKET_RATE, str(rate // 8), "127.0.0.1"])
-    out, err = p.communicate(timeout=60)
-    assert p.returncode == 0, err
-    measured = float(out.strip())
-    assert 0.8 * rate <= measured <= 1.2 * rate, f"measured {measured / 1e6:.1f} Mbit/s for a 200mbit loopback"
+
+    def measure():
+        p = _netem(["--rate", "200mbit"], [sys.executable, "-c", SOCKET_RATE, str(rate // 8), "127.0.0.1"])
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        return float(out.strip())
+
+    _assert_shaped_rate(measure, rate, "a 200mbit loopback")
 
 
 @pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
@@ -477,15 +496,18 @@ def test_hosts_link_is_shaped_and_namespaces_go(tmp_path):
     script = (f"ip netns identify $$ > {tmp_path}/ns{{host}}; "
               f"if [ {{host}} = 0 ]; then exec {sys.executable} {tmp_path}/recv.py {rate // 8} {{addr0}} > {tmp_path}/rate; "
               f"else exec {sys.executable} {tmp_path}/send.py {rate // 8} {{addr0}}; fi")
-    p = _netem(["--rate", "200mbit", "--hosts", "2"], ["sh", "-c", script])
-    _, err = p.communicate(timeout=60)
-    assert p.returncode == 0, err
-    measured = float((tmp_path / "rate").read_text())
-    assert 0.8 * rate <= measured <= 1.2 * rate, f"measured {measured / 1e6:.1f} Mbit/s on a 200mbit host link"
-    hosts = [(tmp_path / f"ns{i}").read_text().strip() for i in range(2)]
-    assert hosts[0].endswith("-h0") and hosts[1].endswith("-h1")
-    left = _namespaces()
-    assert not {*hosts, hosts[0][:-3] + "-br"} & left
+
+    def measure():
+        p = _netem(["--rate", "200mbit", "--hosts", "2"], ["sh", "-c", script])
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        hosts = [(tmp_path / f"ns{i}").read_text().strip() for i in range(2)]
+        assert hosts[0].endswith("-h0") and hosts[1].endswith("-h1")
+        left = _namespaces()
+        assert not {*hosts, hosts[0][:-3] + "-br"} & left
+        return float((tmp_path / "rate").read_text())
+
+    _assert_shaped_rate(measure, rate, "a 200mbit host link")
 
 
 @pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
