@@ -13,6 +13,7 @@ from commsched.bench.gnn_tta import (
     TimeToTarget,
     pick_score,
     run_curve,
+    split_seed,
     targets,
     time_to_target,
     tta_rows,
@@ -184,6 +185,13 @@ def _write_bench(d, runs_by_seed):
         f = d / name / "rep0" / "metrics.json"
         f.parent.mkdir(parents=True)
         f.write_text(json.dumps(m))
+
+
+def test_split_seed_reads_the_bench_run_names():
+    assert split_seed("gcn-adaqp-s3") == ("gcn-adaqp", 3)
+    assert split_seed("gcn-vanilla-bf16-s12") == ("gcn-vanilla-bf16", 12)
+    assert split_seed("gcn-adaqp") is None and split_seed("gcn-adaqp-s") is None
+    assert split_seed("gcn-adaqp-sx1") is None
 
 
 def test_pool_report_over_separate_invocations(tmp_path, capsys):

@@ -42,7 +42,6 @@ and the histogram of assigned widths.
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 from ..dist import DEVICE_CHOICES
@@ -52,10 +51,12 @@ from ..results import median
 from .gnn_tta import (
     DEFAULT_TARGET_FRAC,
     SCORES,
+    SEED_MARK,
     TTA_MODES,
     check_tta_args,
     pick_score,
     plot_tta,
+    split_seed,
     tta_rows,
     tta_table,
 )
@@ -67,7 +68,6 @@ BF16_SUFFIX = "-bf16"  # a full-precision mode run with --dtype bfloat16
 # an adaptive mode's link-cost source (--link-costs): adaqp-topo, adaqp-avg (adaqp: ring)
 COST_SUFFIXES = {"-topoev": ("topology", "--equal-variance"), "-topo": ("topology",),
                  "-avg": ("averaged",)}
-SEED_MARK = "-s"  # VARIANT-sSEED: one seed's run of VARIANT (--seeds)
 HOSTS_SUFFIX = "-hp"  # partitioned with --partition-method metis-hosts (heavy cuts inside hosts)
 # `--hosts K` comparison of issue 17: the four variants of the topology table
 MODES_TOPOLOGY = ("vanilla", "adaqp-topo", "adaqp-topoev", "adaqp-avg", "uniform")
@@ -309,8 +309,8 @@ def pool_seeds(runs: dict[str, list[dict]]) -> dict[str, list[dict]]:
     and repeat."""
     out: dict[str, list[dict]] = {}
     for v, rs in runs.items():
-        m = re.fullmatch(rf"(.+){re.escape(SEED_MARK)}(\d+)", v)
-        out.setdefault(m.group(1) if m else v, []).extend(rs)
+        vs = split_seed(v)
+        out.setdefault(vs[0] if vs else v, []).extend(rs)
     return out
 
 

@@ -49,6 +49,13 @@ from .plots import pyplot, save_figure
 DEFAULT_TARGET_FRAC = 0.98
 TTA_MODES = ("vanilla", "vanilla-bf16", "adaqp", "onebit", "pipegcn", "bns")  # bench gnn --metric time-to-acc
 SCORES = ("auto", "acc", "auc")
+SEED_MARK = "-s"  # VARIANT-sSEED: one seed's run of VARIANT (bench gnn --seeds)
+
+
+def split_seed(name: str) -> tuple[str, int] | None:
+    """``("VARIANT", SEED)`` from a ``VARIANT-sSEED`` run name, None for a name without it."""
+    m = re.fullmatch(rf"(.+){re.escape(SEED_MARK)}(\d+)", name)
+    return (m.group(1), int(m.group(2))) if m else None
 SCORE_LABEL = {"acc": "accuracy", "auc": "ROC AUC"}
 
 
@@ -275,10 +282,10 @@ def load_bench_runs(dirs: Sequence[str | Path]) -> dict[str, list[dict]]:
         if not files:
             raise ValueError(f"{d}: no VARIANT/repK/metrics.json (is it a 'commsched bench gnn' --out folder?)")
         for f in files:
-            m = re.fullmatch(r"(.+)-s(\d+)", f.parent.parent.name)
-            if m is None:
-                raise ValueError(f"{f}: variant {f.parent.parent.name!r} has no -sSEED suffix (run with --seeds)")
-            key = (m.group(1), int(m.group(2)), f.parent.name)
+            vs = split_seed(f.parent.parent.name)
+            if vs is None:
+                raise ValueError(f"{f}: variant {f.parent.parent.name!r} has no {SEED_MARK}SEED suffix (run with --seeds)")
+            key = (*vs, f.parent.name)
             if key in found:
                 raise ValueError(f"{key[0]} seed {key[1]} ({key[2]}) is in both {found[key][0]} and {d}")
             try:
@@ -342,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["DEFAULT_TARGET_FRAC", "SCORES", "TTA_MODES", "TimeToTarget", "check_tta_args", "pick_score", "plot_tta", "run_curve", "targets", "time_to_target",
+__all__ = ["DEFAULT_TARGET_FRAC", "SCORES", "SEED_MARK", "split_seed", "TTA_MODES", "TimeToTarget", "check_tta_args", "pick_score", "plot_tta", "run_curve", "targets", "time_to_target",
            "tta_rows", "tta_table", "load_bench_runs", "pool_report"]
 
 if __name__ == "__main__":
