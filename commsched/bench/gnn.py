@@ -193,14 +193,10 @@ def parse_seeds(text: str | None) -> list[int] | None:
     return seeds
 
 
-def _check_tta(a: argparse.Namespace) -> None:
-    check_tta_args(a.target_acc, a.target_frac, a.sustain)
-
-
 def variants(a: argparse.Namespace) -> list[Variant]:
     tta = time_to_acc(a)
     if tta:
-        _check_tta(a)
+        check_tta_args(a.target_acc, a.target_frac, a.sustain)
     seeds = parse_seeds(getattr(a, "seeds", None))
     if seeds is not None:
         out = []

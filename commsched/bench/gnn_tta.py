@@ -49,6 +49,7 @@ from .plots import pyplot, save_figure
 DEFAULT_TARGET_FRAC = 0.98
 TTA_MODES = ("vanilla", "vanilla-bf16", "adaqp", "onebit", "pipegcn", "bns")  # bench gnn --metric time-to-acc
 SCORES = ("auto", "acc", "auc")
+SCORE_LABEL = {"acc": "accuracy", "auc": "ROC AUC"}
 SEED_MARK = "-s"  # VARIANT-sSEED: one seed's run of VARIANT (bench gnn --seeds)
 
 
@@ -56,7 +57,6 @@ def split_seed(name: str) -> tuple[str, int] | None:
     """``("VARIANT", SEED)`` from a ``VARIANT-sSEED`` run name, None for a name without it."""
     m = re.fullmatch(rf"(.+){re.escape(SEED_MARK)}(\d+)", name)
     return (m.group(1), int(m.group(2))) if m else None
-SCORE_LABEL = {"acc": "accuracy", "auc": "ROC AUC"}
 
 
 def check_tta_args(target_acc: float | None, frac: float, sustain: int) -> None:
