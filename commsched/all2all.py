@@ -21,7 +21,8 @@ Gloo moves a pair's two directions on one connection at about half the rate each
 0.45-0.57 of an emulated link per direction at 8 MiB, against 0.95 on two connections;
 docs/netem.md), so an exchange where every pair sends both ways would otherwise run at half
 speed. ``"single"`` is the one-connection transport (direct: one ``all_to_all_single``;
-ring: ``isend``/``irecv`` on the group), the only one on NCCL, which drives both directions
+ring: each round's send and receive in one ``batch_isend_irecv`` on the group, never a
+lone ``isend``/``irecv``, which deadlocks NCCL at 3+ ranks), the only one on NCCL, which drives both directions
 of a communicator at once (one NVLink / NIC queue per direction), so a second communicator
 would buy nothing but memory. The reverse group is made once per group, at the first duplex
 exchange on it, by the caller's thread (never the ring's background thread): that exchange
@@ -43,6 +44,7 @@ exchange), the dispatch exchange's backward closes it (``"end"``: ``block_end`` 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -388,8 +390,25 @@ def _p2p_direct(x: torch.Tensor, out: torch.Tensor, plan: A2APlan, group, revers
     return works
 
 
+def _round_ops(x: torch.Tensor, out: torch.Tensor, plan: A2APlan, group, dst: int, src: int) -> list:
+    """The P2P ops of one ring round on the single transport (send to ``dst``, receive from
+    ``src``; none for an empty message), to post together with ``dist.batch_isend_irecv``."""
+    so, ro = plan.send_offsets, plan.recv_offsets
+    ops = []
+    if plan.send_counts[dst] > 0:
+        ops.append(dist.P2POp(dist.isend, x[so[dst]:so[dst + 1]], _global(group, dst), group))
+    if plan.recv_counts[src] > 0:
+        ops.append(dist.P2POp(dist.irecv, out[ro[src]:ro[src + 1]], _global(group, src), group))
+    return ops
+
+
 def _ring(x: torch.Tensor, out: torch.Tensor, plan: A2APlan, group, stats: CommStats | None,
           reverse=None) -> None:
+    """The ring pattern, round after round (each round waited for before the next). On the
+    single transport each round's send and receive are posted together in one
+    ``dist.batch_isend_irecv``: NCCL gives a lone ``isend``/``irecv`` a lazy two-rank
+    communicator, and with 3+ ranks each rank's first one waits for the next rank's in a
+    cycle (a deadlock). On the duplex transport (gloo only, two groups) they go one by one."""
     so, ro, me = plan.send_offsets, plan.recv_offsets, plan.rank
     clock = Clock(x.device)
     t0 = clock.mark()
@@ -398,16 +417,36 @@ def _ring(x: torch.Tensor, out: torch.Tensor, plan: A2APlan, group, stats: CommS
         stats.add_time(0, t0, clock.mark())
     for i, (dst, src) in enumerate(plan.ring_rounds(), start=1):
         t = clock.mark()
-        reqs = []
         with comm_guard(f"all_to_all ring round {i} (send to rank {dst}, receive from rank {src})", group):
-            if plan.send_counts[dst] > 0:
-                reqs.append(_post_pair(x[so[dst]:so[dst + 1]], dst, True, plan, group, reverse))
-            if plan.recv_counts[src] > 0:
-                reqs.append(_post_pair(out[ro[src]:ro[src + 1]], src, False, plan, group, reverse))
+            if reverse is None:
+                ops = _round_ops(x, out, plan, group, dst, src)
+                reqs = dist.batch_isend_irecv(ops) if ops else []
+            else:
+                reqs = []
+                if plan.send_counts[dst] > 0:
+                    reqs.append(_post_pair(x[so[dst]:so[dst + 1]], dst, True, plan, group, reverse))
+                if plan.recv_counts[src] > 0:
+                    reqs.append(_post_pair(out[ro[src]:ro[src + 1]], src, False, plan, group, reverse))
             for r in reqs:
                 r.wait()
         if stats is not None:
             stats.add_time(i, t, clock.mark())
+
+
+def _ring_post_all(x: torch.Tensor, out: torch.Tensor, plan: A2APlan, group) -> list:
+    """The ring pattern on a device backend (NCCL), posted at once from the caller's thread:
+    one ``batch_isend_irecv`` per round, in round order; the backend runs a communicator's
+    operations in the order they were posted, so the rounds stay in sequence with no host
+    wait. Returns the works. The rows this rank keeps are copied here."""
+    so, ro, me = plan.send_offsets, plan.recv_offsets, plan.rank
+    out[ro[me]:ro[me + 1]].copy_(x[so[me]:so[me + 1]])
+    works: list = []
+    with comm_guard("all_to_all (ring)", group):
+        for dst, src in plan.ring_rounds():
+            ops = _round_ops(x, out, plan, group, dst, src)
+            if ops:
+                works.extend(dist.batch_isend_irecv(ops))
+    return works
 
 
 def _peer_bytes(x: torch.Tensor, plan: A2APlan) -> int:
@@ -443,9 +482,10 @@ class _RawHandle:
 
     def __init__(self, out: torch.Tensor, plan: A2APlan, stats: CommStats | None, t0,
                  works: Sequence = (), thread: threading.Thread | None = None,
-                 err: list | None = None, what: str = "all_to_all"):
+                 err: list | None = None, what: str = "all_to_all", stream=None):
         self.out, self.plan, self.stats, self.t0 = out, plan, stats, t0
         self._works, self._thread, self._err, self._what = list(works), thread, err, what
+        self._stream = stream  # CUDA: the side stream the exchange was posted on, or None
         self._done = False
 
     def _finish(self) -> torch.Tensor:
@@ -454,6 +494,8 @@ class _RawHandle:
                 with comm_guard(self._what):
                     for w in self._works:
                         w.wait()
+            if self._stream is not None:  # the local rows' copy ran there too
+                torch.cuda.current_stream(self.out.device).wait_stream(self._stream)
             if self._thread is not None:
                 self._thread.join()
                 if self._err:
@@ -474,11 +516,28 @@ class _RawHandle:
         return self._thread is None or not self._thread.is_alive()
 
 
+def _check_ring_device(pattern: str, device: torch.device, group) -> None:
+    """A ValueError for the ring pattern with device (CUDA) rows on a gloo group: gloo's
+    send/recv would be handed raw device pointers."""
+    if pattern == "ring" and device.type != "cpu" and _gloo_backend(group, device) is not None:
+        raise ValueError(f"all_to_all: the ring pattern cannot carry rows on {device} over gloo "
+                         "(gloo's send/recv take host memory, not device pointers); use "
+                         "pattern='direct', CPU rows, or a NCCL group (init_distributed(device='cuda'))")
+
+
+def _posts_all_rounds(device: torch.device) -> bool:
+    """Whether an async ring exchange on ``device`` posts every round at once from the
+    caller's thread (a device backend, NCCL: the communicator keeps the rounds in order)
+    rather than running them one by one on a background thread (gloo on the CPU)."""
+    return device.type == "cuda"
+
+
 def _start(x: torch.Tensor, plan: A2APlan, group, pattern: str, stats: CommStats | None,
            background: bool = False, transport: str = "auto") -> _RawHandle:
     if pattern not in PATTERNS:
         raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
     _check_x(x, plan)
+    _check_ring_device(pattern, x.device, group)
     duplex = _resolve_transport(transport, group, x.device) == "duplex"
     x = x.contiguous()
     out = x.new_empty((plan.total_recv, *x.shape[1:]))
@@ -500,17 +559,25 @@ def _start(x: torch.Tensor, plan: A2APlan, group, pattern: str, stats: CommStats
     if not background:
         _ring(x, out, plan, group, stats, reverse)
         return _RawHandle(out, plan, stats, t0)
+    if _posts_all_rounds(x.device) and reverse is None:
+        # a device backend: every round posted now, from this thread, on a stream of its own
+        # (which first waits for the one that made x); no thread issuing ops on the caller's
+        # stream later, after more compute was queued there
+        side = None
+        if x.device.type == "cuda":
+            side = torch.cuda.Stream(x.device)
+            side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            works = _ring_post_all(x, out, plan, group)
+        if side is not None:  # the allocator must not reuse them before the side stream is done
+            x.record_stream(side)
+            out.record_stream(side)
+        return _RawHandle(out, plan, stats, t0, works=works, what="all_to_all (ring)", stream=side)
     err: list = []
-
-    stream = torch.cuda.current_stream(x.device) if x.device.type == "cuda" else None
 
     def run() -> None:
         try:
-            if stream is None:
-                _ring(x, out, plan, group, stats, reverse)
-            else:  # the caller's device and stream, not the thread's defaults
-                with torch.cuda.device(x.device), torch.cuda.stream(stream):
-                    _ring(x, out, plan, group, stats, reverse)
+            _ring(x, out, plan, group, stats, reverse)
         except BaseException as e:  # re-raised in the caller's thread by wait()
             err.append(e)
 
@@ -620,7 +687,9 @@ def all_to_all_async(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *
 
     The direct pattern posts its messages asynchronously (the backend's all_to_all_single,
     or every peer's send and receive on the duplex transport); the ring pattern runs its
-    rounds on a background thread. Do not issue other collectives on the same
+    rounds on a background thread on the CPU, and on CUDA (NCCL) posts every round at once
+    from this thread, one ``batch_isend_irecv`` each, on a side stream that first waits for
+    the current one (the communicator keeps the rounds in order). Do not issue other collectives on the same
     group from another thread while a ring exchange is in flight. ``observer`` is told the
     exchange began now and ended when ``wait()`` returns (the time blocked in ``wait()``
     with it); the backward pass's reverse exchange is reported like

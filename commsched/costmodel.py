@@ -73,7 +73,8 @@ def probe_link_costs(group=None, sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 
     as seen from this rank (time of round i is charged to the peer it sends to).
     ``device`` (default the CPU) holds the probe buffers: the device the real messages use.
     On CUDA each round is timed up to a device synchronisation, since NCCL's ``wait()``
-    returns at enqueue.
+    returns at enqueue. Each round's send and receive go in one ``batch_isend_irecv``
+    (never a lone ``isend``/``irecv``, which deadlocks NCCL at 3+ ranks).
     """
     import torch
     import torch.distributed as dist
@@ -97,10 +98,11 @@ def probe_link_costs(group=None, sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 
                 with comm_guard(f"link probe round {i}", group):
                     dist.barrier(group=group)
                     t = time.perf_counter()
-                    s = dist.isend(buf, g(dst), group=group)
-                    r = dist.irecv(rbuf, g(src), group=group)
-                    s.wait()
-                    r.wait()
+                    # one batch per round: on NCCL a lone isend / irecv gets a lazy two-rank
+                    # communicator, and with 3+ ranks the first ones wait in a cycle
+                    for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, g(dst), group),
+                                                     dist.P2POp(dist.irecv, rbuf, g(src), group)]):
+                        w.wait()
                     clock.sync()
                     dt = time.perf_counter() - t
                 if rep > 0:

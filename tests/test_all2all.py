@@ -185,7 +185,18 @@ def _case_bad_dtype_shape(rank: int, world: int) -> None:
         all_to_all([1, 2], [1] * world)  # type: ignore[arg-type]
 
 
-CASES = [("exchange", _case_exchange), ("backward", _case_backward),
+def _case_ring_refuses_device_rows_on_gloo(rank: int, world: int) -> None:
+    """Audit 2, item 14: CUDA rows over gloo's send/recv are refused (CUDA itself is not needed
+    to check the rule, only the device of the rows)."""
+    from commsched.all2all import _check_ring_device
+
+    with pytest.raises(ValueError, match="ring pattern cannot carry rows on cuda"):
+        _check_ring_device("ring", torch.device("cuda", 0), None)
+    _check_ring_device("direct", torch.device("cuda", 0), None)  # gloo's all_to_all_single takes them
+    _check_ring_device("ring", torch.device("cpu"), None)
+
+
+CASES = [("exchange", _case_exchange), ("ring_refuses_device_rows_on_gloo", _case_ring_refuses_device_rows_on_gloo), ("backward", _case_backward),
          ("plan_reuse_and_stats", _case_plan_reuse_and_stats), ("segments", _case_segments),
          ("sub_groups", _case_sub_groups),
          ("bad_counts", _case_bad_counts), ("bad_dtype_shape", _case_bad_dtype_shape)]
