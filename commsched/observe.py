@@ -55,6 +55,11 @@ class A2AObserver(Protocol):
         """The compute thread just spent ``seconds`` blocked waiting for an exchange."""
         ...
 
+    # optional: ``a2a_blocked_interval(a, b)``, the same report as two
+    # :class:`commsched.clock.Clock` marks (host seconds on the CPU, recorded CUDA events on
+    # CUDA) that the observer resolves when it reports, so that no exchange synchronises the
+    # device; an observer without it gets ``a2a_blocked(seconds)`` (which waits for ``b``)
+
 
 class A2AEvents:
     """An :class:`A2AObserver` that passes every report on to the observers registered now.
@@ -97,6 +102,18 @@ class A2AEvents:
             if fn is not None:
                 fn(seconds)
 
+    def a2a_blocked_interval(self, a, b) -> None:
+        """Pass the marks on (see :class:`A2AObserver`); observers that only take seconds get
+        them, resolved once for all of them."""
+        seconds = None
+        for o in self.observers:
+            fn = getattr(o, "a2a_blocked_interval", None)
+            if fn is not None:
+                fn(a, b)
+            elif getattr(o, "a2a_blocked", None) is not None:
+                seconds = _seconds(a, b) if seconds is None else seconds
+                o.a2a_blocked(seconds)
+
 
 def check_observer(observer: object, backward_block: str | None = None) -> None:
     """A TypeError unless ``observer`` is None or has ``a2a_begin`` / ``a2a_end`` (and, with a
@@ -113,14 +130,37 @@ def check_observer(observer: object, backward_block: str | None = None) -> None:
                         "commsched.observe.A2AObserver)")
 
 
+def _seconds(a, b) -> float:
+    """Seconds between two :class:`Clock` marks (waits for ``b`` when it is a CUDA event)."""
+    if isinstance(a, float):
+        return b - a
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
+def report_blocked(observer: object, a, b) -> None:
+    """Tell ``observer`` the caller was blocked from mark ``a`` to mark ``b``: the marks when it
+    takes them (``a2a_blocked_interval``, resolved later, no device sync here), else the
+    seconds (``a2a_blocked``), else nothing."""
+    fn = getattr(observer, "a2a_blocked_interval", None)
+    if fn is not None:
+        fn(a, b)
+        return
+    fn = getattr(observer, "a2a_blocked", None)
+    if fn is not None:
+        fn(_seconds(a, b))
+
+
 class A2AReport:
     """One exchange as an observer sees it: ``a2a_begin(nbytes)`` when made, then
     :meth:`finish` runs the wait, reports the time the caller was blocked in it
     (``a2a_blocked``, when the observer has it) and ``a2a_end``. ``observer`` None: a no-op.
 
     The blocked time is the host clock on the CPU and CUDA events on the current stream of
-    ``device`` on CUDA (waited for when reported). ``finish`` reports once, however often
-    it is called.
+    ``device`` on CUDA, handed over as marks (:func:`report_blocked`): an observer with
+    ``a2a_blocked_interval`` resolves them later, as :class:`~commsched.all2all.CommStats`
+    settles its intervals, so an observed exchange never synchronises the device.
+    ``finish`` reports once, however often it is called.
     """
 
     __slots__ = ("observer", "token", "device", "_open")
@@ -140,9 +180,7 @@ class A2AReport:
             return wait()
         finally:  # a failed exchange ends too: the observer must not hold its work for it
             self._open = False
-            fn = getattr(self.observer, "a2a_blocked", None)
-            if fn is not None:
-                fn(clock.seconds(t0, clock.mark()))
+            report_blocked(self.observer, t0, clock.mark())
             self.observer.a2a_end(self.token)  # type: ignore[union-attr]
 
 
@@ -150,7 +188,8 @@ class A2AReport:
 class A2ATimer:
     """An observer that adds up exchange time (wall time from start to completion seen by
     this rank, overlapping exchanges counted once), the time the compute thread was
-    blocked waiting for exchanges, and bytes sent to peers."""
+    blocked waiting for exchanges, and bytes sent to peers. On CUDA the blocked time of
+    exchanges reported as events is added by :meth:`settle` (it waits for them)."""
 
     time_s: float = 0.0
     blocked_s: float = 0.0
@@ -160,6 +199,7 @@ class A2ATimer:
     _open: dict[int, tuple[float, int]] = field(default_factory=dict)
     _next: int = 0
     _busy_since: float | None = None
+    _pending: list = field(default_factory=list, repr=False)  # CUDA (start, end) events to add
 
     def a2a_begin(self, nbytes: int) -> object:
         t = time.perf_counter()
@@ -190,10 +230,25 @@ class A2ATimer:
     def a2a_blocked(self, seconds: float) -> None:
         self.blocked_s += seconds
 
+    def a2a_blocked_interval(self, a, b) -> None:
+        if isinstance(a, float):
+            self.blocked_s += b - a
+        else:
+            self._pending.append((a, b))
+
+    def settle(self) -> "A2ATimer":
+        """Add the blocked time of the CUDA intervals recorded so far (waits for them)."""
+        for a, b in self._pending:
+            self.blocked_s += _seconds(a, b)
+        self._pending.clear()
+        return self
+
     def reset(self) -> None:
         self.time_s, self.blocked_s, self.bytes_sent, self.calls = 0.0, 0.0, 0, 0
+        self._pending = []
         if self.intervals is not None:
             self.intervals = []
 
 
-__all__ = ["A2AEvents", "A2AObserver", "A2AReport", "A2ATimer", "BLOCK_MARKS", "check_observer"]
+__all__ = ["A2AEvents", "A2AObserver", "A2AReport", "A2ATimer", "BLOCK_MARKS", "check_observer",
+           "report_blocked"]

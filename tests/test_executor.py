@@ -355,3 +355,83 @@ def test_external_gradients_are_reduced_in_place_and_reported():
             sched.grad_ready(p, torch.zeros(3))
     assert torch.equal(buf, torch.arange(10.0))  # scaled by 1/2, then the fake sum over two ranks
     assert torch.equal(p.grad, torch.full((10,), 5.0))  # the parameter's own grad untouched
+
+
+def test_a_bare_cuda_device_gets_the_current_index(monkeypatch):
+    """Audit 2, item 10: ``torch.device("cuda")`` has no index, which the executor thread's
+    ``torch.cuda.set_device`` refuses; construction normalises it."""
+    from commsched.priority.executor import _with_index
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert _with_index(torch.device("cuda")) == torch.device("cuda", 3)
+    assert _with_index(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert _with_index(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_an_executor_thread_that_cannot_start_is_an_error_not_a_timeout():
+    """Audit 2, item 10: the thread's death is raised at the next call, at once."""
+    from commsched.dist import CommError
+
+    class Broken(GradScheduler):
+        def _thread_setup(self) -> None:
+            raise RuntimeError("Invalid device, must be cuda device")
+
+    params = _params()
+    t0 = time.perf_counter()
+    with Broken([(p, FakeGroup()) for p in params], ScheduleConfig("lina"), timeout_s=300,
+                launch=lambda flat, g: SlowWork(flat, 0.0, [])) as s:
+        s._thread.join(timeout=10)
+        with pytest.raises(CommError, match="thread could not start on cpu: RuntimeError: Invalid device"):
+            s.begin_step()
+    assert time.perf_counter() - t0 < 60  # not the 300 s timeout
+
+
+def test_polling_backs_off_while_nothing_completes():
+    """Audit 2, item 9: a reduction in flight for 0.3 s is polled a few hundred times at most
+    (a fixed 100 us period would be ~3000 wake-ups, each taking the lock and the GIL)."""
+    params = _params()
+    polls = []
+
+    class Counting(GradScheduler):
+        def _poll(self) -> None:
+            polls.append(1)
+            super()._poll()
+
+    with Counting([(p, FakeGroup()) for p in params], ScheduleConfig("fifo", bucket_bytes=1 << 20),
+                  completion="poll", launch=lambda flat, g: BackgroundWork(flat, 0.3)) as s:
+        s.begin_step()
+        _backward(params)
+        s.finish()
+    assert 1 <= len(polls) < 600, len(polls)
+
+
+def test_hier_side_stream_waits_for_the_producer_and_holds_the_buffers(monkeypatch):
+    """Audit 2, item 4: the chained phases' side stream first waits for the current stream (which
+    produced, scaled and padded the gradient), and the buffers are recorded on it."""
+    import contextlib
+
+    from commsched.priority import hier
+
+    log: list = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other) -> None:
+            log.append(("wait", self.name, other.name))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("current"))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext(log.append(("enter", s.name))))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: log.append(("record", tuple(t.shape), s.name)))
+    bufs = (torch.zeros(4), torch.zeros(2), torch.zeros(4))
+    with hier._on_side(Stream("side"), bufs):
+        log.append(("phases",))
+    assert log[0] == ("wait", "side", "current")
+    assert [e for e in log if e[0] == "record"] == [("record", (4,), "side"), ("record", (2,), "side"),
+                                                    ("record", (4,), "side")]
+    assert log[-2:] == [("enter", "side"), ("phases",)]
+    log.clear()
+    with hier._on_side(None, bufs):  # the CPU: a plain block
+        log.append(("phases",))
+    assert log == [("phases",)]

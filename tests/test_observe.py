@@ -52,3 +52,63 @@ def test_events_pass_blocked_time_to_a_timer():
         ev.a2a_blocked(0.25)
         ev.a2a_end(tok)
     assert (t.calls, t.bytes_sent, t.blocked_s) == (1, 100, 0.25) and t.time_s >= 0.0
+
+
+class _Event:
+    """A CUDA-event stand-in: counts waits, knows its time in ms."""
+
+    waits = 0
+
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def synchronize(self) -> None:
+        _Event.waits += 1
+
+    def elapsed_time(self, other: "_Event") -> float:
+        return other.ms - self.ms
+
+
+class _EventClock:
+    """A ``Clock`` on a fake CUDA device: each mark 30 ms after the last."""
+
+    def __init__(self, device):
+        self.t = 0.0
+
+    def mark(self, stream=None):
+        self.t += 30.0
+        return _Event(self.t)
+
+    def seconds(self, a, b):  # what the old A2AReport called: a sync per exchange
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
+
+
+def test_an_observed_exchange_never_waits_for_its_events(monkeypatch):
+    """Audit 2, item 5: A2AReport hands the blocked interval over as events; the observer
+    resolves them when it reports (one wait each at settle), none at the exchange."""
+    import commsched.observe as obs
+
+    monkeypatch.setattr(obs, "Clock", _EventClock)
+    _Event.waits = 0
+    ev, t = A2AEvents(), A2ATimer()
+    with ev.register(t):
+        for _ in range(3):
+            obs.A2AReport(ev, 8, "cpu").finish(lambda: None)
+    assert _Event.waits == 0 and t.calls == 3 and t.blocked_s == 0.0
+    assert abs(t.settle().blocked_s - 0.09) < 1e-9 and _Event.waits == 3
+    # an observer that only takes seconds still gets them (waiting, as before)
+    got: list = []
+
+    class Seconds(_Log):
+        def a2a_blocked(self, s: float) -> None:
+            got.append(s)
+
+    obs.A2AReport(Seconds("s", []), 8, "cpu").finish(lambda: None)
+    assert got == [0.03]
+
+
+def test_host_intervals_are_added_at_once():
+    t = A2ATimer()
+    t.a2a_blocked_interval(1.0, 1.5)
+    assert t.blocked_s == 0.5

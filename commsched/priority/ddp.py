@@ -305,6 +305,9 @@ class LinaState:
     def a2a_blocked(self, seconds: float) -> None:
         self._sched.a2a_blocked(seconds)
 
+    def a2a_blocked_interval(self, a, b) -> None:
+        self._sched.a2a_blocked_interval(a, b)
+
     def block_begin(self) -> None:
         self._sched.block_begin()
 

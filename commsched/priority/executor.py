@@ -98,11 +98,22 @@ def _rank() -> int:
 
 
 LOCAL = "local"  # group of a gradient that is scaled but not communicated
-POLL_S = 1e-4  # how often the executor thread polls for completions on CUDA (seconds)
+# the executor thread polls completions in flight (is_completed / CUDA events) first after
+# POLL_MIN_S, then ever less often (doubling while nothing completes) up to POLL_MAX_S: a long
+# reduction costs a few hundred wake-ups a second at most, not 10^4 (each takes the lock and the GIL)
+POLL_MIN_S, POLL_MAX_S = 1e-4, 2e-3
 
 # launch(flat_gradient, group) -> a torch.distributed Work (or anything with wait(),
 # get_future() and is_completed()); the default is an asynchronous all_reduce
 Launcher = Callable[[torch.Tensor, Any], Any]
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` becomes ``cuda:<current device>`` (the
+    executor thread's ``torch.cuda.set_device`` needs an index)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _all_reduce(flat: torch.Tensor, group) -> Any:
@@ -220,8 +231,11 @@ class GradScheduler:
         self.timeout_s = timeout_s if timeout_s is not None else read_env().timeout_s
         if device is None:
             device = params[0][0].device if len(params) else torch.device("cpu")
-        self.device = torch.device(device)
+        self.device = _with_index(torch.device(device))
         self._cuda = self.device.type == "cuda"
+        # hierarchical operations: all three phases issued at the launch, ordered on the side
+        # stream (CUDA); else phase by phase on completions (gloo; priority/hier.py)
+        self._chained = self._cuda
         if completion not in (None, "callback", "poll"):
             raise ValueError(f"completion must be 'callback', 'poll' or None, got {completion!r}")
         self._completion = "event" if self._cuda else (completion or "callback")
@@ -291,10 +305,12 @@ class GradScheduler:
         self._thread_wake = False
         self._closed = False
         self._error: BaseException | None = None
+        self._dead: CommError | None = None  # the executor thread's death, when it died
         self._active = False
         self._sync = True  # False inside no_sync(): backward passes only accumulate
         self._a2a_key = 0
         self._a2a_blocked_s = 0.0
+        self._blocked_marks: list[tuple[Any, Any]] = []  # CUDA: blocked intervals to resolve
         self.records: list[OpRecord] = []
         self._rec: dict[tuple[str, int], OpRecord] = {}
         self._t0 = time.perf_counter()
@@ -354,6 +370,7 @@ class GradScheduler:
 
     def begin_step(self) -> None:
         with self._cv:
+            self._check_alive()
             if self._active:
                 raise RuntimeError("begin_step called twice without finish()")
             self._policy.begin_step(len(self.ops))
@@ -364,8 +381,9 @@ class GradScheduler:
             self.records, self._rec = [], {}
             self._polled, self._marks = {}, {}
             self._a2a_blocked_s = 0.0
+            self._blocked_marks = []
             if self._hier is not None:
-                self._hier_step = HierStep(self._hier, self._hier_done, chained=self._cuda)
+                self._hier_step = HierStep(self._hier, self._hier_done, chained=self._chained)
                 self._hier_step.expect([s for s, h in enumerate(self._op_hier) if h])
             self._t0 = time.perf_counter()
             if self._cuda:
@@ -474,7 +492,7 @@ class GradScheduler:
             try:
                 if not self._op_hier[seq]:
                     work = self._launch(st.flat, st.group)
-                elif self._cuda:  # all three phases now, ordered on the side stream
+                elif self._chained:  # all three phases now, ordered on the side stream
                     work = self._hier_step.launch_chained(seq, self._launch, self._side)
                 else:  # the phase across hosts: this rank's shard over its cross group
                     work = self._launch(self._hier_step.inter_tensor(seq), self._hier_step.cross)
@@ -508,7 +526,7 @@ class GradScheduler:
     def _completed(self, seq: int, end_mark: Any = None, error: BaseException | None = None) -> None:
         """Allreduce ``seq`` is done (caller holds the lock); for a hierarchical operation on
         the CPU its phase across hosts is, and the gather follows (:meth:`_hier_done`)."""
-        staged = self._op_hier[seq] and not self._cuda
+        staged = self._op_hier[seq] and not self._chained
         if self._hier_step is not None and self._op_hier[seq]:
             self._hier_step.inter_done(seq)
         if self._on_complete is not None and (not staged or error is not None):
@@ -567,23 +585,54 @@ class GradScheduler:
                 del self._polled[seq]
                 self._completed(seq)
 
-    def _loop(self) -> None:
+    def _thread_setup(self) -> None:
+        """The executor thread's first act: on CUDA its device (its events and streams)."""
         if self._cuda:
-            torch.cuda.set_device(self.device)  # this thread's events and streams
-        with self._cv:
-            while not self._closed:
-                self._cv.wait_for(lambda: self._thread_wake or self._closed,
-                                  timeout=POLL_S if self._polled else None)
-                self._thread_wake = False
-                if self._active and not self._closed:
-                    try:
-                        if self._polled:
-                            self._poll()
-                            self._thread_wake = False
-                        self._pump()
-                    except BaseException as e:  # handed to finish()
-                        self._error = e
-                        self._cv.notify_all()
+            torch.cuda.set_device(self.device)
+
+    def _loop(self) -> None:
+        try:
+            self._thread_setup()
+        except BaseException as e:  # the thread cannot run: say so at the next call, not at a timeout
+            with self._cv:
+                self._dead = CommError(f"rank {_rank()}: the GradScheduler thread could not start on "
+                                       f"{self.device}: {type(e).__name__}: {e}")
+                self._error = self._dead
+                self._cv.notify_all()
+            return
+        try:
+            poll_s = POLL_MIN_S
+            with self._cv:
+                while not self._closed:
+                    # completions in flight are polled with a growing period (POLL_MIN_S ..
+                    # POLL_MAX_S); otherwise the thread sleeps until a launch, a completion or
+                    # close() wakes it
+                    woken = self._cv.wait_for(lambda: self._thread_wake or self._closed,
+                                              timeout=poll_s if self._polled else None)
+                    self._thread_wake = False
+                    if self._active and not self._closed:
+                        try:
+                            if self._polled:
+                                before = len(self._polled)
+                                self._poll()
+                                self._thread_wake = False
+                                progressed = woken or len(self._polled) < before
+                                poll_s = POLL_MIN_S if progressed else min(2 * poll_s, POLL_MAX_S)
+                            self._pump()
+                        except BaseException as e:  # handed to finish()
+                            self._error = e
+                            self._cv.notify_all()
+        except BaseException as e:  # never a silent death: finish() and begin_step() raise it
+            with self._cv:
+                self._dead = CommError(f"rank {_rank()}: the GradScheduler thread died: "
+                                       f"{type(e).__name__}: {e}")
+                self._error = self._error or self._dead
+                self._cv.notify_all()
+
+    def _check_alive(self) -> None:
+        """Raise the executor thread's death (lock held), so that a step never waits for it."""
+        if self._dead is not None:
+            raise self._dead
 
     # ------------------------------------------------------------------ observer (compute thread)
     def a2a_begin(self, nbytes: int) -> object:
@@ -608,6 +657,14 @@ class GradScheduler:
 
     def a2a_blocked(self, seconds: float) -> None:
         self._a2a_blocked_s += seconds  # compute thread only
+
+    def a2a_blocked_interval(self, a: Any, b: Any) -> None:
+        """The blocked time as two clock marks: host seconds are added now, CUDA events in
+        :meth:`finish` (which synchronises once anyway), never at the exchange."""
+        if isinstance(a, float):
+            self._a2a_blocked_s += b - a
+        else:
+            self._blocked_marks.append((a, b))
 
     def block_begin(self) -> None:
         with self._cv:
@@ -703,6 +760,9 @@ class GradScheduler:
             recs = list(self._rec.values())
             if self._cuda:
                 t_end, t_done = self._resolve_marks(end_mark)
+            for a, b in self._blocked_marks:  # every event has happened: no wait
+                self._a2a_blocked_s += self.clock.seconds(a, b)
+            self._blocked_marks = []
         a2a = [(r.ready_s, r.end_s) for r in recs if r.kind == "a2a" and r.end_s >= 0]
         ar_recs = [r for r in recs if r.kind == "allreduce" and r.end_s >= 0]
         ar = [(r.start_s, r.end_s) for r in ar_recs]

@@ -48,6 +48,7 @@ ranks on hosts is pure (:class:`HostLayout`) and comes from :class:`commsched.To
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -202,6 +203,20 @@ class _Entry:
         self.works: list[Any] = []
 
 
+@contextlib.contextmanager
+def _on_side(stream: Any, tensors: Sequence[torch.Tensor]):
+    """Run the block on ``stream`` after the current stream's work so far, with ``tensors``
+    recorded on it (CUDA); a plain block for ``stream`` None."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
+    for t in tensors:
+        t.record_stream(stream)
+    with torch.cuda.stream(stream):
+        yield
+
+
 class HierStep:
     """One step's hierarchical operations on this rank (the executor holds its lock around
     every call). ``on_done(phase, seq, error)`` is called when phase ``intra`` or ``gather``
@@ -285,9 +300,13 @@ class HierStep:
 
     def launch_chained(self, seq: int, launch: Callable[[torch.Tensor, Any], Any], stream: Any) -> Any:
         """CUDA: issue the three phases of ``seq`` on ``stream``, each after the one before it;
-        returns the last one's Work (its completion is the operation's)."""
+        returns the last one's Work (its completion is the operation's). ``stream`` first
+        waits for the caller's current stream (which produced, scaled and padded the
+        gradient: NCCL orders after ``stream`` only), and the buffers are recorded on it so
+        the allocator does not reuse them while it runs. ``stream`` None (the CPU, tests of
+        NCCL's semantics): the same three phases, each ``wait()`` blocking the host."""
         e = self._ops[seq]
-        with torch.cuda.stream(stream):
+        with _on_side(stream, (e.buf, e.shard, e.out)):
             w1 = dist.reduce_scatter_tensor(e.shard, e.buf, group=self.g.intra, async_op=True)
             w1.wait()  # the stream waits for it (NCCL: no host wait)
             w2 = launch(e.shard, self.g.cross)
