@@ -560,3 +560,41 @@ def test_train_state_files_are_read_safely(tmp_path):
     with pytest.raises(ValueError, match="cannot read the checkpoint") as e:
         read_state(path)
     assert "weights_only" not in str(e.value) and "\n" not in str(e.value)
+
+
+class _CudaEventLike:
+    """What DeepSpeed's timers hold on CUDA: an event timer, not a float."""
+
+    def __float__(self):
+        raise TypeError("float() argument must be a string or a real number, not 'CudaEventTimer'")
+
+
+def test_deepspeed_comm_times_come_from_the_logger_dictionary():
+    """Audit 2, item 2: the latencies are read from ``comms_logger.comms_dict`` (floats on
+    every device; each entry the op's timer total so far), never from the timers' events."""
+    from commsched.moe.deepspeed_baseline import comm_latency_s
+
+    d = {"all_to_all_single": {4096: [2, [1.5, 3.0], [0, 0], [0, 0]], 512: [1, [4.0], [0], [0]]},
+         "all_reduce": {64: [3, [0.5, 1.0, 2.0], [], []]}, "broadcast": {8: [0, [], [], []]}}
+    a2a, other = comm_latency_s(d)
+    assert a2a == pytest.approx(0.004) and other == pytest.approx(0.002)
+    assert comm_latency_s({}) == (0.0, 0.0)
+    timer = type("Timer", (), {"event_timers": [_CudaEventLike()]})()
+    with pytest.raises(TypeError):  # what summing the timers did on CUDA
+        sum(float(x) for x in timer.event_timers)
+
+
+def test_deepspeed_logger_is_off_for_timed_cuda_steps_and_the_summary_says_where_times_came_from():
+    """Audit 2, item 2b: the comms logger synchronises after every collective; on CUDA it is on
+    for the warm-up steps only, and the summary takes the communication times from them."""
+    from commsched.moe.deepspeed_baseline import profiled_step
+    from commsched.moe.training import summarise
+
+    assert [profiled_step(s, 2, cuda=True) for s in range(4)] == [True, True, False, False]
+    assert all(profiled_step(s, 2, cuda=False) for s in range(4))
+    res = _rank_result(0, True)
+    for s in (1, 2):  # timed steps of warmup=1, run without the logger
+        res["rows"][s].update(a2a_s=None, a2a_inflight_s=None, allreduce_s=None)
+    ds = summarise(TrainConfig(impl="deepspeed", steps=3, warmup=1), [res], 1, "unit").to_dict()
+    assert ds["a2a_time_s"] == pytest.approx(0.1) and ds["allreduce_time_s"] == pytest.approx(0.4)
+    assert "steps [0]" in ds["comm_times_from"] and ds["step_time_s"] == pytest.approx(2.5)

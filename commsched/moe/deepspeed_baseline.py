@@ -106,13 +106,40 @@ def _groups_under_timeout() -> None:
         cdb._commsched_timeout = True
 
 
+def comm_latency_s(comms_dict: dict) -> tuple[float, float]:
+    """Seconds in all-to-all and in other collectives from DeepSpeed's comms logger
+    dictionary (``comms_logger.comms_dict``: ``{op name: {message bytes: [count, [latency
+    ms, ...], [algbw], [busbw]]}}``). Each logged latency is the op's timer total since the
+    timer was last reset (DeepSpeed reads it with ``elapsed(reset=False)``), so an op's time
+    is its largest entry. Pure: floats in, floats out, the same on the CPU and on CUDA
+    (where the timers themselves hold CUDA events, never summed here)."""
+    a2a = other = 0.0
+    for name, by_size in comms_dict.items():
+        lat = [float(v) for rec in by_size.values() for v in rec[1]]
+        spent = max(lat) / 1e3 if lat else 0.0
+        if "all_to_all" in name:
+            a2a += spent
+        else:
+            other += spent
+    return a2a, other
+
+
+def profiled_step(step: int, warmup: int, cuda: bool) -> bool:
+    """Whether DeepSpeed's comms logger is on for ``step``. It synchronises the device after
+    every logged collective, which serialises DeepSpeed's overlap on CUDA: there it is on for
+    the warm-up steps only (untimed), and the timed steps run as DeepSpeed runs unobserved.
+    On the CPU the synchronisation is free, so every step is profiled."""
+    return not cuda or step < warmup
+
+
 def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
                     device: torch.device | str = "cpu") -> dict:
     """Train ``cfg`` under DeepSpeed's engine on the initialised default process group (gloo
     on the CPU, NCCL on CUDA) with expert-parallel groups of ``ep`` ranks, on ``device``;
     returns this rank's results in the form
     :func:`commsched.moe.training.summarise` reads (per-step ``rows``, ``val_loss``, ``sizes``,
-    ``state``, and ``ds_comm_ops``: the collectives DeepSpeed's comms logger saw)."""
+    ``state``, and ``ds_comm_ops``: the collectives DeepSpeed's comms logger saw). A step
+    without the logger (:func:`profiled_step`) has ``a2a_s`` / ``allreduce_s`` None."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.comm.comm import comms_logger
@@ -155,17 +182,11 @@ def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
 
     def comm_times() -> tuple[float, float]:
         """Seconds in all-to-all and in other collectives since the last call, from the
-        host timers of DeepSpeed's comms logger (its logged latencies are cumulative)."""
-        a2a = other = 0.0
+        comms logger's dictionary (:func:`comm_latency_s`); its timers are reset."""
+        a2a, other = comm_latency_s(comms_logger.comms_dict)
         for name in list(comms_logger.comms_dict):
             seen.add(name)
-            t = ds_timers(name)
-            spent = sum(float(x) for x in t.event_timers)
-            t.reset()
-            if "all_to_all" in name:
-                a2a += spent
-            else:
-                other += spent
+            ds_timers(name).reset()
         comms_logger.comms_dict = {}
         return a2a, other
 
@@ -173,6 +194,8 @@ def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
         x, y = corpus.batch(B, S, seed=cfg.seed, step=step, rank=rank)
         x, y = to_device(x, device), to_device(y, device)
         comm_times()
+        profiled = profiled_step(step, cfg.warmup, cuda)
+        comms_logger.enabled = profiled
         t0 = clock.mark()
         logits, aux = engine(x)
         ce = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
@@ -182,7 +205,7 @@ def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
         t2 = clock.mark()
         engine.step()
         t3 = clock.mark()
-        a2a, other = comm_times()
+        a2a, other = comm_times() if profiled else (None, None)
         sec = clock.seconds
         rows.append({"step_s": sec(t0, t3), "fwd_s": sec(t0, t1), "bwd_s": sec(t1, t2), "loss": ce.item(),
                      "a2a_s": a2a, "a2a_inflight_s": a2a, "allreduce_s": other,

@@ -206,7 +206,10 @@ def summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> T
         return [agg([per_rank[r]["rows"][s][key] for r in range(world)]) for s in range(steps)]
 
     def mean(xs):
-        return sum(xs) / len(xs)
+        """The mean of the numbers (None where a rank did not measure: the DeepSpeed baseline's
+        unprofiled CUDA steps); None when none did."""
+        xs = [x for x in xs if x is not None]
+        return sum(xs) / len(xs) if xs else None
 
     step_max = col("step_s", max)
     keys = ("fwd_s", "bwd_s", "a2a_s", "a2a_inflight_s", "allreduce_s", "allreduce_wait_s", "loss", "allreduce_in_bwd")
@@ -216,6 +219,16 @@ def summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> T
     vals = [p["val_loss"] for p in per_rank if p["val_loss"] is not None]
     step_time = median([step_max[s] for s in timed])
     a2a = median([per["a2a_s"][s] for s in timed])
+    comm_from = None
+    allreduce = median([per["allreduce_s"][s] for s in timed])
+    if a2a is None and allreduce is None and any(per["a2a_s"][s] is not None for s in range(steps)):
+        # DeepSpeed on CUDA: its comms logger (which synchronises after every collective) was
+        # on for the warm-up steps only; their communication times stand in for the timed ones
+        profiled = [s for s in range(steps) if per["a2a_s"][s] is not None]
+        a2a = median([per["a2a_s"][s] for s in profiled])
+        allreduce = median([per["allreduce_s"][s] for s in profiled])
+        comm_from = (f"steps {profiled} (warm-up, DeepSpeed's comms logger on: it synchronises after every "
+                     "collective, so the timed steps ran without it)")
     fwd, bwd = median([per["fwd_s"][s] for s in timed]), median([per["bwd_s"][s] for s in timed])
     wait = median([per["allreduce_wait_s"][s] for s in timed])
     breakdown = {"forward": fwd, "backward": bwd, "allreduce_wait": wait,
@@ -230,7 +243,7 @@ def summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> T
         step_time_s=step_time,
         a2a_time_s=a2a,
         a2a_inflight_s=median([per["a2a_inflight_s"][s] for s in timed]),
-        allreduce_time_s=median([per["allreduce_s"][s] for s in timed]),
+        allreduce_time_s=allreduce,
         allreduce_wait_s=median([per["allreduce_wait_s"][s] for s in timed]),
         allreduce_in_backward_share=(median([per["allreduce_in_bwd"][s] for s in timed])
                                      if "allreduce_in_bwd" in per else None),
@@ -248,6 +261,7 @@ def summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> T
         wall_clock_s=max(p["wall_clock_s"] for p in per_rank),
         config=json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),
         extra={**({"deepspeed_comm_ops": per_rank[0]["ds_comm_ops"]} if "ds_comm_ops" in per_rank[0] else {}),
+               **({"comm_times_from": comm_from} if comm_from is not None else {}),
                **({"resumed_from_step": per_rank[0]["resumed_from_step"]}
                   if per_rank[0].get("resumed_from_step") is not None else {})},
     )
