@@ -38,10 +38,7 @@ class Clock:
 
     def seconds(self, a: Mark, b: Mark) -> float:
         """Seconds from mark ``a`` to mark ``b`` (on CUDA, waits until ``b`` has happened)."""
-        if not self.cuda:
-            return float(b - a)
-        b.synchronize()
-        return a.elapsed_time(b) / 1e3
+        return interval_s(a, b)
 
     def sync(self) -> None:
         """Wait for all work queued on the device (nothing to wait for on the CPU)."""
@@ -49,4 +46,14 @@ class Clock:
             torch.cuda.synchronize(self.device)
 
 
-__all__ = ["Clock", "Mark"]
+def interval_s(a: Mark, b: Mark) -> float:
+    """Seconds from mark ``a`` to mark ``b`` of any :class:`Clock`: host seconds subtracted,
+    CUDA events timed (waits until ``b`` has happened). Code that keeps marks to resolve
+    later (``CommStats``, ``PlacedTimes``, the all-to-all observers) resolves them with it."""
+    if isinstance(a, (float, int)):
+        return float(b - a)
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
+__all__ = ["Clock", "Mark", "interval_s"]

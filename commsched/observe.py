@@ -30,6 +30,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from .clock import Clock
+from .clock import interval_s as _seconds
 
 T = TypeVar("T")
 
@@ -128,14 +129,6 @@ def check_observer(observer: object, backward_block: str | None = None) -> None:
         raise TypeError(f"observer {type(observer).__name__} lacks {', '.join(missing)}: an all-to-all "
                         "observer needs a2a_begin(nbytes) -> token and a2a_end(token) (see "
                         "commsched.observe.A2AObserver)")
-
-
-def _seconds(a, b) -> float:
-    """Seconds between two :class:`Clock` marks (waits for ``b`` when it is a CUDA event)."""
-    if isinstance(a, float):
-        return b - a
-    b.synchronize()
-    return a.elapsed_time(b) / 1e3
 
 
 def report_blocked(observer: object, a, b) -> None:

@@ -701,3 +701,47 @@ def test_bench_variants_summary_and_heatmap(tmp_path):
             m.update(hosts=2, inter_host_bytes_per_batch=b, intra_host_bytes_per_batch=2e6)
     table, ib = hosts_table({v: runs[v] for v in ("static", "lina")})
     assert "| lina | 120 | 1.100 | 1.00 | 2.00 | 0.250 |" in table and ib == {"static": 4e6, "lina": 1e6}
+
+
+def test_placed_layer_times_its_parts_with_the_device_clock(monkeypatch):
+    """Audit 2, item 12: the a2a / expert / other parts are ``Clock`` marks on the rows' device
+    (CUDA events on a GPU, not enqueue times), kept unresolved until ``settle()``."""
+    import commsched.moe.placed as placed
+    from commsched.moe.placed import PlacedTimes
+
+    class Ev:
+        waits = 0
+
+        def __init__(self, ms):
+            self.ms = ms
+
+        def synchronize(self):
+            Ev.waits += 1
+
+        def elapsed_time(self, other):
+            return other.ms - self.ms
+
+    class EventClock:  # every mark 10 ms after the last
+        t = 0.0
+
+        def __init__(self, device):
+            pass
+
+        def mark(self, stream=None):
+            EventClock.t += 10.0
+            return Ev(EventClock.t)
+
+    monkeypatch.setattr(placed, "Clock", EventClock)
+    torch.manual_seed(0)
+    x, g = torch.randn(6, 3), torch.rand(6, 2)
+    ex = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 1], [1, 2], [2, 0]])
+    p = layout([[0], [0], [0]], 1, 3)
+    counts = np.bincount(ex.reshape(-1).numpy(), minlength=3)[None, :]
+    dev = _RecordingDevice()
+    times = PlacedTimes()
+    placed_moe(x, ex, g, counts, p, dev.compute, rank=0, times=times, pipelined=False)
+    assert Ev.waits == 0 and times.a2a == 0.0 and len(times._pending) == 1  # nothing resolved yet
+    times.settle()
+    # marks: t0, a2a (2), expert (2), a2a (2), end -> each part 10 ms, the layer 70 ms
+    assert times.a2a == pytest.approx(0.02) and times.expert == pytest.approx(0.01)
+    assert times.other == pytest.approx(0.07 - 0.03) and Ev.waits > 0 and times._pending == []

@@ -37,7 +37,6 @@ with no exchange and no placement (every expert applied where the token is).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Protocol, Sequence
 
@@ -45,6 +44,7 @@ import numpy as np
 import torch
 
 from ..all2all import A2APlan, CommStats, all_to_all, all_to_all_async
+from ..clock import Clock, interval_s
 from .placement import Placement, split_offsets, split_tokens
 
 # compute(experts_M, counts_M, x_RD) -> y_RD: rows grouped by expert (ascending ids, counts_M
@@ -178,7 +178,12 @@ def own_split(experts_M: Sequence[int], own_M: Sequence[int], loading: Collectio
 # --------------------------------------------------------------------------- the exchange
 @dataclass
 class PlacedTimes:
-    """Seconds this rank spent in each part of placed layers (accumulated)."""
+    """Seconds this rank spent in each part of placed layers (accumulated).
+
+    The parts are timed with :class:`commsched.clock.Clock` on the rows' device: host
+    seconds on the CPU, added at once; CUDA events on CUDA (the host clock would measure
+    enqueue times there), kept as marks and added by :meth:`settle`, so a layer never
+    waits for its own timing. Read the numbers after :meth:`settle`."""
 
     a2a: float = 0.0
     expert: float = 0.0
@@ -187,13 +192,38 @@ class PlacedTimes:
     bytes_sent: int = 0
     rows_computed: list[int] = field(default_factory=list)
     stats: CommStats | None = None  # when set, the row exchanges' own per-peer byte counts
+    # CUDA layers not yet added: (start, end, {part: [(start, end), ...]}) marks
+    _pending: list = field(default_factory=list, repr=False)
 
     def reset(self) -> None:
         self.a2a = self.expert = self.other = self.load_wait = 0.0
         self.bytes_sent = 0
         self.rows_computed = []
+        self._pending = []
         if self.stats is not None:
             self.stats.reset()
+
+    def add_layer(self, t0, t5, parts: dict) -> None:
+        """One layer from mark ``t0`` to ``t5`` with its parts' intervals (``a2a``, ``expert``,
+        ``load_wait``, ``meanwhile``; ``other`` is the rest but ``meanwhile``)."""
+        if isinstance(t0, float):
+            self._add(t0, t5, parts)
+        else:
+            self._pending.append((t0, t5, parts))
+
+    def _add(self, t0, t5, parts: dict) -> None:
+        sec = {k: sum(interval_s(a, b) for a, b in v) for k, v in parts.items()}
+        self.a2a += sec.get("a2a", 0.0)
+        self.expert += sec.get("expert", 0.0)
+        self.load_wait += sec.get("load_wait", 0.0)
+        self.other += interval_s(t0, t5) - sum(sec.values())
+
+    def settle(self) -> "PlacedTimes":
+        """Add the CUDA layers recorded so far (waits for their last event); a no-op on the CPU."""
+        for t0, t5, parts in self._pending:
+            self._add(t0, t5, parts)
+        self._pending = []
+        return self
 
 
 def _flatten(expert_TK: torch.Tensor | np.ndarray, gate_TK: torch.Tensor, keep_TK: torch.Tensor | None):
@@ -241,9 +271,10 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
     rank calls it with the same counts and placement. The tensors are on one device (the
     job's: the rows, routing and index tensors stay there); the send order and the
     permutations are planned with numpy on the host and moved there in one copy each."""
-    t0 = time.perf_counter()
-    E, N = placement.num_experts, placement.num_devices
     dev = x_TD.device  # index tensors live there; the planning below is numpy on the host
+    clock = Clock(dev)  # the parts' times: CUDA events on CUDA (PlacedTimes)
+    t0 = clock.mark()
+    E, N = placement.num_experts, placement.num_devices  # index tensors live there; the planning below is numpy on the host
     token_A, expert_A, gate_A = _flatten(expert_TK, gate_TK, keep_TK)
     ex_np = expert_A.cpu().numpy()
     c = np.asarray(counts_PE, dtype=np.int64)
@@ -257,13 +288,13 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
     order_t = _on(order, dev)
     experts_M, rows_PM = recv_matrix(c, placement, rank)
     x_send = x_TD.index_select(0, token_A[order_t])
-    tm = {"a2a": 0.0, "expert": 0.0, "load_wait": 0.0, "meanwhile": 0.0}
+    tm: dict[str, list] = {"a2a": [], "expert": [], "load_wait": [], "meanwhile": []}
     stats = times.stats if times is not None else None
 
     def timed(part: str, fn, *a, **kw):
-        t = time.perf_counter()
+        t = clock.mark()
         out = fn(*a, **kw)
-        tm[part] += time.perf_counter() - t
+        tm[part].append((t, clock.mark()))
         return out
 
     def device_done(token: float | None = None) -> None:
@@ -325,12 +356,8 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
         sent_rows = int(plan.total_send)
     w = gate_A[order_t].to(y_send.dtype).unsqueeze(1)
     out = x_TD.new_zeros(x_TD.shape).index_add(0, token_A[order_t], y_send * w)
-    t5 = time.perf_counter()
     if times is not None:
-        times.a2a += tm["a2a"]
-        times.expert += tm["expert"]
-        times.load_wait += tm["load_wait"]
-        times.other += (t5 - t0) - tm["a2a"] - tm["expert"] - tm["load_wait"] - tm["meanwhile"]
+        times.add_layer(t0, clock.mark(), tm)
         row = x_TD[0].numel() * x_TD.element_size() if x_TD.shape[0] else 0
         times.bytes_sent += sent_rows * row * 2
         times.rows_computed.append(int(rows_PM.sum()))

@@ -264,7 +264,7 @@ class Runtime:
         return y
 
     def end_batch(self, latency_s: float) -> None:
-        pt = self.placed_times
+        pt = self.placed_times.settle()  # CUDA: the layers' event times (the batch has ended)
         if self._future is not None:  # not expected: every phase 1 is consumed by its layer
             self._future.result()
             self._future = None
