@@ -11,12 +11,23 @@ Sections (each reports ``ok``, ``failed`` with the error, or ``skipped`` with th
 * ``frontends``: GNN training (Vanilla and AdaQP), MoE training (Lina; DeepSpeed when
   installed) and MoE inference, a few steps each at world size 1 on the device, with the
   peak device memory of each (> 0 shows it ran there).
+* ``nccl``: at world size 1 commsched's exchanges short-circuit, so the backend itself is
+  called in a child process: ``all_reduce``, ``all_to_all_single`` with split sizes,
+  ``batch_isend_irecv``, reduce-scatter / all-gather into tensors, ``Work.wait`` /
+  ``is_completed`` and event timing, on NCCL with ``device_id`` (gloo on the CPU, where the
+  calls gloo lacks are skipped by name).
 * ``cuda_tests``: the test suite's ``cuda``-marked tests (``pytest -m cuda``), when the
   package runs from a repository checkout.
 * ``shared``: 2-4 processes sharing the one GPU over gloo with CUDA tensors: the direct
   all_to_all and a multi-segment exchange against a point-to-point reference, and the
   gradient executor's ordering: ``finish()`` returns only once every reduction is in the
   gradients (NCCL refuses two ranks on one GPU, so this runs on gloo).
+
+The whole check has a deadline (``--deadline``, default 480 s = 8 minutes); each section has
+its share of it (:data:`SECTION_SHARES`, adding up to it): a section past its budget fails
+(a child process is killed; an in-process section is left behind on its thread) and the check
+goes on; none starts once the deadline is spent. What was skipped is printed at the end,
+one line each (``skipped: SECTION[/PART]: reason``) and listed in the JSON (``skipped``).
 
 Writes ``DIR/gpucheck.json`` and ``DIR/gpucheck.log``; exits 1 when a section failed. With
 ``--device cpu`` the same code runs on the CPU (the kernel section is skipped): the test
@@ -167,8 +178,9 @@ def frontend_runs(device: torch.device, quick: bool, out: Path) -> list[tuple[st
         ("moe-train-lina", "commsched.moe.train", ["--schedule", "lina", *steps, *small, *dev], None),
         ("moe-train-deepspeed", "commsched.moe.train", ["--impl", "deepspeed", *steps, *small, *dev],
          "deepspeed"),
-        ("moe-infer-lina", "commsched.moe.infer", ["--placement", "lina", "--batches", "3", "--warmup", "1",
-                                                   *dev], None),
+        # --compute real: the default, emulated, is the CPU model of an accelerator (refused on cuda)
+        ("moe-infer-lina", "commsched.moe.infer", ["--placement", "lina", "--compute", "real", "--batches", "3",
+                                                   "--warmup", "1", *dev], None),
     ]
 
 
@@ -195,15 +207,21 @@ sys.exit(rc or 0)
 
 def check_frontends(device: torch.device, quick: bool, out: Path, timeout_s: float = 600) -> dict:
     """Each front-end's own entry point as a one-process job (torchrun's environment) on
-    the device: its exit status, the metrics it wrote and its peak device memory (CUDA)."""
+    the device: its exit status, the metrics it wrote and its peak device memory (CUDA).
+    ``timeout_s`` is the whole section's budget: a run gets what is left of it."""
     import socket
     import subprocess
 
     res: dict[str, Any] = {}
     failed = False
+    end = time.monotonic() + timeout_s
     for name, module, argv, dep in frontend_runs(device, quick, out):
         if dep is not None and importlib.util.find_spec(dep) is None:
             res[name] = {"status": "skipped", "reason": f"{dep} is not installed"}
+            continue
+        left = end - time.monotonic()
+        if left < 5:
+            res[name] = {"status": "skipped", "reason": f"the section's budget of {timeout_s:.0f} s was spent"}
             continue
         run_dir = out / "frontends" / name
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -218,10 +236,10 @@ def check_frontends(device: torch.device, quick: bool, out: Path, timeout_s: flo
         with open(run_dir / "log.txt", "w") as logf:
             try:
                 rc = subprocess.run(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                    timeout=timeout_s).returncode
+                                    timeout=left).returncode
                 err = None if rc == 0 else f"exit status {rc}; log: {run_dir / 'log.txt'}"
             except subprocess.TimeoutExpired:
-                err = f"ran past {timeout_s:.0f} s; log: {run_dir / 'log.txt'}"
+                err = f"ran past the {left:.0f} s left of the section's budget; log: {run_dir / 'log.txt'}"
         r: dict[str, Any] = {"status": "failed" if err else "ok", "seconds": time.perf_counter() - t,
                              "command": f"python -m {module} " + " ".join(argv)}
         if err:
@@ -307,14 +325,16 @@ def _executor_check(rank: int, world: int, dev: torch.device) -> bool:
     return ok
 
 
-def check_shared(device: torch.device, procs: tuple[int, ...]) -> dict:
-    """2-4 processes on the one device over gloo (CUDA tensors when the device is CUDA)."""
+def check_shared(device: torch.device, procs: tuple[int, ...], timeout_s: float = 360) -> dict:
+    """2-4 processes on the one device over gloo (CUDA tensors when the device is CUDA);
+    ``timeout_s``: the section's budget, shared by the process counts."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out: dict[str, Any] = {}
     failed = False
-    for world in procs:
+    end = time.monotonic() + timeout_s
+    for i, world in enumerate(procs):
         q = ctx.Queue()
         with tempfile.TemporaryDirectory() as d:
             init = os.path.join(d, "rdzv")
@@ -323,7 +343,7 @@ def check_shared(device: torch.device, procs: tuple[int, ...]) -> dict:
             for p in ps:
                 p.start()
             res, errs = {}, []
-            deadline = time.monotonic() + 180
+            deadline = time.monotonic() + (end - time.monotonic()) / (len(procs) - i)
             while len(res) + len(errs) < world and time.monotonic() < deadline:
                 try:
                     r, status, val = q.get(timeout=5)
@@ -331,17 +351,117 @@ def check_shared(device: torch.device, procs: tuple[int, ...]) -> dict:
                     continue
                 (res.__setitem__(r, val) if status == "ok" else errs.append(val))
             for p in ps:
-                p.join(timeout=10)
+                p.join(timeout=2 if errs or len(res) < world else 10)
                 if p.is_alive():
                     p.kill()
         if errs or len(res) < world:
             failed = True
-            out[f"world{world}"] = {"error": errs[0] if errs else "timed out"}
+            out[f"world{world}"] = {"error": errs[0] if errs else "ran past its share of the section's budget"}
         else:
             per = {k: all(res[r][k] for r in range(world)) for k in res[0]}
             failed |= not all(per.values())
             out[f"world{world}"] = per
     out["status"] = "failed" if failed else "ok"
+    return out
+
+
+# --------------------------------------------------------------------------- NCCL at world size 1
+def _nccl_worker(init_file: str, device_name: str, q) -> None:
+    """torch.distributed's own calls on a one-rank group (NCCL on CUDA, gloo on the CPU),
+    bypassing commsched's one-rank shortcuts; puts (status, {check: bool}, {check: reason})."""
+    try:
+        import torch.distributed as dist
+
+        from ..clock import Clock
+        from ..dist import prepare_process_group_import
+
+        prepare_process_group_import()
+        dev = torch.device(device_name)
+        kw: dict[str, Any] = {}
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+            kw["device_id"] = dev  # eager communicator: a bad device fails here, not later
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60), **kw)
+        res: dict[str, bool] = {}
+        skipped: dict[str, str] = {}
+        clock = Clock(dev)
+        # all_reduce, asynchronous: Work.wait(), then is_completed() once the device is idle
+        t = torch.arange(1000, dtype=torch.float32, device=dev)
+        a = clock.mark()
+        w = dist.all_reduce(t, async_op=True)
+        w.wait()  # NCCL: the current stream waits for it
+        b = clock.mark()
+        res["all_reduce"] = bool(torch.equal(t.cpu(), torch.arange(1000, dtype=torch.float32)))
+        clock.sync()
+        res["work_is_completed"] = bool(w.is_completed())
+        res["event_timing"] = clock.seconds(a, b) >= 0.0
+        # all_to_all_single with explicit split sizes (one rank: one split of 7 rows)
+        x = torch.arange(21, dtype=torch.float32, device=dev).reshape(7, 3)
+        y = torch.empty_like(x)
+        w = dist.all_to_all_single(y, x, [7], [7], async_op=True)
+        w.wait()
+        res["all_to_all_single_splits"] = bool(torch.equal(y.cpu(), x.cpu()))
+        # batch_isend_irecv to itself (the ring pattern's call)
+        sb, rb = torch.full((5,), 3.0, device=dev), torch.zeros(5, device=dev)
+        try:
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, sb, 0), dist.P2POp(dist.irecv, rb, 0)])
+            for w in works:
+                w.wait()
+            res["batch_isend_irecv"] = bool(torch.equal(rb.cpu(), sb.cpu()))
+        except RuntimeError as e:
+            if backend != "gloo":
+                raise
+            skipped["batch_isend_irecv"] = f"gloo cannot send to its own rank ({str(e).splitlines()[0][:80]})"
+        # a reduce-scatter and an all-gather into tensors (the hierarchical reduction's phases)
+        src = torch.arange(6, dtype=torch.float32, device=dev)
+        out = torch.empty(6, device=dev)
+        try:
+            dist.reduce_scatter_tensor(out, src, async_op=True).wait()
+            res["reduce_scatter_tensor"] = bool(torch.equal(out.cpu(), src.cpu()))
+        except (RuntimeError, ValueError) as e:
+            if backend != "gloo":
+                raise
+            skipped["reduce_scatter_tensor"] = f"not on gloo ({str(e).splitlines()[0][:80]})"
+        g = torch.empty(6, device=dev)
+        dist.all_gather_into_tensor(g, src, async_op=True).wait()
+        res["all_gather_into_tensor"] = bool(torch.equal(g.cpu(), src.cpu()))
+        dist.destroy_process_group()
+        q.put(("ok", res, skipped))
+    except BaseException:
+        q.put(("err", traceback.format_exc(), {}))
+
+
+def check_nccl(device: torch.device, timeout_s: float = 60) -> dict:
+    """At world size 1 commsched's exchanges short-circuit, so this section calls the backend
+    directly in a child process (NCCL on CUDA; gloo on the CPU, where the calls gloo lacks are
+    skipped, each named): all_reduce, all_to_all_single with split sizes, batch_isend_irecv,
+    reduce_scatter / all_gather into tensors, Work.wait / is_completed, event timing. A hang
+    ends at ``timeout_s`` with the child killed."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        p = ctx.Process(target=_nccl_worker, args=(os.path.join(d, "rdzv"), str(device), q))
+        p.start()
+        try:
+            status, res, skipped = q.get(timeout=timeout_s)
+        except Exception:
+            status, res, skipped = "hang", None, {}
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    if status == "hang":
+        return {"status": "failed", "error": f"ran past its budget of {timeout_s:.0f} s (a hang?)"}
+    if status == "err":
+        return {"status": "failed", "error": res.strip().splitlines()[-1], "traceback": res}
+    out: dict[str, Any] = {"backend": "nccl" if device.type == "cuda" else "gloo", "checks": res}
+    if skipped:
+        out["skipped"] = skipped
+    out["status"] = "ok" if all(res.values()) else "failed"
     return out
 
 
@@ -359,37 +479,112 @@ def check_cuda_tests(device: torch.device, out: Path, timeout_s: float = 300) ->
     log = out / "cuda-tests.log"
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"]
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=root, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        try:
+            rc = subprocess.run(cmd, cwd=root, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            return {"status": "failed", "error": f"ran past its budget of {timeout_s:.0f} s", "log": str(log)}
     tail = log.read_text().strip().splitlines()[-1:] or [""]
     return {"status": "ok" if rc == 0 else "failed", "summary": tail[0], "log": str(log),
             "command": " ".join(cmd[1:])}
 
 
 # --------------------------------------------------------------------------- main
+DEADLINE_S = 480.0  # the whole check's default deadline (8 minutes)
+# each section's share of the deadline (they add up to 1: one hang cannot overrun the total)
+SECTION_SHARES = {"kernels": 0.08, "codec": 0.05, "nccl": 0.07, "frontends": 0.45, "shared": 0.2,
+                  "cuda_tests": 0.15}
+SECTIONS = tuple(SECTION_SHARES)
+
+
+def section_budgets(deadline_s: float) -> dict[str, float]:
+    """Seconds each section may take under an overall deadline (they add up to it). Pure."""
+    if not deadline_s > 0:
+        raise ValueError(f"the deadline must be > 0 seconds, got {deadline_s}")
+    return {k: deadline_s * v for k, v in SECTION_SHARES.items()}
+
+
+def _with_budget(fn: Callable[[], dict], budget_s: float) -> Callable[[], dict]:
+    """``fn`` on a daemon thread, given up after ``budget_s`` (an in-process section cannot
+    be killed; a hung one is reported and left behind, and the check goes on)."""
+    import threading
+
+    def run() -> dict:
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["res"] = fn()
+            except BaseException as e:  # re-raised in the caller's thread
+                box["err"] = e
+
+        th = threading.Thread(target=target, daemon=True)
+        th.start()
+        th.join(budget_s)
+        if th.is_alive():
+            raise TimeoutError(f"ran past its budget of {budget_s:.0f} s (a hang?)")
+        if "err" in box:
+            raise box["err"]
+        return box["res"]
+    return run
+
+
+def skipped_lines(results: dict) -> list[str]:
+    """What the check skipped, one line each: a section, a front-end run or a single check."""
+    lines = []
+    for name, r in results.items():
+        if not isinstance(r, dict) or name == "info":
+            continue
+        if r.get("status") == "skipped":
+            lines.append(f"{name}: {r.get('reason')}")
+            continue
+        for sub, v in r.items():
+            if isinstance(v, dict) and v.get("status") == "skipped":
+                lines.append(f"{name}/{sub}: {v.get('reason')}")
+        for sub, why in (r.get("skipped") or {}).items():
+            lines.append(f"{name}/{sub}: {why}")
+    return lines
+
+
 def run_check(out: Path, device: torch.device, *, procs: tuple[int, ...] = (2, 4),
               quick: bool = False, sections: tuple[str, ...] | None = None,
-              say: Log | None = None) -> dict:
-    """Run the sections (all by default) and write ``out/gpucheck.json``; returns it."""
+              say: Log | None = None, deadline_s: float = DEADLINE_S) -> dict:
+    """Run the sections (all by default) and write ``out/gpucheck.json``; returns it. Each
+    section has its share of ``deadline_s`` (:func:`section_budgets`); a section past its
+    budget fails, the check goes on, and no section starts once the deadline is spent."""
     out.mkdir(parents=True, exist_ok=True)
     log = say or Log(out / "gpucheck.log")
-    table: dict[str, Callable[[], dict]] = {
-        "kernels": lambda: check_kernels(device, quick),
-        "codec": lambda: check_codec(device, quick),
-        "frontends": lambda: check_frontends(device, quick, out),
-        "shared": lambda: check_shared(device, procs),
-        "cuda_tests": lambda: check_cuda_tests(device, out),
+    budgets = section_budgets(deadline_s)
+    table: dict[str, Callable[[float], dict]] = {
+        "kernels": lambda b: _with_budget(lambda: check_kernels(device, quick), b)(),
+        "codec": lambda b: _with_budget(lambda: check_codec(device, quick), b)(),
+        "nccl": lambda b: check_nccl(device, timeout_s=b),
+        "frontends": lambda b: check_frontends(device, quick, out, timeout_s=b),
+        "shared": lambda b: check_shared(device, procs, timeout_s=b),
+        "cuda_tests": lambda b: check_cuda_tests(device, out, timeout_s=b),
     }
     info: dict[str, Any] = {"device": str(device), "torch": torch.__version__,
-                            "cuda": torch.version.cuda, "command": " ".join(sys.argv)}
+                            "cuda": torch.version.cuda, "command": " ".join(sys.argv),
+                            "deadline_s": deadline_s}
     if device.type == "cuda":
         info["card"] = torch.cuda.get_device_name(device)
-    log(f"gpucheck on {info.get('card', device)} (torch {torch.__version__})")
-    results = {"info": info}
+    log(f"gpucheck on {info.get('card', device)} (torch {torch.__version__}), deadline {deadline_s:.0f} s")
+    results: dict[str, Any] = {"info": info}
+    end = time.monotonic() + deadline_s
     for name, fn in table.items():
-        if sections is None or name in sections:
-            results[name] = _section(name, fn, log)
-    results["ok"] = all(r.get("status") != "failed" for k, r in results.items() if k != "info")
+        if sections is not None and name not in sections:
+            continue
+        left = end - time.monotonic()
+        if left < 1:
+            results[name] = {"status": "skipped", "reason": f"the deadline of {deadline_s:.0f} s was spent"}
+            log(f"{name}: skipped ({results[name]['reason']})")
+            continue
+        budget = min(budgets[name], left)
+        results[name] = _section(name, lambda fn=fn, budget=budget: fn(budget), log)
+    results["ok"] = all(r.get("status") != "failed" for k, r in results.items() if isinstance(r, dict) and k != "info")
+    results["skipped"] = skipped_lines(results)
     write_json(out / "gpucheck.json", results)
+    for line in results["skipped"]:
+        log(f"skipped: {line}")
     log(f"gpucheck: {'ok' if results['ok'] else 'FAILED'}; {out / 'gpucheck.json'}")
     if say is None:
         log.close()
@@ -405,8 +600,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=DEVICE_CHOICES, default="cuda")
     p.add_argument("--procs", default="2,4", help="process counts sharing the device")
     p.add_argument("--quick", action="store_true", help="fewer shapes, smaller runs")
-    p.add_argument("--sections", default=None,
-                   help="comma-separated subset of kernels,codec,frontends,shared,cuda_tests")
+    p.add_argument("--sections", default=None, help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--deadline", type=float, default=DEADLINE_S,
+                   help=f"seconds for the whole check (default {DEADLINE_S:.0f}); each section has its share")
     a = p.parse_args(argv)
     try:
         device, _ = resolve_device(a.device)
@@ -414,8 +610,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpucheck: {e}", file=sys.stderr)
         return 2
     procs = tuple(int(x) for x in a.procs.split(",") if x)
-    res = run_check(a.out, device, procs=procs, quick=a.quick,
-                    sections=tuple(a.sections.split(",")) if a.sections else None)
+    sections = tuple(a.sections.split(",")) if a.sections else None
+    unknown = sorted(set(sections or ()) - set(SECTIONS))
+    if unknown or not a.deadline > 0:
+        print(f"gpucheck: unknown sections {unknown} (choose from {','.join(SECTIONS)})" if unknown
+              else f"gpucheck: --deadline must be > 0, got {a.deadline}", file=sys.stderr)
+        return 2
+    res = run_check(a.out, device, procs=procs, quick=a.quick, sections=sections, deadline_s=a.deadline)
     print(json.dumps({k: v.get("status") for k, v in res.items() if isinstance(v, dict) and "status" in v}))
     return 0 if res["ok"] else 1
 
