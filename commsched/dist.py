@@ -264,7 +264,8 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
     """Initialise the default process group from torchrun's environment.
 
     ``device`` is ``auto``, ``cpu``, ``cuda`` (see :func:`choose_device`) or a
-    ``torch.device``; a CUDA device is made current before the group is created, and the
+    ``torch.device``; a CUDA device is made current before the group is created and the
+    group is bound to it (``device_id``: NCCL's communicator is made at once), and the
     backend follows it (:func:`default_backend`). Returns ``DistInfo(rank, world_size,
     device)``. Works without torchrun too (single process, world 1). Idempotent: an
     already initialised group is kept. ``say`` (default: a line on stderr from rank 0)
@@ -279,8 +280,14 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
     prepare_process_group_import()
     env = read_env()
     t = timeout_s if timeout_s is not None else env.timeout_s
+    kw: dict[str, Any] = {}
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+        # bound to its device, the group makes its NCCL communicator now (eagerly): a bad
+        # device or an absent peer fails here, within the timeout, not at the first exchange;
+        # and batched point-to-point calls (the ring pattern) find the group-wide communicator
+        # made, so a rank with nothing to send in a round cannot stall its creation
+        kw["device_id"] = torch.device("cuda", torch.cuda.current_device())
     backend = backend or default_backend(dev)
     if env.world_size is None:
         # single process without torchrun: a private file store, world of one
@@ -289,9 +296,9 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
         f = tempfile.NamedTemporaryFile(prefix="commsched-pg-", delete=False)
         f.close()
         dist.init_process_group(backend, init_method=f"file://{f.name}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=t))
+                                timeout=datetime.timedelta(seconds=t), **kw)
     else:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=t))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=t), **kw)
     if device == "auto" and dist.get_rank() == 0:
         (say or (lambda m: print(f"commsched: {m}", file=sys.stderr, flush=True)))(why)
     return DistInfo(dist.get_rank(), dist.get_world_size(), dev)

@@ -410,3 +410,27 @@ def test_moe_train_error_on_two_ranks_names_each_rank(tmp_path):
     failed = (tmp_path / "o" / FAILED_MARKER).read_text().splitlines()
     assert sorted(ln.split(":")[0] for ln in failed) == ["commsched.moe.train (rank 0)",
                                                         "commsched.moe.train (rank 1)"]
+
+
+def test_init_distributed_binds_a_cuda_group_to_its_device(monkeypatch):
+    """Audit 2, item 11: on CUDA the default group is made with ``device_id`` (NCCL's
+    communicator made eagerly, within the timeout); on the CPU without it."""
+    import torch
+    import torch.distributed as dist
+
+    from commsched import dist as cdist
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cdist.init_distributed(device=torch.device("cuda", 2))
+    (args, kw), = calls
+    assert args[0] == "cpu:gloo,cuda:nccl" and kw["device_id"] == torch.device("cuda", 2)
+    calls.clear()
+    cdist.init_distributed(device=torch.device("cpu"))
+    assert calls[0][0][0] == "gloo" and "device_id" not in calls[0][1]
