@@ -6,6 +6,7 @@
 | COMMSCHED_BACKEND       | force a torch.distributed backend (gloo, nccl)      | auto    |
 | COMMSCHED_PROGRESS      | 0 disables progress bars                            | 1       |
 | COMMSCHED_COMPILE       | 0: the quantization codec never calls torch.compile (its eager twin runs: same bits, slower; also `AdaQPOptions(compile=False)`, `--no-compile`) | 1 |
+| COMMSCHED_CACHE_DIR     | where the native CPU codec kernel is built and kept (once per machine) | `$XDG_CACHE_HOME/commsched` or `~/.cache/commsched` |
 | GLOO_SOCKET_IFNAME      | gloo's interfaces, comma-separated (torch reads it too) | auto |
 | RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK / MASTER_ADDR / MASTER_PORT | set by torchrun (GROUP_RANK: the node's index) | |
 """
@@ -13,7 +14,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -30,6 +32,7 @@ class EnvConfig:
     gloo_ifnames: tuple[str, ...] = ()
     compile: bool = True
     group_rank: int | None = None  # torchrun's node index (GROUP_RANK)
+    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "commsched")
 
 
 def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
@@ -65,6 +68,10 @@ def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
     backend = env.get("COMMSCHED_BACKEND") or None
     if backend is not None and backend not in ("gloo", "nccl", "mpi"):
         raise ValueError(f"COMMSCHED_BACKEND={backend!r}: expected gloo, nccl or mpi")
+    cache = env.get("COMMSCHED_CACHE_DIR") or ""
+    if not cache:
+        xdg = env.get("XDG_CACHE_HOME") or ""
+        cache = str(Path(xdg) / "commsched") if xdg else str(Path.home() / ".cache" / "commsched")
     return EnvConfig(
         timeout_s=timeout_s,
         backend=backend,
@@ -76,4 +83,5 @@ def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
         gloo_ifnames=tuple(i for i in env.get("GLOO_SOCKET_IFNAME", "").split(",") if i),
         compile=_flag("COMMSCHED_COMPILE", True),
         group_rank=_int("GROUP_RANK"),
+        cache_dir=Path(cache).expanduser(),
     )

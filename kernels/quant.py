@@ -71,7 +71,7 @@ def _lowbias32(h):
     return h
 
 
-@triton.jit(do_not_specialize=["row0", "key"])
+@triton.jit(do_not_specialize=["N", "row0", "key"])  # N varies per message: no recompiles
 def quantize_pack_kernel(x_ptr, payload_ptr, meta_ptr, N, D, B, stride_x, stride_p, row0, key,
                          BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_B: tl.constexpr):
     K: tl.constexpr = 8 // BITS
@@ -128,7 +128,7 @@ def quantize_pack_kernel(x_ptr, payload_ptr, meta_ptr, N, D, B, stride_x, stride
                  mask=row_ok[:, None] & jm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def unpack_dequantize_kernel(payload_ptr, meta_ptr, out_ptr, N, D, B, stride_p, stride_o,
                              BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_B: tl.constexpr):
     K: tl.constexpr = 8 // BITS

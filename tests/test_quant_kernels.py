@@ -179,3 +179,23 @@ def test_compile_catches_a_non_constexpr_global(compiled_module, monkeypatch):
     monkeypatch.setattr(compiled_module, "_FLT_MAX", 3.4028234663852886e38)
     with pytest.raises(Exception, match="_FLT_MAX"):
         compiled_module.compile_for_target(8, 5)
+
+
+def test_row_count_is_not_specialised(compiled_module):
+    """Triton specialises integer arguments on divisibility by 16 unless told not to: the row
+    count varies per message, so each new N would compile another variant inside epoch 0."""
+    K = compiled_module
+    assert "N" in [p.name for p in K.quantize_pack_kernel.params if p.do_not_specialize]
+    assert "N" in [p.name for p in K.unpack_dequantize_kernel.params if p.do_not_specialize]
+
+
+def test_cpu_implementations_refuse_cuda_rows(monkeypatch):
+    """impl="compiled" on CUDA rows would reach Inductor's own Triton code, not the pinned
+    kernels; "native" and "eager" are CPU code: all three refuse another device."""
+    from commsched.quant import codec
+
+    for impl in ("compiled", "native", "eager"):
+        with pytest.raises(ValueError, match="CPU implementation.*cuda"):
+            codec._resolve(impl, torch.device("cuda", 0))
+    assert codec._resolve("auto", torch.device("cuda", 0)) == "triton"
+    assert codec._resolve("auto", torch.device("cpu")) == "fast"

@@ -82,7 +82,7 @@ from ..all2all import all_to_all, exchange_segments
 from ..clock import Clock, Mark
 from ..dist import all_gather_object, broadcast_object
 from ..quant.codec import dequantize_rows, payload_bytes, quantize_rows
-from ..quant.fast import compile_enabled, say_stderr, warm_codec
+from ..quant.fast import compile_enabled, say_stderr, warm_codec, warm_native
 from ..quant.reference import BITS
 from ..results import median
 from .adaqp_plan import (
@@ -268,6 +268,8 @@ class AdaQPExchange(HaloExchange):
             if say is not None:
                 torch.cuda.synchronize(self.device)
                 say(f"commsched.gnn: Triton kernels ready in {time.perf_counter() - t:.1f} s")
+            return
+        if warm_native(say=say):  # the native kernel serves every width and row width
             return
         n_min = min(sum(self.book.send_counts), sum(self.book.recv_counts))
         big = [d for d in sorted(set(dims)) if n_min * d >= EXCHANGE_COMPILE_MIN_ELEMENTS]

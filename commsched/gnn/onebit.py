@@ -75,6 +75,17 @@ class OneBitExchange(HaloExchange):
         self._compiled_dims: set[int] = set()  # row widths whose exchanges use the compiled codec
         # (layer, direction) -> the error kept from the last message, float32 [T, D]
         self.errors: dict[tuple[int, str], torch.Tensor] = {}
+        self._finite: torch.Tensor | None = None  # off the CPU: all rows sent this epoch were finite
+
+    def end_epoch(self, ctx: PassContext) -> None:
+        super().end_epoch(ctx)
+        if self._finite is not None:
+            ok, self._finite = bool(self._finite), None  # one host read an epoch
+            if not ok:
+                raise ValueError(
+                    f"onebit: rows sent in epoch {ctx.epoch} held non-finite values (a NaN or "
+                    "inf scale); look for an overflow upstream (a too-high learning rate) or "
+                    "run with --mode vanilla to find the first bad epoch")
 
     @property
     def overlaps(self) -> bool:
@@ -110,7 +121,15 @@ class OneBitExchange(HaloExchange):
             if err is None or tuple(err.shape) != tuple(rows.shape):
                 err = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
         compiled = D in self._compiled_dims
-        records, new_err = encode_signs(rows.to(torch.float32), error=err, compile=compiled)
+        # on the CPU the finite check is a cheap read; elsewhere it is deferred to a device
+        # flag read once an epoch (end_epoch), not a synchronisation per exchange
+        finite = None
+        if rows.device.type != "cpu":
+            if self._finite is None:
+                self._finite = torch.ones((), dtype=torch.bool, device=rows.device)
+            finite = self._finite
+        records, new_err = encode_signs(rows.to(torch.float32), error=err, compile=compiled,
+                                        finite=finite)
         if new_err is not None:
             self.errors[key] = new_err
         t1 = timer.mark()

@@ -18,8 +18,12 @@ group order; ``GroupLayout`` gives the sizes and offsets that both sides derive 
 (group row counts, widths, D) without communicating.
 
 Dispatch: CUDA tensors go to the Triton kernels (``commsched.kernels.quant``); CPU tensors
-to the fused fast path (``commsched.quant.fast``, compiled with ``torch.compile`` for
-large messages); anything else to the plain-torch reference. ``impl=`` forces one.
+to the native C kernel (``commsched.kernels.cpu``: built once per machine, one kernel for
+every width and shape), or, where no C compiler is found, to the fused torch path
+(``commsched.quant.fast``, compiled with ``torch.compile`` for large messages); anything
+else to the plain-torch reference. ``impl=`` forces one: ``native``, ``eager`` (the fused
+torch path uncompiled) and ``compiled`` (with torch.compile) are CPU-only and refuse
+other devices; ``triton`` is CUDA; ``reference`` runs anywhere.
 
 **1-bit sign rows** (``--mode onebit``): :func:`encode_signs` / :func:`decode_signs` turn
 float rows into *sign records*, uint8 [N, W] with W = ``sign_row_bytes(D)`` = ceil(D / 8)
@@ -45,7 +49,7 @@ import torch
 from . import reference as _ref
 from .wire import BITS, META_BYTES, SIGN_SCALE_BYTES, message_bytes, payload_bytes, sign_row_bytes
 
-IMPLS = ("auto", "reference", "eager", "compiled", "triton")
+IMPLS = ("auto", "reference", "native", "eager", "compiled", "triton")
 
 
 # --------------------------------------------------------------------------- validation
@@ -125,13 +129,15 @@ def _check_meta(x_ND: torch.Tensor, meta_N2: torch.Tensor, name: str) -> None:
 
 # --------------------------------------------------------------------------- dispatch
 def _resolve(impl: str, device: torch.device) -> str:
-    if impl != "auto":
-        return impl
-    if device.type == "cuda":
-        return "triton"
-    if device.type == "cpu":
-        return "fast"
-    return "reference"
+    if impl == "auto":
+        return "triton" if device.type == "cuda" else "fast" if device.type == "cpu" else "reference"
+    if impl in ("native", "eager", "compiled") and device.type != "cpu":
+        # "compiled" would hand CUDA rows to Inductor-generated Triton, not the kernels
+        # whose float32 arithmetic is pinned to the reference: refused, as the CPU-only
+        # native and eager paths are
+        raise ValueError(f"impl={impl!r} is a CPU implementation but the rows are on {device}; "
+                         "use impl='auto' (the Triton kernels on CUDA) or 'reference'")
+    return impl
 
 
 def quantize_rows(x_ND: torch.Tensor, bits: int, key: int, row0: int, impl: str,
@@ -144,16 +150,22 @@ def quantize_rows(x_ND: torch.Tensor, bits: int, key: int, row0: int, impl: str,
         from commsched.kernels.quant import quantize_pack
 
         return quantize_pack(x_ND, bits, key, row0, out=out_NB)
-    if how in ("fast", "eager", "compiled"):
+    if how in ("fast", "native", "eager", "compiled"):
         from .fast import quantize_cpu
 
-        compile = None if how == "fast" else how == "compiled"
-        return quantize_cpu(x_ND, bits, key, row0, out_NB=out_NB, compile=compile)
+        return quantize_cpu(x_ND, bits, key, row0, out_NB=out_NB, **_cpu_choice(how))
     payload, meta = _ref.quantize_reference(x_ND, bits, key, row0=row0)
     if out_NB is not None:
         out_NB.copy_(payload)
         payload = out_NB
     return payload, meta
+
+
+def _cpu_choice(how: str) -> dict:
+    """``quantize_cpu`` / ``dequantize_cpu`` keywords of a CPU implementation name: "fast"
+    (auto) is the native kernel when it can be had, else torch.compile for large messages."""
+    return {"fast": {}, "native": {"native": True}, "eager": {"compile": False},
+            "compiled": {"compile": True}}[how]
 
 
 def dequantize_rows(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int, dim: int,
@@ -164,11 +176,10 @@ def dequantize_rows(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int, 
         from commsched.kernels.quant import unpack_dequantize
 
         return unpack_dequantize(payload_NB, meta_N2, bits, dim, out=out_ND)
-    if how in ("fast", "eager", "compiled"):
+    if how in ("fast", "native", "eager", "compiled"):
         from .fast import dequantize_cpu
 
-        compile = None if how == "fast" else how == "compiled"
-        return dequantize_cpu(payload_NB, meta_N2, bits, dim, out_ND=out_ND, compile=compile)
+        return dequantize_cpu(payload_NB, meta_N2, bits, dim, out_ND=out_ND, **_cpu_choice(how))
     y = _ref.dequantize_reference(payload_NB, meta_N2, bits, dim)
     return y if out_ND is None else out_ND.copy_(y)
 
@@ -353,6 +364,15 @@ class GroupLayout:
         return self.byte_offsets[g + 1] - self.byte_offsets[g]
 
 
+def _empty_like_rows(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new output (on the CPU with huge-page advice when large: fewer page faults)."""
+    if device.type == "cpu":
+        from commsched.kernels.cpu import empty_rows
+
+        return empty_rows(shape, dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _check_layout(layout) -> GroupLayout:
     if not isinstance(layout, GroupLayout):
         raise TypeError(f"layout must be a GroupLayout, got {type(layout).__name__}")
@@ -377,10 +397,11 @@ def pack_groups(x_RD: torch.Tensor, layout: GroupLayout, *,
                          f"[{layout.rows}, {layout.dim}] (counts {layout.counts})")
     key = _draw_key(generator, seed)
     if out is None:
-        out = torch.empty(layout.nbytes, dtype=torch.uint8, device=x.device)
+        out = _empty_like_rows((layout.nbytes,), torch.uint8, x.device)
     elif (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1
           or out.numel() != layout.nbytes or out.device != x.device):
         raise ValueError(f"out must be a 1-D uint8 tensor of {layout.nbytes} bytes on {x.device}")
+    ok = None
     for g in range(layout.groups):
         n, bits = layout.counts[g], layout.bits[g]
         if n == 0:
@@ -390,8 +411,11 @@ def pack_groups(x_RD: torch.Tensor, layout: GroupLayout, *,
         xg = x[r0:r0 + n]
         payload_view = out[b0 + n * META_BYTES:b0 + n * (META_BYTES + B)].view(n, B)
         _, meta = quantize_rows(xg, bits, key, r0, impl, out_NB=payload_view)
-        _check_meta(x, meta, "x")  # on failure, reports on the whole of x
         out[b0:b0 + n * META_BYTES].copy_(meta.contiguous().view(torch.uint8).view(-1))
+        if meta.numel():  # on the device: one host read for the whole message, below
+            ok = torch.isfinite(meta).all() if ok is None else ok & torch.isfinite(meta).all()
+    if ok is not None and not bool(ok):
+        raise _nonfinite_error(x, "x")  # reports on the whole of x
     return out
 
 
@@ -414,7 +438,7 @@ def unpack_groups(buf_B: torch.Tensor, layout: GroupLayout, *, out: torch.Tensor
                          "must build the same GroupLayout")
     shape = (layout.rows, layout.dim)
     if out is None:
-        out = torch.empty(shape, dtype=torch.float32, device=buf_B.device)
+        out = _empty_like_rows(shape, torch.float32, buf_B.device)
     else:
         _check_out(out, shape, buf_B.device)
     for g in range(layout.groups):
@@ -434,7 +458,8 @@ SIGN_IMPLS = ("auto", "reference")  # "auto": the fast twin (commsched.quant.fas
 
 
 def encode_signs(x_ND: torch.Tensor, *, error: torch.Tensor | None = None, impl: str = "auto",
-                 compile: bool | None = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 compile: bool | None = False, finite: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sign records of the rows of ``x_ND`` (float [N, D]): (uint8 [N, W], the new error).
 
     Without ``error`` the rows are encoded as they are and the second item is None. With
@@ -444,7 +469,12 @@ def encode_signs(x_ND: torch.Tensor, *, error: torch.Tensor | None = None, impl:
     (the fast twin; ``compile``: its compiled form on the CPU, see
     ``commsched.quant.fast.sign_encode_fast``) or ``reference``; both give the same bytes.
     Raises ValueError for
-    non-2-D, non-float or non-finite input and for an ``error`` of another shape."""
+    non-2-D, non-float or non-finite input and for an ``error`` of another shape.
+
+    ``finite`` (a 0-d bool tensor on the rows' device) defers the finite check: instead
+    of reading the scales back on the host (a device synchronisation on CUDA) the call
+    ANDs "every scale is finite" into it, for the caller to read once later (the onebit
+    exchange reads it once an epoch)."""
     if impl not in SIGN_IMPLS:
         raise ValueError(f"impl must be one of {SIGN_IMPLS}, got {impl!r}")
     x = _check_rows(x_ND)
@@ -466,7 +496,10 @@ def encode_signs(x_ND: torch.Tensor, *, error: torch.Tensor | None = None, impl:
         from .fast import sign_encode_fast
 
         _, scale, new_err = sign_encode_fast(x, error, out_NB=out[:, :B], compile=compile)
-    if scale.numel() and not bool(torch.isfinite(scale).all()):
+    if finite is not None:
+        if scale.numel():
+            finite &= torch.isfinite(scale).all()
+    elif scale.numel() and not bool(torch.isfinite(scale).all()):
         raise _nonfinite_error(x if error is None else x + error, "x" if error is None else "x + error")
     out[:, B:] = scale.reshape(N, 1).view(torch.uint8)
     return out, new_err

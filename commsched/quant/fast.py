@@ -249,15 +249,35 @@ def _use_compiled(compile: bool | None, rows: int, dim: int) -> bool:
     return want and compile_enabled()  # COMMSCHED_COMPILE=0 wins over everything
 
 
+def warm_native(*, say: Callable[[str], None] | None = say_stderr) -> bool:
+    """Build (once per machine) or load the native CPU codec now; whether it is there.
+    The first call of a process tells ``say`` (None: silent) in one line what happened
+    and from where (built with which compiler and how long, loaded from the cache, or why
+    not); later calls say nothing."""
+    from commsched.kernels import cpu as _cpu
+
+    first = _cpu.status() is None
+    lib = native_library()
+    if first and say is not None:
+        say("commsched.quant: " + _cpu.status().describe())
+    return lib is not None
+
+
 def warm_codec(dims: Iterable[int], bits: Iterable[int] = BITS, *,
                say: Callable[[str], None] | None = say_stderr) -> float:
-    """Compile the quantize and dequantize kernels of every (bits, dim) now; returns the
-    seconds it took (0.0 when all were compiled already, or compiling is off with
-    ``COMMSCHED_COMPILE=0``). ``say`` (default: a line on stderr; None: silent) hears one
-    line before (what, how many kernels) and one after (the time), instead of one pair
-    per kernel."""
+    """Make the CPU codec ready for every (bits, dim) now; returns the seconds it took.
+
+    Where the native kernel can be had (:func:`warm_native`: one kernel for every width and
+    shape, built once per machine) that is all it does. Otherwise it compiles the
+    torch.compile kernels of every (bits, dim) (0.0 when all were compiled already, or
+    compiling is off with ``COMMSCHED_COMPILE=0``). ``say`` (default: a line on stderr;
+    None: silent) hears one line before (what, how many kernels) and one after (the
+    time), instead of one pair per kernel."""
     if not compile_enabled():
         return 0.0
+    t = time.perf_counter()
+    if warm_native(say=say):
+        return time.perf_counter() - t
     todo = [(b, d) for d in sorted(set(int(d) for d in dims)) for b in bits
             if not (_compiled("quantize", b, d).compiled and _compiled("dequantize", b, d).compiled)]
     if not todo:
@@ -279,24 +299,75 @@ def warm_codec(dims: Iterable[int], bits: Iterable[int] = BITS, *,
     return dt
 
 
+def native_library():
+    """The native CPU codec (``commsched.kernels.cpu``: C built once per machine, one
+    kernel for every width and shape), or None when it cannot be had or
+    ``COMMSCHED_COMPILE=0``; the first call of a process builds or loads it."""
+    from commsched.kernels import cpu as _cpu
+
+    return _cpu.load(compile_enabled())
+
+
+def native_status() -> str:
+    """One line: what the native CPU codec is in this process (built, loaded, or why not)."""
+    from commsched.kernels import cpu as _cpu
+
+    native_library()
+    return _cpu.status().describe()
+
+
+def _empty(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    from commsched.kernels.cpu import empty_rows
+
+    return empty_rows(shape, dtype)
+
+
+def _native_for(native: bool | None, compile: bool | None):
+    """The library when this call runs natively: ``native=True`` requires it (ValueError
+    if it cannot be had), None uses it when available unless ``compile`` forces a
+    torch.compile choice (True: compiled, False: eager), False never."""
+    if native is False or (native is None and compile is not None):
+        return None
+    lib = native_library()
+    if lib is None and native:
+        from commsched.kernels import cpu as _cpu
+
+        raise ValueError(f"impl='native' was asked for but {_cpu.status().describe()}")
+    return lib
+
+
 # Both entry points run under no_grad: their outputs are never differentiated, and the
 # compiled kernels are guarded on grad mode, so a caller that quantizes in a forward pass
 # (grad on) and again in autograd's backward (grad off) would compile every kernel twice.
 @torch.no_grad()
 def quantize_cpu(x_ND: torch.Tensor, bits: int, key: int, row0: int = 0, *,
                  out_NB: torch.Tensor | None = None, compile: bool | None = None,
+                 native: bool | None = None,
                  _say: Callable[[str], None] | None = say_stderr) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a contiguous float32 CPU tensor; returns (payload uint8 [N, B], meta [N, 2]).
 
-    ``out_NB`` (a contiguous uint8 [N, B] view, for example into a send buffer) receives
-    the payload if given. ``compile=None`` compiles when the message is large enough,
-    ``True`` forces it (N > 1), ``False`` runs the eager twin; ``COMMSCHED_COMPILE=0``
-    means ``False`` whatever ``compile`` says.
+    ``out_NB`` (a uint8 [N, B] view with unit column stride, for example into a send
+    buffer) receives the payload if given. By default the native kernel runs (when it can
+    be had; ``native=True`` requires it, ``False`` never uses it); otherwise
+    ``compile=None`` compiles with torch.compile when the message is large enough,
+    ``True`` forces that (N > 1), ``False`` runs the eager twin. ``COMMSCHED_COMPILE=0``
+    means the eager twin whatever these say.
     """
     N, D = x_ND.shape
     B = payload_bytes(D, bits)
     if out_NB is None:
-        out_NB = torch.empty(N, B, dtype=torch.uint8, device=x_ND.device)
+        out_NB = _empty((N, B), torch.uint8, x_ND.device)
+    lib = _native_for(native, compile) if x_ND.device.type == "cpu" else None
+    if lib is not None:
+        meta = torch.empty((N, 2), dtype=torch.float32)
+        if N:
+            if x_ND.stride(1) != 1 or (B > 1 and out_NB.stride(1) != 1):
+                raise ValueError("the native codec needs unit column strides")
+            lib.cs_quantize(x_ND.data_ptr(), N, D, x_ND.stride(0), out_NB.data_ptr(),
+                            out_NB.stride(0), meta.data_ptr(), bits, key & 0xFFFFFFFF, row0)
+        return out_NB, meta
     key_t = torch.tensor(key & 0xFFFFFFFF, dtype=torch.int64)  # 0-d: usable with any device
     row0_t = torch.tensor(row0, dtype=torch.int64)
     iota_B = torch.arange(B, dtype=torch.int32, device=x_ND.device)
@@ -310,12 +381,24 @@ def quantize_cpu(x_ND: torch.Tensor, bits: int, key: int, row0: int = 0, *,
 @torch.no_grad()
 def dequantize_cpu(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int, dim: int, *,
                    out_ND: torch.Tensor | None = None, compile: bool | None = None,
+                   native: bool | None = None,
                    _say: Callable[[str], None] | None = say_stderr) -> torch.Tensor:
     """Dequantize on the CPU into ``out_ND`` (float32 [N, dim] with unit column stride, for
-    example rows of a bigger matrix) or a new tensor; ``compile`` as in ``quantize_cpu``."""
+    example rows of a bigger matrix) or a new tensor; ``compile``, ``native`` as in
+    ``quantize_cpu``."""
     N = payload_NB.shape[0]
     if out_ND is None:
-        out_ND = torch.empty(N, dim, dtype=torch.float32, device=payload_NB.device)
+        out_ND = _empty((N, dim), torch.float32, payload_NB.device)
+    lib = _native_for(native, compile) if payload_NB.device.type == "cpu" else None
+    if lib is not None:
+        if N:
+            B = payload_NB.shape[1]
+            meta = meta_N2.contiguous()
+            if (B > 1 and payload_NB.stride(1) != 1) or (dim > 1 and out_ND.stride(1) != 1):
+                raise ValueError("the native codec needs unit column strides")
+            lib.cs_dequantize(payload_NB.data_ptr(), N, B, payload_NB.stride(0), meta.data_ptr(),
+                              out_ND.data_ptr(), dim, out_ND.stride(0), bits)
+        return out_ND
     if _use_compiled(compile, N, dim):
         _compiled("dequantize", bits, dim)(payload_NB, meta_N2, out_ND, say=_say)
     else:
@@ -445,5 +528,6 @@ def warm_sign_codec(dims: Iterable[int], *, say: Callable[[str], None] | None = 
 
 
 __all__ = ["CPU_COMPILE_MIN_ELEMENTS", "compile_enabled", "dequantize_cpu", "dequantize_fused",
+           "native_library", "native_status", "warm_native",
            "quantize_cpu", "quantize_fused", "say_stderr", "sign_decode_fast", "sign_decode_fused",
            "sign_encode_ef_fused", "sign_encode_fast", "sign_encode_fused", "warm_codec", "warm_sign_codec"]
