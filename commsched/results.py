@@ -14,6 +14,7 @@ import math
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -147,21 +148,52 @@ class Record:
         return tuple(f.name for f in dataclasses.fields(cls) if f.name != "extra")
 
 
+# Without a terminal (stderr redirected to a file or a pipe) a progress bar's carriage-return
+# redraws pile up on one line; a plain line is written instead, at most this often (and at
+# the start and the end), the convention of tqdm users for logs.
+LINE_INTERVAL_S = 30.0
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # closed or not a file
+        return False
+
+
 class Progress:
-    """A tqdm bar on stderr, or nothing when ``enabled`` is false (COMMSCHED_PROGRESS=0, a
-    rank other than 0). ``update``, ``postfix``, ``write`` and ``close`` are safe either way;
-    ``write`` still reaches the user when the bar is off (through ``say``, default a line on
-    stderr). Use as a context manager to close it."""
+    """A tqdm bar on stderr when stderr is a terminal; plain lines otherwise (a line at the
+    start, at most one every ``LINE_INTERVAL_S`` seconds, one at the end); nothing when
+    ``enabled`` is false (COMMSCHED_PROGRESS=0, a rank other than 0). ``update``,
+    ``postfix``, ``write`` and ``close`` are safe either way; ``write`` still reaches the
+    user when the bar is off (through ``say``, default a line on stderr). Use as a context
+    manager to close it."""
 
     def __init__(self, total: int, desc: str, unit: str, *, enabled: bool = True,
-                 initial: int = 0, say: Callable[[str], None] | None = None):
+                 initial: int = 0, say: Callable[[str], None] | None = None,
+                 interval_s: float = LINE_INTERVAL_S):
         self.bar = None
         self.say = say or (lambda s: print(s, file=sys.stderr, flush=True))
-        if enabled:
+        self._lines = False  # line mode: no terminal
+        if enabled and _is_terminal(sys.stderr):
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr,
                             dynamic_ncols=True, leave=True)
+        elif enabled:
+            self._lines = True
+            self._total, self._desc, self._unit, self._n = total, desc, unit, initial
+            self._interval = interval_s
+            self._post = ""
+            self._t0 = self._last = time.monotonic()
+            self._shown = initial
+            self._line()
+
+    def _line(self) -> None:
+        el = time.monotonic() - self._t0
+        post = f", {self._post}" if self._post else ""
+        self.say(f"{self._desc}: {self._n}/{self._total} {self._unit}s ({el:.0f} s{post})")
+        self._last, self._shown = time.monotonic(), self._n
 
     @property
     def active(self) -> bool:
@@ -171,8 +203,15 @@ class Progress:
     def update(self, n: int = 1) -> None:
         if self.bar is not None:
             self.bar.update(n)
+        elif self._lines:
+            self._n += n
+            if time.monotonic() - self._last >= self._interval:
+                self._line()
 
     def postfix(self, text: str | None = None, **values: Any) -> None:
+        if self._lines:
+            self._post = text if text is not None else ", ".join(f"{k}={v}" for k, v in values.items())
+            return
         if self.bar is None:
             return
         if text is not None:
@@ -190,6 +229,14 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        elif self._lines:
+            self._lines = False
+            self._line_final()
+
+    def _line_final(self) -> None:
+        el = time.monotonic() - self._t0
+        post = f", {self._post}" if self._post else ""
+        self.say(f"{self._desc}: {self._n}/{self._total} {self._unit}s, done in {el:.0f} s{post}")
 
     def __enter__(self) -> "Progress":
         return self

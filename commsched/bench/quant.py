@@ -38,6 +38,11 @@ from ..results import median
 from .runner import Workload
 
 GOALS = {"quantize_vs_clone": 1.5, "dequantize_vs_clone": 1.0}
+# The bench fails (exit 1, after writing its summary) when a width falls below this share of
+# its goal: a regression, not noise. Checked on messages of at least FLOOR_MIN_ELEMENTS
+# values (smaller ones measure the per-call overhead, not the codec).
+REGRESSION_FLOOR = 0.5
+FLOOR_MIN_ELEMENTS = 1 << 20
 
 
 def _timed(fn: Callable[[], object], clock: Clock | None = None) -> tuple[float, float, object]:
@@ -146,7 +151,8 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
              "dequantize / clone | (CPU time) quantize / clone | (CPU time) dequantize / clone | "
              "dequantize into existing / clone |",
              "|---|---|---|---|---|---|---|---|---|"]
-    verdicts = []
+    verdicts, regressions = [], []
+    checked = all(r["rows"] * r["dim"] >= FLOOR_MIN_ELEMENTS for rs in runs.values() for r in rs)
     for v, rs in runs.items():
         m = {k: med([r[k] for r in rs]) for k in rs[0] if isinstance(rs[0][k], float)}
         lines.append(f"| {v} | {m['clone_GBps']:.2f} | {m['quantize_GBps']:.2f} | "
@@ -157,8 +163,15 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
             for k, goal in GOALS.items():
                 verdicts.append(f"- {v} {k.replace('_vs_clone', '')}: {m[k]:.2f}x of clone "
                                 f"(goal >= {goal}x): {'met' if m[k] >= goal else 'NOT met'}")
+                if checked and m[k] < REGRESSION_FLOOR * goal:
+                    regressions.append(f"{v} {k.replace('_vs_clone', '')} at {m[k]:.2f}x of clone, "
+                                       f"below {REGRESSION_FLOOR} x its goal ({goal}x)")
+    verdicts.append(f"- regression floor ({REGRESSION_FLOOR} x each goal): " + (
+        ("FAILED: " + "; ".join(regressions)) if regressions else "held" if checked else
+        f"not checked (messages under {FLOOR_MIN_ELEMENTS} values measure call overhead)"))
     return {"extra_tables": {"Throughput (medians over repeats of per-round medians)": "\n".join(lines),
-                             "Goals": "\n".join(verdicts)}}
+                             "Goals": "\n".join(verdicts)},
+            "regressions": regressions}
 
 
 WORKLOAD = Workload(

@@ -446,9 +446,17 @@ def run_workload(workload: Workload, argv: Sequence[str], ctx: RunContext,
     (out / "summary.md").write_text(summary_markdown(workload, summary, meta))
     (progress or (lambda s: print(s, file=sys.stderr, flush=True)))(
         f"[bench {name}] done in {meta['wall_s']:.0f} s; summary: {out / 'summary.md'}")
+    if summary.get("regressions"):  # a workload's own floor: the summary is written first
+        raise BenchRegression(f"bench {name}: below its regression floor: "
+                              + "; ".join(summary["regressions"]) + f" (see {out / 'summary.md'})")
     return summary
 
 
-__all__ = ["RunContext", "Variant", "Workload", "breakdown_medians", "build_parser", "free_port",
+class BenchRegression(RuntimeError):
+    """A bench measured a figure below the floor its workload sets (``summary["regressions"]``):
+    ``commsched bench`` exits 1 after writing the summary."""
+
+
+__all__ = ["BenchRegression", "RunContext", "Variant", "Workload", "breakdown_medians", "build_parser", "free_port",
            "machine_info", "median_of", "run_variant", "run_workload", "summarize_runs",
            "summary_markdown", "torchrun_command"]
