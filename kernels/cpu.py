@@ -3,7 +3,7 @@
 The C source is built once per machine with the system C compiler into a shared library
 in commsched's cache folder (``COMMSCHED_CACHE_DIR``, default ``$XDG_CACHE_HOME/commsched``
 or ``~/.cache/commsched``), named by a hash of the source, the compiler, its flags and the
-machine, so a changed source, compiler or processor builds anew and an unchanged one is
+host, so a changed source, compiler or machine builds anew and an unchanged one is
 loaded in milliseconds. Ranks that start together on one machine take a file lock in
 turn: the first builds (about a second), the others load its result. There is one
 library for every width and shape (no per-shape compilation).
@@ -68,14 +68,6 @@ _lib: ctypes.CDLL | None = None
 _status: NativeStatus | None = None
 
 
-def cache_dir() -> Path:
-    """Where built libraries are kept (the one place ``COMMSCHED_CACHE_DIR`` is read is
-    ``commsched.config``; this module is imported by it lazily)."""
-    from commsched.config import read_env
-
-    return read_env().cache_dir
-
-
 def _compiler() -> str | None:
     cc = os.environ.get("CC")
     if cc:
@@ -131,7 +123,7 @@ def _build(cc: str, target: Path) -> None:
             os.unlink(tmp)
 
 
-def _load_locked(enabled: bool) -> None:
+def _load_locked(enabled: bool, folder: Path) -> None:
     global _lib, _status
     if not enabled:
         _status = NativeStatus("off", reason="COMMSCHED_COMPILE=0 (no compiling of any kind)")
@@ -147,7 +139,7 @@ def _load_locked(enabled: bool) -> None:
     try:
         import fcntl
 
-        folder = cache_dir()
+        folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         target = folder / f"quant_cpu-{_key(cc)}.so"
         state = "loaded"
@@ -168,13 +160,14 @@ def _load_locked(enabled: bool) -> None:
     _status = NativeStatus(state, path=target, seconds=time.perf_counter() - t, compiler=Path(cc).name)
 
 
-def load(enabled: bool = True) -> ctypes.CDLL | None:
-    """The native library (built or loaded on the first call in this process), or None.
-    ``enabled=False`` (``COMMSCHED_COMPILE=0``) never builds; the first call decides for
-    the process."""
+def load(cache_dir: str | os.PathLike, enabled: bool = True) -> ctypes.CDLL | None:
+    """The native library (built in ``cache_dir`` or loaded from it on the first call in
+    this process), or None. ``enabled=False`` (``COMMSCHED_COMPILE=0``) never builds; the
+    first call decides for the process. (``commsched.config`` reads
+    ``COMMSCHED_CACHE_DIR``; the kernels package imports nothing of commsched.)"""
     with _lock:
         if _status is None:
-            _load_locked(enabled)
+            _load_locked(enabled, Path(cache_dir))
         return _lib
 
 
@@ -188,7 +181,7 @@ _MADV_HUGEPAGE = 14  # Linux
 _libc: list = []
 
 
-def empty_rows(shape: tuple[int, ...], dtype) -> "torch.Tensor":
+def empty_rows(shape: tuple[int, ...], dtype):
     """``torch.empty(shape, dtype)`` on the CPU, asking Linux for transparent huge pages on
     its interior 2 MiB pages when it is large (>= 4 MiB) and fresh: a new 100 MB output
     otherwise costs more in page faults (one per 4 KiB page) than decoding into it does.
@@ -223,4 +216,4 @@ def _reset_for_tests() -> None:
         _lib, _status = None, None
 
 
-__all__ = ["ABI_VERSION", "CFLAGS", "NativeStatus", "SOURCE", "cache_dir", "empty_rows", "load", "status"]
+__all__ = ["ABI_VERSION", "CFLAGS", "NativeStatus", "SOURCE", "empty_rows", "load", "status"]

@@ -73,9 +73,15 @@ _ODD_D = 4099  # a row width no other test compiles
 
 @pytest.fixture
 def fake_compile(monkeypatch):
+    """torch.compile as the identity, and no native kernel: the torch.compile path of a
+    machine without a C compiler."""
+    import commsched.gnn.adaqp as A
     from commsched.quant import fast
 
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setattr(fast, "native_library", lambda: None)
+    monkeypatch.setattr(fast, "warm_native", lambda say=None: False)
+    monkeypatch.setattr(A, "warm_native", lambda say=None: False)
     fast._compiled.cache_clear()
     yield fast
     fast._compiled.cache_clear()  # no identity-"compiled" kernel outlives the test
@@ -123,6 +129,32 @@ def test_adaqp_prepare_speaks_on_rank_0_and_not_without_compiling(fake_compile):
     fake_compile._compiled.cache_clear()
     quiet.prepare([_ODD_D], say=said[0].append)
     assert not quiet.compiles and len(said[0]) == 2 and not quiet._compiled_dims
+
+
+def test_adaqp_prepare_with_the_native_kernel_says_once_and_compiles_nothing(monkeypatch):
+    """Where the native kernel is there, prepare loads it (rank 0 says what and from where,
+    in one line) and no torch.compile kernel is made for any row width."""
+    from commsched.gnn.adaqp import AdaQPExchange
+    from commsched.gnn.book import build_books
+    from commsched.kernels import cpu as C
+    from commsched.quant import fast
+
+    if fast.native_library() is None:
+        pytest.skip(f"no native codec here: {C.status().describe()}")
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("torch.compile was called"))
+    monkeypatch.setattr(C, "_status", None)  # this process's first load again
+    monkeypatch.setattr(C, "_lib", None)
+    pairs = [(i, 40 + i) for i in range(40)]
+    src = np.array([a for a, b in pairs] + [b for a, b in pairs])
+    dst = np.array([b for a, b in pairs] + [a for a, b in pairs])
+    books = build_books(src, dst, (np.arange(80) >= 40).astype(np.int64), 2)
+    said: list[str] = []
+    ex = AdaQPExchange(books[0], scheme="uniform", overlap=True, norm="sum")
+    ex.prepare([_ODD_D, 64], say=said.append)
+    assert len(said) == 1 and "native CPU codec kernel" in said[0] and "cache" in said[0]
+    assert not ex._compiled_dims
+    AdaQPExchange(books[1], scheme="uniform", overlap=True, norm="sum").prepare([_ODD_D], say=said.append)
+    assert len(said) == 1  # rank 1 is quiet, and a second load says nothing
 
 
 def test_compile_off_by_environment_never_calls_torch_compile(monkeypatch):

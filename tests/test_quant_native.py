@@ -11,11 +11,11 @@ import textwrap
 
 import pytest
 import torch
+from commsched.kernels import cpu as C
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import commsched.quant as Q
-from commsched.kernels import cpu as C
 from commsched.quant import fast as F
 from commsched.quant import reference as R
 

@@ -258,7 +258,7 @@ def warm_native(*, say: Callable[[str], None] | None = say_stderr) -> bool:
 
     first = _cpu.status() is None
     lib = native_library()
-    if first and say is not None:
+    if first and say is not None and _cpu.status() is not None:
         say("commsched.quant: " + _cpu.status().describe())
     return lib is not None
 
@@ -305,7 +305,8 @@ def native_library():
     ``COMMSCHED_COMPILE=0``; the first call of a process builds or loads it."""
     from commsched.kernels import cpu as _cpu
 
-    return _cpu.load(compile_enabled())
+    env = read_env()
+    return _cpu.load(env.cache_dir, env.compile)
 
 
 def native_status() -> str:
