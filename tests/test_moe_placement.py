@@ -285,7 +285,7 @@ def test_count_search_finds_what_single_moves_miss():
 
 def test_fast_local_search_step_equals_its_reference():
     """The O(1)-per-candidate step makes the same moves as the dict-per-candidate twin."""
-    from commsched.moe.placement import _Search
+    from commsched.moe.placement.search import LocalSearch
 
     rng = np.random.default_rng(5)
     for trial in range(40):
@@ -294,7 +294,7 @@ def test_fast_local_search_step_equals_its_reference():
         S = -(-E // N) + int(rng.integers(0, 4))
         load = rng.lognormal(0, 1.5, E) * 100 if trial % 2 else rng.integers(0, 50, E).astype(float)
         for start in (greedy_placement(load, N, S), eplb_placement(load, N, S).placement(load)):
-            a, b = _Search(start, load), _Search(start, load)
+            a, b = LocalSearch(start, load), LocalSearch(start, load)
             for _ in range(200):
                 ma, mb = a.step(), b.step_reference()
                 assert ma == mb and a.devs == b.devs
@@ -551,7 +551,7 @@ def test_host_local_split_matches_reference_and_stays_home():
         split_tokens([0], p)
     dl, out_H, in_H = host_local_loads(p.replicas, np.array([[5.0, 1.0], [5.0, 3.0]]), p.device_host)
     assert dl.tolist() == [5.0, 4.0, 5.0, 0.0] and out_H.tolist() == [0.0, 3.0] and in_H.tolist() == [3.0, 0.0]
-    from commsched.moe.placement import _host_local_loads_reference
+    from commsched.moe.placement import host_local_loads_reference
 
     rng = np.random.default_rng(5)
     for _ in range(20):  # the vectorised split equals its loop twin
@@ -560,7 +560,7 @@ def test_host_local_split_matches_reference_and_stays_home():
         hosts = tuple(h - hosts[0] for h in hosts)
         reps = [sorted(rng.choice(N, size=int(rng.integers(1, N + 1)), replace=False).tolist()) for _ in range(E)]
         o = rng.random((max(hosts) + 1, E)) * (rng.random((max(hosts) + 1, E)) > 0.2)
-        for a, b in zip(host_local_loads(reps, o, hosts), _host_local_loads_reference(reps, o, hosts)):
+        for a, b in zip(host_local_loads(reps, o, hosts), host_local_loads_reference(reps, o, hosts)):
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="0..H-1"):
         Placement(((0,),), (0.0, 0.0), 1, (0, 2))

@@ -54,45 +54,13 @@ import math
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 
-from .placement import (
-    Placement,
-    device_loads,
-    eplb_placement,
-    greedy_placement,
-    plan_placement,
-    static_placement,
-)
+from .placement import Placement, device_loads, static_placement
+from .placement.registry import PLANNERS, eplb_hier_layout, eplb_layout
 from .popularity import DEFAULT_REPLAN_THRESHOLD, phase2_decision
-
-
-def eplb_layout(load_E: Sequence[float] | np.ndarray, num_devices: int,
-                slots_per_device: int) -> Placement:
-    """DeepSeek's EPLB (:func:`~commsched.moe.placement.eplb_placement`) as a
-    :class:`Placement`: a replica that shares a device with another of its expert is
-    merged into it, and the expert's load splits evenly over its distinct devices."""
-    return eplb_placement(load_E, num_devices, slots_per_device).placement(load_E)
-
-
-def eplb_hier_layout(load_E: Sequence[float] | np.ndarray, num_devices: int, slots_per_device: int,
-                     device_host: Sequence[int]) -> Placement:
-    """DeepSeek's EPLB, hierarchical policy, on the hosts ``device_host`` (each host a block of
-    consecutive devices of equal size, as torchrun numbers them): every expert its own
-    group (the finest grouping EPLB allows), the groups packed onto the hosts by their
-    loads, then replicated and packed within each host; as a :class:`Placement` as
-    :func:`eplb_layout`. Each expert ends up on one host only."""
-    hosts = [int(h) for h in device_host]
-    H = max(hosts) + 1
-    size = num_devices // H
-    if len(hosts) != num_devices or hosts != [d // size for d in range(num_devices)] or size * H != num_devices:
-        raise ValueError(f"EPLB's hierarchical policy needs hosts of equal size holding consecutive devices "
-                         f"(0,0,1,1,...); got device_host {hosts}")
-    E = len(load_E)
-    return eplb_placement(load_E, num_devices, slots_per_device, num_nodes=H,
-                          num_groups=E if E % H == 0 else None).placement(load_E)
 
 
 def cross_host_weight(topology, row_bytes: float, row_time_s: float, *, exchanges: int = 2) -> float:
@@ -109,12 +77,6 @@ def cross_host_weight(topology, row_bytes: float, row_time_s: float, *, exchange
     intra = links["intra"].theta if "intra" in links else 0.0
     return max(0.0, exchanges * row_bytes * (links["inter"].theta - intra) / row_time_s)
 
-
-PLANNERS: dict[str, Callable[..., Placement]] = {
-    "full": plan_placement,
-    "greedy": greedy_placement,
-    "eplb": eplb_layout,
-}
 
 __all__ = [
     "STRATEGIES",

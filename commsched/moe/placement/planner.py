@@ -1,0 +1,110 @@
+"""The planner the runtime uses (:func:`plan_placement`): candidate replica counts
+packed by LPT, the best improved by local search, then a search over replica counts.
+
+Legend: E experts, N devices, S slots per device.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .checks import check_load, check_sizes
+from .eplb import eplb_placement
+from .greedy import greedy_placement
+from .node_aware import NODE_CANDIDATES, node_aware_placement, node_inputs
+from .packing import pack_lpt, replica_counts_greedy
+from .search import count_search, improve
+from .types import Placement, placement_key
+
+# packings improved by local search besides the greedy's and EPLB's layouts, for up to
+# REFINE_SMALL_SLOTS slots (N*S) and above; at 256 x 64 the extra starts changed the
+# maximum load by under 0.01% for about twice the time
+REFINE_SMALL = 6
+REFINE_LARGE = 1
+REFINE_SMALL_SLOTS = 256
+# up to this many slots every replica-count change of the count search is decoded by LPT
+# and local search (milliseconds there); above it by LPT alone
+THOROUGH_SLOTS = 16
+
+
+def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
+                   slots_per_device: int, *, max_candidates: int = 16,
+                   refine: int | None = None, max_steps: int | None = None,
+                   count_evals: int = 1000, device_host: Sequence[int] | None = None,
+                   cross_weight: float = 0.0, origin_HE: np.ndarray | None = None) -> Placement:
+    """Place E experts on N devices with at most S experts each, minimising the maximum
+    device load (an expert's load split evenly over its replicas).
+
+    Node-aware (``device_host``: the host 0..H-1 of each device, H >= 2, and
+    ``cross_weight`` > 0): minimises :func:`node_cost` instead, the busiest device's load
+    plus ``cross_weight`` times the rows through the busiest host link, with the
+    host-local split (:mod:`.node_aware`); ``origin_HE`` [H, E]
+    gives each host's tokens per expert (default :func:`even_origin`). The result carries
+    ``device_host`` (a host-local placement), unless the flat plan with the flat split has
+    the lower cost: then it is that plan. Without hosts, with one host or with
+    ``cross_weight`` 0 the result is exactly the flat planner's.
+
+    Popular experts get more replicas; unpopular ones are packed together. Method: for up
+    to ``max_candidates`` total replica counts between E and N*S, take the greedy
+    apportionment (:func:`replica_counts_greedy`) and pack it by LPT
+    (:func:`pack_lpt`); the ``refine`` best packings (default :data:`REFINE_SMALL` up to
+    :data:`REFINE_SMALL_SLOTS` slots, :data:`REFINE_LARGE` above), the greedy
+    (:func:`greedy_placement`) and EPLB's layout (:func:`eplb_placement`, a replica that
+    shares a device with another of its expert merged into it) are improved by local
+    search on the busiest device (``max_steps`` moves each, default 20*N*S). From the
+    best of all these a search over replica counts (up to ``count_evals`` re-packings;
+    0 turns it off) changes one expert's count at a time and re-packs, then local
+    search polishes its result. The best layout found wins (maximum device load, then
+    sum of squares). The greedy itself is a candidate, so the result is never worse
+    than :func:`greedy_placement`; against EPLB's own maximum load (two replicas of one
+    expert on one device included) it is measured in docs/benchmarks.md.
+
+    load_E: [E] non-negative finite loads (tokens routed to each expert, or an estimate).
+    Raises ValueError when N*S < E or a load is negative or not finite.
+    """
+    load = check_load(load_E)
+    E = load.size
+    N, S = check_sizes(E, num_devices, slots_per_device)
+    if (max_candidates < 1 or (refine is not None and refine < 0) or (max_steps is not None and max_steps < 0)
+            or count_evals < 0):
+        raise ValueError(f"need max_candidates >= 1, refine >= 0, max_steps >= 0 and "
+                         f"count_evals >= 0; got {max_candidates}, {refine}, {max_steps}, "
+                         f"{count_evals}")
+    node = node_inputs(load, N, device_host, cross_weight, origin_HE)
+    if node is not None:
+        def flat(ld, n, s):
+            return [list(r) for r in plan_placement(ld, n, s, max_candidates=max_candidates, refine=refine,
+                                                    max_steps=max_steps, count_evals=count_evals).replicas]
+
+        return node_aware_placement(load, N, S, node[0], float(cross_weight), node[1], flat, NODE_CANDIDATES)
+    steps = 20 * N * S if max_steps is None else max_steps
+    if refine is None:
+        refine = REFINE_SMALL if N * S <= REFINE_SMALL_SLOTS else REFINE_LARGE
+    greedy = greedy_placement(load, N, S)
+    if N == 1 or load.sum() == 0.0:
+        return greedy
+    top = min(N * S, N * E)
+    if top - E + 1 <= max_candidates:
+        totals = list(range(E, top + 1))
+    else:
+        totals = sorted({int(round(x)) for x in np.linspace(E, top, max_candidates)})
+    packed = [pack_lpt(load, replica_counts_greedy(load, R, N), N, S) for R in totals]
+    packed.sort(key=placement_key)
+    eplb = eplb_placement(load, N, S).placement(load)
+    starts: list[Placement] = []
+    for p in [greedy, eplb] + packed[:max(0, refine)]:
+        if all(p.replicas != q.replicas for q in starts):  # the greedy is often packed[0]
+            starts.append(p)
+    cands = starts + packed + [improve(p, load, steps) for p in starts]
+    best = min(cands, key=placement_key)
+    if count_evals > 0:
+        thorough = N * S <= THOROUGH_SLOTS
+        found = count_search(best, load, count_evals, thorough)
+        best = min(best, found if thorough else improve(found, load, steps), key=placement_key)
+    return best
+
+
+
+__all__ = ["plan_placement", "REFINE_SMALL", "REFINE_LARGE", "REFINE_SMALL_SLOTS", "THOROUGH_SLOTS"]

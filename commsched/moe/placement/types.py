@@ -1,0 +1,154 @@
+"""The placement record: which devices hold each expert, the device loads that result,
+and the helpers that build and rank placements.
+
+Legend: E experts, N devices, S slots per device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .checks import check_hosts, check_load
+from .hosts import even_origin, host_local_loads
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which devices hold each expert, and the device loads that result.
+
+    replicas[e]     -- ascending tuple of the distinct devices holding expert e (>= 1)
+    device_load[d]  -- sum over experts e on d of load_e / len(replicas[e])
+    slots_per_device -- the bound the placement respects (experts per device)
+    device_host[d]  -- None (the flat split), or the host (0..H-1) of each device: the
+                       host-local split (:mod:`.node_aware`); the
+                       device loads are then those of that split with the tokens spread
+                       over the hosts in proportion to their devices (:func:`device_loads`)
+    """
+
+    replicas: tuple[tuple[int, ...], ...]
+    device_load: tuple[float, ...]
+    slots_per_device: int
+    device_host: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        N, S = len(self.device_load), self.slots_per_device
+        if N < 1:
+            raise ValueError("a placement needs at least one device")
+        if self.device_host is not None:
+            object.__setattr__(self, "device_host", check_hosts(self.device_host, N))
+        held = [0] * N
+        for e, devs in enumerate(self.replicas):
+            if len(devs) == 0:
+                raise ValueError(f"expert {e} has no replica: every expert needs a device")
+            if len(set(devs)) != len(devs):
+                raise ValueError(f"expert {e} is placed twice on one device: {devs}")
+            for d in devs:
+                if not 0 <= d < N:
+                    raise ValueError(f"expert {e} is placed on device {d}, outside 0..{N - 1}")
+                held[d] += 1
+        over = [d for d in range(N) if held[d] > S]
+        if over:
+            raise ValueError(f"device {over[0]} holds {held[over[0]]} experts, more than "
+                             f"slots_per_device={S}")
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.device_load)
+
+    @property
+    def replica_counts(self) -> tuple[int, ...]:
+        """[E] number of replicas of each expert."""
+        return tuple(len(r) for r in self.replicas)
+
+    @property
+    def device_experts(self) -> tuple[tuple[int, ...], ...]:
+        """[N] ascending experts held by each device."""
+        out: list[list[int]] = [[] for _ in range(self.num_devices)]
+        for e, devs in enumerate(self.replicas):
+            for d in devs:
+                out[d].append(e)
+        return tuple(tuple(x) for x in out)
+
+    @property
+    def max_load(self) -> float:
+        return max(self.device_load)
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean device load (1.0 when all loads are zero)."""
+        return imbalance(self.device_load)
+
+    def with_load(self, load_E: Sequence[float] | np.ndarray) -> Placement:
+        """The same layout with device loads recomputed for another load (e.g. the actual
+        load of a batch, to evaluate a plan made from an estimate)."""
+        load = check_load(load_E)
+        if load.size != self.num_experts:
+            raise ValueError(f"load_E has {load.size} entries, the placement {self.num_experts} "
+                             "experts")
+        dl = device_loads(self.replicas, load, self.num_devices, self.device_host)
+        return Placement(self.replicas, tuple(float(x) for x in dl), self.slots_per_device,
+                         self.device_host)
+
+    @property
+    def num_hosts(self) -> int:
+        """Hosts of the host-local split (1 for the flat split)."""
+        return 1 if self.device_host is None else max(self.device_host) + 1
+
+    def candidates(self, e: int, source: int) -> tuple[int, ...]:
+        """The replicas of expert e that the tokens of rank ``source`` (a device index) are
+        split over: all of them (flat split), or with ``device_host`` those on the host of
+        ``source`` when there are any, else all of them."""
+        devs = self.replicas[e]
+        if self.device_host is None:
+            return devs
+        h = self.device_host[source]
+        local = tuple(d for d in devs if self.device_host[d] == h)
+        return local or devs
+
+
+def imbalance(device_load_N: Sequence[float] | np.ndarray) -> float:
+    """max / mean of a device-load vector; 1.0 when the total is zero."""
+    dl = np.asarray(device_load_N, dtype=np.float64)
+    total = float(dl.sum())
+    if total <= 0.0:
+        return 1.0
+    return float(dl.max() / (total / dl.size))
+
+
+def device_loads(replicas: Sequence[Sequence[int]], load_E: Sequence[float] | np.ndarray,
+                 num_devices: int, device_host: Sequence[int] | None = None) -> np.ndarray:
+    """[N] float64 device loads: each expert's load split evenly over its replicas; with
+    ``device_host``, split host-locally with the load spread over the hosts in proportion
+    to their devices (:func:`even_origin`, :func:`host_local_loads`)."""
+    load = np.asarray(load_E, dtype=np.float64)
+    if device_host is not None:
+        return host_local_loads(replicas, even_origin(load, device_host), device_host)[0]
+    out = np.zeros(num_devices, dtype=np.float64)
+    for e, devs in enumerate(replicas):
+        share = load[e] / len(devs)
+        for d in devs:
+            out[d] += share
+    return out
+
+
+def make_placement(replicas: Sequence[Sequence[int]], load: np.ndarray, N: int, S: int,
+          device_host: tuple[int, ...] | None = None) -> Placement:
+    reps = tuple(tuple(sorted(int(d) for d in devs)) for devs in replicas)
+    dl = device_loads(reps, load, N, device_host)
+    return Placement(reps, tuple(float(x) for x in dl), S, device_host)
+
+
+def placement_key(p: Placement) -> tuple[float, float]:
+    """Lexicographic quality: maximum device load, then sum of squared device loads."""
+    return (p.max_load, float(sum(x * x for x in p.device_load)))
+
+
+
+__all__ = ["Placement", "imbalance", "device_loads", "make_placement", "placement_key"]
