@@ -78,8 +78,8 @@ _INFER_EXPORTS: dict[str, str] = {
     "InferMetrics": "infer",
     "run_inference": "infer",
     "record_trace": "record",
-    "save_checkpoint": "record",
-    "load_checkpoint": "record",
+    "save_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
 }
 
 _EXPORTS = {**_TRAIN_EXPORTS, **_INFER_EXPORTS}

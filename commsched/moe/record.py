@@ -15,10 +15,8 @@ consecutive, non-overlapping ``S``-token windows of the held-out split of the co
 format of :mod:`commsched.moe.traces` (version 1) with ``source`` naming the checkpoint,
 the corpus and the split.
 
-Checkpoint file (``torch.save``; load with :func:`load_checkpoint`): a dict with
-``format`` = ``"commsched-moe-lm"``, ``version`` = 1, ``model_config`` (the fields of
-:class:`~commsched.moe.model.ModelConfig`), ``state_dict`` (every expert included) and
-``info`` (how it was trained).
+Checkpoints (:func:`save_checkpoint`, :func:`load_checkpoint`, the file format) live in
+:mod:`commsched.moe.checkpoint`; they are re-exported here.
 
 ``--device auto|cpu|cuda`` (default auto) is where the model trains; the trace is recorded
 on the CPU from the trained weights either way.
@@ -27,7 +25,6 @@ on the CPU from the trained weights either way.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -37,39 +34,12 @@ import numpy as np
 import torch
 
 from ..dist import DEVICE_CHOICES
-from ..results import load_torch_file, read_error
+from ..results import read_error
+from .checkpoint import CHECKPOINT_FORMAT, load_checkpoint, save_checkpoint
 from .model import ModelConfig, MoETransformerLM
 from .traces import RoutingTrace, save_trace, trace_stats
 
-CHECKPOINT_FORMAT = "commsched-moe-lm"
-CHECKPOINT_VERSION = 1
-
 __all__ = ["record_trace", "save_checkpoint", "load_checkpoint", "train_model", "CHECKPOINT_FORMAT"]
-
-
-def save_checkpoint(path: str | Path, model: MoETransformerLM, info: dict | None = None) -> None:
-    torch.save({"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
-                "model_config": dataclasses.asdict(model.cfg),
-                "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                "info": json.loads(json.dumps(info or {}, default=str))}, path)
-
-
-def load_checkpoint(path: str | Path) -> tuple[MoETransformerLM, dict]:
-    """(model holding every expert, info). Raises ValueError for a file that is not one."""
-    p = Path(path)
-    ck = load_torch_file(p, "checkpoint")
-    if not isinstance(ck, dict) or ck.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"checkpoint {p}: not a commsched MoE LM checkpoint (format {CHECKPOINT_FORMAT!r})")
-    if ck.get("version") != CHECKPOINT_VERSION:
-        raise ValueError(f"checkpoint {p}: version {ck.get('version')} is not supported "
-                         f"(this code reads {CHECKPOINT_VERSION})")
-    try:
-        model = MoETransformerLM(ModelConfig(**ck["model_config"]))
-        model.load_state_dict(ck["state_dict"])
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"checkpoint {p}: damaged: its model configuration or weights do not fit "
-                         f"({read_error(e)})") from None
-    return model.eval(), ck.get("info", {})
 
 
 @torch.no_grad()
