@@ -53,18 +53,17 @@ gather inside the host follows its completion; on CUDA the three are issued toge
 the policy's launch, ordered on the side stream.
 
 Launches happen under one lock, from the compute thread (hooks, observer calls) or from
-the executor's own thread (after a completion), so the launch order is the policy's
-order. Completion callbacks only record and wake that thread.
+the executor's own thread (after a completion), so the launch order is the policy's order.
 
-Devices. On the CPU (gloo) a launched ``Work``'s future completes when the allreduce is
-done, so completion is its done-callback, and times are host clock readings. On CUDA
-(NCCL) that future completes at *enqueue*, so instead the executor thread makes a side
-stream wait for the collective, records a CUDA event there and polls it
-(``event.query()``): the event completes when the reduction has. All times of a CUDA step
-are CUDA events (:class:`commsched.clock.Clock`) on the device: an all-to-all's begin and
-end are events recorded on the current stream when the layer reports them (the end
-completes after the exchange, which the current stream waits for), an allreduce's start is
-an event recorded where it is launched. On CUDA the policy runs the ``program`` launch rule
+Rooms. This module is the scheduling core (registration, hooks, readiness, launches, the
+observer methods, the end of the step); the bucket layout is :mod:`~commsched.priority.buckets`
+(pure), completion tracking and the executor thread :mod:`~commsched.priority.completion`,
+the timeline records :mod:`~commsched.priority.records`.
+
+Devices. On the CPU (gloo) completion is the ``Work``'s done-callback (or a poll) and times
+are host clock readings; on CUDA (NCCL) it is a polled CUDA event
+(:mod:`~commsched.priority.completion`) and times are CUDA events
+(:mod:`~commsched.priority.records`). On CUDA the policy runs the ``program`` launch rule
 by default (:mod:`commsched.priority.policy`): every launch happens at a point of the
 program, in the same order on every rank, never in reaction to a completion, as NCCL needs
 for collectives on two communicators. Whatever the device, :meth:`finish` calls
@@ -78,7 +77,6 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -87,21 +85,13 @@ import torch.distributed as dist
 from ..clock import Clock
 from ..config import read_env
 from ..dist import CommError, all_gather_object, comm_guard, peer_failure_hint, unresponsive_note
-from .hier import GATHER, INTRA, HierGroups, HierStep, make_hier
+from .buckets import LOCAL, GradSlot, describe, group_ids, plan_buckets, registration_mismatch
+from .completion import POLL_MAX_S, POLL_MIN_S, _Completion, _rank
+from .hier import HierGroups, HierStep, make_hier
 from .microops import CommOp
-from .policy import ScheduleConfig, allreduce_ops, make_policy
+from .policy import ScheduleConfig, make_policy
+from .records import OpRecord, _Records, sort_records, step_timings
 from .transfer import UrgentOp, urgent
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-LOCAL = "local"  # group of a gradient that is scaled but not communicated
-# the executor thread polls completions in flight (is_completed / CUDA events) first after
-# POLL_MIN_S, then ever less often (doubling while nothing completes) up to POLL_MAX_S: a long
-# reduction costs a few hundred wake-ups a second at most, not 10^4 (each takes the lock and the GIL)
-POLL_MIN_S, POLL_MAX_S = 1e-4, 2e-3
 
 # launch(flat_gradient, group) -> a torch.distributed Work (or anything with wait(),
 # get_future() and is_completed()); the default is an asynchronous all_reduce
@@ -127,61 +117,6 @@ def _group_size(g) -> int:
     return int(g.size())
 
 
-def _describe(name: str, p: torch.Tensor, group_size: int) -> tuple:
-    return (name, tuple(p.shape), str(p.dtype).replace("torch.", ""), group_size)
-
-
-def _show(d: tuple) -> str:
-    name, shape, dtype, n = d
-    where = "scaled only" if n == 1 else f"reduced over {n} ranks"
-    return f"{name!r} {list(shape)} {dtype} ({where})"
-
-
-def registration_mismatch(lists: Sequence[Sequence[tuple]]) -> str | None:
-    """The first difference between the ranks' parameter lists (each entry ``(name, shape,
-    dtype, group size)``, rank 0's list the reference), as one sentence; None when they agree.
-    Pure: :class:`GradScheduler` calls it on what every rank registered."""
-    ref = lists[0]
-    for r, got in enumerate(lists[1:], start=1):
-        for i, (a, b) in enumerate(zip(ref, got)):
-            if a != b:
-                return (f"rank {r} registered parameter {i} as {_show(b)}, rank 0 as {_show(a)}; every rank "
-                        "must register the same parameters in the same order with the same shapes and dtypes")
-        if len(got) != len(ref):
-            i = min(len(got), len(ref))
-            extra = _show(got[i]) if len(got) > i else _show(ref[i])
-            return (f"rank {r} registered {len(got)} parameters, rank 0 {len(ref)} (the first unmatched is "
-                    f"parameter {i}, {extra} on rank {r if len(got) > i else 0}); every rank must register "
-                    "the same parameters in the same order")
-    return None
-
-
-@dataclass
-class OpRecord:
-    """One communication operation of a step, times relative to the step start (seconds)."""
-
-    kind: str  # "a2a" or "allreduce"
-    key: int
-    nbytes: int
-    ready_s: float
-    start_s: float = -1.0
-    end_s: float = -1.0
-
-
-def _union_s(spans: Sequence[tuple[float, float]]) -> float:
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(spans):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
-
-
 class _Op:
     __slots__ = ("spec", "group", "views", "flat", "missing", "work")
 
@@ -193,7 +128,7 @@ class _Op:
         self.work: Any = None
 
 
-class GradScheduler:
+class GradScheduler(_Completion, _Records):
     """Synchronise the gradients of ``params`` (in launch order) over their groups.
 
     ``params``: entries ``(parameter, group)`` or ``(parameter, group, scale)``. ``group``
@@ -251,10 +186,14 @@ class GradScheduler:
             n = 1 if g is LOCAL else _group_size(g)
             scale = float(e[2]) if len(e) > 2 else 1.0 / n
             entries.append((p, g if n > 1 else LOCAL, scale, names[i] if names is not None else f"param{i}"))
-            described.append(_describe(entries[-1][3], p, n))
+            described.append(describe(entries[-1][3], p, n))
         self._check_same_registration(described)
-        # communicated parameters first (in the order given), then the scale-only ones
-        entries = [e for e in entries if e[1] is not LOCAL] + [e for e in entries if e[1] is LOCAL]
+        # the layout (priority/buckets.py): communicated parameters first (in the order given),
+        # then the scale-only ones; operations never span two groups (nor, for buckets, two dtypes)
+        ids = group_ids([g for _, g, _, _ in entries])
+        layout = plan_buckets([GradSlot(k, str(p.dtype), p.numel(), p.element_size())
+                               for (p, _, _, _), k in zip(entries, ids)], cfg)
+        entries = [entries[i] for i in layout.order]
         self._params = [p for p, _, _, _ in entries]
         self._groups = [g for _, g, _, _ in entries]
         self._scale = [s for _, _, s, _ in entries]
@@ -266,38 +205,18 @@ class GradScheduler:
         if not ext <= set(self._index):
             raise ValueError("external parameters must be among the scheduler's parameters")
         self._external = [id(p) in ext for p in self._params]
-        n_comm = sum(1 for g in self._groups if g is not LOCAL)
-        ops: list[tuple[CommOp, object]] = []
-        # operations never span two groups (nor, for buckets, two dtypes)
-        start = 0
-        while start < n_comm:
-            end = start
-            while (end < n_comm and self._groups[end] is self._groups[start]
-                   and self._params[end].dtype == self._params[start].dtype):
-                end += 1
-            numels = [p.numel() for p in self._params[start:end]]
-            esize = self._params[start].element_size()
-            run = allreduce_ops(numels, esize, cfg)
-            for op in run:
-                shifted = tuple(type(pc)(pc.tensor + start, pc.offset, pc.numel) for pc in op.pieces)
-                ops.append((CommOp(len(ops), shifted, op.nbytes), self._groups[start]))
-            start = end
-        self.ops = [spec for spec, _ in ops]
-        self._op_groups = [g for _, g in ops]
+        self.ops: list[CommOp] = list(layout.ops)
+        self._op_groups = [self._groups[k] for k in layout.op_first]
         self._hier = self._setup_hier(hier)
         # operations over all ranks go through the hierarchy (priority/hier.py) when there is
         # one, unless they are too small for it to pay (ScheduleConfig.hier_min_bytes)
         self._op_hier = [self._hier is not None and _group_size(g) == self._hier.world_size
                          and spec.nbytes >= cfg.hier_min_bytes for spec, g in zip(self.ops, self._op_groups)]
         self._hier_step: HierStep | None = None
-        self._ops_of_param: list[list[int]] = [[] for _ in self._params]
-        for spec in self.ops:
-            for t in spec.tensors:
-                self._ops_of_param[t].append(spec.seq)
+        self._ops_of_param: list[list[int]] = [list(o) for o in layout.ops_of_param]
         self._policy = make_policy(cfg, self.device.type)
         # completions to poll (executor thread): seq -> CUDA event or Work
         self._polled: dict[int, Any] = {}
-        self._marks: dict[tuple[str, int, str], Any] = {}  # CUDA: (kind, key, field) -> event
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
         self._cv = threading.Condition()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -309,10 +228,7 @@ class GradScheduler:
         self._active = False
         self._sync = True  # False inside no_sync(): backward passes only accumulate
         self._a2a_key = 0
-        self._a2a_blocked_s = 0.0
-        self._blocked_marks: list[tuple[Any, Any]] = []  # CUDA: blocked intervals to resolve
-        self.records: list[OpRecord] = []
-        self._rec: dict[tuple[str, int], OpRecord] = {}
+        self._reset_records()
         self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="commsched-gradsched", daemon=True)
         self._thread.start()
@@ -378,29 +294,13 @@ class GradScheduler:
             self._param_ready = [False] * len(self._params)
             self._src: list[torch.Tensor | None] = [None] * len(self._params)
             self._used = [False] * len(self._params)
-            self.records, self._rec = [], {}
-            self._polled, self._marks = {}, {}
-            self._a2a_blocked_s = 0.0
-            self._blocked_marks = []
+            self._reset_records()
+            self._polled = {}
             if self._hier is not None:
                 self._hier_step = HierStep(self._hier, self._hier_done, chained=self._chained)
                 self._hier_step.expect([s for s, h in enumerate(self._op_hier) if h])
-            self._t0 = time.perf_counter()
-            if self._cuda:
-                self._t0_mark = self.clock.mark()
+            self._start_clock()
             self._active = True
-
-    def _now(self) -> float:
-        return time.perf_counter() - self._t0
-
-    def _stamp(self, rec: OpRecord, field: str, stream: Any = None) -> None:
-        """Set ``rec.<field>`` to now: the host clock on the CPU; on CUDA a CUDA event
-        (recorded on ``stream``, default the current one) resolved in :meth:`finish`."""
-        if self._cuda:
-            self._marks[(rec.kind, rec.key, field)] = self.clock.mark(stream)
-            setattr(rec, field, 0.0)
-        else:
-            setattr(rec, field, self._now())
 
     def _make_hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
@@ -509,130 +409,6 @@ class GradScheduler:
                 self._polled[seq] = work
                 self._thread_wake = True
                 self._cv.notify_all()
-
-    def _make_done(self, seq: int):
-        def done(fut) -> None:
-            err = None
-            try:
-                fut.value()
-            except BaseException as e:  # handed to finish()
-                err = e
-            with self._cv:
-                if err is not None and self._error is None:
-                    self._error = CommError(f"rank {_rank()}: allreduce {seq} failed: {err}")
-                self._completed(seq, error=self._error if err is not None else None)
-        return done
-
-    def _completed(self, seq: int, end_mark: Any = None, error: BaseException | None = None) -> None:
-        """Allreduce ``seq`` is done (caller holds the lock); for a hierarchical operation on
-        the CPU its phase across hosts is, and the gather follows (:meth:`_hier_done`)."""
-        staged = self._op_hier[seq] and not self._chained
-        if self._hier_step is not None and self._op_hier[seq]:
-            self._hier_step.inter_done(seq)
-        if self._on_complete is not None and (not staged or error is not None):
-            self._on_complete(seq, error)
-        rec = self._rec.get(("allreduce", seq))
-        if rec is not None:
-            if end_mark is not None:
-                self._marks[("allreduce", seq, "end_s")] = end_mark
-                rec.end_s = 0.0
-            else:
-                rec.end_s = self._now()
-        try:
-            self._policy.allreduce_done(seq)
-        except ValueError:
-            pass
-        self._thread_wake = True
-        self._cv.notify_all()
-
-    def _hier_done(self, phase: str, seq: int, err: BaseException | None) -> None:
-        """Phase ``intra`` or ``gather`` of hierarchical operation ``seq`` finished (a backend
-        thread, or the caller's with the lock held): the policy may launch its phase across
-        hosts, or the operation is done."""
-        with self._cv:
-            if err is not None:
-                if self._error is None:
-                    self._error = CommError(f"rank {_rank()}: hierarchical reduction of operation {seq} "
-                                            f"failed in its {phase} phase: {err}")
-                if self._on_complete is not None:
-                    self._on_complete(seq, self._error)
-            elif phase == INTRA:
-                self._policy.allreduce_ready(seq, self._state[seq].spec.nbytes)
-            elif phase == GATHER:
-                self._hier_step.gathered(seq)
-                rec = self._rec.get(("allreduce", seq))
-                if rec is not None:
-                    rec.end_s = self._now()
-                if self._on_complete is not None:
-                    self._on_complete(seq, None)
-            self._thread_wake = True
-            self._cv.notify_all()
-
-    def _poll(self) -> None:
-        """Check the polled completions (executor thread, lock held)."""
-        for seq, w in list(self._polled.items()):
-            if self._cuda:
-                if not isinstance(w, torch.cuda.Event):
-                    # the side stream waits for the collective; an event there completes with it
-                    with torch.cuda.stream(self._side):
-                        w.wait()
-                        ev = self.clock.mark(self._side)
-                    self._polled[seq] = w = ev
-                if w.query():
-                    del self._polled[seq]
-                    self._completed(seq, w)
-            elif w.is_completed():
-                del self._polled[seq]
-                self._completed(seq)
-
-    def _thread_setup(self) -> None:
-        """The executor thread's first act: on CUDA its device (its events and streams)."""
-        if self._cuda:
-            torch.cuda.set_device(self.device)
-
-    def _loop(self) -> None:
-        try:
-            self._thread_setup()
-        except BaseException as e:  # the thread cannot run: say so at the next call, not at a timeout
-            with self._cv:
-                self._dead = CommError(f"rank {_rank()}: the GradScheduler thread could not start on "
-                                       f"{self.device}: {type(e).__name__}: {e}")
-                self._error = self._dead
-                self._cv.notify_all()
-            return
-        try:
-            poll_s = POLL_MIN_S
-            with self._cv:
-                while not self._closed:
-                    # completions in flight are polled with a growing period (POLL_MIN_S ..
-                    # POLL_MAX_S); otherwise the thread sleeps until a launch, a completion or
-                    # close() wakes it
-                    woken = self._cv.wait_for(lambda: self._thread_wake or self._closed,
-                                              timeout=poll_s if self._polled else None)
-                    self._thread_wake = False
-                    if self._active and not self._closed:
-                        try:
-                            if self._polled:
-                                before = len(self._polled)
-                                self._poll()
-                                self._thread_wake = False
-                                progressed = woken or len(self._polled) < before
-                                poll_s = POLL_MIN_S if progressed else min(2 * poll_s, POLL_MAX_S)
-                            self._pump()
-                        except BaseException as e:  # handed to finish()
-                            self._error = e
-                            self._cv.notify_all()
-        except BaseException as e:  # never a silent death: finish() and begin_step() raise it
-            with self._cv:
-                self._dead = CommError(f"rank {_rank()}: the GradScheduler thread died: "
-                                       f"{type(e).__name__}: {e}")
-                self._error = self._error or self._dead
-                self._cv.notify_all()
-
-    def _check_alive(self) -> None:
-        """Raise the executor thread's death (lock held), so that a step never waits for it."""
-        if self._dead is not None:
-            raise self._dead
 
     # ------------------------------------------------------------------ observer (compute thread)
     def a2a_begin(self, nbytes: int) -> object:
@@ -760,21 +536,9 @@ class GradScheduler:
             recs = list(self._rec.values())
             if self._cuda:
                 t_end, t_done = self._resolve_marks(end_mark)
-            for a, b in self._blocked_marks:  # every event has happened: no wait
-                self._a2a_blocked_s += self.clock.seconds(a, b)
-            self._blocked_marks = []
-        a2a = [(r.ready_s, r.end_s) for r in recs if r.kind == "a2a" and r.end_s >= 0]
-        ar_recs = [r for r in recs if r.kind == "allreduce" and r.end_s >= 0]
-        ar = [(r.start_s, r.end_s) for r in ar_recs]
-        ar_bytes = sum(r.nbytes for r in ar_recs)
-        in_bwd = sum(r.nbytes for r in ar_recs if r.end_s <= t_end)
-        self.records = sorted(recs, key=lambda r: (r.ready_s, r.kind, r.key))
-        return {"a2a_time_s": _union_s(a2a), "a2a_blocked_s": self._a2a_blocked_s,
-                "allreduce_time_s": _union_s(ar),
-                "allreduce_wait_s": t_done - t_end, "backward_end_s": t_end,
-                # share of the allreduce bytes already reduced when the backward pass ended
-                "allreduce_in_backward_share": in_bwd / ar_bytes if ar_bytes else 1.0,
-                "a2a_count": len(a2a), "allreduce_count": len(ar)}
+            self._resolve_blocked()
+        self.records = sort_records(recs)
+        return step_timings(recs, t_end=t_end, t_done=t_done, a2a_blocked_s=self._a2a_blocked_s)
 
     def _clear_unused(self, used: list[bool]) -> None:
         """Leave ``grad`` None where no rank of the parameter's group used it: one used-flag
@@ -797,19 +561,6 @@ class GradScheduler:
         for i, n in enumerate(flags.tolist()):
             if not n:
                 self._params[i].grad = None
-
-    def _resolve_marks(self, end_mark: Any) -> tuple[float, float]:
-        """CUDA: turn this step's events into seconds from the step start; returns (end of
-        the backward pass, end of the allreduce wait). Waits for the current stream."""
-        done_mark = self.clock.mark()
-        sec = self.clock.seconds
-        t_done = sec(self._t0_mark, done_mark)  # synchronises: every earlier event has happened
-        for (kind, key, fld), ev in self._marks.items():
-            rec = self._rec.get((kind, key))
-            if rec is not None:
-                setattr(rec, fld, sec(self._t0_mark, ev))
-        self._marks = {}
-        return sec(self._t0_mark, end_mark), t_done
 
     def close(self) -> None:
         for h in self._hooks:
@@ -834,4 +585,6 @@ class GradScheduler:
         return urgent(self, start, *args, nbytes=nbytes, **kwargs)
 
 
-__all__ = ["LOCAL", "GradScheduler", "OpRecord"]
+# re-exported: their homes are priority/buckets.py, records.py and completion.py
+__all__ = ["LOCAL", "POLL_MAX_S", "POLL_MIN_S", "GradScheduler", "OpRecord", "registration_mismatch"]
+

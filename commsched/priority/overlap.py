@@ -57,8 +57,10 @@ from torch import nn
 
 from ..dist import CommError, all_gather_object, control_device
 from ..dist import new_group as cs_new_group
-from .executor import LOCAL, GradScheduler, OpRecord
+from .buckets import LOCAL
+from .executor import GradScheduler
 from .policy import OverlapPolicy, ScheduleConfig
+from .records import OpRecord
 
 # the forward pass waits for parameters in these records of the step (timeline kinds)
 UPDATE = "update"    # one group's optimizer step: ready = its module reached, start = reduced, end = stepped
