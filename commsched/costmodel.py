@@ -178,10 +178,13 @@ def probe_pair_costs(rounds: Sequence[Sequence[tuple[int, int]]], group=None,
                     t = time.perf_counter()
                     if role is not None:
                         a, b = role
-                        if me == a:
-                            dist.isend(bufs[nb], g(b), group=group).wait()
-                        else:
-                            dist.irecv(bufs[nb], g(a), group=group).wait()
+                        # one op, still batched: the pairs of a round are disjoint, but a
+                        # lone P2P is the pattern NCCL's docs warn about (and the NCCL fake
+                        # refuses), so every P2P in commsched goes through a batch
+                        op = (dist.P2POp(dist.isend, bufs[nb], g(b), group=group) if me == a
+                              else dist.P2POp(dist.irecv, bufs[nb], g(a), group=group))
+                        for w in dist.batch_isend_irecv([op]):
+                            w.wait()
                         clock.sync()
                     dt = time.perf_counter() - t
                 if rep > 0 and role is not None and me == role[1]:

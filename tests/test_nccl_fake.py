@@ -117,6 +117,16 @@ def _case_ring_probe(rank: int, world: int) -> None:
     assert fake.calls["batch_isend_irecv"] == 2 * 2 * (world - 1)
 
 
+def _case_pair_probe(rank: int, world: int) -> None:
+    """The topology's pair probe (one-way sends of disjoint pairs) under NCCL's rules."""
+    from commsched.costmodel import probe_pair_costs
+
+    rounds = [[(0, 1)], [(1, 2)], [(2, 0)]]
+    with nccl_semantics():
+        costs = probe_pair_costs(rounds, sizes=(256, 4096), repeats=1)
+    assert sorted(costs) == [(0, 1), (1, 2), (2, 0)]
+
+
 # --------------------------------------------------------------------------- executor
 def _reduce_some_steps(sched_cls, cfg, rank: int, world: int, **kw) -> None:
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (700, 3, 400, 1)]
@@ -188,7 +198,8 @@ def _case_hier_chained(rank: int, world: int) -> None:
 
 CASES = [("fake_semantics", _case_fake_semantics), ("ring_pattern", _case_ring_pattern),
          ("ring_posted_at_once", _case_ring_posted_at_once), ("direct_pattern", _case_direct_pattern),
-         ("ring_probe", _case_ring_probe), ("executor", _case_executor), ("overlap", _case_overlap)]
+         ("ring_probe", _case_ring_probe), ("pair_probe", _case_pair_probe),
+         ("executor", _case_executor), ("overlap", _case_overlap)]
 
 
 @pytest.fixture(scope="module")
