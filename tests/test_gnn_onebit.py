@@ -196,3 +196,33 @@ def check_three_rank(res: list[dict]) -> None:
     assert va == T_all * 4 * (F + 2 * (L - 1) * H)
     # 1/32 of float32, plus per row and exchange a 4-byte scale and under a byte of padding
     assert ob <= va / 32 + T_all * (1 + 2 * (L - 1)) * 5
+
+
+def test_deferred_finite_check_reads_nothing_back_until_asked():
+    """``finite=flag``: no raise at the call (no host read, which is a device sync on CUDA);
+    the flag turns false and stays false, for the exchange to read once an epoch."""
+    flag = torch.ones((), dtype=torch.bool)
+    x = torch.randn(6, 20)
+    encode_signs(x, finite=flag)
+    assert bool(flag)
+    x[3, 7] = float("inf")
+    encode_signs(x, finite=flag)  # would raise without the flag
+    encode_signs(torch.randn(6, 20), finite=flag)
+    assert not bool(flag)
+    with pytest.raises(ValueError, match="non-finite"):
+        encode_signs(x)
+
+
+def test_onebit_exchange_raises_at_the_end_of_an_epoch_with_bad_rows():
+    from types import SimpleNamespace
+
+    from commsched.gnn.book import build_books
+    from commsched.gnn.onebit import OneBitExchange
+
+    books = build_books(np.array([0, 1]), np.array([1, 0]), np.array([0, 1]), 2)
+    ex = OneBitExchange(books[0])
+    ex.end_epoch(SimpleNamespace(epoch=0))  # nothing deferred (CPU rows): nothing read
+    ex._finite = torch.zeros((), dtype=torch.bool)  # as a CUDA exchange leaves it
+    with pytest.raises(ValueError, match="epoch 4 held non-finite"):
+        ex.end_epoch(SimpleNamespace(epoch=4))
+    assert ex._finite is None  # read once, then a fresh flag next epoch
