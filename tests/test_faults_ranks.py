@@ -113,7 +113,7 @@ def _infer_cfg(batches: int, seed: int = 1):
 
 
 def _moe_infer(rank: int, world: int, how: str, stamp: str) -> dict:
-    import commsched.moe.infer as mi
+    import commsched.moe.infer_run as mi
 
     class Faulty(mi.Runtime):
         def begin_batch(self, b, T):
@@ -121,7 +121,7 @@ def _moe_infer(rank: int, world: int, how: str, stamp: str) -> dict:
                 _fault(how, stamp)
             return super().begin_batch(b, T)
 
-    mi.Runtime = Faulty  # this spawned process only
+    mi.Runtime = Faulty  # this spawned process only (the run loop's Runtime)
     return _survive(lambda: mi.run(_infer_cfg(8)))
 
 

@@ -1,0 +1,161 @@
+"""The configuration of an inference run (:mod:`commsched.moe.infer`): frozen dataclasses,
+one per concern (placement, the emulated device, each driver), nested in :class:`InferConfig`.
+Command-line parsing lives in :mod:`commsched.moe.infer`; these only check values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..dist import DEVICE_CHOICES, group_device
+from .placement_policy import STRATEGIES, PlacementStrategy, strategy_class
+from .popularity import DEFAULT_REPLAN_THRESHOLD
+from .traces import SyntheticTraceConfig
+
+# the expert computes each driver runs, its default (--compute not given) first
+DRIVER_COMPUTES: dict[str, tuple[str, ...]] = {"trace": ("emulated", "real"), "model": ("real",)}
+DRIVERS = tuple(DRIVER_COMPUTES)
+COMPUTES = ("emulated", "real")
+EXCHANGES = ("pipelined", "sequential")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Where experts go: ``strategy`` (a name in
+    :data:`~commsched.moe.placement_policy.STRATEGIES`), ``slots`` S (None: ceil(E/N) +
+    2), the phase-2 ``threshold`` and ``path_length`` of strategies that estimate paths,
+    the planners before (``planner``) and during (``online_planner``) inference, and for
+    the node-aware strategies the weight of a row crossing hosts (``cross_weight``; None:
+    :func:`~commsched.moe.placement_policy.cross_host_weight` of the run's topology, its
+    row size and compute per row) and the inter-host rate that weight assumes
+    (``inter_rate``, tc syntax; None: the topology's placeholder inter-host class)."""
+
+    strategy: str = "lina"
+    slots: int | None = None
+    threshold: float = DEFAULT_REPLAN_THRESHOLD
+    path_length: int = 3
+    planner: str = "full"
+    online_planner: str = "greedy"
+    cross_weight: float | None = None
+    inter_rate: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"--placement must be one of {tuple(STRATEGIES)}, got {self.strategy!r}")
+        if not 1 <= self.path_length <= 8:
+            raise ValueError(f"--path-length must be in 1..8, got {self.path_length}")
+        if self.cross_weight is not None and not (np.isfinite(self.cross_weight) and self.cross_weight >= 0):
+            raise ValueError(f"--cross-weight must be a finite number >= 0, got {self.cross_weight}")
+        if self.inter_rate is not None:
+            from ..netem import parse_rate
+
+            parse_rate(self.inter_rate)  # a ValueError that says how to write a rate
+
+    @property
+    def strategy_class(self) -> type[PlacementStrategy]:
+        return strategy_class(self.strategy)
+
+
+@dataclass(frozen=True)
+class EmulationConfig:
+    """The emulated device (``--compute emulated``): busy ``us_per_row`` microseconds per
+    computed row, ``load_ms`` per expert loaded."""
+
+    us_per_row: float = 20.0
+    load_ms: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.us_per_row < 0 or self.load_ms < 0:
+            raise ValueError("--us-per-row and --load-ms must be >= 0")
+
+
+@dataclass(frozen=True)
+class TraceDriverConfig:
+    """The trace driver: the trace (``path``, or a synthetic one), its profiling share,
+    tokens per batch (all ranks together), and the rows' and (``--compute real``) the
+    FFNs' widths."""
+
+    path: str | None = None
+    synthetic: SyntheticTraceConfig = field(default_factory=SyntheticTraceConfig)
+    profile_fraction: float = 0.5
+    tokens_per_batch: int = 2048
+    d_model: int = 64
+    expert_hidden: int = 256
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.profile_fraction < 1.0:
+            raise ValueError(f"--profile-fraction must lie in (0, 1), got {self.profile_fraction}")
+        if self.tokens_per_batch < 1:
+            raise ValueError("--tokens-per-batch must be >= 1")
+
+
+@dataclass(frozen=True)
+class ModelDriverConfig:
+    """The model driver: the checkpoint, the text, sequences per rank per batch, and the
+    profile (a recorded trace, or ``profile_tokens`` tokens recorded at start-up)."""
+
+    checkpoint: str | None = None
+    corpus: str | None = None
+    batch_size: int = 8
+    profile_trace: str | None = None
+    profile_tokens: int = 16384
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.profile_tokens < 1:
+            raise ValueError("--batch-size and --profile-tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class InferConfig:
+    """One inference run: the driver, the expert compute, the exchange, the batches, the
+    device (``--device``: auto, cpu or cuda; see :attr:`device_choice`), and the
+    sub-configs of placement, emulated device and the two drivers."""
+
+    driver: str = "trace"
+    compute: str = "emulated"
+    exchange: str = "pipelined"
+    device: str = "auto"
+    batches: int = 30
+    warmup: int = 2
+    seed: int = 0
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    emulation: EmulationConfig = field(default_factory=EmulationConfig)
+    trace: TraceDriverConfig = field(default_factory=TraceDriverConfig)
+    model: ModelDriverConfig = field(default_factory=ModelDriverConfig)
+
+    def __post_init__(self) -> None:
+        if self.driver not in DRIVERS:
+            raise ValueError(f"--driver must be one of {DRIVERS}, got {self.driver!r}")
+        if self.compute not in COMPUTES:
+            raise ValueError(f"--compute must be one of {COMPUTES}, got {self.compute!r}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"--exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"--device must be one of {DEVICE_CHOICES}, got {self.device!r}")
+        if self.device == "cuda" and self.compute == "emulated":
+            raise ValueError("--compute emulated is the CPU model of an accelerator and runs on the CPU: use "
+                             "--compute real with --device cuda (real expert FFNs on the GPU), or --device cpu")
+        if self.compute not in DRIVER_COMPUTES[self.driver]:  # the model driver: its real experts only
+            raise ValueError(f"--driver {self.driver} computes the model's real experts: use --compute "
+                             f"{DRIVER_COMPUTES[self.driver][0]}")
+        if self.batches < 1 or not 0 <= self.warmup < self.batches:
+            raise ValueError(f"need batches >= 1 and 0 <= warmup < batches, got {self.batches}, {self.warmup}")
+
+    @property
+    def device_choice(self) -> str:
+        """The ``--device`` the job starts with: ``device``, except that ``auto`` is the
+        CPU for the emulated device (an emulation of an accelerator on the CPU)."""
+        return "cpu" if self.compute == "emulated" else self.device
+
+
+def job_device(cfg: InferConfig, group=None) -> torch.device:
+    """The device of a run on an already initialised group: :func:`commsched.dist.group_device`
+    of the device ``cfg`` chooses (:attr:`InferConfig.device_choice`)."""
+    return group_device(cfg.device_choice, group)
+
+
+__all__ = ["DRIVERS", "DRIVER_COMPUTES", "COMPUTES", "EXCHANGES", "PlacementConfig", "EmulationConfig",
+           "TraceDriverConfig", "ModelDriverConfig", "InferConfig", "job_device"]
