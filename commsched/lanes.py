@@ -1,4 +1,4 @@
-"""Named execution lanes (compute, communication, quantization) with record/wait events.
+"""Named execution lanes (compute, communication; pass names= for more) with record/wait events.
 
 On CUDA a lane is a stream: ``submit`` makes the lane's stream wait for the work queued so
 far on the caller's stream, launches the work on the lane's stream and returns an
@@ -12,7 +12,7 @@ On every device an exception raised by the work reaches whoever waits for its ev
 (``wait()`` re-raises it), never the submitter.
 
 On CPU a lane other than ``compute`` is one worker thread that runs submitted work in
-order, so communication (and quantization) progress in the background while the
+order, so communication progresses in the background while the
 caller's thread computes; ``event.wait()`` blocks until the work is done and re-raises
 its exception. ``compute`` always runs inline in the caller's thread.
 
@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-DEFAULT_LANES = ("compute", "comm", "quant")
+DEFAULT_LANES = ("compute", "comm")
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:

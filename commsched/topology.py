@@ -40,11 +40,12 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping, Sequence
-
-import networkx as nx
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from .costmodel import LinkCost
+
+if TYPE_CHECKING:  # networkx is imported where the graph is built (not at import)
+    import networkx as nx
 
 INTRA = "intra"    # within a host: rank <-> host fabric
 INTER = "inter"    # between hosts: a host's NIC <-> the switch
@@ -202,7 +203,7 @@ class Topology:
         return tuple(dict.fromkeys(self.hosts_P))
 
     @property
-    def graph(self) -> nx.DiGraph:
+    def graph(self) -> "nx.DiGraph":
         """A read-only view of the graph; edges carry ``cls``, ``latency_s``, ``rate_Bps``."""
         return self._graph.copy(as_view=True)
 
@@ -373,6 +374,7 @@ class Topology:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import networkx as nx
 
         g = self._graph.to_undirected(as_view=False)
         pos, width = _positions(self)
@@ -418,7 +420,9 @@ def used_classes(hosts_P: Sequence[str]) -> list[str]:
     return out + ([INTER] if len(set(hosts)) > 1 else [])
 
 
-def _build_graph(hosts_P: Sequence[str], links: Mapping[str, LinkCost]) -> nx.DiGraph:
+def _build_graph(hosts_P: Sequence[str], links: Mapping[str, LinkCost]) -> "nx.DiGraph":
+    import networkx as nx
+
     g = nx.DiGraph()
     hosts = list(dict.fromkeys(hosts_P))
 

@@ -32,13 +32,13 @@ def test_comm_lane_runs_while_caller_computes():
 def test_lane_keeps_submission_order_and_compute_is_inline():
     order = []
     with Lanes("cpu") as lanes:
-        evs = [lanes.submit("quant", lambda i=i: (time.sleep(0.001 * (3 - i)), order.append(i))[1])
+        evs = [lanes.submit("comm", lambda i=i: (time.sleep(0.001 * (3 - i)), order.append(i))[1])
                for i in range(3)]
         for e in evs:
             e.wait()
         assert order == [0, 1, 2]
         assert lanes.submit("compute", lambda: threading.current_thread()).wait() is threading.current_thread()
-        marker = lanes.record("quant")
+        marker = lanes.record("comm")
         marker.wait()
         assert marker.done()
 

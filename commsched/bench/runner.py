@@ -26,7 +26,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -67,12 +66,6 @@ class Workload:
 
 
 # --------------------------------------------------------------------------- helpers
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def machine_info() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     try:
@@ -457,6 +450,6 @@ class BenchRegression(RuntimeError):
     ``commsched bench`` exits 1 after writing the summary."""
 
 
-__all__ = ["BenchRegression", "RunContext", "Variant", "Workload", "breakdown_medians", "build_parser", "free_port",
+__all__ = ["BenchRegression", "RunContext", "Variant", "Workload", "breakdown_medians", "build_parser",
            "machine_info", "median_of", "run_variant", "run_workload", "summarize_runs",
            "summary_markdown", "torchrun_command"]

@@ -22,7 +22,6 @@ import math
 import os
 import shutil
 import tempfile
-import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -496,12 +495,6 @@ def load_source(src: GraphSource) -> Graph:
     if src.kind == "file":
         return load_graph(src.path, split=src.split, directed=src.directed)
     return load_dataset(src.name, src.data_root, split=src.split, directed=src.directed)
-
-
-def timed_load(src: GraphSource) -> tuple[Graph, float]:
-    t = time.perf_counter()
-    g = load_source(src)
-    return g, time.perf_counter() - t
 
 
 __all__ = ["DATASETS", "Graph", "GraphSource", "SyntheticSpec", "clean_edges", "from_edges",
