@@ -79,8 +79,8 @@ from ..dist import new_group as cs_new_group
 from ..observe import A2AEvents, A2AObserver
 from ..priority.executor import LOCAL, GradScheduler
 from ..priority.hier import HierGroups, make_hier
-from ..priority.overlap import OverlapOptimizer, OverlapScheduler
 from ..priority.policy import DEFAULT_CREDIT_MICROOPS, LAUNCH_RULES, POLICIES, ScheduleConfig
+from ..priority.step import make_grad_step
 from ..results import Progress, mark_failed, prepare_out, write_json
 from . import train_state
 from .data import Corpus, load_corpus
@@ -276,10 +276,12 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
                 sched_params, events: A2AEvents, *, out: Path | None, resume: bool,
                 on_step: Callable[[int], None] | None, hier: HierGroups | None = None) -> dict:
     rank = dist.get_rank()
-    overlap = cfg.schedule.overlapped
-    # lina-overlap: one Adam per module, stepped as its reduction ends (priority/overlap.py)
-    opt = (OverlapOptimizer(model, lambda ps: torch.optim.Adam(ps, lr=cfg.lr)) if overlap
-           else torch.optim.Adam(model.parameters(), lr=cfg.lr))
+    # the schedule's optimizer behind one step interface (priority/step.py): one Adam stepped
+    # after the whole reduction, or under lina-overlap one Adam per module, stepped as its
+    # reduction ends in the next forward pass (priority/overlap.py)
+    sched_cfg = cfg.schedule if hier is not None else dataclasses.replace(cfg.schedule, hier_reduce=False)
+    opt = make_grad_step(model, sched_params, sched_cfg, lambda ps: torch.optim.Adam(ps, lr=cfg.lr),
+                         device=device, hier=hier)
     B, S = cfg.batch_size, cfg.model.seq_len
     tl_step = cfg.timeline_at
     rows: list[dict] = []
@@ -296,56 +298,44 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
         bar.update(start)
     every = cfg.checkpoint_every if out is not None else 0
     clock = Clock(device)  # host clock on the CPU, CUDA events on CUDA
-    Sched = OverlapScheduler if overlap else GradScheduler
 
     def comm_row(st: dict) -> dict:
         return {"a2a_s": st["a2a_blocked_s"], "a2a_inflight_s": st["a2a_time_s"],
                 "allreduce_s": st["allreduce_time_s"], "allreduce_wait_s": st["allreduce_wait_s"],
                 "allreduce_in_bwd": st["allreduce_in_backward_share"]}
 
-    sched_cfg = cfg.schedule if hier is not None else dataclasses.replace(cfg.schedule, hier_reduce=False)
-    with Sched(sched_params, sched_cfg, device=device, hier=hier) as sched, events.register(sched):
-        if overlap:
-            opt.bind(sched)
+    with opt, events.register(opt.scheduler):  # opening builds the scheduler (collective)
         for step in range(start, cfg.steps):
             x, y = corpus.batch(B, S, seed=cfg.seed, step=step, rank=rank)
             x, y = to_device(x, device), to_device(y, device)
             ckpt = every and ((step + 1) % every == 0 or step + 1 == cfg.steps)
-            if not overlap:
-                sched.begin_step()
+            opt.before_forward()
             t0 = clock.mark()
             with autocast(cfg, device):
                 loss, ce = model.loss(x, y)  # lina-overlap: each module waits for its update of the last step
-            if overlap:
-                prev = opt.begin_backward()  # the rest of the previous step (its timings), this one begins
-                if prev is not None:
-                    rows[-1].update(comm_row(prev))
-                    if step - 1 == tl_step:
-                        timeline = _timeline_dicts(opt.last_records)
+            prev = opt.before_backward()  # lina-overlap: the rest of the previous step (its timings)
+            if prev is not None:
+                rows[-1].update(comm_row(prev))
+                if step - 1 == tl_step:
+                    timeline = _timeline_dicts(opt.records)
             t1 = clock.mark()
             loss.backward()
             t2 = clock.mark()
-            if overlap:
-                opt.end_backward()  # returns at once: the reduction runs into the next forward pass
-                st = opt.synchronize() if (ckpt or step + 1 == cfg.steps) else None
-            else:
-                st = sched.finish()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            # this step's timings; None while its reduction runs into the next forward pass
+            st = opt.after_backward(sync=bool(ckpt) or step + 1 == cfg.steps)
             t3 = clock.mark()
             step_s, fwd_s, bwd_s = clock.seconds(t0, t3), clock.seconds(t0, t1), clock.seconds(t1, t2)
             rows.append({"step_s": step_s, "fwd_s": fwd_s, "bwd_s": bwd_s, "loss": ce.item(),
                          **(comm_row(st) if st is not None else {})})
             if step == tl_step and st is not None:
-                timeline = _timeline_dicts(opt.last_records if overlap else sched.records)
+                timeline = _timeline_dicts(opt.records)
             if ckpt:
                 _save_state(cfg, out, step + 1, ep, model, opt, rows, device)
             if on_step is not None:
                 on_step(step + 1)
             bar.update(1)
             bar.postfix(loss=f"{ce.item():.3f}", step_s=f"{step_s:.2f}")
-    if overlap:
-        opt.close()  # every update is in (the last step synchronized); the pre-hooks go
+    # closed: every update is in (the last step synchronized); lina-overlap's pre-hooks are gone
     # the all-to-all alone: allreduce held until after the backward pass, no optimizer step
     alone = []
     serial = dataclasses.replace(cfg.schedule, policy="serial", hier_reduce=False)

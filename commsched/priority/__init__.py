@@ -1,5 +1,6 @@
 """Micro-op partitioning, the all-to-all-first priority policy, its executor, urgent
-operations beside the background micro-ops, and a discrete-event simulator of the policy (Lina).
+operations beside the background micro-ops, one step interface over every schedule's
+optimizer, and a discrete-event simulator of the policy (Lina).
 
 Names are resolved lazily from their submodules; importing ``commsched.priority`` runs nothing.
 """
@@ -39,6 +40,10 @@ _EXPORTS: dict[str, str] = {
     "make_hier": "hier",
     "UrgentOp": "transfer",
     "urgent": "transfer",
+    "GradStep": "step",
+    "ReduceThenStep": "step",
+    "OverlapStep": "step",
+    "make_grad_step": "step",
     "GradGroup": "ddp",
     "LinaDDP": "ddp",
     "LinaState": "ddp",

@@ -1,0 +1,198 @@
+"""One step interface for every gradient schedule: the optimizer and its scheduler together.
+
+Legend: none (parameters and gradients keep their own shapes).
+
+Under ``fifo``, ``lina`` and ``serial`` a step reduces every gradient
+(:meth:`GradScheduler.finish <commsched.priority.executor.GradScheduler.finish>`) and then
+steps one optimizer; under ``lina-overlap`` the reduction runs into the next forward pass
+and one optimizer per module steps there (:mod:`commsched.priority.overlap`). A training
+loop should not care which: :class:`GradStep` is what both look like from the loop, as
+torchtitan's ``OptimizersContainer`` and its optimizers-in-backward twin share one
+``step()``. :func:`make_grad_step` picks the implementation from the schedule::
+
+    gs = make_grad_step(model, entries, cfg, lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    gs.load_state_dict(saved)                  # optional: before open(), no collective
+    with gs, events.register(gs.scheduler):    # opening builds the scheduler (collective)
+        for step, (x, y) in enumerate(batches):
+            gs.before_forward()                # reduce-then-step: the scheduler's begin_step
+            loss = model(x, y)                 # overlap: each module waits for its update
+            prev = gs.before_backward()        # overlap: the previous step ends (its timings)
+            loss.backward()
+            st = gs.after_backward(sync=last)  # this step's timings, None while it runs on
+        gs.synchronize()
+
+Timings are the dictionaries of :meth:`GradScheduler.finish` (``a2a_time_s``,
+``a2a_blocked_s``, ``allreduce_time_s``, ``allreduce_wait_s``, ``backward_end_s``,
+``allreduce_in_backward_share``, ...); :attr:`GradStep.records` are the timeline records of
+the step whose timings were returned last. :meth:`GradStep.state_dict` is the optimizer's
+own (one ``torch.optim`` state, or :class:`~commsched.priority.overlap.OverlapOptimizer`'s
+list of them), so checkpoints are what they were before this interface.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from .executor import GradScheduler
+from .overlap import OverlapOptimizer, OverlapScheduler
+from .policy import ScheduleConfig
+from .records import OpRecord
+
+MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class GradStep:
+    """The step interface (module docstring). ``entries``, ``cfg`` and ``sched_kw`` are the
+    scheduler's (:class:`~commsched.priority.executor.GradScheduler`); it is built by
+    :meth:`open` (collective over the ranks, as every scheduler's construction is)."""
+
+    def __init__(self, entries: Sequence[tuple], cfg: ScheduleConfig, **sched_kw: Any):
+        self._entries, self.cfg, self._sched_kw = entries, cfg, sched_kw
+        self._sched: GradScheduler | None = None
+
+    # ------------------------------------------------------------------ life
+    @property
+    def scheduler(self) -> GradScheduler:
+        """The open scheduler (an :class:`~commsched.observe.A2AObserver`: register it with
+        the MoE layers' events)."""
+        if self._sched is None:
+            raise RuntimeError("GradStep is not open: `with make_grad_step(...) as gs:`")
+        return self._sched
+
+    def _make_scheduler(self) -> GradScheduler:
+        return GradScheduler(self._entries, self.cfg, **self._sched_kw)
+
+    def open(self) -> "GradStep":
+        if self._sched is None:
+            self._sched = self._make_scheduler()
+        return self
+
+    def close(self) -> None:
+        if self._sched is not None:
+            self._sched.close()
+            self._sched = None
+
+    def __enter__(self) -> "GradStep":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the step
+    def before_forward(self) -> None:
+        """A step begins (before its forward pass)."""
+
+    def before_backward(self) -> dict | None:
+        """After the forward pass, before the backward pass: the timings of an earlier step
+        that ended only now (None when none did)."""
+        return None
+
+    def after_backward(self, *, sync: bool = False) -> dict | None:
+        """After the backward pass: reduce and step. Returns this step's timings, or None
+        when its reduction runs on (``sync``: make it end here, as before a checkpoint or
+        at the last step)."""
+        raise NotImplementedError
+
+    def synchronize(self) -> dict | None:
+        """Every parameter updated (evaluation, checkpoints); the timings of a step that
+        ended only now, else None."""
+        return None
+
+    @property
+    def records(self) -> list[OpRecord]:
+        """The timeline records of the step whose timings were returned last."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ optimizer state
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, sd: dict) -> None:
+        raise NotImplementedError
+
+
+class ReduceThenStep(GradStep):
+    """``fifo``, ``lina``, ``serial``: :meth:`after_backward` waits for the whole reduction
+    (``finish``), then steps one optimizer over every parameter of ``model``
+    (``make_optimizer(list(model.parameters()))``) and clears the gradients."""
+
+    def __init__(self, model: nn.Module, entries: Sequence[tuple], cfg: ScheduleConfig,
+                 make_optimizer: MakeOptimizer, **sched_kw: Any):
+        super().__init__(entries, cfg, **sched_kw)
+        self.optimizer = make_optimizer(list(model.parameters()))
+
+    def before_forward(self) -> None:
+        self.scheduler.begin_step()
+
+    def after_backward(self, *, sync: bool = False) -> dict | None:
+        st = self.scheduler.finish()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return st
+
+    @property
+    def records(self) -> list[OpRecord]:
+        return self.scheduler.records
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.optimizer.load_state_dict(sd)
+
+
+class OverlapStep(GradStep):
+    """``lina-overlap``: an :class:`~commsched.priority.overlap.OverlapOptimizer` (one
+    optimizer per module, built by ``make_optimizer``) bound to an
+    :class:`~commsched.priority.overlap.OverlapScheduler`. :meth:`before_backward` ends the
+    previous step (normally nothing is left); :meth:`after_backward` returns at once unless
+    ``sync``. Closing removes the optimizer's forward pre-hooks."""
+
+    def __init__(self, model: nn.Module, entries: Sequence[tuple], cfg: ScheduleConfig,
+                 make_optimizer: MakeOptimizer, **sched_kw: Any):
+        super().__init__(entries, cfg, **sched_kw)
+        self.optimizer = OverlapOptimizer(model, make_optimizer)
+
+    def _make_scheduler(self) -> GradScheduler:
+        sched = OverlapScheduler(self._entries, self.cfg, **self._sched_kw)
+        self.optimizer.bind(sched)
+        return sched
+
+    def close(self) -> None:
+        super().close()
+        self.optimizer.close()  # the pre-hooks go
+
+    def before_backward(self) -> dict | None:
+        return self.optimizer.begin_backward()
+
+    def after_backward(self, *, sync: bool = False) -> dict | None:
+        self.optimizer.end_backward()  # returns at once: the reduction runs into the next forward pass
+        return self.optimizer.synchronize() if sync else None
+
+    def synchronize(self) -> dict | None:
+        return self.optimizer.synchronize()
+
+    @property
+    def records(self) -> list[OpRecord]:
+        return self.optimizer.last_records
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.optimizer.load_state_dict(sd)
+
+
+def make_grad_step(model: nn.Module, entries: Sequence[tuple], cfg: ScheduleConfig,
+                   make_optimizer: MakeOptimizer, **sched_kw: Any) -> GradStep:
+    """The :class:`GradStep` of ``cfg.policy``: :class:`OverlapStep` for ``lina-overlap``,
+    :class:`ReduceThenStep` for the others. ``sched_kw`` go to the scheduler (``device``,
+    ``hier``, ``timeout_s``, ...)."""
+    cls = OverlapStep if cfg.overlapped else ReduceThenStep
+    return cls(model, entries, cfg, make_optimizer, **sched_kw)
+
+
+__all__ = ["GradStep", "OverlapStep", "ReduceThenStep", "make_grad_step"]
