@@ -6,7 +6,9 @@ rank's per-step rows (losses and timings of the steps done so far), torch's CPU 
 state (and the device's on CUDA), and the configuration that wrote it. The data position
 is the step counter itself: batch ``step`` of rank ``r`` is drawn from a generator seeded
 by (seed, step, rank) (:meth:`commsched.moe.data.Corpus.batch`), so continuing at step k
-reads exactly the batches an uninterrupted run reads. The gradient scheduler
+reads exactly the batches an uninterrupted run reads. The optimizer state is the step
+interface's (:meth:`commsched.priority.step.GradStep.state_dict`: the optimizer's own, so
+the format is what it was before that interface); the gradient scheduler
 (:class:`commsched.priority.executor.GradScheduler`) keeps no state from one step to the
 next (its policy starts afresh at every ``begin_step``), so there is none to save.
 
