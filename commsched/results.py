@@ -112,10 +112,20 @@ def load_torch_file(path: str | os.PathLike, what: str, *, map_location: Any = "
             raise ValueError(f"{what} {p}: holds objects that a safe load (weights_only=True) refuses; "
                              "commsched does not load such files: write it again with commsched") from None
         raise ValueError(f"{what} {p}: not a readable torch file (corrupt or truncated: "
-                         f"{read_error(e)})") from None
+                         f"{_without_unsafe_advice(read_error(e))})") from None
     except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad file
         raise ValueError(f"{what} {p}: not a readable torch file (corrupt or truncated: "
-                         f"{read_error(e)})") from None
+                         f"{_without_unsafe_advice(read_error(e))})") from None
+
+
+def _without_unsafe_advice(msg: str) -> str:
+    """torch's load errors end by advising ``weights_only=False`` (arbitrary code execution
+    on an untrusted file): commsched never gives that advice, so it is cut off."""
+    for cut in (" In PyTorch 2.6", " Re-running `torch.load`", " (1) In PyTorch", " Please file an issue"):
+        i = msg.find(cut)
+        if i > 0:
+            msg = msg[:i]
+    return msg.rstrip(" .") or msg
 
 
 def _plain(obj: Any) -> Any:

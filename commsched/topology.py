@@ -334,9 +334,13 @@ class Topology:
         the field for a malformed one."""
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as e:
             raise ValueError(f"cannot read topology file {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"topology file {path}: not UTF-8 text (byte {e.start}: "
+                             f"{e.object[e.start:e.start + 1]!r}); a topology file is JSON "
+                             "(docs/topology.md)") from None
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:

@@ -434,3 +434,30 @@ def test_init_distributed_binds_a_cuda_group_to_its_device(monkeypatch):
     calls.clear()
     cdist.init_distributed(device=torch.device("cpu"))
     assert calls[0][0][0] == "gloo" and "device_id" not in calls[0][1]
+
+
+def test_messages_carry_no_foreign_advice(tmp_path):
+    """Round 3 of the fault probe: a garbage torch file loses torch's "weights_only=False"
+    advice, a text file given as a graph loses numpy's allow_pickle hint, a non-UTF-8
+    topology file is named."""
+    from commsched.gnn.data import load_graph
+    from commsched.topology import Topology
+
+    bad = tmp_path / "part0.pt"
+    bad.write_bytes(bytes(range(256)) * 12)
+    with pytest.raises(ValueError) as e:
+        load_torch_file(bad, "part file")
+    msg = str(e.value)
+    assert msg.startswith(f"part file {bad}: not a readable torch file") and "\n" not in msg
+    assert "weights_only" not in msg and "PyTorch 2.6" not in msg
+    txt = tmp_path / "graph.txt"
+    txt.write_text("src dst\n0 1\n")
+    with pytest.raises(ValueError) as e:
+        load_graph(txt)
+    msg = str(e.value)
+    assert msg.startswith(f"graph file {txt}: not a readable .npz file (not a zip archive")
+    assert "pickle" not in msg
+    topo = tmp_path / "topo.json"
+    topo.write_bytes(b"\xff\xfe{\"hosts\": []}")
+    with pytest.raises(ValueError, match=rf"topology file {topo}: not UTF-8 text \(byte 0"):
+        Topology.load(topo)

@@ -134,9 +134,10 @@ def test_adaqp_prepare_speaks_on_rank_0_and_not_without_compiling(fake_compile):
 def test_adaqp_prepare_with_the_native_kernel_says_once_and_compiles_nothing(monkeypatch):
     """Where the native kernel is there, prepare loads it (rank 0 says what and from where,
     in one line) and no torch.compile kernel is made for any row width."""
+    from commsched.kernels import cpu as C
+
     from commsched.gnn.adaqp import AdaQPExchange
     from commsched.gnn.book import build_books
-    from commsched.kernels import cpu as C
     from commsched.quant import fast
 
     if fast.native_library() is None:

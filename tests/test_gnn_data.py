@@ -207,3 +207,24 @@ def test_graph_summary():
               torch.ones(3, dtype=torch.bool), torch.zeros(3, dtype=torch.bool),
               torch.zeros(3, dtype=torch.bool))
     assert g.summary()["num_classes"] == 2 and g.num_edges == 0
+
+
+def test_from_pyg_says_once_when_it_makes_a_directed_graph_undirected():
+    import warnings
+
+    from torch_geometric.data import Data
+
+    N = 6
+    ei = torch.tensor([[0, 1, 2, 3, 4, 4], [1, 2, 3, 4, 5, 4]])  # a directed path, one self loop
+    m = torch.ones(N, dtype=torch.bool)
+    d = Data(x=torch.randn(N, 3), y=torch.zeros(N, dtype=torch.long), edge_index=ei,
+             train_mask=m, val_mask=m, test_mask=m)
+    with pytest.warns(UserWarning, match=r"edge_index is directed \(5 distinct edges\); made "
+                                         r"undirected \(10 edges"):
+        g = from_pyg(d, name="path")
+    assert g.edge_index_2E.shape[1] == 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert from_pyg(d, directed=True).edge_index_2E.shape[1] == 5  # kept as given
+        sym = Data(**{**d.to_dict(), "edge_index": g.edge_index_2E})
+        assert from_pyg(sym).edge_index_2E.shape[1] == 10  # already symmetric: nothing said

@@ -281,3 +281,33 @@ def test_roc_auc_from_histograms():
     assert edge[0, 0, 0] == 1 and edge[0, 1, -1] == 1
     assert auc_from_histograms(edge[0, 0], edge[0, 1]) == pytest.approx(_exact_auc(torch.tensor([0.0, 1.0, 0.5, 0.5]),
                                                                                   torch.tensor([0, 1, 0, 1])))
+
+
+def test_bits_is_refused_where_no_mode_uses_it():
+    """``--mode onebit --bits 4`` (or vanilla, pipegcn, ...) would ignore the width: refused;
+    the AdaQP-exchange modes keep it (uniform uses it; the adaptive and random widths take
+    the default)."""
+    for mode in ("onebit", "vanilla", "adaqp-p", "nocomm", "pipegcn", "bns"):
+        with pytest.raises(ValueError, match=f"--bits is the width of --mode uniform.*--mode {mode}"):
+            TrainConfig(mode=mode, adaqp=AdaQPOptions(bits=4))
+        TrainConfig(mode=mode)  # the default width is no request
+    for mode in ("uniform", "random", "adaqp"):
+        assert TrainConfig(mode=mode, adaqp=AdaQPOptions(bits=2)).adaqp.bits == 2
+
+
+def test_bench_passes_bits_only_to_the_adaqp_exchange_modes():
+    import argparse
+
+    from commsched.bench import load_workload
+    from commsched.bench.runner import build_parser
+
+    wl = load_workload("gnn")
+    a = build_parser(wl).parse_args(["--modes", "vanilla,uniform,onebit,adaqp", "--models", "gcn",
+                                     "--bits", "2"])
+    a.hosts, a.bandwidth, a.rate_bps = 1, None, None
+    got = {v.name: v.args for v in wl.variants(argparse.Namespace(**vars(a)))}
+    for name, args in got.items():
+        has = "--bits" in args
+        assert has == (name in ("gcn-uniform", "gcn-adaqp")), (name, args)
+        if has:
+            assert args[args.index("--bits") + 1] == "2"

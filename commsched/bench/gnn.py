@@ -206,7 +206,7 @@ def variants(a: argparse.Namespace) -> list[Variant]:
         return out
     eval_every = a.eval_every if a.eval_every is not None else (1 if tta else 5)
     common = ["--epochs", str(a.epochs), "--eval-every", str(eval_every), "--period", str(a.period),
-              "--group-size", str(a.group_size), "--lam", str(a.lam), "--bits", str(a.bits),
+              "--group-size", str(a.group_size), "--lam", str(a.lam),
               "--hidden", str(a.hidden), "--seed", str(a.seed), "--dropout-rng", "local",
               "--device", getattr(a, "device", "auto")]
     if a.dataset:
@@ -226,8 +226,10 @@ def variants(a: argparse.Namespace) -> list[Variant]:
         for name in modes:
             args = mode_args(name)
             part = () if "--partition-method" in args or pm == "metis" else ("--partition-method", pm)
+            mode = args[args.index("--mode") + 1] if "--mode" in args else "vanilla"
+            bits = ("--bits", str(a.bits)) if mode_spec(mode).exchange == "adaqp" else ()
             out.append(Variant(f"{model}-{name}", "commsched.gnn.train",
-                               ("--model", model, *args, *part, *common)))
+                               ("--model", model, *args, *part, *bits, *common)))
     return out
 
 

@@ -10,7 +10,7 @@ markdown). The EPLB study (:func:`eplb_study`) runs ``plan_placement`` and
 ``eplb_placement`` on the same seeded instances (:func:`eplb_instances`) and reports
 the relative difference of their maximum device loads; the node study
 (:func:`node_study`) the node-aware planner against the flat one on hosts. Everything is computed from seeded synthetic data by the pure planners of
-``placement.py`` and ``popularity.py``; no process group, no timing claims beyond the
+``commsched.moe.placement`` and ``popularity.py``; no process group, no timing claims beyond the
 planner's own run time.
 
 Legend: E experts, N devices, S slots per device, L layers, k experts per token.

@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import warnings
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -201,6 +202,15 @@ def _make_graph(x, y, edges_E2, train, val, test, *, name: str, directed: bool,
 
 
 # --------------------------------------------------------------------------- graph files
+def _is_npy(p: Path) -> bool:
+    """Whether ``p`` starts with the .npy magic (a single array, reported as such)."""
+    try:
+        with open(p, "rb") as f:
+            return f.read(6) == b"\x93NUMPY"
+    except OSError:
+        return False
+
+
 def load_graph(path: str | os.PathLike, *, split: int = 0, directed: bool = False,
                name: str | None = None) -> Graph:
     """Read a graph file (DESIGN.md "Graph files"): an npz with ``node_features`` [N, F],
@@ -211,9 +221,14 @@ def load_graph(path: str | os.PathLike, *, split: int = 0, directed: bool = Fals
     where = f"graph file {p}"
     if not p.is_file():
         raise ValueError(f"{where}: no such file")
+    if not zipfile.is_zipfile(p) and not _is_npy(p):
+        # np.load would guess a pickle and advise allow_pickle=True: never the answer here
+        raise ValueError(f"{where}: not a readable .npz file (not a zip archive: a text file, "
+                         "a truncated download or another format?); graph files are npz "
+                         f"archives with keys {', '.join(GRAPH_KEYS)}")
     try:
         z = np.load(p, allow_pickle=False)
-    except Exception as e:  # not a zip / not an npz
+    except Exception as e:  # a damaged archive
         raise ValueError(f"{where}: not a readable .npz file ({type(e).__name__}: {e})") from None
     if not isinstance(z, np.lib.npyio.NpzFile):
         raise ValueError(f"{where}: holds a single array, expected an .npz archive with keys "
@@ -271,6 +286,9 @@ def from_pyg(data, *, split: int = 0, directed: bool = False, name: str = "pyg")
     """Adapt a torch_geometric ``Data`` (``x``, ``y``, ``edge_index``, ``*_mask``).
 
     Masks of shape [N, S] (PyG's layout for several splits) are read at column ``split``.
+    Without ``directed=True`` the edges are made undirected (as the graph files are), and a
+    graph that was not already symmetric gets one ``UserWarning`` saying how many edges
+    that added.
     """
     for k in ("x", "y", "edge_index", "train_mask", "val_mask", "test_mask"):
         if getattr(data, k, None) is None:
@@ -285,9 +303,20 @@ def from_pyg(data, *, split: int = 0, directed: bool = False, name: str = "pyg")
     ei = data.edge_index.detach().cpu()
     if ei.dim() != 2 or ei.shape[0] != 2:
         raise ValueError(f"graph {name!r}: key 'edge_index': expected shape [2, E], got {list(ei.shape)}")
-    return from_edges(ei.t(), data.x, data.y.view(-1) if data.y.dim() == 2 and data.y.shape[1] == 1 else data.y,
-                      mask(data.train_mask), mask(data.val_mask), mask(data.test_mask),
-                      split=split, directed=directed, name=name)
+    g = from_edges(ei.t(), data.x, data.y.view(-1) if data.y.dim() == 2 and data.y.shape[1] == 1 else data.y,
+                   mask(data.train_mask), mask(data.val_mask), mask(data.test_mask),
+                   split=split, directed=directed, name=name)
+    if not directed:
+        e = ei[:, ei[0] != ei[1]].long()
+        given = int(torch.unique(e[0] * N + e[1]).numel()) if e.numel() else 0
+        made = int(g.edge_index_2E.shape[1])
+        if made > given:
+            warnings.warn(f"graph {name!r}: edge_index is directed ({given} distinct edges); made "
+                          f"undirected ({made} edges, both directions of each), as commsched's "
+                          "graphs are by default; pass from_pyg(..., directed=True) to keep the "
+                          "direction (the layers aggregate along edge_index as given)",
+                          UserWarning, stacklevel=2)
+    return g
 
 
 # --------------------------------------------------------------------------- synthetic

@@ -124,6 +124,10 @@ class TrainConfig:
         if self.mode != "pipegcn" and self.pipegcn != PipeGCNOptions():
             raise ValueError(f"--stale-delay and --stale-smoothing are options of --mode pipegcn, "
                              f"not of --mode {self.mode}")
+        if mode_spec(self.mode).exchange != "adaqp" and self.adaqp.bits != AdaQPOptions().bits:
+            raise ValueError(f"--bits is the width of --mode uniform (AdaQP's exchange); --mode "
+                             f"{self.mode} does not quantize to a chosen width and would ignore "
+                             f"--bits {self.adaqp.bits}: drop it")
         if self.mode != "bns" and self.bns != BNSOptions():
             raise ValueError(f"--boundary-rate is an option of --mode bns, not of --mode {self.mode}")
         if self.mode == "pipegcn" and self.pattern != "direct":
