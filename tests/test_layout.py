@@ -65,7 +65,7 @@ def test_cycle_finder_finds_a_cycle():
 
 @pytest.mark.parametrize("mod", ["commsched", "commsched.moe.placement", "commsched.moe.popularity",
                                  "commsched.priority.policy", "commsched.quant.assign_problem",
-                                 "commsched.results", "commsched.config"])
+                                 "commsched.results", "commsched.config", "commsched.configurable"])
 def test_pure_modules_import_without_torch(mod):
     code = f"import sys, {mod}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

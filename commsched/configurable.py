@@ -1,0 +1,193 @@
+"""Configurable components: a config that builds its component, a registry of them by name,
+and command-line flags generated from the configs.
+
+In the spirit of torchtitan's configurable components. A component (an exchange mode, a
+schedule policy, a placement strategy, a planner) is a class with a nested ``Config``: a
+frozen, keyword-only dataclass deriving from :class:`Config` that checks its own fields
+once, in ``__post_init__``, and makes the component with ``build(...)``. A
+:class:`Registry` maps the names users type (``--mode adaqp``) to configs (presets) or
+config classes, and its unknown-name error lists the known ones. :func:`add_arguments`
+turns a config class's fields into argparse flags (type, default, help and choices come
+from the dataclass, so no parser re-types a default) and :func:`from_arguments` reads them
+back.
+
+Adding a component is then one class, one registry entry and one test::
+
+    @dataclass(frozen=True, kw_only=True)
+    class HalfConfig(Config):
+        rate: float = option(0.5, "share of the boundary rows sent", flag="--half-rate")
+
+        def __post_init__(self):
+            check(0 < self.rate <= 1, f"--half-rate must be in (0, 1], got {self.rate}")
+
+        def build(self, book, **context):
+            return HalfExchange(book, rate=self.rate, **context)
+
+    MODES.register("half", HalfConfig())
+
+Pure: no torch, no torch.distributed (the planners' rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import MISSING, dataclass
+from typing import Any, Generic, Iterator, Mapping, TypeVar
+
+T = TypeVar("T")
+
+
+def option(default: Any = MISSING, help: str = "", *, choices: tuple | None = None,
+           flag: str | None = None, cli: bool = True, default_factory: Any = MISSING) -> Any:
+    """A config field with what its command-line flag needs: ``help``, ``choices``, the
+    ``flag`` name (default ``--field-name``); ``cli=False`` keeps it off the command line."""
+    meta = {"help": help, "choices": choices, "flag": flag, "cli": cli}
+    if default_factory is not MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def check(ok: bool, message: str) -> None:
+    """``ValueError(message)`` unless ``ok``: a config's checks read as a list of rules."""
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """Base of every component config: frozen, keyword-only; checks in ``__post_init__``
+    (a ValueError naming the flag and the allowed values); ``build(...)`` makes the
+    component (its arguments are the component's context: a partition book, a group)."""
+
+    def build(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} builds nothing")
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+
+class Registry(Mapping[str, T], Generic[T]):
+    """Names to entries (configs, config classes or factories), in registration order.
+
+    ``kind`` names what it holds ("mode", "schedule"), ``flag`` the option users type
+    (``--mode``) for the error an unknown name raises."""
+
+    def __init__(self, kind: str, flag: str | None = None):
+        self.kind = kind
+        self.flag = flag or f"--{kind}"
+        self._entries: dict[str, T] = {}
+
+    def register(self, name: str, entry: T | None = None) -> Any:
+        """Add ``entry`` under ``name`` (a ValueError if taken); without ``entry``, a
+        decorator that registers the class or function it decorates."""
+        if entry is None:
+            def deco(obj):
+                self.register(name, obj)
+                return obj
+            return deco
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a {self.kind} name must be a non-empty string, got {name!r}")
+        if name in self._entries:
+            raise ValueError(f"{self.kind} {name!r} is registered already")
+        self._entries[name] = entry
+        return entry
+
+    def __getitem__(self, name: str) -> T:
+        try:
+            return self._entries[name]
+        except (KeyError, TypeError):
+            raise ValueError(f"{self.flag} {name} is not known (available: "
+                             f"{', '.join(self._entries)})") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._entries)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}: {', '.join(self._entries)})"
+
+
+# --------------------------------------------------------------------------- command line
+def _flag(f: dataclasses.Field, prefix: str) -> str:
+    return f.metadata.get("flag") or "--" + prefix + f.name.replace("_", "-")
+
+
+def cli_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of config class ``cls`` that appear on the command line."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True) and f.init]
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return MISSING
+
+
+def _scalar(tp: Any) -> Any:
+    """int/float/str/bool of an annotation, ``X | None`` unwrapped; None if another type."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+        tp = args[0]
+    if typing.get_origin(tp) is typing.Literal:
+        return str
+    return tp if tp in (int, float, str, bool) else None
+
+
+def add_arguments(parser: argparse.ArgumentParser | Any, cls: type, *, prefix: str = "",
+                  skip: tuple[str, ...] = (), defaults: Mapping[str, Any] | None = None) -> None:
+    """Add a flag per command-line field of config class ``cls`` to ``parser`` (or an
+    argument group): ``--name`` (or the field's ``flag``), its type, default (or
+    ``defaults[name]``), help and choices (a ``Literal`` annotation gives the choices too);
+    booleans get ``--name/--no-name``. Fields of other types must set ``cli=False``."""
+    hints = typing.get_type_hints(cls)
+    for f in cli_fields(cls):
+        if f.name in skip:
+            continue
+        tp = _scalar(hints[f.name])
+        if tp is None:
+            raise TypeError(f"{cls.__name__}.{f.name}: a field of type {hints[f.name]} cannot be a "
+                            "flag; give it option(..., cli=False)")
+        default = (defaults or {}).get(f.name, _default(f))
+        choices = f.metadata.get("choices")
+        if choices is None and typing.get_origin(hints[f.name]) is typing.Literal:
+            choices = typing.get_args(hints[f.name])
+        help_ = f.metadata.get("help", "")
+        shown = "" if default is MISSING or default is None else f" (default {default})"
+        kw: dict[str, Any] = {"dest": prefix.replace("-", "_") + f.name, "help": help_ + shown}
+        if default is not MISSING:
+            kw["default"] = default
+        else:
+            kw["required"] = True
+        if tp is bool:
+            parser.add_argument(_flag(f, prefix), action=argparse.BooleanOptionalAction, **kw)
+            continue
+        parser.add_argument(_flag(f, prefix), type=tp, choices=choices, **kw)
+
+
+def from_arguments(cls: type, ns: argparse.Namespace, *, prefix: str = "",
+                   **overrides: Any) -> Any:
+    """An instance of config class ``cls`` from the flags :func:`add_arguments` made (the
+    fields ``overrides`` name come from there instead); its checks run as it is made."""
+    values = {f.name: getattr(ns, prefix.replace("-", "_") + f.name) for f in cli_fields(cls)
+              if hasattr(ns, prefix.replace("-", "_") + f.name)}
+    values.update(overrides)
+    return cls(**values)
+
+
+__all__ = ["Config", "Registry", "add_arguments", "check", "cli_fields", "from_arguments",
+           "option"]
