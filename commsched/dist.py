@@ -154,6 +154,50 @@ def cli_error(prog: str, err: BaseException, out=None) -> int:
     return 2
 
 
+class Stopped(BaseException):
+    """The process was asked to stop (SIGTERM: torchrun stopping the survivors after a peer
+    died, a scheduler's time limit, ``kill``). A BaseException, so no ``except Exception``
+    on the way swallows it."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+def cli_main(prog: str, body, *, out=None) -> int:
+    """The edge of every entry point: run ``body()`` (returns the exit status) so that
+
+    * a ValueError or :class:`CommError` it raises is one line on stderr (``prog (rank R):
+      message``), appended to ``out()``/FAILED when ``out`` (a callable: the run folder, or
+      None before there is one) gives a folder, exit status 2 (:func:`cli_error`);
+    * SIGTERM ends it with the same kind of line, ``stopped by SIGTERM``, and the FAILED
+      marker, exit status 143 (128 + 15): a run stopped from outside is never mistaken for
+      a finished one.
+
+    The SIGTERM handler is installed for the call (main thread only) and restored after."""
+    import signal
+    import threading
+
+    def on_term(signum, frame):
+        raise Stopped(signum)
+
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        return body()
+    except (ValueError, CommError) as e:
+        return cli_error(prog, e, out() if out is not None else None)
+    except Stopped as e:
+        cli_error(prog, e, out() if out is not None else None)
+        return 128 + e.signum
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
 DEVICE_CHOICES = ("auto", "cpu", "cuda")  # the --device of every entry point
 
 

@@ -461,3 +461,63 @@ def test_messages_carry_no_foreign_advice(tmp_path):
     topo.write_bytes(b"\xff\xfe{\"hosts\": []}")
     with pytest.raises(ValueError, match=rf"topology file {topo}: not UTF-8 text \(byte 0"):
         Topology.load(topo)
+
+
+@pytest.mark.slow
+def test_sigterm_leaves_a_failed_marker_and_one_line(tmp_path):
+    """torchrun stopping the survivors, a scheduler's limit, ``kill``: SIGTERM ends a GNN
+    run with one line, status 143 (128 + 15) and FAILED in its run folder."""
+    import signal
+
+    out = tmp_path / "run"
+    env = {**os.environ, "COMMSCHED_PROGRESS": "0"}
+    p = subprocess.Popen([sys.executable, "-m", "commsched.gnn.train", "--device", "cpu",
+                          "--epochs", "100000", "--hidden", "4", "--layers", "2", "--out", str(out),
+                          *SYN], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not out.is_dir() and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.1)
+        time.sleep(2.0)  # into the epochs
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "commsched.gnn.train: stopped by SIGTERM"
+    assert "Traceback" not in err
+    assert "stopped by SIGTERM" in (out / FAILED_MARKER).read_text()
+    assert not (out / "metrics.json").exists()
+
+
+def test_cli_main_maps_errors_and_restores_the_handler(tmp_path, capsys):
+    import signal
+
+    from commsched.dist import CommError, Stopped, cli_main
+
+    before = signal.getsignal(signal.SIGTERM)
+
+    def bad():
+        raise ValueError("--x must be > 0")
+
+    assert cli_main("prog", bad, out=lambda: tmp_path) == 2
+    assert capsys.readouterr().err.strip() == "prog: --x must be > 0"
+    assert (tmp_path / FAILED_MARKER).read_text() == "prog: --x must be > 0\n"
+
+    def dead():
+        raise CommError("rank 1 stopped answering")
+
+    assert cli_main("prog", dead) == 2
+
+    def term():
+        signal.raise_signal(signal.SIGTERM)
+        return 0
+
+    assert cli_main("prog", term) == 143
+    assert "prog: stopped by SIGTERM" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert cli_main("prog", lambda: 0) == 0
+    with pytest.raises(KeyError):  # not one of ours: the traceback stays
+        cli_main("prog", lambda: {}["k"])
+    assert issubclass(Stopped, BaseException) and not issubclass(Stopped, Exception)

@@ -21,8 +21,9 @@ from ..config import read_env
 from ..dist import (
     DEVICE_CHOICES,
     CommError,
+    Stopped,
     check_same_config,
-    cli_error,
+    cli_main,
     init_distributed,
     scatter_object,
 )
@@ -200,27 +201,23 @@ PROG = "commsched.gnn.train"
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        cfg = config_from_args(a)
-        src = source_from_args(a) if (graph_args_given(a) or not a.partition_dir) else None
-    except ValueError as e:
-        return cli_error(PROG, e)
-    try:
-        di = init_distributed(device=cfg.device)
-    except ValueError as e:  # --device cuda without CUDA, or fewer GPUs than local ranks
-        return cli_error(PROG, e)
+    ready: dict[str, str] = {}  # the run folder, once made (a FAILED marker goes there, not before)
+    return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
+
+
+def _run(a: argparse.Namespace, ready: dict[str, str]) -> int:
+    cfg = config_from_args(a)
+    src = source_from_args(a) if (graph_args_given(a) or not a.partition_dir) else None
+    di = init_distributed(device=cfg.device)  # ValueError: --device cuda without (enough) GPUs
     rank, world, device = di.rank, di.world_size, di.device
     try:
         # the run folder is made (or refused) before any work
         prepare_out(a.out, overwrite=a.overwrite, resume=a.resume)
-    except ValueError as e:
-        dist.destroy_process_group()
-        return cli_error(PROG, e)
-    if mode_spec(cfg.mode).timing_only and rank == 0:
-        print("commsched.gnn.train: --mode nocomm is TIMING ONLY: remote rows are replaced by "
-              "zeros, so the model trained is wrong; it measures the no-communication limit",
-              file=sys.stderr)
-    try:
+        ready["out"] = a.out
+        if mode_spec(cfg.mode).timing_only and rank == 0:
+            print("commsched.gnn.train: --mode nocomm is TIMING ONLY: remote rows are replaced by "
+                  "zeros, so the model trained is wrong; it measures the no-communication limit",
+                  file=sys.stderr)
         startup_check(cfg, src, partition_dir=a.partition_dir, partition_method=a.partition_method,
                       partition_seed=a.partition_seed, resume=a.resume, out=a.out)
         # the host of every rank (one all_gather): metis-hosts and the bytes per link class
@@ -235,10 +232,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics, _ = run_training(cfg, part, out_dir=a.out, resume=a.resume,
                                   progress=read_env().progress, dataset=part.name, extra=extra,
                                   device=device, hosts_P=hosts_P)
-    except (ValueError, CommError) as e:
-        return cli_error(PROG, e, a.out)
+    except (ValueError, CommError, Stopped):
+        raise  # cli_main: one line, and FAILED in the run folder once there is one
     except BaseException as e:  # not one of ours: the traceback stays, the folder says it failed
-        mark_failed(a.out, f"{PROG} (rank {rank}): {type(e).__name__}: {e}")
+        if "out" in ready:
+            mark_failed(a.out, f"{PROG} (rank {rank}): {type(e).__name__}: {e}")
         raise
     finally:
         if dist.is_initialized():
