@@ -25,16 +25,78 @@ def median(xs: Iterable[float | int | None]) -> float | None:
     return float(statistics.median(vals)) if vals else None
 
 
-def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2) -> Path:
-    """Write ``obj`` as JSON to ``path`` atomically (a temporary file renamed into place), so
-    a killed run never leaves half a file; parent folders are made. Dataclasses are written
-    as their fields; other unknown values as ``str``."""
+class OutputError(ValueError):
+    """A run's output could not be written (a full disk, a read-only folder, a quota): one
+    line naming the file and the OS's reason. A ValueError, so the front-ends' edge
+    (``commsched.dist.cli_main``) prints it as one line and marks the run FAILED."""
+
+
+def _write_failure(path: Path, e: BaseException) -> str:
+    """Why writing ``path`` failed, in words: the OS's reason and errno name when there is
+    one (also inside torch's serializer errors, which hide it), else the first line."""
+    import errno as _errno
+
+    err = e
+    while err is not None and not (isinstance(err, OSError) and err.errno):
+        err = err.__cause__ or err.__context__
+    if isinstance(err, OSError) and err.errno:
+        return f"{err.strerror or os.strerror(err.errno)} ({_errno.errorcode.get(err.errno, err.errno)})"
+    try:  # torch's "[enforce fail at inline_container.cc] ... file write failed": ask the disk
+        st = os.statvfs(path.parent)
+        if st.f_bavail * st.f_frsize < 1 << 16:
+            return f"{os.strerror(_errno.ENOSPC)} (ENOSPC)"
+    except OSError:
+        pass
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def write_atomic(path: str | os.PathLike, write: Callable[[Any], None], *, what: str = "file") -> Path:
+    """Write ``path`` through ``write(f)`` (``f`` a binary file open on a temporary file beside
+    it), then flush it to the disk (fsync) and rename it into place, so a killed run never
+    leaves half a file and a crash after the rename never leaves an empty one; parent
+    folders are made. Any failure (a full disk above all) removes the temporary file and
+    raises :class:`OutputError`: ``cannot write WHAT PATH: No space left on device (ENOSPC)``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(_plain(obj), indent=indent, default=str))
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception as e:  # noqa: BLE001 - OSError, or a serializer's RuntimeError around one
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise OutputError(f"cannot write {what} {path}: {_write_failure(path, e)}") from None
+    try:  # the rename itself reaches the disk with the folder's entry
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
     return path
+
+
+def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2) -> Path:
+    """Write ``obj`` as JSON to ``path`` atomically (:func:`write_atomic`: a temporary file
+    flushed and renamed into place; a full disk is an :class:`OutputError` naming the file);
+    parent folders are made. Dataclasses are written as their fields; other unknown values
+    as ``str``."""
+    data = json.dumps(_plain(obj), indent=indent, default=str).encode()
+    return write_atomic(path, lambda f: f.write(data), what="metrics file" if Path(path).name == "metrics.json" else "file")
+
+
+def save_torch(obj: Any, path: str | os.PathLike, what: str = "checkpoint") -> Path:
+    """``torch.save(obj)`` to ``path`` through :func:`write_atomic` (fsync, rename; a full
+    disk is one :class:`OutputError` line naming the file, no temporary left behind)."""
+    import torch
+
+    return write_atomic(path, lambda f: torch.save(obj, f), what=what)
 
 
 FAILED_MARKER = "FAILED"  # the file a failed run leaves in its --out folder
@@ -265,5 +327,6 @@ def pick(d: Mapping[str, Any], dotted: str) -> Any:
     return cur
 
 
-__all__ = ["FAILED_MARKER", "Progress", "Record", "load_torch_file", "mark_failed", "median", "pick",
+__all__ = ["FAILED_MARKER", "OutputError", "Progress", "Record", "load_torch_file", "mark_failed", "median", "pick",
+           "save_torch", "write_atomic",
            "prepare_out", "read_error", "write_json"]

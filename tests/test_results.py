@@ -44,3 +44,70 @@ def test_progress_disabled_says_nothing_but_writes(monkeypatch):
         bar.postfix("ignored")
         bar.write("a message")
     assert lines == ["a message"]
+
+
+def test_write_atomic_failure_removes_the_temporary_and_names_the_file(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    import pytest
+
+    from commsched.results import OutputError, write_atomic, write_json
+
+    def full(f):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    target = tmp_path / "metrics.json"
+    with pytest.raises(OutputError) as e:
+        write_atomic(target, full, what="metrics file")
+    assert str(e.value) == f"cannot write metrics file {target}: No space left on device (ENOSPC)"
+    assert list(tmp_path.iterdir()) == []  # no temporary, no half file
+    write_json(target, {"a": 1})
+    assert target.read_text() == '{\n  "a": 1\n}' and len(list(tmp_path.iterdir())) == 1
+
+    def wrapped(f):  # a serializer that hides the OSError inside its own error
+        try:
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+        except OSError as inner:
+            raise RuntimeError("[enforce fail at inline_container.cc:626] . file write failed") from inner
+
+    with pytest.raises(OutputError, match=r"Disk quota exceeded \(EDQUOT\)"):
+        write_atomic(tmp_path / "ck.pt", wrapped)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
+
+
+def _tmpfs(path, size: str) -> bool:
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        return False
+    path.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_full_disk_is_one_line_for_json_and_torch_files(tmp_path):
+    """On a real 1 MiB filesystem (root only): a torch checkpoint and a metrics file that do
+    not fit give one OutputError line each and leave no temporary behind."""
+    import subprocess
+
+    import pytest
+    import torch
+
+    from commsched.results import OutputError, save_torch, write_json
+
+    disk = tmp_path / "disk"
+    if not _tmpfs(disk, "1m"):
+        pytest.skip("needs root and mount -t tmpfs")
+    try:
+        with pytest.raises(OutputError, match=rf"cannot write checkpoint {disk}/ck.pt: No space left on device"):
+            save_torch({"w": torch.zeros(1 << 20)}, disk / "ck.pt")  # 4 MB
+        with pytest.raises(OutputError, match=rf"cannot write metrics file {disk}/metrics.json: No space"):
+            write_json(disk / "metrics.json", {"loss": list(range(300_000))})
+        assert list(disk.iterdir()) == []
+        save_torch({"w": torch.ones(8)}, disk / "small.pt")  # what fits is written as usual
+        assert torch.equal(torch.load(disk / "small.pt", weights_only=True)["w"], torch.ones(8))
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
