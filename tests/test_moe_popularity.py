@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from commsched.moe.placement import plan_placement, static_placement
 from commsched.moe.popularity import (
     DEFAULT_REPLAN_THRESHOLD,
     PopularityEstimator,
@@ -13,7 +12,6 @@ from commsched.moe.popularity import (
     phase2_decision,
     topk_experts,
     topk_overlap,
-    two_phase_placement,
 )
 from commsched.moe.traces import (
     RoutingTrace,
@@ -381,19 +379,3 @@ def test_phase2_rule():
         phase2_decision(est, same, k=2, threshold=1.2)
     with pytest.raises(ValueError, match="k \\(experts per token\\)"):
         phase2_decision(est, same, k=0, threshold=0.5)
-
-
-def test_two_phase_placement():
-    est = np.array([10, 9, 8, 7, 1, 1, 1, 1], float)
-    actual = np.array([0, 0, 1, 1, 10, 9, 8, 7], float)
-    p, d = two_phase_placement(est, est * 2, 4, 3, k=1, threshold=0.5)
-    assert not d.replan
-    assert p.replicas == plan_placement(est, 4, 3).replicas
-    np.testing.assert_allclose(p.device_load, plan_placement(est, 4, 3).with_load(est * 2).device_load)
-    q, d = two_phase_placement(est, actual, 4, 3, k=1, threshold=0.5)
-    assert d.replan and d.overlap == 0.0
-    assert q == plan_placement(actual, 4, 3)
-    # a given phase-1 placement is kept when no re-plan is needed
-    s = static_placement(8, 4, slots_per_device=3)
-    r, _ = two_phase_placement(est, est, 4, 3, k=1, threshold=0.5, phase1=s)
-    assert r.replicas == s.replicas

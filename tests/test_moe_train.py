@@ -500,10 +500,10 @@ def _rank_result(r: int, deepspeed: bool = False) -> dict:
 def test_metrics_record_holds_the_documented_keys(tmp_path):
     import json
 
-    from commsched.moe.training import TrainMetrics, summarise
+    from commsched.moe.training import TrainMetrics, summarize
 
     cfg = TrainConfig(steps=3, warmup=1)
-    m = summarise(cfg, [_rank_result(0), _rank_result(1)], 2, "unit")
+    m = summarize(cfg, [_rank_result(0), _rank_result(1)], 2, "unit")
     assert isinstance(m, TrainMetrics)
     d = json.loads(m.write(tmp_path / "metrics.json").read_text())
     documented = ("impl", "schedule", "world_size", "loss", "step_time_s", "a2a_time_s", "allreduce_time_s")
@@ -515,7 +515,7 @@ def test_metrics_record_holds_the_documented_keys(tmp_path):
     assert d["a2a_alone_time_s"] == pytest.approx(0.08) and d["allreduce_in_backward_share"] == 0.5
     assert d["val_loss"] == 4.5 and d["wall_clock_s"] == 10.0 and d["config"]["schedule"]["policy"] == "lina"
     assert "deepspeed_comm_ops" not in d
-    ds = summarise(TrainConfig(impl="deepspeed", steps=3, warmup=1), [_rank_result(0, True)], 1, "unit").to_dict()
+    ds = summarize(TrainConfig(impl="deepspeed", steps=3, warmup=1), [_rank_result(0, True)], 1, "unit").to_dict()
     assert ds["schedule"] == "deepspeed-zero2" and ds["deepspeed_comm_ops"] == ["all_to_all_single"]
     assert ds["allreduce_in_backward_share"] is None and ds["a2a_alone_time_s"] is None
 
@@ -588,13 +588,13 @@ def test_deepspeed_logger_is_off_for_timed_cuda_steps_and_the_summary_says_where
     """Audit 2, item 2b: the comms logger synchronises after every collective; on CUDA it is on
     for the warm-up steps only, and the summary takes the communication times from them."""
     from commsched.moe.deepspeed_baseline import profiled_step
-    from commsched.moe.training import summarise
+    from commsched.moe.training import summarize
 
     assert [profiled_step(s, 2, cuda=True) for s in range(4)] == [True, True, False, False]
     assert all(profiled_step(s, 2, cuda=False) for s in range(4))
     res = _rank_result(0, True)
     for s in (1, 2):  # timed steps of warmup=1, run without the logger
         res["rows"][s].update(a2a_s=None, a2a_inflight_s=None, allreduce_s=None)
-    ds = summarise(TrainConfig(impl="deepspeed", steps=3, warmup=1), [res], 1, "unit").to_dict()
+    ds = summarize(TrainConfig(impl="deepspeed", steps=3, warmup=1), [res], 1, "unit").to_dict()
     assert ds["a2a_time_s"] == pytest.approx(0.1) and ds["allreduce_time_s"] == pytest.approx(0.4)
     assert "steps [0]" in ds["comm_times_from"] and ds["step_time_s"] == pytest.approx(2.5)

@@ -55,7 +55,6 @@ _INFER_EXPORTS: dict[str, str] = {
     "estimation_accuracy": "popularity",
     "ReplanDecision": "popularity",
     "phase2_decision": "popularity",
-    "two_phase_placement": "popularity",
     "DEFAULT_REPLAN_THRESHOLD": "popularity",
     "DEFAULT_MAX_PATH_ENTRIES": "popularity",
     "RoutingTrace": "traces",

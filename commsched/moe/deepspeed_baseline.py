@@ -14,7 +14,7 @@ expert padded to the largest load in the group); a capacity factor maps to
 
 :func:`train_deepspeed` is the training loop of the baseline: the engine with ZeRO stage
 ``ds_stage``, gradient reduction overlapping the backward pass, the same Adam, tokens and
-seed as commsched's runtime (:mod:`commsched.moe.train`, which calls it and summarises
+seed as commsched's runtime (:mod:`commsched.moe.train`, which calls it and summarizes
 both alike). DeepSpeed is imported only when called. It runs on the rank's device with the
 backend that follows it (gloo on the CPU, NCCL on CUDA); ``--dtype bfloat16`` turns on
 DeepSpeed's own bf16 mode (bf16 weights and all-to-all, float32 master weights).
@@ -137,7 +137,7 @@ def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
     """Train ``cfg`` under DeepSpeed's engine on the initialised default process group (gloo
     on the CPU, NCCL on CUDA) with expert-parallel groups of ``ep`` ranks, on ``device``;
     returns this rank's results in the form
-    :func:`commsched.moe.training.summarise` reads (per-step ``rows``, ``val_loss``, ``sizes``,
+    :func:`commsched.moe.training.summarize` reads (per-step ``rows``, ``val_loss``, ``sizes``,
     ``state``, and ``ds_comm_ops``: the collectives DeepSpeed's comms logger saw). A step
     without the logger (:func:`profiled_step`) has ``a2a_s`` / ``allreduce_s`` None."""
     import deepspeed

@@ -52,7 +52,7 @@ rooms: the configuration (:class:`InferConfig` and its nested sub-configs,
 :mod:`~commsched.moe.infer_config`), the drivers (:class:`TraceDriver`,
 :class:`ModelDriver`) and :func:`build` (:mod:`~commsched.moe.infer_drivers`), the run
 loop :func:`run` (:mod:`~commsched.moe.infer_run`) and the metrics (:class:`InferMetrics`,
-:func:`summarise`, :mod:`~commsched.moe.infer_metrics`). Steps 2-5 are
+:func:`summarize`, :mod:`~commsched.moe.infer_metrics`). Steps 2-5 are
 :class:`~commsched.moe.runtime.Runtime`; the experts are an
 :class:`~commsched.moe.banks.ExpertBank`.
 
@@ -92,14 +92,14 @@ from .infer_config import (
     job_device,
 )
 from .infer_drivers import DRIVER_CLASSES, Driver, ModelDriver, Setup, TraceDriver, build
-from .infer_metrics import InferMetrics, summarise
+from .infer_metrics import InferMetrics, summarize
 from .infer_run import run, run_inference
 from .placement_policy import PLANNERS, STRATEGIES
 from .traces import SyntheticTraceConfig
 
 __all__ = ["InferConfig", "PlacementConfig", "EmulationConfig", "TraceDriverConfig", "ModelDriverConfig",
            "InferMetrics", "Setup", "Driver", "TraceDriver", "ModelDriver", "DRIVER_CLASSES", "DRIVERS",
-           "COMPUTES", "EXCHANGES", "build", "run", "run_inference", "summarise", "job_device",
+           "COMPUTES", "EXCHANGES", "build", "run", "run_inference", "summarize", "job_device",
            "build_parser", "config_from_args", "main"]
 
 

@@ -123,7 +123,7 @@ class TraceDriver(Driver):
 
     def shard(self, b: int, rank: int) -> RoutingTrace:
         tr = self.batches[b]
-        bounds = tr._sequence_bounds()
+        bounds = tr.sequence_bounds()
         q = len(bounds) - 1
         sizes = _even_split(q, self.world)
         lo = sum(sizes[:rank])

@@ -1,5 +1,5 @@
 """The metrics of an inference run (:mod:`commsched.moe.infer`): the ``metrics.json``
-record (:class:`InferMetrics`) and :func:`summarise`, which builds it from every rank's
+record (:class:`InferMetrics`) and :func:`summarize`, which builds it from every rank's
 per-batch records (see docs/moe_inference.md, "Metrics").
 
 Legend: N ranks (= devices), E experts, L MoE layers, k experts per token, B batches.
@@ -53,7 +53,7 @@ def _layer_view(lr: dict, k: int) -> dict:
             "acc2k": topk_overlap(pf, actual, 2 * k) if ok else None}
 
 
-def summarise(cfg: InferConfig, strategy: PlacementStrategy, per_rank: list[dict], row_cost_s: float,
+def summarize(cfg: InferConfig, strategy: PlacementStrategy, per_rank: list[dict], row_cost_s: float,
               *, wall_clock_s: float, device: str = "cpu", host_P: Sequence[int] | None = None) -> InferMetrics:
     """The run's metrics from every rank's records (rank 0's with per-layer detail).
     ``host_P``: the host of each rank, to count the bytes that crossed hosts (default: one)."""
@@ -144,4 +144,4 @@ def summarise(cfg: InferConfig, strategy: PlacementStrategy, per_rank: list[dict
     )
 
 
-__all__ = ["InferMetrics", "summarise"]
+__all__ = ["InferMetrics", "summarize"]

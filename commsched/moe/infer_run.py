@@ -1,7 +1,7 @@
 """The run loop of an inference run (:mod:`commsched.moe.infer`): build a rank's
 :class:`~commsched.moe.infer_drivers.Setup`, feed the driver's batches through the
 :class:`~commsched.moe.runtime.Runtime` (steps 2-5 of the module docstring of
-:mod:`commsched.moe.infer`), gather every rank's records and summarise them
+:mod:`commsched.moe.infer`), gather every rank's records and summarize them
 (:mod:`~commsched.moe.infer_metrics`).
 """
 
@@ -23,7 +23,7 @@ from ..results import Progress
 from ..topology import Topology
 from .infer_config import InferConfig, job_device
 from .infer_drivers import Setup, build
-from .infer_metrics import summarise
+from .infer_metrics import summarize
 from .placement_policy import cross_host_weight
 from .runtime import Runtime, row_cost
 
@@ -83,7 +83,7 @@ def run(cfg: InferConfig, out: Path | None = None, *, group=None, device: torch.
     mine = rt.records if rank == 0 else [{k: v for k, v in r.items() if k != "layers"} for r in rt.records]
     gathered = cdist.all_gather_object({"records": mine, "loaded": sum(bank.loaded_L)},
                                        "gathering the inference records", group)
-    metrics = summarise(cfg, s.strategy, gathered, row_cost_s, wall_clock_s=time.perf_counter() - t_wall,
+    metrics = summarize(cfg, s.strategy, gathered, row_cost_s, wall_clock_s=time.perf_counter() - t_wall,
                         device=dev.type, host_P=host_P)
     if out is not None and rank == 0:
         metrics.write(Path(out) / "metrics.json")

@@ -17,19 +17,18 @@ Accuracy (:func:`topk_overlap`) is the fraction of the actual top-k experts of a
 that are also in the estimated top-k.
 
 Phase 2 (:func:`phase2_decision`): after gating, compare the estimated and the actual
-top-2k experts; re-plan from the actual load when their overlap falls below a threshold.
-:func:`two_phase_placement` applies both phases to one layer.
+top-2k experts; re-plan from the actual load when their overlap falls below a threshold
+(the strategies of :mod:`~commsched.moe.placement_policy` apply both phases).
 """
 
 from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from .placement import Placement, plan_placement
 from .traces import RoutingTrace
 
 __all__ = [
@@ -39,7 +38,6 @@ __all__ = [
     "estimation_accuracy",
     "ReplanDecision",
     "phase2_decision",
-    "two_phase_placement",
     "DEFAULT_REPLAN_THRESHOLD",
     "DEFAULT_MAX_PATH_ENTRIES",
 ]
@@ -323,18 +321,3 @@ def phase2_decision(estimated_E, actual_E, k: int,
         raise ValueError(f"k (experts per token) must be a positive int, got {k!r}")
     ov = topk_overlap(estimated_E, actual_E, 2 * k)
     return ReplanDecision(ov, ov < threshold)
-
-
-def two_phase_placement(estimated_E, actual_E, num_devices: int, slots_per_device: int,
-                        k: int, threshold: float = DEFAULT_REPLAN_THRESHOLD,
-                        planner: Callable[..., Placement] = plan_placement,
-                        phase1: Placement | None = None) -> tuple[Placement, ReplanDecision]:
-    """Both phases for one layer: plan from the estimate (or take ``phase1``, already
-    planned before gating), then keep it or re-plan from the actual load by
-    :func:`phase2_decision`. Returns the placement used, with device loads of the
-    *actual* load, and the decision."""
-    p1 = phase1 if phase1 is not None else planner(estimated_E, num_devices, slots_per_device)
-    d = phase2_decision(estimated_E, actual_E, k, threshold)
-    if d.replan:
-        return planner(actual_E, num_devices, slots_per_device), d
-    return p1.with_load(actual_E), d

@@ -103,7 +103,7 @@ class RoutingTrace:
         seq = None if self.seq_ids is None else self.seq_ids[idx]
         return RoutingTrace(self.experts[idx], self.num_experts, self.source, seq)
 
-    def _sequence_bounds(self) -> np.ndarray:
+    def sequence_bounds(self) -> np.ndarray:
         """[Q+1] token offsets where sequences start (and the end)."""
         T = self.num_tokens
         if self.seq_ids is None:
@@ -116,7 +116,7 @@ class RoutingTrace:
         a profiling trace to fit the estimator and a held-out trace to test it."""
         if not 0.0 < fraction < 1.0:
             raise ValueError(f"fraction must lie strictly between 0 and 1, got {fraction}")
-        b = self._sequence_bounds()
+        b = self.sequence_bounds()
         q = len(b) - 1
         if q < 2:
             raise ValueError("the trace has fewer than two sequences: nothing to split")
@@ -131,7 +131,7 @@ class RoutingTrace:
             raise ValueError(f"tokens_per_batch must be at least 1, got {tokens_per_batch}")
         out: list[RoutingTrace] = []
         start = 0
-        for end in self._sequence_bounds()[1:]:
+        for end in self.sequence_bounds()[1:]:
             if end - start >= tokens_per_batch:
                 out.append(self.select(slice(start, int(end))))
                 start = int(end)

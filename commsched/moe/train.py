@@ -96,7 +96,7 @@ from .training import (
     autocast,
     evaluate,
     sizes,
-    summarise,
+    summarize,
     to_device,
 )
 
@@ -207,7 +207,7 @@ def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = 
     res["wall_clock_s"] = time.perf_counter() - t_wall
     state = res.pop("state")
     gathered = all_gather_object(res, "gathering the training results")
-    metrics = summarise(cfg, gathered, ep, corpus.source)
+    metrics = summarize(cfg, gathered, ep, corpus.source)
     if out is not None and rank == 0:
         timeline = {"step": metrics.timeline_step, "ranks": [g.pop("timeline", []) for g in gathered]}
         write_json(out / "timeline.json", timeline, indent=None)
@@ -262,7 +262,7 @@ def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
     if cfg.schedule.hier_reduce:  # its groups once, for every step (None: reduce flat)
         from ..topology import Topology
 
-        hier = make_hier((topology if topology is not None else Topology.from_env()).hosts_P, threads=threads)
+        hier = make_hier(topology if topology is not None else Topology.from_env(), threads=threads)
     events = A2AEvents()  # the MoE layers report here; each scheduler registers for its steps
     model, sched_params = _build_commsched(cfg, groups, events, device)
     try:

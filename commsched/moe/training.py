@@ -196,7 +196,7 @@ def evaluate(model, corpus: Corpus, cfg: TrainConfig, device: torch.device | Non
 
 
 # --------------------------------------------------------------------------- summary
-def summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> TrainMetrics:
+def summarize(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> TrainMetrics:
     """The metrics of a run from every rank's results (in rank order)."""
     world = len(per_rank)
     steps = len(per_rank[0]["rows"])
@@ -268,4 +268,4 @@ def summarise(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> T
 
 
 __all__ = ["DTYPES", "IMPLS", "TrainConfig", "TrainMetrics", "a2a_payload_bytes", "autocast",
-           "evaluate", "sizes", "summarise", "to_device"]
+           "evaluate", "sizes", "summarize", "to_device"]

@@ -13,9 +13,9 @@ completes when the reduction has. The thread polls what is in flight first after
 :data:`POLL_MAX_S`; otherwise it sleeps until a launch, a completion or ``close()`` wakes
 it, and after every wake-up it launches what the policy allows (``_pump``). Completion
 callbacks only record and wake that thread. A thread that cannot start, or dies, is
-raised at the next call (:meth:`_Completion._check_alive`), never a silent timeout.
+raised at the next call (:meth:`CompletionMixin._check_alive`), never a silent timeout.
 
-:class:`_Completion` is a mixin of GradScheduler: it uses the scheduler's lock
+:class:`CompletionMixin` is a mixin of GradScheduler: it uses the scheduler's lock
 (``self._cv``), policy, step state and records, and calls its ``_pump``.
 """
 
@@ -35,11 +35,12 @@ from .hier import GATHER, INTRA
 POLL_MIN_S, POLL_MAX_S = 1e-4, 2e-3
 
 
-def _rank() -> int:
+def current_rank() -> int:
+    """This process's rank in the default group (0 before there is one): the rank error messages name."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-class _Completion:
+class CompletionMixin:
     """Done-callbacks, polling and the executor thread (module docstring)."""
 
     def _make_done(self, seq: int):
@@ -51,7 +52,7 @@ class _Completion:
                 err = e
             with self._cv:
                 if err is not None and self._error is None:
-                    self._error = CommError(f"rank {_rank()}: allreduce {seq} failed: {err}")
+                    self._error = CommError(f"rank {current_rank()}: allreduce {seq} failed: {err}")
                 self._completed(seq, error=self._error if err is not None else None)
         return done
 
@@ -84,7 +85,7 @@ class _Completion:
         with self._cv:
             if err is not None:
                 if self._error is None:
-                    self._error = CommError(f"rank {_rank()}: hierarchical reduction of operation {seq} "
+                    self._error = CommError(f"rank {current_rank()}: hierarchical reduction of operation {seq} "
                                             f"failed in its {phase} phase: {err}")
                 if self._on_complete is not None:
                     self._on_complete(seq, self._error)
@@ -127,7 +128,7 @@ class _Completion:
             self._thread_setup()
         except BaseException as e:  # the thread cannot run: say so at the next call, not at a timeout
             with self._cv:
-                self._dead = CommError(f"rank {_rank()}: the GradScheduler thread could not start on "
+                self._dead = CommError(f"rank {current_rank()}: the GradScheduler thread could not start on "
                                        f"{self.device}: {type(e).__name__}: {e}")
                 self._error = self._dead
                 self._cv.notify_all()
@@ -156,7 +157,7 @@ class _Completion:
                             self._cv.notify_all()
         except BaseException as e:  # never a silent death: finish() and begin_step() raise it
             with self._cv:
-                self._dead = CommError(f"rank {_rank()}: the GradScheduler thread died: "
+                self._dead = CommError(f"rank {current_rank()}: the GradScheduler thread died: "
                                        f"{type(e).__name__}: {e}")
                 self._error = self._error or self._dead
                 self._cv.notify_all()
@@ -168,4 +169,4 @@ class _Completion:
 
 
 
-__all__ = ["POLL_MAX_S", "POLL_MIN_S"]
+__all__ = ["POLL_MAX_S", "POLL_MIN_S", "CompletionMixin", "current_rank"]

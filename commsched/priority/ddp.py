@@ -66,7 +66,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..dist import new_group
 from ..observe import A2AEvents
-from .executor import GradScheduler, _group_size
+from .executor import GradScheduler, group_size
 from .policy import ScheduleConfig
 
 GRAD_GROUP_ATTR = "_commsched_grad_group"  # on a parameter: its GradGroup
@@ -168,11 +168,11 @@ class LinaState:
         if getattr(ddp, STATE_ATTR, None) is not None:
             raise ValueError("this DistributedDataParallel already has a commsched LinaState")
         self.ddp, self.cfg, self.timeout_s = ddp, cfg, timeout_s
-        self.world = _group_size(ddp.process_group)
+        self.world = group_size(ddp.process_group)
         if group is None:
             group = new_group(dist.get_process_group_ranks(ddp.process_group), timeout_s=timeout_s)
-        elif _group_size(group) != self.world:
-            raise ValueError(f"group has {_group_size(group)} ranks, DDP's process group {self.world}")
+        elif group_size(group) != self.world:
+            raise ValueError(f"group has {group_size(group)} ranks, DDP's process group {self.world}")
         self.group = group
         named = _reduced_by_ddp(ddp)
         bad = [n for n, p in named if grad_group(p) is not None]

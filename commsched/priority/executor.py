@@ -86,11 +86,11 @@ from ..clock import Clock
 from ..config import read_env
 from ..dist import CommError, all_gather_object, comm_guard, peer_failure_hint, unresponsive_note
 from .buckets import LOCAL, GradSlot, describe, group_ids, plan_buckets, registration_mismatch
-from .completion import POLL_MAX_S, POLL_MIN_S, _Completion, _rank
+from .completion import POLL_MAX_S, POLL_MIN_S, CompletionMixin, current_rank
 from .hier import HierGroups, HierStep, make_hier
 from .microops import CommOp
 from .policy import ScheduleConfig, make_policy
-from .records import OpRecord, _Records, sort_records, step_timings
+from .records import OpRecord, RecordsMixin, sort_records, step_timings
 from .transfer import UrgentOp, urgent
 
 # launch(flat_gradient, group) -> a torch.distributed Work (or anything with wait(),
@@ -110,7 +110,7 @@ def _all_reduce(flat: torch.Tensor, group) -> Any:
     return dist.all_reduce(flat, group=group, async_op=True)
 
 
-def _group_size(g) -> int:
+def group_size(g) -> int:
     """Ranks of ``g`` (None: the default group); any object with ``size()`` works too."""
     if g is None or isinstance(g, dist.ProcessGroup):
         return dist.get_world_size(g)
@@ -128,7 +128,7 @@ class _Op:
         self.work: Any = None
 
 
-class GradScheduler(_Completion, _Records):
+class GradScheduler(CompletionMixin, RecordsMixin):
     """Synchronise the gradients of ``params`` (in launch order) over their groups.
 
     ``params``: entries ``(parameter, group)`` or ``(parameter, group, scale)``. ``group``
@@ -183,7 +183,7 @@ class GradScheduler(_Completion, _Records):
                 raise TypeError(f"GradScheduler entry {i} must be (parameter, group) or (parameter, group, scale), "
                                 f"got {type(e).__name__}")
             p, g = e[0], e[1]
-            n = 1 if g is LOCAL else _group_size(g)
+            n = 1 if g is LOCAL else group_size(g)
             scale = float(e[2]) if len(e) > 2 else 1.0 / n
             entries.append((p, g if n > 1 else LOCAL, scale, names[i] if names is not None else f"param{i}"))
             described.append(describe(entries[-1][3], p, n))
@@ -210,7 +210,7 @@ class GradScheduler(_Completion, _Records):
         self._hier = self._setup_hier(hier)
         # operations over all ranks go through the hierarchy (priority/hier.py) when there is
         # one, unless they are too small for it to pay (ScheduleConfig.hier_min_bytes)
-        self._op_hier = [self._hier is not None and _group_size(g) == self._hier.world_size
+        self._op_hier = [self._hier is not None and group_size(g) == self._hier.world_size
                          and spec.nbytes >= cfg.hier_min_bytes for spec, g in zip(self.ops, self._op_groups)]
         self._hier_step: HierStep | None = None
         self._ops_of_param: list[list[int]] = [list(o) for o in layout.ops_of_param]
@@ -255,7 +255,7 @@ class GradScheduler(_Completion, _Records):
         if hier is None:
             from ..topology import Topology
 
-            hier = make_hier(Topology.from_env().hosts_P)
+            hier = make_hier(Topology.from_env())
         return hier
 
     # ------------------------------------------------------------------ step
@@ -397,7 +397,7 @@ class GradScheduler(_Completion, _Records):
                 else:  # the phase across hosts: this rank's shard over its cross group
                     work = self._launch(self._hier_step.inter_tensor(seq), self._hier_step.cross)
             except RuntimeError as e:
-                self._error = CommError(f"rank {_rank()}: launching allreduce {seq} failed: {e}")
+                self._error = CommError(f"rank {current_rank()}: launching allreduce {seq} failed: {e}")
                 if self._on_complete is not None:
                     self._on_complete(seq, self._error)
                 self._cv.notify_all()
@@ -481,7 +481,7 @@ class GradScheduler(_Completion, _Records):
             if self._error is not None:
                 failure, self._error = self._error, None
             elif not ok:
-                failure = CommError(f"rank {_rank()}: gradient allreduce did not finish within "
+                failure = CommError(f"rank {current_rank()}: gradient allreduce did not finish within "
                                     f"{self.timeout_s:.0f} s ({self._policy.allreduce_pending} not "
                                     "launched): a peer did not take part")
             state = self._state
@@ -510,13 +510,13 @@ class GradScheduler(_Completion, _Records):
                     st.work.wait()
                 except RuntimeError as e:
                     note = unresponsive_note() if peer_failure_hint(str(e)) else ""
-                    raise CommError(f"rank {_rank()}: allreduce {st.spec.seq} failed: {e}{note}") from None
+                    raise CommError(f"rank {current_rank()}: allreduce {st.spec.seq} failed: {e}{note}") from None
                 st.work = None
         if hs is not None:
             try:
                 hs.wait_all()
             except RuntimeError as e:
-                raise CommError(f"rank {_rank()}: hierarchical reduction failed: {e}") from None
+                raise CommError(f"rank {current_rank()}: hierarchical reduction failed: {e}") from None
         with self._cv:
             if hs is not None:
                 hs.copy_back()  # padded operations' sums into their buffers
@@ -586,5 +586,6 @@ class GradScheduler(_Completion, _Records):
 
 
 # re-exported: their homes are priority/buckets.py, records.py and completion.py
-__all__ = ["LOCAL", "POLL_MAX_S", "POLL_MIN_S", "GradScheduler", "OpRecord", "registration_mismatch"]
+__all__ = ["LOCAL", "POLL_MAX_S", "POLL_MIN_S", "GradScheduler", "OpRecord", "group_size",
+           "registration_mismatch"]
 

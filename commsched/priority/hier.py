@@ -51,29 +51,31 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..topology import Topology
+
 INTRA, INTER, GATHER = "intra", "inter", "gather"  # the phases of one operation
 
 
-@dataclass(frozen=True)
 class HostLayout:
-    """Rank r on host ``hosts_P[r]`` (pure). Hosts are numbered by their first rank; a host's
-    ranks keep their order (local rank l is the l-th of them)."""
+    """The hierarchy's view of a :class:`~commsched.topology.Topology` (pure): its ranks on
+    its hosts, every host holding the same number of them. Built from a topology, or from
+    ``hosts_P`` (rank r on host ``hosts_P[r]``: :meth:`Topology.from_hosts
+    <commsched.topology.Topology.from_hosts>`). Hosts are numbered by their first rank; a
+    host's ranks keep their order (local rank l is the l-th of them)."""
 
-    hosts_P: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        hosts = tuple(self.hosts_P) if not isinstance(self.hosts_P, str) else ()
-        if not hosts or not all(isinstance(h, str) and h for h in hosts):
-            raise ValueError(f"hosts_P must be a non-empty sequence of host names, one per rank, got "
-                             f"{self.hosts_P!r}")
-        object.__setattr__(self, "hosts_P", hosts)
-        counts = {h: hosts.count(h) for h in self.hosts}
+    def __init__(self, topology: Topology | Sequence[str]):
+        if not isinstance(topology, Topology):
+            if isinstance(topology, str) or not topology:
+                raise ValueError(f"hosts_P must be a non-empty sequence of host names, one per rank, got "
+                                 f"{topology!r}")
+            topology = Topology.from_hosts(tuple(topology))
+        self.topology = topology
+        counts = {h: len(topology.ranks_of(h)) for h in self.hosts}
         if len(set(counts.values())) > 1:
             shown = ", ".join(f"{h}: {n}" for h, n in counts.items())
             raise ValueError(f"hierarchical reduction (--hier-reduce) needs the same number of ranks on "
@@ -81,12 +83,16 @@ class HostLayout:
                              "number of processes on every host, or reduce flat (drop --hier-reduce)")
 
     @property
+    def hosts_P(self) -> tuple[str, ...]:
+        return self.topology.hosts_P
+
+    @property
     def world_size(self) -> int:
-        return len(self.hosts_P)
+        return self.topology.world_size
 
     @property
     def hosts(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(self.hosts_P))
+        return self.topology.hosts
 
     @property
     def local_size(self) -> int:
@@ -95,8 +101,7 @@ class HostLayout:
 
     def intra_ranks(self, host: int) -> list[int]:
         """The ranks of host number ``host``, in order."""
-        h = self.hosts[host]
-        return [r for r, x in enumerate(self.hosts_P) if x == h]
+        return self.topology.ranks_of(self.hosts[host])
 
     def cross_ranks(self, local: int) -> list[int]:
         """The rank with local index ``local`` on every host, host 0 first."""
@@ -156,18 +161,15 @@ class HierGroups:
             if local == self.local_rank:
                 self.cross = g
 
-    def describe(self) -> str:
-        n = len(self.layout.hosts)
-        return f"{self.world_size} ranks on {n} hosts x {self.local_size}"
 
-
-def make_hier(hosts_P: Sequence[str], *, threads: int | None = None,
+def make_hier(hosts_P: Topology | Sequence[str], *, threads: int | None = None,
               say: Callable[[str], None] | None = None) -> HierGroups | None:
-    """The groups of the hierarchical reduction over ranks on hosts ``hosts_P``, or None when
+    """The groups of the hierarchical reduction over ranks on hosts ``hosts_P`` (a
+    :class:`~commsched.topology.Topology`, or the host of each rank), or None when
     the hierarchy is the flat reduction (one host, or one rank per host): then rank 0 says so
     once (``say``, default: a line on stderr) and the caller reduces flat. Uneven hosts are a
     ValueError. Collective."""
-    layout = HostLayout(tuple(hosts_P))
+    layout = HostLayout(hosts_P)
     why = layout.flat_reason
     if why is not None:
         if dist.get_rank() == 0:

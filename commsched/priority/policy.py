@@ -173,10 +173,6 @@ class Policy:
         return sum(self._ar_inflight.values())
 
     @property
-    def allreduce_inflight(self) -> tuple[int, ...]:
-        return tuple(sorted(self._ar_inflight))
-
-    @property
     def allreduce_pending(self) -> int:
         """Allreduce operations not yet launched (ready or not)."""
         return self._n - self._next

@@ -6,7 +6,7 @@ Legend: none (times are seconds from the step start).
 
 Clock. On the CPU a field is stamped with a host clock reading (``time.perf_counter``
 minus the step start). On CUDA it is stamped with a CUDA event (:class:`commsched.clock.Clock`,
-recorded on the current stream or the one given) and set to 0 until :meth:`_Records._resolve_marks`,
+recorded on the current stream or the one given) and set to 0 until :meth:`RecordsMixin._resolve_marks`,
 called once in ``finish`` (which synchronises anyway), turns every event into seconds:
 an all-to-all's begin and end are events recorded on the current stream when the layer
 reports them (the end completes after the exchange, which the current stream waits for),
@@ -68,7 +68,7 @@ def sort_records(recs: Sequence[OpRecord]) -> list[OpRecord]:
     return sorted(recs, key=lambda r: (r.ready_s, r.kind, r.key))
 
 
-class _Records:
+class RecordsMixin:
     """The scheduler's record keeping (a mixin of GradScheduler: it sets ``self.clock``,
     ``self._cuda`` and holds the lock around these calls)."""
 
@@ -121,4 +121,4 @@ class _Records:
         self._blocked_marks = []
 
 
-__all__ = ["OpRecord", "sort_records", "step_timings", "union_s"]
+__all__ = ["OpRecord", "RecordsMixin", "sort_records", "step_timings", "union_s"]

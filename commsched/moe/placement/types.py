@@ -96,11 +96,6 @@ class Placement:
         return Placement(self.replicas, tuple(float(x) for x in dl), self.slots_per_device,
                          self.device_host)
 
-    @property
-    def num_hosts(self) -> int:
-        """Hosts of the host-local split (1 for the flat split)."""
-        return 1 if self.device_host is None else max(self.device_host) + 1
-
     def candidates(self, e: int, source: int) -> tuple[int, ...]:
         """The replicas of expert e that the tokens of rank ``source`` (a device index) are
         split over: all of them (flat split), or with ``device_host`` those on the host of
