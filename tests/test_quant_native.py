@@ -178,3 +178,28 @@ def test_native_impl_refused_when_unavailable(monkeypatch):
     monkeypatch.setattr(C, "_status", C.NativeStatus("failed", reason="no C compiler found"))
     with pytest.raises(ValueError, match="impl='native'.*no C compiler"):
         Q.quantize(torch.randn(4, 4), 2, seed=0, impl="native")
+
+
+def test_torch_compile_lock_serialises_the_processes_of_a_machine(tmp_path, monkeypatch):
+    """warm_codec's torch.compile path holds one file lock per machine: a second holder
+    (another open of the same lock file, as another rank's) waits for the first."""
+    import threading
+
+    monkeypatch.setenv("COMMSCHED_CACHE_DIR", str(tmp_path))
+    order: list[str] = []
+    inside = threading.Event()
+
+    def second():
+        inside.wait(30)
+        with F._machine_lock("torch_compile"):
+            order.append("second")
+
+    t = threading.Thread(target=second)
+    t.start()
+    with F._machine_lock("torch_compile"):
+        inside.set()
+        t.join(0.3)  # the other holder is blocked on the lock meanwhile
+        order.append("first")
+    t.join(30)
+    assert order == ["first", "second"]
+    assert (tmp_path / "torch_compile.lock").exists()

@@ -51,6 +51,7 @@ Legend: N rows, D features, b bits, K = 8 // b slots per byte, B = ceil(D * b / 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import threading
@@ -249,6 +250,27 @@ def _use_compiled(compile: bool | None, rows: int, dim: int) -> bool:
     return want and compile_enabled()  # COMMSCHED_COMPILE=0 wins over everything
 
 
+@contextlib.contextmanager
+def _machine_lock(name: str):
+    """An exclusive file lock in commsched's cache folder, shared by every process of this
+    machine (a no-op where ``fcntl`` or the folder is missing)."""
+    try:
+        import fcntl
+
+        folder = read_env().cache_dir
+        folder.mkdir(parents=True, exist_ok=True)
+        f = open(folder / f"{name}.lock", "a+")
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
 def warm_native(*, say: Callable[[str], None] | None = say_stderr) -> bool:
     """Build (once per machine) or load the native CPU codec now; whether it is there.
     The first call of a process tells ``say`` (None: silent) in one line what happened
@@ -289,10 +311,11 @@ def warm_codec(dims: Iterable[int], bits: Iterable[int] = BITS, *,
             "5-10 s per kernel), later runs reuse Inductor's disk cache; COMMSCHED_COMPILE=0 or "
             "--no-compile runs the eager codec instead ...")
     t = time.perf_counter()
-    for b, d in todo:
-        x = torch.randn(64, d, generator=torch.Generator().manual_seed(d))
-        pay, meta = quantize_cpu(x, b, 1, 0, compile=True, _say=None)
-        dequantize_cpu(pay, meta, b, d, compile=True, _say=None)
+    with _machine_lock("torch_compile"):  # ranks of a machine in turn: the later ones load
+        for b, d in todo:                  # Inductor's disk cache instead of compiling again
+            x = torch.randn(64, d, generator=torch.Generator().manual_seed(d))
+            pay, meta = quantize_cpu(x, b, 1, 0, compile=True, _say=None)
+            dequantize_cpu(pay, meta, b, d, compile=True, _say=None)
     dt = time.perf_counter() - t
     if say is not None:
         say(f"commsched.quant: codec compiled in {dt:.1f} s")
