@@ -411,6 +411,40 @@ def test_oracle_strategy_class():
     assert d.placement.device_load == (3.0, 3.0)
 
 
+def test_a_new_strategy_and_planner_are_one_class_one_entry(monkeypatch):
+    """Adding a placement strategy or a planner: one class, one registry entry (then
+    PolicyConfig, the strategies and --placement / --planner accept the name)."""
+    from commsched.moe.placement.registry import PLANNERS, Planner
+    from commsched.moe.placement_policy import STRATEGIES, LayerDecision, OraclePlacement
+
+    class HalfPlacement(OraclePlacement):  # re-planned on odd layers, static on the others
+        name = "half"
+
+        def decide(self, layer, phase1, actual_E, estimated_E=None, actual_PE=None):
+            if layer % 2:
+                return super().decide(layer, phase1, actual_E, estimated_E, actual_PE)
+            p = static_placement(self.cfg.num_experts, self.cfg.num_devices, slots_per_device=self.cfg.slots)
+            return LayerDecision(p.with_load(np.asarray(actual_E, float)), False, None, self._commit(layer, p))
+
+    class StaticPlanner(Planner):  # the static layout, whatever the load
+        name = "static"
+        node_aware = False
+
+        def plan(self, load_E, num_devices, slots_per_device, **kw):
+            return static_placement(len(load_E), num_devices, slots_per_device=slots_per_device)
+
+    monkeypatch.setitem(STRATEGIES._entries, "half", HalfPlacement)
+    monkeypatch.setitem(PLANNERS._entries, "static", StaticPlanner())
+    h = _policy("half", online_planner="static")
+    assert not h.decide(0, None, [0.0, 0.0, 0.0, 6.0]).replanned
+    d = h.decide(1, None, [0.0, 0.0, 0.0, 6.0])
+    assert d.replanned and d.placement.replicas == static_placement(4, 2, slots_per_device=3).replicas
+    with pytest.raises(ValueError, match="must be 'full' or 'greedy', got 'static'"):
+        _policy("lina-node", HIST, online_planner="static")
+    with pytest.raises(ValueError, match="--placement nope is not known .*half"):
+        strategy_class("nope")
+
+
 def test_eplb_hier_strategy_class():
     from commsched.moe.placement_policy import EplbHierPlacement
 

@@ -462,11 +462,11 @@ def test_grad_scheduler_timeout_comes_from_the_environment(monkeypatch):
 
 def test_cli_fills_the_one_schedule_config(tmp_path):
     from commsched.moe.train import build_parser, config_from_args
-    from commsched.priority.policy import POLICIES
+    from commsched.priority.policy import SCHEDULES
 
     p = build_parser()
     (choices,) = [a.choices for a in p._actions if a.dest == "schedule"]
-    assert tuple(choices) == tuple(POLICIES)
+    assert tuple(choices) == tuple(SCHEDULES)
     cfg = config_from_args(p.parse_args(["--schedule", "fifo", "--microop-bytes", "2048", "--credit-bytes", "4096",
                                          "--no-hold-in-block", "--bucket-bytes", "8192", "--out", str(tmp_path)]))
     assert cfg.schedule == ScheduleConfig("fifo", microop_bytes=2048, credit_bytes=4096, bucket_bytes=8192,

@@ -9,7 +9,7 @@ import pytest
 from commsched.priority.microops import bucket, partition, split_equal
 from commsched.priority.policy import (
     DEFAULT_CREDIT_MICROOPS,
-    POLICIES,
+    SCHEDULES,
     Policy,
     ScheduleConfig,
     make_policy,
@@ -300,10 +300,10 @@ def test_sim_is_deterministic_and_validates():
 
 # --------------------------------------------------------------------------- one schedule config
 def test_policies_table_builds_every_policy_from_the_config():
-    assert tuple(POLICIES) == ("lina", "fifo", "serial", "lina-overlap")
+    assert tuple(SCHEDULES) == ("lina", "fifo", "serial", "lina-overlap")
     cfg = ScheduleConfig()
     assert (cfg.policy, cfg.credit, cfg.hold_in_block) == ("lina", DEFAULT_CREDIT_MICROOPS * (256 << 10), True)
-    for name in POLICIES:
+    for name in SCHEDULES:
         p = make_policy(ScheduleConfig(name, microop_bytes=1024))
         assert p.name == name
     lina = make_policy(ScheduleConfig("lina", microop_bytes=1024, hold_in_block=False))
@@ -386,3 +386,25 @@ def test_sim_program_rule_bounds_launches_per_gap_and_finishes(kw):
     for prev, nxt in zip(a2a, a2a[1:]):
         started = [o for o in r.allreduce if prev.end_s <= o.start_s < nxt.ready_s]
         assert len(started) <= cfg.gap_budget, (prev, nxt, started)
+
+
+def test_a_new_schedule_is_one_class_one_entry(monkeypatch):
+    """Adding a schedule: one Schedule subclass, one SCHEDULES entry; the config, the
+    simulator and make_policy take it from there (the unknown-name error lists it too)."""
+    from commsched.priority.policy import SCHEDULES, Policy, Schedule
+
+    class EagerSchedule(Schedule):  # micro-ops as soon as ready, never held for an all-to-all
+        name = "eager"
+
+        @classmethod
+        def make_policy(cls, cfg):
+            return Policy(cls.name, credit_bytes=None, hold_for_a2a=False, hold_in_block=False)
+
+    monkeypatch.setitem(SCHEDULES._entries, "eager", EagerSchedule)
+    cfg = ScheduleConfig("eager", microop_bytes=100)
+    assert cfg.schedule is EagerSchedule and not cfg.fused and not cfg.overlapped
+    assert cfg.build().name == "eager" and not make_policy(cfg).hold_for_a2a
+    assert simulate(HAND, LINK, cfg).schedule == "eager"
+    with pytest.raises(ValueError, match="unknown schedule 'nope'; choose one of .*'eager'"):
+        ScheduleConfig("nope")
+    assert [SCHEDULES[n].name for n in SCHEDULES] == list(SCHEDULES)

@@ -111,7 +111,7 @@ def deepspeed_sched_params(engine: Any) -> list[tuple]:
 
 
 class DeepSpeedLina:
-    """Lina's schedule (``cfg``, any of :data:`~commsched.priority.policy.POLICIES`) for a
+    """Lina's schedule (``cfg``, any of :data:`~commsched.priority.policy.SCHEDULES`) for a
     DeepSpeed engine whose model holds ``deepspeed.moe.layer.MoE`` layers. A context
     manager; per step::
 

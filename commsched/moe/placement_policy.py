@@ -30,8 +30,19 @@ Each class states what the runtime must do for it: ``needs_profile`` (it plans f
 historical load of a profiling trace), ``loads_online`` (it may plan after gating, so
 experts are loaded during inference), ``estimates_paths`` (its phase 1 is planned one
 layer ahead from the popularity estimator's path estimate and prefetched; the phase-2
-threshold and the path length apply). A new strategy is one subclass and one entry in
-``STRATEGIES``.
+threshold and the path length apply). A new strategy is one subclass registered in
+``STRATEGIES`` (a :class:`~commsched.configurable.Registry`) and one test::
+
+    class HalfPlacement(OraclePlacement):  # re-planned on odd layers, static on the others
+        name = "half"
+
+        def decide(self, layer, phase1, actual_E, estimated_E=None, actual_PE=None):
+            if layer % 2:
+                return super().decide(layer, phase1, actual_E, estimated_E, actual_PE)
+            p = static_placement(self.cfg.num_experts, self.cfg.num_devices, self.cfg.slots)
+            return LayerDecision(p.with_load(actual_E), False, None, self._commit(layer, p))
+
+    STRATEGIES.register(HalfPlacement.name, HalfPlacement)
 
 Plans made once before inference (eplb) use ``planner`` (default the full
 ``plan_placement``); plans made during inference (lina's phases, oracle) use
@@ -58,6 +69,7 @@ from typing import ClassVar, Sequence
 
 import numpy as np
 
+from ..configurable import Config, Registry
 from .placement import Placement, device_loads, static_placement
 from .placement.registry import PLANNERS, eplb_hier_layout, eplb_layout
 from .popularity import DEFAULT_REPLAN_THRESHOLD, phase2_decision
@@ -106,7 +118,7 @@ def default_slots(num_experts: int, num_devices: int) -> int:
 
 
 @dataclass(frozen=True)
-class PolicyConfig:
+class PolicyConfig(Config):
     """What a placement strategy needs besides the profile.
 
     slots: S (experts of one layer per device); threshold: phase-2 re-plan threshold on
@@ -205,6 +217,10 @@ def relabel(p: Placement, resident_N: Sequence[set[int] | frozenset[int]],
     return Placement(replicas, tuple(float(x) for x in dl), p.slots_per_device, host)
 
 
+# name -> PlacementStrategy class; the command lines' --placement choices are its names
+STRATEGIES: Registry[type["PlacementStrategy"]] = Registry("placement strategy", flag="--placement")
+
+
 class PlacementStrategy(ABC):
     """One run's placement decisions (see the module docstring); subclasses are the
     strategies. Call, per layer of each batch: :meth:`phase1` before gating (None for
@@ -236,10 +252,11 @@ class PlacementStrategy(ABC):
         self._plan = PLANNERS[cfg.planner]
         self._online = PLANNERS[cfg.online_planner]
         if self.uses_hosts:  # the node-aware planners (eplb_layout has no node-aware form)
-            bad = [n for n in (cfg.planner, cfg.online_planner) if n == "eplb"]
+            bad = [n for n in (cfg.planner, cfg.online_planner) if not PLANNERS[n].node_aware]
             if bad:
+                aware = " or ".join(repr(n) for n, pl in PLANNERS.items() if pl.node_aware)
                 raise ValueError(f"strategy {self.name!r} plans node-aware: planner and online_planner must be "
-                                 f"'full' or 'greedy', got 'eplb' (use the eplb-hier strategy for EPLB)")
+                                 f"{aware}, got {bad[0]!r} (use the eplb-hier strategy for EPLB)")
             kw = {"device_host": cfg.device_host, "cross_weight": cfg.cross_weight}
             self._plan = functools.partial(self._plan, **kw)
             self._online = functools.partial(self._online, **kw)
@@ -411,14 +428,12 @@ class LinaNodePlacement(LinaPlacement):
     uses_hosts = True
 
 
-STRATEGIES: dict[str, type[PlacementStrategy]] = {
-    c.name: c for c in (StaticPlacement, EplbPlacement, LinaPlacement, OraclePlacement, EplbHierPlacement,
-                        LinaNodePlacement)
-}
+for _cls in (StaticPlacement, EplbPlacement, LinaPlacement, OraclePlacement, EplbHierPlacement,
+             LinaNodePlacement):
+    STRATEGIES.register(_cls.name, _cls)
+del _cls
 
 
 def strategy_class(name: str) -> type[PlacementStrategy]:
-    """The strategy called ``name`` in :data:`STRATEGIES`."""
-    if name not in STRATEGIES:
-        raise ValueError(f"placement strategy must be one of {tuple(STRATEGIES)}, got {name!r}")
+    """The strategy called ``name`` in :data:`STRATEGIES` (a ValueError naming the known ones)."""
     return STRATEGIES[name]

@@ -16,7 +16,7 @@ all-to-all), ``fifo`` (DDP-style buckets launched as soon as ready), ``serial``
 (allreduce after the backward pass) or ``lina-overlap`` (``lina``, with the reduction's tail
 running into the next forward pass, one Adam per module stepped as its reduction ends:
 :mod:`commsched.priority.overlap`); the choices are the names of
-:data:`commsched.priority.policy.POLICIES`, and the schedule's knobs travel in one
+:data:`commsched.priority.policy.SCHEDULES`, and the schedule's knobs travel in one
 :class:`~commsched.priority.policy.ScheduleConfig` (``TrainConfig.schedule``).
 ``--chunks C --pipeline`` pipeline the all-to-all with expert compute; ``--hier-reduce``
 reduces the non-expert gradients hierarchically (inside each host, across hosts under the
@@ -79,7 +79,7 @@ from ..dist import new_group as cs_new_group
 from ..observe import A2AEvents, A2AObserver
 from ..priority.executor import LOCAL, GradScheduler
 from ..priority.hier import HierGroups, make_hier
-from ..priority.policy import DEFAULT_CREDIT_MICROOPS, LAUNCH_RULES, POLICIES, ScheduleConfig
+from ..priority.policy import DEFAULT_CREDIT_MICROOPS, LAUNCH_RULES, SCHEDULES, ScheduleConfig
 from ..priority.step import make_grad_step
 from ..results import Progress, mark_failed, prepare_out, write_json
 from . import train_state
@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     d, m, sc = TrainConfig(), ModelConfig(), ScheduleConfig()
     p = argparse.ArgumentParser(prog="python -m commsched.moe.train", description=__doc__.splitlines()[0])
     p.add_argument("--impl", choices=IMPLS, default=d.impl)
-    p.add_argument("--schedule", choices=tuple(POLICIES), default=d.schedule.policy)
+    p.add_argument("--schedule", choices=tuple(SCHEDULES), default=d.schedule.policy)
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=m.seq_len)

@@ -12,7 +12,8 @@ what runs).
 Allreduce operations carry a sequence number and are launched strictly in that order
 (every rank uses the same order, so the collectives match); a policy only decides *when*.
 
-Policies (:data:`POLICIES`, a name -> factory table):
+Schedules (:data:`SCHEDULES`, a :class:`~commsched.configurable.Registry` of
+:class:`Schedule` classes by name; each makes its :class:`Policy` from the config):
 
 * ``lina`` -- all-to-all first: an allreduce micro-op is launched only when no all-to-all
   of this rank is waiting or in flight, and only while the bytes of allreduce in flight
@@ -62,9 +63,9 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Callable, Hashable, Mapping, Sequence
+from typing import ClassVar, Hashable, Sequence
 
+from ..configurable import Config, Registry, option
 from .microops import CommOp, bucket, partition
 
 # Default credit of ``lina``, in micro-ops. A micro-op's collective takes far longer than its
@@ -210,12 +211,16 @@ class Policy:
         return out
 
 
-@dataclass(frozen=True)
-class ScheduleConfig:
-    """How one rank's gradient communication is scheduled; the policy, the simulator and the
-    executor all take this one object.
+# name -> Schedule class; the command lines' ``--schedule`` choices are its names
+SCHEDULES: Registry[type["Schedule"]] = Registry("schedule", flag="--schedule")
 
-    ``policy``: a name of :data:`POLICIES`; ``microop_bytes``: Lina's micro-op size (``lina``,
+
+@dataclass(frozen=True)
+class ScheduleConfig(Config):
+    """How one rank's gradient communication is scheduled; the policy, the simulator and the
+    executor all take this one object (:meth:`build` makes the policy).
+
+    ``policy``: a name of :data:`SCHEDULES`; ``microop_bytes``: Lina's micro-op size (``lina``,
     ``serial``); ``credit_bytes``: allreduce bytes allowed in flight under ``lina`` (default:
     :data:`DEFAULT_CREDIT_MICROOPS` micro-ops, see :attr:`credit`); ``bucket_bytes``: fused
     bucket size of ``fifo`` (DDP's first bucket is 1 MiB); ``hold_in_block``: ``lina`` also
@@ -225,20 +230,26 @@ class ScheduleConfig:
     across hosts, inside again; :mod:`commsched.priority.hier`), the policy gating the phase
     across hosts; the executor only (the simulator models one link and ignores it);
     ``hier_min_bytes``: operations smaller than this stay flat under ``hier_reduce`` (the
-    NIC bytes they would save cost less than two more collectives)."""
+    NIC bytes they would save cost less than two more collectives). The command-line flags
+    of ``-m commsched.moe.train`` are generated from these fields."""
 
-    policy: str = "lina"
-    microop_bytes: int = 256 << 10
-    credit_bytes: int | None = None
-    bucket_bytes: int = 1 << 20
-    hold_in_block: bool = True
-    launch: str | None = None
-    hier_reduce: bool = False
-    hier_min_bytes: int = HIER_MIN_BYTES
+    policy: str = option("lina", "gradient schedule", choices=SCHEDULES, flag="--schedule")
+    microop_bytes: int = option(256 << 10, "micro-op size (lina, lina-overlap, serial)")
+    credit_bytes: int | None = option(None, f"lina: allreduce bytes in flight (default: {DEFAULT_CREDIT_MICROOPS} "
+                                            "micro-ops)")
+    bucket_bytes: int = option(1 << 20, "fifo buckets; also DeepSpeed's reduce bucket")
+    hold_in_block: bool = option(True, "lina: also hold allreduce during the expert compute of a backward "
+                                       "expert block")
+    launch: str | None = option(None, "lina's launch rule (default: 'program' on CUDA, 'completion' on the CPU)",
+                                choices=LAUNCH_RULES)
+    hier_reduce: bool = option(False, "reduce the data-parallel gradients inside each host, across hosts (the "
+                                      "phase the schedule gates), then inside again (needs the same ranks on "
+                                      "every host)")
+    hier_min_bytes: int = option(HIER_MIN_BYTES, "--hier-reduce: operations smaller than this stay flat")
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown schedule {self.policy!r}; choose one of {tuple(POLICIES)}")
+        if self.policy not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.policy!r}; choose one of {SCHEDULES.names}")
         if self.microop_bytes < 4 or self.bucket_bytes < 4:
             raise ValueError("microop_bytes and bucket_bytes must be at least one element (4 bytes)")
         if self.credit_bytes is not None and self.credit_bytes < 1:
@@ -248,12 +259,21 @@ class ScheduleConfig:
         if isinstance(self.hier_min_bytes, bool) or not isinstance(self.hier_min_bytes, int) \
                 or self.hier_min_bytes < 0:
             raise ValueError(f"hier_min_bytes must be an integer >= 0, got {self.hier_min_bytes!r}")
-        if self.hier_reduce and self.overlapped:
+        if self.hier_reduce and not self.schedule.hier:
             raise ValueError(f"hier_reduce does not combine with the {self.policy!r} schedule yet (its tail runs on "
                              "flat twin groups); use hier_reduce with 'lina' or 'fifo', or the overlap flat")
         if self.launch is not None and self.launch not in LAUNCH_RULES:
             raise ValueError(f"unknown launch rule {self.launch!r}; choose one of {LAUNCH_RULES} (or None: "
                              f"'program' on CUDA devices, 'completion' elsewhere)")
+
+    @property
+    def schedule(self) -> type["Schedule"]:
+        """The :class:`Schedule` class named by ``policy``."""
+        return SCHEDULES[self.policy]
+
+    def build(self, device_type: str | None = None) -> "Policy":
+        """The policy of this schedule (:func:`make_policy`)."""
+        return make_policy(self, device_type)
 
     def launch_rule(self, device_type: str = "cpu") -> str:
         """The launch rule in force on a device of type ``device_type``: ``launch`` when set,
@@ -277,12 +297,12 @@ class ScheduleConfig:
     def overlapped(self) -> bool:
         """Whether the step leaves its reduction running into the next forward pass
         (``lina-overlap``: :mod:`commsched.priority.overlap` steps the optimizer per group)."""
-        return self.policy == "lina-overlap"
+        return self.schedule.overlapped
 
     @property
     def fused(self) -> bool:
         """Whether gradients travel in fused buckets (``fifo``, like DDP) rather than micro-ops."""
-        return self.policy == "fifo"
+        return self.schedule.fused
 
 
 class OverlapPolicy(Policy):
@@ -407,27 +427,85 @@ class OverlapPolicy(Policy):
         return self._ar_done == self._n
 
 
-def _lina(cfg: ScheduleConfig) -> Policy:
-    budget = cfg.gap_budget if cfg.launch == "program" else None
-    return Policy("lina", credit_bytes=cfg.credit, hold_in_block=cfg.hold_in_block, gap_budget=budget)
+class Schedule:
+    """A gradient schedule: its name, what it asks of the runtime, and the :class:`Policy` it
+    makes from a :class:`ScheduleConfig` (:meth:`make_policy`). A new schedule is one
+    subclass registered in :data:`SCHEDULES` and one test; the simulator, the executor and
+    ``--schedule`` take it from there::
+
+        @SCHEDULES.register("eager")
+        class EagerSchedule(Schedule):
+            \"\"\"Micro-ops as soon as ready, never held for an all-to-all.\"\"\"
+            name = "eager"
+
+            @classmethod
+            def make_policy(cls, cfg):
+                return Policy(cls.name, credit_bytes=None, hold_for_a2a=False, hold_in_block=False)
+    """
+
+    name: ClassVar[str]
+    overlapped: ClassVar[bool] = False  # the reduction runs into the next forward pass (overlap.py)
+    fused: ClassVar[bool] = False       # gradients travel in fused buckets, not micro-ops
+    hier: ClassVar[bool] = True         # combines with ScheduleConfig.hier_reduce
+
+    @classmethod
+    def make_policy(cls, cfg: ScheduleConfig) -> Policy:
+        """The policy of one step under ``cfg`` (its launch rule already resolved)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def gap_budget(cfg: ScheduleConfig) -> int | None:
+        """The ``program`` rule's launches per gap, None under ``completion``."""
+        return cfg.gap_budget if cfg.launch == "program" else None
 
 
-def _fifo(cfg: ScheduleConfig) -> Policy:
-    return Policy("fifo", credit_bytes=None, hold_for_a2a=False, hold_in_block=False)
+@SCHEDULES.register("lina")
+class LinaSchedule(Schedule):
+    """Micro-ops in the gaps of the all-to-all, under the credit (module docstring)."""
+
+    name = "lina"
+
+    @classmethod
+    def make_policy(cls, cfg: ScheduleConfig) -> Policy:
+        return Policy(cls.name, credit_bytes=cfg.credit, hold_in_block=cfg.hold_in_block,
+                      gap_budget=cls.gap_budget(cfg))
 
 
-def _serial(cfg: ScheduleConfig) -> Policy:
-    return Policy("serial", credit_bytes=None, hold_for_a2a=False, hold_in_block=False, defer_to_end=True)
+@SCHEDULES.register("fifo")
+class FifoSchedule(Schedule):
+    """DDP's: fused buckets launched as soon as they are ready."""
+
+    name = "fifo"
+    fused = True
+
+    @classmethod
+    def make_policy(cls, cfg: ScheduleConfig) -> Policy:
+        return Policy(cls.name, credit_bytes=None, hold_for_a2a=False, hold_in_block=False)
 
 
-def _lina_overlap(cfg: ScheduleConfig) -> Policy:
-    budget = cfg.gap_budget if cfg.launch == "program" else None
-    return OverlapPolicy(credit_bytes=cfg.credit, hold_in_block=cfg.hold_in_block, gap_budget=budget)
+@SCHEDULES.register("serial")
+class SerialSchedule(Schedule):
+    """Allreduce after the backward pass (the all-to-all alone)."""
+
+    name = "serial"
+
+    @classmethod
+    def make_policy(cls, cfg: ScheduleConfig) -> Policy:
+        return Policy(cls.name, credit_bytes=None, hold_for_a2a=False, hold_in_block=False, defer_to_end=True)
 
 
-# name -> factory; the command lines' ``--schedule`` choices are its keys
-POLICIES: Mapping[str, Callable[[ScheduleConfig], Policy]] = MappingProxyType(
-    {"lina": _lina, "fifo": _fifo, "serial": _serial, "lina-overlap": _lina_overlap})
+@SCHEDULES.register("lina-overlap")
+class LinaOverlapSchedule(Schedule):
+    """``lina``, the reduction's tail under the next forward pass (:class:`OverlapPolicy`)."""
+
+    name = "lina-overlap"
+    overlapped = True
+    hier = False  # its tail runs on flat twin groups
+
+    @classmethod
+    def make_policy(cls, cfg: ScheduleConfig) -> Policy:
+        return OverlapPolicy(credit_bytes=cfg.credit, hold_in_block=cfg.hold_in_block,
+                             gap_budget=cls.gap_budget(cfg))
 
 
 def make_policy(cfg: ScheduleConfig, device_type: str | None = None) -> Policy:
@@ -437,7 +515,7 @@ def make_policy(cfg: ScheduleConfig, device_type: str | None = None) -> Policy:
     rule = cfg.launch_rule(device_type or "cpu")
     if rule != cfg.launch:
         cfg = dataclasses.replace(cfg, launch=rule)
-    return POLICIES[cfg.policy](cfg)
+    return cfg.schedule.make_policy(cfg)
 
 
 def allreduce_ops(numels: Sequence[int], element_size: int, cfg: ScheduleConfig) -> list[CommOp]:
@@ -448,5 +526,6 @@ def allreduce_ops(numels: Sequence[int], element_size: int, cfg: ScheduleConfig)
     return partition(numels, element_size, cfg.microop_bytes)
 
 
-__all__ = ["DEFAULT_CREDIT_MICROOPS", "HIER_MIN_BYTES", "LAUNCH_RULES", "Launch", "OverlapPolicy", "POLICIES", "Policy", "ScheduleConfig", "allreduce_ops",
-           "make_policy"]
+__all__ = ["DEFAULT_CREDIT_MICROOPS", "FifoSchedule", "HIER_MIN_BYTES", "LAUNCH_RULES", "Launch", "LinaOverlapSchedule",
+           "LinaSchedule", "OverlapPolicy", "Policy", "SCHEDULES", "Schedule", "ScheduleConfig", "SerialSchedule",
+           "allreduce_ops", "make_policy"]

@@ -1,5 +1,5 @@
-"""The planner table: the placement planners the strategies of the inference runtime may
-name (``PolicyConfig.planner`` / ``online_planner``, ``--planner`` / ``--online-planner``),
+"""The planner registry: the placement planners (:class:`Planner` classes) the strategies of
+the inference runtime may name (``PolicyConfig.planner`` / ``online_planner``, ``--planner`` / ``--online-planner``),
 and DeepSeek's EPLB as a :class:`~.types.Placement` (global and hierarchical policy).
 
 Legend: E experts, N devices, S slots per device, H hosts.
@@ -7,10 +7,11 @@ Legend: E experts, N devices, S slots per device, H hosts.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
+from ...configurable import Registry
 from .eplb import eplb_placement
 from .greedy import greedy_placement
 from .planner import plan_placement
@@ -43,12 +44,62 @@ def eplb_hier_layout(load_E: Sequence[float] | np.ndarray, num_devices: int, slo
                           num_groups=E if E % H == 0 else None).placement(load_E)
 
 
+class Planner:
+    """A placement planner: ``planner(load_E, num_devices, slots_per_device, **kw) ->
+    Placement``; ``node_aware``: it also takes the node-aware keywords (``device_host``,
+    ``cross_weight``, ``origin_HE``, :mod:`.node_aware`). A new planner is one subclass
+    registered in :data:`PLANNERS` (its name becomes a ``--planner`` /
+    ``--online-planner`` choice) and one test."""
 
-# name -> planner (load_E, num_devices, slots_per_device, **node-aware keywords) -> Placement
-PLANNERS: dict[str, Callable[..., Placement]] = {
-    "full": plan_placement,
-    "greedy": greedy_placement,
-    "eplb": eplb_layout,
-}
+    name: ClassVar[str]
+    node_aware: ClassVar[bool] = True
 
-__all__ = ["PLANNERS", "eplb_layout", "eplb_hier_layout"]
+    def __call__(self, load_E: Sequence[float] | np.ndarray, num_devices: int, slots_per_device: int,
+                 **kw: Any) -> Placement:
+        return self.plan(load_E, num_devices, slots_per_device, **kw)
+
+    def plan(self, load_E, num_devices: int, slots_per_device: int, **kw: Any) -> Placement:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<planner {self.name}>"
+
+
+# name -> planner; the command lines' --planner / --online-planner choices are its names
+PLANNERS: Registry[Planner] = Registry("planner")
+
+
+class FullPlanner(Planner):
+    """:func:`~.planner.plan_placement`: replica counts, LPT, local search (the runtime's)."""
+
+    name = "full"
+
+    def plan(self, load_E, num_devices, slots_per_device, **kw):
+        return plan_placement(load_E, num_devices, slots_per_device, **kw)
+
+
+class GreedyPlanner(Planner):
+    """:func:`~.greedy.greedy_placement`: fast, the online planner."""
+
+    name = "greedy"
+
+    def plan(self, load_E, num_devices, slots_per_device, **kw):
+        return greedy_placement(load_E, num_devices, slots_per_device, **kw)
+
+
+class EplbPlanner(Planner):
+    """DeepSeek's EPLB as a :class:`Placement` (:func:`eplb_layout`); not node-aware (the
+    ``eplb-hier`` strategy is EPLB on hosts)."""
+
+    name = "eplb"
+    node_aware = False
+
+    def plan(self, load_E, num_devices, slots_per_device, **kw):
+        return eplb_layout(load_E, num_devices, slots_per_device, **kw)
+
+
+for _cls in (FullPlanner, GreedyPlanner, EplbPlanner):
+    PLANNERS.register(_cls.name, _cls())
+del _cls
+
+__all__ = ["EplbPlanner", "FullPlanner", "GreedyPlanner", "PLANNERS", "Planner", "eplb_layout", "eplb_hier_layout"]
