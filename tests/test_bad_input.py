@@ -88,7 +88,7 @@ def test_graph_without_training_nodes_is_refused(tmp_path):
 
 
 def _parts(tmp_path: Path) -> Path:
-    from commsched.gnn.partition import main as partition_main
+    from commsched.gnn.partition_cli import main as partition_main
 
     folder = tmp_path / "parts"
     assert partition_main(SYN + ["--parts", "1", "--method", "random", "--out", str(folder)]) == 0
@@ -288,8 +288,8 @@ def test_uncreatable_or_used_out_is_refused_before_any_work(front, tmp_path, mon
         args = ["--device", "cpu", "--epochs", "1"]
         prog = "commsched.gnn.train"
     elif front == "moe-train":
-        from commsched.moe.train import main
-        _no_work(monkeypatch, "commsched.moe.train", "train")
+        from commsched.moe.train_cli import main
+        _no_work(monkeypatch, "commsched.moe.train_cli", "train")
         args = ["--device", "cpu", "--steps", "1", "--warmup", "0"]
         prog = "commsched.moe.train"
     else:
@@ -334,7 +334,7 @@ def test_gnn_cli_failed_run_leaves_marker_and_overwrite_replaces(tmp_path, monke
 
 def test_moe_cli_detected_errors_are_one_line(tmp_path, monkeypatch, capsys):
     from commsched.moe.infer import main as infer_main
-    from commsched.moe.train import main as train_main
+    from commsched.moe.train_cli import main as train_main
 
     monkeypatch.setenv("COMMSCHED_PROGRESS", "0")
     empty = tmp_path / "empty.txt"
@@ -389,7 +389,7 @@ def _moe_train_cli_on_ranks(rank: int, world: int, out: str) -> tuple[int, str]:
     import contextlib
     import io
 
-    from commsched.moe.train import main
+    from commsched.moe.train_cli import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):  # main keeps the harness's group and ends it
@@ -486,6 +486,33 @@ def test_sigterm_leaves_a_failed_marker_and_one_line(tmp_path):
             p.kill()
     assert p.returncode == 128 + signal.SIGTERM, err
     assert err.strip().splitlines()[-1] == "commsched.gnn.train: stopped by SIGTERM"
+    assert "Traceback" not in err
+    assert "stopped by SIGTERM" in (out / FAILED_MARKER).read_text()
+    assert not (out / "metrics.json").exists()
+
+
+def test_sigterm_leaves_a_failed_marker_in_an_moe_training_run(tmp_path):
+    """The same edge for ``-m commsched.moe.train`` (it runs under cli_main too)."""
+    import signal
+
+    out = tmp_path / "run"
+    env = {**os.environ, "COMMSCHED_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "commsched.moe.train", "--device", "cpu", "--steps", "100000",
+                          "--d-model", "8", "--heads", "2", "--d-ff", "8", "--expert-hidden", "8",
+                          "--seq-len", "8", "--batch-size", "2", "--out", str(out)],
+                         env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not out.is_dir() and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.1)
+        time.sleep(2.0)  # into the steps
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "commsched.moe.train: stopped by SIGTERM"
     assert "Traceback" not in err
     assert "stopped by SIGTERM" in (out / FAILED_MARKER).read_text()
     assert not (out / "metrics.json").exists()

@@ -386,7 +386,7 @@ def test_cli_resume_after_sigkill_is_exact(tmp_path):
 
 
 def test_checkpoint_options_are_checked():
-    from commsched.moe.train import build_parser, config_from_args
+    from commsched.moe.train_cli import build_parser, config_from_args
     from commsched.moe.train_state import config_mismatch, config_record
 
     with pytest.raises(ValueError, match="--checkpoint-every"):
@@ -461,11 +461,11 @@ def test_grad_scheduler_timeout_comes_from_the_environment(monkeypatch):
 
 
 def test_cli_fills_the_one_schedule_config(tmp_path):
-    from commsched.moe.train import build_parser, config_from_args
+    from commsched.moe.train_cli import build_parser, config_from_args
     from commsched.priority.policy import SCHEDULES
 
     p = build_parser()
-    (choices,) = [a.choices for a in p._actions if a.dest == "schedule"]
+    (choices,) = [a.choices for a in p._actions if "--schedule" in a.option_strings]
     assert tuple(choices) == tuple(SCHEDULES)
     cfg = config_from_args(p.parse_args(["--schedule", "fifo", "--microop-bytes", "2048", "--credit-bytes", "4096",
                                          "--no-hold-in-block", "--bucket-bytes", "8192", "--out", str(tmp_path)]))
@@ -598,3 +598,10 @@ def test_deepspeed_logger_is_off_for_timed_cuda_steps_and_the_summary_says_where
     ds = summarize(TrainConfig(impl="deepspeed", steps=3, warmup=1), [res], 1, "unit").to_dict()
     assert ds["a2a_time_s"] == pytest.approx(0.1) and ds["allreduce_time_s"] == pytest.approx(0.4)
     assert "steps [0]" in ds["comm_times_from"] and ds["step_time_s"] == pytest.approx(2.5)
+
+
+def test_cli_defaults_are_the_configs(tmp_path):
+    """The flags are generated from the configs: no flag given is the default config."""
+    from commsched.moe.train_cli import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args(["--out", str(tmp_path)])) == TrainConfig()

@@ -43,7 +43,7 @@ def test_uneven_hosts_are_refused_with_the_counts():
 
 
 def test_cli_option_and_deepspeed_refusal(tmp_path):
-    from commsched.moe.train import build_parser, config_from_args
+    from commsched.moe.train_cli import build_parser, config_from_args
     from commsched.moe.training import TrainConfig
 
     p = build_parser()

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..configurable import Config, option
 from ..lanes import Lanes
 from ..observe import A2AObserver
 from ..priority.ddp import check_ddp, set_grad_group
@@ -45,11 +46,11 @@ from .router import Router, RouterConfig, Routing
 
 
 @dataclass(frozen=True)
-class DispatchConfig:
+class DispatchConfig(Config):
     """How tokens reach experts: ``chunks`` of the exchange and whether they are pipelined."""
 
-    chunks: int = 1
-    pipeline: bool = False
+    chunks: int = option(1, "chunks of the pipelined all-to-all")
+    pipeline: bool = option(False, "overlap each chunk's exchange with the expert compute of the others")
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunks, int) or self.chunks < 1:

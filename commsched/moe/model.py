@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..configurable import Config, option
 from ..observe import A2AObserver
 from .dispatch import ExpertGroup
 from .layer import DispatchConfig, MoELayer
@@ -37,19 +38,21 @@ from .router import RouterConfig
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    vocab: int = 256
-    d_model: int = 64
-    n_heads: int = 4
-    n_layers: int = 2
-    seq_len: int = 64
-    d_ff: int = 128          # hidden width of the dense FFNs
-    expert_hidden: int = 128  # hidden width of each expert
-    num_experts: int = 4
-    k: int = 1
-    capacity_factor: float | None = None
-    moe_every: int = 2       # block i is MoE when (i + 1) % moe_every == 0
-    aux_weight: float = 0.01
+class ModelConfig(Config):
+    """The MoE language model's sizes (flags of ``-m commsched.moe.train`` and ``record``)."""
+
+    vocab: int = option(256, "vocabulary (bytes)", cli=False)
+    d_model: int = option(64, "model width")
+    n_heads: int = option(4, "attention heads", flag="--heads")
+    n_layers: int = option(2, "transformer blocks", flag="--layers")
+    seq_len: int = option(64, "tokens per sequence")
+    d_ff: int = option(128, "hidden width of the dense FFNs")
+    expert_hidden: int = option(128, "hidden width of each expert")
+    num_experts: int = option(4, "experts per MoE layer", flag="--experts")
+    k: int = option(1, "experts per token", choices=(1, 2))
+    capacity_factor: float | None = option(None, "expert capacity factor (default: dropless)")
+    moe_every: int = option(2, "block i is MoE when i + 1 is a multiple of it")
+    aux_weight: float = option(0.01, "weight of the load-balancing loss")
 
     def __post_init__(self) -> None:
         if min(self.vocab, self.d_model, self.n_heads, self.seq_len, self.d_ff, self.expert_hidden) < 1:

@@ -50,15 +50,11 @@ default float32 is today's arithmetic bit for bit.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -66,31 +62,23 @@ import torch.distributed as dist
 from ..clock import Clock
 from ..config import read_env
 from ..dist import (
-    DEVICE_CHOICES,
-    CommError,
     all_gather_object,
     barrier,
     check_same_config,
-    cli_error,
     group_device,
-    init_distributed,
 )
 from ..dist import new_group as cs_new_group
 from ..observe import A2AEvents, A2AObserver
 from ..priority.executor import LOCAL, GradScheduler
 from ..priority.hier import HierGroups, make_hier
-from ..priority.policy import DEFAULT_CREDIT_MICROOPS, LAUNCH_RULES, SCHEDULES, ScheduleConfig
 from ..priority.step import make_grad_step
-from ..results import Progress, mark_failed, prepare_out, write_json
+from ..results import Progress, write_json
 from . import train_state
 from .data import Corpus, load_corpus
 from .dispatch import ExpertGroup
 from .experts import is_expert_param
-from .layer import DispatchConfig
-from .model import ModelConfig, MoETransformerLM
+from .model import MoETransformerLM
 from .training import (
-    DTYPES,
-    IMPLS,
     TrainConfig,
     TrainMetrics,
     autocast,
@@ -356,125 +344,7 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
             "sizes": sizes(model, cfg), "state": state, "resumed_from_step": start if resume else None}
 
 
-# --------------------------------------------------------------------------- CLI
-def build_parser() -> argparse.ArgumentParser:
-    d, m, sc = TrainConfig(), ModelConfig(), ScheduleConfig()
-    p = argparse.ArgumentParser(prog="python -m commsched.moe.train", description=__doc__.splitlines()[0])
-    p.add_argument("--impl", choices=IMPLS, default=d.impl)
-    p.add_argument("--schedule", choices=tuple(SCHEDULES), default=d.schedule.policy)
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step")
-    p.add_argument("--seq-len", type=int, default=m.seq_len)
-    p.add_argument("--d-model", type=int, default=m.d_model)
-    p.add_argument("--heads", type=int, default=m.n_heads)
-    p.add_argument("--layers", type=int, default=m.n_layers)
-    p.add_argument("--d-ff", type=int, default=m.d_ff, help="hidden width of the dense FFNs")
-    p.add_argument("--expert-hidden", type=int, default=m.expert_hidden)
-    p.add_argument("--experts", type=int, default=m.num_experts)
-    p.add_argument("--k", type=int, default=m.k, choices=(1, 2))
-    p.add_argument("--capacity-factor", type=float, default=None, help="default: dropless")
-    p.add_argument("--moe-every", type=int, default=m.moe_every)
-    p.add_argument("--aux-weight", type=float, default=m.aux_weight)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--ep-size", type=int, default=None, help="expert-parallel group size (default: world)")
-    p.add_argument("--chunks", type=int, default=1, help="chunks of the pipelined all-to-all")
-    p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=False,
-                   help="overlap each chunk's exchange with the expert compute of the others")
-    p.add_argument("--microop-bytes", type=int, default=sc.microop_bytes)
-    p.add_argument("--credit-bytes", type=int, default=sc.credit_bytes,
-                   help=f"lina: allreduce bytes in flight (default: {DEFAULT_CREDIT_MICROOPS} micro-ops)")
-    p.add_argument("--hold-in-block", action=argparse.BooleanOptionalAction, default=sc.hold_in_block,
-                   help="lina: also hold allreduce during the expert compute of a backward expert block")
-    p.add_argument("--allreduce-threads", type=int, default=d.allreduce_threads,
-                   help="gloo worker threads of the gradient-allreduce groups, all schedules (gloo's default: 2)")
-    p.add_argument("--bucket-bytes", type=int, default=sc.bucket_bytes,
-                   help="fifo buckets; also DeepSpeed's reduce bucket")
-    p.add_argument("--warmup", type=int, default=d.warmup)
-    p.add_argument("--probe-steps", type=int, default=d.probe_steps)
-    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
-    p.add_argument("--corpus", default=None, help="text file (default: the Python standard library's sources)")
-    p.add_argument("--max-corpus-bytes", type=int, default=d.max_corpus_bytes)
-    p.add_argument("--timeline-step", type=int, default=None)
-    p.add_argument("--ds-stage", type=int, default=d.ds_stage, help="DeepSpeed ZeRO stage (0, 1 or 2)")
-    p.add_argument("--device", choices=DEVICE_CHOICES, default=d.device,
-                   help="auto: CUDA when every local rank has its own GPU, else the CPU")
-    p.add_argument("--dtype", choices=DTYPES, default=d.dtype,
-                   help="compute (autocast) and all-to-all row dtype; parameters stay float32")
-    p.add_argument("--launch", choices=LAUNCH_RULES, default=sc.launch,
-                   help="lina's launch rule (default: 'program' on CUDA, 'completion' on the CPU)")
-    p.add_argument("--hier-reduce", action=argparse.BooleanOptionalAction, default=sc.hier_reduce,
-                   help="reduce the data-parallel gradients inside each host, across hosts (the phase the "
-                        "schedule gates), then inside again (needs the same ranks on every host)")
-    p.add_argument("--hier-min-bytes", type=int, default=sc.hier_min_bytes,
-                   help="--hier-reduce: operations smaller than this stay flat")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the run already in OUT (else a folder holding metrics.json is refused)")
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="K",
-                   help="--impl commsched: write OUT/checkpoint-rank{r}.pt every K steps and after the last (0: never)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from OUT/checkpoint-rank{r}.pt (same ranks and configuration; --steps may grow)")
-    return p
+if __name__ == "__main__":  # python -m commsched.moe.train: the command line is train_cli's
+    from .train_cli import main
 
-
-def config_from_args(a: argparse.Namespace) -> TrainConfig:
-    model = ModelConfig(d_model=a.d_model, n_heads=a.heads, n_layers=a.layers, seq_len=a.seq_len, d_ff=a.d_ff,
-                        expert_hidden=a.expert_hidden, num_experts=a.experts, k=a.k,
-                        capacity_factor=a.capacity_factor, moe_every=a.moe_every, aux_weight=a.aux_weight)
-    return TrainConfig(model=model, impl=a.impl,
-                       schedule=ScheduleConfig(a.schedule, a.microop_bytes, a.credit_bytes, a.bucket_bytes,
-                                               a.hold_in_block, a.launch, a.hier_reduce, a.hier_min_bytes),
-                       dispatch=DispatchConfig(a.chunks, a.pipeline),
-                       steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed, ep_size=a.ep_size,
-                       warmup=min(a.warmup, a.steps - 1), probe_steps=a.probe_steps, eval_batches=a.eval_batches,
-                       corpus=a.corpus, max_corpus_bytes=a.max_corpus_bytes, timeline_step=a.timeline_step,
-                       ds_stage=a.ds_stage, allreduce_threads=a.allreduce_threads, device=a.device,
-                       dtype=a.dtype, checkpoint_every=a.checkpoint_every)
-
-
-PROG = "commsched.moe.train"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    try:
-        cfg = config_from_args(a)
-    except ValueError as e:
-        return cli_error(PROG, e)
-    try:
-        info = init_distributed(device=cfg.device)
-    except ValueError as e:  # --device cuda where it cannot run: one line, not a traceback
-        return cli_error(PROG, e)
-    try:
-        prepare_out(a.out, overwrite=a.overwrite, resume=a.resume)  # made (or refused) before any work
-    except ValueError as e:
-        dist.destroy_process_group()
-        return cli_error(PROG, e)
-    if info.device.type == "cpu":
-        torch.set_num_threads(1)  # ranks share the host's cores
-    try:
-        m = train(cfg, a.out, device=info.device, resume=a.resume)[0].to_dict()
-        if dist.get_rank() == 0:
-            print(json.dumps({k: m[k] for k in ("impl", "schedule", "world_size", "step_time_s", "a2a_time_s",
-                                                 "allreduce_time_s", "a2a_alone_time_s", "val_loss")}), flush=True)
-        if cfg.impl == "deepspeed":
-            # DeepSpeed's CPU backend now and then aborts in its C++ teardown ("terminate called
-            # without an active exception") after a run that finished and wrote its results;
-            # leave without running those destructors once every rank is done.
-            barrier("finishing the DeepSpeed run")
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-    except (ValueError, CommError) as e:
-        return cli_error(PROG, e, a.out)
-    except BaseException as e:  # not one of ours: the traceback stays, the folder says it failed
-        mark_failed(a.out, f"{PROG} (rank {info.rank}): {type(e).__name__}: {e}")
-        raise
-    finally:
-        dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
     raise SystemExit(main())

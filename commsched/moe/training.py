@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..configurable import Config, option
 from ..dist import DEVICE_CHOICES
 from ..priority.policy import ScheduleConfig
 from ..results import Record, median
@@ -28,33 +29,36 @@ DTYPES = ("float32", "bfloat16")  # --dtype: the training compute and the all-to
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    impl: str = "commsched"
+class TrainConfig(Config):
+    """One MoE training run; the flags of ``-m commsched.moe.train`` are generated from these
+    fields and those of the nested configs (:mod:`commsched.moe.train_cli`)."""
+
+    model: ModelConfig = option(default_factory=ModelConfig, cli=False)
+    impl: str = option("commsched", "runtime: commsched's or the DeepSpeed baseline", choices=IMPLS)
     # the gradient schedule (commsched) with its knobs; DeepSpeed reuses its bucket_bytes
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
-    steps: int = 20
-    batch_size: int = 8
-    lr: float = 1e-3
-    seed: int = 0
-    ep_size: int | None = None
-    warmup: int = 2          # steps left out of the timing medians
-    probe_steps: int = 2     # extra steps measuring the all-to-all with no allreduce running
-    eval_batches: int = 2
-    corpus: str | None = None
-    max_corpus_bytes: int = 8 << 20
-    timeline_step: int | None = None  # default: the last training step
-    ds_stage: int = 2
-    # worker threads of the gloo groups carrying the gradient allreduce (every schedule):
+    schedule: ScheduleConfig = option(default_factory=ScheduleConfig, cli=False)
+    dispatch: DispatchConfig = option(default_factory=DispatchConfig, cli=False)
+    steps: int = option(20, "training steps")
+    batch_size: int = option(8, "sequences per rank per step")
+    lr: float = option(1e-3, "Adam's learning rate")
+    seed: int = option(0, "seed of the weights and the batches")
+    ep_size: int | None = option(None, "expert-parallel group size (default: world)")
+    warmup: int = option(2, "steps left out of the timing medians")
+    probe_steps: int = option(2, "extra steps measuring the all-to-all with no allreduce running")
+    eval_batches: int = option(2, "held-out batches of the validation loss")
+    corpus: str | None = option(None, "text file (default: the Python standard library's sources)")
+    max_corpus_bytes: int = option(8 << 20, "bytes of the corpus read (0: the whole file)")
+    timeline_step: int | None = option(None, "the step timeline.json holds (default: the last)")
+    ds_stage: int = option(2, "DeepSpeed ZeRO stage (0, 1 or 2)")
     # gloo runs at most this many queued collectives at once (its default is 2)
-    allreduce_threads: int | None = 8
-    # where the run computes: auto (CUDA when every local rank has its own GPU), cpu or cuda
-    device: str = "auto"
-    # compute dtype (autocast) and all-to-all row dtype; parameters and Adam stay float32
-    dtype: str = "float32"
-    # write OUT/checkpoint-rank{r}.pt every K steps and after the last (0: never; commsched only)
-    checkpoint_every: int = 0
+    allreduce_threads: int | None = option(8, "gloo worker threads of the gradient-allreduce groups, all "
+                                              "schedules (gloo's default: 2)")
+    device: str = option("auto", "auto: CUDA when every local rank has its own GPU, else the CPU",
+                         choices=DEVICE_CHOICES)
+    dtype: str = option("float32", "compute (autocast) and all-to-all row dtype; parameters stay float32",
+                        choices=DTYPES)
+    checkpoint_every: int = option(0, "--impl commsched: write OUT/checkpoint-rank{r}.pt every K steps and "
+                                      "after the last (0: never)")
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
