@@ -293,8 +293,8 @@ def test_uncreatable_or_used_out_is_refused_before_any_work(front, tmp_path, mon
         args = ["--device", "cpu", "--steps", "1", "--warmup", "0"]
         prog = "commsched.moe.train"
     else:
-        from commsched.moe.infer import main
-        _no_work(monkeypatch, "commsched.moe.infer", "run")
+        from commsched.moe.infer_cli import main
+        _no_work(monkeypatch, "commsched.moe.infer_cli", "run")
         args = ["--batches", "1", "--warmup", "0"]
         prog = "commsched.moe.infer"
     (tmp_path / "file").write_text("x")
@@ -333,7 +333,7 @@ def test_gnn_cli_failed_run_leaves_marker_and_overwrite_replaces(tmp_path, monke
 
 
 def test_moe_cli_detected_errors_are_one_line(tmp_path, monkeypatch, capsys):
-    from commsched.moe.infer import main as infer_main
+    from commsched.moe.infer_cli import main as infer_main
     from commsched.moe.train_cli import main as train_main
 
     monkeypatch.setenv("COMMSCHED_PROGRESS", "0")

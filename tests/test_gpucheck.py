@@ -75,7 +75,8 @@ def test_frontend_runs_name_each_entry_point_and_its_dependency(tmp_path):
 def test_every_frontend_run_parses_its_own_arguments(tmp_path):
     """The argv of each run is accepted by its entry point's config (audit 2, item 3: the
     inference run without ``--compute real`` exited 2 on cuda)."""
-    from commsched.moe.infer import InferConfig, build_parser, config_from_args
+    from commsched.moe.infer import InferConfig
+    from commsched.moe.infer_cli import build_parser, config_from_args
 
     argv = dict((n, a) for n, _, a, _ in gpucheck.frontend_runs(torch.device("cuda"), True, tmp_path))
     cfg = config_from_args(build_parser().parse_args(argv["moe-infer-lina"] + ["--out", str(tmp_path)]))

@@ -112,7 +112,8 @@ def test_emulated_bank_is_the_cpu_model_and_refuses_cuda():
 
 
 def test_infer_config_device_option():
-    from commsched.moe.infer import InferConfig, build_parser, config_from_args
+    from commsched.moe.infer import InferConfig
+    from commsched.moe.infer_cli import build_parser, config_from_args
 
     parse = build_parser().parse_args
     assert config_from_args(parse(["--out", "x"])).device == "auto"
@@ -132,8 +133,8 @@ def test_infer_config_device_option():
 def test_bench_passes_its_device_to_every_variant():
     from commsched.bench import build_parser
     from commsched.bench.moe_infer import WORKLOAD
-    from commsched.moe.infer import build_parser as infer_parser
-    from commsched.moe.infer import config_from_args
+    from commsched.moe.infer_cli import build_parser as infer_parser
+    from commsched.moe.infer_cli import config_from_args
 
     a = build_parser(WORKLOAD).parse_args(["--device", "cpu", "--lina-thresholds", "0"])
     for v in WORKLOAD.variants(a):

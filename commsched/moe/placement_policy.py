@@ -436,4 +436,6 @@ del _cls
 
 def strategy_class(name: str) -> type[PlacementStrategy]:
     """The strategy called ``name`` in :data:`STRATEGIES` (a ValueError naming the known ones)."""
+    if name not in STRATEGIES:
+        raise ValueError(f"placement strategy must be one of {STRATEGIES.names}, got {name!r}")
     return STRATEGIES[name]

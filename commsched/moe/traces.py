@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ..configurable import Config, option
 from ..results import read_error
 
 __all__ = [
@@ -285,7 +286,7 @@ RELATED = ("same", "permuted")
 
 
 @dataclass(frozen=True)
-class SyntheticTraceConfig:
+class SyntheticTraceConfig(Config):
     """Parameters of :func:`synthetic_trace`.
 
     Model: each layer l has a skewed base popularity b_l over experts (Zipf with exponent
@@ -307,19 +308,19 @@ class SyntheticTraceConfig:
     Lina reports (docs/moe_inference.md has the measured values and a milder preset).
     """
 
-    num_experts: int = 16
-    num_layers: int = 12
-    k: int = 2
-    num_tokens: int = 65536
-    seq_len: int = 64
-    popularity: str = "zipf"
-    zipf_s: float = 1.2
-    lognormal_sigma: float = 1.0
-    stickiness: float = 0.39
-    related: str = "same"
-    num_clusters: int = 32
-    cluster_concentration: float = 0.05
-    sequence_concentration: float = 0.1
+    num_experts: int = option(16, "synthetic trace: E", flag="--experts")
+    num_layers: int = option(12, "synthetic trace: L", flag="--layers")
+    k: int = option(2, "synthetic trace: experts per token")
+    num_tokens: int = option(65536, "synthetic trace: tokens", flag="--trace-tokens")
+    seq_len: int = option(64, "synthetic trace: tokens per sequence")
+    popularity: str = option("zipf", "synthetic trace: base popularity", choices=("zipf", "lognormal"))
+    zipf_s: float = option(1.2, "synthetic trace: Zipf exponent", flag="--zipf")
+    lognormal_sigma: float = option(1.0, "synthetic trace: lognormal sigma", flag="--sigma")
+    stickiness: float = option(0.39, "synthetic trace: probability that a token's top-1 follows its previous top-1")
+    related: str = option("same", cli=False)
+    num_clusters: int = option(32, cli=False)
+    cluster_concentration: float = option(0.05, "synthetic trace: concentration of the clusters' preferences")
+    sequence_concentration: float = option(0.1, cli=False)
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "num_layers", "k", "num_tokens", "seq_len", "num_clusters"):

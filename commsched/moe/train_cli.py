@@ -63,7 +63,11 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     ready: dict[str, Path] = {}  # the run folder, once made (a FAILED marker goes there, not before)
-    return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
+    try:
+        return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
+    finally:  # after cli_main's line, which names the rank from the group
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _run(a: argparse.Namespace, ready: dict[str, Path]) -> int:
@@ -92,9 +96,6 @@ def _run(a: argparse.Namespace, ready: dict[str, Path]) -> int:
         if "out" in ready:
             mark_failed(a.out, f"{PROG} (rank {info.rank}): {type(e).__name__}: {e}")
         raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0
 
 
