@@ -359,7 +359,7 @@ def test_moe_cli_detected_errors_are_one_line(tmp_path, monkeypatch, capsys):
 
 
 def test_record_refuses_its_out_before_training(tmp_path, capsys):
-    from commsched.moe.record import main
+    from commsched.moe.record_cli import main
 
     (tmp_path / "file").write_text("x")
     t = time.perf_counter()

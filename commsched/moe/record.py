@@ -24,22 +24,22 @@ on the CPU from the trained weights either way.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
 
+from ..configurable import Config, check, option
 from ..dist import DEVICE_CHOICES
 from ..results import read_error
 from .checkpoint import CHECKPOINT_FORMAT, load_checkpoint, save_checkpoint
 from .model import ModelConfig, MoETransformerLM
-from .traces import RoutingTrace, save_trace, trace_stats
+from .traces import RoutingTrace, save_trace
 
-__all__ = ["record_trace", "save_checkpoint", "load_checkpoint", "train_model", "CHECKPOINT_FORMAT"]
+__all__ = ["RecordConfig", "record", "record_trace", "save_checkpoint", "load_checkpoint", "train_model",
+           "prepare_out_file", "CHECKPOINT_FORMAT"]
 
 
 @torch.no_grad()
@@ -105,40 +105,35 @@ def train_model(model_cfg: ModelConfig, *, steps: int, batch_size: int, lr: floa
     return model.eval(), info
 
 
-def build_parser() -> argparse.ArgumentParser:
-    m = ModelConfig()
-    p = argparse.ArgumentParser(prog="python -m commsched.moe.record", description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default=None, help="a saved model (else --train-steps trains one)")
-    p.add_argument("--train-steps", type=int, default=None)
-    p.add_argument("--save-checkpoint", type=Path, default=None)
-    p.add_argument("--tokens", type=int, default=65536, help="tokens to record (whole windows)")
-    p.add_argument("--split", choices=("val", "train"), default="val")
-    p.add_argument("--corpus", default=None, help="text file (default: the Python standard library's sources)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
-                   help="where --train-steps trains (auto: CUDA when available)")
-    g = p.add_argument_group("model to train (with --train-steps)")
-    g.add_argument("--batch-size", type=int, default=16)
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--seq-len", type=int, default=64)
-    g.add_argument("--d-model", type=int, default=64)
-    g.add_argument("--heads", type=int, default=4)
-    g.add_argument("--layers", type=int, default=6)
-    g.add_argument("--moe-every", type=int, default=1)
-    g.add_argument("--experts", type=int, default=8)
-    g.add_argument("--k", type=int, default=2, choices=(1, 2))
-    g.add_argument("--expert-hidden", type=int, default=m.expert_hidden)
-    g.add_argument("--d-ff", type=int, default=m.d_ff)
-    g.add_argument("--aux-weight", type=float, default=m.aux_weight)
-    p.add_argument("--out", type=Path, required=True, help="trace file to write (.npz)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    return p
+@dataclass(frozen=True)
+class RecordConfig(Config):
+    """What ``-m commsched.moe.record`` does: load ``checkpoint`` or train a model of
+    ``model`` for ``train_steps`` steps (exactly one of the two), then record ``tokens``
+    tokens of ``split``. Its flags are generated from these fields (:mod:`~commsched.moe.record_cli`)."""
+
+    checkpoint: str | None = option(None, "a saved model (else --train-steps trains one)")
+    train_steps: int | None = option(None, "train a model for this many steps first")
+    save_checkpoint: str | None = option(None, "write the trained model here")
+    tokens: int = option(65536, "tokens to record (whole windows)")
+    split: str = option("val", "the corpus split recorded", choices=("val", "train"))
+    corpus: str | None = option(None, "text file (default: the Python standard library's sources)")
+    seed: int = option(0, "seed of the training and of a train-split offset")
+    device: str = option("auto", "where --train-steps trains (auto: CUDA when available)", choices=DEVICE_CHOICES)
+    batch_size: int = option(16, "--train-steps: sequences per step")
+    lr: float = option(3e-3, "--train-steps: Adam's learning rate")
+    # the model trained with --train-steps: ModelConfig with a deeper, every-block-MoE default
+    model: ModelConfig = option(default_factory=lambda: ModelConfig(**RECORD_MODEL), cli=False)
+
+    def __post_init__(self) -> None:
+        check((self.checkpoint is None) != (self.train_steps is None),
+              "give exactly one of --checkpoint FILE and --train-steps N")
 
 
-PROG = "commsched.moe.record"
+# ModelConfig fields whose default the recorder's model changes (--layers 6 --moe-every 1 --experts 8 --k 2)
+RECORD_MODEL = {"n_layers": 6, "moe_every": 1, "num_experts": 8, "k": 2}
 
 
-def _prepare_out_file(path: Path, overwrite: bool) -> None:
+def prepare_out_file(path: Path, overwrite: bool) -> None:
     """The trace file's folder is made, and an existing trace refused, before any work."""
     if path.is_dir():
         raise ValueError(f"--out {path}: is a folder; give the trace file to write (.npz)")
@@ -152,40 +147,32 @@ def _prepare_out_file(path: Path, overwrite: bool) -> None:
         raise ValueError(f"--out {path}: its folder {path.parent} is not writable")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    from ..dist import CommError, cli_error
+def record(cfg: RecordConfig, out: Path, *, overwrite: bool = False) -> tuple[RoutingTrace, dict]:
+    """What ``-m commsched.moe.record`` runs: the out file (and ``save_checkpoint``'s) checked
+    before any work, the model loaded or trained, its routing recorded and written to
+    ``out``; returns the trace and the model's info."""
     from .data import load_corpus
 
-    torch.set_num_threads(1)
-    try:
-        if (a.checkpoint is None) == (a.train_steps is None):
-            raise ValueError("give exactly one of --checkpoint FILE and --train-steps N")
-        _prepare_out_file(a.out, a.overwrite)
-        if a.save_checkpoint is not None:
-            _prepare_out_file(a.save_checkpoint, True)
-        if a.checkpoint is not None:
-            model, info = load_checkpoint(a.checkpoint)
-            source = str(a.checkpoint)
-        else:
-            mc = ModelConfig(d_model=a.d_model, n_heads=a.heads, n_layers=a.layers, seq_len=a.seq_len,
-                             d_ff=a.d_ff, expert_hidden=a.expert_hidden, num_experts=a.experts, k=a.k,
-                             moe_every=a.moe_every, aux_weight=a.aux_weight)
-            model, info = train_model(mc, steps=a.train_steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed,
-                                      corpus=a.corpus, device=a.device)
-            source = str(a.save_checkpoint) if a.save_checkpoint else f"trained {a.train_steps} steps"
-            if a.save_checkpoint is not None:
-                save_checkpoint(a.save_checkpoint, model, info)
-        corpus = load_corpus(a.corpus)
-        tr = record_trace(model, corpus, a.tokens, split=a.split, seed=a.seed, source=source)
-        save_trace(a.out, tr)
-    except (ValueError, CommError) as e:
-        return cli_error(PROG, e)
-    stats = trace_stats(tr, tokens_per_batch=2048)
-    print(json.dumps({"trace": str(a.out), "tokens": tr.num_tokens, "layers": tr.num_layers,
-                      "experts": tr.num_experts, "k": tr.k, "info": info, "stats": stats}), flush=True)
-    return 0
+    prepare_out_file(out, overwrite)
+    save = Path(cfg.save_checkpoint) if cfg.save_checkpoint is not None else None
+    if save is not None:
+        prepare_out_file(save, True)
+    if cfg.checkpoint is not None:
+        model, info = load_checkpoint(cfg.checkpoint)
+        source = str(cfg.checkpoint)
+    else:
+        model, info = train_model(cfg.model, steps=cfg.train_steps, batch_size=cfg.batch_size, lr=cfg.lr,
+                                  seed=cfg.seed, corpus=cfg.corpus, device=cfg.device)
+        source = str(save) if save else f"trained {cfg.train_steps} steps"
+        if save is not None:
+            save_checkpoint(save, model, info)
+    corpus = load_corpus(cfg.corpus)
+    tr = record_trace(model, corpus, cfg.tokens, split=cfg.split, seed=cfg.seed, source=source)
+    save_trace(out, tr)
+    return tr, info
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m commsched.moe.record: the command line is record_cli's
+    from .record_cli import main
+
     raise SystemExit(main())
