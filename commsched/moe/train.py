@@ -175,8 +175,8 @@ def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = 
     is flat (said once), uneven hosts are a ValueError."""
     rank = dist.get_rank()
     dev = torch.device(device) if device is not None else group_device(cfg.device)
-    if (cfg.checkpoint_every or resume) and cfg.impl != "commsched":
-        raise ValueError("--checkpoint-every and --resume are options of --impl commsched")
+    if resume and cfg.impl != "commsched":  # checkpoint_every: TrainConfig refuses it already
+        raise ValueError("--resume is an option of --impl commsched; DeepSpeed's runs are not checkpointed here")
     if (cfg.checkpoint_every or resume) and out is None:
         raise ValueError("--checkpoint-every and --resume need an output folder (out) for the checkpoints")
     check_same_config({**dataclasses.asdict(cfg), "resume": bool(resume)}, what="training configuration")
