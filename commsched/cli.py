@@ -29,7 +29,7 @@ commands:
 # entry points, imported when their command runs
 _COMMANDS = {
     "netem": "commsched.netem:main",
-    "partition": "commsched.gnn.partition:main",
+    "partition": "commsched.gnn.partition_cli:main",
     "demo": "commsched.bench.demo:main",
 }
 

@@ -15,12 +15,12 @@ from commsched.gnn.data import SyntheticSpec, clean_edges, from_edges, synthetic
 from commsched.gnn.partition import (
     edge_cut,
     load_part,
-    main,
     make_parts,
     partition_nodes,
     read_meta,
     save_partition,
 )
+from commsched.gnn.partition_cli import main
 
 
 def _undirected(pairs, n):

@@ -13,11 +13,8 @@ owned nodes' features, labels and masks. So a rank loads only its own part.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -25,9 +22,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..results import load_torch_file, prepare_out, read_error, write_json
+from ..results import load_torch_file, read_error, write_json
 from .book import PartitionBook, build_books
-from .data import Graph, GraphSource, clean_edges, graph_fingerprint, load_source
+from .data import Graph, GraphSource, clean_edges, graph_fingerprint
 
 METHODS = ("metis", "random", "metis-hosts")
 # group_parts searches every assignment of parts to hosts up to this many, else greedy + swaps
@@ -352,47 +349,3 @@ def load_part(folder: str | os.PathLike, rank: int, world_size: int, *,
     except (KeyError, AttributeError, TypeError, ValueError) as e:
         raise ValueError(f"partition folder {folder}: {f.name} is damaged ({read_error(e)}); "
                          "re-run `commsched partition`") from None
-
-
-# --------------------------------------------------------------------------- CLI
-def main(argv: Sequence[str] | None = None) -> int:
-    from .cliargs import add_graph_args, source_from_args
-
-    p = argparse.ArgumentParser(prog="commsched partition",
-                                description="Partition a graph and write a partition folder "
-                                            "(meta.json + one file per part).")
-    add_graph_args(p)
-    p.add_argument("--parts", type=int, required=True, help="number of parts (= training world size)")
-    p.add_argument("--method", choices=METHODS, default="metis")
-    p.add_argument("--seed", type=int, default=0, help="partitioner seed")
-    p.add_argument("--out", required=True, metavar="DIR", help="partition folder to write")
-    a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        src = source_from_args(a)
-        prepare_out(a.out)  # the folder is made (or refused) before any work
-        t0 = time.perf_counter()
-        g = load_source(src)
-        t1 = time.perf_counter()
-        parts = partition_nodes(g, a.parts, a.method, a.seed)
-        t2 = time.perf_counter()
-        meta = save_partition(a.out, g, parts, a.parts, method=a.method, seed=a.seed, source=src)
-        t3 = time.perf_counter()
-    except ValueError as e:
-        print(f"commsched partition: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # the disk filled up, the folder went away
-        print(f"commsched partition: writing {a.out} failed ({read_error(e)})", file=sys.stderr)
-        return 2
-    gs = meta["graph"]
-    print(f"{gs['name']}: {gs['num_nodes']} nodes, {gs['num_edges']} directed edges "
-          f"(loaded in {t1 - t0:.1f} s); {a.method} into {a.parts} parts in {t2 - t1:.1f} s; "
-          f"edge cut {meta['edge_cut']} ({meta['edge_cut'] / max(gs['num_edges'], 1):.1%}); "
-          f"written to {a.out} in {t3 - t2:.1f} s")
-    for s in meta["parts"]:
-        print(f"  part {s['rank']}: {s['owned']} owned ({s['central']} central, {s['marginal']} "
-              f"marginal), {s['remote']} remote, sends {s['send_rows']} rows")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
