@@ -202,7 +202,7 @@ def test_corpus_empty_missing_or_folder_names_the_file(tmp_path):
 
 def test_moe_checkpoint_corrupt_names_the_file(tmp_path):
     from commsched.moe.model import ModelConfig, MoETransformerLM
-    from commsched.moe.record import load_checkpoint, save_checkpoint
+    from commsched.moe.recorder import load_checkpoint, save_checkpoint
 
     f = tmp_path / "lm.pt"
     save_checkpoint(f, MoETransformerLM(ModelConfig(d_model=8, n_heads=2, d_ff=8, expert_hidden=8, seq_len=8)))
@@ -288,8 +288,8 @@ def test_uncreatable_or_used_out_is_refused_before_any_work(front, tmp_path, mon
         args = ["--device", "cpu", "--epochs", "1"]
         prog = "commsched.gnn.train"
     elif front == "moe-train":
-        from commsched.moe.train_cli import main
-        _no_work(monkeypatch, "commsched.moe.train_cli", "train")
+        from commsched.moe.train import main
+        _no_work(monkeypatch, "commsched.moe.train", "train")
         args = ["--device", "cpu", "--steps", "1", "--warmup", "0"]
         prog = "commsched.moe.train"
     else:
@@ -334,7 +334,7 @@ def test_gnn_cli_failed_run_leaves_marker_and_overwrite_replaces(tmp_path, monke
 
 def test_moe_cli_detected_errors_are_one_line(tmp_path, monkeypatch, capsys):
     from commsched.moe.infer_cli import main as infer_main
-    from commsched.moe.train_cli import main as train_main
+    from commsched.moe.train import main as train_main
 
     monkeypatch.setenv("COMMSCHED_PROGRESS", "0")
     empty = tmp_path / "empty.txt"
@@ -359,7 +359,7 @@ def test_moe_cli_detected_errors_are_one_line(tmp_path, monkeypatch, capsys):
 
 
 def test_record_refuses_its_out_before_training(tmp_path, capsys):
-    from commsched.moe.record_cli import main
+    from commsched.moe.record import main
 
     (tmp_path / "file").write_text("x")
     t = time.perf_counter()
@@ -389,7 +389,7 @@ def _moe_train_cli_on_ranks(rank: int, world: int, out: str) -> tuple[int, str]:
     import contextlib
     import io
 
-    from commsched.moe.train_cli import main
+    from commsched.moe.train import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):  # main keeps the harness's group and ends it

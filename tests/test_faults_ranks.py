@@ -69,7 +69,7 @@ def _gnn(rank: int, world: int, how: str, stamp: str) -> dict:
 def _moe_cfg(world: int, steps: int, **kw):
     from commsched.moe.layer import DispatchConfig
     from commsched.moe.model import ModelConfig
-    from commsched.moe.train import TrainConfig
+    from commsched.moe.trainer import TrainConfig
     from commsched.priority.policy import ScheduleConfig
 
     model = ModelConfig(d_model=16, n_heads=2, n_layers=2, seq_len=8, d_ff=24, expert_hidden=20,
@@ -81,7 +81,7 @@ def _moe_cfg(world: int, steps: int, **kw):
 
 
 def _moe_train(rank: int, world: int, how: str, stamp: str) -> dict:
-    import commsched.moe.train as mt
+    import commsched.moe.trainer as mt
 
     real_load = mt.load_corpus
 
@@ -216,7 +216,7 @@ def _case_halo_rows_validated(rank, world):
 
 
 def _case_moe_train_lr(rank, world):
-    from commsched.moe.train import train
+    from commsched.moe.trainer import train
 
     cfg = _moe_cfg(world, 2)
     cfg = dataclasses.replace(cfg, lr=0.5) if rank == 2 else cfg
@@ -224,7 +224,7 @@ def _case_moe_train_lr(rank, world):
 
 
 def _case_moe_train_hidden(rank, world):
-    from commsched.moe.train import train
+    from commsched.moe.trainer import train
 
     cfg = _moe_cfg(world, 2)
     if rank == 1:
@@ -275,7 +275,7 @@ def _group_timeouts(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from commsched.dist import new_group
-    from commsched.moe.train import make_groups
+    from commsched.moe.trainer import make_groups
 
     def timeout_of(g) -> float:
         return g._get_backend(torch.device("cpu")).options._timeout.total_seconds()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from commsched.bench import build_parser, load_workload
-from commsched.moe.train_cli import build_parser as train_parser
-from commsched.moe.train_cli import config_from_args
+from commsched.moe.train import build_parser as train_parser
+from commsched.moe.train import config_from_args
 
 
 def _fake_metrics(step: float, a2a: float, alone: float | None, losses: list[float]) -> dict:

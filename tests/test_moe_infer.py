@@ -614,7 +614,7 @@ def _trace_equals_local(rank: int, world: int) -> None:
 def _model_equals_local(ckpt: str, rank: int, world: int) -> None:
     from commsched.moe.data import load_corpus
     from commsched.moe.infer import InferConfig, ModelDriverConfig, PlacementConfig, run
-    from commsched.moe.record import load_checkpoint
+    from commsched.moe.recorder import load_checkpoint
 
     model, _ = load_checkpoint(ckpt)
     corpus = load_corpus(None)
@@ -634,7 +634,7 @@ def _model_equals_local(ckpt: str, rank: int, world: int) -> None:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     from commsched.moe.model import ModelConfig, MoETransformerLM
-    from commsched.moe.record import save_checkpoint
+    from commsched.moe.recorder import save_checkpoint
 
     torch.manual_seed(0)
     model = MoETransformerLM(ModelConfig(d_model=16, n_heads=2, n_layers=3, seq_len=16, d_ff=24, expert_hidden=20,
@@ -665,7 +665,7 @@ def test_static_layout_helper_matches_default_slots():
 def test_record_trace_and_checkpoint_round_trip(tmp_path):
     from commsched.moe.data import Corpus
     from commsched.moe.model import ModelConfig, MoETransformerLM
-    from commsched.moe.record import load_checkpoint, record_trace, save_checkpoint
+    from commsched.moe.recorder import load_checkpoint, record_trace, save_checkpoint
     from commsched.moe.traces import load_trace, save_trace
 
     torch.manual_seed(1)

@@ -291,7 +291,7 @@ def _one_rank_cuda_equals_cpu(rank: int, world: int, ckpt: str) -> list[str]:
 @pytest.mark.slow
 def test_one_rank_inference_on_cuda_equals_cpu(tmp_path):
     from commsched.moe.model import ModelConfig, MoETransformerLM
-    from commsched.moe.record import save_checkpoint
+    from commsched.moe.recorder import save_checkpoint
 
     torch.manual_seed(0)
     model = MoETransformerLM(ModelConfig(d_model=16, n_heads=2, n_layers=3, seq_len=16, d_ff=24, expert_hidden=20,

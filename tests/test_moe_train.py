@@ -14,7 +14,7 @@ import torch.distributed as dist
 from commsched.moe.experts import is_expert_param
 from commsched.moe.layer import DispatchConfig
 from commsched.moe.model import ModelConfig
-from commsched.moe.train import TrainConfig, _build_commsched, make_groups, train
+from commsched.moe.trainer import TrainConfig, build_commsched, make_groups, train
 from commsched.observe import A2AEvents
 from commsched.priority.executor import GradScheduler
 from commsched.priority.policy import ScheduleConfig
@@ -85,8 +85,8 @@ def _grads_match_manual_allreduce(rank: int, world: int) -> None:
         dist.all_reduce(probe, group=groups.dp_group)
         assert torch.equal(probe, ref_sum)
         events = A2AEvents()
-        model, sched_params = _build_commsched(cfg, groups, events)
-        ref, _ = _build_commsched(cfg, groups)  # same seed: the same weights
+        model, sched_params = build_commsched(cfg, groups, events)
+        ref, _ = build_commsched(cfg, groups)  # same seed: the same weights
         g = torch.Generator().manual_seed(rank)
         x = torch.randint(0, 256, (2, 16), generator=g)
         y = torch.randint(0, 256, (2, 16), generator=g)
@@ -133,7 +133,7 @@ def _lina_rule_on_real_groups(rank: int, world: int) -> None:
     cfg = _cfg(world, "lina", chunks=2, pipeline=True, steps=2)
     groups = make_groups(world)
     events = A2AEvents()
-    model, sched_params = _build_commsched(cfg, groups, events)
+    model, sched_params = build_commsched(cfg, groups, events)
     with GradScheduler(sched_params, cfg.schedule) as sched, events.register(sched):
         g = torch.Generator().manual_seed(rank)
         x = torch.randint(0, 256, (2, 16), generator=g)
@@ -386,7 +386,7 @@ def test_cli_resume_after_sigkill_is_exact(tmp_path):
 
 
 def test_checkpoint_options_are_checked():
-    from commsched.moe.train_cli import build_parser, config_from_args
+    from commsched.moe.train import build_parser, config_from_args
     from commsched.moe.train_state import config_mismatch, config_record
 
     with pytest.raises(ValueError, match="--checkpoint-every"):
@@ -461,7 +461,7 @@ def test_grad_scheduler_timeout_comes_from_the_environment(monkeypatch):
 
 
 def test_cli_fills_the_one_schedule_config(tmp_path):
-    from commsched.moe.train_cli import build_parser, config_from_args
+    from commsched.moe.train import build_parser, config_from_args
     from commsched.priority.policy import SCHEDULES
 
     p = build_parser()
@@ -602,6 +602,6 @@ def test_deepspeed_logger_is_off_for_timed_cuda_steps_and_the_summary_says_where
 
 def test_cli_defaults_are_the_configs(tmp_path):
     """The flags are generated from the configs: no flag given is the default config."""
-    from commsched.moe.train_cli import build_parser, config_from_args
+    from commsched.moe.train import build_parser, config_from_args
 
     assert config_from_args(build_parser().parse_args(["--out", str(tmp_path)])) == TrainConfig()

@@ -43,7 +43,7 @@ def test_uneven_hosts_are_refused_with_the_counts():
 
 
 def test_cli_option_and_deepspeed_refusal(tmp_path):
-    from commsched.moe.train_cli import build_parser, config_from_args
+    from commsched.moe.train import build_parser, config_from_args
     from commsched.moe.training import TrainConfig
 
     p = build_parser()
@@ -123,7 +123,7 @@ def _training_matches_flat(rank: int, world: int) -> None:
     gradient into up to lr per step, so a few elements move (measured: 0.19% of them by more
     than 1e-6, at most 3.8e-4; flat fifo's own reordering against flat lina: 0.18%, 3.3e-4),
     the rest agree to 1e-6, and so do the losses (measured 2.4e-7)."""
-    from commsched.moe.train import _build_commsched, make_groups, train
+    from commsched.moe.trainer import build_commsched, make_groups, train
     from commsched.observe import A2AEvents
     from commsched.priority.executor import GradScheduler
     from commsched.topology import Topology
@@ -142,7 +142,7 @@ def _training_matches_flat(rank: int, world: int) -> None:
     # the gate: no phase across hosts starts inside one of this rank's all-to-alls
     groups = make_groups(world)
     events = A2AEvents()
-    model, sched_params = _build_commsched(hcfg, groups, events)
+    model, sched_params = build_commsched(hcfg, groups, events)
     hier = make_hier(topo.hosts_P)
     with GradScheduler(sched_params, hcfg.schedule, hier=hier) as sched, events.register(sched):
         x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))

@@ -76,7 +76,7 @@ _INFER_EXPORTS: dict[str, str] = {
     "InferConfig": "infer_config",
     "InferMetrics": "infer_metrics",
     "run_inference": "infer_run",
-    "record_trace": "record",
+    "record_trace": "recorder",
     "save_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",
 }

@@ -14,7 +14,7 @@ expert padded to the largest load in the group); a capacity factor maps to
 
 :func:`train_deepspeed` is the training loop of the baseline: the engine with ZeRO stage
 ``ds_stage``, gradient reduction overlapping the backward pass, the same Adam, tokens and
-seed as commsched's runtime (:mod:`commsched.moe.train`, which calls it and summarizes
+seed as commsched's runtime (:mod:`commsched.moe.trainer`, which calls it and summarizes
 both alike). DeepSpeed is imported only when called. It runs on the rank's device with the
 backend that follows it (gloo on the CPU, NCCL on CUDA); ``--dtype bfloat16`` turns on
 DeepSpeed's own bf16 mode (bf16 weights and all-to-all, float32 master weights).

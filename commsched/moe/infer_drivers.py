@@ -166,7 +166,7 @@ class ModelDriver(Driver):
                  device: torch.device | str = "cpu"):
         from .checkpoint import load_checkpoint
         from .data import load_corpus
-        from .record import record_trace
+        from .recorder import record_trace
 
         if cfg.checkpoint is None:
             raise ValueError("--driver model needs --checkpoint (write one with python -m commsched.moe.record "

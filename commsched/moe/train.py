@@ -1,350 +1,106 @@
-"""Distributed MoE language-model training: expert parallelism + data parallelism.
+"""The command line of MoE training: ``python -m commsched.moe.train`` (see
+:mod:`commsched.moe.trainer`, the library, for what a run does and writes).
 
     torchrun --nproc_per_node 4 -m commsched.moe.train --impl commsched --schedule lina --out DIR
-    torchrun --nproc_per_node 4 -m commsched.moe.train --impl deepspeed --out DIR
 
-Every rank trains on its own batches (data parallel); the experts of each MoE layer are
-spread over an expert-parallel (EP) group of ``--ep-size`` ranks (default: all), tokens
-reach them through the uneven all-to-all. Non-expert gradients are averaged over all
-ranks, expert gradients over the ranks that hold the same experts (none when the EP
-group is the whole world).
-
-``--impl commsched`` (this module: commsched's runtime) uses
-:class:`~commsched.moe.layer.MoELayer` and the gradient executor of
-:mod:`commsched.priority` with ``--schedule lina`` (micro-ops in the gaps of the
-all-to-all), ``fifo`` (DDP-style buckets launched as soon as ready), ``serial``
-(allreduce after the backward pass) or ``lina-overlap`` (``lina``, with the reduction's tail
-running into the next forward pass, one Adam per module stepped as its reduction ends:
-:mod:`commsched.priority.overlap`); the choices are the names of
-:data:`commsched.priority.policy.SCHEDULES`, and the schedule's knobs travel in one
-:class:`~commsched.priority.policy.ScheduleConfig` (``TrainConfig.schedule``).
-``--chunks C --pipeline`` pipeline the all-to-all with expert compute; ``--hier-reduce``
-reduces the non-expert gradients hierarchically (inside each host, across hosts under the
-schedule's gate, inside again; :mod:`commsched.priority.hier`; hosts from
-``Topology.from_env``). ``--impl
-deepspeed`` runs the baseline of :mod:`commsched.moe.deepspeed_baseline`:
-``deepspeed.moe.layer.MoE`` and DeepSpeed's engine (ZeRO stage ``--ds-stage``, gradient
-reduction overlapping the backward pass), starting from the same weights.
-
-Writes ``DIR/metrics.json`` (rank 0, a :class:`TrainMetrics`): ``impl``, ``schedule``, ``world_size``, ``loss``
-(mean over ranks, per step), ``step_time_s`` (median over the timed steps of the slowest
-rank's step), ``a2a_time_s`` (median per step, mean over ranks, of the time the compute
-thread was blocked waiting for expert all-to-alls -- what the step pays for them),
-``a2a_inflight_s`` (the same for the time during which an exchange was queued or on the
-wire; larger under pipelining, where compute runs meanwhile), ``allreduce_time_s``
-(time during which a gradient allreduce was in flight), plus ``a2a_alone_time_s``
-(``a2a_time_s`` in extra steps with the allreduce held until after the backward pass),
-``allreduce_wait_s`` (time the optimizer waited for allreduce after the backward pass),
-``allreduce_in_backward_share`` (commsched only: share of the allreduce bytes already
-reduced when the backward pass ended), the configuration and sizes (DeepSpeed runs add
-``deepspeed_comm_ops``); and ``DIR/timeline.json``: every rank's communication operations
-of one step.
-
-``--device auto|cpu|cuda`` (default auto: CUDA when every local rank has its own GPU)
-places the model and the batches (pinned host batches copied asynchronously) on the
-rank's device; NCCL then carries the CUDA tensors and gloo the small host ones.
-``--dtype bfloat16`` runs the forward pass under ``torch.autocast`` and sends the expert
-all-to-all rows in bfloat16 (half the bytes); parameters and Adam stay float32. The
-default float32 is today's arithmetic bit for bit.
+The flags are generated from the configs (:class:`~commsched.moe.training.TrainConfig`, its
+:class:`~commsched.priority.policy.ScheduleConfig`, :class:`~commsched.moe.model.ModelConfig`
+and :class:`~commsched.moe.layer.DispatchConfig`: type, default, help and choices, the
+schedules from :data:`~commsched.priority.policy.SCHEDULES`), so no default is typed twice;
+only the run's folder and its handling (``--out``, ``--overwrite``, ``--resume``) are the
+command line's own. The body runs under :func:`commsched.dist.cli_main`: a ValueError or
+CommError is one line (and FAILED in the run folder once there is one), SIGTERM one line,
+FAILED, exit status 143.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from dataclasses import dataclass
+import argparse
+import json
+import os
+import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..clock import Clock
-from ..config import read_env
-from ..dist import (
-    all_gather_object,
-    barrier,
-    check_same_config,
-    group_device,
-)
-from ..dist import new_group as cs_new_group
-from ..observe import A2AEvents, A2AObserver
-from ..priority.executor import LOCAL, GradScheduler
-from ..priority.hier import HierGroups, make_hier
-from ..priority.step import make_grad_step
-from ..results import Progress, write_json
-from . import train_state
-from .data import Corpus, load_corpus
-from .dispatch import ExpertGroup
-from .experts import is_expert_param
-from .model import MoETransformerLM
-from .training import (
-    TrainConfig,
-    TrainMetrics,
-    autocast,
-    evaluate,
-    sizes,
-    summarize,
-    to_device,
-)
+from ..configurable import add_arguments, from_arguments
+from ..dist import CommError, Stopped, barrier, cli_main, init_distributed
+from ..priority.policy import ScheduleConfig
+from ..results import mark_failed, prepare_out
+from .layer import DispatchConfig
+from .model import ModelConfig
+from .trainer import train
+from .training import TrainConfig
 
-if TYPE_CHECKING:
-    from ..topology import Topology
+PROG = "commsched.moe.train"
 
 
-@dataclass
-class Groups:
-    ep_group: object
-    ep_rank: int
-    ep_size: int
-    edp_group: object | None  # ranks holding the same experts (None when only this one)
-    dp_group: object          # all ranks, separate from the default group and the EP group
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m commsched.moe.train",
+                                description="Distributed MoE language-model training: expert parallelism + "
+                                            "data parallelism.")
+    add_arguments(p, TrainConfig)
+    add_arguments(p.add_argument_group("gradient schedule (--impl commsched)"), ScheduleConfig)
+    add_arguments(p.add_argument_group("model"), ModelConfig)
+    add_arguments(p.add_argument_group("expert dispatch"), DispatchConfig)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in OUT (else a folder holding metrics.json is refused)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/checkpoint-rank{r}.pt (same ranks and configuration; --steps may grow)")
+    return p
 
 
-def make_groups(ep_size: int, allreduce_threads: int | None = None) -> Groups:
-    """EP groups of consecutive ranks, expert-data-parallel groups across them, and one
-    all-rank group for the non-expert allreduce (on gloo with ``allreduce_threads`` worker
-    threads, see :func:`commsched.dist.new_group`). Every rank creates every group, in order."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if ep_size < 1 or world % ep_size:
-        raise ValueError(f"--ep-size {ep_size} must divide the world size {world}")
-    ep_group = edp_group = None
-    for i in range(world // ep_size):
-        g = cs_new_group(list(range(i * ep_size, (i + 1) * ep_size)))
-        if rank // ep_size == i:
-            ep_group = g
-    if world // ep_size > 1:
-        for j in range(ep_size):
-            g = cs_new_group(list(range(j, world, ep_size)), threads=allreduce_threads)
-            if rank % ep_size == j:
-                edp_group = g
-    dp_group = cs_new_group(list(range(world)), threads=allreduce_threads)
-    return Groups(ep_group, rank % ep_size, ep_size, edp_group, dp_group)
+def config_from_args(a: argparse.Namespace) -> TrainConfig:
+    """The run's config from :func:`build_parser`'s flags (``--warmup`` capped at steps - 1)."""
+    return from_arguments(TrainConfig, a, model=from_arguments(ModelConfig, a),
+                          schedule=from_arguments(ScheduleConfig, a), dispatch=from_arguments(DispatchConfig, a),
+                          warmup=min(a.warmup, a.steps - 1))
 
 
-def _timeline_dicts(records) -> list[dict]:
-    return [dataclasses.asdict(r) for r in records]
-
-
-# --------------------------------------------------------------------------- commsched impl
-def _build_commsched(cfg: TrainConfig, groups: Groups, observer: A2AObserver | None = None,
-                     device: torch.device | str = "cpu"):
-    """The expert-parallel model on ``device`` (its MoE layers report to ``observer``) and
-    the ``(parameter, group, scale)`` entries of its gradient scheduler. The weights are
-    drawn on the host and then moved, so every device starts from the same ones."""
-    torch.manual_seed(cfg.seed)
-    mcfg = cfg.model
-    eg = ExpertGroup(mcfg.num_experts, groups.ep_size, groups.ep_rank, groups.ep_group)
-    model = MoETransformerLM(mcfg, expert_group=eg, dispatch=cfg.dispatch, observer=observer)
-    eg.validate(mcfg.d_model, torch.float32 if cfg.dtype == "float32" else getattr(torch, cfg.dtype))
-    if torch.device(device).type != "cpu":
-        model.to(device)
-    # The objective is the mean of the ranks' losses. A non-expert gradient is averaged over
-    # all ranks. An expert's gradient already sums the contributions of every rank of its
-    # EP group (they reached it through the all-to-all); summed over the ranks holding the
-    # same expert (the expert-data-parallel group), it holds every rank's share, so it is
-    # scaled by 1 / world size -- as DeepSpeed MoE does.
-    world = dist.get_world_size()
-    sched_params = []
-    for p in reversed(list(model.parameters())):  # roughly the order gradients become ready
-        if is_expert_param(p):
-            sched_params.append((p, groups.edp_group if groups.edp_group is not None else LOCAL, 1.0 / world))
-        else:
-            sched_params.append((p, groups.dp_group, 1.0 / world))
-    return model, sched_params
-
-
-def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = None,
-          device: torch.device | str | None = None, resume: bool = False,
-          on_step: Callable[[int], None] | None = None,
-          topology: Topology | None = None) -> tuple[TrainMetrics, dict[str, torch.Tensor]]:
-    """Run training on the initialised default process group; returns the metrics (the same
-    on all ranks) and this rank's final ``state_dict`` (on the CPU). Rank 0 writes
-    ``out/metrics.json`` and ``out/timeline.json`` when ``out`` is given. ``device``: this
-    rank's device (what :func:`commsched.dist.init_distributed` returned); default:
-    :func:`commsched.dist.group_device` of ``cfg.device``.
-
-    Checkpoints (``--impl commsched``, :mod:`commsched.moe.train_state`): with
-    ``cfg.checkpoint_every`` K > 0 every rank writes ``out/checkpoint-rank{r}.pt`` every K
-    steps and after the last; ``resume`` continues from those files, and the run ends
-    bitwise equal (parameters, losses) to one that was never interrupted. ``on_step(k)``
-    is called after step k (1-based) completed and its checkpoint, if any, was written.
-
-    ``topology``: the ranks' hosts for ``cfg.schedule.hier_reduce`` (default:
-    ``Topology.from_env()``, collective); with one host or one rank per host the reduction
-    is flat (said once), uneven hosts are a ValueError."""
-    rank = dist.get_rank()
-    dev = torch.device(device) if device is not None else group_device(cfg.device)
-    if resume and cfg.impl != "commsched":  # checkpoint_every: TrainConfig refuses it already
-        raise ValueError("--resume is an option of --impl commsched; DeepSpeed's runs are not checkpointed here")
-    if (cfg.checkpoint_every or resume) and out is None:
-        raise ValueError("--checkpoint-every and --resume need an output folder (out) for the checkpoints")
-    check_same_config({**dataclasses.asdict(cfg), "resume": bool(resume)}, what="training configuration")
-    ep = cfg.ep_size or dist.get_world_size()
-    corpus = load_corpus(cfg.corpus, max_bytes=cfg.max_corpus_bytes)
-    show = (read_env().progress if progress is None else progress) and rank == 0
-    t_wall = time.perf_counter()
-    with Progress(cfg.steps, "moe-train", "step", enabled=show) as bar:
-        if cfg.impl == "commsched":
-            res = _train_commsched(cfg, corpus, ep, bar, dev, out=out, resume=resume, on_step=on_step,
-                                   topology=topology)
-        else:
-            from .deepspeed_baseline import train_deepspeed  # it imports this module's helpers
-
-            res = train_deepspeed(cfg, corpus, ep, bar, dev)
-    res["wall_clock_s"] = time.perf_counter() - t_wall
-    state = res.pop("state")
-    gathered = all_gather_object(res, "gathering the training results")
-    metrics = summarize(cfg, gathered, ep, corpus.source)
-    if out is not None and rank == 0:
-        timeline = {"step": metrics.timeline_step, "ranks": [g.pop("timeline", []) for g in gathered]}
-        write_json(out / "timeline.json", timeline, indent=None)
-        metrics.write(out / "metrics.json")
-    return metrics, state
-
-
-def _resume_state(cfg: TrainConfig, out: Path, ep: int, device: torch.device) -> dict:
-    """This rank's checkpoint, checked; every rank learns of any rank's problem and of a
-    step that differs between the ranks' files, and raises the same ValueError (collective)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    path = train_state.checkpoint_path(out, rank)
-    st, err = None, None
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    ready: dict[str, Path] = {}  # the run folder, once made (a FAILED marker goes there, not before)
     try:
-        st = train_state.read_state(path, device)
-        train_state.check_state(st, path, cfg=cfg, rank=rank, world_size=world, ep_size=ep)
-    except ValueError as e:
-        err = str(e)
-    got = all_gather_object((err, st["step"] if st is not None else None), "agreeing on the checkpoint to resume from")
-    bad = [(r, e) for r, (e, _) in enumerate(got) if e]
-    if bad:
-        r, e = bad[0]
-        raise ValueError(e if r == rank else f"rank {r}: {e}")
-    steps = [s for _, s in got]
-    if len(set(steps)) > 1:
-        raise ValueError(f"--resume: the ranks' checkpoints in {out} hold different steps {steps} "
-                         "(a rank was killed while they were being renamed); they cannot be resumed together")
-    return st
+        return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
+    finally:  # after cli_main's line, which names the rank from the group
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def _save_state(cfg: TrainConfig, out: Path, step: int, ep: int, model, opt, rows: list[dict],
-                device: torch.device) -> None:
-    """Every rank writes its file beside the old one, the ranks meet, then each renames its
-    file into place (collective)."""
-    rank = dist.get_rank()
-    path = train_state.checkpoint_path(out, rank)
-    st = train_state.make_state(cfg=cfg, step=step, rank=rank, world_size=dist.get_world_size(), ep_size=ep,
-                                model=model, optimizer=opt, rows=rows, device=device)
-    tmp = train_state.write_tmp(path, st)
-    barrier(f"barrier before committing the checkpoint of step {step}")
-    train_state.commit(tmp, path)
-
-
-def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
-                     device: torch.device | str = "cpu", *, out: Path | None = None, resume: bool = False,
-                     on_step: Callable[[int], None] | None = None, topology: Topology | None = None) -> dict:
-    device = torch.device(device)
-    # threaded gloo groups carry CPU tensors only: a CUDA run keeps the backend's own groups
-    threads = cfg.allreduce_threads if device.type == "cpu" else None
-    groups = make_groups(ep, threads)
-    hier = None
-    if cfg.schedule.hier_reduce:  # its groups once, for every step (None: reduce flat)
-        from ..topology import Topology
-
-        hier = make_hier(topology if topology is not None else Topology.from_env(), threads=threads)
-    events = A2AEvents()  # the MoE layers report here; each scheduler registers for its steps
-    model, sched_params = _build_commsched(cfg, groups, events, device)
+def _run(a: argparse.Namespace, ready: dict[str, Path]) -> int:
+    cfg = config_from_args(a)
+    info = init_distributed(device=cfg.device)  # ValueError: --device cuda where it cannot run
     try:
-        return _train_loop(cfg, corpus, ep, bar, device, model, sched_params, events,
-                           out=out, resume=resume, on_step=on_step, hier=hier)
-    finally:
-        model.close()
+        prepare_out(a.out, overwrite=a.overwrite, resume=a.resume)  # made (or refused) before any work
+        ready["out"] = a.out
+        if info.device.type == "cpu":
+            torch.set_num_threads(1)  # ranks share the host's cores
+        m = train(cfg, a.out, device=info.device, resume=a.resume)[0].to_dict()
+        if dist.get_rank() == 0:
+            print(json.dumps({k: m[k] for k in ("impl", "schedule", "world_size", "step_time_s", "a2a_time_s",
+                                                 "allreduce_time_s", "a2a_alone_time_s", "val_loss")}), flush=True)
+        if cfg.impl == "deepspeed":
+            # DeepSpeed's CPU backend now and then aborts in its C++ teardown ("terminate called
+            # without an active exception") after a run that finished and wrote its results;
+            # leave without running those destructors once every rank is done.
+            barrier("finishing the DeepSpeed run")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+    except (ValueError, CommError, Stopped):
+        raise  # cli_main: one line, and FAILED in the run folder once there is one
+    except BaseException as e:  # not one of ours: the traceback stays, the folder says it failed
+        if "out" in ready:
+            mark_failed(a.out, f"{PROG} (rank {info.rank}): {type(e).__name__}: {e}")
+        raise
+    return 0
 
 
-def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device: torch.device, model,
-                sched_params, events: A2AEvents, *, out: Path | None, resume: bool,
-                on_step: Callable[[int], None] | None, hier: HierGroups | None = None) -> dict:
-    rank = dist.get_rank()
-    # the schedule's optimizer behind one step interface (priority/step.py): one Adam stepped
-    # after the whole reduction, or under lina-overlap one Adam per module, stepped as its
-    # reduction ends in the next forward pass (priority/overlap.py)
-    sched_cfg = cfg.schedule if hier is not None else dataclasses.replace(cfg.schedule, hier_reduce=False)
-    opt = make_grad_step(model, sched_params, sched_cfg, lambda ps: torch.optim.Adam(ps, lr=cfg.lr),
-                         device=device, hier=hier)
-    B, S = cfg.batch_size, cfg.model.seq_len
-    tl_step = cfg.timeline_at
-    rows: list[dict] = []
-    timeline: list[dict] = []
-    start = 0
-    if resume:
-        st = _resume_state(cfg, out, ep, device)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        rows = [dict(r) for r in st["rows"]]
-        start = int(st["step"])
-        train_state.restore_rng(st, device)
-        del st
-        bar.update(start)
-    every = cfg.checkpoint_every if out is not None else 0
-    clock = Clock(device)  # host clock on the CPU, CUDA events on CUDA
-
-    def comm_row(st: dict) -> dict:
-        return {"a2a_s": st["a2a_blocked_s"], "a2a_inflight_s": st["a2a_time_s"],
-                "allreduce_s": st["allreduce_time_s"], "allreduce_wait_s": st["allreduce_wait_s"],
-                "allreduce_in_bwd": st["allreduce_in_backward_share"]}
-
-    with opt, events.register(opt.scheduler):  # opening builds the scheduler (collective)
-        for step in range(start, cfg.steps):
-            x, y = corpus.batch(B, S, seed=cfg.seed, step=step, rank=rank)
-            x, y = to_device(x, device), to_device(y, device)
-            ckpt = every and ((step + 1) % every == 0 or step + 1 == cfg.steps)
-            opt.before_forward()
-            t0 = clock.mark()
-            with autocast(cfg, device):
-                loss, ce = model.loss(x, y)  # lina-overlap: each module waits for its update of the last step
-            prev = opt.before_backward()  # lina-overlap: the rest of the previous step (its timings)
-            if prev is not None:
-                rows[-1].update(comm_row(prev))
-                if step - 1 == tl_step:
-                    timeline = _timeline_dicts(opt.records)
-            t1 = clock.mark()
-            loss.backward()
-            t2 = clock.mark()
-            # this step's timings; None while its reduction runs into the next forward pass
-            st = opt.after_backward(sync=bool(ckpt) or step + 1 == cfg.steps)
-            t3 = clock.mark()
-            step_s, fwd_s, bwd_s = clock.seconds(t0, t3), clock.seconds(t0, t1), clock.seconds(t1, t2)
-            rows.append({"step_s": step_s, "fwd_s": fwd_s, "bwd_s": bwd_s, "loss": ce.item(),
-                         **(comm_row(st) if st is not None else {})})
-            if step == tl_step and st is not None:
-                timeline = _timeline_dicts(opt.records)
-            if ckpt:
-                _save_state(cfg, out, step + 1, ep, model, opt, rows, device)
-            if on_step is not None:
-                on_step(step + 1)
-            bar.update(1)
-            bar.postfix(loss=f"{ce.item():.3f}", step_s=f"{step_s:.2f}")
-    # closed: every update is in (the last step synchronized); lina-overlap's pre-hooks are gone
-    # the all-to-all alone: allreduce held until after the backward pass, no optimizer step
-    alone = []
-    serial = dataclasses.replace(cfg.schedule, policy="serial", hier_reduce=False)
-    with GradScheduler(sched_params, serial, device=device) as probe, events.register(probe):
-        for i in range(cfg.probe_steps):
-            x, y = corpus.batch(B, S, seed=cfg.seed, step=cfg.steps + i, rank=rank)
-            x, y = to_device(x, device), to_device(y, device)
-            probe.begin_step()
-            with autocast(cfg, device):
-                loss = model.loss(x, y)[0]
-            loss.backward()
-            alone.append(probe.finish()["a2a_blocked_s"])
-            model.zero_grad(set_to_none=True)
-    val = evaluate(model, corpus, cfg, device)
-    state = {k: v.detach().cpu().clone() if v.device.type != "cpu" else v.detach().clone()
-             for k, v in model.state_dict().items()}
-    return {"rows": rows, "timeline": timeline, "a2a_alone_s": alone, "val_loss": val,
-            "sizes": sizes(model, cfg), "state": state, "resumed_from_step": start if resume else None}
+__all__ = ["PROG", "build_parser", "config_from_args", "main"]
 
 
-if __name__ == "__main__":  # python -m commsched.moe.train: the command line is train_cli's
-    from .train_cli import main
-
+if __name__ == "__main__":
     raise SystemExit(main())

@@ -18,7 +18,7 @@ writing leaves the previous checkpoint whole. They are read with
 ``torch.load(weights_only=True)`` only; any failure to read one is a ``ValueError``
 naming the file.
 
-Nothing here touches a process group: :mod:`commsched.moe.train` does the collective
+Nothing here touches a process group: :mod:`commsched.moe.trainer` does the collective
 parts (the barrier, the agreement of every rank on the step to resume from).
 """
 

@@ -1,4 +1,4 @@
-"""What both MoE training runtimes share (commsched's in :mod:`commsched.moe.train`,
+"""What both MoE training runtimes share (commsched's in :mod:`commsched.moe.trainer`,
 DeepSpeed's in :mod:`commsched.moe.deepspeed_baseline`): the run's configuration, its
 ``metrics.json`` record, the held-out evaluation and the summary of every rank's results.
 """
@@ -31,7 +31,7 @@ DTYPES = ("float32", "bfloat16")  # --dtype: the training compute and the all-to
 @dataclass(frozen=True)
 class TrainConfig(Config):
     """One MoE training run; the flags of ``-m commsched.moe.train`` are generated from these
-    fields and those of the nested configs (:mod:`commsched.moe.train_cli`)."""
+    fields and those of the nested configs (:mod:`commsched.moe.train`)."""
 
     model: ModelConfig = option(default_factory=ModelConfig, cli=False)
     impl: str = option("commsched", "runtime: commsched's or the DeepSpeed baseline", choices=IMPLS)

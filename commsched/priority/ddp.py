@@ -47,7 +47,7 @@ group: each rank holds different values. :func:`ignore_grouped_params` (done by
 averaging -- and the state reduces their gradients itself: scaled by 1 / (DDP's world size)
 and summed over their own group (the expert-data-parallel group of ranks holding the same
 experts; none when the expert-parallel group spans every rank), as
-:mod:`commsched.moe.train` and DeepSpeed MoE do. They are hooked directly (their gradient
+:mod:`commsched.moe.trainer` and DeepSpeed MoE do. They are hooked directly (their gradient
 does not pass through DDP's buckets) and reduced after DDP's buckets. :func:`check_ddp`
 (called by the MoE layer's forward pass) raises when a plain DDP reduces such parameters
 or leaves their gradients to nobody.
