@@ -41,10 +41,13 @@ T = TypeVar("T")
 
 
 def option(default: Any = MISSING, help: str = "", *, choices: tuple | None = None,
-           flag: str | None = None, cli: bool = True, default_factory: Any = MISSING) -> Any:
+           flag: str | None = None, cli: bool = True, default_factory: Any = MISSING,
+           foreign: str | None = None) -> Any:
     """A config field with what its command-line flag needs: ``help``, ``choices``, the
-    ``flag`` name (default ``--field-name``); ``cli=False`` keeps it off the command line."""
-    meta = {"help": help, "choices": choices, "flag": flag, "cli": cli}
+    ``flag`` name (default ``--field-name``); ``cli=False`` keeps it off the command line.
+    ``foreign``: the error (a ``str.format`` template) when the option is given to a
+    component whose config lacks it (a registry's front-end decides the placeholders)."""
+    meta = {"help": help, "choices": choices, "flag": flag, "cli": cli, "foreign": foreign}
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -149,11 +152,14 @@ def _scalar(tp: Any) -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser | Any, cls: type, *, prefix: str = "",
-                  skip: tuple[str, ...] = (), defaults: Mapping[str, Any] | None = None) -> None:
+                  skip: tuple[str, ...] = (), defaults: Mapping[str, Any] | None = None,
+                  only_given: bool = False) -> None:
     """Add a flag per command-line field of config class ``cls`` to ``parser`` (or an
     argument group): ``--name`` (or the field's ``flag``), its type, default (or
     ``defaults[name]``), help and choices (a ``Literal`` annotation gives the choices too);
-    booleans get ``--name/--no-name``. Fields of other types must set ``cli=False``."""
+    booleans get ``--name/--no-name``. Fields of other types must set ``cli=False``.
+    ``only_given``: the namespace holds only the flags given (the help still shows the
+    default), so a caller can tell a flag given from its default."""
     hints = typing.get_type_hints(cls)
     for f in cli_fields(cls):
         if f.name in skip:
@@ -169,7 +175,9 @@ def add_arguments(parser: argparse.ArgumentParser | Any, cls: type, *, prefix: s
         help_ = f.metadata.get("help", "")
         shown = "" if default is MISSING or default is None else f" (default {default})"
         kw: dict[str, Any] = {"dest": prefix.replace("-", "_") + f.name, "help": help_ + shown}
-        if default is not MISSING:
+        if only_given:
+            kw["default"] = argparse.SUPPRESS
+        elif default is not MISSING:
             kw["default"] = default
         else:
             kw["required"] = True

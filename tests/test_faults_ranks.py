@@ -150,9 +150,9 @@ def test_config_differences_name_nested_keys():
     from commsched.gnn.adaqp_plan import AdaQPOptions
     from commsched.gnn.trainer import TrainConfig
 
-    a = TrainConfig()
-    b = dataclasses.replace(a, lr=0.02, adaqp=dataclasses.replace(a.adaqp, lam=0.25))
-    assert [k for k, _, _ in config_differences(a, b)] == ["adaqp.lam", "lr"]
+    a = TrainConfig(mode="adaqp")
+    b = dataclasses.replace(a, lr=0.02, exchange=dataclasses.replace(a.exchange, lam=0.25))
+    assert [k for k, _, _ in config_differences(a, b)] == ["exchange.lam", "lr"]
     assert config_differences(a, a) == []
     assert config_differences({"x": 1}, {"y": 1}) == [("x", 1, "<missing>"), ("y", "<missing>", 1)]
     assert isinstance(a.adaqp, AdaQPOptions)
@@ -190,7 +190,7 @@ def _case_gnn_nested(rank, world):
     from commsched.gnn.trainer import TrainConfig, run_training
 
     cfg = TrainConfig(mode="adaqp", layers=2, hidden=8, epochs=2,
-                      adaqp=AdaQPOptions(lam=0.25 if rank == 1 else 0.5))
+                      exchange=AdaQPOptions(lam=0.25 if rank == 1 else 0.5))
     _expect_value_error(lambda: run_training(cfg, _gnn_part(rank, world)), "ranks [1]", "adaqp.lam")
 
 

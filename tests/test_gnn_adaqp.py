@@ -261,7 +261,7 @@ def _topology_case(part, rank: int) -> dict:
     try:
         hosts = Topology.from_env().hosts_P
         cfg = TrainConfig(mode="adaqp", model="sage", layers=2, hidden=16, epochs=3, seed=1,
-                          adaqp=AdaQPOptions(period=2, group_size=10, link_costs="topology",
+                          exchange=AdaQPOptions(period=2, group_size=10, link_costs="topology",
                                              equal_variance=True, probe_repeats=1))
         m, tr = run_training(cfg, part, hosts_P=hosts)
     finally:
@@ -305,7 +305,7 @@ def _cases(rank: int, world: int) -> dict:
         x = part.x_nF
         ref_R = g.x_NF[torch.from_numpy(part.book.remote_ids)]
         for mode, bits in (("uniform", 8), ("uniform", 2), ("random", 8)):
-            cfg = TrainConfig(mode=mode, adaqp=AdaQPOptions(bits=bits), seed=5)
+            cfg = TrainConfig(mode=mode, exchange=AdaQPOptions(bits=bits), seed=5)
             ex = make_exchange(mode, part.book, group=grp, options=cfg.adaqp, seed=cfg.seed,
                                norm="gcn")
             ex.validate()
@@ -330,7 +330,7 @@ def _cases(rank: int, world: int) -> dict:
         # 3. the quantized modes train; adaptive re-assigns and the widths agree between ends
         for mode in ("adaqp", "adaqp-q", "random", "uniform", "nocomm"):
             cfg = TrainConfig(mode=mode, model="sage", layers=3, hidden=16, epochs=5,
-                              adaqp=AdaQPOptions(period=2, group_size=10, bits=8), seed=1)
+                              exchange=AdaQPOptions(period=2, group_size=10, bits=8), seed=1)
             m, tr = run_training(cfg, part, group=grp)
             out[f"finite_{mode}_{P}"] = bool(np.isfinite(m["loss"]).all())
             out[f"bytes_{mode}_{P}"] = m["bytes_sent_per_epoch"]

@@ -175,9 +175,9 @@ def test_pass_context_is_frozen_and_carries_the_pass(parts):
 
 # --------------------------------------------------------------------------- options
 def test_adaqp_options_nest_in_train_config_and_validate():
-    cfg = TrainConfig(mode="uniform", adaqp=AdaQPOptions(bits=2))
+    cfg = TrainConfig(mode="uniform", exchange=AdaQPOptions(bits=2))
     assert cfg.adaqp.bits == 2 and TrainConfig().adaqp == AdaQPOptions()
-    assert dataclasses.asdict(cfg)["adaqp"]["bits"] == 2  # recorded nested in metrics' config
+    assert cfg.record()["adaqp"]["bits"] == 2  # recorded nested in metrics' config
     assert AdaQPOptions().bits == max(BITS)
     for kw, msg in (({"bits": 3}, "--bits must be one of 2, 4, 8"), ({"period": 0}, "--period"),
                     ({"group_size": 0}, "--group-size"), ({"lam": 1.5}, "--lam must lie"),
@@ -185,7 +185,7 @@ def test_adaqp_options_nest_in_train_config_and_validate():
         with pytest.raises(ValueError, match=msg):
             AdaQPOptions(**kw)
     with pytest.raises(TypeError, match="AdaQPOptions"):
-        TrainConfig(adaqp={"bits": 4})  # type: ignore[arg-type]
+        TrainConfig(exchange={"bits": 4})  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- planning
@@ -289,10 +289,10 @@ def test_bits_is_refused_where_no_mode_uses_it():
     the default)."""
     for mode in ("onebit", "vanilla", "adaqp-p", "nocomm", "pipegcn", "bns"):
         with pytest.raises(ValueError, match=f"--bits is the width of --mode uniform.*--mode {mode}"):
-            TrainConfig(mode=mode, adaqp=AdaQPOptions(bits=4))
+            TrainConfig(mode=mode, exchange=AdaQPOptions(bits=4))
         TrainConfig(mode=mode)  # the default width is no request
     for mode in ("uniform", "random", "adaqp"):
-        assert TrainConfig(mode=mode, adaqp=AdaQPOptions(bits=2)).adaqp.bits == 2
+        assert TrainConfig(mode=mode, exchange=AdaQPOptions(bits=2)).adaqp.bits == 2
 
 
 def test_bench_passes_bits_only_to_the_adaqp_exchange_modes():

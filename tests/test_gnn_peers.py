@@ -94,13 +94,13 @@ def test_peer_mode_options_and_errors():
         with pytest.raises(ValueError, match=msg):
             PipeGCNOptions(**kw)
     with pytest.raises(ValueError, match="--boundary-rate is an option of --mode bns"):
-        TrainConfig(mode="vanilla", bns=BNSOptions(0.5))
+        TrainConfig(mode="vanilla", exchange=BNSOptions(0.5))
     with pytest.raises(ValueError, match="options of --mode pipegcn"):
-        TrainConfig(mode="bns", pipegcn=PipeGCNOptions(smoothing=0.2))
+        TrainConfig(mode="bns", exchange=PipeGCNOptions(smoothing=0.2))
     with pytest.raises(ValueError, match="needs --pattern direct"):
         TrainConfig(mode="pipegcn", pattern="ring")
-    cfg = TrainConfig(mode="bns", bns=BNSOptions(0.5), dtype="bfloat16")  # bf16 wire allowed
-    assert dataclasses.asdict(cfg)["bns"] == {"rate": 0.5}
+    cfg = TrainConfig(mode="bns", exchange=BNSOptions(0.5), dtype="bfloat16")  # bf16 wire allowed
+    assert cfg.record()["bns"] == {"rate": 0.5}
     p = build_parser()
     a = config_from_args(p.parse_args(["--mode", "pipegcn", "--stale-smoothing", "0.3"]))
     assert a.pipegcn == PipeGCNOptions(delay=1, smoothing=0.3) and a.bns == BNSOptions()
@@ -124,8 +124,8 @@ def test_one_rank_peer_modes_equal_vanilla():
     part = make_parts(g, np.zeros(g.num_nodes, np.int64), 1)[0]
     ref, _ = run_training(BASE, part)
     for cfg in (dataclasses.replace(BASE, mode="pipegcn"),
-                dataclasses.replace(BASE, mode="pipegcn", pipegcn=PipeGCNOptions(delay=0)),
-                dataclasses.replace(BASE, mode="bns", bns=BNSOptions(0.3))):
+                dataclasses.replace(BASE, mode="pipegcn", exchange=PipeGCNOptions(delay=0)),
+                dataclasses.replace(BASE, mode="bns", exchange=BNSOptions(0.3))):
         m, _ = run_training(cfg, part)
         assert m["loss"] == ref["loss"] and m["test_acc"] == ref["test_acc"], cfg.mode
 
@@ -181,9 +181,9 @@ def _equal_runs(a, b) -> bool:
 def case_twins_equal_vanilla(rank: int, world: int) -> None:
     part = _part3(rank)
     ref = run_training(BASE, part)
-    zero = run_training(dataclasses.replace(BASE, mode="pipegcn", pipegcn=PipeGCNOptions(delay=0)), part)
+    zero = run_training(dataclasses.replace(BASE, mode="pipegcn", exchange=PipeGCNOptions(delay=0)), part)
     assert _equal_runs(ref, zero), "pipegcn --stale-delay 0 differs from vanilla"
-    full = run_training(dataclasses.replace(BASE, mode="bns", bns=BNSOptions(1.0)), part)
+    full = run_training(dataclasses.replace(BASE, mode="bns", exchange=BNSOptions(1.0)), part)
     assert _equal_runs(ref, full), "bns --boundary-rate 1 differs from vanilla"
     assert full[0]["bytes_sent_per_epoch"] == ref[0]["bytes_sent_per_epoch"] > 0
 
@@ -211,7 +211,7 @@ def _stale_run(rank: int, world: int, smoothing: float):
     import torch.distributed as dist
 
     part = _part3(rank)
-    cfg = dataclasses.replace(BASE, mode="pipegcn", epochs=4, pipegcn=PipeGCNOptions(smoothing=smoothing))
+    cfg = dataclasses.replace(BASE, mode="pipegcn", epochs=4, exchange=PipeGCNOptions(smoothing=smoothing))
     ex = _Recording(part.book, options=cfg.pipegcn)
     m, _ = run_training(cfg, part, exchange=ex)
     # the kept rows join no graph (else each epoch's graph would hold the one before)
@@ -286,7 +286,7 @@ def case_bns_sends_the_kept_rows_rescaled(rank: int, world: int) -> None:
         torch.testing.assert_close(gsum, want_g, rtol=1e-6, atol=1e-6)
         assert sorted(set(s.send_pos.tolist())) == s.send_pos.tolist()
     # training sends exactly the kept share of vanilla's bytes, and learns
-    cfg = dataclasses.replace(BASE, mode="bns", bns=BNSOptions(rate), epochs=4)
+    cfg = dataclasses.replace(BASE, mode="bns", exchange=BNSOptions(rate), epochs=4)
     m, tr = run_training(cfg, part)
     v, _ = run_training(BASE, part)
     import torch.distributed as dist

@@ -183,7 +183,8 @@ def case_adaqp_trains_close_to_vanilla(rank, world):
 
 def case_sum_aggregation_in_every_quantized_mode(rank, world):
     """commsched's own sum layer (docs/gnn.md's GIN) trains in every quantized mode."""
-    from commsched.gnn import CONVS, make_parts, partition_nodes
+    from commsched.gnn import LAYERS, make_parts, partition_nodes
+    from commsched.gnn.models import FastLayer
     from commsched.gnn.trainer import TrainConfig, run_training
 
     class GINConvOwn(DistMessagePassing):
@@ -196,12 +197,12 @@ def case_sum_aggregation_in_every_quantized_mode(rank, world):
         def update(self, agg, h):
             return self.mlp(h + agg)
 
-    CONVS["gin_test"] = GINConvOwn
+    LAYERS.register("gin_test", FastLayer(conv=GINConvOwn))
     g = synthetic_graph(SYN)
     part = make_parts(g, partition_nodes(g, world, "metis"), world)[rank]
     for mode in ("adaqp", "adaqp-q", "uniform", "random"):
         cfg = TrainConfig(model="gin_test", mode=mode, epochs=3, hidden=8, layers=2,
-                          adaqp=OPTS)
+                          exchange=OPTS)
         m, _ = run_training(cfg, part)
         assert all(x == x for x in m["loss"]) and m["bytes_sent_per_epoch"] > 0, (mode, m["loss"])
 

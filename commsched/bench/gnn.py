@@ -45,7 +45,8 @@ import argparse
 from pathlib import Path
 
 from ..dist import DEVICE_CHOICES
-from ..gnn.modes import MODE_NAMES, mode_spec
+from ..gnn.models import LAYERS
+from ..gnn.modes import MODE_NAMES, mode_spec, option_owners
 from ..quant.reference import BITS
 from ..results import median
 from .gnn_tta import (
@@ -109,8 +110,7 @@ def mode_args(name: str) -> tuple[str, ...]:
     for suf, src in COST_SUFFIXES.items():
         if base.endswith(suf):
             base = base[: -len(suf)]
-            spec = mode_spec(base)
-            if spec.exchange != "adaqp" or mode_spec(base).scheme != "adaptive":
+            if getattr(mode_spec(base), "scheme", None) != "adaptive":
                 raise ValueError(f"--modes {name}: {suf} picks the link costs of an adaptive "
                                  f"mode (adaqp, adaqp-q), not of {base}")
             extra += ("--link-costs", *src)
@@ -171,7 +171,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="partitioner of every variant (metis, random, metis-hosts); a mode "
                         f"ending in {HOSTS_SUFFIX} uses metis-hosts")
     g.add_argument("--models", default=None,
-                   help="comma-separated: gcn, sage (default gcn,sage; gcn with --metric time-to-acc)")
+                   help=f"comma-separated, from the layer registry: {', '.join(LAYERS)} (default "
+                        "gcn,sage; gcn with --metric time-to-acc)")
     g.add_argument("--modes", default=None,
                    help=f"comma-separated modes for every model, a full-precision one may end in "
                         f"{BF16_SUFFIX} (--dtype bfloat16) (default: gcn {','.join(MODES_GCN)}; "
@@ -217,6 +218,7 @@ def variants(a: argparse.Namespace) -> list[Variant]:
     out = []
     models = a.models or ("gcn" if tta else "gcn,sage")
     for model in models.split(","):
+        LAYERS[model]  # an unknown model names the registry's
         if a.modes:
             modes = a.modes.split(",")
         elif tta:
@@ -227,7 +229,7 @@ def variants(a: argparse.Namespace) -> list[Variant]:
             args = mode_args(name)
             part = () if "--partition-method" in args or pm == "metis" else ("--partition-method", pm)
             mode = args[args.index("--mode") + 1] if "--mode" in args else "vanilla"
-            bits = ("--bits", str(a.bits)) if mode_spec(mode).exchange == "adaqp" else ()
+            bits = ("--bits", str(a.bits)) if mode in option_owners("bits") else ()  # modes whose config has --bits
             out.append(Variant(f"{model}-{name}", "commsched.gnn.train",
                                ("--model", model, *args, *part, *bits, *common)))
     return out

@@ -19,7 +19,8 @@ _EXPORTS: dict[str, str] = {
     "save_partition": "partition", "load_part": "partition",
     # exchange, layers, training
     "HaloExchange": "halo", "VanillaExchange": "halo", "ZeroExchange": "halo",
-    "MODES": "modes", "make_exchange": "modes", "AdaQPExchange": "adaqp",
+    "MODES": "modes", "make_exchange": "modes", "ExchangeConfig": "modes", "mode_config": "modes",
+    "LAYERS": "models", "FastLayer": "models", "PyGLayer": "models", "AdaQPExchange": "adaqp",
     "AdaQPOptions": "adaqp_plan", "PassContext": "context", "GNNMetrics": "metrics",
     "DistMessagePassing": "layers", "GCNConv": "layers",
     "SAGEConv": "layers", "DistGNN": "layers", "LocalGraph": "layers", "CONVS": "layers",

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..all2all import SegmentLayout
+from ..configurable import option
 from ..quant.assign_problem import Channel, expand_group_bits, group_messages
 from ..quant.codec import META_BYTES, payload_bytes
 from ..quant.reference import BITS
@@ -69,16 +70,21 @@ class AdaQPOptions:
     at no more variance than the averaged-cost assignment (:func:`solve_widths`).
     """
 
-    bits: int = max(BITS)
-    period: int = 50
-    group_size: int = 100
-    lam: float = 0.5
-    assign_time_limit_s: float = 2.0
-    probe_sizes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 19)
-    probe_repeats: int = 2
-    compile: bool = True
-    link_costs: str = "ring"
-    equal_variance: bool = False
+    bits: int = option(max(BITS), "the width of --mode uniform", foreign=(
+        "--bits is the width of --mode uniform (AdaQP's exchange); --mode {mode} does not "
+        "quantize to a chosen width and would ignore --bits {value}: drop it"))
+    period: int = option(50, "AdaQP re-assignment period (epochs)")
+    group_size: int = option(100, "AdaQP message group size")
+    lam: float = option(0.5, "AdaQP variance/time trade-off")
+    assign_time_limit_s: float = option(2.0, cli=False)
+    probe_sizes: tuple[int, ...] = option((1 << 12, 1 << 16, 1 << 19), cli=False)
+    probe_repeats: int = option(2, cli=False)
+    compile: bool = option(True, "compile the quantization codec at start-up")
+    link_costs: str = option("ring", "AdaQP's link costs: ring (probe_link_costs), topology (every "
+                             "pair timed alone, its own cost) or averaged (that probe, one mean "
+                             "cost for every pair)", choices=LINK_COST_SOURCES)
+    equal_variance: bool = option(False, "with --link-costs topology: the fastest widths at no "
+                                  "more variance than the averaged-cost assignment")
 
     def __post_init__(self) -> None:
         if self.link_costs not in LINK_COST_SOURCES:

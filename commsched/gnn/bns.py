@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..all2all import A2APlan
+from ..configurable import option
 from .book import PartitionBook
 from .context import PassContext
 from .halo import Pending, VanillaExchange
@@ -47,7 +48,9 @@ DEFAULT_BOUNDARY_RATE = 0.1  # BNS-GCN's recommended rate
 class BNSOptions:
     """``--boundary-rate``: the fraction P in (0, 1] of boundary rows kept per epoch."""
 
-    rate: float = DEFAULT_BOUNDARY_RATE
+    rate: float = option(DEFAULT_BOUNDARY_RATE, "--mode bns: fraction in (0, 1] of each part's "
+                         "boundary nodes kept per epoch (1 equals vanilla)", flag="--boundary-rate",
+                         foreign="--boundary-rate is an option of --mode bns, not of --mode {mode}")
 
     def __post_init__(self) -> None:
         if not (isinstance(self.rate, (int, float)) and not isinstance(self.rate, bool)

@@ -136,7 +136,7 @@ def summarize(cfg: Any, loss: Sequence[float], evals: Sequence[dict], per_rank: 
         peak_rss_mib_per_rank=rss,
         peak_rss_mib_total=sum(rss),
         partition=[r["book"] for r in per_rank],
-        config=dataclasses.asdict(cfg),
+        config=cfg.record() if hasattr(cfg, "record") else dataclasses.asdict(cfg),
         extra=dict(extra or {}),
         val_auc=best_auc["val_auc"] if best_auc else None,
         test_auc=best_auc.get("test_auc") if best_auc else None,

@@ -66,10 +66,44 @@ from .book import NORMS, edge_weights
 from .context import PassContext
 from .halo import HaloExchange
 from .layers import LocalGraph
-from .modes import make_exchange, mode_spec
+from .modes import ExchangeConfig, resolve_config
 from .partition import PartData, make_parts, partition_nodes
 from .timing import Breakdown
-from .trainer import _world, allreduce_grads
+
+
+def _world(group) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def allreduce_grads(params, loss: torch.Tensor | None = None, *, group=None,
+                    timer: Breakdown | None = None) -> float | None:
+    """Sum every parameter's gradient over the ranks of ``group`` (one flat allreduce, timed
+    as "reduce" in ``timer``), together with ``loss`` (a scalar) when given; returns the
+    summed loss as a float (None without one). Parameters without a gradient get a zero one
+    first, so every rank reduces the same flat tensor. Collective; on one rank (or no
+    process group) the gradients stay as they are."""
+    params = [p for p in params if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    rank, world = _world(group)
+    if world == 1 or not params:
+        return None if loss is None else float(loss.detach())
+    with (timer.time("reduce") if timer is not None else contextlib.nullcontext()):
+        parts = [p.grad.reshape(-1) for p in params]
+        if loss is not None:
+            parts.append(loss.detach().reshape(1).to(device=params[0].device, dtype=params[0].dtype))
+        flat = torch.cat(parts)
+        with comm_guard("allreduce of parameter gradients", group):
+            dist.all_reduce(flat, group=group)
+        off = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[off:off + n].view_as(p))
+            off += n
+    return None if loss is None else float(flat[-1])
 
 
 # --------------------------------------------------------------------------- layer kinds
@@ -220,11 +254,14 @@ class DistGraph:
     """One rank's part of a graph with its halo exchange, for PyG layers and own loops.
 
     part: this rank's :class:`PartData` (:func:`commsched.gnn.load_part`, a scatter, or
-    :meth:`from_graph`); mode: a ``--mode`` (:data:`commsched.gnn.MODES`); options, seed:
-    AdaQP's options and the seed of its random widths and rounding; group: the process
-    group (None: the default group, or one process without any); device: where rows,
-    edges and the exchange live (default: the CPU); dtype: of the features and the edge
-    weights; exchange: a ready :class:`HaloExchange` instead of ``mode``'s.
+    :meth:`from_graph`); mode: a ``--mode`` (:data:`commsched.gnn.MODES`); config: the
+    mode's :class:`~commsched.gnn.modes.ExchangeConfig` (default: its defaults; ``options``,
+    an :class:`AdaQPOptions`, gives the fields it shares); seed: of AdaQP's random widths
+    and rounding and BNS's samples; group: the process group (None: the default group, or
+    one process without any); device: where rows, edges and the exchange live (default:
+    the CPU); dtype: of the features and the edge weights; wire_dtype: the dtype
+    full-precision rows cross the wire in (mixed precision); dropout_rng: of
+    :attr:`local`'s dropout; exchange: a ready :class:`HaloExchange` instead of ``mode``'s.
 
     The owned rows are in the book's local order, central then marginal: ``x`` [n, F],
     ``y`` [n], ``masks["train" | "val" | "test"]`` [n], ``global_ids`` [n] (each owned
@@ -237,7 +274,8 @@ class DistGraph:
     def __init__(self, part: PartData, *, mode: str = "vanilla", group=None,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
                  options: AdaQPOptions | None = None, seed: int = 0, pattern: str = "direct",
-                 exchange: HaloExchange | None = None):
+                 exchange: HaloExchange | None = None, config: ExchangeConfig | None = None,
+                 wire_dtype: torch.dtype | None = None, dropout_rng: str = "node"):
         if not isinstance(part, PartData):
             raise TypeError(f"DistGraph takes one rank's PartData (make_parts, load_part or "
                             f"DistGraph.from_graph), got {type(part).__name__}")
@@ -245,13 +283,14 @@ class DistGraph:
         if part.book.num_parts != world or part.book.rank != rank:
             raise ValueError(f"rank {rank} of {world} was given part {part.book.rank} of "
                              f"{part.book.num_parts}")
-        if exchange is None:
-            mode_spec(mode)  # an unknown mode fails here, naming the known ones
+        # an unknown mode fails here, naming the known ones; options another mode's
+        self.config = resolve_config(mode, config if config is not None else options, strict=False)
         self.part, self.book, self.mode, self.group = part, part.book, mode, group
         self.rank, self.world = rank, world
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.dtype, self.seed, self.pattern = dtype, seed, pattern
-        self.options = options if options is not None else AdaQPOptions()
+        self.wire_dtype, self.dropout_rng = wire_dtype, dropout_rng
+        self._norm: str | None = None
         self.x = part.x_nF.to(device=self.device, dtype=dtype)
         self.y = part.y_n.to(self.device)
         self.masks = {"train": part.train_mask.to(self.device), "val": part.val_mask.to(self.device),
@@ -288,10 +327,10 @@ class DistGraph:
         """The halo exchange (built on first use, weighing AdaQP's messages by the first
         registered layer's norm)."""
         if self._halo is None:
-            norm = self._layers[0].kind.norm if self._layers else "gcn"
-            self._halo = make_exchange(self.mode, self.book, group=self.group, pattern=self.pattern,
-                                       options=self.options, seed=self.seed, norm=norm,
-                                       device=self.device)
+            norm = self._layers[0].kind.norm if self._layers else (self._norm or "gcn")
+            self._halo = self.config.build(self.book, group=self.group, pattern=self.pattern,
+                                           seed=self.seed, norm=norm, device=self.device,
+                                           wire_dtype=self.wire_dtype)
             if hasattr(self._halo, "set_layer_norm"):
                 for lay in self._layers:
                     if lay.kind.norm != norm:
@@ -302,7 +341,20 @@ class DistGraph:
     def local(self) -> LocalGraph:
         """The :class:`LocalGraph` of commsched's own layers (``DistMessagePassing``) on
         this part and exchange: ``conv(h, graph.local, layer, ctx)``."""
-        return LocalGraph(self.book, self.halo, dtype=self.dtype, seed=self.seed, device=self.device)
+        return LocalGraph(self.book, self.halo, dtype=self.dtype, seed=self.seed,
+                          dropout_rng=self.dropout_rng, device=self.device)
+
+    def use_norm(self, norm: str) -> None:
+        """The edge normalisation the exchange weighs messages by when no PyG layer is
+        registered (commsched's own layers: their ``norm``); before the first use of
+        :attr:`halo` (which builds the exchange)."""
+        self._norm = norm  # (a given exchange was built with its own)
+
+    @property
+    def options(self) -> AdaQPOptions:
+        """AdaQP's options of the config (the defaults for a mode without them)."""
+        cfg = self.config
+        return cfg.options if hasattr(cfg, "options") else AdaQPOptions(compile=cfg.compile)
 
     def register(self, layer: "DistributedLayer") -> int:
         """Give ``layer`` the next layer index (its key in the exchange); returns it."""
@@ -318,29 +370,29 @@ class DistGraph:
             self._edges[key] = _edge_set(self.book, kind.norm, kind.weighted, self.dtype, self.device)
         return self._edges[key]
 
-    def setup(self) -> None:
+    def setup(self, *, row_numel: int | None = None, dims: list[int] | None = None,
+              check: bool = True) -> None:
         """Once, collectively: the ranks compare what shapes the run (graph, partition,
-        mode, layers), the exchange checks its peers (``validate``) and compiles what it
-        will run (``prepare``). Called by the first pass or layer call."""
+        mode, layers; ``check=False``: the caller compared them already), the exchange
+        checks its peers (``validate``; ``row_numel``: the input width) and compiles what
+        it will run (``prepare``: ``dims``, the input width of every layer, default the
+        registered layers'). Called by the first pass or layer call."""
         if self._ready:
             return
-        attention = [type(lay.conv).__name__ for lay in self._layers
-                     if type(lay.conv).__name__ in ("GATConv", "GATv2Conv")]
-        if self.mode == "bns" and attention:
-            raise ValueError(f"mode='bns' drops boundary rows by sending zeros in their place, "
-                             f"which a weighted-sum aggregation ignores but {attention[0]}'s attention "
-                             "does not: use bns with GCNConv, SAGEConv, GINConv or GraphConv")
+        self.config.check_layers(self.mode, [type(lay.conv).__name__ for lay in self._layers])
         self._ready = True
-        check_same_config({"partition": {"fingerprint": self.part.fingerprint,
-                                         "num_parts": self.book.num_parts},
-                           "mode": self.mode, "seed": self.seed, "pattern": self.pattern,
-                           "dtype": str(self.dtype), "options": dataclasses.asdict(self.options),
-                           "layers": [type(lay.conv).__name__ for lay in self._layers]},
-                          self.group, what="DistGraph configuration")
+        if check:
+            check_same_config({"partition": {"fingerprint": self.part.fingerprint,
+                                             "num_parts": self.book.num_parts},
+                               "mode": self.mode, "seed": self.seed, "pattern": self.pattern,
+                               "dtype": str(self.dtype), "options": dataclasses.asdict(self.config),
+                               "layers": [type(lay.conv).__name__ for lay in self._layers]},
+                              self.group, what="DistGraph configuration")
         halo = self.halo
-        halo.validate(dtype=self.dtype)
-        dims = [_in_width(lay.conv) for lay in self._layers]
-        halo.prepare([d for d in dims if d is not None])
+        halo.validate(dtype=self.wire_dtype or self.dtype, row_numel=row_numel)
+        if dims is None:
+            dims = [d for d in (_in_width(lay.conv) for lay in self._layers) if d is not None]
+        halo.prepare(dims)
         for lay in self._layers:
             self.edges(lay.kind)
 

@@ -35,9 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..configurable import option
 from .book import PartitionBook
 from .context import PassContext
 from .halo import Pending, VanillaExchange
+
+_FOREIGN = "--stale-delay and --stale-smoothing are options of --mode pipegcn, not of --mode {mode}"
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,11 @@ class PipeGCNOptions:
     vanilla) and ``--stale-smoothing`` (gamma in [0, 1) of the moving average of stale
     rows and gradients; 0: off)."""
 
-    delay: int = 1
-    smoothing: float = 0.0
+    delay: int = option(1, "--mode pipegcn: 1 uses the previous epoch's halo rows and gradients; "
+                        "0 this epoch's (exact, equal to vanilla)", flag="--stale-delay", foreign=_FOREIGN)
+    smoothing: float = option(0.0, "--mode pipegcn: moving average of the stale rows and gradients, "
+                              "s = GAMMA s + (1 - GAMMA) received, GAMMA in [0, 1) (0: off)",
+                              flag="--stale-smoothing", foreign=_FOREIGN)
 
     def __post_init__(self) -> None:
         if isinstance(self.delay, bool) or self.delay not in (0, 1):

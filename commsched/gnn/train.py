@@ -18,8 +18,8 @@ from typing import Sequence
 import torch.distributed as dist
 
 from ..config import read_env
+from ..configurable import Registry, add_arguments, cli_fields, from_arguments
 from ..dist import (
-    DEVICE_CHOICES,
     CommError,
     Stopped,
     check_same_config,
@@ -29,11 +29,9 @@ from ..dist import (
 )
 from ..results import mark_failed, prepare_out
 from ..topology import Topology
-from .adaqp_plan import LINK_COST_SOURCES, AdaQPOptions
-from .bns import DEFAULT_BOUNDARY_RATE, BNSOptions
 from .cliargs import add_graph_args, graph_args_given, source_from_args
 from .data import GraphSource, load_source
-from .modes import MODE_NAMES, mode_spec
+from .modes import MODES, mode_config
 from .partition import (
     METHODS,
     PartData,
@@ -43,13 +41,13 @@ from .partition import (
     make_parts,
     partition_nodes,
 )
-from .stale import PipeGCNOptions
-from .trainer import DTYPES, TrainConfig, run_training
-
-_D = TrainConfig()
+from .trainer import TrainConfig, run_training
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(modes: Registry | None = None) -> argparse.ArgumentParser:
+    """The parser; ``modes``: the mode registry (default :data:`MODES`) whose names are
+    ``--mode``'s choices and whose configs give the mode options."""
+    modes = modes if modes is not None else MODES
     p = argparse.ArgumentParser(prog="python -m commsched.gnn.train",
                                 description="Distributed full-graph GNN training: Vanilla (exact) or AdaQP's "
                                             "quantized/overlapped exchanges (see docs/adaqp.md).")
@@ -61,82 +59,39 @@ def build_parser() -> argparse.ArgumentParser:
                         "then the parts given to ranks so that the heaviest cuts stay inside hosts)")
     p.add_argument("--partition-seed", type=int, default=0)
     t = p.add_argument_group("model and training")
-    t.add_argument("--model", choices=("gcn", "sage"), default=_D.model)
-    t.add_argument("--mode", choices=MODE_NAMES, default=_D.mode)
-    t.add_argument("--bits", type=int, default=_D.adaqp.bits, help="width for --mode uniform")
-    t.add_argument("--epochs", type=int, default=_D.epochs)
-    t.add_argument("--seed", type=int, default=_D.seed, help="parameter init and dropout seed")
-    t.add_argument("--layers", type=int, default=_D.layers)
-    t.add_argument("--hidden", type=int, default=_D.hidden)
-    t.add_argument("--dropout", type=float, default=_D.dropout)
-    t.add_argument("--lr", type=float, default=_D.lr)
-    t.add_argument("--weight-decay", type=float, default=_D.weight_decay)
-    t.add_argument("--layer-norm", action=argparse.BooleanOptionalAction, default=_D.layer_norm)
-    t.add_argument("--period", type=int, default=_D.adaqp.period, help="AdaQP re-assignment period")
-    t.add_argument("--group-size", type=int, default=_D.adaqp.group_size, help="AdaQP message group size")
-    t.add_argument("--lam", type=float, default=_D.adaqp.lam, help="AdaQP variance/time trade-off")
-    t.add_argument("--link-costs", choices=LINK_COST_SOURCES, default=_D.adaqp.link_costs,
-                   help="AdaQP's link costs: ring (probe_link_costs), topology (every pair timed "
-                        "alone, its own cost) or averaged (that probe, one mean cost for every pair)")
-    t.add_argument("--equal-variance", action="store_true",
-                   help="with --link-costs topology: the fastest widths at no more variance than "
-                        "the averaged-cost assignment")
-    t.add_argument("--no-compile", dest="compile", action="store_false",
-                   help="AdaQP and onebit modes: do not compile the quantization codec at start-up (the "
-                        "uncompiled codec: the same bits, slower per epoch; COMMSCHED_COMPILE=0 "
-                        "does the same for every codec call)")
-    t.add_argument("--stale-delay", type=int, default=None, metavar="D",
-                   help="--mode pipegcn: 1 (default) uses the previous epoch's halo rows and "
-                        "gradients; 0 this epoch's (exact, equal to vanilla)")
-    t.add_argument("--stale-smoothing", type=float, default=None, metavar="GAMMA",
-                   help="--mode pipegcn: moving average of the stale rows and gradients, "
-                        "s = GAMMA s + (1 - GAMMA) received, GAMMA in [0, 1) (default 0: off)")
-    t.add_argument("--boundary-rate", type=float, default=None, metavar="P",
-                   help="--mode bns: fraction in (0, 1] of each part's boundary nodes kept per "
-                        f"epoch (default {DEFAULT_BOUNDARY_RATE}; 1 equals vanilla)")
-    t.add_argument("--pattern", choices=("direct", "ring"), default=_D.pattern,
-                   help="all_to_all pattern of the halo exchange")
-    t.add_argument("--dtype", choices=tuple(DTYPES), default=_D.dtype,
-                   help="float32, float64: the dtype of everything; bfloat16 (vanilla, adaqp-p, "
-                        "nocomm): float32 parameters and loss, bf16 autocast compute, bf16 rows on "
-                        "the wire (docs/gnn.md)")
-    t.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
-                   help="auto (default): CUDA when every local rank has its own GPU, else the CPU")
-    t.add_argument("--dropout-rng", choices=("node", "local"), default=_D.dropout_rng,
-                   help="node: masks keyed by global node id (N ranks == 1 rank); local: faster")
-    t.add_argument("--eval-every", type=int, default=_D.eval_every)
+    # flags, defaults, help and choices: TrainConfig's fields (--model from the layer
+    # registry, --mode from MODES) and each mode config's fields
+    add_arguments(t, TrainConfig, skip=("checkpoint_every",), defaults={"device": "auto"})
+    next(x for x in t._group_actions if x.dest == "mode").choices = modes.names
+    m = p.add_argument_group("mode options (each belongs to the modes whose config has it)")
+    seen: set[str] = set()
+    for cls in _mode_classes(modes):
+        add_arguments(m, cls, skip=tuple(seen), only_given=True)
+        seen.update(f.name for f in cli_fields(cls))
     r = p.add_argument_group("run")
     r.add_argument("--out", default="runs/gnn", metavar="DIR", help="where metrics.json goes")
-    r.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
-                   help="write OUT/checkpoint.pt every K epochs (0: never)")
+    add_arguments(r, TrainConfig, skip=tuple(f.name for f in cli_fields(TrainConfig)
+                                             if f.name != "checkpoint_every"))
     r.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     r.add_argument("--overwrite", action="store_true",
                    help="replace the run already in OUT (else a folder holding metrics.json is refused)")
     return p
 
 
-def _mode_options(a: argparse.Namespace) -> tuple[PipeGCNOptions, BNSOptions]:
-    """The options of --mode pipegcn and bns; one of them given to another mode is an error."""
-    stale = {k: v for k, v in (("delay", a.stale_delay), ("smoothing", a.stale_smoothing)) if v is not None}
-    if stale and a.mode != "pipegcn":
-        raise ValueError(f"--stale-delay and --stale-smoothing are options of --mode pipegcn, not "
-                         f"of --mode {a.mode}")
-    if a.boundary_rate is not None and a.mode != "bns":
-        raise ValueError(f"--boundary-rate is an option of --mode bns, not of --mode {a.mode}")
-    bns = BNSOptions() if a.boundary_rate is None else BNSOptions(rate=a.boundary_rate)
-    return PipeGCNOptions(**stale), bns
+def _mode_classes(modes: Registry) -> list[type]:
+    """The config classes of the registered modes, each once, in registration order."""
+    return list(dict.fromkeys(modes.values()))
 
 
-def config_from_args(a: argparse.Namespace) -> TrainConfig:
-    pipegcn, bns = _mode_options(a)
-    return TrainConfig(pipegcn=pipegcn, bns=bns, model=a.model, mode=a.mode, layers=a.layers, hidden=a.hidden,
-                       dropout=a.dropout, layer_norm=a.layer_norm, lr=a.lr,
-                       weight_decay=a.weight_decay, epochs=a.epochs, seed=a.seed, dtype=a.dtype,
-                       pattern=a.pattern, dropout_rng=a.dropout_rng, eval_every=a.eval_every,
-                       checkpoint_every=a.checkpoint_every, device=a.device,
-                       adaqp=AdaQPOptions(bits=a.bits, period=a.period, group_size=a.group_size,
-                                          lam=a.lam, compile=a.compile, link_costs=a.link_costs,
-                                          equal_variance=a.equal_variance))
+def config_from_args(a: argparse.Namespace, modes: Registry | None = None) -> TrainConfig:
+    """The TrainConfig of the parsed flags (``modes``: the registry :func:`build_parser`
+    was given); a mode option given to a mode whose config lacks it is refused, naming
+    the modes that take it (:func:`commsched.gnn.modes.mode_config`)."""
+    modes = modes if modes is not None else MODES
+    values = {f.name: getattr(a, f.name) for cls in _mode_classes(modes) for f in cli_fields(cls)
+              if hasattr(a, f.name)}
+    return from_arguments(TrainConfig, a, exchange=mode_config(a.mode, given=True, modes=modes,
+                                                               **values))
 
 
 def obtain_part(src: GraphSource | None, rank: int, world: int, *, partition_dir: str | None,
@@ -191,7 +146,7 @@ def obtain_part(src: GraphSource | None, rank: int, world: int, *, partition_dir
 def startup_check(cfg: TrainConfig, src: GraphSource | None, group=None, **run: object) -> None:
     """Stop every rank with one clear ValueError when the ranks were started with different
     training configurations, graphs or run options (collective)."""
-    check_same_config({"train": dataclasses.asdict(cfg),
+    check_same_config({"train": cfg.record(),
                        "graph": dataclasses.asdict(src) if src is not None else None, **run},
                       group=group, what="training configuration")
 
@@ -214,7 +169,7 @@ def _run(a: argparse.Namespace, ready: dict[str, str]) -> int:
         # the run folder is made (or refused) before any work
         prepare_out(a.out, overwrite=a.overwrite, resume=a.resume)
         ready["out"] = a.out
-        if mode_spec(cfg.mode).timing_only and rank == 0:
+        if cfg.exchange.timing_only and rank == 0:
             print("commsched.gnn.train: --mode nocomm is TIMING ONLY: remote rows are replaced by "
                   "zeros, so the model trained is wrong; it measures the no-communication limit",
                   file=sys.stderr)

@@ -32,13 +32,12 @@ exchanged row, forward and backward, crosses the wire in bf16 (half of float32's
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -48,6 +47,7 @@ import torch.nn.functional as F
 
 from ..all2all import CommStats
 from ..clock import Clock
+from ..configurable import option
 from ..dist import (
     DEVICE_CHOICES,
     all_gather_object,
@@ -62,10 +62,12 @@ from .adaqp_plan import AdaQPOptions
 from .bns import BNSOptions
 from .context import PassContext
 from .halo import HaloExchange
-from .layers import LocalGraph, build_model
+from .layers import DistMessagePassing
 from .metrics import GNNMetrics, auc_from_histograms, auc_histograms, summarize
-from .modes import MODE_NAMES, make_exchange, mode_spec
+from .models import LAYERS
+from .modes import MODES, OPTION_SETS, ExchangeConfig, resolve_config
 from .partition import PartData
+from .pyg import DistGraph, _world, allreduce_grads
 from .stale import PipeGCNOptions
 from .timing import Breakdown
 
@@ -82,63 +84,61 @@ class TrainConfig:
     """Everything that shapes a training run (identical on every rank; checked at start).
 
     Defaults are AdaQP's (3 layers, hidden 256, dropout 0.5, LayerNorm, Adam lr 0.01).
-    ``adaqp`` (``--bits``, ``--period``, ``--group-size``, ``--lam``) belongs to the
-    quantized modes and is recorded but unused by the others. ``dropout_rng="node"`` draws dropout masks per
-    global node id so N-rank training equals single-process training; ``"local"`` is
-    faster but rank-count dependent. ``device``: one of
-    :data:`commsched.dist.DEVICE_CHOICES` (``auto``: CUDA when every local rank has its
-    own GPU); the library default is the CPU, ``--device`` defaults to ``auto``. ``dtype``: see the module doc (``bfloat16``: the mixed-precision baseline of
-    the full-precision modes). ``pipegcn`` (``--stale-delay``, ``--stale-smoothing``) and
-    ``bns`` (``--boundary-rate``) are the options of those modes; another mode refuses
-    values other than their defaults.
+    ``mode`` names the exchange (a key of :data:`commsched.gnn.modes.MODES`) and
+    ``exchange`` holds its config, the mode's options (default: the mode's defaults; an
+    option set such as :class:`AdaQPOptions`, or another mode's config, gives the fields
+    the mode has; one the mode lacks that declares its refusal, ``--bits``, ``--stale-*``,
+    ``--boundary-rate``, set to other than its default is refused:
+    :func:`commsched.gnn.modes.mode_config`; a config of a mode no registry holds trains
+    under the name ``mode``). ``adaqp``, ``pipegcn`` and ``bns`` read the
+    option sets back. ``model``: a key of :data:`commsched.gnn.models.LAYERS`.
+    ``dropout_rng="node"`` draws dropout masks per global node id so N-rank training
+    equals single-process training; ``"local"`` is faster but rank-count dependent.
+    ``device``: one of :data:`commsched.dist.DEVICE_CHOICES` (``auto``: CUDA when every
+    local rank has its own GPU); the library default is the CPU, ``--device`` defaults to
+    ``auto``. ``dtype``: see the module doc (``bfloat16``: the mixed-precision baseline of
+    the full-precision modes). The field metadata are the command line's flags
+    (:func:`commsched.configurable.add_arguments`).
     """
 
-    model: str = "gcn"
-    mode: str = "vanilla"
-    layers: int = 3
-    hidden: int = 256
-    dropout: float = 0.5
-    layer_norm: bool = True
-    lr: float = 0.01
-    weight_decay: float = 0.0
-    epochs: int = 100
-    seed: int = 0
-    dtype: str = "float32"
-    pattern: str = "direct"
-    dropout_rng: str = "node"
-    eval_every: int = 1
-    checkpoint_every: int = 0
-    adaqp: AdaQPOptions = field(default_factory=AdaQPOptions)
-    device: str = "cpu"
-    pipegcn: PipeGCNOptions = field(default_factory=PipeGCNOptions)
-    bns: BNSOptions = field(default_factory=BNSOptions)
+    model: str = option("gcn", "layer kind", choices=LAYERS.names)
+    mode: str = option("vanilla", "exchange mode", choices=MODES.names)
+    layers: int = option(3, "layers")
+    hidden: int = option(256, "hidden width")
+    dropout: float = option(0.5, "dropout probability")
+    layer_norm: bool = option(True, "LayerNorm between layers")
+    lr: float = option(0.01, "Adam learning rate")
+    weight_decay: float = option(0.0, "Adam weight decay")
+    epochs: int = option(100, "training epochs")
+    seed: int = option(0, "parameter init and dropout seed")
+    dtype: str = option("float32", "float32, float64: the dtype of everything; bfloat16 (the "
+                        "full-precision modes): float32 parameters and loss, bf16 autocast "
+                        "compute, bf16 rows on the wire (docs/gnn.md)", choices=tuple(DTYPES))
+    pattern: str = option("direct", "all_to_all pattern of the halo exchange",
+                          choices=("direct", "ring"))
+    dropout_rng: str = option("node", "node: masks keyed by global node id (N ranks == 1 rank); "
+                              "local: faster", choices=("node", "local"))
+    eval_every: int = option(1, "epochs between evaluations")
+    checkpoint_every: int = option(0, "write OUT/checkpoint.pt every K epochs (0: never)")
+    exchange: ExchangeConfig | None = option(None, cli=False)
+    device: str = option("cpu", "auto: CUDA when every local rank has its own GPU, else the CPU",
+                         choices=DEVICE_CHOICES)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODE_NAMES:
-            raise ValueError(f"--mode must be one of {', '.join(MODE_NAMES)}, got {self.mode!r}")
-        if not isinstance(self.adaqp, AdaQPOptions):
-            raise TypeError(f"adaqp must be an AdaQPOptions, got {type(self.adaqp).__name__}")
-        if not isinstance(self.pipegcn, PipeGCNOptions) or not isinstance(self.bns, BNSOptions):
-            raise TypeError("pipegcn must be a PipeGCNOptions and bns a BNSOptions, got "
-                            f"{type(self.pipegcn).__name__} and {type(self.bns).__name__}")
-        if self.mode != "pipegcn" and self.pipegcn != PipeGCNOptions():
-            raise ValueError(f"--stale-delay and --stale-smoothing are options of --mode pipegcn, "
-                             f"not of --mode {self.mode}")
-        if mode_spec(self.mode).exchange != "adaqp" and self.adaqp.bits != AdaQPOptions().bits:
-            raise ValueError(f"--bits is the width of --mode uniform (AdaQP's exchange); --mode "
-                             f"{self.mode} does not quantize to a chosen width and would ignore "
-                             f"--bits {self.adaqp.bits}: drop it")
-        if self.mode != "bns" and self.bns != BNSOptions():
-            raise ValueError(f"--boundary-rate is an option of --mode bns, not of --mode {self.mode}")
-        if self.mode == "pipegcn" and self.pattern != "direct":
-            raise ValueError("--mode pipegcn keeps every exchange of an epoch in flight across the "
-                             f"gradient allreduce, which needs --pattern direct (got {self.pattern!r})")
+        ex = self.exchange
+        # a mode no registry holds trains from its config (a test's, an experiment's)
+        if self.mode not in MODES and not isinstance(ex, ExchangeConfig):
+            raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        LAYERS[self.model]  # an unknown model names the known ones
+        if ex is not None and not dataclasses.is_dataclass(ex):
+            raise TypeError(f"exchange must be an ExchangeConfig (MODES[{self.mode!r}]) or one of "
+                            f"{', '.join(c.__name__ for c in OPTION_SETS)}, got {type(ex).__name__}")
+        object.__setattr__(self, "exchange", resolve_config(self.mode, ex))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.dtype in MIXED_DTYPES and mode_spec(self.mode).quantized:
-            raise ValueError(f"--dtype {self.dtype} is an option of the full-precision modes "
-                             f"(vanilla, adaqp-p, nocomm, pipegcn, bns); --mode {self.mode} quantizes float32 "
-                             "rows: use --dtype float32")
+        if self.pattern not in ("direct", "ring"):
+            raise ValueError(f"pattern must be direct or ring, got {self.pattern!r}")
+        self.exchange.check_run(self.mode, pattern=self.pattern, mixed=self.dtype in MIXED_DTYPES)
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
         if self.epochs < 1 or self.layers < 1 or self.hidden < 1:
@@ -152,10 +152,38 @@ class TrainConfig:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.eval_every < 1 or self.checkpoint_every < 0:
             raise ValueError("eval_every must be >= 1 and checkpoint_every >= 0")
-        if self.pattern not in ("direct", "ring"):
-            raise ValueError(f"pattern must be direct or ring, got {self.pattern!r}")
         if self.dropout_rng not in ("node", "local"):
             raise ValueError(f"dropout_rng must be node or local, got {self.dropout_rng!r}")
+
+    # -- the option sets of the exchange config, read back ---------------------------------
+    def _view(self, cls):
+        ex = self.exchange
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{f.name: getattr(ex, f.name) for f in dataclasses.fields(ex) if f.name in names})
+
+    @property
+    def adaqp(self) -> AdaQPOptions:
+        """AdaQP's options (of an AdaQP mode; the defaults, ``compile`` aside, otherwise)."""
+        return self._view(AdaQPOptions)
+
+    @property
+    def pipegcn(self) -> PipeGCNOptions:
+        """``--mode pipegcn``'s options (the defaults for another mode)."""
+        return self._view(PipeGCNOptions)
+
+    @property
+    def bns(self) -> BNSOptions:
+        """``--mode bns``'s options (the defaults for another mode)."""
+        return self._view(BNSOptions)
+
+    def record(self) -> dict[str, Any]:
+        """The config as metrics.json and checkpoints record it: every field (the exchange's
+        config nested) and the option sets ``adaqp``, ``pipegcn``, ``bns`` as before
+        issue 28 (readers of older records find them)."""
+        out = dataclasses.asdict(self)
+        out.update(adaqp=dataclasses.asdict(self.adaqp), pipegcn=dataclasses.asdict(self.pipegcn),
+                   bns=dataclasses.asdict(self.bns))
+        return out
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -180,53 +208,19 @@ class TrainConfig:
 
 def _comparable(cfg: dict) -> dict:
     """The config entries a resumed run must share with its checkpoint: all but
-    :data:`_RESUMABLE` and ``adaqp.compile`` (compiled and uncompiled codecs give the same
+    :data:`_RESUMABLE` and ``compile`` (compiled and uncompiled codecs give the same
     bits)."""
     out = {k: v for k, v in cfg.items() if k not in _RESUMABLE}
-    if isinstance(out.get("adaqp"), dict):
-        out["adaqp"] = {k: v for k, v in out["adaqp"].items() if k != "compile"}
+    for key in ("adaqp", "exchange"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: v for k, v in out[key].items() if k != "compile"}
     return out
-
-
-def _world(group) -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
 
 
 def run_device(cfg: TrainConfig, group=None) -> torch.device:
     """The device of a run with ``cfg`` on ``group``: :func:`commsched.dist.group_device`
     of ``cfg.device`` (``auto`` stays on the CPU on a group without NCCL)."""
     return group_device(cfg.device, group)
-
-
-def allreduce_grads(params, loss: torch.Tensor | None = None, *, group=None,
-                    timer: Breakdown | None = None) -> float | None:
-    """Sum every parameter's gradient over the ranks of ``group`` (one flat allreduce, timed
-    as "reduce" in ``timer``), together with ``loss`` (a scalar) when given; returns the
-    summed loss as a float (None without one). Parameters without a gradient get a zero one
-    first, so every rank reduces the same flat tensor. Collective; on one rank (or no
-    process group) the gradients stay as they are."""
-    params = [p for p in params if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    rank, world = _world(group)
-    if world == 1 or not params:
-        return None if loss is None else float(loss.detach())
-    with (timer.time("reduce") if timer is not None else contextlib.nullcontext()):
-        parts = [p.grad.reshape(-1) for p in params]
-        if loss is not None:
-            parts.append(loss.detach().reshape(1).to(device=params[0].device, dtype=params[0].dtype))
-        flat = torch.cat(parts)
-        with comm_guard("allreduce of parameter gradients", group):
-            dist.all_reduce(flat, group=group)
-        off = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[off:off + n].view_as(p))
-            off += n
-    return None if loss is None else float(flat[-1])
 
 
 def bytes_by_class(sent_RES: Sequence[Sequence[Sequence[int]]], hosts_P: Sequence[str]) -> dict[str, float]:
@@ -254,7 +248,12 @@ def peak_rss_mib() -> float:
 
 class Trainer:
     """One rank's side of a training run on its :class:`PartData`, on ``device`` (default:
-    :func:`run_device` of ``cfg``; a given ``exchange`` is moved there)."""
+    :func:`run_device` of ``cfg``; a given ``exchange`` is moved there).
+
+    The run is one stack: the part as a :class:`~commsched.gnn.pyg.DistGraph`
+    (``dgraph``: the mode's exchange, ``halo``; ``graph``: its :class:`LocalGraph`) and the
+    model the layer registry builds over it (:data:`commsched.gnn.models.LAYERS`:
+    commsched's own fast-path layers or PyG layers through ``distributed``)."""
 
     def __init__(self, cfg: TrainConfig, part: PartData, *, group=None,
                  exchange: HaloExchange | None = None, device: torch.device | str | None = None):
@@ -270,36 +269,38 @@ class Trainer:
                              "give a graph or split with training nodes")
         # the ranks must agree before anything is built from the config: a different lr or
         # dropout would train silently apart, a different hidden/dtype/model fail in gloo
-        check_same_config({**dataclasses.asdict(cfg),
+        check_same_config({**cfg.record(),
                            "partition": {"fingerprint": part.fingerprint, "num_parts": part.book.num_parts}},
                           group, what="training configuration")
         self.device = torch.device(device) if device is not None else run_device(cfg, group)
         self.clock = Clock(self.device)
         dev, dt = self.device, cfg.param_dtype
-        self.model = build_model(cfg.model, part.num_features, cfg.hidden, part.num_classes,
-                                 layers=cfg.layers, dropout=cfg.dropout, layer_norm=cfg.layer_norm,
-                                 seed=cfg.seed, dtype=dt).to(dev)
+        # one stack: the part as a DistGraph (its exchange: the mode's config, or the given
+        # one), the model from the layer registry over it (own fast-path layers or PyG ones)
+        self.dgraph = DistGraph(part, mode=cfg.mode, config=cfg.exchange, group=group, device=dev,
+                                dtype=dt, seed=cfg.seed, pattern=cfg.pattern, exchange=exchange,
+                                wire_dtype=cfg.wire_dtype, dropout_rng=cfg.dropout_rng)
+        self.model = LAYERS[cfg.model].build(self.dgraph, part.num_features, cfg.hidden,
+                                             part.num_classes, layers=cfg.layers,
+                                             dropout=cfg.dropout, layer_norm=cfg.layer_norm,
+                                             seed=cfg.seed, dtype=dt).to(dev)
         # the quantized modes weigh messages by the model's edge normalisation
-        self.halo = exchange.to(dev) if exchange is not None else make_exchange(
-            cfg.mode, part.book, group=group, pattern=cfg.pattern, options=cfg.adaqp,
-            seed=cfg.seed, norm=self.model.convs[0].norm, device=dev, wire_dtype=cfg.wire_dtype,
-            pipegcn=cfg.pipegcn, bns=cfg.bns)
-        self.graph = LocalGraph(part.book, self.halo, dtype=dt, seed=cfg.seed,
-                                dropout_rng=cfg.dropout_rng, device=dev)
+        self.halo = self.dgraph.halo
+        self.graph = self.dgraph.local
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.x = part.x_nF.to(device=dev, dtype=dt)
-        self.y = part.y_n.to(dev)
-        self.masks = {"train": part.train_mask.to(dev), "val": part.val_mask.to(dev),
-                      "test": part.test_mask.to(dev)}
+        # the graph's rows on the device (one copy)
+        self.x, self.y, self.masks = self.dgraph.x, self.dgraph.y, self.dgraph.masks
         self.totals = {k: max(int(part.totals[k]), 1) for k in ("train", "val", "test")}
         self.epoch = 0  # epochs completed
         self.history: dict[str, list] = {"loss": [], "epoch_time_s": [], "breakdown_s": [],
                                          "bytes_sent": [], "bytes_sent_P": [], "eval": []}
-        self.halo.validate(dtype=cfg.wire_dtype or dt, row_numel=part.num_features)
-        self.halo.prepare([part.num_features] + [cfg.hidden] * (cfg.layers - 1))  # input width per layer
+        # the ranks compared the config above; input width per layer
+        self.dgraph.setup(row_numel=part.num_features, check=False,
+                          dims=[part.num_features] + [cfg.hidden] * (cfg.layers - 1))
         # build the adjacency blocks now, not inside the first timed epoch
         for conv in self.model.convs:
-            self.graph.blocks(conv.norm)
+            if isinstance(conv, DistMessagePassing):
+                self.graph.blocks(conv.norm)
         if self.world > 1:
             # set-up (compiling the codec above all) takes different times on different
             # ranks; start the first timed epoch together, or its exchanges time the skew
@@ -377,13 +378,13 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"config": dataclasses.asdict(self.cfg), "epoch": self.epoch,
+        return {"config": self.cfg.record(), "epoch": self.epoch,
                 "world_size": self.world, "fingerprint": self.part.fingerprint,
                 "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                 "history": self.history}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        mine = _comparable(dataclasses.asdict(self.cfg))
+        mine = _comparable(self.cfg.record())
         theirs = _comparable(state["config"])
         if config_digest(mine) != config_digest(theirs):
             diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
