@@ -306,7 +306,7 @@ def _cases(rank: int, world: int) -> dict:
         ref_R = g.x_NF[torch.from_numpy(part.book.remote_ids)]
         for mode, bits in (("uniform", 8), ("uniform", 2), ("random", 8)):
             cfg = TrainConfig(mode=mode, exchange=AdaQPOptions(bits=bits), seed=5)
-            ex = make_exchange(mode, part.book, group=grp, options=cfg.adaqp, seed=cfg.seed,
+            ex = make_exchange(mode, part.book, group=grp, config=cfg.exchange, seed=cfg.seed,
                                norm="gcn")
             ex.validate()
             got = ex.start(x, 0).wait()

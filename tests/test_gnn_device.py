@@ -212,7 +212,7 @@ def _loopback_round_trip(device: str, bits: int, monkeypatch):
     part = _ring_part()
     loop = _Loopback()
     monkeypatch.setattr(adaqp_mod, "exchange_segments", loop)
-    ex = make_exchange("uniform", part.book, options=AdaQPOptions(bits=bits), seed=4, norm="gcn",
+    ex = make_exchange("uniform", part.book, config=AdaQPOptions(bits=bits), seed=4, norm="gcn",
                        device=device)
     assert ex.device.type == device and ex.send_idx.device.type == device
     lg = LocalGraph(part.book, ex)  # the graph follows its exchange's device by default

@@ -53,7 +53,7 @@ def test_mode_table_builds_each_modes_exchange(parts):
     want = {"vanilla": (VanillaExchange, False), "adaqp-p": (VanillaExchange, True),
             "pipegcn": (PipeGCNExchange, True), "bns": (BNSExchange, False)}
     for mode in MODE_NAMES:
-        ex = make_exchange(mode, book, options=AdaQPOptions(bits=4), seed=3, norm="mean")
+        ex = make_exchange(mode, book, config=AdaQPOptions(bits=4), seed=3, norm="mean")
         if mode in want:
             cls, asynchronous = want[mode]
             assert type(ex) is cls and ex.asynchronous is asynchronous, mode

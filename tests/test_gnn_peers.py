@@ -111,9 +111,9 @@ def test_peer_mode_options_and_errors():
         with pytest.raises(ValueError, match=msg):
             config_from_args(p.parse_args(argv))
     _, parts = _parts(2)
-    ex = make_exchange("bns", parts[0].book, seed=4, bns=BNSOptions(0.25), wire_dtype=torch.bfloat16)
+    ex = make_exchange("bns", parts[0].book, seed=4, config=BNSOptions(0.25), wire_dtype=torch.bfloat16)
     assert type(ex) is BNSExchange and ex.options.rate == 0.25 and ex.seed == 4 and not ex.asynchronous
-    ex = make_exchange("pipegcn", parts[0].book, pipegcn=PipeGCNOptions(smoothing=0.5))
+    ex = make_exchange("pipegcn", parts[0].book, config=PipeGCNOptions(smoothing=0.5))
     assert type(ex) is PipeGCNExchange and ex.overlaps and ex.options.smoothing == 0.5
     with pytest.raises(ValueError, match="needs --pattern direct"):
         make_exchange("pipegcn", parts[0].book, pattern="ring")

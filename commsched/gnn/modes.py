@@ -330,26 +330,20 @@ def resolve_config(mode: str, config: Any = None, *, strict: bool = True,
     return mode_config(mode, config, strict=strict, modes=modes)
 
 
-def make_exchange(mode: str, book: PartitionBook, *, group=None, pattern: str = "direct",
-                  config: ExchangeConfig | None = None, options: AdaQPOptions | None = None,
-                  seed: int = 0, norm: str | None = None, device: torch.device | str | None = None,
-                  wire_dtype: torch.dtype | None = None, pipegcn: PipeGCNOptions | None = None,
-                  bns: BNSOptions | None = None, modes: Registry | None = None) -> HaloExchange:
+def make_exchange(mode: str, book: PartitionBook, *, config: Any = None, group=None,
+                  pattern: str = "direct", seed: int = 0, norm: str | None = None,
+                  device: torch.device | str | None = None, wire_dtype: torch.dtype | None = None,
+                  modes: Registry | None = None) -> HaloExchange:
     """The exchange of ``mode`` for one rank's ``book``, on ``device`` (default: the CPU):
-    ``mode_config(mode, config).build(book, ...)``.
+    the mode's config (:func:`resolve_config` of ``config``: the mode's own config, or an
+    option set such as :class:`AdaQPOptions` whose fields the mode has carry over, the
+    others ignored; default the mode's defaults) ``.build(book, ...)``; ``modes``: the
+    registry (default :data:`MODES`).
 
-    config: the mode's config (default: its defaults); options, pipegcn, bns: option sets
-    (:class:`AdaQPOptions`, :class:`PipeGCNOptions`, :class:`BNSOptions`) whose fields the
-    mode has carry over, the others are ignored. seed: the run's (AdaQP's widths and
-    rounding, BNS's samples); norm: the model's edge normalisation, which the quantized
-    modes need to weigh their messages; wire_dtype: the dtype full-precision rows cross
-    the wire in (only the full-precision exchanges take one)."""
+    seed: the run's (AdaQP's widths and rounding, BNS's samples); norm: the model's edge
+    normalisation, which the quantized modes need to weigh their messages; wire_dtype: the
+    dtype full-precision rows cross the wire in (only the full-precision exchanges take one)."""
     cfg = resolve_config(mode, config, strict=False, modes=modes)
-    own = {f.name for f in dataclasses.fields(cfg)}
-    legacy = {f.name: getattr(extra, f.name) for extra in (options, pipegcn, bns) if extra is not None
-              for f in dataclasses.fields(extra) if f.name in own}
-    if legacy:
-        cfg = cfg.replace(**legacy)
     return cfg.build(book, group=group, pattern=pattern, seed=seed, norm=norm, device=device,
                      wire_dtype=wire_dtype)
 
