@@ -548,3 +548,30 @@ def test_cli_main_maps_errors_and_restores_the_handler(tmp_path, capsys):
     with pytest.raises(KeyError):  # not one of ours: the traceback stays
         cli_main("prog", lambda: {}["k"])
     assert issubclass(Stopped, BaseException) and not issubclass(Stopped, Exception)
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_on_a_full_disk_is_one_line_and_resumable(tmp_path):
+    """A 2 MB filesystem as --out (root only): the second checkpoint does not fit. One line
+    naming the file and ENOSPC, exit 2, no temporary left, FAILED holds the line, and the
+    first checkpoint is still whole."""
+    from tests.test_results import _tmpfs
+
+    disk = tmp_path / "disk"
+    if not _tmpfs(disk, "2m"):
+        pytest.skip("needs root and mount -t tmpfs")
+    try:
+        r = subprocess.run([sys.executable, "-m", "commsched.moe.train", "--steps", "3",
+                            "--checkpoint-every", "1", "--device", "cpu", "--out", str(disk / "run")],
+                           capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "COMMSCHED_PROGRESS": "0"})
+        assert r.returncode == 2, r.stderr
+        line = r.stderr.strip().splitlines()[-1]
+        assert line.startswith("commsched.moe.train: cannot write checkpoint ")
+        assert line.endswith("No space left on device (ENOSPC)") and "Traceback" not in r.stderr
+        names = sorted(p.name for p in (disk / "run").iterdir())
+        assert names == ["FAILED", "checkpoint-rank0.pt"], names
+        assert (disk / "run" / FAILED_MARKER).read_text().strip() == line
+        assert torch.load(disk / "run" / "checkpoint-rank0.pt", weights_only=True)["step"] == 1
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

@@ -283,7 +283,8 @@ def _checkpoint_resume_exact(tmp: str, rank: int, world: int) -> None:
         train(cfg, d, progress=False, on_step=_die_after(3))
     st = torch.load(checkpoint_path(d, rank), weights_only=True)
     assert st["step"] == 2 and st["rank"] == rank and len(st["rows"]) == 2
-    assert not list(d.glob("*.tmp"))
+    assert not list(d.glob("*.tmp")) and not list(d.glob("*.prev.pt"))  # all ranks renamed
+    step2 = checkpoint_path(d, rank).read_bytes()
     m, state = train(cfg, d, progress=False, resume=True)
     assert _same_state(state, full_state)
     assert m.loss == full_m.loss and len(m.loss) == 5
@@ -294,6 +295,20 @@ def _checkpoint_resume_exact(tmp: str, rank: int, world: int) -> None:
     assert _same_state(state2, full_state) and m2.loss == full_m.loss
     if rank == 0:
         assert json.loads((d / "metrics.json").read_text())["loss"] == full_m.loss
+    # a rank killed between its peer's rename and its own: rank 0 holds step 5 and kept step
+    # 2 as its previous file, rank 1 still holds step 2; the set resumes from step 2, exactly
+    from commsched.moe.train_state import previous_path
+
+    dist.barrier()
+    if rank == 0:
+        previous_path(checkpoint_path(d, 0)).write_bytes(step2)
+    else:
+        checkpoint_path(d, 1).write_bytes(step2)
+    dist.barrier()
+    m4, state4 = train(cfg, d, progress=False, resume=True)
+    assert m4.to_dict()["resumed_from_step"] == 2
+    assert _same_state(state4, full_state) and m4.loss == full_m.loss
+    assert not list(d.glob("*.prev.pt"))
     # a longer run continues from the end of the shorter one, as if it had been one run
     longer = dataclasses.replace(cfg, steps=6)
     m3, state3 = train(longer, d, progress=False, resume=True)

@@ -13,9 +13,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-import torch
-
-from ..results import load_torch_file, read_error
+from ..results import load_torch_file, read_error, save_torch
 from .model import ModelConfig, MoETransformerLM
 
 CHECKPOINT_FORMAT = "commsched-moe-lm"
@@ -26,10 +24,10 @@ __all__ = ["save_checkpoint", "load_checkpoint", "CHECKPOINT_FORMAT", "CHECKPOIN
 
 def save_checkpoint(path: str | Path, model: MoETransformerLM, info: dict | None = None) -> None:
     """Write ``model`` (every expert) and ``info`` (how it was trained, JSON-able) to ``path``."""
-    torch.save({"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
+    save_torch({"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
                 "model_config": dataclasses.asdict(model.cfg),
                 "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                "info": json.loads(json.dumps(info or {}, default=str))}, path)
+                "info": json.loads(json.dumps(info or {}, default=str))}, path, what="checkpoint")
 
 
 def load_checkpoint(path: str | Path) -> tuple[MoETransformerLM, dict]:

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from ..results import save_torch
+
 FORMAT = "commsched-moe-train-state"
 VERSION = 1
 # configuration fields a resumed run may change: the length of the run and what is
@@ -88,15 +90,35 @@ def make_state(*, cfg: Any, step: int, rank: int, world_size: int, ep_size: int,
 
 
 def write_tmp(path: Path, state: dict[str, Any]) -> Path:
-    """Write ``state`` beside ``path`` (``path.tmp``); :func:`commit` renames it."""
+    """Write ``state`` beside ``path`` (``path.tmp``, flushed to the disk); :func:`commit`
+    renames it. A full disk is one :class:`~commsched.results.OutputError` line naming the
+    file, with nothing half-written left behind."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, tmp)
+    save_torch(state, tmp, what="checkpoint")
     return tmp
 
 
+def previous_path(path: Path) -> Path:
+    """Where :func:`commit` keeps the last step's file until every rank has the new one."""
+    return path.with_name(path.stem + ".prev" + path.suffix)
+
+
 def commit(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` into place, keeping the file it replaces as :func:`previous_path`: a
+    rank killed between its peers' renames and its own leaves a set that still resumes (the
+    ranks ahead step back to their previous file, :func:`drop_previous` once all have
+    renamed)."""
+    if path.exists():
+        os.replace(path, previous_path(path))
     os.replace(tmp, path)
+
+
+def drop_previous(path: Path) -> None:
+    """Every rank has renamed its new file: the previous step's goes."""
+    try:
+        previous_path(path).unlink()
+    except FileNotFoundError:
+        pass
 
 
 def _load_failure(e: Exception) -> str:
@@ -155,4 +177,5 @@ def restore_rng(st: dict[str, Any], device: torch.device) -> None:
 
 
 __all__ = ["FORMAT", "RESUMABLE", "VERSION", "check_state", "checkpoint_path", "commit", "config_mismatch",
-           "config_record", "make_state", "read_state", "restore_rng", "write_tmp"]
+           "config_record", "drop_previous", "make_state", "previous_path", "read_state", "restore_rng",
+           "write_tmp"]

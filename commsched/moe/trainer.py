@@ -73,7 +73,7 @@ from ..observe import A2AEvents, A2AObserver
 from ..priority.executor import LOCAL, GradScheduler
 from ..priority.hier import HierGroups, make_hier
 from ..priority.step import make_grad_step
-from ..results import Progress, write_json
+from ..results import OutputError, Progress, write_json
 from . import train_state
 from .data import Corpus, load_corpus
 from .dispatch import ExpertGroup
@@ -206,38 +206,66 @@ def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = 
 
 def _resume_state(cfg: TrainConfig, out: Path, ep: int, device: torch.device) -> dict:
     """This rank's checkpoint, checked; every rank learns of any rank's problem and of a
-    step that differs between the ranks' files, and raises the same ValueError (collective)."""
+    step that differs between the ranks' files, and raises the same ValueError (collective).
+    Ranks killed between their peers' renames and their own leave files one step apart: the
+    ranks ahead step back to the previous file they kept (``train_state.commit``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     path = train_state.checkpoint_path(out, rank)
-    st, err = None, None
+    prev = train_state.previous_path(path)
+    st, err, prev_step = None, None, None
     try:
         st = train_state.read_state(path, device)
         train_state.check_state(st, path, cfg=cfg, rank=rank, world_size=world, ep_size=ep)
     except ValueError as e:
         err = str(e)
-    got = all_gather_object((err, st["step"] if st is not None else None), "agreeing on the checkpoint to resume from")
-    bad = [(r, e) for r, (e, _) in enumerate(got) if e]
+    if prev.is_file():
+        try:
+            prev_step = int(train_state.read_state(prev, "cpu")["step"])
+        except (ValueError, KeyError, TypeError):
+            prev_step = None
+    got = all_gather_object((err, st["step"] if st is not None else None, prev_step),
+                            "agreeing on the checkpoint to resume from")
+    bad = [(r, e) for r, (e, _, _) in enumerate(got) if e]
     if bad:
         r, e = bad[0]
         raise ValueError(e if r == rank else f"rank {r}: {e}")
-    steps = [s for _, s in got]
+    steps = [s for _, s, _ in got]
     if len(set(steps)) > 1:
-        raise ValueError(f"--resume: the ranks' checkpoints in {out} hold different steps {steps} "
-                         "(a rank was killed while they were being renamed); they cannot be resumed together")
+        target = min(steps)
+        if not all(s == target or p == target for _, s, p in got):
+            raise ValueError(f"--resume: the ranks' checkpoints in {out} hold different steps {steps} "
+                             "and no common earlier step; they cannot be resumed together")
+        if st["step"] != target:  # this rank renamed before a peer was killed: step back
+            st = train_state.read_state(prev, device)
+            train_state.check_state(st, prev, cfg=cfg, rank=rank, world_size=world, ep_size=ep)
     return st
 
 
 def _save_state(cfg: TrainConfig, out: Path, step: int, ep: int, model, opt, rows: list[dict],
                 device: torch.device) -> None:
-    """Every rank writes its file beside the old one, the ranks meet, then each renames its
-    file into place (collective)."""
+    """Every rank writes its file beside the old one (flushed to the disk), the ranks learn
+    whether all could (a full disk on any rank is the same one-line error on every rank,
+    nothing renamed), then each renames its file into place keeping the old one, and once
+    all have, the old ones go (collective)."""
     rank = dist.get_rank()
     path = train_state.checkpoint_path(out, rank)
     st = train_state.make_state(cfg=cfg, step=step, rank=rank, world_size=dist.get_world_size(), ep_size=ep,
                                 model=model, optimizer=opt, rows=rows, device=device)
-    tmp = train_state.write_tmp(path, st)
-    barrier(f"barrier before committing the checkpoint of step {step}")
+    tmp, err = None, None
+    try:
+        tmp = train_state.write_tmp(path, st)
+    except OutputError as e:
+        err = str(e)
+    errs = all_gather_object(err, f"writing the checkpoint of step {step}")
+    bad = [(r, e) for r, e in enumerate(errs) if e]
+    if bad:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        r, e = bad[0]
+        raise OutputError(e if r == rank else f"rank {r}: {e}")
     train_state.commit(tmp, path)
+    barrier(f"barrier after committing the checkpoint of step {step}")
+    train_state.drop_previous(path)
 
 
 def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
