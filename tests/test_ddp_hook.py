@@ -281,6 +281,23 @@ def lina_ddp_with_expert_dp_groups(rank: int, world: int) -> None:
                     w = w[(rank % ep) * L:(rank % ep + 1) * L]
                 err = (p.grad - w).abs().max().item()
                 assert err <= 1e-7 + 1e-6 * w.abs().max().item(), (micro, n, err)
+        # two synchronising backward passes in one optimizer step, no no_sync, no zero_grad
+        # between: exact as DDP is (the expert sums were rescaled and re-reduced before: ~40% off)
+        want = _reference_grads(world, 2)
+        model.zero_grad(set_to_none=True)
+        for m in range(2):
+            _loss(ddp, *_tokens(rank, m)).backward()
+        for n, p in model.named_parameters():
+            w = want[n]
+            if "experts" in n:
+                w = w[(rank % ep) * L:(rank % ep + 1) * L]
+            err = (p.grad - w).abs().max().item()
+            assert err <= 1e-7 + 1e-6 * w.abs().max().item(), ("two syncs", n, err)
+        # local accumulation on top of a reduced sum cannot be split: one clear error
+        with ddp.no_sync():
+            _loss(ddp, *_tokens(rank, 2)).backward()
+        with pytest.raises(RuntimeError, match="holds the last step's reduced sum with local gradients"):
+            _loss(ddp, *_tokens(rank, 3))
     finally:
         ddp.close()
         model.close()

@@ -36,6 +36,13 @@ Step boundaries follow DDP's: a forward pass of the DDP module with grad enabled
 at the end of that backward pass (:meth:`GradScheduler.finish`). Inside ``ddp.no_sync()``
 DDP calls no hook and the state opens no step, so every gradient, expert ones included,
 only accumulates; the next synchronising backward reduces the sums exactly as DDP does.
+Two synchronising backward passes in one optimizer step (no ``no_sync()`` and no
+``zero_grad()`` between) are exact too, as in DDP: the expert gradients' reduced sum of the
+first is set aside while the second step reduces only its own gradients, then added back
+(without that, the sum would be scaled by 1/world and re-reduced: about 40% off with
+expert-data-parallel groups of 2 in 4 ranks). Local accumulation on top of a reduced sum
+(``no_sync()`` passes after a synchronising one, without ``zero_grad()``) cannot be split
+and raises a RuntimeError at the next synchronising forward pass.
 DDP's rebuilt bucket order (after its first iteration) is learnt from the hook calls and
 the scheduler's operation order follows it from the next step (every rank sees DDP's
 order, which DDP takes from rank 0, so every rank rebuilds alike).
@@ -56,6 +63,7 @@ or leaves their gradients to nobody.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -199,6 +207,10 @@ class LinaState:
         self._queued = False
         self.last_stats: dict | None = None
         self._sched: GradScheduler | None = None
+        # grouped parameter -> (its gradient tensor, that tensor's version) right after a step
+        # reduced it; a step that opens with the same, untouched tensor adds to a reduced sum
+        self._reduced: dict[int, tuple[weakref.ref, int]] = {}
+        self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._build([id(p) for _, p in reversed(named)])
         self._fwd = ddp.register_forward_hook(self._after_forward)
         self._events = events.register(self) if events is not None else None
@@ -229,7 +241,34 @@ class LinaState:
         if self._seen and self._seen != self._order and len(self._seen) == len(self._order):
             self._build(self._seen)  # DDP rebuilt its buckets: follow their order
         self._seen = []
+        self._stash_reduced()
         self._sched.begin_step()
+
+    def _stash_reduced(self) -> None:
+        """Two synchronising backward passes in one optimizer step (no ``no_sync``, no
+        ``zero_grad`` between): DDP's dense gradients come out exact (rank-equal sum plus the
+        new average), but a grouped (expert) gradient that still holds the last step's
+        reduced sum would be scaled by 1/world and summed over its group again. So the
+        reduced sum is set aside while the step reduces only the new gradient, and added
+        back at its end (exact, as DDP). A reduced sum that local accumulation was added to
+        since (``no_sync`` passes without ``zero_grad``) cannot be split again: refused."""
+        self._stash = []
+        for name, p, _ in self._grouped:
+            rec = self._reduced.get(id(p))
+            g = p.grad
+            if rec is None or g is None or rec[0]() is not g:
+                continue
+            if g._version == rec[1]:
+                self._stash.append((p, g))
+                p.grad = None
+            elif bool(g.any()):
+                raise RuntimeError(
+                    f"LinaDDP: the gradient of expert parameter {name!r} holds the last step's reduced sum "
+                    "with local gradients added since (backward passes inside no_sync() after a "
+                    "synchronising one, without zero_grad): its parts cannot be told apart. Call "
+                    "optimizer.zero_grad() after each optimizer step, or run every micro-batch but the "
+                    "last inside no_sync()")
+        self._reduced.clear()
 
     def _bucket(self, bucket) -> torch.futures.Future:
         sched = self._sched
@@ -288,6 +327,14 @@ class LinaState:
         self._queued = False
         try:
             self.last_stats = self._sched.finish()
+            for p, prev in self._stash:  # the set-aside reduced sum, plus this step's
+                if p.grad is not None:
+                    prev.add_(p.grad)
+                p.grad = prev
+            self._stash = []
+            for _, p, _ in self._grouped:
+                if p.grad is not None:
+                    self._reduced[id(p)] = (weakref.ref(p.grad), p.grad._version)
         finally:
             with self._lock:
                 left, self._futs, self._bucket_of = self._futs, {}, {}
