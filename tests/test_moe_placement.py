@@ -226,6 +226,14 @@ def test_eplb_global_hand_worked_puts_two_replicas_on_one_device():
     m = ep.placement(load)
     assert m.replicas == ((0, 1), (0,), (1,), (0,)) and m.device_load == (9.5, 7.5)
     assert plan_placement(load, 2, 3).max_load == 8.5
+    # Placement's evaluation API: the plan under another (actual) load, EPLB's split kept:
+    # d0 = e1 + e0 / 3 + e3, d1 = 2 * e0 / 3 + e2
+    ev = ep.with_load([3, 6, 0, 2])
+    assert ev.slots == ep.slots and ev.device_load == (9.0, 2.0)
+    assert ev.imbalance == 9.0 / 5.5 and ev.max_load == 9.0
+    assert (ep.num_experts, ep.num_devices, ep.slots_per_device) == (4, 2, 3)
+    with pytest.raises(ValueError, match="load_E has 3 entries, the plan 4 experts"):
+        ep.with_load([1, 2, 3])
 
 
 def test_eplb_hierarchical_hand_worked():

@@ -65,6 +65,29 @@ class EplbPlan:
         return imbalance(self.device_load)
 
     @property
+    def num_experts(self) -> int:
+        return len(self.replica_counts)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.slots)
+
+    @property
+    def slots_per_device(self) -> int:
+        return len(self.slots[0]) if self.slots else 0
+
+    def with_load(self, load_E: Sequence[float] | np.ndarray) -> "EplbPlan":
+        """The same layout with device loads recomputed for another load (EPLB's own split:
+        an expert's load evenly over its physical replicas), as :meth:`Placement.with_load`:
+        evaluate a plan made from an estimate on a batch's actual load, then read
+        ``imbalance`` / ``max_load``."""
+        load = check_load(load_E)
+        if load.size != self.num_experts:
+            raise ValueError(f"load_E has {load.size} entries, the plan {self.num_experts} experts")
+        dl = [sum(float(load[e]) / self.replica_counts[e] for e in row) for row in self.slots]
+        return EplbPlan(self.slots, self.replica_counts, tuple(dl))
+
+    @property
     def duplicates(self) -> int:
         """Physical replicas beyond the first of an expert on the same device: what a
         :class:`Placement` (distinct devices per expert) cannot express."""
