@@ -15,6 +15,7 @@ import time
 from typing import Sequence
 
 from ..gnn.data import load_dataset
+from ..gnn.models import LAYERS
 from ..gnn.partition import make_parts, partition_nodes
 from ..gnn.trainer import TrainConfig, run_training
 from ..results import write_json
@@ -26,7 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m commsched.bench.gnn_kipf", description=__doc__.splitlines()[0])
     p.add_argument("--data-root", required=True, metavar="DIR")
     p.add_argument("--dataset", default="cora", choices=("cora", "citeseer"))
-    p.add_argument("--model", default="gcn", choices=("gcn", "sage"))
+    p.add_argument("--model", default="gcn", choices=LAYERS.names, help="a layer kind (commsched.gnn.LAYERS)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=200)
     p.add_argument("--out", metavar="FILE.json", help="write the results here too")
