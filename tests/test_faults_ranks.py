@@ -66,7 +66,7 @@ def _gnn(rank: int, world: int, how: str, stamp: str) -> dict:
     return _survive(lambda: run_training(cfg, part, on_epoch=on_epoch))
 
 
-def _moe_cfg(world: int, steps: int, **kw):
+def _moe_cfg(world: int, steps: int, schedule: str = "lina", **kw):
     from commsched.moe.layer import DispatchConfig
     from commsched.moe.model import ModelConfig
     from commsched.moe.trainer import TrainConfig
@@ -74,13 +74,13 @@ def _moe_cfg(world: int, steps: int, **kw):
 
     model = ModelConfig(d_model=16, n_heads=2, n_layers=2, seq_len=8, d_ff=24, expert_hidden=20,
                         num_experts=world, k=1, moe_every=2)
-    return TrainConfig(model=model, schedule=ScheduleConfig("lina", microop_bytes=1024, bucket_bytes=4096),
+    return TrainConfig(model=model, schedule=ScheduleConfig(schedule, microop_bytes=1024, bucket_bytes=4096),
                        dispatch=DispatchConfig(1, False), steps=steps, batch_size=2, lr=1e-2, seed=3,
                        warmup=1, probe_steps=1, eval_batches=1, corpus=str(CORPUS),
                        max_corpus_bytes=1 << 16, device="cpu", **kw)
 
 
-def _moe_train(rank: int, world: int, how: str, stamp: str) -> dict:
+def _moe_train(rank: int, world: int, how: str, stamp: str, schedule: str = "lina") -> dict:
     import commsched.moe.trainer as mt
 
     real_load = mt.load_corpus
@@ -98,7 +98,12 @@ def _moe_train(rank: int, world: int, how: str, stamp: str) -> dict:
             return self._c.batch(*a, step=step, rank=rank, **kw)
 
     mt.load_corpus = lambda *a, **kw: Faulty(real_load(*a, **kw))  # this spawned process only
-    return _survive(lambda: mt.train(_moe_cfg(world, 1000), None, progress=False))
+    return _survive(lambda: mt.train(_moe_cfg(world, 1000, schedule), None, progress=False))
+
+
+def _moe_train_overlap(rank: int, world: int, how: str, stamp: str) -> dict:
+    """lina-overlap: the reduction's tail runs under the next forward pass."""
+    return _moe_train(rank, world, how, stamp, schedule="lina-overlap")
 
 
 def _infer_cfg(batches: int, seed: int = 1):
@@ -125,7 +130,8 @@ def _moe_infer(rank: int, world: int, how: str, stamp: str) -> dict:
     return _survive(lambda: mi.run(_infer_cfg(8)))
 
 
-JOBS = {"gnn": _gnn, "moe_train": _moe_train, "moe_infer": _moe_infer}
+JOBS = {"gnn": _gnn, "moe_train": _moe_train, "moe_train_overlap": _moe_train_overlap,
+        "moe_infer": _moe_infer}
 
 
 @pytest.mark.slow

@@ -55,7 +55,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dist import CommError, all_gather_object, control_device
+from ..dist import (
+    CommError,
+    all_gather_object,
+    control_device,
+    peer_failure_hint,
+    unresponsive_note,
+)
 from ..dist import new_group as cs_new_group
 from .buckets import LOCAL
 from .executor import GradScheduler
@@ -65,6 +71,17 @@ from .records import OpRecord
 # the forward pass waits for parameters in these records of the step (timeline kinds)
 UPDATE = "update"    # one group's optimizer step: ready = its module reached, start = reduced, end = stepped
 FORWARD = "forward"  # the next step's forward pass: ready = start = its first module, end = complete_step()
+
+
+def _with_liveness(err: BaseException) -> CommError:
+    """``err`` as a CommError naming the rank that stopped answering when it reads as a
+    peer's failure (a timeout, a closed connection), as ``comm_guard`` does; gloo's own
+    text is cut to its first line."""
+    msg = " ".join(str(err).split(". This is typically")[0].split())
+    if ("did not finish within" in msg or peer_failure_hint(msg) is not None) \
+            and "stopped answering" not in msg and "is alive" not in msg:
+        msg += unresponsive_note()
+    return CommError(msg)
 
 
 class OverlapScheduler(GradScheduler):
@@ -244,16 +261,23 @@ class OverlapScheduler(GradScheduler):
             self._policy.need(seqs)
             self._pump()
             ok = self._cv.wait_for(lambda: self._error is not None or self.reduced(idx), timeout=self.timeout_s)
+            err = None
             if self._error is not None or not ok:
                 err = self._error or CommError(f"rank {dist.get_rank() if self._ctrl is not None else 0}: the "
                                                f"reduction of {self.names[idx[0]]!r} did not finish within "
                                                f"{self.timeout_s:.0f} s: a peer did not take part")
                 self._error = None
-                raise err
-            works = [self._state[s].work for s in seqs]
+            else:
+                works = [self._state[s].work for s in seqs]
+        if err is not None:  # outside the lock: asking who is alive takes a moment
+            raise _with_liveness(err)
         for w in works:
             if w is not None:
-                w.wait()
+                try:
+                    w.wait()
+                except RuntimeError as e:
+                    raise _with_liveness(CommError(f"rank {dist.get_rank()}: the reduction of "
+                                                   f"{self.names[idx[0]]!r} failed: {e}")) from None
         self._apply_unused(idx)
 
     def _apply_unused(self, idx: Iterable[int]) -> None:
@@ -269,8 +293,13 @@ class OverlapScheduler(GradScheduler):
             self._pump()
         st = self.finish()
         if self._ctrl_work is not None:
-            self._ctrl_work.wait()
-            self._ctrl_work = None
+            try:
+                self._ctrl_work.wait()
+            except RuntimeError as e:
+                raise _with_liveness(CommError(f"rank {dist.get_rank()}: the end-of-backward "
+                                               f"agreement failed: {e}")) from None
+            finally:
+                self._ctrl_work = None
         self._apply_unused(range(len(self._params)))
         t_end = self._t_end
         if self._cuda and self._end_mark is not None:
