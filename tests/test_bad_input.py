@@ -575,3 +575,27 @@ def test_moe_checkpoint_on_a_full_disk_is_one_line_and_resumable(tmp_path):
         assert torch.load(disk / "run" / "checkpoint-rank0.pt", weights_only=True)["step"] == 1
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_gnn_output_on_a_full_disk_is_one_line(tmp_path):
+    """A 12 KB filesystem as --out (root only): the first checkpoint does not fit: one line
+    naming the file and ENOSPC, exit 2, FAILED holds it, nothing half-written."""
+    from tests.test_results import _tmpfs
+
+    disk = tmp_path / "disk"
+    if not _tmpfs(disk, "12k"):
+        pytest.skip("needs root and mount -t tmpfs")
+    try:
+        r = subprocess.run([sys.executable, "-m", "commsched.gnn.train", "--device", "cpu", "--epochs", "3",
+                            "--checkpoint-every", "1", "--hidden", "64", "--layers", "2",
+                            "--out", str(disk / "run"), *SYN], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "COMMSCHED_PROGRESS": "0"})
+        assert r.returncode == 2, r.stderr
+        line = r.stderr.strip().splitlines()[-1]
+        assert line == (f"commsched.gnn.train: cannot write checkpoint {disk}/run/checkpoint.pt: "
+                        "No space left on device (ENOSPC)"), r.stderr
+        assert sorted(p.name for p in (disk / "run").iterdir()) == ["FAILED"]
+        assert (disk / "run" / FAILED_MARKER).read_text().strip() == line
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

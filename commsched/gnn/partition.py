@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..results import load_torch_file, read_error, write_json
+from ..results import load_torch_file, read_error, save_torch, write_json
 from .book import PartitionBook, build_books
 from .data import Graph, GraphSource, clean_edges, graph_fingerprint
 
@@ -276,10 +276,8 @@ def save_partition(folder: str | os.PathLike, g: Graph, parts: np.ndarray, num_p
     # remove part files of an older, larger partition in the same folder
     for old in folder.glob("part-*.pt"):
         old.unlink()
-    for p in pdata:
-        tmp = _part_file(folder, p.book.rank).with_suffix(".tmp")
-        torch.save(_to_record(p), tmp)
-        os.replace(tmp, _part_file(folder, p.book.rank))
+    for p in pdata:  # each atomically (fsync, rename); a full disk is one OutputError line
+        save_torch(_to_record(p), _part_file(folder, p.book.rank), what="part file")
     meta = {"format": FORMAT_VERSION, "num_parts": num_parts, "method": method, "seed": seed,
             "fingerprint": fp, "source_id": source.identity() if source is not None else None,
             "graph": g.summary(), "edge_cut": edge_cut(g, parts),

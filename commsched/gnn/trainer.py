@@ -57,7 +57,7 @@ from ..dist import (
     config_digest,
     group_device,
 )
-from ..results import Progress, load_torch_file, median, read_error
+from ..results import OutputError, Progress, load_torch_file, median, read_error, save_torch
 from .adaqp_plan import AdaQPOptions
 from .bns import BNSOptions
 from .context import PassContext
@@ -400,13 +400,19 @@ class Trainer:
         self.history["eval"] = list(state["history"]["eval"])
 
     def save_checkpoint(self, path: Path) -> None:
-        """Rank 0 writes (atomically); every rank waits so nobody runs ahead of the file."""
+        """Rank 0 writes (atomically, flushed to the disk); every rank waits so nobody runs
+        ahead of the file, and every rank learns if it could not be written (a full disk:
+        the same one-line :class:`~commsched.results.OutputError` on every rank)."""
+        err = None
         if self.rank == 0:
-            tmp = path.with_suffix(".tmp")
-            torch.save(self.state_dict(), tmp)
-            os.replace(tmp, path)
+            try:
+                save_torch(self.state_dict(), path, what="checkpoint")
+            except OutputError as e:
+                err = str(e)
         if self.world > 1:
-            barrier("barrier after writing a checkpoint", self.group)
+            err = all_gather_object(err, "agreeing that the checkpoint was written", self.group)[0]
+        if err is not None:
+            raise OutputError(err if self.rank == 0 else f"rank 0: {err}")
 
 
 # --------------------------------------------------------------------------- a whole run
