@@ -201,3 +201,51 @@ def test_run_variant_timeout_under_netem_removes_namespace(tmp_path):
     assert ns.startswith("commsched-")
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert ns not in listed
+
+
+def _gnn_rows(model: str, mode: str, ep: float, acc: float) -> dict:
+    return {"epoch_time_s": ep, "test_acc": acc, "bytes_sent_per_epoch": 1e6, "loss": [1.0],
+            "breakdown_s": {"comm": ep / 2, "quant": 0.0}, "mode": mode, "model": model}
+
+
+def test_bench_gnn_compares_within_each_model_and_says_what_to_pick(tmp_path, capsys):
+    """Ratios are against Vanilla of the same model (sage-vanilla was compared with
+    gcn-vanilla); summary.md ends with a pick per model and why; the help lists the modes and
+    the emulation flags; --modes alone says that both default models run."""
+    import argparse
+
+    from commsched.bench import load_workload
+    from commsched.bench.gnn import PICK_ACC_TOLERANCE, baseline_of, summarize
+    from commsched.bench.runner import build_parser, summary_markdown
+    from commsched.gnn.modes import MODE_NAMES
+
+    wl = load_workload("gnn")
+    runs = {"gcn-vanilla": [_gnn_rows("gcn", "vanilla", 2.0, 0.80)],
+            "gcn-adaqp": [_gnn_rows("gcn", "adaqp", 0.5, 0.80)],
+            "gcn-onebit": [_gnn_rows("gcn", "onebit", 0.4, 0.80 - 2 * PICK_ACC_TOLERANCE)],
+            "sage-vanilla": [_gnn_rows("sage", "vanilla", 4.0, 0.70)],
+            "sage-uniform": [_gnn_rows("sage", "uniform", 5.0, 0.70)]}
+    s = summarize_runs(wl, runs)
+    assert s["baseline"] == {"gcn-adaqp": "gcn-vanilla", "gcn-onebit": "gcn-vanilla",
+                             "sage-uniform": "sage-vanilla"}
+    assert s["speedup_vs_baseline"]["sage-uniform"]["epoch_time_s"] == 0.8  # 4.0 / 5.0, not 2.0 / 5.0
+    assert "sage-vanilla" not in s["speedup_vs_baseline"]
+    assert baseline_of("sage-adaqp-s1", ["gcn-vanilla-s1", "sage-vanilla-s1", "sage-adaqp-s1"]) == "sage-vanilla-s1"
+    a = argparse.Namespace(bits=4, bandwidth="300mbit", metric="epoch", target_acc=None, modes=None)
+    extra = summarize(runs, a, tmp_path)
+    pick = extra["extra_tables"]["Which mode to pick here"]
+    assert pick.splitlines()[0].startswith("- gcn: pick **adaqp** at 300mbit: the fastest epoch (4.00x")
+    assert pick.splitlines()[1].startswith("- sage: pick **vanilla** at 300mbit: no mode is faster")
+    md = summary_markdown(wl, {**s, **extra}, {"command": "x", "machine": {"cpu": "c", "cores": 2},
+                                               "nproc": 4, "repeat": 1})
+    assert "Ratios against each variant's baseline" in md and "| gcn-adaqp | gcn-vanilla |" in md
+    assert "## Which mode to pick here" in md
+    p = build_parser(wl)
+    helptext = p.format_help()
+    assert all(m in " ".join(helptext.split()) for m in MODE_NAMES)
+    assert "--bandwidth RATE" in helptext and "--hosts K" in helptext
+    ns = p.parse_args(["--modes", "vanilla,adaqp"])
+    ns.hosts, ns.bandwidth, ns.rate_bps = 1, None, None
+    names = [v.name for v in wl.variants(ns)]
+    assert names == ["gcn-vanilla", "gcn-adaqp", "sage-vanilla", "sage-adaqp"]
+    assert "--modes without --models runs them for every default model (gcn,sage)" in capsys.readouterr().err

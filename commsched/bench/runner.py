@@ -63,6 +63,9 @@ class Workload:
     summarize: Callable[[dict[str, list[dict]], argparse.Namespace, Path], dict] | None = None
     higher_is_better: tuple[str, ...] = ()
     default_bandwidth: str | None = None  # the documented default regime, if any
+    # baseline_of(variant, all variant names) -> the variant it is compared with (None: not
+    # compared); default: the first variant (a bench of several models compares within each)
+    baseline_of: Callable[[str, list[str]], str | None] | None = None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -242,12 +245,17 @@ def run_variant(variant: Variant, nproc: int, out_dir: Path, ctx: RunContext,
 
 
 def summarize_runs(workload: Workload, runs: dict[str, list[dict]]) -> dict:
-    """Medians of the key metrics per variant, and ratios of each variant to the first."""
+    """Medians of the key metrics per variant, and ratios of each variant to its baseline:
+    the first variant, or ``workload.baseline_of`` (``baseline`` is then a dict)."""
     names = list(runs)
     med = {v: {k: median_of(runs[v], k) for k in workload.key_metrics} for v in names}
     ratios: dict[str, dict[str, float | None]] = {}
-    base = names[0] if names else None
-    for v in names[1:]:
+    first = names[0] if names else None
+    bases = {v: (workload.baseline_of(v, names) if workload.baseline_of else first) for v in names}
+    for v in names:
+        base = bases[v]
+        if base is None or base == v or base not in med:
+            continue
         r = {}
         for k in workload.key_metrics:
             a, b = med[base][k], med[v][k]
@@ -258,6 +266,7 @@ def summarize_runs(workload: Workload, runs: dict[str, list[dict]]) -> dict:
             else:
                 r[k] = a / b  # > 1 means the variant is faster / smaller than the baseline
         ratios[v] = r
+    base = first if workload.baseline_of is None else {v: b for v, b in bases.items() if v in ratios}
     return {"baseline": base, "median": med, "speedup_vs_baseline": ratios,
             "repeats": {v: len(runs[v]) for v in names}}
 
@@ -305,10 +314,14 @@ def summary_markdown(workload: Workload, summary: dict, meta: dict) -> str:
     for v, m in summary["median"].items():
         lines.append(f"| {v} | " + " | ".join(_fmt(m[k]) for k in keys) + " |")
     if summary["speedup_vs_baseline"]:
-        lines += ["", f"Ratios against `{summary['baseline']}` (> 1: better than the baseline):", "",
-                  "| variant | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+        per = isinstance(summary["baseline"], dict)
+        head = ("Ratios against each variant's baseline (> 1: better than the baseline):" if per else
+                f"Ratios against `{summary['baseline']}` (> 1: better than the baseline):")
+        lines += ["", head, "", "| variant | " + ("baseline | " if per else "") + " | ".join(keys) + " |",
+                  "|---" * (len(keys) + 1 + per) + "|"]
         for v, r in summary["speedup_vs_baseline"].items():
-            lines.append(f"| {v} | " + " | ".join(_fmt(r[k]) + ("x" if r[k] else "") for k in keys) + " |")
+            lines.append(f"| {v} | " + (f"{summary['baseline'][v]} | " if per else "")
+                         + " | ".join(_fmt(r[k]) + ("x" if r[k] else "") for k in keys) + " |")
     for title, table in summary.get("extra_tables", {}).items():
         lines += ["", f"## {title}", "", table]
     for p in summary.get("plots", []):
