@@ -1,7 +1,7 @@
 """Triton kernels of the quantization codec: quantize+pack and unpack+dequantize.
 
 Both must equal ``commsched.quant.reference`` bit for bit (``quantize_reference`` and
-``dequantize_reference``) for the same key; ``tests/test_quant_kernels.py`` checks it
+``dequantize_reference``) for the same key; ``tests/quant/test_kernels.py`` checks it
 under ``TRITON_INTERPRET=1`` on the CPU. ``commsched.quant.codec`` calls the launchers
 below for CUDA tensors.
 

@@ -36,7 +36,7 @@ module lets the step end with its reduction still running:
 Exactness: each parameter is updated by the same optimizer arithmetic from the same reduced
 gradient as under ``fifo`` / ``lina`` (Adam's and SGD's updates are per parameter), so
 after k steps the parameters equal ``lina``'s bit for bit, and ``fifo``'s where the sums
-are formed in the same order (tests/test_moe_train.py, tests/test_overlap.py). Global
+are formed in the same order (tests/moe/test_train.py, tests/priority/test_overlap.py). Global
 gradient-norm clipping needs every gradient before any step: with ``clip_grad_norm`` the
 overlap is off (a warning says so once) and the optimizer steps after the whole reduction.
 

@@ -17,8 +17,7 @@ from commsched.gnn.models import LAYERS, FastLayer, PyGLayer
 from commsched.gnn.modes import MODES, ExchangeConfig, make_exchange, mode_config, modes_copy
 from commsched.gnn.partition import make_parts, partition_nodes
 from commsched.gnn.trainer import TrainConfig, run_training
-
-from .mp import run_ranks
+from tests.mp import run_ranks
 
 SYN = SyntheticSpec(num_nodes=200, num_edges=800, num_features=8, num_classes=3, seed=3)
 SYN_ARGS = ["--syn-nodes", "200", "--syn-edges", "800", "--syn-features", "8", "--syn-classes", "3",

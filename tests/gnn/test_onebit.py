@@ -3,7 +3,7 @@ sizes, errors), error feedback as a pure computation, and the exchange: on 1 ran
 trains as Vanilla; on 3 gloo ranks (one spawn) the received rows equal the reference
 codec's decode(encode(x)) with error feedback off, carry the error with it on, and the
 bytes on the wire are the packed records (:func:`three_rank_cases`, run inside
-``tests/test_gnn_adaqp.py``'s 3-rank spawn)."""
+``tests/gnn/test_adaqp.py``'s 3-rank spawn)."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def test_one_rank_trains_as_vanilla():
 
 
 def three_rank_cases(rank: int, world: int) -> dict:
-    """The 3-rank cases; they run in ``tests/test_gnn_adaqp.py``'s 3-rank spawn (one spawn
+    """The 3-rank cases; they run in ``tests/gnn/test_adaqp.py``'s 3-rank spawn (one spawn
     for both files: starting three processes costs more than every case in it), which
     passes the per-rank results to :func:`check_three_rank`."""
     from commsched.all2all import CommStats

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "integrate.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "integrate.md"
 HEAD = re.compile(r"^# example:\s*(?P<name>[A-Za-z0-9_]+)(?:\s+nproc=(?P<nproc>\d+))?\s*$")
 TIMEOUT_S = 240
 

@@ -23,7 +23,7 @@ from commsched.dist import CommError, cli_error
 from commsched.results import FAILED_MARKER, load_torch_file, mark_failed, prepare_out
 from tests.mp import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SYN = ["--syn-nodes", "120", "--syn-edges", "500", "--syn-features", "4", "--syn-classes", "3"]
 
 
@@ -555,7 +555,7 @@ def test_moe_checkpoint_on_a_full_disk_is_one_line_and_resumable(tmp_path):
     """A 2 MB filesystem as --out (root only): the second checkpoint does not fit. One line
     naming the file and ENOSPC, exit 2, no temporary left, FAILED holds the line, and the
     first checkpoint is still whole."""
-    from tests.test_results import _tmpfs
+    from tests.core.test_results import _tmpfs
 
     disk = tmp_path / "disk"
     if not _tmpfs(disk, "2m"):
@@ -581,7 +581,7 @@ def test_moe_checkpoint_on_a_full_disk_is_one_line_and_resumable(tmp_path):
 def test_gnn_output_on_a_full_disk_is_one_line(tmp_path):
     """A 12 KB filesystem as --out (root only): the first checkpoint does not fit: one line
     naming the file and ENOSPC, exit 2, FAILED holds it, nothing half-written."""
-    from tests.test_results import _tmpfs
+    from tests.core.test_results import _tmpfs
 
     disk = tmp_path / "disk"
     if not _tmpfs(disk, "12k"):

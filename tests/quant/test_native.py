@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 import commsched.quant as Q
 from commsched.quant import fast as F
 from commsched.quant import reference as R
-
-from .test_quant_codec import _rows
+from tests.quant.test_codec import _rows
 
 LIB = F.native_library()
 needs_native = pytest.mark.skipif(LIB is None, reason=f"no native codec: {C.status() and C.status().describe()}")
@@ -65,7 +64,7 @@ def test_native_wide_rows_and_strided_views(bits):
 def test_native_clamp_keeps_levels_in_their_slot():
     for bits in (2, 4, 8):
         L, D = (1 << bits) - 1, 37
-        from .test_quant_codec import _over_ranges
+        from tests.quant.test_codec import _over_ranges
 
         xs = torch.zeros(2, D)
         xs[:, 0] = float(_over_ranges(bits, 1)[0])

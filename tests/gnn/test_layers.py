@@ -24,7 +24,7 @@ from commsched.gnn.modes import make_exchange
 from commsched.gnn.partition import make_parts, partition_nodes
 from commsched.gnn.trainer import TrainConfig, Trainer, run_training
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 def _one_part(g):

@@ -2,7 +2,7 @@
 hand-built 2 hosts x 2 ranks topology, the real CP-SAT), the per-link-class report, the
 bytes per link class, grouping METIS parts onto hosts (a hand-built graph) and the
 bench's mode names. The multi-process case (a probed topology on 3 gloo ranks over two
-hosts) shares the spawn of tests/test_gnn_adaqp.py."""
+hosts) shares the spawn of tests/gnn/test_adaqp.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``lina-overlap`` on real parameters: per-module optimizer steps and forward pre-hooks
 equal one optimizer stepping after the whole reduction (in one process here; on 2 and 4
-gloo ranks through the cases below, which tests/test_moe_train.py runs in its spawns)."""
+gloo ranks through the cases below, which tests/moe/test_train.py runs in its spawns)."""
 
 from __future__ import annotations
 

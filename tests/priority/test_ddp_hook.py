@@ -3,7 +3,7 @@
 - LinaDDP on an expert-parallel MoE model equals the single-process model (all experts
   local) over 1, 2 and 4 micro-batches accumulated with ``no_sync()``, experts kept per
   rank, allreduce never launched while an all-to-all of the rank is in flight; on 4 ranks
-  with expert-data-parallel groups too (that case runs in tests/test_moe_train.py's
+  with expert-data-parallel groups too (that case runs in tests/moe/test_train.py's
   4-rank spawn);
 - a plain DDP around expert-parallel MoE layers raises instead of silently replacing
   rank 1's experts and averaging their gradients;
@@ -260,7 +260,7 @@ def lina_ddp_with_expert_dp_groups(rank: int, world: int) -> None:
     """4 ranks, expert-parallel groups {0, 1} and {2, 3}, expert-data-parallel groups {0, 2}
     and {1, 3}: DDP averages the dense parameters over all four, the state sums each expert's
     gradient over the two ranks holding it (scaled by 1/4); equal to the single-process model
-    over 2 accumulated micro-batches and 1. Runs in tests/test_moe_train.py's 4-rank spawn."""
+    over 2 accumulated micro-batches and 1. Runs in tests/moe/test_train.py's 4-rank spawn."""
     ep = 2
     eps = [new_group([0, 1]), new_group([2, 3])]
     edps = [new_group([0, 2]), new_group([1, 3])]

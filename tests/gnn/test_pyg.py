@@ -1,6 +1,6 @@
 """PyG layers through the halo exchange (commsched.gnn.pyg): layer kinds and their errors,
 one rank against the plain PyG layer; and the 3-rank cases (:data:`THREE_RANK_CASES`, run
-in the gloo spawn of ``tests/test_gnn_adaqp.py``): GCNConv, SAGEConv, GINConv and GATConv
+in the gloo spawn of ``tests/gnn/test_adaqp.py``): GCNConv, SAGEConv, GINConv and GATConv
 from torch_geometric against the full-graph layer (vanilla and adaqp-p: outputs and
 gradients equal to 1e-10 in float64), AdaQP training with the loop protocol (losses within
 5 % of vanilla's), and sum aggregation through the trainer in every quantized mode."""
@@ -207,7 +207,7 @@ def case_sum_aggregation_in_every_quantized_mode(rank, world):
         assert all(x == x for x in m["loss"]) and m["bytes_sent_per_epoch"] > 0, (mode, m["loss"])
 
 
-# run on 3 ranks inside the spawn of tests/test_gnn_adaqp.py::test_adaqp_on_two_and_three_ranks
+# run on 3 ranks inside the spawn of tests/gnn/test_adaqp.py::test_adaqp_on_two_and_three_ranks
 # (one spawn less for the suite); each case's traceback is reported under its name there
 THREE_RANK_CASES = [("pyg_exact", case_vanilla_and_overlap_exact),
                     ("pyg_adaqp", case_adaqp_trains_close_to_vanilla),

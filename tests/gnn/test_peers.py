@@ -2,7 +2,7 @@
 
 Pure pieces (the sample, its agreement between the ends, its unbiased rescaling, the
 options and their errors) in milliseconds; on 1 rank in this process and on 3 gloo
-ranks (:data:`THREE_RANK_CASES`, run in ``tests/test_gnn_adaqp.py``'s spawn): ``pipegcn --stale-delay 0`` and ``bns --boundary-rate 1`` equal
+ranks (:data:`THREE_RANK_CASES`, run in ``tests/gnn/test_adaqp.py``'s spawn): ``pipegcn --stale-delay 0`` and ``bns --boundary-rate 1`` equal
 vanilla exactly, pipegcn's halo rows and gradients are exactly the previous epoch's (and
 their moving average with smoothing), bns sends exactly the kept share of the bytes and
 its rows and gradients are the sampled, rescaled ones."""

@@ -33,7 +33,7 @@ from commsched.gnn.stale import PipeGCNExchange
 from commsched.gnn.trainer import TrainConfig
 from commsched.quant.reference import BITS
 
-GNN = Path(__file__).resolve().parents[1] / "commsched" / "gnn"
+GNN = Path(__file__).resolve().parents[2] / "commsched" / "gnn"
 SYN = SyntheticSpec(num_nodes=120, num_edges=500, num_features=6, num_classes=3,
                     communities_per_class=2, seed=1)
 

@@ -1,7 +1,7 @@
 """DeepSpeedLina refuses the engines whose reduction it cannot take over, naming each reason
 (pure: the checker reads only the engine's configuration accessors, stood in for here; the
 2-rank run against DeepSpeed's own reduction is the ``deepspeed_lina`` example of
-docs/integrate.md, run by tests/test_integrate.py)."""
+docs/integrate.md, run by tests/core/test_integrate.py)."""
 
 from __future__ import annotations
 

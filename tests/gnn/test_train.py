@@ -19,8 +19,8 @@ from commsched.gnn.partition import make_parts, partition_nodes
 from commsched.gnn.trainer import TrainConfig, run_training
 from tests.mp import run_ranks
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+ROOT = Path(__file__).resolve().parents[2]
 SYN = SyntheticSpec(num_nodes=500, num_edges=2500, num_features=12, num_classes=4,
                     communities_per_class=2, seed=7)
 SYN2 = SyntheticSpec(num_nodes=400, num_edges=2000, num_features=8, num_classes=2,

@@ -22,7 +22,7 @@ from commsched.gnn.data import (
     synthetic_graph,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data not present")
 
 

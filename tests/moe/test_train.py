@@ -19,13 +19,13 @@ from commsched.observe import A2AEvents
 from commsched.priority.executor import GradScheduler
 from commsched.priority.policy import ScheduleConfig
 from tests.mp import assert_case, run_cases
-from tests.test_ddp_hook import lina_ddp_with_expert_dp_groups
-from tests.test_overlap import overlap_dense_exact
-from tests.test_priority_hier import HIER_CASES4
+from tests.priority.test_ddp_hook import lina_ddp_with_expert_dp_groups
+from tests.priority.test_hier import HIER_CASES4
+from tests.priority.test_overlap import overlap_dense_exact
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "text" / "tinyshakespeare.txt"
+CORPUS = Path(__file__).resolve().parents[3] / "shared" / "data" / "text" / "tinyshakespeare.txt"
 if not CORPUS.exists():  # a checkout outside the shared workspace: any text will do
-    CORPUS = Path(__file__).resolve().parents[1] / "commsched" / "moe" / "train.py"
+    CORPUS = Path(__file__).resolve().parents[2] / "commsched" / "moe" / "train.py"
 
 
 def _cfg(world: int, schedule: str, *, chunks: int = 1, pipeline: bool = False, ep: int | None = None,
@@ -211,7 +211,7 @@ def _overlap_checkpoint_holds_the_update(rank: int, world: int) -> None:
 
 CASES2 = [("schedules_identical", _schedules_identical),
           ("overlap_checkpoint_holds_the_update", _overlap_checkpoint_holds_the_update),
-          ("overlap_dense_exact", overlap_dense_exact),  # tests/test_overlap.py
+          ("overlap_dense_exact", overlap_dense_exact),  # tests/priority/test_overlap.py
           ("program_launch_rule_same_sums", _program_launch_rule_same_sums),
           ("bfloat16_trains_and_halves_the_wire", _bfloat16_trains_and_halves_the_wire),
           ("grads_match_manual_allreduce", _grads_match_manual_allreduce),
@@ -220,9 +220,9 @@ CASES2 = [("schedules_identical", _schedules_identical),
           ("deepspeed_trains_from_the_same_weights", _deepspeed_trains_from_the_same_weights)]
 CASES4 = [("schedules_identical_ep2", _schedules_identical_ep2),
           ("grads_match_manual_allreduce", _grads_match_manual_allreduce),
-          ("lina_ddp_with_expert_dp_groups", lina_ddp_with_expert_dp_groups),  # tests/test_ddp_hook.py
-          ("overlap_dense_exact", overlap_dense_exact),  # tests/test_overlap.py
-          *HIER_CASES4]  # tests/test_priority_hier.py: hierarchical reduction against flat
+          ("lina_ddp_with_expert_dp_groups", lina_ddp_with_expert_dp_groups),  # tests/priority/test_ddp_hook.py
+          ("overlap_dense_exact", overlap_dense_exact),  # tests/priority/test_overlap.py
+          *HIER_CASES4]  # tests/priority/test_hier.py: hierarchical reduction against flat
 
 
 @pytest.fixture(scope="module")

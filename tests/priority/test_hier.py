@@ -1,6 +1,6 @@
 """The hierarchical gradient reduction (commsched/priority/hier.py) against its flat twin:
 the host layout (pure, here), and cases on 4 gloo ranks laid out as 2 hosts x 2 (the
-layout given, no emulation), run in the 4-rank spawn of tests/test_moe_train.py
+layout given, no emulation), run in the 4-rank spawn of tests/moe/test_train.py
 (``HIER_CASES4``): bitwise equal sums on exactly representable gradients, training equal
 to flat within floating-point reordering, lina's gate on the phase across hosts, and the
 flat fallback said once."""
@@ -127,7 +127,7 @@ def _training_matches_flat(rank: int, world: int) -> None:
     from commsched.observe import A2AEvents
     from commsched.priority.executor import GradScheduler
     from commsched.topology import Topology
-    from tests.test_moe_train import _cfg
+    from tests.moe.test_train import _cfg
 
     topo = Topology.grid(2, 2)
     cfg = _cfg(world, "lina", chunks=2, pipeline=True, steps=3)
@@ -168,7 +168,7 @@ def _flat_fallback_said_once(rank: int, world: int) -> None:
         assert "one host" in said[0] and "reducing flat" in said[0] and "one rank" in said[1]
 
 
-# run in tests/test_moe_train.py's 4-rank spawn (one spawn for the suite)
+# run in tests/moe/test_train.py's 4-rank spawn (one spawn for the suite)
 HIER_CASES4 = [("hier_exact_sums_bitwise", _exact_sums_bitwise),
                ("hier_training_matches_flat", _training_matches_flat),
                ("hier_flat_fallback_said_once", _flat_fallback_said_once)]
