@@ -163,6 +163,33 @@ def _stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+    # the group's other members (a torchrun's ranks, a shell's children) were signalled
+    # too but may not have run yet on a loaded machine: return once none is left running
+    deadline = time.monotonic() + grace_s
+    while _group_running(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is still running (zombies waiting to be reaped
+    do not count); from /proc where there is one, else whether the group exists."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # besides SIGINT, which raises already
