@@ -171,6 +171,11 @@ def load(cache_dir: str | os.PathLike, enabled: bool = True) -> ctypes.CDLL | No
         return _lib
 
 
+def library() -> ctypes.CDLL | None:
+    """The library the first :func:`load` of this process gave (None before it, or if none)."""
+    return _lib
+
+
 def status() -> NativeStatus | None:
     """What the first :func:`load` of this process did (None before it)."""
     return _status
@@ -216,4 +221,4 @@ def _reset_for_tests() -> None:
         _lib, _status = None, None
 
 
-__all__ = ["ABI_VERSION", "CFLAGS", "NativeStatus", "SOURCE", "empty_rows", "load", "status"]
+__all__ = ["ABI_VERSION", "CFLAGS", "NativeStatus", "SOURCE", "empty_rows", "library", "load", "status"]

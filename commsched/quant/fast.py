@@ -328,6 +328,8 @@ def native_library():
     ``COMMSCHED_COMPILE=0``; the first call of a process builds or loads it."""
     from commsched.kernels import cpu as _cpu
 
+    if _cpu.status() is not None:  # decided for this process: no environment read per message
+        return _cpu.library()
     env = read_env()
     return _cpu.load(env.cache_dir, env.compile)
 
