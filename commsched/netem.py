@@ -18,6 +18,17 @@ Nothing is added to the root namespace: the addresses exist only inside the name
 created here, which have no route anywhere else. The namespaces are deleted when the
 command ends, fails, or this process receives SIGINT, SIGTERM or SIGHUP.
 
+**Link classes** (``--classes ADDR[,ADDR...]``, loopback layout): instead of one ``tbf``
+whose TCP flows share the rate flow by flow, the loopback gets an ``htb`` qdisc with one
+class per listed address (every packet from or to it) and one class for all other
+traffic, each guaranteed an equal share of RATE and allowed to borrow up to all of it
+when the others are idle. A program that binds each kind of collective to its own
+address (commsched's gradient reduction: ``ScheduleConfig.reduce_address``) then sees
+concurrent collectives share the link per collective, as NCCL's channels of two
+communicators do on a GPU cluster, rather than per TCP connection (an all-to-all of P
+ranks opens P (P - 1) flows, a ring allreduce P). It models only the link's share; not the
+SM contention of two NCCL kernels, nor NVLink inside a node.
+
 ``--delay MS`` needs the ``netem`` qdisc (``sch_netem``); kernels without it are told so
 with a non-zero exit rather than running without the delay.
 
@@ -28,6 +39,7 @@ no side effects and are tested without root; :func:`main` and :class:`Emulation`
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
 import shutil
@@ -52,6 +64,8 @@ VETH_MTUS = (9000, 1500)            # likewise a shaped host link (jumbo frames 
 BURST_TIME_S = 0.0005               # tbf bucket: 0.5 ms of traffic at the rate ...
 BURST_SLACK_BYTES = 1024            # ... but at least one full packet plus headers
 QUEUE_TIME_S = 0.02
+CLASS_SUBNET = "127.0.0.0/8"         # --classes addresses: the namespace's own loopback only
+HTB_DEFAULT_MINOR = 10               # class 1:10 carries traffic of no listed address
 RDZV_PORT = 29400                   # free in a fresh namespace by construction
 STOP_GRACE_S = 10.0                 # SIGTERM -> SIGKILL grace for the command
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -203,19 +217,76 @@ def shaping_commands(ns: str, dev: str, rate_bps: int | None, mtu: int,
     return cmds
 
 
+def parse_class_addresses(text: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``--classes`` as a tuple of IPv4 loopback addresses (``127.0.0.2,127.0.0.3``); the
+    namespace's own loopback only (127.0.0.0/8, not 127.0.0.1, which carries the rest)."""
+    if text is None:
+        return ()
+    items = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if t.strip()]
+    out: list[str] = []
+    for t in items:
+        try:
+            a = ipaddress.IPv4Address(t)
+        except ValueError:
+            raise ValueError(f"link class address {t!r} is not an IPv4 address; give loopback addresses "
+                             f"such as 127.0.0.2") from None
+        if a not in ipaddress.IPv4Network(CLASS_SUBNET) or str(a) == "127.0.0.1":
+            raise ValueError(f"link class address {t} must be a loopback address of the namespace "
+                             f"({CLASS_SUBNET}) other than 127.0.0.1, which carries all other traffic")
+        if str(a) in out:
+            raise ValueError(f"link class address {t} is given twice")
+        out.append(str(a))
+    return tuple(out)
+
+
+def class_shaping_commands(ns: str, dev: str, rate_bps: int, mtu: int,
+                           addresses: Sequence[str]) -> list[list[str]]:
+    """tc commands (run in ``ns``) giving ``dev`` an ``htb`` of ``rate_bps`` with one class
+    per address in ``addresses`` (packets from or to it) and a default class for the rest:
+    each is guaranteed ``rate_bps / (len(addresses) + 1)`` and may borrow up to
+    ``rate_bps`` (ceil), equal quanta, so backlogged classes share equally whatever their
+    number of TCP flows. Each class queues in a ``bfifo`` as deep as :func:`tbf_params`'s
+    queue; bursts are the tbf bucket (:data:`BURST_TIME_S`)."""
+    if not addresses:
+        raise ValueError("class shaping needs at least one address")
+    p = tbf_params(rate_bps, mtu)
+    n = len(addresses) + 1
+    share = max(1, rate_bps // n)
+    base = ["ip", "netns", "exec", ns, "tc"]
+    size = ["burst", str(p.burst_bytes), "cburst", str(p.burst_bytes), "quantum", str(mtu + BURST_SLACK_BYTES)]
+    cmds = [base + ["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", str(HTB_DEFAULT_MINOR)],
+            base + ["class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+                    "rate", f"{rate_bps}bit", "ceil", f"{rate_bps}bit", *size]]
+    minors = [HTB_DEFAULT_MINOR] + [HTB_DEFAULT_MINOR + 1 + i for i in range(len(addresses))]
+    for m in minors:
+        cmds.append(base + ["class", "add", "dev", dev, "parent", "1:1", "classid", f"1:{m}", "htb",
+                            "rate", f"{share}bit", "ceil", f"{rate_bps}bit", *size])
+        cmds.append(base + ["qdisc", "add", "dev", dev, "parent", f"1:{m}", "handle", f"{m}:",
+                            "bfifo", "limit", str(p.limit_bytes)])
+    for a, m in zip(addresses, minors[1:]):
+        for direction in ("src", "dst"):
+            cmds.append(base + ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+                                "u32", "match", "ip", direction, f"{a}/32", "flowid", f"1:{m}"])
+    return cmds
+
+
 @dataclass(frozen=True)
 class NetSpec:
     """What to emulate. ``rate_bps`` None: links are not limited (hosts still emulated).
     ``hosts`` 1: a shaped loopback; K >= 2: K hosts on a bridge. ``delay_ms``: one-way
     delay added to every packet (needs sch_netem). ``tag`` makes the names unique.
     ``host_rate_bps`` (hosts mode only): the limit of each host's own loopback, which
-    carries the traffic between the processes of that host (None: unlimited)."""
+    carries the traffic between the processes of that host (None: unlimited).
+    ``classes`` (loopback layout, with a rate, no delay): addresses whose traffic gets its
+    own equal share of the link (:func:`class_shaping_commands`); () keeps one ``tbf``
+    shared per TCP flow."""
 
     rate_bps: int | None
     hosts: int = 1
     delay_ms: float | None = None
     tag: str = ""
     host_rate_bps: int | None = None
+    classes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.hosts, int) or not 1 <= self.hosts <= MAX_HOSTS:
@@ -230,6 +301,15 @@ class NetSpec:
                                  "the loopback is the link and --rate limits it")
             if self.host_rate_bps <= 0:
                 raise ValueError(f"host rate must be > 0 bits/s, got {self.host_rate_bps}")
+        if self.classes:
+            if parse_class_addresses(self.classes) != tuple(self.classes):
+                raise ValueError(f"classes must be distinct loopback addresses, got {self.classes!r}")
+            if self.hosts != 1:
+                raise ValueError("link classes (--classes) shape the shared loopback: they need --hosts 1")
+            if self.rate_bps is None:
+                raise ValueError("link classes (--classes) share a limited link: give --rate")
+            if self.delay_ms:
+                raise ValueError("link classes (--classes) cannot be combined with --delay")
         if not re.fullmatch(r"[A-Za-z0-9_]*", self.tag):
             raise ValueError(f"tag must be letters, digits or _, got {self.tag!r}")
 
@@ -266,7 +346,11 @@ def plan_network(spec: NetSpec) -> NetPlan:
         if mtu != LOOPBACK_MTU:
             cmds.append(netns_cmd(ns, ["ip", "link", "set", "dev", "lo", "mtu", str(mtu)]))
         cmds.append(netns_cmd(ns, ["ip", "link", "set", "dev", "lo", "up"]))
-        cmds += shaping_commands(ns, "lo", spec.rate_bps, mtu, spec.delay_ms)
+        if spec.classes:
+            assert spec.rate_bps is not None  # NetSpec checked
+            cmds += class_shaping_commands(ns, "lo", spec.rate_bps, mtu, spec.classes)
+        else:
+            cmds += shaping_commands(ns, "lo", spec.rate_bps, mtu, spec.delay_ms)
         return NetPlan((ns,), None, ("127.0.0.1",), "lo", tuple(map(tuple, cmds)))
     br = f"{base}-br"
     hosts = tuple(f"{base}-h{i}" for i in range(spec.hosts))
@@ -362,6 +446,9 @@ def _explain_setup_failure(err: NetemError, spec: NetSpec) -> NetemError:
     if "netem" in text and "unknown" in text.lower():
         return NetemError(f"--delay is not supported on this machine: the kernel has no netem "
                           f"qdisc (sch_netem), which adding a delay needs. Run without --delay. ({text})")
+    if "htb" in text and "unknown" in text.lower():
+        return NetemError(f"the kernel has no htb qdisc (sch_htb), which link classes (--classes) need; "
+                          f"run without --classes ({text})")
     if "tbf" in text and "unknown" in text.lower():
         return NetemError(f"the kernel has no tbf qdisc (sch_tbf), which rate limiting needs ({text})")
     return err
@@ -583,6 +670,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-rate", default=None, metavar="RATE",
                    help="with --hosts K: limit of traffic between the processes of one host (its "
                         "loopback, shared by them), tc syntax; default unlimited")
+    p.add_argument("--classes", default=None, metavar="ADDR[,ADDR...]",
+                   help="loopback layout: give the traffic from or to each of these loopback addresses "
+                        "(127.0.0.2, ...) its own equal share of the link (htb), all other traffic one more "
+                        "share, instead of one tbf shared per TCP flow")
     p.add_argument("--cleanup", action="store_true",
                    help="delete namespaces left behind by commsched netem processes that no longer exist "
                         "(and in which no process still runs), then exit")
@@ -612,7 +703,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("no command given; put it after --, e.g. commsched netem --rate 1gbit -- python x.py")
     try:
         spec = NetSpec(parse_optional_rate(a.rate), a.hosts, a.delay, tag=str(os.getpid()),
-                       host_rate_bps=parse_optional_rate(a.host_rate))
+                       host_rate_bps=parse_optional_rate(a.host_rate),
+                       classes=parse_class_addresses(a.classes))
         return run_emulated(spec, cmd)
     except (ValueError, NetemError) as e:
         print(f"commsched netem: {e}", file=sys.stderr)
@@ -620,7 +712,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["NetSpec", "NetPlan", "NetemError", "TbfParams", "Emulation", "parse_rate",
-           "parse_optional_rate", "format_rate", "tbf_params", "plan_network", "teardown_commands",
+           "parse_optional_rate", "format_rate", "tbf_params", "parse_class_addresses",
+           "class_shaping_commands", "plan_network", "teardown_commands",
            "fill_placeholders", "check_requirements", "run_emulated", "delay_supported", "namespace_owner",
            "stale_namespaces", "main"]
 

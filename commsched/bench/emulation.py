@@ -1,6 +1,20 @@
-"""Bench glue for the bandwidth emulator: ``--bandwidth/--hosts/--host-rate/--delay`` of
-``commsched bench`` become a :class:`~commsched.bench.runner.RunContext` whose commands
-run under :mod:`commsched.netem` (the emulator itself knows nothing of benchmarks)."""
+"""Bench glue for the bandwidth emulator: ``--bandwidth/--hosts/--host-rate/--delay`` and
+``--link-model`` of ``commsched bench`` become a :class:`~commsched.bench.runner.RunContext`
+whose commands run under :mod:`commsched.netem` (the emulator itself knows nothing of
+benchmarks).
+
+Link models (``--link-model``, :data:`LINK_MODELS`; the loopback layout):
+
+* ``flow`` -- one ``tbf`` on the shared loopback: concurrent collectives share the rate
+  per TCP flow, so an all-to-all of P ranks (P (P - 1) flows) keeps most of it against a
+  ring allreduce (P flows).
+* ``collective`` -- the loopback's ``htb`` gives the traffic from or to
+  :data:`REDUCE_CLASS_ADDRESS` its own equal share and all other traffic another
+  (``commsched netem --classes``); workloads bind their gradient reduction to that address
+  (``args.reduce_address``), so the allreduce and the all-to-all share the link per
+  collective, as two NCCL communicators' channels do. It models the link's share only:
+  not the SMs two NCCL kernels contend for, nor NVLink inside a node.
+"""
 
 from __future__ import annotations
 
@@ -29,12 +43,17 @@ _STANDALONE = ("import importlib.util as u, sys; s = u.spec_from_file_location('
                "sys.exit(m.main(sys.argv[2:]))")
 
 
+LINK_MODELS = ("collective", "flow")
+REDUCE_CLASS_ADDRESS = "127.0.0.2"   # the gradient reduction's link class (loopback namespace only)
+
+
 class EmulationUnavailable(NetemError):
     """A bench asked for emulation that this machine cannot provide."""
 
 
 def netem_prefix(rate_bps: int | None, hosts: int = 1, delay_ms: float | None = None,
-                 python: str = sys.executable, host_rate_bps: int | None = None) -> list[str]:
+                 python: str = sys.executable, host_rate_bps: int | None = None,
+                 classes: Sequence[str] = ()) -> list[str]:
     """The ``commsched netem ... --`` prefix that runs a command under this emulation.
 
     It loads the emulator's file on its own (:data:`_STANDALONE`) rather than
@@ -49,6 +68,8 @@ def netem_prefix(rate_bps: int | None, hosts: int = 1, delay_ms: float | None = 
         cmd += ["--hosts", str(hosts)]
     if host_rate_bps is not None:
         cmd += ["--host-rate", f"{host_rate_bps}bit"]
+    if classes:
+        cmd += ["--classes", ",".join(classes)]
     return cmd + ["--"]
 
 
@@ -90,7 +111,10 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
     p.add_argument("--hosts", type=int, default=None)
     p.add_argument("--delay", type=float, default=None)
     p.add_argument("--host-rate", default=None)
+    p.add_argument("--link-model", default=None)
     ns, rest = p.parse_known_args(list(argv))
+    if ns.link_model is not None and ns.link_model not in LINK_MODELS:
+        raise ValueError(f"--link-model must be one of {', '.join(LINK_MODELS)}, got {ns.link_model!r}")
     # the workload's own --device, read but left in place: tc shapes gloo's TCP only
     peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     peek.add_argument("--device", default="auto")
@@ -99,7 +123,7 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
     device = seen.device
     nccl = nccl_possible(device, _torch_gpus() if gpus is None else gpus, seen.nproc)
     flags = tuple(a for k, v in (("--bandwidth", ns.bandwidth), ("--hosts", ns.hosts), ("--delay", ns.delay),
-                                 ("--host-rate", ns.host_rate))
+                                 ("--host-rate", ns.host_rate), ("--link-model", ns.link_model))
                   if v is not None for a in (k, str(v)))
     rate = parse_optional_rate(ns.bandwidth)
     hosts = 1 if ns.hosts is None else ns.hosts
@@ -129,6 +153,7 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
             notes.append(f"the workload's default regime ({wl.default_bandwidth}) was NOT emulated "
                          f"({problem}); this run is unshaped")
     wanted = rate is not None or hosts > 1 or bool(ns.delay)
+    link_model = _link_model(ns.link_model, wl, rate, hosts, ns.delay, notes)
     if not wanted:
         return RunContext(note="; ".join(notes), flags=flags), rest
     if inline:
@@ -145,19 +170,25 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
     if ns.delay and not (probe_delay or delay_supported)():
         raise EmulationUnavailable("--delay is not supported on this machine: the kernel has no "
                                    "netem qdisc (sch_netem); run without --delay")
-    prefix = netem_prefix(rate, hosts, ns.delay, host_rate_bps=host_rate)
-    info = {"mode": "hosts" if hosts > 1 else "loopback", "hosts": hosts,
+    classes = (REDUCE_CLASS_ADDRESS,) if link_model == "collective" else ()
+    prefix = netem_prefix(rate, hosts, ns.delay, host_rate_bps=host_rate, classes=classes)
+    info = {"mode": "hosts" if hosts > 1 else "loopback", "hosts": hosts, "link_model": link_model,
+            "link_classes": list(classes),
             "rate_bps": rate, "delay_ms": ns.delay, "host_rate_bps": host_rate,
             "nproc_meaning": "processes per host" if hosts > 1 else "processes (ranks)",
             "layout": (f"{hosts} host namespaces on a bridge, each link limited to the rate in both "
                        "directions; between ranks of one host "
                        + (f"{format_rate(host_rate)}, shared" if host_rate else "unlimited")
                        if hosts > 1 else
-                       "one namespace; all ranks share one loopback limited to the rate")}
+                       "one namespace; all ranks share one loopback limited to the rate"
+                       + (f", in equal-weight htb classes: the gradient reduction (bound to {classes[0]}) "
+                          "and everything else (link model 'collective')" if classes else
+                          ", shared per TCP flow (link model 'flow')"))}
     if hosts == 1:
         return RunContext(wrap=lambda cmd: prefix + list(cmd), bandwidth=format_rate(rate) if rate else None,
                           note="; ".join(notes), hosts=1, delay_ms=ns.delay, rate_bps=rate,
-                          info=info, flags=flags), rest
+                          info=info, flags=flags, link_model=link_model,
+                          reduce_address=classes[0] if classes else None), rest
 
     def launch(variant, nproc: int, out_dir) -> list[str]:
         return prefix + torchrun_command(variant, nproc, out_dir, nnodes=hosts, node_rank="{host}",
@@ -165,7 +196,32 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
                                          rdzv_conf="is_host={is_host0}")
 
     return RunContext(bandwidth=format_rate(rate) if rate else None, note="; ".join(notes), hosts=hosts,
-                      delay_ms=ns.delay, rate_bps=rate, launch=launch, info=info, flags=flags), rest
+                      delay_ms=ns.delay, rate_bps=rate, launch=launch, info=info, flags=flags,
+                      link_model=link_model), rest
 
 
-__all__ = ["EmulationUnavailable", "bench_context", "netem_prefix"]
+def _link_model(asked: str | None, wl: Workload | None, rate: int | None, hosts: int, delay: float | None,
+                notes: list[str]) -> str | None:
+    """The link model in force (None: no shaped loopback to model). An explicit
+    ``collective`` that cannot apply is a ValueError; the workload's default falls back to
+    ``flow`` with a note."""
+    default = wl.default_link_model if wl is not None else "flow"
+    model = asked or default
+    if rate is None:
+        if asked is not None:
+            raise ValueError("--link-model needs a shaped link: give --bandwidth RATE (or drop --link-model)")
+        return None
+    why = ("the emulated hosts' links (--hosts K > 1) have no link classes yet" if hosts > 1 else
+           "link classes cannot be combined with --delay" if delay else None)
+    if model == "collective" and why:
+        if asked is not None:
+            raise ValueError(f"--link-model collective: {why}; use --link-model flow")
+        notes.append(f"link model 'flow' (per TCP flow): {why}")
+        return "flow"
+    if asked is None and wl is not None and wl.default_link_model == "collective":
+        notes.append("link model 'collective' (the gradient reduction and the all-to-all share the link per "
+                     "collective) is this workload's default (--link-model flow: per TCP flow)")
+    return model
+
+
+__all__ = ["EmulationUnavailable", "LINK_MODELS", "REDUCE_CLASS_ADDRESS", "bench_context", "netem_prefix"]

@@ -63,6 +63,9 @@ class Workload:
     summarize: Callable[[dict[str, list[dict]], argparse.Namespace, Path], dict] | None = None
     higher_is_better: tuple[str, ...] = ()
     default_bandwidth: str | None = None  # the documented default regime, if any
+    # how concurrent collectives share an emulated loopback by default: "flow" (one tbf, per
+    # TCP flow) or "collective" (htb classes; bench/emulation.py LINK_MODELS)
+    default_link_model: str = "flow"
     # baseline_of(variant, all variant names) -> the variant it is compared with (None: not
     # compared); default: the first variant (a bench of several models compares within each)
     baseline_of: Callable[[str, list[str]], str | None] | None = None
@@ -135,6 +138,8 @@ class RunContext:
     launch: Callable[[Variant, int, Path], list[str]] | None = None
     info: dict[str, Any] = field(default_factory=dict)
     flags: tuple[str, ...] = ()
+    link_model: str | None = None       # None: no shaped link; else "flow" or "collective"
+    reduce_address: str | None = None   # "collective": the address the gradient reduction binds to
 
     def command(self, variant: Variant, nproc: int, out_dir: Path) -> list[str]:
         if self.launch is not None:
@@ -361,8 +366,11 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
         prog=f"commsched bench {workload.name}", description=workload.description,
         epilog="Emulation (handled before these options; needs root, ip and tc): --bandwidth RATE "
                "(e.g. 1gbit; 'none' for unshaped), --hosts K (K emulated hosts; --nproc is then per "
-               "host), --delay MS (needs the netem qdisc)."
-               + (f" Default regime of this workload: {workload.default_bandwidth}." if workload.default_bandwidth else ""))
+               "host), --delay MS (needs the netem qdisc), --link-model collective|flow (on the shared "
+               "loopback: concurrent collectives share the rate per collective, in equal htb classes, or "
+               "per TCP flow, one tbf)."
+               + (f" Default regime of this workload: {workload.default_bandwidth}" if workload.default_bandwidth else "")
+               + (f", link model {workload.default_link_model}." if workload.default_bandwidth else ""))
     p.add_argument("--nproc", type=int, default=4,
                    help="processes (ranks) per run; with --hosts K, processes per host (default 4)")
     p.add_argument("--repeat", type=int, default=1, help="interleaved repetitions of every variant")
@@ -409,6 +417,7 @@ def run_workload(workload: Workload, argv: Sequence[str], ctx: RunContext,
                          "emulated network (drop --bandwidth/--hosts/--delay)")
     # what the workload may read when building its variants
     args.hosts, args.bandwidth, args.rate_bps = ctx.hosts, ctx.bandwidth, ctx.rate_bps
+    args.link_model, args.reduce_address = ctx.link_model, ctx.reduce_address
     out = args.out or Path("runs") / f"bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     show = read_env().progress
@@ -469,7 +478,7 @@ def run_workload(workload: Workload, argv: Sequence[str], ctx: RunContext,
             "command": "commsched bench " + name + " " + shlex.join([*ctx.flags, *argv]),
             "variant_commands": commands,
             "machine": machine_info(), "bandwidth": ctx.bandwidth, "rate_bps": ctx.rate_bps,
-            "hosts": ctx.hosts, "delay_ms": ctx.delay_ms, "emulation": ctx.info, "note": ctx.note,
+            "hosts": ctx.hosts, "delay_ms": ctx.delay_ms, "emulation": ctx.info, "link_model": ctx.link_model, "note": ctx.note,
             "repeat": args.repeat, "nproc": args.nproc,
             "nproc_meaning": "processes per host" if ctx.hosts > 1 else "processes (ranks)",
             "wall_s": time.perf_counter() - t0,

@@ -85,6 +85,7 @@ import torch.distributed as dist
 from ..clock import Clock
 from ..config import read_env
 from ..dist import CommError, all_gather_object, comm_guard, peer_failure_hint, unresponsive_note
+from .bind import bound_twins
 from .buckets import LOCAL, GradSlot, describe, group_ids, plan_buckets, registration_mismatch
 from .completion import POLL_MAX_S, POLL_MIN_S, CompletionMixin, current_rank
 from .hier import HierGroups, HierStep, make_hier
@@ -196,6 +197,9 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         entries = [entries[i] for i in layout.order]
         self._params = [p for p, _, _, _ in entries]
         self._groups = [g for _, g, _, _ in entries]
+        # cfg.reduce_address: reduce over twins of the groups bound to that address (priority/bind.py)
+        twins = bound_twins([g for g in self._groups if g is not LOCAL], cfg.reduce_address)
+        self._groups = [twins.get(id(g), g) if g is not LOCAL else g for g in self._groups]
         self._scale = [s for _, _, s, _ in entries]
         self.names = [nm for _, _, _, nm in entries]
         self._index = {id(p): i for i, p in enumerate(self._params)}

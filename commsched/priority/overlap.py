@@ -63,6 +63,7 @@ from ..dist import (
     unresponsive_note,
 )
 from ..dist import new_group as cs_new_group
+from .bind import bind_new_group
 from .buckets import LOCAL
 from .executor import GradScheduler
 from .policy import OverlapPolicy, ScheduleConfig
@@ -134,7 +135,7 @@ class OverlapScheduler(GradScheduler):
         mine = sorted({m for m, g in zip(self._members, self._groups) if m is not None and g is not LOCAL})
         every = sorted({tuple(m) for ms in all_gather_object(mine, "listing the groups of lina-overlap's tail")
                         for m in ms})
-        made = {m: cs_new_group(list(m), threads=threads) for m in every}
+        made = {m: bind_new_group(list(m), self.cfg.reduce_address, threads) for m in every}
         return {id(g): made[m] for m, g in zip(self._members, self._groups) if m is not None and g is not LOCAL}
 
     def _retarget_tail(self, agreed: int) -> None:

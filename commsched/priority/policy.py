@@ -230,7 +230,9 @@ class ScheduleConfig(Config):
     across hosts, inside again; :mod:`commsched.priority.hier`), the policy gating the phase
     across hosts; the executor only (the simulator models one link and ignores it);
     ``hier_min_bytes``: operations smaller than this stay flat under ``hier_reduce`` (the
-    NIC bytes they would save cost less than two more collectives). The command-line flags
+    NIC bytes they would save cost less than two more collectives); ``reduce_address``: the
+    local address the gradient reduction's gloo groups bind to (None: the default device;
+    :mod:`commsched.priority.bind`). The command-line flags
     of ``-m commsched.moe.train`` are generated from these fields."""
 
     policy: str = option("lina", "gradient schedule", choices=SCHEDULES, flag="--schedule")
@@ -246,6 +248,9 @@ class ScheduleConfig(Config):
                                       "phase the schedule gates), then inside again (needs the same ranks on "
                                       "every host)")
     hier_min_bytes: int = option(HIER_MIN_BYTES, "--hier-reduce: operations smaller than this stay flat")
+    reduce_address: str | None = option(None, "bind the gradient reduction's gloo groups to this local address "
+                                              "(the bench's collective link model gives it its own share of "
+                                              "the emulated link; priority/bind.py)")
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULES:

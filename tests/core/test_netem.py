@@ -20,10 +20,12 @@ from commsched.bench.emulation import EmulationUnavailable, bench_context, netem
 from commsched.netem import (
     NetSpec,
     check_requirements,
+    class_shaping_commands,
     exit_code,
     fill_placeholders,
     format_rate,
     loopback_mtu,
+    parse_class_addresses,
     parse_optional_rate,
     parse_rate,
     plan_network,
@@ -134,6 +136,52 @@ def test_plan_loopback():
     assert teardown_commands(plan) == [["ip", "netns", "delete", "commsched-42-lo"]]
     unshaped = plan_network(NetSpec(None, tag="42"))
     assert len(unshaped.setup) == 2 and not any("tc" in c for c in unshaped.setup)
+
+
+def test_class_shaping_commands_hand_worked():
+    cmds = class_shaping_commands("ns", "lo", 800 * 10**6, 9000, ["127.0.0.2"])
+    tc = [c[4:] for c in cmds]
+    assert all(c[:4] == ["ip", "netns", "exec", "ns"] for c in cmds)
+    # bucket 0.5 ms at 100 MB/s = 50000 B; queue 20 ms more = 2 MB; quantum one packet
+    size = ["burst", "50000", "cburst", "50000", "quantum", "10024"]
+    assert tc[0] == ["tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "10"]
+    assert tc[1] == ["tc", "class", "add", "dev", "lo", "parent", "1:", "classid", "1:1", "htb",
+                     "rate", "800000000bit", "ceil", "800000000bit", *size]
+    # two classes of equal guaranteed share (half each), each may borrow the whole link
+    for i, minor in ((2, "10"), (4, "11")):
+        assert tc[i] == ["tc", "class", "add", "dev", "lo", "parent", "1:1", "classid", f"1:{minor}", "htb",
+                         "rate", "400000000bit", "ceil", "800000000bit", *size]
+        assert tc[i + 1] == ["tc", "qdisc", "add", "dev", "lo", "parent", f"1:{minor}", "handle", f"{minor}:",
+                             "bfifo", "limit", "2050000"]
+    # packets from or to the address go to its class; nothing else is filtered (default 1:10)
+    assert tc[6][-7:] == ["u32", "match", "ip", "src", "127.0.0.2/32", "flowid", "1:11"]
+    assert tc[7][-7:] == ["u32", "match", "ip", "dst", "127.0.0.2/32", "flowid", "1:11"]
+    assert len(cmds) == 8
+    three = class_shaping_commands("ns", "lo", 900 * 10**6, 9000, ["127.0.0.2", "127.0.0.3"])
+    assert sum("300000000bit" in c for c in three) == 3  # three equal shares
+    with pytest.raises(ValueError, match="at least one address"):
+        class_shaping_commands("ns", "lo", 10**9, 9000, [])
+
+
+def test_parse_class_addresses():
+    assert parse_class_addresses(None) == ()
+    assert parse_class_addresses("127.0.0.2, 127.0.0.3") == ("127.0.0.2", "127.0.0.3")
+    for bad, msg in (("10.0.0.1", "loopback address"), ("127.0.0.1", "other than 127.0.0.1"),
+                     ("x", "not an IPv4"), ("127.0.0.2,127.0.0.2", "twice")):
+        with pytest.raises(ValueError, match=msg):
+            parse_class_addresses(bad)
+
+
+def test_plan_loopback_with_classes():
+    plan = plan_network(NetSpec(800 * 10**6, tag="5", classes=("127.0.0.2",)))
+    tcs = [c for c in plan.setup if "tc" in c]
+    assert tcs and not any("tbf" in c for c in tcs) and any("htb" in c for c in tcs)
+    for kw, msg in ((dict(hosts=2), "--hosts 1"), (dict(rate_bps=None), "give --rate"),
+                    (dict(delay_ms=2.0), "--delay"), (dict(classes=("10.1.1.1",)), "loopback")):
+        base = dict(rate_bps=10**9, classes=("127.0.0.2",))
+        base.update(kw)
+        with pytest.raises(ValueError, match=msg):
+            NetSpec(**base)
 
 
 def test_plan_hosts_stays_inside_its_namespaces():
@@ -388,6 +436,34 @@ def test_bench_context_inline_and_delay():
         bench_context(_workload(), ["--hosts", "0"], euid=0, which=ALL_TOOLS)
 
 
+def test_bench_context_link_models():
+    # the default of a plain workload is one tbf shared per TCP flow
+    ctx, _ = bench_context(_workload(), ["--bandwidth", "1gbit"], euid=0, which=ALL_TOOLS)
+    assert ctx.link_model == "flow" and ctx.reduce_address is None and "--classes" not in ctx.wrap(["c"])
+    # a workload whose default is per collective: htb classes, and the address to bind to
+    wl = _workload(default_bandwidth="800mbit", default_link_model="collective")
+    ctx, _ = bench_context(wl, ["--nproc", "4"], euid=0, which=ALL_TOOLS)
+    assert ctx.link_model == "collective" and ctx.reduce_address == emulation.REDUCE_CLASS_ADDRESS
+    cmd = ctx.wrap(["c"])
+    assert cmd[cmd.index("--classes") + 1] == "127.0.0.2" and cmd[-2:] == ["--", "c"]
+    assert "link model 'collective'" in ctx.note and "htb classes" in ctx.info["layout"]
+    ctx, _ = bench_context(wl, ["--link-model", "flow"], euid=0, which=ALL_TOOLS)
+    assert ctx.link_model == "flow" and "--classes" not in ctx.wrap(["c"])
+    assert ctx.flags == ("--link-model", "flow")
+    # explicit per-collective sharing where it cannot apply is refused, the default falls back
+    ctx, _ = bench_context(_workload(), ["--link-model", "collective", "--bandwidth", "1gbit"], euid=0,
+                           which=ALL_TOOLS)
+    assert ctx.reduce_address == "127.0.0.2"
+    with pytest.raises(ValueError, match="needs a shaped link"):
+        bench_context(_workload(), ["--link-model", "collective"], euid=0, which=ALL_TOOLS)
+    with pytest.raises(ValueError, match="--hosts K > 1"):
+        bench_context(wl, ["--link-model", "collective", "--hosts", "2"], euid=0, which=ALL_TOOLS)
+    ctx, _ = bench_context(wl, ["--hosts", "2"], euid=0, which=ALL_TOOLS)
+    assert ctx.link_model == "flow" and "link model 'flow'" in ctx.note
+    with pytest.raises(ValueError, match="one of collective, flow"):
+        bench_context(wl, ["--link-model", "nccl"], euid=0, which=ALL_TOOLS)
+
+
 def test_cli_bench_refuses_bandwidth_without_root(monkeypatch, capsys, tmp_path):
     from commsched.cli import main as cli_main
 
@@ -463,6 +539,52 @@ def test_shaped_loopback_delivers_the_rate():
         return float(out.strip())
 
     _assert_shaped_rate(measure, rate, "a 200mbit loopback")
+
+
+# one TCP flow to 127.0.0.2 against four to 127.0.0.1 for DURATION seconds: the lone flow's share
+CLASS_SHARE = textwrap.dedent("""
+    import socket, sys, threading, time
+    DURATION = float(sys.argv[1])
+    got = {}
+    def serve(host, key):
+        srv = socket.socket(); srv.bind((host, 0)); srv.listen(1)
+        port = srv.getsockname()[1]
+        def send():
+            with socket.create_connection((host, port)) as c:
+                end = time.perf_counter() + DURATION
+                while time.perf_counter() < end:
+                    c.sendall(b"\\0" * 65536)
+        threading.Thread(target=send, daemon=True).start()
+        conn, _ = srv.accept(); buf = bytearray(1 << 20); n = 0
+        while True:
+            k = conn.recv_into(buf)
+            if not k:
+                break
+            n += k
+        got[key] = n
+    ts = [threading.Thread(target=serve, args=("127.0.0.2", "lone"))]
+    ts += [threading.Thread(target=serve, args=("127.0.0.1", f"many{i}")) for i in range(4)]
+    for t in ts: t.start()
+    for t in ts: t.join()
+    print(got["lone"] / sum(got.values()))
+""")
+
+
+@pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+@pytest.mark.root
+def test_link_classes_share_per_address_not_per_flow():
+    """With ``--classes 127.0.0.2`` one flow to that address gets about half of the link
+    against four flows elsewhere (per TCP flow it would get about a fifth)."""
+    def share(args):
+        p = _netem(["--rate", "100mbit", *args], [sys.executable, "-c", CLASS_SHARE, "2.0"])
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        return float(out.strip())
+
+    per_class = share(["--classes", "127.0.0.2"])
+    per_flow = share([])
+    assert 0.38 <= per_class <= 0.62, f"the lone class got {per_class:.2f} of the link (per flow: {per_flow:.2f})"
+    assert per_flow < per_class - 0.1, f"per flow {per_flow:.2f}, per class {per_class:.2f}"
 
 
 @pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
