@@ -39,6 +39,17 @@ in the forward pass and again for the reverse exchange autograd runs in the back
 ``backward_block`` marks the expert block of an MoE layer in the backward pass: the
 combine exchange's backward opens it (``"begin"``: ``block_begin`` before its reverse
 exchange), the dispatch exchange's backward closes it (``"end"``: ``block_end`` after).
+
+``wire`` (a :class:`Wire`) sends the rows in a shorter form: ``wire.forward`` (a
+:class:`RowFormat`) encodes the rows before the exchange and decodes them after it,
+``wire.backward`` does the same for the reverse exchange of the backward pass (None: that
+direction travels as it is). The gradient passes the encoding straight through (the
+backward pass of decode(encode(x)) is taken as the identity), so an unbiased format gives
+an unbiased gradient. The exchange, its counters and its observer see the encoded rows:
+the bytes reported are those on the wire, and a shorter exchange is measured as shorter.
+:data:`BF16` (a cast to bfloat16 and back) is here; the 8-bit rows of the shared codec are
+:class:`commsched.quant.rowwire.QuantRows` (the core does not import the codec).
+``wire=None`` (and a wire whose two formats are None) is the plain exchange, bit for bit.
 """
 
 from __future__ import annotations
@@ -47,7 +58,7 @@ import atexit
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -187,6 +198,93 @@ def make_plan(send_counts: Sequence[int], *, group=None, rows: int | None = None
         raise ValueError(f"all_to_all: rank {me} expected to receive {tuple(recv_counts)} rows "
                          f"but its peers send {recv}")
     return A2APlan(tuple(counts), recv, me)
+
+
+# --------------------------------------------------------------------------- wire formats
+@runtime_checkable
+class RowFormat(Protocol):
+    """How rows travel: ``encode`` before the exchange, ``decode`` after it.
+
+    ``encode(x_R*)`` returns ``w_RW``: one encoded row per row of ``x`` (R unchanged), of a
+    dtype the exchange carries (uint8 records, bfloat16, ...); ``decode(w_RW, row_shape,
+    dtype)`` returns ``[R, *row_shape]`` rows of ``dtype``. Neither may read a device value
+    back on the host (no synchronisation in the exchange's hot path). ``name`` is what
+    reports call it (``"bf16"``, ``"q8"``)."""
+
+    name: str
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def decode(self, w: torch.Tensor, row_shape: torch.Size, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class CastRows:
+    """Rows sent in ``dtype`` (a narrower float: bfloat16 halves float32's bytes) and cast
+    back to the caller's dtype on arrival (round to nearest even, both ways exact for rows
+    already in ``dtype``)."""
+
+    dtype: torch.dtype = torch.bfloat16
+    name: str = "bf16"
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+    def decode(self, w: torch.Tensor, row_shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return w.to(dtype)
+
+
+BF16 = CastRows(torch.bfloat16, "bf16")
+
+
+@dataclass(frozen=True)
+class Wire:
+    """The formats of one exchange: ``forward`` for its rows, ``backward`` for the rows
+    (gradients) of its reverse exchange in the backward pass; None: sent as they are."""
+
+    forward: RowFormat | None = None
+    backward: RowFormat | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward"):
+            f = getattr(self, name)
+            if f is not None and not isinstance(f, RowFormat):
+                raise TypeError(f"Wire.{name} must be a RowFormat (encode, decode, name) or None, "
+                                f"got {type(f).__name__}")
+
+    @property
+    def plain(self) -> bool:
+        """True when neither direction is encoded (the plain exchange)."""
+        return self.forward is None and self.backward is None
+
+
+def _check_wire(wire) -> "Wire | None":
+    if wire is None:
+        return None
+    if not isinstance(wire, Wire):
+        raise TypeError(f"wire must be a commsched.all2all.Wire or None, got {type(wire).__name__}")
+    return None if wire.plain else wire
+
+
+def encode_rows(x: torch.Tensor, fmt: RowFormat | None) -> torch.Tensor:
+    """``x`` encoded by ``fmt`` (unchanged for None), without autograd: the rows to exchange."""
+    if fmt is None:
+        return x
+    with torch.no_grad():
+        w = fmt.encode(x.detach())
+    if w.shape[0] != x.shape[0]:
+        raise ValueError(f"row format {fmt.name!r} encoded {x.shape[0]} rows into {w.shape[0]}; "
+                         "a format must keep one encoded row per row")
+    return w
+
+
+def decode_rows(w: torch.Tensor, fmt: RowFormat | None, row_shape: torch.Size,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Rows received in ``fmt`` decoded to ``[R, *row_shape]`` of ``dtype`` (``w`` for None)."""
+    if fmt is None:
+        return w
+    with torch.no_grad():
+        return fmt.decode(w, row_shape, dtype)
 
 
 # --------------------------------------------------------------------------- counters
@@ -466,12 +564,15 @@ def _exchange(x: torch.Tensor, plan: A2APlan, group, pattern: str,
 
 def _backward(ctx, g: torch.Tensor) -> torch.Tensor:
     """The reverse exchange of an exchange's backward pass, reported like the forward one,
-    with the expert block it opens or closes (``ctx.block``)."""
+    with the expert block it opens or closes (``ctx.block``), in the wire's backward format."""
     obs, block = ctx.observer, ctx.block
     if obs is not None and block == "begin":
         obs.block_begin()
-    out = _exchange(g.contiguous(), ctx.plan.reversed(), ctx.group, ctx.pattern, ctx.stats, obs,
-                    ctx.transport)
+    fmt = ctx.wire.backward if ctx.wire is not None else None
+    g = g.contiguous()
+    w = _exchange(encode_rows(g, fmt), ctx.plan.reversed(), ctx.group, ctx.pattern, ctx.stats, obs,
+                  ctx.transport)
+    out = decode_rows(w, fmt, g.shape[1:], g.dtype)
     if obs is not None and block == "end":
         obs.block_end()
     return out
@@ -587,29 +688,34 @@ def _start(x: torch.Tensor, plan: A2APlan, group, pattern: str, stats: CommStats
 
 
 class _A2AFn(torch.autograd.Function):
+    """x (for the gradient) and w, its rows as encoded by ``wire.forward`` (x itself when
+    plain): exchanges w, decodes; backward: the reverse exchange in ``wire.backward``."""
+
     @staticmethod
-    def forward(ctx, x, plan, group, pattern, stats, observer, block, transport):  # noqa: D401
+    def forward(ctx, x, w, plan, group, pattern, stats, observer, block, transport, wire):  # noqa: D401
         ctx.plan, ctx.group, ctx.pattern, ctx.stats = plan, group, pattern, stats
-        ctx.observer, ctx.block, ctx.transport = observer, block, transport
-        return _exchange(x, plan, group, pattern, stats, observer, transport)
+        ctx.observer, ctx.block, ctx.transport, ctx.wire = observer, block, transport, wire
+        out = _exchange(w, plan, group, pattern, stats, observer, transport)
+        return decode_rows(out, wire.forward if wire is not None else None, x.shape[1:], x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _backward(ctx, g), None, None, None, None, None, None, None, None, None
+
+
+class _WaitFn(torch.autograd.Function):
+    """Joins an async exchange into the autograd graph: forward waits (and decodes the
+    rows of ``wire.forward``), backward reverses."""
+
+    @staticmethod
+    def forward(ctx, x, handle, group, pattern, observer, block, transport, wire):
+        ctx.plan, ctx.group, ctx.pattern, ctx.stats = handle.plan, group, pattern, handle.stats
+        ctx.observer, ctx.block, ctx.transport, ctx.wire = observer, block, transport, wire
+        return decode_rows(handle._finish(), wire.forward if wire is not None else None, x.shape[1:], x.dtype)
 
     @staticmethod
     def backward(ctx, g):
         return _backward(ctx, g), None, None, None, None, None, None, None
-
-
-class _WaitFn(torch.autograd.Function):
-    """Joins an async exchange into the autograd graph: forward waits, backward reverses."""
-
-    @staticmethod
-    def forward(ctx, x, handle, group, pattern, observer, block, transport):
-        ctx.plan, ctx.group, ctx.pattern, ctx.stats = handle.plan, group, pattern, handle.stats
-        ctx.observer, ctx.block, ctx.transport = observer, block, transport
-        return handle._finish()
-
-    @staticmethod
-    def backward(ctx, g):
-        return _backward(ctx, g), None, None, None, None, None, None
 
 
 def _resolve_plan(x: torch.Tensor, send_counts, group) -> A2APlan:
@@ -628,7 +734,7 @@ def _resolve_plan(x: torch.Tensor, send_counts, group) -> A2APlan:
 def all_to_all(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *, group=None,
                pattern: str = "direct", stats: CommStats | None = None,
                observer: A2AObserver | None = None, backward_block: str | None = None,
-               transport: str = "auto") -> torch.Tensor:
+               transport: str = "auto", wire: Wire | None = None) -> torch.Tensor:
     """Uneven all-to-all of the rows of ``x_RD`` (see the module docstring).
 
     ``send_counts`` is a list with one count per rank, or an :class:`A2APlan` to reuse
@@ -638,12 +744,23 @@ def all_to_all(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *, grou
     ``observer`` / ``backward_block``: who is told about this exchange and its backward
     (module docstring); the count exchange of a list ``send_counts`` is not reported.
     ``transport``: one of :data:`TRANSPORTS` (module docstring; ``"auto"`` is the fast one).
+    ``wire``: the rows' formats on the wire, forward and backward (module docstring); the
+    result has ``x_RD``'s dtype and shape either way. With a list ``send_counts`` the count
+    exchange checks the encoded rows, so ranks whose wires differ get the same ValueError.
     """
     check_observer(observer, backward_block)
-    plan = _resolve_plan(x_RD, send_counts, group)
+    wire = _check_wire(wire)
+    if not isinstance(x_RD, torch.Tensor):
+        raise TypeError(f"all_to_all expects a tensor, got {type(x_RD).__name__}")
+    fmt = wire.forward if wire is not None else None
+    if isinstance(send_counts, A2APlan):
+        _check_x(x_RD, send_counts)
+    w = encode_rows(x_RD, fmt)
+    plan = _resolve_plan(w, send_counts, group)
     if x_RD.requires_grad and torch.is_grad_enabled():
-        return _A2AFn.apply(x_RD, plan, group, pattern, stats, observer, backward_block, transport)
-    return _exchange(x_RD, plan, group, pattern, stats, observer, transport)
+        return _A2AFn.apply(x_RD, w, plan, group, pattern, stats, observer, backward_block, transport, wire)
+    out = _exchange(w, plan, group, pattern, stats, observer, transport)
+    return decode_rows(out, fmt, x_RD.shape[1:], x_RD.dtype)
 
 
 class A2AHandle:
@@ -652,9 +769,9 @@ class A2AHandle:
 
     def __init__(self, x: torch.Tensor, raw: _RawHandle, group, pattern: str,
                  post: Callable[[torch.Tensor], object] | None = None, report: A2AReport | None = None,
-                 backward_block: str | None = None, transport: str = "auto"):
+                 backward_block: str | None = None, transport: str = "auto", wire: Wire | None = None):
         self._x, self._raw, self._group, self._pattern, self._post = x, raw, group, pattern, post
-        self._report, self._block, self._transport = report, backward_block, transport
+        self._report, self._block, self._transport, self._wire = report, backward_block, transport, wire
         self._result = None
 
     @property
@@ -671,8 +788,9 @@ class A2AHandle:
             def join() -> torch.Tensor:
                 if self._x.requires_grad and torch.is_grad_enabled():
                     return _WaitFn.apply(self._x, self._raw, self._group, self._pattern, obs,
-                                         self._block, self._transport)
-                return self._raw._finish()
+                                         self._block, self._transport, self._wire)
+                fmt = self._wire.forward if self._wire is not None else None
+                return decode_rows(self._raw._finish(), fmt, self._x.shape[1:], self._x.dtype)
 
             out = self._report.finish(join) if self._report is not None else join()
             self._result = self._post(out) if self._post is not None else out
@@ -682,7 +800,7 @@ class A2AHandle:
 def all_to_all_async(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *, group=None,
                      pattern: str = "direct", stats: CommStats | None = None,
                      observer: A2AObserver | None = None, backward_block: str | None = None,
-                     transport: str = "auto") -> A2AHandle:
+                     transport: str = "auto", wire: Wire | None = None) -> A2AHandle:
     """Start an all-to-all and return at once; compute while the bytes move, then ``wait()``.
 
     The direct pattern posts its messages asynchronously (the backend's all_to_all_single,
@@ -693,19 +811,26 @@ def all_to_all_async(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *
     group from another thread while a ring exchange is in flight. ``observer`` is told the
     exchange began now and ended when ``wait()`` returns (the time blocked in ``wait()``
     with it); the backward pass's reverse exchange is reported like
-    :func:`all_to_all`'s, with ``backward_block``.
+    :func:`all_to_all`'s, with ``backward_block``. ``wire``: as :func:`all_to_all`'s (the
+    rows are encoded now, decoded by ``wait()``).
     """
     check_observer(observer, backward_block)
-    plan = _resolve_plan(x_RD, send_counts, group)
-    _check_x(x_RD, plan)
-    report = A2AReport(observer, _peer_bytes(x_RD, plan), x_RD.device)
+    wire = _check_wire(wire)
+    if not isinstance(x_RD, torch.Tensor):
+        raise TypeError(f"all_to_all expects a tensor, got {type(x_RD).__name__}")
+    if isinstance(send_counts, A2APlan):
+        _check_x(x_RD, send_counts)
+    w = encode_rows(x_RD, wire.forward if wire is not None else None)
+    plan = _resolve_plan(w, send_counts, group)
+    _check_x(w, plan)
+    report = A2AReport(observer, _peer_bytes(w, plan), w.device)
     try:
-        raw = _start(x_RD, plan, group, pattern, stats, background=True, transport=transport)
+        raw = _start(w, plan, group, pattern, stats, background=True, transport=transport)
     except BaseException:
         report.finish(lambda: None)  # never left open: the observer would hold its work for it
         raise
     return A2AHandle(x_RD, raw, group, pattern, report=report, backward_block=backward_block,
-                     transport=transport)
+                     transport=transport, wire=wire)
 
 
 # --------------------------------------------------------------------------- segments
@@ -793,7 +918,7 @@ def exchange_segments(send_segments: Sequence[Sequence[torch.Tensor]], recv_layo
 
 
 __all__ = [
-    "A2APlan", "A2AHandle", "CommError", "CommStats", "SegmentLayout", "all_to_all",
-    "all_to_all_async", "exchange_segments", "make_plan", "pack_segments", "segment_plan",
-    "PATTERNS", "TRANSPORTS",
+    "A2APlan", "A2AHandle", "BF16", "CastRows", "CommError", "CommStats", "RowFormat", "SegmentLayout",
+    "Wire", "all_to_all", "all_to_all_async", "decode_rows", "encode_rows", "exchange_segments",
+    "make_plan", "pack_segments", "segment_plan", "PATTERNS", "TRANSPORTS",
 ]

@@ -31,6 +31,17 @@ backward pass starts and ends: the plain path passes it to ``commsched.all_to_al
 the pipelined path, whose autograd function runs its own backward, reports through
 :class:`~commsched.observe.A2AReport`.
 
+Wire formats (``wires=``, a :class:`MoEWires`, made by :func:`moe_wires` from the
+``--a2a-bits`` of :class:`~commsched.moe.layer.DispatchConfig`): the dispatch exchange and
+the combine exchange each carry a :class:`commsched.all2all.Wire` (a row format for the
+forward rows and one for the backward pass's gradients). At 8 bits the rows that travel
+*to* the experts (the dispatched tokens, and in the backward pass the gradients of the
+expert outputs) are 8-bit row records of the shared codec
+(:class:`commsched.quant.rowwire.QuantRows`), the rows that come *back* (the expert
+outputs, and the gradients of the dispatched tokens) bfloat16; at 16 bits everything is
+bfloat16; at 32 the exchange is the plain one, bit for bit. Both paths encode before and
+decode after each exchange, so the observer and the counters see the shorter messages.
+
 Devices: every index tensor (token order, the regrouping permutations) and the count
 exchange live on the device of the routing and the tokens, so a CUDA layer never mixes
 host and device tensors; the counts come back to the host once per layer call (an uneven
@@ -46,10 +57,21 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..all2all import A2APlan, all_to_all, all_to_all_async, make_plan
+from ..all2all import (
+    BF16,
+    A2APlan,
+    RowFormat,
+    Wire,
+    all_to_all,
+    all_to_all_async,
+    decode_rows,
+    encode_rows,
+    make_plan,
+)
 from ..dist import check_same_config
 from ..lanes import Lanes
 from ..observe import A2AObserver, A2AReport
+from ..quant.rowwire import QuantRows, format_seed
 from .experts import ExpertFFN, expert_apply
 from .router import Routing
 
@@ -89,6 +111,40 @@ class ExpertGroup:
     @property
     def first(self) -> int:
         return self.rank * self.num_local
+
+
+# --------------------------------------------------------------------------- wire formats
+A2A_BITS = (32, 16, 8)  # --a2a-bits: the expert all-to-all's width (module docstring)
+
+
+@dataclass(frozen=True)
+class MoEWires:
+    """The wires of an MoE layer's two exchanges (None: plain): ``dispatch`` (tokens to the
+    experts; its backward sends the tokens' gradients back), ``combine`` (expert outputs
+    back; its backward sends the outputs' gradients to the experts)."""
+
+    dispatch: Wire | None = None
+    combine: Wire | None = None
+    bits: int = 32
+
+
+def moe_wires(bits: int, seed: int = 0, *, impl: str = "auto") -> MoEWires:
+    """The wires of ``--a2a-bits`` ``bits`` (module docstring); ``seed`` starts the 8-bit
+    format's key stream (give every rank and layer its own: :func:`format_seed`)."""
+    if isinstance(bits, bool) or bits not in A2A_BITS:
+        raise ValueError(f"--a2a-bits must be one of {A2A_BITS}, got {bits!r}")
+    if bits == 32:
+        return MoEWires()
+    if bits == 16:
+        return MoEWires(Wire(BF16, BF16), Wire(BF16, BF16), 16)
+    q = QuantRows(8, seed=seed, impl=impl)
+    return MoEWires(dispatch=Wire(q, BF16), combine=Wire(BF16, q), bits=8)
+
+
+def _fmt(wire: Wire | None, backward: bool) -> RowFormat | None:
+    if wire is None:
+        return None
+    return wire.backward if backward else wire.forward
 
 
 # --------------------------------------------------------------------------- token side
@@ -216,16 +272,18 @@ def build_chunk_plans(asg: Assignments, eg: ExpertGroup,
 
 # --------------------------------------------------------------------------- plain EP path
 def _plain_chunks(x_send: torch.Tensor, plans: Sequence[ChunkPlan], experts: ExpertFFN, eg: ExpertGroup,
-                  observer: A2AObserver | None) -> torch.Tensor:
+                  observer: A2AObserver | None, wires: MoEWires | None = None) -> torch.Tensor:
     """Chunk by chunk: dispatch, experts, combine. In the backward pass the combine
     exchange opens the expert block and the dispatch exchange closes it."""
+    wires = wires or MoEWires()
     outs = []
     for cp in plans:
         xc = x_send[cp.send_lo:cp.send_hi]
-        xr = all_to_all(xc, cp.plan, group=eg.group, observer=observer, backward_block="end")
+        xr = all_to_all(xc, cp.plan, group=eg.group, observer=observer, backward_block="end",
+                        wire=wires.dispatch)
         y = experts(xr[cp.perm_R], cp.counts_L)
         outs.append(all_to_all(y[cp.inv_R], cp.plan.reversed(), group=eg.group, observer=observer,
-                               backward_block="begin"))
+                               backward_block="begin", wire=wires.combine))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -240,21 +298,26 @@ class _Pipeline:
     """
 
     def __init__(self, plans: Sequence[ChunkPlan], eg: ExpertGroup, observer: A2AObserver | None,
-                 lanes: Lanes | None = None):
+                 lanes: Lanes | None = None, wires: MoEWires | None = None):
         self.plans, self.eg, self.observer, self.lanes = list(plans), eg, observer, lanes
+        self.wires = wires or MoEWires()
 
-    def start(self, x: torch.Tensor, plan: A2APlan):
-        """Queue one exchange (reported as begun now); :meth:`finish` waits for it."""
+    def start(self, x: torch.Tensor, plan: A2APlan, fmt: RowFormat | None = None):
+        """Queue one exchange of ``x``'s rows in ``fmt`` (encoded here, on the caller's
+        thread; reported as begun now); :meth:`finish` waits for it and decodes."""
         x = x.contiguous()
+        w = encode_rows(x, fmt)
+        like = (fmt, x.shape[1:], x.dtype)
         if self.lanes is None:  # the handle's wait() reports the end
-            return all_to_all_async(x, plan, group=self.eg.group, observer=self.observer), None
-        row_bytes = x[0].numel() * x.element_size() if x.shape[0] else 0
-        report = A2AReport(self.observer, plan.peer_rows * row_bytes, x.device)
-        return self.lanes.submit("comm", all_to_all, x, plan, group=self.eg.group), report
+            return all_to_all_async(w, plan, group=self.eg.group, observer=self.observer), None, like
+        row_bytes = w[0].numel() * w.element_size() if w.shape[0] else 0
+        report = A2AReport(self.observer, plan.peer_rows * row_bytes, w.device)
+        return self.lanes.submit("comm", all_to_all, w, plan, group=self.eg.group), report, like
 
     def finish(self, handle) -> torch.Tensor:
-        h, report = handle
-        return h.wait() if report is None else report.finish(h.wait)
+        h, report, (fmt, row_shape, dtype) = handle
+        out = h.wait() if report is None else report.finish(h.wait)
+        return decode_rows(out, fmt, row_shape, dtype)
 
 
 class _PipelinedExperts(torch.autograd.Function):
@@ -264,14 +327,15 @@ class _PipelinedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_send, pipe: _Pipeline, *params):
         pd = [p.detach().requires_grad_(True) for p in params]
-        sends = [pipe.start(x_send[cp.send_lo:cp.send_hi], cp.plan) for cp in pipe.plans]
+        wd, wc = pipe.wires.dispatch, pipe.wires.combine
+        sends = [pipe.start(x_send[cp.send_lo:cp.send_hi], cp.plan, _fmt(wd, False)) for cp in pipe.plans]
         saved, backs = [], []
         for cp, h in zip(pipe.plans, sends):
             xe = pipe.finish(h)[cp.perm_R].requires_grad_(True)
             with torch.enable_grad():
                 y = expert_apply(xe, cp.counts_L, *pd)
             saved.append((xe, y))
-            backs.append(pipe.start(y.detach()[cp.inv_R], cp.plan.reversed()))
+            backs.append(pipe.start(y.detach()[cp.inv_R], cp.plan.reversed(), _fmt(wc, False)))
         outs = [pipe.finish(h) for h in backs]
         ctx.pipe, ctx.saved, ctx.pd = pipe, saved, pd
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -283,7 +347,9 @@ class _PipelinedExperts(torch.autograd.Function):
         if obs is not None:
             obs.block_begin()
         g_send = g_send.contiguous()
-        sends = [pipe.start(g_send[cp.send_lo:cp.send_hi], cp.plan) for cp in pipe.plans]
+        wd, wc = pipe.wires.dispatch, pipe.wires.combine
+        # the combine's reverse (output gradients to the experts), then the dispatch's
+        sends = [pipe.start(g_send[cp.send_lo:cp.send_hi], cp.plan, _fmt(wc, True)) for cp in pipe.plans]
         g_params: list[torch.Tensor | None] = [None] * len(pd)
         backs = []
         for cp, h, (xe, y) in zip(pipe.plans, sends, saved):
@@ -296,7 +362,7 @@ class _PipelinedExperts(torch.autograd.Function):
                         g_params[i] = gp if g_params[i] is None else g_params[i] + gp
             else:
                 gx = torch.zeros_like(xe)
-            backs.append(pipe.start(gx.detach()[cp.inv_R], cp.plan.reversed()))
+            backs.append(pipe.start(gx.detach()[cp.inv_R], cp.plan.reversed(), _fmt(wd, True)))
         outs = [pipe.finish(h) for h in backs]
         ctx.saved = None
         if obs is not None:
@@ -309,10 +375,11 @@ class _PipelinedExperts(torch.autograd.Function):
 # --------------------------------------------------------------------------- EP entry point
 def ep_moe(x_TD: torch.Tensor, routing: Routing, experts: ExpertFFN, eg: ExpertGroup, *,
            chunks: int = 1, pipeline: bool = False, observer: A2AObserver | None = None,
-           lanes: Lanes | None = None) -> torch.Tensor:
+           lanes: Lanes | None = None, wires: MoEWires | None = None) -> torch.Tensor:
     """Expert-parallel MoE over ``eg`` (see the module docstring). Collective on the EP group:
-    every rank of it must call this, with the same ``chunks``. ``lanes`` (pipelined path):
-    run the chunks' exchanges one at a time on its ``comm`` lane."""
+    every rank of it must call this, with the same ``chunks`` and wire widths. ``lanes``
+    (pipelined path): run the chunks' exchanges one at a time on its ``comm`` lane.
+    ``wires``: the exchanges' formats (:func:`moe_wires`; default plain)."""
     if experts.num_experts != eg.num_experts or experts.first != eg.first or experts.num_local != eg.num_local:
         raise ValueError(f"this rank holds experts [{experts.first}, {experts.first + experts.num_local}) "
                          f"but the expert group places [{eg.first}, {eg.first + eg.num_local}) here")
@@ -322,11 +389,11 @@ def ep_moe(x_TD: torch.Tensor, routing: Routing, experts: ExpertFFN, eg: ExpertG
     plans = build_chunk_plans(asg, eg, observer)
     x_send = x_TD[asg.token_A]
     if pipeline:
-        y_send = _PipelinedExperts.apply(x_send, _Pipeline(plans, eg, observer, lanes), *experts.params())
+        y_send = _PipelinedExperts.apply(x_send, _Pipeline(plans, eg, observer, lanes, wires), *experts.params())
     else:
-        y_send = _plain_chunks(x_send, plans, experts, eg, observer)
+        y_send = _plain_chunks(x_send, plans, experts, eg, observer, wires)
     return combine(y_send, asg, x_TD.shape[0])
 
 
-__all__ = ["Assignments", "ChunkPlan", "ExpertGroup", "build_chunk_plans",
-           "combine", "ep_moe", "exchange_counts", "local_moe", "sort_assignments"]
+__all__ = ["A2A_BITS", "Assignments", "ChunkPlan", "ExpertGroup", "MoEWires", "build_chunk_plans",
+           "combine", "ep_moe", "exchange_counts", "format_seed", "local_moe", "moe_wires", "sort_assignments"]

@@ -25,6 +25,13 @@ exchange's lanes are made on that device (CUDA streams on CUDA, a worker thread 
 CPU). Under ``torch.autocast`` the token rows are cast to the autocast dtype before
 dispatch, so the experts compute and the all-to-all carries rows in that dtype (bfloat16
 rows halve the exchanged bytes); the output is in that dtype too.
+
+Quantized all-to-all (``DispatchConfig(a2a_bits=8)``, ``--a2a-bits 8``): the rows that go
+to the experts travel as 8-bit row records of the shared codec (stochastic rounding, a
+float32 scale and zero point per row), the rows that come back in bfloat16; ``16``: all
+bfloat16; ``32`` (the default): as today, bit for bit (:func:`commsched.moe.dispatch.moe_wires`).
+Each layer's 8-bit key stream is seeded from ``wire_seed`` and the rank's global rank
+(:func:`commsched.quant.rowwire.format_seed`), so ranks and layers never share random bits.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from ..lanes import Lanes
 from ..observe import A2AObserver
 from ..priority.ddp import check_ddp, set_grad_group
 from ..priority.executor import LOCAL
-from .dispatch import ExpertGroup, ep_moe, local_moe
+from .dispatch import A2A_BITS, ExpertGroup, MoEWires, ep_moe, format_seed, local_moe, moe_wires
 from .experts import ExpertFFN
 from .router import Router, RouterConfig, Routing
 
@@ -51,16 +58,23 @@ class DispatchConfig(Config):
 
     chunks: int = option(1, "chunks of the pipelined all-to-all")
     pipeline: bool = option(False, "overlap each chunk's exchange with the expert compute of the others")
+    a2a_bits: int = option(32, "width of the expert all-to-all rows: 32 as computed; 16 bfloat16; 8: tokens "
+                               "to the experts (and the gradients of their outputs) as 8-bit rows of the "
+                               "shared codec with a per-row scale, the rest bfloat16", choices=A2A_BITS)
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunks, int) or self.chunks < 1:
             raise ValueError(f"chunks must be a positive integer, got {self.chunks!r}")
+        if isinstance(self.a2a_bits, bool) or self.a2a_bits not in A2A_BITS:
+            raise ValueError(f"--a2a-bits must be one of {A2A_BITS} (32: as computed, 16: bfloat16, "
+                             f"8: the 8-bit codec towards the experts), got {self.a2a_bits!r}")
 
 
 class MoELayer(nn.Module):
     def __init__(self, d_model: int, d_hidden: int, router_cfg: RouterConfig, *,
                  expert_group: ExpertGroup | None = None, dispatch: DispatchConfig | None = None,
-                 observer: A2AObserver | None = None, expert_dp_group: object | None = None):
+                 observer: A2AObserver | None = None, expert_dp_group: object | None = None,
+                 wire_seed: int = 0):
         super().__init__()
         E = router_cfg.num_experts
         if expert_group is not None and expert_group.num_experts != E:
@@ -77,6 +91,8 @@ class MoELayer(nn.Module):
                 dp = 1 if expert_dp_group is None else dist.get_world_size(expert_dp_group)
                 set_grad_group(self.experts.parameters(), LOCAL if expert_dp_group is None else expert_dp_group,
                                expert_group.size * dp)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.wires: MoEWires = moe_wires(self.dispatch.a2a_bits, format_seed(wire_seed, rank))
         self.last_routing: Routing | None = None
         self._lanes: Lanes | None = None  # comm lane of the pipelined exchange, made on first use
 
@@ -102,7 +118,8 @@ class MoELayer(nn.Module):
                 self.close()
                 self._lanes = Lanes(x.device, names=("compute", "comm"))
             y_TD = ep_moe(x_TD, routing, self.experts, self.expert_group, chunks=self.dispatch.chunks,
-                          pipeline=self.dispatch.pipeline, observer=self.observer, lanes=self._lanes)
+                          pipeline=self.dispatch.pipeline, observer=self.observer, lanes=self._lanes,
+                          wires=self.wires)
         return y_TD.reshape(x.shape), routing.aux_loss
 
 

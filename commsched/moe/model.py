@@ -124,9 +124,10 @@ class Block(nn.Module):
 class MoETransformerLM(nn.Module):
     def __init__(self, cfg: ModelConfig, *, expert_group: ExpertGroup | None = None,
                  dispatch: DispatchConfig | None = None, observer: A2AObserver | None = None,
-                 expert_dp_group: object | None = None):
+                 expert_dp_group: object | None = None, wire_seed: int = 0):
         """``expert_dp_group``: the ranks holding the same experts as this one (see
-        :class:`~commsched.moe.layer.MoELayer`; None: this rank alone)."""
+        :class:`~commsched.moe.layer.MoELayer`; None: this rank alone). ``wire_seed``
+        (the run's seed): with the layer's index, the seed of its 8-bit key stream."""
         super().__init__()
         self.cfg = cfg
         dispatch = dispatch or DispatchConfig()
@@ -135,9 +136,10 @@ class MoETransformerLM(nn.Module):
         self.pos = nn.Parameter(torch.randn(cfg.seq_len, D) * 0.02)
         blocks = []
         for i in range(cfg.n_layers):
-            if cfg.is_moe(i):
+            if cfg.is_moe(i):  # wire_seed: each layer its own 8-bit key stream (--a2a-bits 8)
                 ffn: nn.Module = MoELayer(D, cfg.expert_hidden, cfg.router, expert_group=expert_group,
-                                          dispatch=dispatch, observer=observer, expert_dp_group=expert_dp_group)
+                                          dispatch=dispatch, observer=observer, expert_dp_group=expert_dp_group,
+                                          wire_seed=wire_seed * 1009 + i)
             else:
                 ffn = DenseFFN(D, cfg.d_ff)
             blocks.append(Block(D, cfg.n_heads, ffn))

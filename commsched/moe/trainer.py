@@ -46,7 +46,11 @@ places the model and the batches (pinned host batches copied asynchronously) on 
 rank's device; NCCL then carries the CUDA tensors and gloo the small host ones.
 ``--dtype bfloat16`` runs the forward pass under ``torch.autocast`` and sends the expert
 all-to-all rows in bfloat16 (half the bytes); parameters and Adam stay float32. The
-default float32 is today's arithmetic bit for bit.
+default float32 is today's arithmetic bit for bit. ``--a2a-bits 16|8`` shortens only the
+expert all-to-all (the compute stays in ``--dtype``): 16 sends its rows in bfloat16, 8 the
+rows to the experts as 8-bit rows of the shared codec and the rest in bfloat16
+(:func:`commsched.moe.dispatch.moe_wires`); the scheduler's observer times the shorter
+exchanges, so Lina's gaps are the measured ones.
 """
 
 from __future__ import annotations
@@ -136,7 +140,7 @@ def build_commsched(cfg: TrainConfig, groups: Groups, observer: A2AObserver | No
     torch.manual_seed(cfg.seed)
     mcfg = cfg.model
     eg = ExpertGroup(mcfg.num_experts, groups.ep_size, groups.ep_rank, groups.ep_group)
-    model = MoETransformerLM(mcfg, expert_group=eg, dispatch=cfg.dispatch, observer=observer)
+    model = MoETransformerLM(mcfg, expert_group=eg, dispatch=cfg.dispatch, observer=observer, wire_seed=cfg.seed)
     eg.validate(mcfg.d_model, torch.float32 if cfg.dtype == "float32" else getattr(torch, cfg.dtype))
     if torch.device(device).type != "cpu":
         model.to(device)

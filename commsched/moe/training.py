@@ -91,6 +91,9 @@ class TrainConfig(Config):
             raise ValueError(f"--checkpoint-every must be an integer >= 0, got {self.checkpoint_every!r}")
         if self.schedule.hier_reduce and self.impl != "commsched":
             raise ValueError("--hier-reduce is an option of --impl commsched (DeepSpeed reduces its own way)")
+        if self.dispatch.a2a_bits != 32 and self.impl != "commsched":
+            raise ValueError(f"--a2a-bits {self.dispatch.a2a_bits} is an option of --impl commsched (DeepSpeed's "
+                             "MoE layer runs its own all-to-all); use --a2a-bits 32 with --impl deepspeed")
         if self.checkpoint_every and self.impl != "commsched":
             raise ValueError("--checkpoint-every is an option of --impl commsched; DeepSpeed's runs "
                              "are not checkpointed here")
@@ -144,14 +147,33 @@ class TrainMetrics(Record):
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def a2a_row_bytes(cfg: TrainConfig) -> tuple[int, int, int, int]:
+    """Bytes on the wire of one token row in each of an MoE layer's four exchanges: (dispatch,
+    combine, combine's backward, dispatch's backward), at ``cfg.dispatch.a2a_bits``: rows of
+    D elements of ``cfg.dtype`` at 32; bfloat16 at 16 (or ``cfg.dtype`` if narrower); at 8
+    the two towards the experts are row records (D + 8 bytes:
+    :func:`commsched.quant.wire.record_bytes`), the others bfloat16."""
+    from ..quant.wire import record_bytes
+
+    D = cfg.model.d_model
+    esize = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    bits = cfg.dispatch.a2a_bits
+    if bits == 32:
+        return (D * esize,) * 4
+    half = D * min(esize, 2)
+    if bits == 16:
+        return (half,) * 4
+    q = record_bytes(D, 8)
+    return (q, half, q, half)
+
+
 def a2a_payload_bytes(cfg: TrainConfig) -> int:
     """Bytes of token rows one rank hands the expert all-to-alls per step: every MoE layer
-    exchanges each of its T * k rows of D elements of ``cfg.dtype`` four times (dispatch
-    and combine, forward and backward)."""
+    exchanges each of its T * k rows four times (dispatch and combine, forward and
+    backward), each at its width on the wire (:func:`a2a_row_bytes`)."""
     T = cfg.batch_size * cfg.model.seq_len
     n_moe = sum(1 for i in range(cfg.model.n_layers) if cfg.model.is_moe(i))
-    esize = torch.empty((), dtype=cfg.torch_dtype).element_size()
-    return 4 * n_moe * T * cfg.model.k * cfg.model.d_model * esize
+    return n_moe * T * cfg.model.k * sum(a2a_row_bytes(cfg))
 
 
 def autocast(cfg: TrainConfig, device: torch.device):
@@ -271,5 +293,5 @@ def summarize(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> T
     )
 
 
-__all__ = ["DTYPES", "IMPLS", "TrainConfig", "TrainMetrics", "a2a_payload_bytes", "autocast",
+__all__ = ["DTYPES", "IMPLS", "TrainConfig", "TrainMetrics", "a2a_payload_bytes", "a2a_row_bytes", "autocast",
            "evaluate", "sizes", "summarize", "to_device"]

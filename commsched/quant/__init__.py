@@ -21,6 +21,9 @@ _CODEC_EXPORTS: dict[str, str] = {
     "payload_bytes": "codec",
     "encode_signs": "codec",
     "decode_signs": "codec",
+    "encode_records": "codec",
+    "decode_records": "codec",
+    "QuantRows": "rowwire",
 }
 
 # name -> submodule, for the bit-width assignment problem and its solvers

@@ -35,8 +35,18 @@ spec, items 6-9 of ``commsched.quant.reference``). ``impl="auto"`` runs the fast
 (``commsched.quant.fast.sign_encode_fast``: whole-tensor torch operations, any device),
 ``"reference"`` the spec; both give the same bytes.
 
+**Row records** (the expert all-to-all, :mod:`commsched.quant.rowwire`):
+:func:`encode_records` / :func:`decode_records` keep each quantized row in one record,
+uint8 [N, W] with W = ``record_bytes(D, b)`` = B + 8: the row's payload (planar, as above),
+then its scale and zero point (float32 each), so a message of records splits between
+peers at any row, like the sign records. The quantization is the codec's, bit for bit
+(the same key and counter give the same payload and metadata as :func:`quantize`), through
+the same dispatch (native kernel / fused torch on the CPU, Triton on CUDA); neither function
+reads a device value on the host (non-finite rows decode to non-finite values, which the
+caller's loss shows, instead of a synchronising check).
+
 Legend: N (or R) rows, D features per row, B payload bytes per row, G groups, W bytes
-of one sign record.
+of one sign or row record.
 """
 
 from __future__ import annotations
@@ -47,7 +57,15 @@ from dataclasses import dataclass, field
 import torch
 
 from . import reference as _ref
-from .wire import BITS, META_BYTES, SIGN_SCALE_BYTES, message_bytes, payload_bytes, sign_row_bytes
+from .wire import (
+    BITS,
+    META_BYTES,
+    SIGN_SCALE_BYTES,
+    message_bytes,
+    payload_bytes,
+    record_bytes,
+    sign_row_bytes,
+)
 
 IMPLS = ("auto", "reference", "native", "eager", "compiled", "triton")
 
@@ -453,6 +471,56 @@ def unpack_groups(buf_B: torch.Tensor, layout: GroupLayout, *, out: torch.Tensor
     return out
 
 
+# --------------------------------------------------------------------------- row records
+def encode_records(x_ND: torch.Tensor, bits: int, key: int, *, impl: str = "auto",
+                   row0: int = 0) -> torch.Tensor:
+    """Row records of float rows ``x_ND`` [N, D] at ``bits``: uint8 [N, B + META_BYTES], per
+    row the payload then (scale, zero point) as float32 (module docstring). ``key``: the
+    message's 32-bit key (a host int, as :func:`quantize_rows` takes; no host read of the
+    device), ``row0`` the counter offset. Checks shapes and types only: no synchronising
+    finite check."""
+    bits = _check_bits(bits)
+    _check_impl(impl)
+    if not isinstance(x_ND, torch.Tensor) or x_ND.dim() != 2 or not x_ND.dtype.is_floating_point:
+        raise ValueError(f"x must be a floating-point [rows, features] tensor, got "
+                         f"{getattr(x_ND, 'dtype', type(x_ND).__name__)} {tuple(getattr(x_ND, 'shape', ()))}")
+    N, D = x_ND.shape
+    if D == 0:
+        raise ValueError(f"x has no columns (shape {tuple(x_ND.shape)}); there is nothing to quantize")
+    B = payload_bytes(D, bits)
+    out = torch.empty((N, record_bytes(D, bits)), dtype=torch.uint8, device=x_ND.device)
+    if N == 0:
+        return out
+    x = x_ND.to(torch.float32).contiguous()
+    _, meta = quantize_rows(x, bits, int(key) & 0xFFFFFFFF, int(row0), impl, out_NB=out[:, :B])
+    out[:, B:] = meta.contiguous().view(torch.uint8).view(N, META_BYTES)
+    return out
+
+
+def decode_records(records_NW: torch.Tensor, bits: int, dim: int, *, impl: str = "auto",
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [N, dim] from row records written by :func:`encode_records` (into ``out``,
+    float32 [N, dim] with unit column stride, if given): ``zero + scale * level``, as
+    :func:`dequantize` of the same payload and metadata."""
+    bits = _check_bits(bits)
+    _check_impl(impl)
+    B = payload_bytes(int(dim), bits)
+    W = B + META_BYTES
+    if (not isinstance(records_NW, torch.Tensor) or records_NW.dtype != torch.uint8
+            or records_NW.dim() != 2 or records_NW.shape[1] != W):
+        raise ValueError(f"row records of {dim} values at {bits} bits must be uint8 [N, {W}], got "
+                         f"{getattr(records_NW, 'dtype', type(records_NW).__name__)} "
+                         f"{tuple(getattr(records_NW, 'shape', ()))}")
+    N = records_NW.shape[0]
+    if out is not None:
+        _check_out(out, (N, int(dim)), records_NW.device)
+    if N == 0:
+        return out if out is not None else torch.empty((0, int(dim)), dtype=torch.float32,
+                                                       device=records_NW.device)
+    meta = records_NW[:, B:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # aligned [N, 2]
+    return dequantize_rows(records_NW[:, :B], meta, bits, int(dim), impl, out_ND=out)
+
+
 # --------------------------------------------------------------------------- 1-bit signs
 SIGN_IMPLS = ("auto", "reference")  # "auto": the fast twin (commsched.quant.fast), any device
 
@@ -527,5 +595,5 @@ def decode_signs(records_NW: torch.Tensor, dim: int, *, impl: str = "auto",
 
 
 __all__ = ["BITS", "GroupLayout", "IMPLS", "META_BYTES", "QuantizedRows", "SIGN_IMPLS", "dequantize",
-           "decode_signs", "dequantize_rows", "encode_signs", "message_bytes", "pack_groups", "payload_bytes", "quantize",
+           "decode_records", "decode_signs", "dequantize_rows", "encode_records", "record_bytes", "encode_signs", "message_bytes", "pack_groups", "payload_bytes", "quantize",
            "quantize_rows", "unpack_groups"]

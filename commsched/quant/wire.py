@@ -3,7 +3,10 @@
 Per-row asymmetric quantization sends, for each row, ``payload_bytes(D, b)`` bytes of
 b-bit levels packed along D and ``META_BYTES`` bytes of metadata (a float32 scale and a
 float32 zero point). ``commsched.quant.reference.BITS`` and
-``commsched.quant.codec.META_BYTES`` are these same objects.
+``commsched.quant.codec.META_BYTES`` are these same objects. A *row record* (the
+expert all-to-all's form, one self-contained record per row so that rows can be split
+between peers anywhere) is the same two parts in one row: ``record_bytes(D, b)`` =
+payload then metadata.
 
 The 1-bit sign format (``--mode onebit``, :func:`commsched.quant.reference.sign_encode_reference`)
 sends, for each row, ``sign_payload_bytes(D)`` = ceil(D / 8) bytes of packed signs and
@@ -26,6 +29,13 @@ def message_bytes(rows: int, dim: int, bits: int) -> int:
     return rows * (payload_bytes(dim, bits) + META_BYTES)
 
 
+def record_bytes(dim: int, bits: int) -> int:
+    """Bytes of one *row record* (the all-to-all form of a quantized row,
+    :func:`commsched.quant.codec.encode_records`): its payload, then its metadata,
+    ceil(dim * bits / 8) + META_BYTES."""
+    return payload_bytes(dim, bits) + META_BYTES
+
+
 SIGN_SCALE_BYTES = 4  # float32 scale per row of the 1-bit sign format
 
 
@@ -39,5 +49,5 @@ def sign_row_bytes(dim: int) -> int:
     return sign_payload_bytes(dim) + SIGN_SCALE_BYTES
 
 
-__all__ = ["BITS", "META_BYTES", "SIGN_SCALE_BYTES", "message_bytes", "payload_bytes",
+__all__ = ["BITS", "META_BYTES", "SIGN_SCALE_BYTES", "message_bytes", "payload_bytes", "record_bytes",
            "sign_payload_bytes", "sign_row_bytes"]
