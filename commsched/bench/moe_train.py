@@ -16,6 +16,11 @@ Three variants of the same model, data and seed, each a ``torchrun`` run of
   as its reduction ends and the next forward pass waits only for the module it enters
   (:mod:`commsched.priority.overlap`). Its bound is max(compute, link bytes / rate) per
   step (:func:`overlap_bound`), not their sum.
+* ``lina-q8``, ``lina-overlap-q8`` (with ``--a2a-bits 8``; ``-q16`` with 16) -- ``lina`` and
+  ``lina-overlap`` with the quantized expert all-to-all (8: rows to the experts as 8-bit
+  rows of the shared codec, rows back in bfloat16; :func:`commsched.moe.dispatch.moe_wires`):
+  commsched's schedule and compression together, against fifo and DeepSpeed in the same
+  run (:func:`_q8_rows`: their ratios, the best commsched configuration's, the loss gap).
 * ``lina-hier`` (only on emulated hosts, ``--hosts K``) -- ``lina`` with the hierarchical
   reduction (``--hier-reduce``: inside each host, across hosts under lina's gate, inside
   again; :mod:`commsched.priority.hier`).
@@ -89,6 +94,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allreduce-threads", type=int, default=d["allreduce_threads"],
                    help="fifo and lina: gloo worker threads of the gradient-allreduce group")
     g.add_argument("--ds-stage", type=int, default=d["ds_stage"])
+    g.add_argument("--a2a-bits", type=int, choices=(16, 8), default=None,
+                   help="also run lina-qB and lina-overlap-qB: lina / lina-overlap with the expert all-to-all "
+                        "at B bits (commsched.moe.train --a2a-bits)")
 
 
 def _common(a: argparse.Namespace) -> list[str]:
@@ -117,6 +125,12 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
         Variant("lina", mod, lina),
         Variant("lina-overlap", mod, ("--impl", "commsched", "--schedule", "lina-overlap", *lina[4:])),
     ]
+    bits = getattr(a, "a2a_bits", None)
+    if bits:  # schedule + compression (issue 29.3): the quantized expert all-to-all
+        q = ("--a2a-bits", str(bits))
+        out += [Variant(f"lina-q{bits}", mod, (*lina, *q)),
+                Variant(f"lina-overlap-q{bits}", mod, ("--impl", "commsched", "--schedule", "lina-overlap",
+                                                       *lina[4:], *q))]
     if (getattr(a, "hosts", 1) or 1) > 1:  # on emulated hosts: lina with the hierarchical reduction
         out.append(Variant("lina-hier", mod, (*lina, "--hier-reduce")))
     return out
@@ -217,6 +231,39 @@ def overlap_bound(compute_s: float | None, grad_bytes: int | None, a2a_link_s: f
     return link, (max(compute_s, link) if compute_s is not None else None)
 
 
+Q_VARIANTS = ("lina-q8", "lina-overlap-q8", "lina-q16", "lina-overlap-q16")  # with --a2a-bits
+OURS = ("fifo", "lina", "lina-overlap", "lina-hier", *Q_VARIANTS)  # commsched's configurations
+
+
+def _q8_rows(runs, med, rep_ratio) -> list[tuple]:
+    """Summary rows of the quantized variants: their step-time ratios against fifo and
+    DeepSpeed, commsched's best configuration (the fastest median step of its variants)
+    against both, the all-to-all against lina's, and the loss gap to fifo (largest per step,
+    relative)."""
+    rows = []
+    for v in Q_VARIANTS:
+        if v not in runs:
+            continue
+        rows += [
+            (f"step time: fifo / {v} (goal >= 1.5)", rep_ratio("fifo", v, "step_time_s"), "x"),
+            (f"step time: deepspeed / {v} (goal >= 2)", rep_ratio("deepspeed", v, "step_time_s"), "x"),
+            (f"all-to-all: lina / {v}", rep_ratio("lina", v, "a2a_time_s"), "x"),
+        ]
+        c, f = runs[v][0].get("loss"), runs.get("fifo", [{}])[0].get("loss")
+        if c and f:
+            rows.append((f"loss: {v} largest per-step gap to fifo, relative (goal <= 0.01)",
+                         max(abs(a - b) / b for a, b in zip(c, f)), ""))
+    ours = {v: med[v]["step_time_s"] for v in OURS if v in med and med[v]["step_time_s"]}
+    if ours and any(v in runs for v in Q_VARIANTS):
+        best = min(ours, key=ours.get)
+        rows += [
+            (f"best commsched configuration: {best}", ours[best], " s"),
+            (f"step time: fifo / best ({best}; goal >= 1.5)", rep_ratio("fifo", best, "step_time_s"), "x"),
+            (f"step time: deepspeed / best ({best}; goal >= 2)", rep_ratio("deepspeed", best, "step_time_s"), "x"),
+        ]
+    return rows
+
+
 def _overlap_rows(runs, med, rep_ratio, m_any, P, rate, a2a_link_s, hosts) -> list[tuple]:
     """Summary rows of ``lina-overlap``: its ratios and its bound (compute: its step less the
     time its compute thread waited for the all-to-all and for parameter updates)."""
@@ -292,6 +339,7 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
                  _ratio(lt and lt["a2a"], fifo and fifo["step_time_s"]), ""))
     link_s = lt and lt["a2a"]
     rows += _overlap_rows(runs, med, rep_ratio, m_any, P, rate, link_s, hosts)
+    rows += _q8_rows(runs, med, rep_ratio)
     # a lower bound of a step for any schedule that waits for every gradient before the
     # optimizer step: the fastest measured forward pass and optimizer of commsched's
     # variants, plus the link time of the allreduce and of the backward all-to-alls

@@ -314,3 +314,34 @@ def test_training_at_every_width_mp():
     res = run_cases(2, [("train_widths", _train_widths)], timeout_s=300)
     assert_case(res, "train_widths")
 
+
+
+# --------------------------------------------------------------------------- the bench's variants
+def test_bench_adds_the_quantized_variants_and_their_rows(tmp_path):
+    from commsched.bench import build_parser, load_workload
+    from commsched.moe.train import build_parser as train_parser
+    from commsched.moe.train import config_from_args
+
+    wl = load_workload("moe-train")
+    plain = [v.name for v in wl.variants(build_parser(wl).parse_args([]))]
+    assert not any("-q" in n for n in plain)  # opt-in: --a2a-bits
+    variants = {v.name: v for v in wl.variants(build_parser(wl).parse_args(["--a2a-bits", "8"]))}
+    assert list(variants)[:len(plain)] == plain and {"lina-q8", "lina-overlap-q8"} <= set(variants)
+    cfgs = {n: config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)]))
+            for n, v in variants.items()}
+    assert cfgs["lina-q8"].dispatch.a2a_bits == cfgs["lina-overlap-q8"].dispatch.a2a_bits == 8
+    assert cfgs["lina-q8"].schedule == cfgs["lina"].schedule and cfgs["lina-overlap-q8"].schedule.overlapped
+    assert cfgs["lina"].dispatch.a2a_bits == cfgs["fifo"].dispatch.a2a_bits == 32
+
+    def m(step, a2a, losses):
+        return {"step_time_s": step, "a2a_time_s": a2a, "allreduce_time_s": 0.5, "a2a_alone_time_s": a2a,
+                "allreduce_wait_s": 0.1, "val_loss": losses[-1], "loss": losses,
+                "sizes": {"non_expert_grad_bytes": 1 << 20, "a2a_payload_bytes_per_step": 2 << 20}}
+    runs = {"deepspeed": [m(3.0, 1.2, [5.0, 4.0])], "fifo": [m(2.0, 0.8, [5.0, 4.0])],
+            "lina": [m(1.6, 0.6, [5.0, 4.0])], "lina-q8": [m(1.0, 0.3, [5.0, 4.04])]}
+    extra = wl.summarize(runs, build_parser(wl).parse_args(["--a2a-bits", "8"]), tmp_path)
+    table = extra["extra_tables"]["Lina against fifo and DeepSpeed (medians of per-repeat ratios)"]
+    assert "| step time: fifo / lina-q8 (goal >= 1.5) | 2x |" in table
+    assert "| step time: deepspeed / lina-q8 (goal >= 2) | 3x |" in table
+    assert "| best commsched configuration: lina-q8 | 1 s |" in table
+    assert "| loss: lina-q8 largest per-step gap to fifo, relative (goal <= 0.01) | 0.01 |" in table
