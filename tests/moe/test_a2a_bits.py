@@ -345,3 +345,42 @@ def test_bench_adds_the_quantized_variants_and_their_rows(tmp_path):
     assert "| step time: deepspeed / lina-q8 (goal >= 2) | 3x |" in table
     assert "| best commsched configuration: lina-q8 | 1 s |" in table
     assert "| loss: lina-q8 largest per-step gap to fifo, relative (goal <= 0.01) | 0.01 |" in table
+
+
+# --------------------------------------------------------------------------- no host reads, devices
+def test_the_wire_reads_nothing_back_on_the_host(monkeypatch):
+    # encode, exchange (with a plan) and decode, forward and backward, call no host read of a
+    # tensor: on CUDA each would be a device synchronisation in the hot path
+    x = torch.randn(12, 10, requires_grad=True)
+    plan = _one_rank_plan(12)
+    wire = Wire(QuantRows(8, seed=1), QuantRows(8, seed=2))
+
+    def refuse(self, *a, **k):
+        raise AssertionError("a host read of a tensor in the wire's hot path")
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    y = all_to_all(x, plan, wire=wire)
+    y.sum().backward()
+    y2 = all_to_all(x.bfloat16(), plan, wire=Wire(BF16, BF16))
+    monkeypatch.undo()
+    assert x.grad is not None and y2.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+def test_records_on_cuda_are_the_reference_and_never_synchronise():
+    x = torch.randn(37, 129, generator=torch.Generator().manual_seed(3))
+    key = 4242
+    cpu = encode_records(x, 8, key, impl="reference")
+    xc = x.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rec = encode_records(xc, 8, key)  # the Triton kernel
+        y = decode_records(rec, 8, 129)
+        w = QuantRows(8, seed=1)
+        z = w.decode(w.encode(xc), xc.shape[1:], torch.float32)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(rec.cpu(), cpu)
+    assert torch.equal(y.cpu(), decode_records(cpu, 8, 129, impl="reference"))
+    assert ((z.cpu() - x).abs().amax(1) <= _bound(x)).all()
