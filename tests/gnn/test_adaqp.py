@@ -354,19 +354,6 @@ def _cases(rank: int, world: int) -> dict:
         out[f"bytes_vanilla_{P}"] = mv8["bytes_sent_per_epoch"]
         if P == 3:
             out.update(_topology_case(part, rank))
-    # the onebit exchange's 3-rank cases (tests/gnn/test_onebit.py) share this spawn
-    from tests.gnn.test_onebit import three_rank_cases
-
-    out["onebit"] = three_rank_cases(rank, world)
-    # the PyG adapter's 3-rank cases (tests/gnn/test_pyg.py) share this spawn: {name: traceback}
-    from tests.gnn.test_pyg import THREE_RANK_CASES
-    from tests.mp import _run_cases
-
-    out["pyg"] = _run_cases(rank, world, THREE_RANK_CASES)
-    # and the peers' modes (tests/gnn/test_peers.py: pipegcn, bns)
-    from tests.gnn.test_peers import THREE_RANK_CASES as PEER_CASES
-
-    out["peers"] = _run_cases(rank, world, PEER_CASES)
     return out
 
 
@@ -404,11 +391,3 @@ def test_adaqp_on_two_and_three_ranks():
     # every row of every channel is counted once, in its class (rank 0 writes the metrics)
     assert set(res[0]["topo_classes"]) == {"intra", "inter"}
     assert sum(res[0]["topo_classes"].values()) == sum(out["topo_rows"] for out in res)
-    from tests.gnn.test_onebit import check_three_rank
-    from tests.mp import assert_case
-
-    check_three_rank([out["onebit"] for out in res])
-    for key in ("pyg", "peers"):
-        cases = {name: {r: out[key][name] for r, out in enumerate(res)} for name in res[0][key]}
-        for name in cases:
-            assert_case(cases, name)

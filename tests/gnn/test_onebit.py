@@ -2,8 +2,7 @@
 sizes, errors), error feedback as a pure computation, and the exchange: on 1 rank it
 trains as Vanilla; on 3 gloo ranks (one spawn) the received rows equal the reference
 codec's decode(encode(x)) with error feedback off, carry the error with it on, and the
-bytes on the wire are the packed records (:func:`three_rank_cases`, run inside
-``tests/gnn/test_adaqp.py``'s 3-rank spawn)."""
+bytes on the wire are the packed records (:func:`three_rank_cases`)."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ import torch
 from commsched.quant import decode_signs, encode_signs
 from commsched.quant import reference as R
 from commsched.quant.wire import sign_row_bytes
+from tests.mp import run_ranks
 
 # --------------------------------------------------------------------------- the format
 
@@ -123,9 +123,7 @@ def test_one_rank_trains_as_vanilla():
 
 
 def three_rank_cases(rank: int, world: int) -> dict:
-    """The 3-rank cases; they run in ``tests/gnn/test_adaqp.py``'s 3-rank spawn (one spawn
-    for both files: starting three processes costs more than every case in it), which
-    passes the per-rank results to :func:`check_three_rank`."""
+    """The 3-rank cases; :func:`check_three_rank` asserts on their per-rank results."""
     from commsched.all2all import CommStats
     from commsched.gnn.context import PassContext
     from commsched.gnn.data import SyntheticSpec, synthetic_graph
@@ -226,3 +224,8 @@ def test_onebit_exchange_raises_at_the_end_of_an_epoch_with_bad_rows():
     with pytest.raises(ValueError, match="epoch 4 held non-finite"):
         ex.end_epoch(SimpleNamespace(epoch=4))
     assert ex._finite is None  # read once, then a fresh flag next epoch
+
+
+@pytest.mark.slow
+def test_onebit_on_three_ranks():
+    check_three_rank(run_ranks(3, three_rank_cases, timeout_s=300))

@@ -2,7 +2,7 @@
 
 Pure pieces (the sample, its agreement between the ends, its unbiased rescaling, the
 options and their errors) in milliseconds; on 1 rank in this process and on 3 gloo
-ranks (:data:`THREE_RANK_CASES`, run in ``tests/gnn/test_adaqp.py``'s spawn): ``pipegcn --stale-delay 0`` and ``bns --boundary-rate 1`` equal
+ranks (:data:`THREE_RANK_CASES`): ``pipegcn --stale-delay 0`` and ``bns --boundary-rate 1`` equal
 vanilla exactly, pipegcn's halo rows and gradients are exactly the previous epoch's (and
 their moving average with smoothing), bns sends exactly the kept share of the bytes and
 its rows and gradients are the sampled, rescaled ones."""
@@ -27,6 +27,7 @@ from commsched.gnn.data import SyntheticSpec, synthetic_graph
 from commsched.gnn.partition import make_parts, partition_nodes
 from commsched.gnn.stale import PipeGCNExchange, PipeGCNOptions
 from commsched.gnn.trainer import TrainConfig, run_training
+from tests.mp import assert_case, run_cases
 
 SYN = SyntheticSpec(num_nodes=300, num_edges=1500, num_features=10, num_classes=3,
                     communities_per_class=2, seed=4)
@@ -300,7 +301,17 @@ def case_bns_sends_the_kept_rows_rescaled(rank: int, world: int) -> None:
     assert m["loss"][-1] < m["loss"][0]
 
 
-# run in test_gnn_adaqp.py's 3-rank spawn (one spawn fewer for the suite)
 THREE_RANK_CASES = [("peers_twins", case_twins_equal_vanilla),
                     ("peers_stale", case_pipegcn_is_exactly_one_epoch_stale),
                     ("peers_bns", case_bns_sends_the_kept_rows_rescaled)]
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    return run_cases(3, THREE_RANK_CASES, timeout_s=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n, _ in THREE_RANK_CASES])
+def test_peers_on_three_ranks(three_ranks, name):
+    assert_case(three_ranks, name)

@@ -1,6 +1,6 @@
 """PyG layers through the halo exchange (commsched.gnn.pyg): layer kinds and their errors,
-one rank against the plain PyG layer; and the 3-rank cases (:data:`THREE_RANK_CASES`, run
-in the gloo spawn of ``tests/gnn/test_adaqp.py``): GCNConv, SAGEConv, GINConv and GATConv
+one rank against the plain PyG layer; and the 3-rank cases (:data:`THREE_RANK_CASES`, on
+3 gloo ranks): GCNConv, SAGEConv, GINConv and GATConv
 from torch_geometric against the full-graph layer (vanilla and adaqp-p: outputs and
 gradients equal to 1e-10 in float64), AdaQP training with the loop protocol (losses within
 5 % of vanilla's), and sum aggregation through the trainer in every quantized mode."""
@@ -18,6 +18,7 @@ from commsched.gnn import SyntheticSpec, synthetic_graph
 from commsched.gnn.adaqp_plan import AdaQPOptions
 from commsched.gnn.layers import DistMessagePassing
 from commsched.gnn.pyg import DistGraph, LayerKind, distributed, layer_kind
+from tests.mp import assert_case, run_cases
 
 SYN = SyntheticSpec(num_nodes=300, num_edges=1500, num_features=12, num_classes=3,
                     communities_per_class=2, seed=5)
@@ -207,8 +208,17 @@ def case_sum_aggregation_in_every_quantized_mode(rank, world):
         assert all(x == x for x in m["loss"]) and m["bytes_sent_per_epoch"] > 0, (mode, m["loss"])
 
 
-# run on 3 ranks inside the spawn of tests/gnn/test_adaqp.py::test_adaqp_on_two_and_three_ranks
-# (one spawn less for the suite); each case's traceback is reported under its name there
 THREE_RANK_CASES = [("pyg_exact", case_vanilla_and_overlap_exact),
                     ("pyg_adaqp", case_adaqp_trains_close_to_vanilla),
                     ("pyg_sum", case_sum_aggregation_in_every_quantized_mode)]
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    return run_cases(3, THREE_RANK_CASES, timeout_s=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n, _ in THREE_RANK_CASES])
+def test_pyg_layers_on_three_ranks(three_ranks, name):
+    assert_case(three_ranks, name)
