@@ -31,6 +31,7 @@ Pure: no torch, no torch.distributed (the planners' rule).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import types
 import typing
@@ -98,6 +99,16 @@ class Registry(Mapping[str, T], Generic[T]):
             raise ValueError(f"{self.kind} {name!r} is registered already")
         self._entries[name] = entry
         return entry
+
+    @contextlib.contextmanager
+    def registered(self, name: str, entry: T) -> Iterator[T]:
+        """``entry`` under ``name`` for the ``with`` block only (a test's or an
+        experiment's component, in a shared registry); the name is free again after."""
+        self.register(name, entry)
+        try:
+            yield entry
+        finally:
+            del self._entries[name]
 
     def __getitem__(self, name: str) -> T:
         try:

@@ -56,6 +56,12 @@ def test_registry_names_and_errors():
         reg["fast"]
     with pytest.raises(ValueError, match="registered already"):
         reg.register("half", HalfConfig())
+    with reg.registered("eighth", HalfConfig(rate=0.125)) as entry:
+        assert reg["eighth"] is entry and reg.names[-1] == "eighth"
+    assert "eighth" not in reg
+    with pytest.raises(RuntimeError), reg.registered("eighth", HalfConfig()):
+        raise RuntimeError("the block failed")
+    assert reg.names == ("half", "quarter")  # freed on the way out as well
 
 
 def test_flags_come_from_the_fields():

@@ -11,6 +11,7 @@ from commsched.priority.policy import (
     DEFAULT_CREDIT_MICROOPS,
     SCHEDULES,
     Policy,
+    Schedule,
     ScheduleConfig,
     make_policy,
 )
@@ -244,6 +245,39 @@ def test_lina_all_to_all_runs_at_its_alone_time_and_step_not_slower(kw):
         assert lina.step_s <= fifo.step_s + expert_s + 1e-9
 
 
+def test_a_new_schedule_is_one_class_one_entry():
+    """Adding a gradient schedule: one Schedule subclass, one SCHEDULES entry; then
+    ScheduleConfig, the simulator and the training CLI's --schedule take the name."""
+    from commsched.moe.train import build_parser
+
+    class EagerSchedule(Schedule):
+        """Micro-ops as soon as they are ready, never held for an all-to-all."""
+        name = "eager"
+
+        @classmethod
+        def make_policy(cls, cfg):
+            return Policy(cls.name, credit_bytes=None, hold_for_a2a=False, hold_in_block=False)
+
+    script = _scenario()
+    with SCHEDULES.registered("eager", EagerSchedule):
+        cfg = ScheduleConfig("eager", microop_bytes=500)
+        assert cfg.schedule is EagerSchedule and not cfg.fused and not cfg.overlapped
+        assert cfg.build().name == "eager" and not make_policy(cfg).hold_for_a2a
+        with pytest.raises(ValueError, match="unknown schedule 'nope'; choose one of .*'eager'"):
+            ScheduleConfig("nope")
+        eager = simulate(script, LINK, cfg)
+        assert eager.schedule == "eager"
+        assert build_parser().parse_args(["--schedule", "eager"]).policy == "eager"
+    lina = simulate(script, LINK, _sched("lina", microop_bytes=500))
+    # the same micro-ops as lina, launched at once: the all-to-alls share the link with them
+    assert sorted(o.nbytes for o in eager.allreduce) == sorted(o.nbytes for o in lina.allreduce)
+    assert any(eager.allreduce_during(a) for a in eager.a2a)
+    assert eager.a2a_time_s > lina.a2a_time_s
+    assert "eager" not in SCHEDULES and [SCHEDULES[n].name for n in SCHEDULES] == list(SCHEDULES)
+    with pytest.raises(ValueError, match="unknown schedule 'eager'"):
+        ScheduleConfig("eager")
+
+
 def _block_windows(script, r):
     """(arrival of a block's first a2a, end of its last a2a) of every expert block."""
     blocks, idx, start = [], 0, None
@@ -386,25 +420,3 @@ def test_sim_program_rule_bounds_launches_per_gap_and_finishes(kw):
     for prev, nxt in zip(a2a, a2a[1:]):
         started = [o for o in r.allreduce if prev.end_s <= o.start_s < nxt.ready_s]
         assert len(started) <= cfg.gap_budget, (prev, nxt, started)
-
-
-def test_a_new_schedule_is_one_class_one_entry(monkeypatch):
-    """Adding a schedule: one Schedule subclass, one SCHEDULES entry; the config, the
-    simulator and make_policy take it from there (the unknown-name error lists it too)."""
-    from commsched.priority.policy import SCHEDULES, Policy, Schedule
-
-    class EagerSchedule(Schedule):  # micro-ops as soon as ready, never held for an all-to-all
-        name = "eager"
-
-        @classmethod
-        def make_policy(cls, cfg):
-            return Policy(cls.name, credit_bytes=None, hold_for_a2a=False, hold_in_block=False)
-
-    monkeypatch.setitem(SCHEDULES._entries, "eager", EagerSchedule)
-    cfg = ScheduleConfig("eager", microop_bytes=100)
-    assert cfg.schedule is EagerSchedule and not cfg.fused and not cfg.overlapped
-    assert cfg.build().name == "eager" and not make_policy(cfg).hold_for_a2a
-    assert simulate(HAND, LINK, cfg).schedule == "eager"
-    with pytest.raises(ValueError, match="unknown schedule 'nope'; choose one of .*'eager'"):
-        ScheduleConfig("nope")
-    assert [SCHEDULES[n].name for n in SCHEDULES] == list(SCHEDULES)
