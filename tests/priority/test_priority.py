@@ -267,7 +267,7 @@ def test_a_new_schedule_is_one_class_one_entry():
             ScheduleConfig("nope")
         eager = simulate(script, LINK, cfg)
         assert eager.schedule == "eager"
-        assert build_parser().parse_args(["--schedule", "eager"]).policy == "eager"
+        assert build_parser().parse_args(["--schedule", "eager", "--out", "o"]).policy == "eager"
     lina = simulate(script, LINK, _sched("lina", microop_bytes=500))
     # the same micro-ops as lina, launched at once: the all-to-alls share the link with them
     assert sorted(o.nbytes for o in eager.allreduce) == sorted(o.nbytes for o in lina.allreduce)
