@@ -63,7 +63,7 @@ from .bns import BNSExchange, BNSOptions
 from .book import PartitionBook
 from .halo import HaloExchange, VanillaExchange, ZeroExchange
 from .onebit import OneBitExchange
-from .stale import PipeGCNExchange, PipeGCNOptions
+from .stale import PipeGCNExchange, PipeGCNOptions, check_pattern
 
 # the option sets a config may be given as (TrainConfig(exchange=AdaQPOptions(...)))
 OPTION_SETS = (AdaQPOptions, PipeGCNOptions, BNSOptions)
@@ -199,8 +199,7 @@ class PipeGCNConfig(ExchangeConfig, PipeGCNOptions):
 
     def check_run(self, mode, *, pattern="direct", mixed=False) -> None:
         super().check_run(mode, pattern=pattern, mixed=mixed)
-        check(pattern == "direct", f"--mode {mode} keeps every exchange of an epoch in flight "
-              f"across the gradient allreduce, which needs --pattern direct (got {pattern!r})")
+        check_pattern(pattern, mode)
 
     def build(self, book, *, group=None, pattern="direct", seed=0, norm=None, device=None,
               wire_dtype=None) -> HaloExchange:

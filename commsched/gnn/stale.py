@@ -66,6 +66,14 @@ class PipeGCNOptions:
                              "--stale-delay 1, not of the exact --stale-delay 0")
 
 
+def check_pattern(pattern: str, mode: str = "pipegcn") -> None:
+    """The rule, stated once: a stale exchange keeps every exchange of an epoch in flight
+    across the gradient allreduce, which only the direct pattern allows (a ValueError)."""
+    if pattern != "direct":
+        raise ValueError(f"--mode {mode} keeps every exchange of an epoch in flight across the "
+                         f"gradient allreduce, which needs --pattern direct (got {pattern!r})")
+
+
 class PipeGCNExchange(VanillaExchange):
     """Full-precision rows in the background; training passes use the rows and gradients of
     the previous epoch (see the module doc). ``wire_dtype`` as in :class:`VanillaExchange`."""
@@ -75,9 +83,7 @@ class PipeGCNExchange(VanillaExchange):
     def __init__(self, book: PartitionBook, *, options: PipeGCNOptions | None = None, group=None,
                  pattern: str = "direct", wire_dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
-        if pattern != "direct":
-            raise ValueError(f"--mode pipegcn keeps every exchange of an epoch in flight across the "
-                             f"gradient allreduce, which needs --pattern direct (got {pattern!r})")
+        check_pattern(pattern)  # also a config check (PipeGCNConfig.check_run), for direct use
         super().__init__(book, group=group, pattern=pattern, asynchronous=True,
                          wire_dtype=wire_dtype, device=device)
         self.options = options if options is not None else PipeGCNOptions()
