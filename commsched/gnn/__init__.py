@@ -23,8 +23,8 @@ _EXPORTS: dict[str, str] = {
     "LAYERS": "models", "FastLayer": "models", "PyGLayer": "models", "AdaQPExchange": "adaqp",
     "AdaQPOptions": "adaqp_plan", "PassContext": "context", "GNNMetrics": "metrics",
     "DistMessagePassing": "layers", "GCNConv": "layers",
-    "SAGEConv": "layers", "DistGNN": "layers", "LocalGraph": "layers", "CONVS": "layers",
-    "build_model": "layers", "Breakdown": "timing", "BREAKDOWN_KEYS": "timing",
+    "SAGEConv": "layers", "DistGNN": "layers", "LocalGraph": "layers",
+    "Breakdown": "timing", "BREAKDOWN_KEYS": "timing",
     "TrainConfig": "trainer", "Trainer": "trainer", "run_training": "trainer",
     "allreduce_grads": "trainer",
     # PyG layers and own loops

@@ -18,7 +18,8 @@ sparse-matrix product when the layer keeps the default weighted-sum message and
 aggregation (the fast path; a test asserts they agree). To add a model, subclass
 :class:`DistMessagePassing`, pick the edge weights with ``norm`` and implement
 ``update`` (and ``message``/``aggregate`` if they are not a weighted sum); register
-the class in :data:`CONVS`.
+it as a layer kind: ``LAYERS.register("mine", FastLayer(conv=MyConv))``
+(:mod:`commsched.gnn.models`).
 
 Every forward pass takes the pass's :class:`~commsched.gnn.context.PassContext` (epoch,
 training flag, timer, byte counters), built by the trainer and handed down to each layer
@@ -328,9 +329,6 @@ class SAGEConv(DistMessagePassing):
         return self.lin_l(agg_nF) + self.lin_r(h_nF)
 
 
-CONVS: dict[str, type[DistMessagePassing]] = {"gcn": GCNConv, "sage": SAGEConv}
-
-
 class DistGNN(nn.Module):
     """L stacked layers: for each, dropout -> conv -> (LayerNorm -> ReLU unless last)."""
 
@@ -362,20 +360,5 @@ class DistGNN(nn.Module):
         return h
 
 
-def build_model(name: str, in_dim: int, hidden: int, num_classes: int, *, layers: int = 3,
-                dropout: float = 0.5, layer_norm: bool = True, seed: int = 0,
-                dtype: torch.dtype = torch.float32) -> DistGNN:
-    """The model ``name`` (a key of :data:`CONVS`) with parameters drawn from ``seed``
-    (identical on every rank; the global RNG state is left untouched)."""
-    if name not in CONVS:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(CONVS))} (register a "
-                         f"DistMessagePassing subclass first: commsched.gnn.CONVS[{name!r}] = MyConv)")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        m = DistGNN(CONVS[name], in_dim, hidden, num_classes, layers=layers, dropout=dropout,
-                    layer_norm=layer_norm)
-    return m.to(dtype)
-
-
-__all__ = ["CONVS", "DistGNN", "DistMessagePassing", "GCNConv", "LocalGraph", "SAGEConv",
-           "TorchBlock", "build_model", "dropout_keep", "node_dropout"]
+__all__ = ["DistGNN", "DistMessagePassing", "GCNConv", "LocalGraph", "SAGEConv",
+           "TorchBlock", "dropout_keep", "node_dropout"]

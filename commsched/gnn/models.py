@@ -65,6 +65,14 @@ class FastLayer(LayerConfig):
     def build(self, graph, in_dim, hidden, num_classes, *, layers=3, dropout=0.5, layer_norm=True,
               seed=0, dtype=torch.float32) -> nn.Module:
         graph.use_norm(self.conv.norm)
+        return self.model(in_dim, hidden, num_classes, layers=layers, dropout=dropout,
+                          layer_norm=layer_norm, seed=seed, dtype=dtype)
+
+    def model(self, in_dim: int, hidden: int, num_classes: int, *, layers: int = 3, dropout: float = 0.5,
+              layer_norm: bool = True, seed: int = 0, dtype: torch.dtype = torch.float32) -> DistGNN:
+        """The :class:`DistGNN` alone, outside a run (called on a
+        :class:`~commsched.gnn.layers.LocalGraph`), parameters drawn from ``seed``
+        (identical on every rank; the global RNG state is left untouched)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             m = DistGNN(self.conv, in_dim, hidden, num_classes, layers=layers, dropout=dropout,

@@ -16,10 +16,10 @@ from commsched.gnn.layers import (
     DistMessagePassing,
     LocalGraph,
     _keep_scalar,
-    build_model,
     dropout_keep,
     node_dropout,
 )
+from commsched.gnn.models import LAYERS
 from commsched.gnn.modes import make_exchange
 from commsched.gnn.partition import make_parts, partition_nodes
 from commsched.gnn.trainer import TrainConfig, Trainer, run_training
@@ -91,7 +91,7 @@ def test_convs_equal_pyg(directed):
     x = part.x_nF  # book order == global order with one part
     assert part.book.owned_ids.tolist() == list(range(g.num_nodes))
     for name, pyg in (("gcn", PyGGCN(5, 4)), ("sage", PyGSAGE(5, 4))):
-        mine = build_model(name, 5, 4, 4, layers=1, dropout=0.0, layer_norm=False).convs[0]
+        mine = LAYERS[name].model(5, 4, 4, layers=1, dropout=0.0, layer_norm=False).convs[0]
         with torch.no_grad():
             if name == "gcn":
                 mine.lin.weight.copy_(pyg.lin.weight)
@@ -129,7 +129,7 @@ def test_fused_path_equals_general_path_and_custom_layer_runs():
     part = _one_part(g)
     for name in ("gcn", "sage"):
         lg = LocalGraph(part.book, make_exchange("vanilla", part.book), dtype=torch.float64)
-        m = build_model(name, 6, 8, 3, layers=2, dropout=0.0, dtype=torch.float64)
+        m = LAYERS[name].model(6, 8, 3, layers=2, dropout=0.0, dtype=torch.float64)
         x = part.x_nF.double().requires_grad_(True)
         a = m(x, lg, fused=True)
         b = m(x, lg, fused=False)
@@ -208,8 +208,8 @@ def test_training_config_errors():
         TrainConfig(mode="fast")
     with pytest.raises(ValueError, match="--mode no-such-mode is not"):
         make_exchange("no-such-mode", _one_part(_tiny()).book)
-    with pytest.raises(ValueError, match="unknown model"):
-        build_model("gat", 3, 4, 2)
+    with pytest.raises(ValueError, match="--model nope is not known"):
+        LAYERS["nope"]
 
 
 # --------------------------------------------------------------------------- accuracy

@@ -18,7 +18,7 @@ from commsched.gnn.bns import BNSExchange
 from commsched.gnn.context import PassContext
 from commsched.gnn.data import SyntheticSpec, synthetic_graph
 from commsched.gnn.halo import VanillaExchange, ZeroExchange
-from commsched.gnn.layers import GCNConv, LocalGraph, build_model
+from commsched.gnn.layers import GCNConv, LocalGraph
 from commsched.gnn.metrics import (
     AUC_BINS,
     GNNMetrics,
@@ -26,6 +26,7 @@ from commsched.gnn.metrics import (
     auc_histograms,
     summarize,
 )
+from commsched.gnn.models import LAYERS
 from commsched.gnn.modes import MODE_NAMES, MODES, make_exchange, mode_spec
 from commsched.gnn.onebit import OneBitExchange
 from commsched.gnn.partition import make_parts, partition_nodes
@@ -164,7 +165,7 @@ def test_pass_context_is_frozen_and_carries_the_pass(parts):
     conv(one.x_nF, lg, 0, run)
     assert run.timer.seconds["central"] > 0 and run.timer.seconds["marginal"] >= 0
     # dropout follows the context's flag and epoch, not attributes of the graph
-    m = build_model("gcn", 6, 8, 3, layers=2, dropout=0.5, seed=1)
+    m = LAYERS["gcn"].model(6, 8, 3, layers=2, dropout=0.5, seed=1)
     x = one.x_nF
     ev = m(x, lg, PassContext(training=False))
     torch.testing.assert_close(ev, m(x, lg, PassContext(training=False, epoch=9)))
