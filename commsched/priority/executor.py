@@ -219,6 +219,9 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         self._hier_step: HierStep | None = None
         self._ops_of_param: list[list[int]] = [list(o) for o in layout.ops_of_param]
         self._policy = make_policy(cfg, self.device.type)
+        p = self._policy
+        self._holds = (p.hold_for_a2a, p.hold_in_block, p.credit_bytes)
+        self._fallback = False
         # completions to poll (executor thread): seq -> CUDA event or Work
         self._polled: dict[int, Any] = {}
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
@@ -293,6 +296,7 @@ class GradScheduler(CompletionMixin, RecordsMixin):
             self._check_alive()
             if self._active:
                 raise RuntimeError("begin_step called twice without finish()")
+            self._apply_fallback()
             self._policy.begin_step(len(self.ops))
             self._state = [_Op(spec, g, len(spec.tensors)) for spec, g in zip(self.ops, self._op_groups)]
             self._param_ready = [False] * len(self._params)
@@ -305,6 +309,20 @@ class GradScheduler(CompletionMixin, RecordsMixin):
                 self._hier_step.expect([s for s, h in enumerate(self._op_hier) if h])
             self._start_clock()
             self._active = True
+
+    def set_fallback(self, on: bool) -> None:
+        """From the next :meth:`begin_step` on: launch every operation as soon as it is ready
+        (fifo's rule, on this schedule's micro-ops) when ``on``, else the schedule's own rule
+        again (priority/fallback.py decides). Every rank must set the same."""
+        with self._cv:
+            self._fallback = bool(on)
+
+    def _apply_fallback(self) -> None:
+        p = self._policy
+        if self._fallback:
+            p.hold_for_a2a, p.hold_in_block, p.credit_bytes = False, False, None
+        else:
+            p.hold_for_a2a, p.hold_in_block, p.credit_bytes = self._holds
 
     def _make_hook(self, i: int):
         def hook(p: torch.Tensor) -> None:

@@ -232,7 +232,8 @@ class ScheduleConfig(Config):
     ``hier_min_bytes``: operations smaller than this stay flat under ``hier_reduce`` (the
     NIC bytes they would save cost less than two more collectives); ``reduce_address``: the
     local address the gradient reduction's gloo groups bind to (None: the default device;
-    :mod:`commsched.priority.bind`). The command-line flags
+    :mod:`commsched.priority.bind`); ``fallback_probes``: the measured A/B of
+    :mod:`commsched.priority.fallback` (0: off). The command-line flags
     of ``-m commsched.moe.train`` are generated from these fields."""
 
     policy: str = option("lina", "gradient schedule", choices=SCHEDULES, flag="--schedule")
@@ -248,6 +249,9 @@ class ScheduleConfig(Config):
                                       "phase the schedule gates), then inside again (needs the same ranks on "
                                       "every host)")
     hier_min_bytes: int = option(HIER_MIN_BYTES, "--hier-reduce: operations smaller than this stay flat")
+    fallback_probes: int = option(2, "lina, lina-overlap on the CPU: after the first step, this many steps each of "
+                                     "the schedule and of fifo's launching, alternating; the faster is kept "
+                                     "(0: off; priority/fallback.py)")
     reduce_address: str | None = option(None, "bind the gradient reduction's gloo groups to this local address "
                                               "(the bench's collective link model gives it its own share of "
                                               "the emulated link; priority/bind.py)")
@@ -452,6 +456,7 @@ class Schedule:
     overlapped: ClassVar[bool] = False  # the reduction runs into the next forward pass (overlap.py)
     fused: ClassVar[bool] = False       # gradients travel in fused buckets, not micro-ops
     hier: ClassVar[bool] = True         # combines with ScheduleConfig.hier_reduce
+    adaptive: ClassVar[bool] = False    # probes fifo's launching and falls back to it (priority/fallback.py)
 
     @classmethod
     def make_policy(cls, cfg: ScheduleConfig) -> Policy:
@@ -469,6 +474,7 @@ class LinaSchedule(Schedule):
     """Micro-ops in the gaps of the all-to-all, under the credit (module docstring)."""
 
     name = "lina"
+    adaptive = True
 
     @classmethod
     def make_policy(cls, cfg: ScheduleConfig) -> Policy:
@@ -504,6 +510,7 @@ class LinaOverlapSchedule(Schedule):
     """``lina``, the reduction's tail under the next forward pass (:class:`OverlapPolicy`)."""
 
     name = "lina-overlap"
+    adaptive = True
     overlapped = True
     hier = False  # its tail runs on flat twin groups
 

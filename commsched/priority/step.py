@@ -31,12 +31,17 @@ list of them), so checkpoints are what they were before this interface.
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..dist import all_gather_object
 from .executor import GradScheduler
+from .fallback import FallbackProbe
 from .overlap import OverlapOptimizer, OverlapScheduler
 from .policy import ScheduleConfig
 from .records import OpRecord
@@ -52,6 +57,12 @@ class GradStep:
     def __init__(self, entries: Sequence[tuple], cfg: ScheduleConfig, **sched_kw: Any):
         self._entries, self.cfg, self._sched_kw = entries, cfg, sched_kw
         self._sched: GradScheduler | None = None
+        # the measured A/B against fifo's launching (priority/fallback.py)
+        self.probe = FallbackProbe(1, cfg.fallback_probes if cfg.schedule.adaptive else 0)
+        self._step = -1
+        self._t_last: float | None = None
+        self._probe_times: list[float] = []
+        self._now: Callable[[], float] = time.perf_counter  # the probe's clock (tests script it)
 
     # ------------------------------------------------------------------ life
     @property
@@ -68,7 +79,38 @@ class GradStep:
     def open(self) -> "GradStep":
         if self._sched is None:
             self._sched = self._make_scheduler()
+            if self._sched.launch_rule != "completion":  # program rule (NCCL): no A/B, every rank alike
+                self.probe = FallbackProbe(1, 0)
         return self
+
+    def _tick(self) -> None:
+        """A step begins: time the one that ended, decide when the probe is over, and put
+        this step in its mode."""
+        now = self._now()
+        if self._t_last is not None and self.probe.probing(self._step):
+            self._probe_times.append(now - self._t_last)
+        self._t_last = now
+        self._step += 1
+        if self.probe.enabled and self._step == self.probe.decide_at and self.probe.decided is None:
+            self._decide()
+        self._set_mode(self.probe.fallback_at(self._step))
+
+    def _decide(self) -> None:
+        on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        times = (all_gather_object(self._probe_times, "comparing the schedule's probe steps with fifo's launching")
+                 if on else [self._probe_times])
+        d = self.probe.decide(times)
+        if not on or dist.get_rank() == 0:
+            print(f"commsched: {d.message(self.cfg.policy, self.probe.first, self.probe.decide_at - 1)}",
+                  file=sys.stderr, flush=True)
+
+    def _set_mode(self, fallback: bool) -> None:
+        self.scheduler.set_fallback(fallback)
+
+    @property
+    def fallen_back(self) -> bool | None:
+        """Whether the probe chose fifo's launching (None: not decided, or no probe)."""
+        return None if self.probe.decided is None else self.probe.decided.fallback
 
     def close(self) -> None:
         if self._sched is not None:
@@ -84,6 +126,7 @@ class GradStep:
     # ------------------------------------------------------------------ the step
     def before_forward(self) -> None:
         """A step begins (before its forward pass)."""
+        self._tick()
 
     def before_backward(self) -> dict | None:
         """After the forward pass, before the backward pass: the timings of an earlier step
@@ -125,6 +168,7 @@ class ReduceThenStep(GradStep):
         self.optimizer = make_optimizer(list(model.parameters()))
 
     def before_forward(self) -> None:
+        self._tick()
         self.scheduler.begin_step()
 
     def after_backward(self, *, sync: bool = False) -> dict | None:
@@ -155,6 +199,7 @@ class OverlapStep(GradStep):
                  make_optimizer: MakeOptimizer, **sched_kw: Any):
         super().__init__(entries, cfg, **sched_kw)
         self.optimizer = OverlapOptimizer(model, make_optimizer)
+        self._overlap0 = self.optimizer.overlap
 
     def _make_scheduler(self) -> GradScheduler:
         sched = OverlapScheduler(self._entries, self.cfg, **self._sched_kw)
@@ -164,6 +209,11 @@ class OverlapStep(GradStep):
     def close(self) -> None:
         super().close()
         self.optimizer.close()  # the pre-hooks go
+
+    def _set_mode(self, fallback: bool) -> None:
+        super()._set_mode(fallback)  # applied at this step's begin_step (in before_backward)
+        # fallback: the whole reduction waited for at the backward's end (clipping does so always)
+        self.optimizer.overlap = self._overlap0 and not fallback
 
     def before_backward(self) -> dict | None:
         return self.optimizer.begin_backward()

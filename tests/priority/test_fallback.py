@@ -1,0 +1,91 @@
+"""The measured A/B against fifo's launching (priority/fallback.py): the pure probe on
+hand-worked times, then GradStep driving it with a scripted clock (no process group), so
+the switch of the policy's holds and of lina-overlap's overlap is checked in milliseconds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from commsched.priority import make_grad_step
+from commsched.priority.fallback import FallbackProbe
+from commsched.priority.policy import ScheduleConfig
+from tests.priority.test_step import DoneWork, FakeGroup, _batch, _net, _reference
+
+
+def test_probe_modes_and_decision_hand_worked():
+    pr = FallbackProbe(warmup=1, probes=2)
+    assert [pr.fallback_at(s) for s in range(6)] == [False, False, True, False, True, False]
+    assert pr.decide_at == 5 and pr.probing(1) and pr.probing(4) and not pr.probing(5)
+    # two ranks; per step the slower rank counts: primary 1.0 + 1.2, fallback 0.9 + 1.1
+    d = pr.decide([[1.0, 0.9, 1.2, 0.8], [0.7, 0.8, 1.1, 1.1]])
+    assert d.fallback and d.primary_s == pytest.approx(2.2) and d.fallback_s == pytest.approx(2.0)
+    assert all(pr.fallback_at(s) for s in range(5, 9))
+    assert "falls back" in d.message("lina", 1, 4)
+    tie = FallbackProbe(1, 1)
+    assert not tie.decide([[1.0, 1.0]]).fallback and not tie.fallback_at(3)  # ties keep the schedule
+    with pytest.raises(ValueError, match="probe-step times"):
+        FallbackProbe(1, 2).decide([[1.0, 2.0]])
+    off = FallbackProbe(1, 0)
+    assert not off.enabled and not any(off.fallback_at(s) for s in range(5))
+
+
+class ScriptedClock:
+    """perf_counter for step.py: every call after the first step adds the next duration."""
+
+    def __init__(self, durations):
+        self.t, self.durations = 0.0, list(durations)
+
+    def __call__(self) -> float:
+        t = self.t
+        if self.durations:
+            self.t += self.durations.pop(0)
+        return t
+
+
+@pytest.mark.parametrize("policy", ["lina", "lina-overlap"])
+@pytest.mark.parametrize("fallback_faster", [True, False])
+def test_grad_step_keeps_the_faster_mode(capsys, policy, fallback_faster):
+    fast, slow = 1.0, 1.5
+    # step k's duration is the gap between before_forward k and k+1: step 0 warm-up, 1-4 probe
+    prim, fb = (slow, fast) if fallback_faster else (fast, slow)
+    steps = 8
+    net = _net()
+    cfg = ScheduleConfig(policy, microop_bytes=64, fallback_probes=2)
+    entries = [(p, FakeGroup(), 1.0) for p in reversed(list(net.parameters()))]
+    gs = make_grad_step(net, entries, cfg, lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                        launch=lambda flat, group: DoneWork())
+    gs._now = ScriptedClock([2.0, prim, fb, prim, fb] + [1.0] * 10)
+    holds, overlaps = [], []
+    with gs:
+        base = gs.scheduler._holds
+        assert base[0] is True  # lina holds allreduce for the all-to-all
+        for step in range(steps):
+            x, y = _batch(step)
+            gs.before_forward()
+            loss = nn.functional.cross_entropy(net(x), y)
+            gs.before_backward()
+            holds.append(gs.scheduler._policy.hold_for_a2a)
+            overlaps.append(getattr(gs.optimizer, "overlap", None))
+            loss.backward()
+            gs.after_backward(sync=step + 1 == steps)
+    # probe steps alternate; from step 5 on the decided mode
+    assert holds[:5] == [True, True, False, True, False]
+    assert holds[5:] == [not fallback_faster] * 3
+    assert gs.fallen_back is fallback_faster
+    if policy == "lina-overlap":
+        assert overlaps[:5] == [True, True, False, True, False] and overlaps[5:] == [not fallback_faster] * 3
+    err = capsys.readouterr().err
+    assert err.count("commsched: ") == 1 and ("falls back" in err) is fallback_faster
+    # either mode steps exactly as the plain optimizer does
+    ref = _reference(steps)
+    for k, v in net.state_dict().items():
+        torch.testing.assert_close(v, ref[k])
+
+
+def test_no_probe_for_fifo_or_when_off():
+    for cfg in (ScheduleConfig("fifo"), ScheduleConfig("lina", fallback_probes=0)):
+        gs = make_grad_step(_net(), [(p, FakeGroup(), 1.0) for p in _net().parameters()], cfg,
+                            lambda ps: torch.optim.Adam(ps, lr=1e-2), launch=lambda flat, group: DoneWork())
+        assert not gs.probe.enabled
