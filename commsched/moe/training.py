@@ -229,7 +229,9 @@ def summarize(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> T
     timed = range(cfg.warmup, steps)
 
     def col(key: str, agg) -> list[float]:
-        return [agg([per_rank[r]["rows"][s][key] for r in range(world)]) for s in range(steps)]
+        """Per step, ``agg`` over the ranks of ``key`` (None for a rank whose row lacks it: a
+        step whose reduction ran into a schedule change has no communication figures)."""
+        return [agg([per_rank[r]["rows"][s].get(key) for r in range(world)]) for s in range(steps)]
 
     def mean(xs):
         """The mean of the numbers (None where a rank did not measure: the DeepSpeed baseline's
