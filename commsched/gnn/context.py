@@ -10,6 +10,7 @@ can serve any number of passes without being rewired.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..all2all import CommStats
 from .timing import Breakdown
@@ -25,7 +26,9 @@ class PassContext:
     (no dropout, full-precision exchanges). timer: where the pass's seconds go, by
     :data:`~commsched.gnn.timing.BREAKDOWN_KEYS` (the timer accumulates; the context only
     names it). stats: the halo exchanges' byte counters, or None for traffic that is not
-    counted (evaluation).
+    counted (evaluation). events: an :class:`~commsched.observe.A2AObserver` told of every
+    backward halo exchange (launch to arrival), so a gradient scheduler holds the
+    allreduce behind them (``TrainConfig.grad_schedule``); None: nobody is told.
 
     The default, ``PassContext()``, is a training pass of epoch 0 with a scratch timer and
     no byte counting: what a layer or an exchange used on its own (in a test) gets.
@@ -35,6 +38,7 @@ class PassContext:
     training: bool = True
     timer: Breakdown = field(default_factory=Breakdown)
     stats: CommStats | None = None
+    events: Any = None
 
 
 __all__ = ["PassContext"]

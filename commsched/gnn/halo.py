@@ -190,11 +190,15 @@ class _BackwardLink:
         self.pend: Pending | None = None
         self.row_shape: tuple[int, ...] = ()
         self.device = ex.device
+        self.token: object = None  # the backward exchange, as ctx.events was told of it
 
     def launch(self, g_RF: torch.Tensor) -> None:
         timer = self.ctx.timer
         t = timer.mark()
         self.row_shape, self.device = tuple(g_RF.shape[1:]), g_RF.device
+        events = self.ctx.events
+        if events is not None and self.ex.world_size > 1:  # on the critical path: before the allreduce
+            self.token = events.a2a_begin(g_RF.numel() * g_RF.element_size())
         self.pend = self.ex._transfer(g_RF.contiguous(), self.layer, "backward", self.ctx)
         timer.add_span("comm", t, timer.mark())
 
@@ -218,6 +222,9 @@ class _BackwardLink:
         rows = self.pend.wait()
         timer.add_span("comm", t, timer.mark())
         self.pend = None
+        if self.token is not None:
+            self.ctx.events.a2a_end(self.token)
+            self.token = None
         out = torch.zeros((n, *self.row_shape), dtype=dtype, device=self.device)
         return out.index_add_(0, self.ex.send_idx, rows.to(dtype))
 

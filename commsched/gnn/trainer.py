@@ -5,7 +5,15 @@ Legend: n owned nodes of this rank, F input features, K classes, P ranks.
 Each epoch: forward through the distributed model (halo exchanges inside the layers),
 loss = sum of cross-entropy over this rank's training nodes / global training count,
 backward (gradient exchanges inside the layers), one allreduce (sum) of all parameter
-gradients plus the loss, then Adam. Every rank applies the same update to the same
+gradients plus the loss, then Adam. With ``grad_schedule`` a name of
+:data:`commsched.priority.policy.SCHEDULES` (``lina``, ``fifo``, ``serial``) the gradient
+allreduce runs through the core's :class:`~commsched.priority.executor.GradScheduler`
+instead: cut into micro-ops (``lina``, ``serial``) or buckets (``fifo``), launched as
+each parameter's gradient becomes ready during the backward pass, on a process group of
+its own; under ``lina`` held while a backward halo exchange is in flight (the exchanges
+of the remaining layers are on the critical path, the allreduce is not). The sums are
+those of the flat allreduce (exact on 2 ranks; on more, up to the order gloo adds the
+ranks' values in). Every rank applies the same update to the same
 parameters, so the replicas never drift apart. With one rank (and no process group at
 all) the same code is single-process full-graph training, the reference that N-rank
 training is tested against.
@@ -71,6 +79,10 @@ from .pyg import DistGraph, _world, allreduce_grads
 from .stale import PipeGCNOptions
 from .timing import Breakdown
 
+# the gradient allreduce: one flat allreduce after the backward pass, or a schedule of the
+# core's (lina-overlap's tail runs into the next forward pass, which the GNN loop has not)
+GRAD_SCHEDULES = ("flat", "lina", "fifo", "serial")
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 # dtypes run as mixed precision: float32 parameters, autocast compute, this dtype on the wire
 MIXED_DTYPES = ("bfloat16",)
@@ -121,6 +133,10 @@ class TrainConfig:
     eval_every: int = option(1, "epochs between evaluations")
     checkpoint_every: int = option(0, "write OUT/checkpoint.pt every K epochs (0: never)")
     exchange: ExchangeConfig | None = option(None, cli=False)
+    grad_schedule: str = option("flat", "the gradient allreduce: flat (one allreduce after the backward pass) "
+                                "or a gradient schedule launched during it (lina: held behind the "
+                                "backward halo exchanges; fifo: buckets at once; serial: after it)",
+                                choices=GRAD_SCHEDULES)
     device: str = option("cpu", "auto: CUDA when every local rank has its own GPU, else the CPU",
                          choices=DEVICE_CHOICES)
 
@@ -152,6 +168,9 @@ class TrainConfig:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.eval_every < 1 or self.checkpoint_every < 0:
             raise ValueError("eval_every must be >= 1 and checkpoint_every >= 0")
+        if self.grad_schedule not in GRAD_SCHEDULES:
+            raise ValueError(f"--grad-schedule must be one of {', '.join(GRAD_SCHEDULES)}, got "
+                             f"{self.grad_schedule!r}")
         if self.dropout_rng not in ("node", "local"):
             raise ValueError(f"dropout_rng must be node or local, got {self.dropout_rng!r}")
 
@@ -288,6 +307,8 @@ class Trainer:
         self.halo = self.dgraph.halo
         self.graph = self.dgraph.local
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.grad_sched = self._grad_scheduler()
+        self.last_schedule: dict | None = None  # the gradient scheduler's timings of the last epoch
         # the graph's rows on the device (one copy)
         self.x, self.y, self.masks = self.dgraph.x, self.dgraph.y, self.dgraph.masks
         self.totals = {k: max(int(part.totals[k]), 1) for k in ("train", "val", "test")}
@@ -315,14 +336,41 @@ class Trainer:
             out = self.model(self.x, self.graph, ctx)
         return out.float()
 
+    def _grad_scheduler(self):
+        """The core's gradient scheduler of ``cfg.grad_schedule`` (None: the flat allreduce,
+        or one rank). Collective: a process group of its own (the halo exchanges keep
+        theirs, so the two never queue on one group in different orders on two ranks)."""
+        if self.cfg.grad_schedule == "flat" or self.world == 1:
+            return None
+        from ..dist import new_group
+        from ..priority.executor import GradScheduler
+        from ..priority.policy import ScheduleConfig
+
+        ranks = (list(range(self.world)) if self.group is None
+                 else [dist.get_global_rank(self.group, r) for r in range(self.world)])
+        own = new_group(ranks)
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        # a sum, as the flat allreduce's (the loss is divided by the global training count)
+        return GradScheduler([(p, own, 1.0) for _, p in named], ScheduleConfig(self.cfg.grad_schedule),
+                             device=self.device, names=[n for n, _ in named])
+
+    def close(self) -> None:
+        """Stop the gradient scheduler's thread (nothing to do under the flat allreduce)."""
+        if self.grad_sched is not None:
+            self.grad_sched.close()
+            self.grad_sched = None
+
     def train_epoch(self) -> float:
         """Run epoch ``self.epoch``; return the global training loss."""
+        sched = self.grad_sched
         ctx = PassContext(epoch=self.epoch, training=True, timer=Breakdown(self.clock),
-                          stats=CommStats(self.world))
+                          stats=CommStats(self.world), events=sched)
         self.model.train()
         t0 = self.clock.mark()
         self.halo.begin_epoch(ctx)
         self.opt.zero_grad(set_to_none=False)
+        if sched is not None:
+            sched.begin_step()
         out = self._forward(ctx)
         m = self.masks["train"]
         loss = F.cross_entropy(out[m], self.y[m], reduction="sum") / self.totals["train"]
@@ -330,7 +378,12 @@ class Trainer:
         # (a rank without training nodes still forwards its peers' gradients); exact: + 0
         loss = loss + out.sum() * 0.0
         loss.backward()
-        loss_all = self._allreduce_grads(loss.detach(), ctx.timer)
+        if sched is None:
+            loss_all = self._allreduce_grads(loss.detach(), ctx.timer)
+        else:  # the allreduce ran during the backward pass; what is left is waited for here
+            with ctx.timer.time("reduce"):
+                self.last_schedule = sched.finish()
+                loss_all = self._allreduce_loss(loss.detach())
         self.opt.step()
         self.halo.end_epoch(ctx)
         dt = self.clock.seconds(t0, self.clock.mark())
@@ -344,6 +397,12 @@ class Trainer:
 
     def _allreduce_grads(self, loss: torch.Tensor, timer: Breakdown) -> float:
         return allreduce_grads(self.model.parameters(), loss, group=self.group, timer=timer)
+
+    def _allreduce_loss(self, loss: torch.Tensor) -> float:
+        total = loss.reshape(1).clone()
+        with comm_guard("allreduce of the training loss", self.group):
+            dist.all_reduce(total, group=self.group)
+        return float(total)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -433,6 +492,15 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
     ranks on one host (``intra``) and on different hosts (``inter``), all ranks summed."""
     t_start = time.perf_counter()
     tr = Trainer(cfg, part, group=group, exchange=exchange, device=device)
+    try:
+        return _run(tr, cfg, part, out_dir, resume, progress, dataset, extra, on_epoch, hosts_P, t_start)
+    finally:
+        tr.close()
+
+
+def _run(tr: Trainer, cfg: TrainConfig, part: PartData, out_dir, resume: bool, progress: bool,
+         dataset: str | None, extra: dict | None, on_epoch, hosts_P, t_start: float
+         ) -> tuple[dict[str, Any], Trainer]:
     out = Path(out_dir) if out_dir is not None else None
     ckpt = out / CHECKPOINT if out is not None else None
     if out is not None and tr.rank == 0:
@@ -466,7 +534,7 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
     mine = {k: tr.history[k] for k in ("epoch_time_s", "breakdown_s", "bytes_sent", "bytes_sent_P")}
     mine["peak_rss_mib"] = peak_rss_mib()
     mine["book"] = tr.part.book.summary()
-    per_rank = all_gather_object(mine, "gathering per-rank results", group) if tr.world > 1 else [mine]
+    per_rank = all_gather_object(mine, "gathering per-rank results", tr.group) if tr.world > 1 else [mine]
     extra = {**(extra or {}), **tr.halo.report(), "device": str(tr.device)}
     if hosts_P is not None and tr.world > 1:
         extra["bytes_per_epoch_by_class"] = bytes_by_class(
