@@ -161,6 +161,64 @@ def socket_duplex_probe(nbytes: int, host: str = "127.0.0.1") -> float:
     return rate
 
 
+def contention_probe(nbytes: int, *, reduce_address: str | None, repeats: int = 5, microop_bytes: int = 256 << 10,
+                     in_flight: int = 8, threads: int = 8) -> dict[str, float]:
+    """The link's contention alone, without compute: an even ``all_to_all`` of ``nbytes``
+    per rank (the default group, as an MoE layer's exchange), timed ``repeats`` times alone
+    and ``repeats`` times while every rank keeps ``in_flight`` allreduce micro-ops of
+    ``microop_bytes`` going on a gradient group of its own (``threads`` gloo worker threads,
+    bound to ``reduce_address`` when given: ``commsched netem --classes``'s class). Medians
+    of the slowest rank's times; ``contention`` = contended / alone (the Lina paper's
+    median for an all-to-all under a concurrent allreduce: 1.83x on NCCL)."""
+    from ..priority.bind import bind_new_group
+
+    world = dist.get_world_size()
+    grad_group = bind_new_group(list(range(world)), reduce_address, threads)
+    x = torch.zeros(max(world, nbytes // 4 // world * world), dtype=torch.float32)
+    out = torch.empty_like(x)
+
+    def timed() -> float:
+        barrier("aligning ranks before a timed all-to-all")
+        t = time.perf_counter()
+        with comm_guard("the contention probe's all_to_all"):
+            dist.all_to_all_single(out, x)
+        el = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        with comm_guard("taking the slowest rank's all-to-all time"):
+            dist.all_reduce(el, op=dist.ReduceOp.MAX)
+        return el.item()
+
+    timed()  # connections made, caches warm
+    alone = sorted(timed() for _ in range(repeats))
+    stop = threading.Event()
+    grad = torch.zeros(microop_bytes // 4)
+    errors: list[BaseException] = []
+
+    def background() -> None:
+        try:
+            while not stop.is_set():
+                works = [dist.all_reduce(grad.clone(), group=grad_group, async_op=True) for _ in range(in_flight)]
+                for w in works:
+                    w.wait()
+        except BaseException as e:  # reported by the caller
+            errors.append(e)
+
+    barrier("starting the background allreduce")
+    th = threading.Thread(target=background, name="contention-allreduce", daemon=True)
+    th.start()
+    time.sleep(0.2)  # the allreduce is on the link before the first exchange
+    contended = sorted(timed() for _ in range(repeats))
+    stop.set()
+    th.join(timeout=60)
+    if errors:
+        raise errors[0]
+    flag = torch.ones(1)  # every rank's background loop has ended before the group goes
+    with comm_guard("ending the contention probe"):
+        dist.all_reduce(flag)
+    a, c = alone[len(alone) // 2], contended[len(contended) // 2]
+    return {"a2a_bytes_per_rank": float(x.numel() * 4), "alone_s": a, "contended_s": c, "contention": c / a,
+            "alone_all_s": alone, "contended_all_s": contended}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", type=int, default=16, help="rows per unit of the uneven count pattern")
@@ -171,6 +229,12 @@ def main(argv=None) -> None:
     p.add_argument("--duplex-bind", metavar="ADDR", default=None,
                    help="address the TCP probe listens on (default: the emulated host's inside "
                         "`commsched netem --hosts`, else 127.0.0.1)")
+    p.add_argument("--contention-bytes", type=int, default=0,
+                   help="also time an even all-to-all of this many bytes per rank alone and under a "
+                        "concurrent allreduce (contention_probe)")
+    p.add_argument("--reduce-address", default=None, metavar="ADDR",
+                   help="--contention-bytes: bind the allreduce's group to ADDR (commsched netem --classes ADDR)")
+    p.add_argument("--repeats", type=int, default=5, help="--contention-bytes: timed exchanges per case")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -197,6 +261,8 @@ def main(argv=None) -> None:
         with comm_guard("taking the slower side's TCP rate"):
             dist.all_reduce(got, op=dist.ReduceOp.MIN)
         duplex["tcp_both_ways_bps"] = got.item()
+    contention = (contention_probe(a.contention_bytes, reduce_address=a.reduce_address, repeats=a.repeats)
+                  if a.contention_bytes else None)
     gathered = all_gather_object(info, "gathering the check's results")
     if me == 0:
         m = {"world_size": world, "pattern": a.pattern,
@@ -215,6 +281,11 @@ def main(argv=None) -> None:
                   f"plain TCP both ways "
                   f"at once {duplex['tcp_both_ways_bps'] / 1e6:.0f} Mbit/s per direction (slower side)",
                   flush=True)
+        if contention:
+            m["contention"] = contention
+            print(f"netem_check: all-to-all of {contention['a2a_bytes_per_rank'] / 2**20:.2f} MiB per rank alone "
+                  f"{contention['alone_s']:.3f} s, under a concurrent allreduce {contention['contended_s']:.3f} s: "
+                  f"contention {contention['contention']:.2f}x (the Lina paper's median 1.83x)", flush=True)
         write_json(a.out / "metrics.json", m)
         print(f"netem_check: world {world}, ok={m['ok']}, addresses {m['addresses_by_rank']}", flush=True)
     dist.destroy_process_group()
