@@ -15,7 +15,9 @@ every variant (``auto``: CUDA when every rank has its own GPU).
 Topology variants (issue 17; docs/benchmarks.md, "AdaQP per link class"): an adaptive
 mode may end in ``-topo`` (``--link-costs topology``), ``-topoev`` (that and
 ``--equal-variance``) or ``-avg`` (``--link-costs averaged``), any mode in ``-hp``
-(``--partition-method metis-hosts``); ``--seeds 0,1,2`` runs every variant once per seed
+(``--partition-method metis-hosts``), and any mode, last, in ``-lina`` or ``-fifo``
+(``--grad-schedule``: the gradient allreduce through the core's scheduler, issue 30);
+``--seeds 0,1,2`` runs every variant once per seed
 and the summary pools them. With ``--hosts`` the summary's "Per link class" table gives
 each variant's mean width and bytes inside and across hosts, its speed-up over
 ``adaqp-avg`` and the inter-host halo rows; ``widths_by_class.png`` the width histogram
@@ -71,6 +73,8 @@ BF16_SUFFIX = "-bf16"  # a full-precision mode run with --dtype bfloat16
 COST_SUFFIXES = {"-topoev": ("topology", "--equal-variance"), "-topo": ("topology",),
                  "-avg": ("averaged",)}
 HOSTS_SUFFIX = "-hp"  # partitioned with --partition-method metis-hosts (heavy cuts inside hosts)
+# the gradient allreduce through the core's scheduler (--grad-schedule): vanilla-lina, adaqp-fifo
+GRAD_SUFFIXES = {"-lina": "lina", "-fifo": "fifo"}
 # `--hosts K` comparison of issue 17: the four variants of the topology table
 MODES_TOPOLOGY = ("vanilla", "adaqp-topo", "adaqp-topoev", "adaqp-avg", "uniform")
 MODES_GCN = ("vanilla", "vanilla" + BF16_SUFFIX) + tuple(m for m in MODE_NAMES if m != "vanilla")
@@ -103,11 +107,16 @@ def mode_args(name: str) -> tuple[str, ...]:
     ``--dtype``, :func:`split_mode`) after the suffixes are taken off: a trailing
     :data:`HOSTS_SUFFIX` (``vanilla-hp``: ``--partition-method metis-hosts``), then one of
     :data:`COST_SUFFIXES` on an adaptive mode (``adaqp-topo``: ``--link-costs topology``,
-    ``adaqp-topoev``: ``--link-costs topology --equal-variance``, ``adaqp-avg``: ``averaged``)."""
+    ``adaqp-topoev``: ``--link-costs topology --equal-variance``, ``adaqp-avg``: ``averaged``).
+    Outermost, one of :data:`GRAD_SUFFIXES` (``vanilla-lina``: ``--grad-schedule lina``)."""
     extra: tuple[str, ...] = ()
     base = name
+    for suf, sched in GRAD_SUFFIXES.items():
+        if base.endswith(suf):
+            base, extra = base[: -len(suf)], ("--grad-schedule", sched)
+            break
     if base.endswith(HOSTS_SUFFIX):
-        base, extra = base[: -len(HOSTS_SUFFIX)], ("--partition-method", "metis-hosts")
+        base, extra = base[: -len(HOSTS_SUFFIX)], extra + ("--partition-method", "metis-hosts")
     for suf, src in COST_SUFFIXES.items():
         if base.endswith(suf):
             base = base[: -len(suf)]
@@ -176,7 +185,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "gcn,sage; gcn with --metric time-to-acc)")
     g.add_argument("--modes", default=None,
                    help=f"comma-separated modes for every model, a full-precision one may end in "
-                        f"{BF16_SUFFIX} (--dtype bfloat16) (default: gcn {','.join(MODES_GCN)}; "
+                        f"{BF16_SUFFIX} (--dtype bfloat16), any in -lina or -fifo (--grad-schedule) (default: gcn {','.join(MODES_GCN)}; "
                         f"sage {','.join(MODES_SAGE)})")
     g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="device of every variant (default auto: CUDA when every rank has its own GPU)")

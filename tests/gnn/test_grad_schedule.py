@@ -26,6 +26,11 @@ def test_grad_schedule_is_checked_and_on_the_command_line():
     a = build_parser().parse_args(["--grad-schedule", "lina"])
     assert a.grad_schedule == "lina"
     assert TrainConfig().grad_schedule == "flat"
+    from commsched.bench.gnn import mode_args
+
+    assert mode_args("vanilla-lina") == ("--mode", "vanilla", "--grad-schedule", "lina")
+    assert mode_args("adaqp-hp-fifo") == ("--mode", "adaqp", "--grad-schedule", "fifo",
+                                          "--partition-method", "metis-hosts")
 
 
 def _train(rank: int, world: int) -> dict:
