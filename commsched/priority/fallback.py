@@ -8,8 +8,9 @@ from the concurrent allreduce and the link, not the compute, bounds the step. Wh
 not, holding micro-ops back only delays the reduction, and lina-overlap's per-module
 optimizer steps and forward waits cost time of their own. A training run cannot know in
 advance which case it is in (the link, the ranks' skew, the model), so it measures: after
-``warmup`` steps, ``2 * probes`` steps alternate the schedule as configured (*primary*) and
-its *fallback* -- every micro-op launched as soon as it is ready, as ``fifo`` launches its
+``warmup`` steps, ``2 * probes`` steps run the schedule as configured (*primary*) and its
+*fallback* in the order P F F P P F F P ... (so that a steady trend of the step times,
+such as the first steps' warm-up, favours neither) -- every micro-op launched as soon as it is ready, as ``fifo`` launches its
 buckets, and under lina-overlap the whole reduction waited for at the end of the backward
 pass -- and the run keeps whichever took less time, summed over its probe steps, each step
 timed as its slowest rank. Ties keep the primary. The decision is the same on every rank
@@ -42,11 +43,14 @@ class Decision:
                 "from here on")
 
 
-class FallbackProbe:
-    """Steps ``warmup .. warmup + 2 * probes - 1`` alternate primary (even offsets) and
-    fallback (odd); :attr:`decide_at` is the first step run as decided."""
+PROBE_WARMUP = 2  # steps before the probe: the first ones are slower (connections, allocator)
 
-    def __init__(self, warmup: int = 1, probes: int = 2):
+
+class FallbackProbe:
+    """Steps ``warmup .. warmup + 2 * probes - 1`` run primary and fallback in pairs, P F
+    then F P (:meth:`fallback_at`); :attr:`decide_at` is the first step run as decided."""
+
+    def __init__(self, warmup: int = PROBE_WARMUP, probes: int = 2):
         if warmup < 0 or probes < 0:
             raise ValueError(f"warmup and probes must be >= 0, got {warmup}, {probes}")
         self.warmup, self.probes = int(warmup), int(probes)
@@ -70,7 +74,8 @@ class FallbackProbe:
     def fallback_at(self, step: int) -> bool:
         """Whether step ``step`` runs the fallback."""
         if self.probing(step):
-            return (step - self.first) % 2 == 1
+            k = step - self.first
+            return (k % 2 == 1) != ((k // 2) % 2 == 1)  # P F, F P, P F, ...
         if self.decided is not None and step >= self.decide_at:
             return self.decided.fallback
         return False
@@ -84,8 +89,9 @@ class FallbackProbe:
             raise ValueError(f"decide() needs {n} probe-step times from every rank, got "
                              f"{[len(t) for t in times_RS]}")
         slowest_S = [max(t[s] for t in times_RS) for s in range(n)]
-        primary = sum(slowest_S[0::2])
-        fallback = sum(slowest_S[1::2])
+        fb = [self.fallback_at(self.first + s) for s in range(n)]
+        primary = sum(t for t, f in zip(slowest_S, fb) if not f)
+        fallback = sum(t for t, f in zip(slowest_S, fb) if f)
         self.decided = Decision(fallback < primary, primary, fallback)
         return self.decided
 

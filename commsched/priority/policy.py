@@ -249,8 +249,8 @@ class ScheduleConfig(Config):
                                       "phase the schedule gates), then inside again (needs the same ranks on "
                                       "every host)")
     hier_min_bytes: int = option(HIER_MIN_BYTES, "--hier-reduce: operations smaller than this stay flat")
-    fallback_probes: int = option(2, "lina, lina-overlap on the CPU: after the first step, this many steps each of "
-                                     "the schedule and of fifo's launching, alternating; the faster is kept "
+    fallback_probes: int = option(2, "lina, lina-overlap on the CPU: after two steps, this many steps each of "
+                                     "the schedule and of fifo's launching (P F F P ...); the faster is kept "
                                      "(0: off; priority/fallback.py)")
     reduce_address: str | None = option(None, "bind the gradient reduction's gloo groups to this local address "
                                               "(the bench's collective link model gives it its own share of "

@@ -41,7 +41,7 @@ from torch import nn
 
 from ..dist import all_gather_object
 from .executor import GradScheduler
-from .fallback import FallbackProbe
+from .fallback import PROBE_WARMUP, FallbackProbe
 from .overlap import OverlapOptimizer, OverlapScheduler
 from .policy import ScheduleConfig
 from .records import OpRecord
@@ -58,7 +58,7 @@ class GradStep:
         self._entries, self.cfg, self._sched_kw = entries, cfg, sched_kw
         self._sched: GradScheduler | None = None
         # the measured A/B against fifo's launching (priority/fallback.py)
-        self.probe = FallbackProbe(1, cfg.fallback_probes if cfg.schedule.adaptive else 0)
+        self.probe = FallbackProbe(PROBE_WARMUP, cfg.fallback_probes if cfg.schedule.adaptive else 0)
         self._step = -1
         self._t_last: float | None = None
         self._probe_times: list[float] = []
@@ -80,7 +80,7 @@ class GradStep:
         if self._sched is None:
             self._sched = self._make_scheduler()
             if self._sched.launch_rule != "completion":  # program rule (NCCL): no A/B, every rank alike
-                self.probe = FallbackProbe(1, 0)
+                self.probe = FallbackProbe(PROBE_WARMUP, 0)
         return self
 
     def _tick(self) -> None:

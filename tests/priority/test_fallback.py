@@ -16,11 +16,15 @@ from tests.priority.test_step import DoneWork, FakeGroup, _batch, _net, _referen
 
 def test_probe_modes_and_decision_hand_worked():
     pr = FallbackProbe(warmup=1, probes=2)
-    assert [pr.fallback_at(s) for s in range(6)] == [False, False, True, False, True, False]
+    # P F F P: a steady trend (the first steps slower) favours neither
+    assert [pr.fallback_at(s) for s in range(6)] == [False, False, True, True, False, False]
     assert pr.decide_at == 5 and pr.probing(1) and pr.probing(4) and not pr.probing(5)
     # two ranks; per step the slower rank counts: primary 1.0 + 1.2, fallback 0.9 + 1.1
-    d = pr.decide([[1.0, 0.9, 1.2, 0.8], [0.7, 0.8, 1.1, 1.1]])
+    d = pr.decide([[1.0, 0.9, 1.1, 1.2], [0.7, 0.8, 0.6, 1.1]])
     assert d.fallback and d.primary_s == pytest.approx(2.2) and d.fallback_s == pytest.approx(2.0)
+    trend = FallbackProbe(warmup=0, probes=2)  # equal modes under a falling trend: a tie
+    assert not trend.decide([[4.0, 3.0, 2.0, 1.0]]).fallback
+    assert [FallbackProbe(0, 4).fallback_at(s) for s in range(8)] == [False, True, True, False] * 2
     assert all(pr.fallback_at(s) for s in range(5, 9))
     assert "falls back" in d.message("lina", 1, 4)
     tie = FallbackProbe(1, 1)
@@ -48,15 +52,16 @@ class ScriptedClock:
 @pytest.mark.parametrize("fallback_faster", [True, False])
 def test_grad_step_keeps_the_faster_mode(capsys, policy, fallback_faster):
     fast, slow = 1.0, 1.5
-    # step k's duration is the gap between before_forward k and k+1: step 0 warm-up, 1-4 probe
+    # step k's duration is the gap between before_forward k and k+1: steps 0-1 warm-up,
+    # 2-5 probe (P F F P), decided from step 6 on
     prim, fb = (slow, fast) if fallback_faster else (fast, slow)
-    steps = 8
+    steps = 9
     net = _net()
     cfg = ScheduleConfig(policy, microop_bytes=64, fallback_probes=2)
     entries = [(p, FakeGroup(), 1.0) for p in reversed(list(net.parameters()))]
     gs = make_grad_step(net, entries, cfg, lambda ps: torch.optim.Adam(ps, lr=1e-2),
                         launch=lambda flat, group: DoneWork())
-    gs._now = ScriptedClock([2.0, prim, fb, prim, fb] + [1.0] * 10)
+    gs._now = ScriptedClock([2.0, 2.0, prim, fb, fb, prim] + [1.0] * 10)
     holds, overlaps = [], []
     with gs:
         base = gs.scheduler._holds
@@ -70,12 +75,12 @@ def test_grad_step_keeps_the_faster_mode(capsys, policy, fallback_faster):
             overlaps.append(getattr(gs.optimizer, "overlap", None))
             loss.backward()
             gs.after_backward(sync=step + 1 == steps)
-    # probe steps alternate; from step 5 on the decided mode
-    assert holds[:5] == [True, True, False, True, False]
-    assert holds[5:] == [not fallback_faster] * 3
+    # warm-up, then the probe's P F F P; from step 6 on the decided mode
+    assert holds[:6] == [True, True, True, False, False, True]
+    assert holds[6:] == [not fallback_faster] * 3
     assert gs.fallen_back is fallback_faster
     if policy == "lina-overlap":
-        assert overlaps[:5] == [True, True, False, True, False] and overlaps[5:] == [not fallback_faster] * 3
+        assert overlaps[:6] == [True, True, True, False, False, True] and overlaps[6:] == [not fallback_faster] * 3
     err = capsys.readouterr().err
     assert err.count("commsched: ") == 1 and ("falls back" in err) is fallback_faster
     # either mode steps exactly as the plain optimizer does
