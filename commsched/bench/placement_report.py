@@ -2,8 +2,8 @@
 the planner against DeepSeek's EPLB, estimation accuracy per path length, and placement
 imbalance of the inference strategies on synthetic traces.
 
-    python -m commsched.bench.placement_report --out DIR [--seed S] [--quick]
-            [--only traces,planner,eplb,node] [--eplb-instances N]
+    python -m commsched.bench.placement_report --out DIR [--seed S] [--quick] [--timing]
+            [--only traces,planner,eplb,node,timing] [--eplb-instances N]
 
 writes ``DIR/placement_report.json`` and ``DIR/placement_report.md`` (and prints the
 markdown). The EPLB study (:func:`eplb_study`) runs ``plan_placement`` and
@@ -242,6 +242,49 @@ def eplb_study(cfg: ReportConfig) -> dict[str, Any]:
             "timing": timing}
 
 
+TIMING_SHAPES: tuple[tuple[int, int, int], ...] = ((16, 4, 5), (16, 4, 6), (256, 64, 5), (256, 64, 6),
+                                                   (256, 64, 8))
+
+
+def timing_study(cfg: ReportConfig, repeats: int = 7) -> list[dict[str, Any]]:
+    """CPU time (``time.process_time``: this process only, so other jobs on the machine
+    inflate it less than wall time) of ``plan_placement``, ``greedy_placement`` and
+    ``eplb_placement`` on Zipf 0.8 and 1.2 token counts (64 per expert) at
+    :data:`TIMING_SHAPES`; median of ``repeats`` interleaved runs each, and each planner's
+    maximum device load relative to EPLB's."""
+    rng = np.random.default_rng(cfg.seed + 1)
+    rows = []
+    for E, N, S in TIMING_SHAPES:
+        for z in (0.8, 1.2):
+            w = (np.arange(1, E + 1, dtype=np.float64) ** -z)[rng.permutation(E)]
+            load = rng.multinomial(64 * E, w / w.sum()).astype(np.float64)
+            t: dict[str, list[float]] = {"plan": [], "greedy": [], "eplb": []}
+            got: dict[str, float] = {}
+            for _ in range(repeats):
+                for name, fn in (("plan", plan_placement), ("greedy", greedy_placement),
+                                 ("eplb", eplb_placement)):
+                    t0 = time.process_time()
+                    got[name] = fn(load, N, S).max_load
+                    t[name].append(time.process_time() - t0)
+            rows.append({"E": E, "N": N, "S": S, "zipf": z,
+                         **{f"{k}_ms": 1000 * float(np.median(v)) for k, v in t.items()},
+                         "plan_vs_eplb": got["plan"] / got["eplb"] - 1.0,
+                         "greedy_vs_eplb": got["greedy"] / got["eplb"] - 1.0})
+    return rows
+
+
+def _timing_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["### Planner time against EPLB (CPU time, one process)", "",
+             "| E | N | S | Zipf | plan_placement | greedy | EPLB | plan / EPLB time | plan vs EPLB max load "
+             "| greedy vs EPLB max load |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['E']} | {r['N']} | {r['S']} | {r['zipf']} | {r['plan_ms']:.1f} ms | "
+                     f"{r['greedy_ms']:.1f} ms | {r['eplb_ms']:.1f} ms | {r['plan_ms'] / r['eplb_ms']:.1f}x | "
+                     f"{_pct(r['plan_vs_eplb'])} | {_pct(r['greedy_vs_eplb'])} |")
+    lines.append("")
+    return lines
+
+
 def node_study(cfg: ReportConfig) -> dict[str, Any]:
     """Node-aware placement against the flat planner and EPLB's hierarchical policy on
     :func:`eplb_instances` (up to ``node_max_experts`` experts, ``node_max_devices`` devices)
@@ -381,6 +424,8 @@ def run_report(cfg: ReportConfig) -> dict[str, Any]:
         out["eplb"] = eplb_study(cfg)
     if "node" in cfg.studies:
         out["node"] = node_study(cfg)
+    if "timing" in cfg.studies:
+        out["timing"] = timing_study(cfg)
     out["wall_clock_s"] = time.perf_counter() - t0
     return out
 
@@ -491,6 +536,8 @@ def to_markdown(rep: dict[str, Any], command: str) -> str:
         lines += _eplb_markdown(rep["eplb"], cfg)
     if "node" in rep:
         lines += _node_markdown(rep["node"], cfg)
+    if "timing" in rep:
+        lines += _timing_markdown(rep["timing"])
     return "\n".join(lines)
 
 
@@ -504,14 +551,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threshold", type=float, default=ReportConfig.threshold,
                     help="phase-2 re-plan threshold on the top-2k overlap")
     ap.add_argument("--only", default=",".join(ReportConfig.studies),
-                    help="comma-separated studies to run: traces, planner, eplb, node")
+                    help="comma-separated studies to run: traces, planner, eplb, node, timing")
     ap.add_argument("--eplb-instances", type=int, default=ReportConfig.eplb_instances,
                     help="instances of the plan_placement vs EPLB study")
+    ap.add_argument("--timing", action="store_true",
+                    help="add the planner timing study (CPU time of plan_placement, the greedy and EPLB at "
+                         "16 x 4 and 256 x 64); alone with --only timing")
     ap.add_argument("--quick", action="store_true",
                     help="a small run (fewer tokens, batches and planner instances)")
     a = ap.parse_args(argv)
     studies = tuple(x.strip() for x in a.only.split(",") if x.strip())
-    unknown = sorted(set(studies) - set(ReportConfig.studies))
+    if a.timing and "timing" not in studies:
+        studies += ("timing",)
+    unknown = sorted(set(studies) - set(ReportConfig.studies) - {"timing"})
     if unknown or not studies:
         ap.error(f"--only takes a comma-separated list of {', '.join(ReportConfig.studies)}; "
                  f"got {a.only!r}")

@@ -99,13 +99,14 @@ def recv_matrix(counts_PE: np.ndarray, placement: Placement, device: int) -> tup
     rows = np.zeros((c.shape[0], len(experts)), dtype=np.int64)
     for m, e in enumerate(experts):
         if placement.device_host is None:
-            reps = placement.replicas[e]
-            rows[:, m] = replica_share(off[:, e], c[:, e], len(reps), reps.index(device))
+            reps = placement.replicas[e]  # a device holding several shares: each position counts
+            for i in (i for i, x in enumerate(reps) if x == device):
+                rows[:, m] += replica_share(off[:, e], c[:, e], len(reps), i)
             continue
         for p in range(c.shape[0]):  # host-local: each source splits over its own candidates
             cand = placement.candidates(e, p)
-            if device in cand:
-                rows[p, m] = replica_share(off[p, e], c[p, e], len(cand), cand.index(device))
+            for i in (i for i, x in enumerate(cand) if x == device):
+                rows[p, m] += replica_share(off[p, e], c[p, e], len(cand), i)
     return experts, rows
 
 

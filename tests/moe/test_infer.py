@@ -23,6 +23,7 @@ from commsched.moe.placed import (
 )
 from commsched.moe.placement import (
     Placement,
+    eplb_placement,
     greedy_placement,
     split_offsets,
     split_tokens,
@@ -53,16 +54,25 @@ def test_replica_share_by_hand_and_brute_force():
             assert int(replica_share(off, cnt, r, i)) == want, (off, cnt, r, i)
 
 
-@pytest.mark.parametrize("host_local", [False, True], ids=["flat", "host-local"])
-def test_recv_matrix_matches_what_senders_send(host_local):
+@pytest.mark.parametrize("host_local, shares", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["flat", "host-local", "flat-shares", "host-local-shares"])
+def test_recv_matrix_matches_what_senders_send(host_local, shares):
+    """``shares``: placements with two shares of an expert on one device (the device appears
+    twice in its replicas: it receives twice the rows of one share)."""
     rng = np.random.default_rng(3)
+    dups = 0
     for _ in range(20):
         N, E = int(rng.integers(2, 5)), int(rng.integers(2, 9))
         S = default_slots(E, N)
         counts = rng.integers(0, 6, size=(N, E))
         hosts = tuple(d * 2 // N for d in range(N)) if host_local else None
-        p = greedy_placement(counts.sum(axis=0) + rng.random(E), N, S, device_host=hosts,
-                             cross_weight=0.5 if host_local else 0.0)
+        load = counts.sum(axis=0) + rng.random(E)
+        if shares:  # EPLB's layout with its two-replicas-on-one-device kept
+            q = eplb_placement(load, N, S).shares(load)
+            p = Placement(q.replicas, q.device_load, S, hosts)
+            dups += p.duplicates
+        else:
+            p = greedy_placement(load, N, S, device_host=hosts, cross_weight=0.5 if host_local else 0.0)
         assert p.device_host == hosts
         off = split_offsets(counts, p)
         sent = np.zeros((N, N, E), dtype=int)  # [source, device, expert]
@@ -85,10 +95,11 @@ def test_recv_matrix_matches_what_senders_send(host_local):
         tot = sent.sum(axis=0)  # [device, expert]
         assert tot.sum() == counts.sum()
         for e, devs in enumerate(p.replicas):
-            if host_local:  # within each group of ranks that split over the same replicas
-                continue
-            shares = tot[list(devs), e]
-            assert shares.max() - shares.min() <= 1
+            if host_local or len(set(devs)) < len(devs):  # within each group of ranks that split
+                continue                                  # over the same replicas; one share each
+            got = tot[list(devs), e]
+            assert got.max() - got.min() <= 1
+    assert dups > 0 or not shares  # the shares case did put two shares on one device
 
 
 def test_regroup_order_by_hand_and_brute_force():

@@ -48,7 +48,7 @@ def brute_force_optimum(load, N, S) -> float:
 def check_valid(p: Placement, load, N, S) -> None:
     assert p.num_experts == len(load) and p.num_devices == N
     for devs in p.replicas:
-        assert len(devs) >= 1 and len(set(devs)) == len(devs)
+        assert len(devs) >= 1  # a device may hold several of an expert's shares
         assert list(devs) == sorted(devs) and all(0 <= d < N for d in devs)
     assert all(len(x) <= S for x in p.device_experts)
     np.testing.assert_allclose(p.device_load, device_loads(p.replicas, load, N), rtol=1e-12)
@@ -71,13 +71,20 @@ def test_plan_beats_greedy_hand_worked():
     # (9 -> 4.5 per replica), then packs 7 (e2) -> d0, 4.5 -> d1, 4.5 -> d0, 4 -> d1:
     # loads (11.5, 8.5). Better: no replica at all, {9} | {4, 7}: (9, 11), which is the
     # optimum (every split of {9, 4, 7} over two devices has a side >= 11 unless 9 or 7
-    # is split, and splitting either leaves 4.5+7 or 3.5+9 >= 11.5 on one side).
+    # is split, and splitting either leaves 4.5+7 or 3.5+9 >= 11.5 on one side) of the
+    # even split. With shares the mean is reached: expert 0 in 3 shares of 3, one beside
+    # 7 on d0 and two beside 4 on d1 (one copy of its weights there): (10, 10).
     load = [9, 4, 7]
     g = greedy_placement(load, 2, 2)
     assert g.replicas == ((0, 1), (1,), (0,)) and g.device_load == (11.5, 8.5)
+    assert brute_force_optimum(load, 2, 2) == 11.0
     p = plan_placement(load, 2, 2)
-    assert p.max_load == 11.0 == brute_force_optimum(load, 2, 2)
-    assert lower_bound(load, 2, 2) == 10.0  # mean 10 > largest per-replica load 7
+    check_valid(p, load, 2, 2)
+    assert p.max_load == 10.0 == lower_bound(load, 2, 2)  # mean 10 > largest per-replica load 7
+    assert p.replicas == ((0, 1, 1), (1,), (0,)) and p.duplicates == 1
+    assert eplb_placement(load, 2, 2).max_load == 11.0
+    # the token split visits a device once per share: expert 0's tokens 1 : 2 over d0, d1
+    assert split_tokens(np.zeros(6, dtype=np.int64), p).tolist() == [0, 1, 1, 0, 1, 1]
 
 
 def test_plan_replicates_a_cold_expert_when_that_balances():
@@ -187,8 +194,10 @@ def test_bad_sizes():
 def test_placement_rejects_inconsistent_layouts():
     with pytest.raises(ValueError, match="no replica"):
         Placement(((0,), ()), (1.0, 0.0), 2)
-    with pytest.raises(ValueError, match="twice"):
-        Placement(((0, 0),), (1.0, 0.0), 2)
+    with pytest.raises(ValueError, match="ascending"):
+        Placement(((1, 0),), (0.5, 0.5), 2)
+    two = Placement(((0, 0, 1),), (2 / 3, 1 / 3), 1)  # two of three shares on d0: one slot
+    assert two.device_experts == ((0,), (0,)) and two.duplicates == 1 and two.replica_counts == (3,)
     with pytest.raises(ValueError, match="outside"):
         Placement(((2,),), (1.0, 0.0), 2)
     with pytest.raises(ValueError, match="more than slots_per_device=1"):
@@ -277,37 +286,42 @@ def test_count_search_finds_what_single_moves_miss():
     replica counts, pairing the largest share with the smallest on each 2-slot device):
     expert 9 in 6 (36 each), 11 in 3 (45.67), 13 in 5 (19.8, the filler of 11's devices).
     8 experts on 4 x 4: EPLB 129.79, local search alone 130.75; CP-SAT's optimum of the
-    even-split model is 128."""
+    even-split model is 128.
+    The vectorised planner (EPLB's layout with its two-shares-on-a-device is a start of the
+    search; the count search only up to COUNT_SEARCH_SLOTS = 16 slots) is at EPLB on the
+    first (32 slots: the earlier planner's LPT count search reached 65.47 there) and below
+    EPLB on the second."""
     load = [56, 45, 58, 28, 63, 35, 27, 42, 85, 216, 30, 137, 36, 99, 26, 41]
     assert eplb_placement(load, 16, 2).max_load == 66.0
-    assert plan_placement(load, 16, 2, count_evals=0).max_load == 66.75
     p = plan_placement(load, 16, 2)
     check_valid(p, load, 16, 2)
-    assert p.max_load == pytest.approx(137 / 3 + 99 / 5)
-    assert (p.replica_counts[9], p.replica_counts[11], p.replica_counts[13]) == (6, 3, 5)
+    assert p.max_load <= 66.0 + TOL
     load = [34, 41, 32, 42, 40, 39, 255, 29]
     assert eplb_placement(load, 4, 4).max_load == pytest.approx(129.7857142857)
-    assert plan_placement(load, 4, 4, count_evals=0).max_load > 130.5
-    assert 128.0 <= plan_placement(load, 4, 4).max_load < 129.0
+    assert plan_placement(load, 4, 4).max_load < 129.0
 
 
 def test_fast_local_search_step_equals_its_reference():
     """The O(1)-per-candidate step makes the same moves as the dict-per-candidate twin."""
-    from commsched.moe.placement.search import LocalSearch
+    from commsched.moe.placement.search import ShareSearch, counts_matrix
 
     rng = np.random.default_rng(5)
+    moves: set[str] = set()
     for trial in range(40):
         E = int(rng.choice([4, 8, 16]))
         N = int(rng.choice([2, 3, 4, 8]))
         S = -(-E // N) + int(rng.integers(0, 4))
         load = rng.lognormal(0, 1.5, E) * 100 if trial % 2 else rng.integers(0, 50, E).astype(float)
-        for start in (greedy_placement(load, N, S), eplb_placement(load, N, S).placement(load)):
-            a, b = LocalSearch(start, load), LocalSearch(start, load)
+        for start in (greedy_placement(load, N, S), eplb_placement(load, N, S).shares(load)):
+            C = counts_matrix(start.replicas, E, N)
+            a, b = ShareSearch(C, load, S), ShareSearch(C, load, S)
             for _ in range(200):
                 ma, mb = a.step(), b.step_reference()
-                assert ma == mb and a.devs == b.devs
+                assert ma == mb and (a.C == b.C).all()
                 if ma is None:
                     break
+                moves.add(ma[0])
+    assert moves >= {"transfer", "swap", "add"}  # the families the twin checked were used
 
 
 def _check_eplb(ep: EplbPlan, load, N, S) -> None:
@@ -331,8 +345,8 @@ def test_plan_against_eplb_on_random_instances():
         _check_eplb(ep, inst.load, inst.num_devices, inst.slots)
         p = plan_placement(inst.load, inst.num_devices, inst.slots)
         check_valid(p, inst.load, inst.num_devices, inst.slots)
+        assert p.max_load <= ep.max_load * (1 + TOL)  # EPLB's own layout is one of its starts
         worse.append(p.max_load / ep.max_load - 1)
-    assert max(worse) <= 0.005
     assert min(worse) < -0.005  # and it is strictly better somewhere
 
 
@@ -354,6 +368,7 @@ def test_plan_properties(load, N, S):
     scale = max(1.0, sum(load))
     assert p.max_load <= g.max_load + TOL * scale  # never worse than the greedy
     assert p.max_load >= lb - TOL * scale          # never below the lower bound
+    assert p.max_load <= eplb_placement(load, N, S).max_load + TOL * scale  # never worse than EPLB
 
 
 @settings(max_examples=60, deadline=None)
@@ -364,7 +379,8 @@ def test_plan_against_brute_force(load, N, S):
     opt = brute_force_optimum(load, N, S)
     lb = lower_bound(load, N, S)
     p = plan_placement(load, N, S)
-    assert lb <= opt + TOL and opt <= p.max_load + TOL
+    # opt is the best even split; with shares the planner may go below it, never below lb
+    assert lb <= opt + TOL and lb <= p.max_load + TOL
     assert p.max_load <= greedy_placement(load, N, S).max_load + TOL
 
 
@@ -574,3 +590,4 @@ def test_host_local_split_matches_reference_and_stays_home():
         Placement(((0,),), (0.0, 0.0), 1, (0, 2))
     with pytest.raises(ValueError, match="cross_weight"):
         plan_placement([1.0, 2.0], 2, 1, device_host=(0, 1), cross_weight=-1.0)
+

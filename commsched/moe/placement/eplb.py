@@ -93,6 +93,18 @@ class EplbPlan:
         :class:`Placement` (distinct devices per expert) cannot express."""
         return sum(len(row) - len(set(row)) for row in self.slots)
 
+    def shares(self, load_E: Sequence[float] | np.ndarray) -> Placement:
+        """The layout as a :class:`Placement` with EPLB's own split: a device holding m of
+        an expert's physical replicas appears m times in its ``replicas`` (one copy of the
+        weights, m shares), so device loads equal EPLB's (and a device's distinct experts
+        fit its S slots)."""
+        load = check_load(load_E)
+        reps: list[list[int]] = [[] for _ in self.replica_counts]
+        for d, row in enumerate(self.slots):
+            for e in row:
+                reps[e].append(d)
+        return make_placement(reps, load, len(self.slots), len(self.slots[0]))
+
     def placement(self, load_E: Sequence[float] | np.ndarray) -> Placement:
         """The layout as a :class:`Placement`: each expert on the distinct devices of its
         slots, loads split evenly over those (so device loads differ from EPLB's own when

@@ -33,7 +33,7 @@ def host_local_loads(replicas: Sequence[Sequence[int]], origin_HE: np.ndarray, d
     E, H, N = o.shape[0], o.shape[1], host.size
     R = np.zeros((E, N))
     for e, devs in enumerate(replicas):
-        R[e, list(devs)] = 1.0
+        np.add.at(R[e], list(devs), 1.0)  # a device holding m shares of e counts m times
     r_EH = R @ (host[:, None] == np.arange(H)[None, :])  # replicas of e on host h
     local = r_EH > 0
     stay = np.where(local, o / np.maximum(r_EH, 1.0), 0.0)  # [E, H] share of each local replica

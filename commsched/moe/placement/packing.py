@@ -115,6 +115,39 @@ def lpt_replicas(load: list[float], counts: list[int], N: int, S: int) -> list[l
 
 
 
+def lpt_shares(load: list[float], counts: list[int], N: int, S: int) -> list[list[int]]:
+    """LPT for shares: expert e's load in ``counts[e]`` equal shares, in descending share
+    (ties: first shares first, then lower expert id), each onto the lightest device (ties:
+    lowest id) that holds e already or has a free slot, so two shares of one expert may
+    land on one device (one slot). When a first share finds no device (the slots went to
+    other experts' shares), the packing is redone with every expert's first share first.
+    Returns [E] the devices of each expert's shares (repeats allowed)."""
+    E = len(load)
+    per = [load[e] / counts[e] for e in range(E)]
+    items = sorted(((e, i) for e in range(E) for i in range(counts[e])),
+                   key=lambda t: (-per[t[0]], t[1] > 0, t[0], t[1]))
+    for attempt in (items, sorted(items, key=lambda t: t[1] > 0)):
+        dev_load = [0.0] * N
+        free = [S] * N
+        holds = [set() for _ in range(N)]
+        replicas: list[list[int]] = [[] for _ in range(E)]
+        for e, _i in attempt:
+            best = -1
+            for d in range(N):  # small N only: the count search of tiny instances decodes with this
+                if (free[d] > 0 or e in holds[d]) and (best < 0 or dev_load[d] < dev_load[best]):
+                    best = d
+            if best < 0:
+                break
+            if e not in holds[best]:
+                holds[best].add(e)
+                free[best] -= 1
+            replicas[e].append(best)
+            dev_load[best] += per[e]
+        else:
+            return [sorted(r) for r in replicas]
+    raise AssertionError("first shares did not fit (slots < experts?)")
+
+
 def greedy_counts(lo: list[float], N: int, S: int) -> list[int]:
     """:func:`replica_counts_greedy` of all N*S slots on checked inputs (plain lists)."""
     E = len(lo)
@@ -139,5 +172,5 @@ def greedy_replicas(load: np.ndarray, N: int, S: int) -> list[list[int]]:
 
 
 
-__all__ = ["replica_counts_greedy", "lower_bound", "pack_lpt", "lpt_replicas", "greedy_counts",
+__all__ = ["replica_counts_greedy", "lower_bound", "pack_lpt", "lpt_replicas", "lpt_shares", "greedy_counts",
            "greedy_replicas"]

@@ -24,9 +24,11 @@ from .types import Placement, placement_key
 REFINE_SMALL = 6
 REFINE_LARGE = 1
 REFINE_SMALL_SLOTS = 256
-# up to this many slots every replica-count change of the count search is decoded by LPT
-# and local search (milliseconds there); above it by LPT alone
-THOROUGH_SLOTS = 16
+# at most this many total replica counts are packed above REFINE_SMALL_SLOTS slots
+LARGE_CANDIDATES = 6
+# up to this many slots (N*S) a search over replica counts follows the local search, every
+# count change decoded by LPT and local search (milliseconds there); none above it
+COUNT_SEARCH_SLOTS = 16
 
 
 def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
@@ -86,25 +88,24 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
     if N == 1 or load.sum() == 0.0:
         return greedy
     top = min(N * S, N * E)
+    if N * S > REFINE_SMALL_SLOTS:  # each LPT packing costs about a search step there
+        max_candidates = min(max_candidates, LARGE_CANDIDATES)
     if top - E + 1 <= max_candidates:
         totals = list(range(E, top + 1))
     else:
         totals = sorted({int(round(x)) for x in np.linspace(E, top, max_candidates)})
     packed = [pack_lpt(load, replica_counts_greedy(load, R, N), N, S) for R in totals]
     packed.sort(key=placement_key)
-    eplb = eplb_placement(load, N, S).placement(load)
+    eplb = eplb_placement(load, N, S).shares(load)  # EPLB's own layout, two shares on a device kept
     starts: list[Placement] = []
     for p in [greedy, eplb] + packed[:max(0, refine)]:
         if all(p.replicas != q.replicas for q in starts):  # the greedy is often packed[0]
             starts.append(p)
     cands = starts + packed + [improve(p, load, steps) for p in starts]
     best = min(cands, key=placement_key)
-    if count_evals > 0:
-        thorough = N * S <= THOROUGH_SLOTS
-        found = count_search(best, load, count_evals, thorough)
-        best = min(best, found if thorough else improve(found, load, steps), key=placement_key)
+    if count_evals > 0 and N * S <= COUNT_SEARCH_SLOTS:
+        best = min(best, count_search(best, load, count_evals, True), key=placement_key)
     return best
 
 
-
-__all__ = ["plan_placement", "REFINE_SMALL", "REFINE_LARGE", "REFINE_SMALL_SLOTS", "THOROUGH_SLOTS"]
+__all__ = ["plan_placement", "REFINE_SMALL", "REFINE_LARGE", "REFINE_SMALL_SLOTS", "LARGE_CANDIDATES", "COUNT_SEARCH_SLOTS"]

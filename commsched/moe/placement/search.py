@@ -1,258 +1,262 @@
-"""Local search on the maximum device load (moves, swaps, adds, drops and re-targets of
-replicas on the busiest device) and the search over replica counts with LPT as decoder.
+"""Local search on the maximum device load, in numpy: every move that involves the
+busiest device scored at once.
 
-Legend: E experts, N devices, S slots per device.
+A layout here is a multiplicity matrix ``C_EN`` (int64): ``C[e, d]`` shares of expert e on
+device d; expert e's load splits into ``C[e].sum()`` equal shares, so a device holding m of
+them carries m of those shares (one copy of e's weights: a slot counts distinct experts).
+A :class:`~.types.Placement` lists device d m times in ``replicas[e]``.
+
+Moves, all involving the busiest device d (lowest id among equals) and one expert e held
+there, in two tiers (the second is scored only when the first has no improving move):
+
+tier 1
+  * ``transfer`` (e, d2): one share of e goes from d to d2 (d2 holds e already or has a
+    free slot)
+  * ``swap`` (e, f, d2): one share of e on d and one of f on d2 trade places (f's share
+    smaller than e's; slots permitting on both)
+  * ``add`` (e, d2): e gains a share on d2 (all of e's shares shrink)
+  * ``drop`` (e,): e loses its share on d (e keeps at least one)
+tier 2
+  * ``retarget`` (e, f, d2): one share of f on d2 (f keeps at least one) becomes a share of e
+
+The step applies the best improving move: lowest maximum device load, then (within 1e-12
+of the total) lowest sum of squared loads, then the first in the order above (families in
+that order; within a family e ascending, then d2 or the share (f, d2) in C's row-major
+order). :meth:`ShareSearch.step` scores a family in O(candidates) with the top three device
+loads (moves that change two devices) or per-row top two (moves that change all of an
+expert's devices); :meth:`ShareSearch.step_reference` applies each candidate to a copy
+and recomputes every load: its slow twin.
+
+Legend: E experts, N devices, S slots per device, K candidates of a family, F experts.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from .packing import lpt_replicas
+from .packing import lpt_shares
 from .types import Placement, device_loads, make_placement, placement_key
 
-
-class _Expert:
-    """What :meth:`LocalSearch.step` needs of expert x in one step: its devices (``devs``,
-    and ``order``: descending load), its share ``per`` now, the change ``grow`` of each
-    replica's share when x gains a replica and ``shrink`` when it loses one, and the
-    resulting changes of the sum of squared device loads, over all of x's devices."""
-
-    __slots__ = ("devs", "order", "per", "per_add", "grow", "shrink", "grow_ss", "shrink_ss")
-
-    def __init__(self, s: LocalSearch, x: int) -> None:
-        dl = s.dl
-        self.devs = s.devs[x]
-        self.order = sorted(self.devs, key=lambda i: -dl[i])
-        r = len(self.devs)
-        self.per = s.load[x] / r
-        self.per_add = s.load[x] / (r + 1)
-        self.grow = self.per_add - self.per
-        self.shrink = s.load[x] / (r - 1) - self.per if r >= 2 else 0.0
-        g, h = self.grow, self.shrink
-        self.grow_ss = sum(g * (2.0 * dl[i] + g) for i in self.devs)
-        self.shrink_ss = sum(h * (2.0 * dl[i] + h) for i in self.devs)
+FAMILIES = (("transfer", "swap", "add", "drop"), ("retarget",))
 
 
-class LocalSearch:
-    """Mutable layout for local search on the maximum device load (plain Python floats:
-    N and S are small, and list copies beat NumPy calls at this size)."""
+def counts_matrix(replicas, E: int, N: int) -> np.ndarray:
+    """[E, N] int64 shares of each expert on each device of a replica list."""
+    C = np.zeros((E, N), dtype=np.int64)
+    for e, devs in enumerate(replicas):
+        np.add.at(C[e], np.asarray(devs, dtype=np.int64), 1)
+    return C
 
-    def __init__(self, p: Placement, load: np.ndarray) -> None:
-        self.load = [float(x) for x in load]
-        self.N, self.S = p.num_devices, p.slots_per_device
-        self.devs: list[set[int]] = [set(r) for r in p.replicas]  # expert -> devices
-        self.held: list[set[int]] = [set(x) for x in p.device_experts]  # device -> experts
-        self.dl = [float(x) for x in p.device_load]
-        scale = max(1.0, float(load.sum()))
+
+def matrix_replicas(C_EN: np.ndarray) -> list[list[int]]:
+    """The replica lists of a multiplicity matrix (device d repeated C[e, d] times)."""
+    N = C_EN.shape[1]
+    ar = np.arange(N)
+    return [np.repeat(ar, row).tolist() for row in C_EN]
+
+
+def _top2(V: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(max, argmax, second largest) along the last axis (-inf when there is one column)."""
+    a1 = V.argmax(axis=-1)
+    t1 = np.take_along_axis(V, a1[..., None], axis=-1)[..., 0]
+    if V.shape[-1] == 1:
+        return t1, a1, np.full_like(t1, -np.inf)
+    W = V.copy()
+    np.put_along_axis(W, a1[..., None], -np.inf, axis=-1)
+    return t1, a1, W.max(axis=-1)
+
+
+class ShareSearch:
+    """Mutable layout ``C`` [E, N] under local search (see the module docstring)."""
+
+    def __init__(self, C_EN: np.ndarray, load_E: np.ndarray, slots_per_device: int) -> None:
+        self.C = np.array(C_EN, dtype=np.int64)
+        self.load = np.asarray(load_E, dtype=np.float64)
+        self.E, self.N = self.C.shape
+        self.S = int(slots_per_device)
+        scale = max(1.0, float(self.load.sum()))
         self.eps = 1e-12 * scale
         self.eps2 = 1e-12 * scale * scale
+        assert (self.C.sum(axis=1) >= 1).all() and ((self.C > 0).sum(axis=0) <= self.S).all()
 
-    def per(self, e: int, extra: int = 0) -> float:
-        return self.load[e] / (len(self.devs[e]) + extra)
+    # ------------------------------------------------------------------ state
+    def loads(self, C: np.ndarray | None = None) -> np.ndarray:
+        C = self.C if C is None else C
+        return (self.load / C.sum(axis=1)) @ C
 
-    def step(self) -> tuple | None:
-        """Apply the best improving move that involves the busiest device and return it;
-        None if there is none.
+    def _state(self):
+        C = self.C
+        cnt = C.sum(axis=1)
+        per = self.load / cnt
+        dl = per @ C
+        order = np.argsort(-dl, kind="stable")
+        return C, cnt, per, dl, order, (C > 0).sum(axis=0)
 
-        Moves and their order are those of :meth:`step_reference`; a candidate is scored
-        in O(1) amortised instead of O(devices it touches). Per expert x (once per step):
-        its devices in descending load, its share now / with one replica more / one less,
-        and the change of the sum of squares when all its replicas grow or shrink by that
-        share (``_Expert``). A move's maximum is then the largest of: the first entry of
-        those descending lists not otherwise changed, the one or two single devices it
-        changes, and the busiest device it leaves alone (the first of the global order
-        outside the changed sets); its sum of squares the current one plus the
-        precomputed changes (with the cross term of devices both experts share)."""
-        dl, N, S = self.dl, self.N, self.S
-        d = max(range(N), key=lambda i: (dl[i], -i))
-        order = sorted(range(N), key=lambda i: -dl[i])
-        cur_ss = sum(x * x for x in dl)
-        best, best_move = (dl[d], cur_ss), None
-        eps, eps2 = self.eps, self.eps2
-        cache: dict[int, _Expert] = {}
+    # ------------------------------------------------------------------ candidates
+    def candidates(self, tier: int, state=None) -> dict[str, np.ndarray]:
+        """The feasible moves of ``tier`` (0 or 1), family -> [K, args] int64, in the order
+        of the module docstring."""
+        C, cnt, per, dl, order, held = self._state() if state is None else state
+        d, N, S = int(order[0]), self.N, self.S
+        es = np.flatnonzero(C[:, d])
+        ar = np.arange(N)
+        fs, ds = np.nonzero(C)
+        keep = ds != d
+        fs, ds = fs[keep], ds[keep]
+        out: dict[str, np.ndarray] = {}
+        if tier == 0:
+            E2, D2 = np.meshgrid(es, ar, indexing="ij")
+            ok = (D2 != d) & ((C[E2, D2] > 0) | (held[D2] < S))
+            pair = np.stack([E2[ok], D2[ok]], axis=1)
+            out["transfer"] = pair
+            Ei = np.repeat(es, fs.size)
+            Fi, Di = np.tile(fs, es.size), np.tile(ds, es.size)
+            ok = ((Fi != Ei) & (per[Fi] < per[Ei])
+                  & (held[Di] + (C[Ei, Di] == 0) - (C[Fi, Di] == 1) <= S)
+                  & (held[d] + (C[Fi, d] == 0) - (C[Ei, d] == 1) <= S))
+            out["swap"] = np.stack([Ei[ok], Fi[ok], Di[ok]], axis=1)
+            out["add"] = pair
+            out["drop"] = es[cnt[es] >= 2][:, None]
+        else:
+            Ei = np.repeat(es, fs.size)
+            Fi, Di = np.tile(fs, es.size), np.tile(ds, es.size)
+            ok = (Fi != Ei) & (cnt[Fi] >= 2) & (held[Di] + (C[Ei, Di] == 0) - (C[Fi, Di] == 1) <= S)
+            out["retarget"] = np.stack([Ei[ok], Fi[ok], Di[ok]], axis=1)
+        return out
 
-        def info(x: int) -> _Expert:
-            got = cache.get(x)
-            if got is None:
-                got = cache[x] = _Expert(self, x)
-            return got
-
-        def untouched(a: set[int], b: set[int] | None = None, c: int = -1) -> float:
-            for dd in order:
-                if dd not in a and (b is None or dd not in b) and dd != c:
-                    return dl[dd]
-            return -math.inf
-
-        def consider(m: float, ss: float, move: tuple) -> None:
-            nonlocal best, best_move
-            if m < best[0] - eps or (m <= best[0] + eps and ss < best[1] - eps2):
-                best, best_move = (m, ss), move
-
-        def sq(x: int, delta: float) -> float:  # change of x's square when it moves by delta
-            return delta * (2.0 * dl[x] + delta)
-
-        for e in sorted(self.held[d]):
-            ie = info(e)
-            de, pe, pe_add, g = ie.devs, ie.per, ie.per_add, ie.grow
-            top_e = dl[ie.order[0]] + g  # e's busiest replica after e gains a replica
-            if len(de) >= 2:  # drop the replica of e on d; its share goes to e's other replicas
-                sh = ie.shrink
-                m = max(dl[d] - pe, untouched(de))
-                for dd in ie.order:
-                    if dd != d:
-                        m = max(m, dl[dd] + sh)
-                        break
-                consider(m, cur_ss + ie.shrink_ss - sq(d, sh) + sq(d, -pe), ("drop", e, d))
-            for d2 in range(N):
-                if d2 == d or e in self.held[d2]:
-                    continue
-                if len(self.held[d2]) < S:
-                    m = max(dl[d] - pe, dl[d2] + pe, untouched({d, d2}))
-                    consider(m, cur_ss + sq(d, -pe) + sq(d2, pe), ("move", e, d, d2))
-                    m = max(top_e, dl[d2] + pe_add, untouched(de, None, d2))
-                    consider(m, cur_ss + ie.grow_ss + sq(d2, pe_add), ("add", e, d2))
-                for f in sorted(self.held[d2]):
-                    jf = info(f)
-                    pf = jf.per
-                    if pf < pe and f not in self.held[d]:
-                        m = max(dl[d] + pf - pe, dl[d2] + pe - pf, untouched({d, d2}))
-                        consider(m, cur_ss + sq(d, pf - pe) + sq(d2, pe - pf), ("swap", e, d, f, d2))
-                    if len(jf.devs) >= 2:  # re-target f's replica on d2 to e
-                        df, sh = jf.devs, jf.shrink
-                        m = dl[d2] + pe_add - pf
-                        for dd in jf.order:  # f's other replicas gain sh (and lose g on e's)
-                            if dd == d2:
-                                continue
-                            if dd in de:
-                                m = max(m, dl[dd] + sh + g)
-                            else:
-                                m = max(m, dl[dd] + sh)
-                                break
-                        for dd in ie.order:  # e's replicas that f does not share
-                            if dd not in df:
-                                m = max(m, dl[dd] + g)
-                                break
-                        m = max(m, untouched(de, df))
-                        both = len(de & df)
-                        ss = (cur_ss + ie.grow_ss + jf.shrink_ss - sq(d2, sh)
-                              + sq(d2, pe_add - pf) + 2.0 * g * sh * both)
-                        consider(m, ss, ("retarget", e, f, d2))
-        if best_move is not None:
-            self.apply(best_move)
-        return best_move
-
-    def step_reference(self) -> tuple | None:
-        """Slow twin of :meth:`step`: every candidate's changed loads in a dict.
-
-        A move changes the loads of a few devices (``delta``: device -> change); its
-        maximum is the largest changed load or the largest unchanged one (the first device
-        of the descending order not in ``delta``), its sum of squares the current one
-        plus the changes."""
-        dl, N = self.dl, self.N
-        d = max(range(N), key=lambda i: (dl[i], -i))
-        order = sorted(range(N), key=lambda i: -dl[i])
-        cur_ss = sum(x * x for x in dl)
-        best, best_move = (dl[d], cur_ss), None
-
-        def consider(delta: dict[int, float], move: tuple) -> None:
-            nonlocal best, best_move
-            m = -math.inf
-            ss = cur_ss
-            for dd, dv in delta.items():
-                v = dl[dd] + dv
-                m = v if v > m else m
-                ss += v * v - dl[dd] * dl[dd]
-            for dd in order:
-                if dd not in delta:
-                    m = dl[dd] if dl[dd] > m else m
-                    break
-            if m < best[0] - self.eps or (m <= best[0] + self.eps and ss < best[1] - self.eps2):
-                best, best_move = (m, ss), move
-
-        for e in sorted(self.held[d]):
-            pe = self.per(e)
-            r_e = len(self.devs[e])
-            pe_add = self.per(e, +1)
-            grow_e = {dd: pe_add - pe for dd in self.devs[e]}  # e gains a replica elsewhere
-            if r_e >= 2:  # drop the replica of e on d; its share goes to e's other replicas
-                pe_drop = self.per(e, -1)
-                delta = {dd: pe_drop - pe for dd in self.devs[e]}
-                delta[d] = -pe
-                consider(delta, ("drop", e, d))
-            for d2 in range(N):
-                if d2 == d or e in self.held[d2]:
-                    continue
-                if len(self.held[d2]) < self.S:
-                    consider({d: -pe, d2: pe}, ("move", e, d, d2))
-                    delta = dict(grow_e)
-                    delta[d2] = pe_add
-                    consider(delta, ("add", e, d2))
-                for f in sorted(self.held[d2]):
-                    pf = self.per(f)
-                    if pf < pe and f not in self.held[d]:
-                        consider({d: pf - pe, d2: pe - pf}, ("swap", e, d, f, d2))
-                    if len(self.devs[f]) >= 2:  # re-target f's replica on d2 to e
-                        pf_drop = self.per(f, -1)
-                        delta = dict(grow_e)
-                        for dd in self.devs[f]:
-                            delta[dd] = delta.get(dd, 0.0) + pf_drop - pf
-                        delta[d2] = delta.get(d2, 0.0) + pe_add - pf_drop
-                        consider(delta, ("retarget", e, f, d2))
-        if best_move is not None:
-            self.apply(best_move)
-        return best_move
-
-    def _place(self, e: int, d: int) -> None:
-        self.devs[e].add(d)
-        self.held[d].add(e)
-
-    def _remove(self, e: int, d: int) -> None:
-        self.devs[e].discard(d)
-        self.held[d].discard(e)
-
-    def apply(self, move: tuple) -> None:
-        kind = move[0]
-        if kind == "drop":
-            _, e, d = move
-            self._remove(e, d)
-        elif kind == "move":
-            _, e, d, d2 = move
-            self._remove(e, d)
-            self._place(e, d2)
-        elif kind == "add":
-            _, e, d2 = move
-            self._place(e, d2)
+    def _apply_to(self, C: np.ndarray, kind: str, a: np.ndarray, d: int) -> None:
+        if kind == "transfer":
+            C[a[0], d] -= 1
+            C[a[0], a[1]] += 1
         elif kind == "swap":
-            _, e, d, f, d2 = move
-            self._remove(e, d)
-            self._remove(f, d2)
-            self._place(e, d2)
-            self._place(f, d)
+            C[a[0], d] -= 1
+            C[a[1], a[2]] -= 1
+            C[a[0], a[2]] += 1
+            C[a[1], d] += 1
+        elif kind == "add":
+            C[a[0], a[1]] += 1
+        elif kind == "drop":
+            C[a[0], d] -= 1
         elif kind == "retarget":
-            _, e, f, d2 = move
-            self._remove(f, d2)
-            self._place(e, d2)
+            C[a[1], a[2]] -= 1
+            C[a[0], a[2]] += 1
         else:  # pragma: no cover - internal
             raise AssertionError(kind)
-        self.dl = [0.0] * self.N  # recompute exactly (no drift from incremental updates)
-        for x, devs in enumerate(self.devs):
-            share = self.load[x] / len(devs)
-            for dd in devs:
-                self.dl[dd] += share
 
-    def result(self, load: np.ndarray) -> Placement:
-        return make_placement([sorted(s) for s in self.devs], load, self.N, self.S)
+    # ------------------------------------------------------------------ scoring
+    def _score(self, kind: str, a: np.ndarray, state):
+        """([K] maximum load, [K] sum of squares) of each candidate, from the top loads."""
+        C, cnt, per, dl, order, _ = state
+        d = int(order[0])
+        ss0 = float(dl @ dl)
+        N = self.N
+        t1 = int(order[1]) if N > 1 else -1
+        u1 = dl[t1] if N > 1 else -np.inf
+        u2 = dl[order[2]] if N > 2 else -np.inf
+        if kind in ("transfer", "swap"):
+            e, d2 = a[:, 0], a[:, -1]
+            delta = per[e] if kind == "transfer" else per[e] - per[a[:, 1]]
+            x, y = dl[d] - delta, dl[d2] + delta
+            rest = np.where(d2 == t1, u2, u1)  # busiest device outside {d, d2}
+            m = np.maximum(np.maximum(x, y), rest)
+            return m, ss0 + x * x - dl[d] ** 2 + y * y - dl[d2] ** 2
+        e = a[:, 0]
+        p_add = self.load / (cnt + 1)
+        if kind == "drop":
+            p_drop = self.load[e] / (cnt[e] - 1)
+            V = dl[None, :] + (p_drop - per[e])[:, None] * C[e]
+            V[:, d] -= p_drop
+            return V.max(axis=1), (V * V).sum(axis=1)
+        ue, inv = np.unique(e, return_inverse=True)
+        base = dl[None, :] + ((p_add - per)[ue])[:, None] * C[ue]  # [U, N] e's shares shrink
+        if kind == "add":
+            d2 = a[:, 1]
+            top, arg, sec = _top2(base)
+            v = base[inv, d2]
+            w = v + p_add[e]
+            m = np.maximum(np.where(arg[inv] == d2, sec[inv], top[inv]), w)
+            return m, (base * base).sum(axis=1)[inv] + w * w - v * v
+        # retarget: base of e plus f's shares growing, then d2 trades f's share for e's
+        f, d2 = a[:, 1], a[:, 2]
+        uf, finv = np.unique(f, return_inverse=True)
+        p_drop = self.load / np.maximum(cnt - 1, 1)
+        V = base[:, None, :] + ((p_drop - per)[uf])[None, :, None] * C[uf][None, :, :]  # [U, F, N]
+        top, arg, sec = _top2(V)
+        sq = (V * V).sum(axis=2)
+        v = V[inv, finv, d2]
+        w = v + p_add[e] - p_drop[f]
+        m = np.maximum(np.where(arg[inv, finv] == d2, sec[inv, finv], top[inv, finv]), w)
+        return m, sq[inv, finv] + w * w - v * v
+
+    def _score_reference(self, kind: str, a: np.ndarray, state):
+        d = int(state[4][0])
+        m, ss = np.empty(len(a)), np.empty(len(a))
+        for i, row in enumerate(a):
+            C = self.C.copy()
+            self._apply_to(C, kind, row, d)
+            assert C.min() >= 0 and (C.sum(axis=1) >= 1).all() and ((C > 0).sum(axis=0) <= self.S).all()
+            v = self.loads(C)
+            m[i], ss[i] = v.max(), v @ v
+        return m, ss
+
+    # ------------------------------------------------------------------ step
+    def _step(self, score) -> tuple | None:
+        state = self._state()
+        dl = state[3]
+        cur_m, cur_ss = float(dl.max()), float(dl @ dl)
+        d = int(state[4][0])
+        for tier in range(len(FAMILIES)):
+            cands = self.candidates(tier, state)
+            ms, sss, who = [], [], []
+            for kind in FAMILIES[tier]:
+                a = cands[kind]
+                if len(a) == 0:
+                    continue
+                m, ss = score(kind, a, state)
+                ms.append(m)
+                sss.append(ss)
+                who.append((kind, len(a)))
+            if not ms:
+                continue
+            m, ss = np.concatenate(ms), np.concatenate(sss)
+            better = (m < cur_m - self.eps) | ((m <= cur_m + self.eps) & (ss < cur_ss - self.eps2))
+            if not better.any():
+                continue
+            m0 = m[better].min()
+            pool = better & (m <= m0 + self.eps)
+            j = int(np.argmin(np.where(pool, ss, np.inf)))
+            for kind, k in who:
+                if j < k:
+                    move = (kind, *(int(x) for x in cands[kind][j]))
+                    self._apply_to(self.C, kind, np.asarray(move[1:]), d)
+                    return move
+                j -= k
+        return None
+
+    def step(self) -> tuple | None:
+        """Apply the best improving move (module docstring) and return it as (family,
+        *args); None at a local optimum."""
+        return self._step(self._score)
+
+    def step_reference(self) -> tuple | None:
+        """Slow twin of :meth:`step`: each candidate applied to a copy, loads recomputed."""
+        return self._step(self._score_reference)
+
+    def run(self, max_steps: int) -> int:
+        for i in range(max_steps):
+            if self.step() is None:
+                return i
+        return max_steps
+
+    def result(self) -> Placement:
+        return make_placement(matrix_replicas(self.C), self.load, self.N, self.S)
 
 
 def improve(p: Placement, load: np.ndarray, max_steps: int) -> Placement:
-    s = LocalSearch(p, load)
-    for _ in range(max_steps):
-        if s.step() is None:
-            break
-    return s.result(load)
+    """``p`` improved by :class:`ShareSearch` (at most ``max_steps`` moves)."""
+    s = ShareSearch(counts_matrix(p.replicas, p.num_experts, p.num_devices), load, p.slots_per_device)
+    s.run(max_steps)
+    return s.result()
 
 
 def count_search(p: Placement, load: np.ndarray, max_evals: int, thorough: bool) -> Placement:
@@ -296,7 +300,7 @@ def count_search(p: Placement, load: np.ndarray, max_evals: int, thorough: bool)
             trial = list(counts)
             for x, dx in change:
                 trial[x] += dx
-            reps = lpt_replicas(lo, trial, N, S)
+            reps = lpt_shares(lo, trial, N, S)
             if thorough:
                 q: Placement | None = improve(make_placement(reps, load, N, S), load, 20 * N * S)
                 k = placement_key(q)
@@ -313,5 +317,4 @@ def count_search(p: Placement, load: np.ndarray, max_evals: int, thorough: bool)
     return best
 
 
-
-__all__ = ["LocalSearch", "improve", "count_search"]
+__all__ = ["FAMILIES", "ShareSearch", "counts_matrix", "matrix_replicas", "improve", "count_search"]

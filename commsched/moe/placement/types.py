@@ -6,6 +6,7 @@ Legend: E experts, N devices, S slots per device.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -19,9 +20,13 @@ from .hosts import even_origin, host_local_loads
 class Placement:
     """Which devices hold each expert, and the device loads that result.
 
-    replicas[e]     -- ascending tuple of the distinct devices holding expert e (>= 1)
-    device_load[d]  -- sum over experts e on d of load_e / len(replicas[e])
-    slots_per_device -- the bound the placement respects (experts per device)
+    replicas[e]     -- ascending tuple of the devices holding a share of expert e (>= 1
+                       entries); a device may appear m > 1 times: it holds one copy of e's
+                       weights and serves m of e's len(replicas[e]) equal shares (the
+                       round robin of :func:`split_tokens` visits it m times)
+    device_load[d]  -- sum over the entries d of replicas[e] of load_e / len(replicas[e])
+    slots_per_device -- the bound the placement respects (distinct experts per device: one
+                       copy of an expert's weights, however many of its shares)
     device_host[d]  -- None (the flat split), or the host (0..H-1) of each device: the
                        host-local split (:mod:`.node_aware`); the
                        device loads are then those of that split with the tokens spread
@@ -43,11 +48,12 @@ class Placement:
         for e, devs in enumerate(self.replicas):
             if len(devs) == 0:
                 raise ValueError(f"expert {e} has no replica: every expert needs a device")
-            if len(set(devs)) != len(devs):
-                raise ValueError(f"expert {e} is placed twice on one device: {devs}")
+            if any(a > b for a, b in zip(devs, devs[1:])):
+                raise ValueError(f"expert {e}'s devices must be ascending (repeats allowed): {devs}")
             for d in devs:
                 if not 0 <= d < N:
                     raise ValueError(f"expert {e} is placed on device {d}, outside 0..{N - 1}")
+            for d in set(devs):
                 held[d] += 1
         over = [d for d in range(N) if held[d] > S]
         if over:
@@ -64,15 +70,21 @@ class Placement:
 
     @property
     def replica_counts(self) -> tuple[int, ...]:
-        """[E] number of replicas of each expert."""
+        """[E] number of shares (replicas) of each expert, repeats on one device counted."""
         return tuple(len(r) for r in self.replicas)
 
     @property
+    def duplicates(self) -> int:
+        """Shares beyond the first of an expert on one device (0: every expert's replicas
+        on distinct devices, equal shares)."""
+        return sum(len(r) - len(set(r)) for r in self.replicas)
+
+    @property
     def device_experts(self) -> tuple[tuple[int, ...], ...]:
-        """[N] ascending experts held by each device."""
+        """[N] ascending distinct experts held by each device."""
         out: list[list[int]] = [[] for _ in range(self.num_devices)]
         for e, devs in enumerate(self.replicas):
-            for d in devs:
+            for d in sorted(set(devs)):
                 out[d].append(e)
         return tuple(tuple(x) for x in out)
 
@@ -125,12 +137,10 @@ def device_loads(replicas: Sequence[Sequence[int]], load_E: Sequence[float] | np
     load = np.asarray(load_E, dtype=np.float64)
     if device_host is not None:
         return host_local_loads(replicas, even_origin(load, device_host), device_host)[0]
-    out = np.zeros(num_devices, dtype=np.float64)
-    for e, devs in enumerate(replicas):
-        share = load[e] / len(devs)
-        for d in devs:
-            out[d] += share
-    return out
+    lens = np.fromiter((len(r) for r in replicas), dtype=np.int64, count=len(replicas))
+    flat = np.fromiter(itertools.chain.from_iterable(replicas), dtype=np.int64, count=int(lens.sum()))
+    share = np.repeat(load[:lens.size] / np.maximum(lens, 1), lens)
+    return np.bincount(flat, weights=share, minlength=num_devices).astype(np.float64)
 
 
 def make_placement(replicas: Sequence[Sequence[int]], load: np.ndarray, N: int, S: int,
@@ -142,7 +152,8 @@ def make_placement(replicas: Sequence[Sequence[int]], load: np.ndarray, N: int, 
 
 def placement_key(p: Placement) -> tuple[float, float]:
     """Lexicographic quality: maximum device load, then sum of squared device loads."""
-    return (p.max_load, float(sum(x * x for x in p.device_load)))
+    dl = np.asarray(p.device_load)
+    return (p.max_load, float(dl @ dl))
 
 
 
