@@ -326,6 +326,27 @@ def _socket_probe_case(rank: int, world: int) -> float:
     return socket_duplex_probe(1 << 20, "127.0.0.1")
 
 
+def _contention_case(rank: int, world: int) -> dict:
+    from commsched.bench.netem_check import contention_probe
+
+    return contention_probe(256 << 10, reduce_address="127.0.0.2", repeats=2, microop_bytes=16 << 10, in_flight=2,
+                            threads=2)
+
+
+def test_contention_probe_times_both_cases_on_every_rank():
+    """The link-calibration probe over real gloo ranks (unshaped: no timing asserted): both
+    cases timed on every rank, the slowest rank's times, the same figures everywhere."""
+    from tests.mp import run_ranks
+
+    res = run_ranks(2, _contention_case, timeout_s=120, env={"COMMSCHED_TIMEOUT_S": "30"})
+    for r in res:
+        assert len(r["alone_all_s"]) == len(r["contended_all_s"]) == 2
+        assert r["alone_s"] > 0 and r["contended_s"] > 0
+        assert r["contention"] == pytest.approx(r["contended_s"] / r["alone_s"])
+        assert r["a2a_bytes_per_rank"] == 256 << 10
+    assert res[0]["alone_all_s"] == res[1]["alone_all_s"]  # the slowest rank's time, agreed
+
+
 @pytest.mark.slow
 def test_socket_duplex_probe_runs_on_loopback():
     from tests.mp import run_ranks
