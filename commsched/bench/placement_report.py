@@ -445,8 +445,9 @@ def _eplb_markdown(ep: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
              "experts, 10% uniform; token counts, 64 per expert on average). Relative "
              "difference of the maximum device load against `eplb_placement` (global "
              "policy); positive is worse than EPLB. EPLB put two replicas of one expert on "
-             f"one device in {100 * ep['duplicates_frac']:.0f}% of them (a Placement cannot: "
-             "an expert's replicas are distinct devices with equal shares).", "",
+             f"one device in {100 * ep['duplicates_frac']:.0f}% of them (the planner may too: a "
+             "device may hold several of an expert's equal shares, and EPLB's layout is one of "
+             "its starts).", "",
              "| planner | instances | worst | mean | best | worse by > 0.5% | worse | better |",
              "|---|---|---|---|---|---|---|---|"]
     for r in ep["table"]:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..results import Record, median
 from .infer_config import InferConfig
-from .placed import device_rows
+from .placed import OWN_FIRST_SHARE, device_rows, recv_matrix
 from .placement_policy import PlacementStrategy
 from .popularity import topk_overlap
 
@@ -45,10 +45,13 @@ def _layer_view(lr: dict, k: int) -> dict:
     counts, p = lr["counts"], lr["placement"]
     actual = counts.sum(axis=0).astype(np.float64)
     rows = device_rows(counts, p)
+    # own rows each device computes while the dispatch runs: the window the next layer's
+    # phase-1 plan has on that device before it delays the remote rows (pipelined runtime)
+    own_first = [int(np.ceil(OWN_FIRST_SHARE * recv_matrix(counts, p, d)[1][d].sum())) for d in range(p.num_devices)]
     pf = lr["planned_from"]
     ok = pf is not None and actual.sum() > 0
     return {"rows": rows, "load": actual, "replicas": p.replica_counts, "replanned": lr["replanned"],
-            "overlap": lr["overlap"], "loads": lr["loads"],
+            "overlap": lr["overlap"], "loads": lr["loads"], "own_first": own_first,
             "acc": topk_overlap(pf, actual, k) if ok else None,
             "acc2k": topk_overlap(pf, actual, 2 * k) if ok else None}
 
@@ -82,6 +85,7 @@ def summarize(cfg: InferConfig, strategy: PlacementStrategy, per_rank: list[dict
     breakdown = {p: median(float(np.mean([per_rank[r]["records"][b]["parts_s"][p] for r in range(N)]))
                            for b in timed) for p in parts}
     loads_per_batch = float(np.mean([sum(lr["loads"] for lr in bl) for bl in layers]))
+    window = [1e3 * row_cost_s * min(sum(lr["own_first"][r] for lr in bl[:-1]) for r in range(N)) for bl in layers]
     hosts = tuple(host_P) if host_P is not None else (0,) * N
     cross = np.array([[hosts[q] != hosts[r] for q in range(N)] for r in range(N)])
 
@@ -117,6 +121,14 @@ def summarize(cfg: InferConfig, strategy: PlacementStrategy, per_rank: list[dict
                                                           for r in range(N)) for b in timed] for p in parts},
             },
             "model_latency_ms": _pct(model_lat),
+            # per batch: the device time of the own rows computed while the dispatches run
+            # (layers 0..L-2, the tightest rank), the window the next layers' phase-1 plans
+            # have; the host time they take is breakdown_s["phase1"]
+            "planning_window_ms": _pct(window),
+            "phase1_ms": _pct([1e3 * max(per_rank[r]["records"][b]["parts_s"].get("phase1", 0.0) for r in range(N))
+                               for b in timed]),
+            "plan_ms": _pct([1e3 * max(per_rank[r]["records"][b]["parts_s"].get("plan", 0.0) for r in range(N))
+                             for b in timed]),
             "row_cost_us": row_cost_s * 1e6,
             "critical_rows": _pct(crit_rows),
             "imbalance_p95": float(np.percentile(imb, 95)),

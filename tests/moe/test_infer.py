@@ -620,6 +620,10 @@ def _trace_equals_local(rank: int, world: int) -> None:
         if tpb == 16 and rank >= 1:
             assert m["outputs"][0].shape[0] == 0
         assert m["latency_ms"]["p95"] > 0 and m["imbalance"] >= 1.0
+        # the phase-1 planning window (own rows computed while the dispatch runs) and its use
+        assert m["planning_window_ms"]["p50"] >= 0.0 and m["phase1_ms"]["p50"] >= 0.0
+        if placement == "static":
+            assert m["phase1_ms"]["p95"] == 0.0
 
 
 def _model_equals_local(ckpt: str, rank: int, world: int) -> None:

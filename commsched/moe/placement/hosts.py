@@ -6,6 +6,7 @@ Legend: E experts, N devices, H hosts.
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -31,9 +32,10 @@ def host_local_loads(replicas: Sequence[Sequence[int]], origin_HE: np.ndarray, d
     o = np.asarray(origin_HE, dtype=np.float64).T  # [E, H]
     host = np.asarray(device_host, dtype=np.int64)
     E, H, N = o.shape[0], o.shape[1], host.size
-    R = np.zeros((E, N))
-    for e, devs in enumerate(replicas):
-        np.add.at(R[e], list(devs), 1.0)  # a device holding m shares of e counts m times
+    lens = np.fromiter((len(r) for r in replicas), dtype=np.int64, count=len(replicas))
+    flat = np.fromiter(itertools.chain.from_iterable(replicas), dtype=np.int64, count=int(lens.sum()))
+    R = np.bincount(np.repeat(np.arange(E), lens) * N + flat, minlength=E * N).reshape(E, N).astype(np.float64)
+    # (a device holding m shares of e counts m times)
     r_EH = R @ (host[:, None] == np.arange(H)[None, :])  # replicas of e on host h
     local = r_EH > 0
     stay = np.where(local, o / np.maximum(r_EH, 1.0), 0.0)  # [E, H] share of each local replica

@@ -32,6 +32,8 @@ Legend: E experts, N devices, S slots per device, K candidates of a family, F ex
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from .packing import lpt_shares
@@ -42,10 +44,9 @@ FAMILIES = (("transfer", "swap", "add", "drop"), ("retarget",))
 
 def counts_matrix(replicas, E: int, N: int) -> np.ndarray:
     """[E, N] int64 shares of each expert on each device of a replica list."""
-    C = np.zeros((E, N), dtype=np.int64)
-    for e, devs in enumerate(replicas):
-        np.add.at(C[e], np.asarray(devs, dtype=np.int64), 1)
-    return C
+    lens = np.fromiter((len(r) for r in replicas), dtype=np.int64, count=len(replicas))
+    flat = np.fromiter(itertools.chain.from_iterable(replicas), dtype=np.int64, count=int(lens.sum()))
+    return np.bincount(np.repeat(np.arange(E), lens) * N + flat, minlength=E * N).reshape(E, N)
 
 
 def matrix_replicas(C_EN: np.ndarray) -> list[list[int]]:
