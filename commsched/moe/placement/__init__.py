@@ -4,9 +4,10 @@ Legend: E experts, N devices, S slots per device (how many experts' weights a de
 may hold at once), R replicas in all, T tokens (or token assignments), P source ranks,
 H hosts.
 
-A *placement* says which devices hold each expert. An expert held by r devices has its
-tokens split evenly over them, so each of its replicas carries ``load_e / r``; a device's
-load is the sum over the replicas it holds. The all-to-all of a layer waits for the
+A *placement* says which devices hold each expert. An expert with r replicas (shares)
+has its tokens split evenly over them, so each carries ``load_e / r``; a device's load is
+the sum over the shares it holds (a device may hold several shares of one expert: one
+copy of its weights, one slot). The all-to-all of a layer waits for the
 busiest device, so every planner here minimises the *maximum* device load.
 
 Planners (all pure, no process group):
@@ -24,11 +25,11 @@ Planners (all pure, no process group):
   that does not already hold that expert. Fast: the online planner.
 * :func:`plan_placement` -- the planner the runtime uses. It tries several total replica
   counts (the greedy apportionment of each), packs each by LPT, improves the best
-  packings, the greedy's and EPLB's layouts by local search (move, swap, add, drop and
-  re-target replicas on the busiest device), then searches over replica counts
-  (re-packing after each change), and returns the best layout found, so it is never
-  worse than the greedy by construction (against EPLB: measured, see
-  docs/benchmarks.md).
+  packings, the greedy's and EPLB's own layouts by a numpy local search over share
+  matrices (:class:`~.search.ShareSearch`: transfer, swap, add, drop and re-target
+  shares on the busiest device; a device may hold several shares of one expert), on
+  small instances searches over replica counts, and returns the best layout found, so it
+  is never worse than the greedy nor than EPLB by construction.
 * :func:`static_placement` -- E/N contiguous experts per device and no replicas, as
   DeepSpeed serves experts.
 * :func:`lower_bound` -- no placement can have a lower maximum device load.

@@ -49,19 +49,19 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
     ``cross_weight`` 0 the result is exactly the flat planner's.
 
     Popular experts get more replicas; unpopular ones are packed together. Method: for up
-    to ``max_candidates`` total replica counts between E and N*S, take the greedy
-    apportionment (:func:`replica_counts_greedy`) and pack it by LPT
-    (:func:`pack_lpt`); the ``refine`` best packings (default :data:`REFINE_SMALL` up to
+    to ``max_candidates`` total replica counts between E and N*S (at most
+    :data:`LARGE_CANDIDATES` above :data:`REFINE_SMALL_SLOTS` slots), take the greedy
+    apportionment (:func:`replica_counts_greedy`) and pack it by LPT (:func:`pack_lpt`);
+    the ``refine`` best packings (default :data:`REFINE_SMALL` up to
     :data:`REFINE_SMALL_SLOTS` slots, :data:`REFINE_LARGE` above), the greedy
-    (:func:`greedy_placement`) and EPLB's layout (:func:`eplb_placement`, a replica that
-    shares a device with another of its expert merged into it) are improved by local
-    search on the busiest device (``max_steps`` moves each, default 20*N*S). From the
-    best of all these a search over replica counts (up to ``count_evals`` re-packings;
-    0 turns it off) changes one expert's count at a time and re-packs, then local
-    search polishes its result. The best layout found wins (maximum device load, then
-    sum of squares). The greedy itself is a candidate, so the result is never worse
-    than :func:`greedy_placement`; against EPLB's own maximum load (two replicas of one
-    expert on one device included) it is measured in docs/benchmarks.md.
+    (:func:`greedy_placement`) and EPLB's own layout (:meth:`EplbPlan.shares`: two of an
+    expert's shares on one device kept) are improved by the numpy local search
+    (:class:`~.search.ShareSearch`, ``max_steps`` moves each, default 20*N*S), which may
+    put several shares of one expert on one device. Up to :data:`COUNT_SEARCH_SLOTS`
+    slots a search over replica counts (up to ``count_evals`` re-packings; 0 turns it off)
+    follows. The best layout found wins (maximum device load, then sum of squares). The
+    greedy and EPLB's layout are candidates, so the result is never worse than
+    :func:`greedy_placement` nor than :func:`eplb_placement`'s own maximum load.
 
     load_E: [E] non-negative finite loads (tokens routed to each expert, or an estimate).
     Raises ValueError when N*S < E or a load is negative or not finite.
