@@ -220,6 +220,8 @@ class OverlapStep(GradStep):
 
     def after_backward(self, *, sync: bool = False) -> dict | None:
         self.optimizer.end_backward()  # returns at once: the reduction runs into the next forward pass
+        if not self.optimizer.overlap:  # the fallback (or clipping): the step completed in end_backward
+            return self.optimizer.complete_step()  # its timings, now rather than a step late
         return self.optimizer.synchronize() if sync else None
 
     def synchronize(self) -> dict | None:
