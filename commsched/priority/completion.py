@@ -21,13 +21,37 @@ raised at the next call (:meth:`CompletionMixin._check_alive`), never a silent t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from ..dist import CommError
 from .hier import GATHER, INTRA
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` becomes ``cuda:<current device>`` (the
+    executor thread's ``torch.cuda.set_device`` needs an index)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+# launch(flat_gradient, group) -> a torch.distributed Work (or anything with wait(),
+# get_future() and is_completed()); the default is an asynchronous all_reduce
+Launcher = Callable[[torch.Tensor, Any], Any]
+
+
+def _all_reduce(flat: torch.Tensor, group) -> Any:
+    return dist.all_reduce(flat, group=group, async_op=True)
+
+
+def group_size(g) -> int:
+    """Ranks of ``g`` (None: the default group); any object with ``size()`` works too."""
+    if g is None or isinstance(g, dist.ProcessGroup):
+        return dist.get_world_size(g)
+    return int(g.size())
 
 # the executor thread polls completions in flight (is_completed / CUDA events) first after
 # POLL_MIN_S, then ever less often (doubling while nothing completes) up to POLL_MAX_S: a long
@@ -169,4 +193,4 @@ class CompletionMixin:
 
 
 
-__all__ = ["POLL_MAX_S", "POLL_MIN_S", "CompletionMixin", "current_rank"]
+__all__ = ["POLL_MAX_S", "POLL_MIN_S", "CompletionMixin", "current_rank", "group_size"]

@@ -87,35 +87,21 @@ from ..config import read_env
 from ..dist import CommError, all_gather_object, comm_guard, peer_failure_hint, unresponsive_note
 from .bind import bound_twins
 from .buckets import LOCAL, GradSlot, describe, group_ids, plan_buckets, registration_mismatch
-from .completion import POLL_MAX_S, POLL_MIN_S, CompletionMixin, current_rank
+from .completion import (
+    POLL_MAX_S,
+    POLL_MIN_S,
+    CompletionMixin,
+    Launcher,
+    _all_reduce,
+    _with_index,
+    current_rank,
+    group_size,
+)
 from .hier import HierGroups, HierStep, make_hier
 from .microops import CommOp
 from .policy import ScheduleConfig, make_policy
 from .records import OpRecord, RecordsMixin, sort_records, step_timings
 from .transfer import UrgentOp, urgent
-
-# launch(flat_gradient, group) -> a torch.distributed Work (or anything with wait(),
-# get_future() and is_completed()); the default is an asynchronous all_reduce
-Launcher = Callable[[torch.Tensor, Any], Any]
-
-
-def _with_index(device: torch.device) -> torch.device:
-    """``device`` with its index: a bare ``cuda`` becomes ``cuda:<current device>`` (the
-    executor thread's ``torch.cuda.set_device`` needs an index)."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _all_reduce(flat: torch.Tensor, group) -> Any:
-    return dist.all_reduce(flat, group=group, async_op=True)
-
-
-def group_size(g) -> int:
-    """Ranks of ``g`` (None: the default group); any object with ``size()`` works too."""
-    if g is None or isinstance(g, dist.ProcessGroup):
-        return dist.get_world_size(g)
-    return int(g.size())
 
 
 class _Op:
@@ -607,7 +593,7 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         return urgent(self, start, *args, nbytes=nbytes, **kwargs)
 
 
-# re-exported: their homes are priority/buckets.py, records.py and completion.py
+# re-exported: their homes are priority/buckets.py, records.py and completion.py (group_size)
 __all__ = ["LOCAL", "POLL_MAX_S", "POLL_MIN_S", "GradScheduler", "OpRecord", "group_size",
            "registration_mismatch"]
 
