@@ -112,8 +112,9 @@ class WidthLayout:
     """Where each width's rows sit in every peer's message, and their byte sizes.
 
     ``idx[p][w]`` (int64 tensor): positions, within the n_p rows exchanged with peer p,
-    of the rows at width ``BITS[w]`` (ascending). ``segments`` is the byte layout:
-    per peer (payload_2, meta_2, payload_4, meta_4, payload_8, meta_8).
+    of the rows at width ``widths[w]`` (ascending). ``segments`` is the byte layout: per
+    peer, each width's segments in order (AdaQP's: payload_2, meta_2, payload_4, meta_4,
+    payload_8, meta_8); ``seg_of[w]``: the indices of width w's segments in a peer's list.
     """
 
     counts: tuple[int, ...]
@@ -124,10 +125,12 @@ class WidthLayout:
     # peer's rows in ascending order) [n_b], and how many of them each peer has
     pos: tuple[torch.Tensor, ...] = ()
     peer_rows: tuple[tuple[int, ...], ...] = ()
+    widths: tuple[int, ...] = BITS
+    seg_of: tuple[tuple[int, ...], ...] = ((0, 1), (2, 3), (4, 5))
 
     def rows_per_width(self) -> dict[int, int]:
         return {b: sum(int(self.idx[p][w].numel()) for p in range(len(self.counts)))
-                for w, b in enumerate(BITS)}
+                for w, b in enumerate(self.widths)}
 
     def to(self, device: torch.device | str) -> "WidthLayout":
         """The same layout with its index tensors (``idx``, ``pos``) on ``device`` (itself
@@ -140,33 +143,47 @@ class WidthLayout:
             pos=tuple(t.to(device) for t in self.pos))
 
 
-def width_layout(widths_P: list[np.ndarray], dim: int) -> WidthLayout:
+def quantized_segments(dim: int, bits: int) -> tuple[int, ...]:
+    """Per-row bytes of the segments of one AdaQP width: (payload, metadata)."""
+    return (payload_bytes(dim, bits), META_BYTES)
+
+
+def width_layout(widths_P: list[np.ndarray], dim: int, *, widths: tuple[int, ...] = BITS,
+                 row_segments=quantized_segments) -> WidthLayout:
     """The layout of one exchange side from the per-peer width vectors (each [n_p], values
-    in :data:`~commsched.quant.reference.BITS`). Sender and receiver of a channel call it
-    with the same vector and get the same sizes."""
+    in ``widths``, default :data:`~commsched.quant.reference.BITS`); ``row_segments(dim,
+    w)``: the per-row bytes of each segment width w's rows travel in (default AdaQP's
+    payload and metadata; the ``adaptive`` mode's techniques have their own). Sender and
+    receiver of a channel call it with the same vector and get the same sizes."""
     if dim < 1:
         raise ValueError(f"row width must be >= 1, got {dim}")
+    per_w = [tuple(row_segments(dim, b)) for b in widths]
+    seg_of, s0 = [], 0
+    for segs in per_w:
+        seg_of.append(tuple(range(s0, s0 + len(segs))))
+        s0 += len(segs)
     idx, sizes, off = [], [], 0
-    pos: list[list[torch.Tensor]] = [[] for _ in BITS]
+    pos: list[list[torch.Tensor]] = [[] for _ in widths]
     for p, w in enumerate(widths_P):
         w = np.asarray(w)
-        bad = ~np.isin(w, BITS)
+        bad = ~np.isin(w, widths)
         if bad.any():
-            raise ValueError(f"widths for peer {p} must be {', '.join(map(str, BITS[:-1]))} or "
-                             f"{BITS[-1]}; got {sorted(set(w[bad].tolist()))}")
+            raise ValueError(f"widths for peer {p} must be {', '.join(map(str, widths[:-1]))} or "
+                             f"{widths[-1]}; got {sorted(set(w[bad].tolist()))}")
         row_idx, row_sz = [], []
-        for k, b in enumerate(BITS):
+        for k, b in enumerate(widths):
             sel = torch.from_numpy(np.flatnonzero(w == b).astype(np.int64))
             row_idx.append(sel)
             pos[k].append(sel + off)
-            row_sz += [sel.numel() * payload_bytes(dim, b), sel.numel() * META_BYTES]
+            row_sz += [sel.numel() * nb for nb in per_w[k]]
         idx.append(tuple(row_idx))
         sizes.append(tuple(row_sz))
         off += w.size
     return WidthLayout(tuple(int(np.asarray(w).size) for w in widths_P), dim, tuple(idx),
                        SegmentLayout(tuple(sizes)),
                        pos=tuple(torch.cat(ps) if ps else torch.zeros(0, dtype=torch.int64) for ps in pos),
-                       peer_rows=tuple(tuple(int(i[k].numel()) for i in idx) for k in range(len(BITS))))
+                       peer_rows=tuple(tuple(int(i[k].numel()) for i in idx) for k in range(len(widths))),
+                       widths=tuple(widths), seg_of=tuple(seg_of))
 
 
 def random_widths(n: int, *, seed: int, layer: int, direction: str, src: int, dst: int,
@@ -320,4 +337,4 @@ def solve_widths(per_rank: list[dict], *, group_size: int, lam: float, time_limi
 
 __all__ = ["AdaQPOptions", "LINK_COST_SOURCES", "SCHEMES", "TOPOLOGY_PROBE_SIZES",
            "link_class_report", "peer_costs", "WidthLayout", "WidthProblems", "build_problems",
-           "random_widths", "solve_widths", "width_layout"]
+           "quantized_segments", "random_widths", "solve_widths", "width_layout"]

@@ -6,6 +6,9 @@ mode       config -> exchange           what crosses the wire
 vanilla    VanillaConfig                full-precision rows, blocking (exact)
 adaqp      AdaQPConfig -> AdaQPExch.    widths solved on rank 0 every ``period``; overlap
 adaqp-q    AdaQPQConfig                 the same widths, no overlap (exchange, then compute)
+adaptive   AdaptiveConfig -> Adaptive.  per group: dropped, 1-bit signs (error feedback),
+                                        2/4/8-bit or float32, solved on rank 0 every
+                                        ``period`` on the probed links; overlap
 adaqp-p    AsyncVanillaConfig           full precision with overlap: equals vanilla exactly
 uniform    UniformConfig                every message at ``--bits``; overlap
 random     RandomConfig                 widths drawn from BITS every period; overlap
@@ -57,8 +60,9 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from ..configurable import Config, Registry, check, option
+from .adaptive import AdaptiveExchange
 from .adaqp import AdaQPExchange
-from .adaqp_plan import AdaQPOptions
+from .adaqp_plan import LINK_COST_SOURCES, AdaQPOptions
 from .bns import BNSExchange, BNSOptions
 from .book import PartitionBook
 from .halo import HaloExchange, VanillaExchange, ZeroExchange
@@ -159,6 +163,39 @@ class AdaQPConfig(ExchangeConfig, AdaQPOptions):
 
 
 @dataclass(frozen=True, kw_only=True)
+class AdaptiveConfig(AdaQPConfig):
+    """``adaptive``: every message group picks dropped, 1-bit signs with error feedback,
+    2/4/8-bit stochastic or float32 from one assignment per period that minimises the
+    predicted exchange time on the probed links under ``--error-budget``
+    (:mod:`commsched.gnn.adaptive`); overlap. Its own defaults: ``--link-costs topology``."""
+
+    link_costs: str = option("topology", "AdaQP's link costs: ring (probe_link_costs), topology "
+                             "(every pair timed alone, its own cost) or averaged (that probe, one "
+                             "mean cost for every pair)", choices=LINK_COST_SOURCES)
+    assign_time_limit_s: float = option(0.1, cli=False)
+    error_budget: float = option(0.3, "adaptive: each exchange's modelled error (dropped rows, "
+                                 "1-bit residuals, quantization variance) at most this share of "
+                                 "its rows' weighted energy")
+    joint_solver: str = option("cp-sat", cli=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.error_budget >= 0, f"--error-budget must be >= 0 (a share of each exchange's "
+              f"energy), got {self.error_budget}")
+        check(self.joint_solver in ("cp-sat", "greedy"),
+              f"joint_solver must be 'cp-sat' or 'greedy', got {self.joint_solver!r}")
+
+    def build(self, book, *, group=None, pattern="direct", seed=0, norm=None, device=None,
+              wire_dtype=None) -> HaloExchange:
+        _no_wire(mode_name(self), self, wire_dtype)
+        check(norm is not None, f"--mode {mode_name(self)} weighs its messages by the model's edge "
+              "normalisation: pass norm= (the layer's norm, e.g. \"gcn\" or \"mean\")")
+        return AdaptiveExchange(book, norm=norm, options=self.options,
+                                error_budget=self.error_budget, solver=self.joint_solver,
+                                seed=seed, group=group, pattern=pattern, device=device)
+
+
+@dataclass(frozen=True, kw_only=True)
 class AdaQPQConfig(AdaQPConfig):
     """``adaqp-q``: AdaQP's widths, no overlap (exchange, then compute)."""
 
@@ -231,7 +268,8 @@ def _registry() -> Registry[type[ExchangeConfig]]:
     for name, cls in (("vanilla", VanillaConfig), ("adaqp", AdaQPConfig), ("adaqp-q", AdaQPQConfig),
                       ("adaqp-p", AsyncVanillaConfig), ("uniform", UniformConfig),
                       ("random", RandomConfig), ("nocomm", ZeroConfig), ("onebit", OneBitConfig),
-                      ("pipegcn", PipeGCNConfig), ("bns", BNSConfig)):
+                      ("pipegcn", PipeGCNConfig), ("bns", BNSConfig),
+                      ("adaptive", AdaptiveConfig)):
         reg.register(name, cls)
     return reg
 
@@ -347,7 +385,7 @@ def make_exchange(mode: str, book: PartitionBook, *, config: Any = None, group=N
                      wire_dtype=wire_dtype)
 
 
-__all__ = ["MODES", "MODE_NAMES", "OPTION_SETS", "AdaQPConfig", "AdaQPQConfig", "AsyncVanillaConfig",
+__all__ = ["MODES", "MODE_NAMES", "OPTION_SETS", "AdaQPConfig", "AdaQPQConfig", "AdaptiveConfig", "AsyncVanillaConfig",
            "BNSConfig", "ExchangeConfig", "OneBitConfig", "PipeGCNConfig", "RandomConfig",
            "UniformConfig", "VanillaConfig", "ZeroConfig", "full_precision_modes", "make_exchange",
            "mode_config", "mode_name", "mode_spec", "modes_copy", "option_owners", "resolve_config"]
