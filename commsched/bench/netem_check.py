@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..all2all import A2APlan, all_to_all
 from ..config import read_env
-from ..dist import all_gather_object, barrier, comm_guard, init_distributed
+from ..dist import CommError, all_gather_object, barrier, comm_guard, init_distributed
 from ..netem import HOST_IFNAME, SUBNET_PREFIX
 from ..results import write_json
 
@@ -172,6 +172,8 @@ def contention_probe(nbytes: int, *, reduce_address: str | None, repeats: int = 
     median for an all-to-all under a concurrent allreduce: 1.83x on NCCL)."""
     from ..priority.bind import bind_new_group
 
+    if in_flight < 1 or repeats < 1:
+        raise ValueError(f"contention_probe needs in_flight >= 1 and repeats >= 1, got {in_flight} and {repeats}")
     world = dist.get_world_size()
     grad_group = bind_new_group(list(range(world)), reduce_address, threads)
     x = torch.zeros(max(world, nbytes // 4 // world * world), dtype=torch.float32)
@@ -190,25 +192,45 @@ def contention_probe(nbytes: int, *, reduce_address: str | None, repeats: int = 
     timed()  # connections made, caches warm
     alone = sorted(timed() for _ in range(repeats))
     stop = threading.Event()
-    grad = torch.zeros(microop_bytes // 4)
+    grad = torch.zeros(max(1, microop_bytes // 4))
     errors: list[BaseException] = []
 
     def background() -> None:
+        # The ranks stop after the same batch: each rank's own ``stop`` is set at a slightly
+        # different moment, so a loop that tested it alone could start one more batch on one
+        # rank than on the other, whose allreduces then waited for a peer that had left
+        # (a gloo timeout). Instead the first micro-op of every batch carries each rank's
+        # flag in its element 0 (the payload is zeros, the sum exact): every rank reads the
+        # same sum after the batch and they leave together, after the first batch begun
+        # once any rank asked to stop.
         try:
-            while not stop.is_set():
-                works = [dist.all_reduce(grad.clone(), group=grad_group, async_op=True) for _ in range(in_flight)]
+            while True:
+                works = []
+                for i in range(in_flight):
+                    t = grad.clone()
+                    if i == 0:
+                        t[0] = 1.0 if stop.is_set() else 0.0
+                        asked = t
+                    works.append(dist.all_reduce(t, group=grad_group, async_op=True))
                 for w in works:
                     w.wait()
+                if asked[0].item() > 0:  # some rank asked: all leave after this batch
+                    return
         except BaseException as e:  # reported by the caller
             errors.append(e)
 
     barrier("starting the background allreduce")
     th = threading.Thread(target=background, name="contention-allreduce", daemon=True)
     th.start()
-    time.sleep(0.2)  # the allreduce is on the link before the first exchange
-    contended = sorted(timed() for _ in range(repeats))
-    stop.set()
+    try:
+        time.sleep(0.2)  # the allreduce is on the link before the first exchange
+        contended = sorted(timed() for _ in range(repeats))
+    finally:
+        stop.set()
     th.join(timeout=60)
+    if th.is_alive():
+        raise CommError(f"rank {dist.get_rank()}: the contention probe's background allreduce did not end "
+                        "within 60 s of the stop (a peer out of step or gone)")
     if errors:
         raise errors[0]
     flag = torch.ones(1)  # every rank's background loop has ended before the group goes

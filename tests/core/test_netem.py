@@ -333,7 +333,6 @@ def _contention_case(rank: int, world: int) -> dict:
                             threads=2)
 
 
-@pytest.mark.skip(reason="hung in a gloo recv (30 s timeout) in the fresh-clone suite of 2026-12-02; passes alone; open: see the closing note of stop 34")
 def test_contention_probe_times_both_cases_on_every_rank():
     """The link-calibration probe over real gloo ranks (unshaped: no timing asserted): both
     cases timed on every rank, the slowest rank's times, the same figures everywhere."""
@@ -346,6 +345,36 @@ def test_contention_probe_times_both_cases_on_every_rank():
         assert r["contention"] == pytest.approx(r["contended_s"] / r["alone_s"])
         assert r["a2a_bytes_per_rank"] == 256 << 10
     assert res[0]["alone_all_s"] == res[1]["alone_all_s"]  # the slowest rank's time, agreed
+
+
+def _contention_late_stop_case(rank: int, world: int) -> dict:
+    """The probe with rank 1 asking its background allreduce to stop 1 s after rank 0 (as
+    a loaded machine can delay one rank): a loop that stopped on its own rank's flag left
+    rank 1's next batch without a partner (a gloo timeout, issue 29)."""
+    import threading
+    import time
+    import types
+
+    from commsched.bench import netem_check
+
+    class LateStop(threading.Event):
+        def set(self) -> None:
+            if rank == 1:
+                time.sleep(1.0)
+            super().set()
+
+    netem_check.threading = types.SimpleNamespace(Event=LateStop, Thread=threading.Thread)  # this child only
+    return netem_check.contention_probe(64 << 10, reduce_address="127.0.0.2", repeats=1, microop_bytes=16 << 10,
+                                        in_flight=2, threads=2)
+
+
+def test_contention_probe_ranks_stop_the_background_allreduce_together():
+    """The ranks leave the background allreduce after the same batch even when they ask at
+    different moments."""
+    from tests.mp import run_ranks
+
+    res = run_ranks(2, _contention_late_stop_case, timeout_s=120, env={"COMMSCHED_TIMEOUT_S": "30"})
+    assert res[0]["contended_all_s"] == res[1]["contended_all_s"]
 
 
 @pytest.mark.slow
