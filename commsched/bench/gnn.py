@@ -44,6 +44,7 @@ and the histogram of assigned widths.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -108,9 +109,16 @@ def mode_args(name: str) -> tuple[str, ...]:
     :data:`HOSTS_SUFFIX` (``vanilla-hp``: ``--partition-method metis-hosts``), then one of
     :data:`COST_SUFFIXES` on an adaptive mode (``adaqp-topo``: ``--link-costs topology``,
     ``adaqp-topoev``: ``--link-costs topology --equal-variance``, ``adaqp-avg``: ``averaged``).
-    Outermost, one of :data:`GRAD_SUFFIXES` (``vanilla-lina``: ``--grad-schedule lina``)."""
+    Outermost, one of :data:`GRAD_SUFFIXES` (``vanilla-lina``: ``--grad-schedule lina``),
+    and outside that ``-ebX`` on ``adaptive`` (``adaptive-eb0.5``: ``--error-budget 0.5``)."""
     extra: tuple[str, ...] = ()
     base = name
+    eb = re.search(r"-eb([0-9]*\.?[0-9]+)$", base)
+    if eb:  # adaptive-eb0.5: --error-budget 0.5
+        base, extra = base[: eb.start()], ("--error-budget", eb.group(1))
+        if not hasattr(mode_spec(base.split("-")[0]), "error_budget"):
+            raise ValueError(f"--modes {name}: -eb sets the error budget of --mode adaptive, "
+                             f"not of {base}")
     for suf, sched in GRAD_SUFFIXES.items():
         if base.endswith(suf):
             base, extra = base[: -len(suf)], ("--grad-schedule", sched)

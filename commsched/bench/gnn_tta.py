@@ -47,7 +47,7 @@ from ..results import median, write_json
 from .plots import pyplot, save_figure
 
 DEFAULT_TARGET_FRAC = 0.98
-TTA_MODES = ("vanilla", "vanilla-bf16", "adaqp", "onebit", "pipegcn", "bns")  # bench gnn --metric time-to-acc
+TTA_MODES = ("vanilla", "vanilla-bf16", "adaqp", "onebit", "pipegcn", "bns", "adaptive")  # bench gnn --metric time-to-acc
 SCORES = ("auto", "acc", "auc")
 SCORE_LABEL = {"acc": "accuracy", "auc": "ROC AUC"}
 SEED_MARK = "-s"  # VARIANT-sSEED: one seed's run of VARIANT (bench gnn --seeds)

@@ -39,6 +39,8 @@ Breakdown keys as AdaQP's: ``quant`` encode + decode, ``comm`` blocked on the wi
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Callable
 
 import numpy as np
@@ -50,7 +52,7 @@ from ..quant.assign_joint import DROP, SIGN, STOCHASTIC, TECHNIQUE_NAMES, TECHNI
 from ..quant.codec import decode_signs, dequantize_rows, encode_signs, payload_bytes, quantize_rows
 from ..quant.fast import say_stderr, warm_sign_codec
 from ..results import median
-from .adaptive_plan import link_model, solve_period, technique_segments
+from .adaptive_plan import link_model, sender_report, solve_period, technique_segments
 from .adaqp import EXCHANGE_COMPILE_MIN_ELEMENTS, AdaQPExchange, _mix_key
 from .adaqp_plan import AdaQPOptions, WidthLayout, width_layout
 from .book import PartitionBook
@@ -80,12 +82,19 @@ class AdaptiveExchange(AdaQPExchange):
         super().__init__(book, scheme="adaptive", overlap=True, norm=norm, options=options,
                          seed=seed, group=group, pattern=pattern, device=device)
         self.error_budget, self.solver = float(error_budget), solver
-        # (layer, direction) -> the error-feedback residual of the rows sent as signs [T, D]
-        self.errors: dict[tuple[int, str], torch.Tensor] = {}
+        # (layer, direction) -> (positions, error-feedback residual [n, D]) of the rows sent as
+        # signs in its last exchange
+        self.errors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         # (layer, direction) -> (c|x|^2, c * 1-bit error, c D range^2 / 6) per sent row [T]
         self._stats: dict[tuple[int, str], tuple[torch.Tensor, ...]] = {}
         self._tracing = False
         self._sign_compiled: set[int] = set()
+        # the re-assignment in flight: started (gather, rank 0's solver thread) at a period's
+        # first epoch, applied (broadcast) at the next one
+        self._pending: dict | None = None
+        self._epoch_t: float | None = None  # host clock at the last begin_epoch
+        self._last_epoch_s: float | None = None
+        self._coef: dict[str, torch.Tensor] = {}  # norm -> c of each forward row, on the device
         self._finite: torch.Tensor | None = None  # off the CPU: every sign scale this epoch finite
 
     def end_epoch(self, ctx: PassContext) -> None:
@@ -111,9 +120,25 @@ class AdaptiveExchange(AdaQPExchange):
             self._sign_compiled.update(big)
 
     def begin_epoch(self, ctx: PassContext) -> None:
-        # trace in the last epoch of each period (what the next assignment reads)
-        self._tracing = (ctx.epoch + 1) % self.opt.period == 0
-        super().begin_epoch(ctx)
+        """Trace in the last epoch of each period; at a period's first epoch gather the
+        traces and start rank 0's solve in the background; at the next epoch apply it."""
+        epoch = ctx.epoch
+        now = time.perf_counter()
+        if self._epoch_t is not None:
+            self._last_epoch_s = now - self._epoch_t
+        self._epoch_t = now
+        self._tracing = (epoch + 1) % self.opt.period == 0
+        if self.world_size == 1 or epoch == 0:
+            return
+        t = time.perf_counter()  # host work and object collectives: the host clock
+        applied = False
+        if self._pending is not None:
+            self._apply(epoch)
+            applied = True
+        if epoch % self.opt.period == 0:
+            self._start(epoch)
+        if applied or self._pending is not None:
+            ctx.timer.add("assign", time.perf_counter() - t)
 
     # ---- techniques and layouts ------------------------------------------------------------
     def channel_widths(self, src: int, dst: int, n: int, layer: int, direction: str) -> np.ndarray:
@@ -154,9 +179,7 @@ class AdaptiveExchange(AdaQPExchange):
         self._calls += 1
         rkey = _mix_key(self.seed, self.rank, self._calls)
         key = (layer, direction)
-        old_err = self.errors.get(key)
-        if old_err is not None and tuple(old_err.shape) != tuple(x.shape):
-            old_err = None
+        old_err = self.errors.get(key)  # (positions, residual rows) of the last sign rows
         new_err = None
         tracing = self._tracing and Tn > 0
         sign_sq = None
@@ -174,21 +197,16 @@ class AdaptiveExchange(AdaQPExchange):
                 continue
             sel = x if n == Tn else x.index_select(0, pos)
             if t == SIGN:
-                e = (old_err if n == Tn else old_err.index_select(0, pos)) if old_err is not None \
-                    else torch.zeros_like(sel)
+                e = self._residual(old_err, pos, sel, Tn)
                 finite = None  # off the CPU the finite check is one flag read an epoch
                 if x.device.type != "cpu":
                     if self._finite is None:
                         self._finite = torch.ones((), dtype=torch.bool, device=x.device)
                     finite = self._finite
                 rec, ne = encode_signs(sel, error=e, compile=sign_compiled, finite=finite)
-                if n == Tn:
-                    new_err = ne
-                else:
-                    new_err = torch.zeros_like(x)
-                    new_err.index_copy_(0, pos, ne)
+                new_err = (pos, ne)
                 if tracing:
-                    sign_sq = (pos, ne.double().pow(2).sum(1))
+                    sign_sq = (pos, (ne * ne).sum(1))
                 pieces = [rec]
             elif t in STOCHASTIC:
                 pay, meta = quantize_rows(sel, t, rkey, row0, impl)
@@ -250,22 +268,50 @@ class AdaptiveExchange(AdaQPExchange):
 
         return Pending(finish) if background else Pending.ready(finish())
 
+    @staticmethod
+    def _residual(old, pos: torch.Tensor, sel: torch.Tensor, T: int) -> torch.Tensor:
+        """The error-feedback residual of the rows at ``pos`` (zeros for rows not sent as
+        signs last time). Within a period the sign rows are the same (``pos`` is the same
+        tensor), so the kept residual is used as it is; after a re-assignment it is
+        scattered once to all rows and gathered at the new positions."""
+        if old is None:
+            return torch.zeros_like(sel)
+        opos, oe = old
+        if opos is pos and tuple(oe.shape) == tuple(sel.shape):
+            return oe
+        if opos.numel() and int(opos.max()) >= T or oe.shape[1:] != sel.shape[1:]:
+            return torch.zeros_like(sel)  # another exchange's rows: start afresh
+        full = torch.zeros((T, sel.shape[1]), dtype=oe.dtype, device=oe.device)
+        full.index_copy_(0, opos, oe)
+        return full.index_select(0, pos)
+
+    def error_rows(self, layer: int, direction: str, rows: int) -> torch.Tensor | None:
+        """The kept residual of one exchange as a [rows, D] tensor (zeros for rows not
+        sent as signs); None before any sign message."""
+        old = self.errors.get((layer, direction))
+        if old is None:
+            return None
+        full = torch.zeros((rows, old[1].shape[1]), dtype=old[1].dtype, device=old[1].device)
+        return full.index_copy_(0, old[0], old[1])
+
     def _trace(self, key, x: torch.Tensor, sign_sq, direction: str, layer: int) -> None:
-        """Record the module doc's three figures per sent row (device tensors)."""
+        """Record the module doc's three figures per sent row (float32 device tensors)."""
         D = x.shape[1]
-        xd = x.double()
-        e2 = xd.pow(2).sum(1)
-        l1 = xd.abs().sum(1)
+        e2 = (x * x).sum(1)
+        l1 = x.abs().sum(1)
         s1 = (e2 - l1 * l1 / D).clamp_min(0.0)
         if sign_sq is not None:
-            s1.index_copy_(0, sign_sq[0], sign_sq[1])
-        rng = (x.amax(1) - x.amin(1)).double()
+            s1.index_copy_(0, sign_sq[0], sign_sq[1].to(s1.dtype))
+        lo, hi = torch.aminmax(x, dim=1)
+        rng = hi - lo
         beta = rng * rng * (D / 6.0)
         if direction == "forward":
             norm = self.layer_norms.get(layer, self.norm)
-            out_c, _ = self._counts(direction)
-            c = torch.from_numpy(np.ascontiguousarray(self.book.send_coef_sq[norm][:sum(out_c)])).to(
-                device=x.device, dtype=torch.float64)
+            c = self._coef.get(norm)
+            if c is None or c.numel() != x.shape[0] or c.device != x.device:
+                c = torch.from_numpy(np.asarray(self.book.send_coef_sq[norm][: x.shape[0]],
+                                                dtype=np.float32)).to(x.device)
+                self._coef[norm] = c
             e2, s1, beta = e2 * c, s1 * c, beta * c
         self._stats[key] = (e2, s1, beta)
 
@@ -276,35 +322,86 @@ class AdaptiveExchange(AdaQPExchange):
         return median(clock.seconds(a, b) / p for p, clock, a, b in self._measured)
 
     def reassign(self, epoch: int) -> None:
-        """Collective: every rank's trace to rank 0, one period problem solved there, a
-        technique per row broadcast; every rank rebuilds its layouts."""
-        me = self.rank
-        mine = {"stats": {k: tuple(t.cpu().numpy().astype(np.float32) for t in v)
-                          for k, v in self._stats.items()},
-                "dims": dict(self.dims), "counts": (self.book.send_counts, self.book.recv_counts),
-                "ratio": self._ratio(),
+        """Collective: start and apply one re-assignment at once (what ``begin_epoch`` does
+        over two epochs); for callers outside the training loop."""
+        self._start(epoch)
+        self._apply(epoch)
+
+    def _start(self, epoch: int) -> None:
+        """Collective: every rank groups its traced rows per channel (``sender_report``:
+        a group id per row and each group's sums) and all ranks gather them; rank 0 starts
+        solving in a background thread (CP-SAT's limit: ``assign_time_limit_s``, at most
+        half the last epoch), so the solve overlaps the epoch."""
+        t0 = time.perf_counter()
+        stats = {k: tuple(t.cpu().numpy() for t in v) for k, v in self._stats.items()}
+        rep = sender_report(stats, {"forward": self.book.send_counts,
+                                    "backward": self.book.recv_counts},
+                            group_size=self.opt.group_size)
+        mine = {"groups": rep, "dims": dict(self.dims), "ratio": self._ratio(),
                 "costs": dict(self.link_costs)}
         got = all_gather_object(mine, "gathering adaptive traces", self.group)
-        solved = None
+        me = self.rank
+        # the group ids of the channels touching this rank (to expand the broadcast table)
+        gids = {(k, src, dst): g for src, r in enumerate(got) for k, per in r["groups"].items()
+                for dst, (g, _) in per.items() if me in (src, dst)}
+        pend: dict = {"epoch": epoch, "gids": gids, "gather_s": time.perf_counter() - t0}
         if me == 0:
-            source = self.opt.link_costs
-            links = link_model(self.world_size, source, topology=self.topology,
-                               peer_costs=[r["costs"] for r in got])
-            ratios = [r["ratio"] for r in got if r["ratio"] is not None]
-            if ratios:
-                links = links.scaled(median(ratios))
-            solved = solve_period(got, links, error_budget=self.error_budget,
-                                  group_size=self.opt.group_size,
-                                  time_limit_s=self.opt.assign_time_limit_s, seed=self.seed,
-                                  solver=self.solver, period=self.opt.period,
-                                  hosts_P=self.hosts_P)
-            solved[1]["theta_ratio"] = median(ratios) if ratios else None
-        table, info = broadcast_object(solved, "broadcasting adaptive techniques", 0, self.group)
-        self.assigned = {k: {c: w for c, w in chans.items() if me in c} for k, chans in table.items()}
-        self._layouts.clear()
+            limit = self.opt.assign_time_limit_s
+            if self._last_epoch_s:
+                limit = max(0.02, min(limit, 0.5 * self._last_epoch_s))
+            box: dict = {}
+
+            def solve() -> None:
+                try:
+                    links = link_model(self.world_size, self.opt.link_costs, topology=self.topology,
+                                       peer_costs=[r["costs"] for r in got])
+                    ratios = [r["ratio"] for r in got if r["ratio"] is not None]
+                    if ratios:
+                        links = links.scaled(median(ratios))
+                    table, info = solve_period(got, links, error_budget=self.error_budget,
+                                               time_limit_s=limit, seed=self.seed,
+                                               solver=self.solver, period=self.opt.period,
+                                               hosts_P=self.hosts_P, workers=1)
+                    info["theta_ratio"] = median(ratios) if ratios else None
+                    info["time_limit_s"] = limit
+                    box["out"] = (table, info)
+                except BaseException as e:  # re-raised on the training thread
+                    box["err"] = e
+
+            th = threading.Thread(target=solve, name="commsched-adaptive-solve", daemon=True)
+            th.start()
+            pend.update(thread=th, box=box)
+        self._pending = pend
         self._measured.clear()
         self._stats.clear()
-        self.assignments.append(dict(info, epoch=epoch))
+
+    def _apply(self, epoch: int) -> None:
+        """Collective: rank 0 waits for its solve and broadcasts each group's technique;
+        every rank expands them to its channels' rows and rebuilds its layouts."""
+        pend, self._pending = self._pending, None
+        t0 = time.perf_counter()
+        solved = None
+        if self.rank == 0:
+            pend["thread"].join()
+            wait_s = time.perf_counter() - t0
+            if "err" in pend["box"]:
+                solved = ("error", repr(pend["box"]["err"]))
+            else:
+                table, info = pend["box"]["out"]
+                solved = (table, dict(info, join_wait_s=wait_s))
+        table, info = broadcast_object(solved, "broadcasting adaptive techniques", 0, self.group)
+        if table == "error":
+            raise RuntimeError(f"adaptive: rank 0's re-assignment failed: {info}")
+        assigned: dict = {}
+        for (key, src, dst), gid in pend["gids"].items():
+            tech_G = table.get(key, {}).get((src, dst))
+            if tech_G is not None and src != dst:
+                assigned.setdefault(key, {})[(src, dst)] = np.asarray(tech_G, dtype=np.int64)[
+                    np.asarray(gid, dtype=np.int64)]
+        self.assigned = assigned
+        self._layouts.clear()
+        self.assignments.append(dict(info, epoch=pend["epoch"], applied_epoch=epoch,
+                                     wall_s=pend["gather_s"] + time.perf_counter() - t0))
 
     def report(self) -> dict:
         out = {"adaptive": {"period": self.opt.period, "group_size": self.opt.group_size,

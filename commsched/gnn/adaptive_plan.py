@@ -37,8 +37,6 @@ from ..quant.assign_joint import (
     TECHNIQUE_NAMES,
     TECHNIQUES,
     JointProblem,
-    expand_techniques,
-    group_rows,
     row_bytes,
     row_errors,
     solve_joint,
@@ -128,68 +126,97 @@ def link_model(P: int, source: str, *, topology: Topology | None = None,
                      np.asarray(on, dtype=bool).reshape(len(pairs), len(names)), tuple(names))
 
 
-@dataclass(frozen=True)
-class PeriodProblem:
-    """The period's :class:`JointProblem` and, per group, where its rows are: ``members[g]``
-    = (key index, src, dst, rows of the channel, row indices of the group)."""
-
-    problem: JointProblem
-    channels: tuple[tuple[int, int, int, int], ...]  # (key index, src, dst, n)
-    members: tuple[tuple[int, np.ndarray], ...]  # (channel index, rows) per group
-
-
 MAX_GROUPS_PER_CHANNEL = 16  # keeps the period problem near a thousand groups at 4 ranks
 
 
+def channel_groups(drop_R, sign_R, beta_R, *, group_size: int,
+                   max_groups: int = MAX_GROUPS_PER_CHANNEL) -> tuple[np.ndarray, np.ndarray]:
+    """One channel's rows cut into groups on the sender: sorted by weighted energy
+    (``drop_R``, largest first, ties in row order), ``group_size`` a group (more when that
+    would make more than ``max_groups``). Returns (the group of each row, uint8 [n]; each
+    group's summed (energy, 1-bit error, variance weight), float64 [G, 3]): the errors of
+    :func:`~commsched.quant.assign_joint.row_errors` are linear in these, so the group's
+    are those of its sums. Only these cross to rank 0, not the rows' figures."""
+    if not 1 <= max_groups <= 255 or group_size < 1:
+        raise ValueError(f"group_size must be >= 1 and max_groups in 1..255, got {group_size}, "
+                         f"{max_groups}")
+    d = np.asarray(drop_R, dtype=np.float64).reshape(-1)
+    n = d.size
+    size = max(group_size, -(-n // max_groups)) if n else group_size
+    order = np.argsort(-d, kind="stable")
+    gid = np.empty(n, dtype=np.uint8)
+    gid[order] = (np.arange(n) // size).astype(np.uint8)
+    G = -(-n // size) if n else 0
+    stats = np.stack([d, np.asarray(sign_R, dtype=np.float64).reshape(-1),
+                      np.asarray(beta_R, dtype=np.float64).reshape(-1)], axis=1)
+    sums = np.zeros((G, 3))
+    np.add.at(sums, gid.astype(np.int64), stats)
+    return gid, sums
+
+
+def sender_report(stats: dict, out_counts: dict, *, group_size: int,
+                  max_groups: int = MAX_GROUPS_PER_CHANNEL) -> dict:
+    """{(layer, dir): {dst: (gid [n], sums [G, 3])}} of one rank: ``stats`` {(layer, dir):
+    (energy [T], 1-bit error [T], variance weight [T])} in exchange order (peer by peer),
+    ``out_counts`` {direction: rows sent to each peer}."""
+    out: dict = {}
+    for key, (d, s1, b) in stats.items():
+        counts = out_counts[key[1]]
+        if len(d) != sum(counts):
+            raise ValueError(f"the trace of {key} has {len(d)} rows, the book {sum(counts)}")
+        off, per = 0, {}
+        for dst, n in enumerate(counts):
+            n = int(n)
+            if n:
+                sl = slice(off, off + n)
+                per[dst] = channel_groups(d[sl], s1[sl], b[sl], group_size=group_size,
+                                          max_groups=max_groups)
+            off += n
+        out[key] = per
+    return out
+
+
+@dataclass(frozen=True)
+class PeriodProblem:
+    """The period's :class:`JointProblem` and, per group, its channel and index there:
+    ``groups[g]`` = (key index, src, dst, group index within the channel)."""
+
+    problem: JointProblem
+    groups: tuple[tuple[int, int, int, int], ...]
+    dims: tuple[int, ...]  # row width of each key
+
+
 def build_period_problem(per_rank: list[dict], links: LinkModel, *, error_budget: float,
-                         group_size: int, period: int = 1,
-                         max_groups: int = MAX_GROUPS_PER_CHANNEL) -> PeriodProblem:
-    """From every rank's report -- ``stats`` {(layer, dir): (drop [T], sign [T], beta [T])},
-    the rows' weighted energy, 1-bit error and AdaQP variance weight in exchange order
-    (peer by peer) -- and ``counts`` (send counts, recv counts): one group list per
-    channel (rows sorted by energy, ``group_size`` a group, at most ``max_groups`` groups), each
-    row's errors those of its ``period``'s summed messages (``row_errors``), each key's
-    budget ``error_budget`` times its rows' summed energy."""
+                         period: int = 1) -> PeriodProblem:
+    """From every rank's report -- ``groups``: :func:`sender_report`, ``dims`` {(layer,
+    dir): row width} -- one problem: each group's errors those of its ``period``'s summed
+    messages (``row_errors`` of its sums), each key's budget ``error_budget`` times its
+    rows' summed energy."""
     if not error_budget >= 0:
         raise ValueError(f"error_budget must be >= 0, got {error_budget}")
-    P = len(per_rank)
-    keys = tuple(sorted({k for r in per_rank for k in r["stats"]}))
+    keys = tuple(sorted({k for r in per_rank for k in r["groups"]}))
     pair_index = {p: q for q, p in enumerate(links.pairs)}
-    key_G, pair_G, count_G, bytes_l, err_l = [], [], [], [], []
-    channels, members = [], []
+    key_G, pair_G, count_G, bytes_l, err_l, where = [], [], [], [], [], []
     energy = np.zeros(len(keys))
+    dims = []
     for ki, key in enumerate(keys):
-        for src in range(P):
-            st = per_rank[src]["stats"].get(key)
-            if st is None:
-                continue
-            drop, sign, beta = (np.asarray(a, dtype=np.float64) for a in st)
-            send_c, recv_c = per_rank[src]["counts"]
-            out_c = send_c if key[1] == "forward" else recv_c
-            D = int(per_rank[src]["dims"][key])
-            if drop.size != sum(out_c):
-                raise ValueError(f"rank {src}'s trace of {key} has {drop.size} rows, its book "
-                                 f"{sum(out_c)}")
-            off = 0
-            for dst in range(P):
-                n = int(out_c[dst])
-                if n == 0 or dst == src:
-                    off += n
+        D = max(int(r["dims"].get(key, 1)) for r in per_rank)
+        dims.append(D)
+        rb = np.array([row_bytes(t, D) for t in TECHNIQUES], dtype=np.float64)
+        for src, rep in enumerate(per_rank):
+            for dst, (gid, sums) in sorted(rep["groups"].get(key, {}).items()):
+                if dst == src or not len(gid):
                     continue
-                sl = slice(off, off + n)
-                off += n
-                err_RT = row_errors(drop[sl], sign[sl], beta[sl], period=period)
-                energy[ki] += float(drop[sl].sum())
-                b_GT, e_GT, mem = group_rows(err_RT, D, group_size, max_groups=max_groups)
-                ci = len(channels)
-                channels.append((ki, src, dst, n))
-                for mm in mem:
+                sums = np.asarray(sums, dtype=np.float64).reshape(-1, 3)
+                cnt = np.bincount(np.asarray(gid, dtype=np.int64), minlength=sums.shape[0])
+                err_l.append(row_errors(sums[:, 0], sums[:, 1], sums[:, 2], period=period))
+                bytes_l.append(cnt[:, None] * rb[None, :])
+                energy[ki] += float(sums[:, 0].sum())
+                for g in range(sums.shape[0]):
                     key_G.append(ki)
                     pair_G.append(pair_index[(src, dst)])
-                    count_G.append(len(mm))
-                    members.append((ci, mm))
-                bytes_l.append(b_GT)
-                err_l.append(e_GT)
+                    count_G.append(int(cnt[g]))
+                    where.append((ki, src, dst, g))
     T = len(TECHNIQUES)
     prob = JointProblem(
         keys=keys, key_G=np.asarray(key_G, dtype=np.int64), pair_G=np.asarray(pair_G, dtype=np.int64),
@@ -198,43 +225,42 @@ def build_period_problem(per_rank: list[dict], links: LinkModel, *, error_budget
         err_GT=np.concatenate(err_l) if err_l else np.zeros((0, T)),
         budget_K=error_budget * energy, pairs=links.pairs, gamma_L=links.gamma_L,
         theta_L=links.theta_L, on_QL=links.on_QL, link_names=links.names)
-    return PeriodProblem(prob, tuple(channels), tuple(members))
+    return PeriodProblem(prob, tuple(where), tuple(dims))
 
 
-def solve_period(per_rank: list[dict], links: LinkModel, *, error_budget: float, group_size: int,
+def solve_period(per_rank: list[dict], links: LinkModel, *, error_budget: float,
                  time_limit_s: float, seed: int = 0, solver: str = "cp-sat", period: int = 1,
-                 hosts_P=None) -> tuple[dict, dict]:
-    """Rank 0's part of the re-assignment: :func:`build_period_problem`, ``solve_joint``,
-    each group's technique expanded to its rows. Returns ({(layer, dir): {(src, dst):
-    techniques [n]}}, info: solve time, status, predicted seconds per exchange (and the
-    greedy answer's), rows per technique, per key the error used against its budget, and
-    given ``hosts_P`` the bytes per link class)."""
+                 hosts_P=None, workers: int = 2) -> tuple[dict, dict]:
+    """Rank 0's part of the re-assignment: :func:`build_period_problem`, ``solve_joint``.
+    Returns ({(layer, dir): {(src, dst): technique of each group, uint8 [G]}} -- a row's
+    technique is ``table[key][(src, dst)][gid]`` with the sender's ``gid`` --, info: solve
+    time, status, predicted seconds of the period's exchanges (and the greedy answer's),
+    rows per technique, per key the error used against its budget, and given ``hosts_P``
+    the rows and bytes per link class)."""
     t0 = time.perf_counter()
-    pp = build_period_problem(per_rank, links, error_budget=error_budget, group_size=group_size,
-                              period=period)
-    res = solve_joint(pp.problem, time_limit_s=time_limit_s, seed=seed, solver=solver)
-    tech_of_group: dict[int, list] = {}
-    for g, (ci, mm) in enumerate(pp.members):
-        tech_of_group.setdefault(ci, []).append((mm, int(res.techniques_G[g])))
+    pp = build_period_problem(per_rank, links, error_budget=error_budget, period=period)
+    res = solve_joint(pp.problem, time_limit_s=time_limit_s, seed=seed, solver=solver,
+                      workers=workers)
     table: dict = {k: {} for k in pp.problem.keys}
+    for g, (ki, src, dst, _) in enumerate(pp.groups):
+        chans = table[pp.problem.keys[ki]]
+        if (src, dst) not in chans:
+            chans[(src, dst)] = []
+        chans[(src, dst)].append(int(res.techniques_G[g]))
+    table = {k: {c: np.asarray(v, dtype=np.uint8) for c, v in chans.items()} for k, chans in table.items()}
     hist = {TECHNIQUE_NAMES[t]: 0 for t in TECHNIQUES}
     classes: dict = {}
-    for ci, (ki, src, dst, n) in enumerate(pp.channels):
-        got = tech_of_group.get(ci, [])
-        tech = expand_techniques([m for m, _ in got], [t for _, t in got], n)
-        table[pp.problem.keys[ki]][(src, dst)] = tech
-        for t in TECHNIQUES:
-            hist[TECHNIQUE_NAMES[t]] += int((tech == t).sum())
+    for g, (ki, src, dst, _) in enumerate(pp.groups):
+        t = int(res.techniques_G[g])
+        n = int(pp.problem.count_G[g])
+        hist[TECHNIQUE_NAMES[t]] += n
         if hosts_P is not None:
             cls = INTRA if hosts_P[src] == hosts_P[dst] else INTER
-            D = int(per_rank[src]["dims"][pp.problem.keys[ki]])
             c = classes.setdefault(cls, {"rows": 0, "bytes_per_epoch": 0,
-                                         "rows_per_technique": {TECHNIQUE_NAMES[t]: 0 for t in TECHNIQUES}})
+                                         "rows_per_technique": {TECHNIQUE_NAMES[u]: 0 for u in TECHNIQUES}})
             c["rows"] += n
-            for t in TECHNIQUES:
-                k = int((tech == t).sum())
-                c["rows_per_technique"][TECHNIQUE_NAMES[t]] += k
-                c["bytes_per_epoch"] += k * row_bytes(t, D)
+            c["rows_per_technique"][TECHNIQUE_NAMES[t]] += n
+            c["bytes_per_epoch"] += n * row_bytes(t, pp.dims[ki])
     ev = res.evaluation
     info = {"solve_s": res.wall_s, "wall_build_s": time.perf_counter() - t0 - res.wall_s,
             "status": res.status, "groups": int(pp.problem.key_G.size),
@@ -249,5 +275,6 @@ def solve_period(per_rank: list[dict], links: LinkModel, *, error_budget: float,
     return table, info
 
 
-__all__ = ["LINK_MODELS", "LinkModel", "PeriodProblem", "build_period_problem", "link_model",
-           "solve_period", "technique_segments"]
+__all__ = ["LINK_MODELS", "LinkModel", "MAX_GROUPS_PER_CHANNEL", "PeriodProblem",
+           "build_period_problem", "channel_groups", "link_model", "sender_report", "solve_period",
+           "technique_segments"]

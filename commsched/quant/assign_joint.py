@@ -426,37 +426,6 @@ def _cpsat(problem: JointProblem, hint: np.ndarray, *, time_limit_s: float, seed
     return choice, ("optimal" if st == cp_model.OPTIMAL else "feasible")
 
 
-def group_rows(err_RT: np.ndarray, dim: int, group_size: int, techniques: Sequence[int] = TECHNIQUES,
-               *, max_groups: int | None = None) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-    """Cut one channel's rows into groups of ``group_size`` (larger when that would make
-    more than ``max_groups``), the rows sorted by their error when dropped (largest first;
-    ties in row order): (bytes_GT, err_GT summed per group, the member rows of each group)."""
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    R = err_RT.shape[0]
-    if max_groups is not None and R > group_size * max_groups:
-        group_size = -(-R // max_groups)
-    col = techniques.index(DROP) if DROP in techniques else 0
-    order = np.argsort(-err_RT[:, col], kind="stable") if R else np.zeros(0, np.int64)
-    members = [order[i:i + group_size] for i in range(0, R, group_size)]
-    rb = np.array([row_bytes(t, dim) for t in techniques], dtype=np.float64)
-    bytes_GT = np.array([len(mm) * rb for mm in members]).reshape(len(members), len(techniques))
-    err_GT = np.array([err_RT[mm].sum(axis=0) for mm in members]).reshape(len(members), len(techniques))
-    return bytes_GT, err_GT, members
-
-
-def expand_techniques(members: Sequence[np.ndarray], tech_G: Sequence[int], n: int) -> np.ndarray:
-    """The technique of each of ``n`` rows (int64 [n]) from each group's technique."""
-    if len(members) != len(tech_G):
-        raise ValueError(f"{len(members)} groups but {len(tech_G)} techniques")
-    out = np.full(n, -1, dtype=np.int64)
-    for mm, t in zip(members, tech_G):
-        out[mm] = int(t)
-    if (out < 0).any():
-        raise ValueError(f"the groups do not cover each of the {n} rows")
-    return out
-
-
-__all__ = ["DROP", "JointAssignment", "JointEvaluation", "JointProblem", "RAW", "SIGN",
-           "STOCHASTIC", "TECHNIQUES", "TECHNIQUE_NAMES", "evaluate_joint", "expand_techniques",
-           "greedy_joint", "group_rows", "row_bytes", "row_errors", "solve_joint"]
+__all__ = ["BUDGET_TOL", "DROP", "JointAssignment", "JointEvaluation", "JointProblem", "RAW",
+           "SIGN", "STOCHASTIC", "TECHNIQUES", "TECHNIQUE_NAMES", "evaluate_joint", "greedy_joint",
+           "row_bytes", "row_errors", "solve_joint"]

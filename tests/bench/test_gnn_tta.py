@@ -233,3 +233,17 @@ def test_pool_report_over_separate_invocations(tmp_path, capsys):
     assert held["rows"]["gcn-onebit"]["epochs_to_target"] == [None, None]  # 0.89, 0.9: one eval at the target
     assert held["rows"]["gcn-vanilla"]["epochs_to_target"] == [3, 2]
     assert "that starts 2 evaluations in a row" in held["table"]
+
+
+def test_adaptive_bench_names():
+    """``adaptive`` is in the time-to-accuracy comparison; ``-ebX`` sets its error budget,
+    ``-avg`` its link model; ``-eb`` on another mode is refused."""
+    from commsched.bench import gnn
+    from commsched.bench.gnn import mode_args
+
+    assert "adaptive" in gnn.TTA_MODES
+    assert mode_args("adaptive-eb0.5") == ("--mode", "adaptive", "--error-budget", "0.5")
+    assert mode_args("adaptive-avg-eb.1") == ("--mode", "adaptive", "--error-budget", ".1",
+                                              "--link-costs", "averaged")
+    with pytest.raises(ValueError, match="-eb sets the error budget of --mode adaptive"):
+        mode_args("vanilla-eb0.5")

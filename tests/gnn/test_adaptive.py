@@ -85,8 +85,8 @@ def three_rank_cases(rank: int, world: int) -> dict:
     T_send = np.concatenate([_tech(rank, p, int(book.send_counts[p])) for p in range(world)])
     out["bytes"] = (stats.total_bytes_sent, int(sum(row_bytes(int(v), D) for v in T_send)))
     # the error is kept for the rows sent as signs, zero for the others
-    e = ex.errors[(0, "forward")]
     sent = x.index_select(0, ex.send_idx)
+    e = ex.error_rows(0, "forward", sent.shape[0])
     ts = torch.from_numpy(T_send)
     out["err_zero_elsewhere"] = bool((e[ts != 1] == 0).all())
     s_rows = sent[ts == 1]

@@ -50,7 +50,7 @@ def test_mode_table_builds_each_modes_exchange(parts):
     _, ps = parts
     book = ps[0].book  # rank 0 of 2; building an exchange needs no process group
     assert MODE_NAMES == ("vanilla", "adaqp", "adaqp-q", "adaqp-p", "uniform", "random", "nocomm",
-                          "onebit", "pipegcn", "bns")
+                          "onebit", "pipegcn", "bns", "adaptive")
     want = {"vanilla": (VanillaExchange, False), "adaqp-p": (VanillaExchange, True),
             "pipegcn": (PipeGCNExchange, True), "bns": (BNSExchange, False)}
     for mode in MODE_NAMES:
@@ -62,6 +62,10 @@ def test_mode_table_builds_each_modes_exchange(parts):
             assert type(ex) is ZeroExchange and MODES[mode].timing_only
         elif mode == "onebit":
             assert type(ex) is OneBitExchange and ex.error_feedback and MODES[mode].quantized
+        elif mode == "adaptive":
+            # the AdaQPOptions given carry their own link_costs ("ring") over the mode's default
+            assert type(ex).__name__ == "AdaptiveExchange" and ex.opt.link_costs == "ring"
+            assert ex.norm == "mean" and ex.overlap and MODES[mode].quantized
         else:
             spec = mode_spec(mode)
             assert type(ex) is AdaQPExchange and (ex.scheme, ex.overlap) == (spec.scheme, spec.overlap)

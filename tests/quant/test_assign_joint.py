@@ -13,7 +13,9 @@ import pytest
 from commsched.costmodel import LinkCost
 from commsched.gnn.adaptive_plan import (
     build_period_problem,
+    channel_groups,
     link_model,
+    sender_report,
     solve_period,
     technique_segments,
 )
@@ -22,9 +24,7 @@ from commsched.quant.assign_joint import (
     TECHNIQUES,
     JointProblem,
     evaluate_joint,
-    expand_techniques,
     greedy_joint,
-    group_rows,
     row_bytes,
     row_errors,
     solve_joint,
@@ -46,17 +46,21 @@ def test_bytes_and_errors_by_hand():
     assert technique_segments(10, 4) == (5, 8) and technique_segments(10, 32) == (40,)
 
 
-def test_group_rows_and_expansion():
-    err = row_errors(np.arange(10.0), np.ones(10), np.ones(10))
-    b, e, mem = group_rows(err, 4, 3)
-    assert [m.tolist() for m in mem] == [[9, 8, 7], [6, 5, 4], [3, 2, 1], [0]]
-    assert b[0].tolist() == [3 * row_bytes(t, 4) for t in TECHNIQUES] and e[0, 0] == 24.0
-    _, _, mem2 = group_rows(err, 4, 3, max_groups=2)
-    assert [len(m) for m in mem2] == [5, 5]
-    tech = expand_techniques(mem, [32, 1, 0, 4], 10)
-    assert tech.tolist() == [4, 0, 0, 0, 1, 1, 1, 32, 32, 32]
-    with pytest.raises(ValueError, match="do not cover"):
-        expand_techniques(mem[:3], [32, 1, 0], 10)
+def test_channel_groups_on_the_sender():
+    d = np.arange(10.0)
+    gid, sums = channel_groups(d, 2 * d, 3 * d, group_size=3)
+    # sorted by energy, largest first: rows 9, 8, 7 are group 0, ..., row 0 alone in group 3
+    assert gid.dtype == np.uint8 and gid.tolist() == [3, 2, 2, 2, 1, 1, 1, 0, 0, 0]
+    assert sums.tolist() == [[24.0, 48.0, 72.0], [15.0, 30.0, 45.0], [6.0, 12.0, 18.0], [0.0, 0.0, 0.0]]
+    gid2, sums2 = channel_groups(d, d, d, group_size=3, max_groups=2)
+    assert np.bincount(gid2).tolist() == [5, 5] and sums2.shape == (2, 3)
+    # a group's errors are those of its sums: row_errors is linear
+    assert np.allclose(row_errors(sums[:, 0], sums[:, 1], sums[:, 2], period=5)[0],
+                       row_errors(d[7:], 2 * d[7:], 3 * d[7:], period=5).sum(0))
+    rep = sender_report({(0, "forward"): (d, d, d)}, {"forward": (0, 4, 6)}, group_size=2)
+    assert sorted(rep[(0, "forward")]) == [1, 2] and rep[(0, "forward")][2][0].size == 6
+    with pytest.raises(ValueError, match="has 10 rows, the book 3"):
+        sender_report({(0, "forward"): (d, d, d)}, {"forward": (0, 1, 2)}, group_size=2)
 
 
 def _problem(rng, G=4, K=1, budget=0.3, theta=(1e-6,), on=None):
@@ -115,15 +119,15 @@ def _reports(P, rows_per_pair, D=32, seed=0):
     of one layer, rows of unit weight."""
     rng = np.random.default_rng(seed)
     out = []
-    for _ in range(P):
-        counts = tuple(0 if q == _ else rows_per_pair for q in range(P))
+    for me in range(P):
+        counts = tuple(0 if q == me else rows_per_pair for q in range(P))
         n = rows_per_pair * (P - 1)
         stats = {}
         for key in ((1, "forward"), (1, "backward")):
             e2 = rng.random(n) + 0.5
             stats[key] = (e2, 0.5 * e2, e2 * D * 0.5)
-        out.append({"stats": stats, "dims": {k: D for k in stats}, "counts": (counts, counts),
-                    "costs": {}})
+        groups = sender_report(stats, {"forward": counts, "backward": counts}, group_size=20)
+        out.append({"groups": groups, "dims": {k: D for k in stats}, "costs": {}})
     return out
 
 
@@ -136,21 +140,19 @@ def test_topology_moves_bytes_off_the_slow_link():
     reps = _reports(4, 200)
     per_link = link_model(4, "topology", topology=topo)
     flat = link_model(4, "averaged", topology=topo)
-    t_topo, i_topo = solve_period(reps, per_link, error_budget=0.3, group_size=20, time_limit_s=2.0,
+    t_topo, i_topo = solve_period(reps, per_link, error_budget=0.3, time_limit_s=2.0,
                                   hosts_P=topo.hosts_P)
-    t_avg, _ = solve_period(reps, flat, error_budget=0.3, group_size=20, time_limit_s=2.0,
-                            hosts_P=topo.hosts_P)
+    t_avg, _ = solve_period(reps, flat, error_budget=0.3, time_limit_s=2.0, hosts_P=topo.hosts_P)
     cls = i_topo["link_classes"]
     per_row = {c: v["bytes_per_epoch"] / v["rows"] for c, v in cls.items()}
     assert per_row["inter"] < per_row["intra"]
     # the same tables judged on the real (per-link) model: topology-aware is faster
-    pp = build_period_problem(reps, per_link, error_budget=0.3, group_size=20)
+    pp = build_period_problem(reps, per_link, error_budget=0.3)
 
     def real_time(table):
         choice = []
-        for ci, mm in pp.members:
-            ki, src, dst, _ = pp.channels[ci]
-            t = table[pp.problem.keys[ki]][(src, dst)][mm[0]]
+        for ki, src, dst, j in pp.groups:
+            t = table[pp.problem.keys[ki]][(src, dst)][j]
             choice.append(TECHNIQUES.index(int(t)))
         ev = evaluate_joint(pp.problem, np.array(choice))
         assert ev.feasible
