@@ -200,26 +200,66 @@ def _group_running(pgid: int) -> bool:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # besides SIGINT, which raises already
 
 
+class _StopSignals:
+    """What :func:`_stop_signals_raise` yields: the state of its handler, and :meth:`held`."""
+
+    def __init__(self, active: bool):
+        self.active = active        # False off the main thread: nothing is installed
+        self.raised = False         # the first stop signal raised; later ones are ignored
+        self.holding = False
+        self.pending: int | None = None
+
+    def on_signal(self, signum: int, frame) -> None:
+        if self.raised or self.pending is not None:
+            return
+        if self.holding:
+            self.pending = signum  # raised when the held block ends
+            return
+        self.raised = True
+        raise _stop_exception(signum)
+
+    @contextlib.contextmanager
+    def held(self):
+        """Inside, a stop signal (SIGINT included) is only recorded; it is raised when the
+        block ends, as it would have been inside it. For starting the variant: a signal that
+        arrived after its process group existed but before ``Popen`` had returned (on a
+        loaded machine the child can run, and be seen running, first) raised where no one
+        could stop the group, so the variant outlived the bench."""
+        if not self.active:
+            yield
+            return
+        old_int = signal.signal(signal.SIGINT, self.on_signal)
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+            signal.signal(signal.SIGINT, old_int)
+            if self.pending is not None and not self.raised:
+                self.raised = True
+                raise _stop_exception(self.pending)
+
+
+def _stop_exception(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
 def _stop_signals_raise():
     """Inside: SIGTERM and SIGHUP raise ``SystemExit(128 + signal)`` in the main thread, as
     SIGINT raises KeyboardInterrupt, so that a bench stopped by either still stops its
     running variant's process group (and the emulator below it removes its namespaces)
     instead of leaving it orphaned in its own session. Later signals are ignored while the
-    clean-up runs. Elsewhere than the main thread (where handlers cannot be set) a no-op."""
+    clean-up runs. Yields a :class:`_StopSignals` whose ``held()`` defers them across the
+    start of the variant. Elsewhere than the main thread (where handlers cannot be set) a
+    no-op."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield _StopSignals(active=False)
         return
-    state = {"raised": False}
-
-    def on_signal(signum, frame):
-        if not state["raised"]:
-            state["raised"] = True
-            raise SystemExit(128 + signum)
-
-    old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+    state = _StopSignals(active=True)
+    old = {s: signal.signal(s, state.on_signal) for s in STOP_SIGNALS}
     try:
-        yield
+        yield state
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -244,11 +284,13 @@ def run_variant(variant: Variant, nproc: int, out_dir: Path, ctx: RunContext,
                COMMSCHED_PROGRESS="0", **ctx.env)
     log = out_dir / "log.txt"
     t0 = time.perf_counter()
-    with open(log, "w") as f, _stop_signals_raise():
+    with open(log, "w") as f, _stop_signals_raise() as stops:
         f.write("# " + shlex.join(cmd) + "\n")
         f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = None
         try:
+            with stops.held():  # a stop signal during the start is raised here, once proc exists
+                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             while True:
                 try:
                     proc.wait(timeout=1.0)
@@ -262,7 +304,8 @@ def run_variant(variant: Variant, nproc: int, out_dir: Path, ctx: RunContext,
                     _stop(proc)
                     raise RuntimeError(f"variant {variant.name} ran past {timeout_s:.0f} s; log: {log}")
         except BaseException:
-            _stop(proc)
+            if proc is not None:
+                _stop(proc)
             raise
     if proc.returncode != 0:
         tail = log.read_text().strip().splitlines()[-15:]

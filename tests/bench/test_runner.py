@@ -142,31 +142,52 @@ def test_run_variant_timeout_stops_the_process_group(tmp_path):
 
 
 SIGTERM_BENCH = """
-import sys
+import subprocess, sys, time
 from pathlib import Path
 from commsched.bench.runner import RunContext, Variant, run_variant
-tmp, marker = Path(sys.argv[1]), sys.argv[2]
-ctx = RunContext(launch=lambda v, n, d: ["sh", "-c", f"sleep 60 & echo $! > {marker}; wait"])
+tmp, marker, window = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "window"
+if window:  # the variant runs, and is seen running, before Popen has returned (a loaded machine)
+    class LatePopen(subprocess.Popen):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            deadline = time.monotonic() + 30
+            while not (tmp / "sent").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+    subprocess.Popen = LatePopen
+ctx = RunContext(launch=lambda v, n, d: ["sh", "-c", f"sleep 60 & echo $! > {marker}.tmp; mv {marker}.tmp {marker}; wait"])
 run_variant(Variant("slow", "none"), 1, tmp / "v", ctx, timeout_s=60.0)
 """
 
 
-def test_sigterm_to_the_bench_stops_the_running_variant(tmp_path):
+@pytest.mark.parametrize("when", ["running", "window"])
+def test_sigterm_to_the_bench_stops_the_running_variant(tmp_path, when):
     """A bench stopped by SIGTERM (a scheduler, ``kill``) stops its variant's process group
-    instead of orphaning it, and exits 128 + SIGTERM."""
+    instead of orphaning it, and exits 128 + SIGTERM: while the variant runs, and while it
+    starts (``window``: the signal lands after the variant's group exists, before ``Popen``
+    has returned, the race a loaded machine hit)."""
     import signal
     import sys
 
-    marker = tmp_path / "pid"
-    bench = subprocess.Popen([sys.executable, "-c", SIGTERM_BENCH, str(tmp_path), str(marker)])
-    deadline = time.monotonic() + 30
-    while not (marker.exists() and marker.read_text().strip()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    child = int(marker.read_text())
-    bench.send_signal(signal.SIGTERM)
-    assert bench.wait(timeout=30) == 128 + signal.SIGTERM
-    time.sleep(0.2)
-    assert _gone(child)
+    marker = tmp_path / "pid"  # written whole (a rename) once the variant's sleep runs
+    bench = subprocess.Popen([sys.executable, "-c", SIGTERM_BENCH, str(tmp_path), str(marker), when])
+    child = None
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and bench.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert marker.exists(), f"the variant never started (bench exit {bench.poll()})"
+        child = int(marker.read_text())
+        bench.send_signal(signal.SIGTERM)
+        (tmp_path / "sent").touch()
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+        # the bench returns once no process of the group runs; a zombie may wait for init
+        assert _gone(child)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+        if child is not None and not _gone(child):
+            os.kill(child, signal.SIGKILL)  # leave no sleep behind a failed run
 
 
 def _gone(pid: int) -> bool:
