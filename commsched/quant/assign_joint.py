@@ -46,7 +46,7 @@ TECHNIQUES: tuple[int, ...] = (0, 1, 2, 4, 8, 32)
 DROP, SIGN, RAW = 0, 1, 32
 STOCHASTIC = (2, 4, 8)
 TECHNIQUE_NAMES = {0: "drop", 1: "sign", 2: "2-bit", 4: "4-bit", 8: "8-bit", 32: "fp32"}
-SCALE = 1_000_000  # the integer model's resolution (time and error, per key)
+SCALE = 10_000  # the integer model's resolution (time and error, per key)
 # a key's error may exceed its budget by this share (the integer model rounds each group's
 # error to 1 / (10 SCALE) of the budget)
 BUDGET_TOL = 1e-3

@@ -95,8 +95,8 @@ def test_cpsat_finds_the_brute_force_optimum_and_greedy_is_feasible(seed):
     assert evaluate_joint(p, g).feasible
     a = solve_joint(p, time_limit_s=5.0)
     assert a.evaluation.feasible and a.evaluation.time_s <= evaluate_joint(p, g).time_s + 1e-15
-    # the integer model rounds times up to 1e-6 of the all-raw time per term
-    assert a.evaluation.time_s == pytest.approx(best, rel=1e-4, abs=1e-12)
+    # the integer model rounds each term's time up to 1e-4 of the all-raw time
+    assert a.evaluation.time_s == pytest.approx(best, rel=1e-3, abs=1e-12)
     assert a.status in ("optimal", "feasible", "greedy")
 
 
