@@ -72,7 +72,7 @@ class AdaptiveExchange(AdaQPExchange):
     name = "adaptive"
 
     def __init__(self, book: PartitionBook, *, norm: str, options: AdaQPOptions | None = None,
-                 error_budget: float = 0.3, solver: str = "cp-sat", seed: int = 0, group=None,
+                 error_budget: float = 2.0, solver: str = "cp-sat", seed: int = 0, group=None,
                  pattern: str = "direct", device: torch.device | str | None = None):
         if not 0.0 <= error_budget:
             raise ValueError(f"--error-budget must be >= 0 (a share of each exchange's energy), "

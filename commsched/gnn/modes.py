@@ -172,8 +172,8 @@ class AdaptiveConfig(AdaQPConfig):
     link_costs: str = option("topology", "AdaQP's link costs: ring (probe_link_costs), topology "
                              "(every pair timed alone, its own cost) or averaged (that probe, one "
                              "mean cost for every pair)", choices=LINK_COST_SOURCES)
-    assign_time_limit_s: float = option(1.0, cli=False)
-    error_budget: float = option(0.3, "adaptive: each exchange's modelled error (dropped rows, "
+    assign_time_limit_s: float = option(0.25, cli=False)
+    error_budget: float = option(2.0, "adaptive: each exchange's modelled error (dropped rows, "
                                  "1-bit residuals, quantization variance) at most this share of "
                                  "its rows' weighted energy")
     joint_solver: str = option("cp-sat", cli=False)

@@ -29,7 +29,7 @@ def test_config_and_one_rank_trains_as_vanilla():
     from commsched.gnn.trainer import TrainConfig, run_training
 
     cfg = mode_config("adaptive")
-    assert cfg.link_costs == "topology" and cfg.error_budget == 0.3 and MODES["adaptive"].quantized
+    assert cfg.link_costs == "topology" and cfg.error_budget == 2.0 and MODES["adaptive"].quantized
     with pytest.raises(ValueError, match="--error-budget must be >= 0"):
         mode_config("adaptive", error_budget=-1.0)
     g = synthetic_graph(SyntheticSpec(num_nodes=60, num_edges=200, num_features=5, num_classes=3, seed=2))
@@ -42,7 +42,7 @@ def test_config_and_one_rank_trains_as_vanilla():
     mv, _ = run_training(TrainConfig(**base), part)
     ma, _ = run_training(TrainConfig(mode="adaptive", **base), part)
     assert ma["loss"] == mv["loss"] and ma["bytes_sent_per_epoch"] == 0
-    assert ma["adaptive"]["error_budget"] == 0.3
+    assert ma["adaptive"]["error_budget"] == 2.0
 
 
 def three_rank_cases(rank: int, world: int) -> dict:
