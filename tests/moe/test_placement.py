@@ -324,6 +324,47 @@ def test_fast_local_search_step_equals_its_reference():
     assert moves >= {"transfer", "swap", "add"}  # the families the twin checked were used
 
 
+def test_batch_search_moves_each_start_as_share_search_does():
+    """BatchSearch runs several starts in lockstep; each ends where ShareSearch alone takes
+    it, after the same number of moves (starts of different lengths stop on their own)."""
+    from commsched.moe.placement.search import BatchSearch, ShareSearch, counts_matrix
+
+    rng = np.random.default_rng(11)
+    for trial in range(25):
+        E = int(rng.choice([3, 4, 8, 16]))
+        N = int(rng.choice([2, 3, 4, 8]))
+        S = -(-E // N) + int(rng.integers(0, 4))
+        load = rng.lognormal(0, 1.5, E) * 100 if trial % 2 else rng.integers(0, 50, E).astype(float)
+        starts = [greedy_placement(load, N, S), eplb_placement(load, N, S).shares(load)]
+        Cs = [counts_matrix(p.replicas, E, N) for p in starts]
+        batch = BatchSearch(Cs, load, S)
+        steps = batch.run(200)
+        for b, C in enumerate(Cs):
+            one = ShareSearch(C, load, S)
+            n = 0
+            while n < 200 and one.step() is not None:
+                n += 1
+            assert steps[b] == n and (batch.C[b] == one.C).all()
+
+
+def test_lpt_order_and_greedy_sequence_match_their_definitions():
+    from commsched.moe.placement.packing import greedy_sequence, lpt_order, replica_counts_greedy
+
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        E, N = int(rng.integers(1, 12)), int(rng.integers(1, 6))
+        lo = rng.integers(0, 6, E).astype(float).tolist()  # ties on purpose
+        counts = rng.integers(1, N + 1, E).tolist()
+        per = [lo[e] / counts[e] for e in range(E)]
+        want = sorted(((e, i) for e in range(E) for i in range(counts[e])),
+                      key=lambda t: (-per[t[0]], t[1] > 0, t[0], t[1]))
+        assert lpt_order(per, counts) == want
+        seq = greedy_sequence(lo, N, E * N - E)
+        for R in range(E, E + len(seq) + 1):
+            got = 1 + np.bincount(seq[:R - E], minlength=E)
+            assert got.tolist() == list(replica_counts_greedy(np.asarray(lo), R, N))
+
+
 def _check_eplb(ep: EplbPlan, load, N, S) -> None:
     assert len(ep.slots) == N and all(len(row) == S for row in ep.slots)  # every slot used
     assert sum(ep.replica_counts) == N * S and min(ep.replica_counts) >= 1

@@ -75,6 +75,37 @@ def pack_lpt(load_E: Sequence[float] | np.ndarray, counts_E: Sequence[int], num_
     return make_placement(lpt_replicas([float(x) for x in load], counts, N, S), load, N, S)
 
 
+def lpt_order(per: list[float], counts: list[int]) -> list[tuple[int, int]]:
+    """The replicas (e, i), i < counts[e], in LPT order: descending per-replica load
+    ``per[e]``, then first replicas before extra ones, then expert id, then i (one
+    ``np.lexsort``; the same order as sorting the tuples by that key)."""
+    c = np.asarray(counts, dtype=np.int64)
+    ev = np.repeat(np.arange(c.size), c)
+    iv = np.arange(ev.size) - np.repeat(np.cumsum(c) - c, c)
+    neg = -np.asarray(per, dtype=np.float64)[ev]
+    o = np.lexsort((iv, ev, iv > 0, neg))
+    return list(zip(ev[o].tolist(), iv[o].tolist()))
+
+
+def greedy_sequence(lo: list[float], N: int, spare: int) -> np.ndarray:
+    """[spare] the expert that gets each further replica under :func:`replica_counts_greedy`
+    (the highest load per replica, ties: lowest id, at most N each), in order: the counts
+    of any total E + j are one each plus the first j entries (one heap run serves every
+    total). Shorter when every expert reaches N."""
+    E = len(lo)
+    counts = [1] * E
+    heap = [(-lo[e], e) for e in range(E)] if N > 1 else []
+    heapq.heapify(heap)
+    out: list[int] = []
+    while len(out) < spare and heap:
+        _, e = heapq.heappop(heap)
+        counts[e] += 1
+        out.append(e)
+        if counts[e] < N:
+            heapq.heappush(heap, (-lo[e] / counts[e], e))
+    return np.asarray(out, dtype=np.int64)
+
+
 def lpt_replicas(load: list[float], counts: list[int], N: int, S: int) -> list[list[int]]:
     """:func:`pack_lpt` on checked inputs: [E] the devices of each expert's replicas.
 
@@ -85,8 +116,7 @@ def lpt_replicas(load: list[float], counts: list[int], N: int, S: int) -> list[l
     per = [load[e] / counts[e] for e in range(E)]
     # first replicas of all experts come before extra replicas of equal per-replica load,
     # so an expert's first replica never loses its slot to another's extra replica
-    items = sorted(((e, i) for e in range(E) for i in range(counts[e])),
-                   key=lambda t: (-per[t[0]], t[1] > 0, t[0], t[1]))
+    items = lpt_order(per, counts)
     dev_load = [0.0] * N
     held: list[set[int]] = [set() for _ in range(N)]
     replicas: list[list[int]] = [[] for _ in range(E)]
@@ -124,8 +154,7 @@ def lpt_shares(load: list[float], counts: list[int], N: int, S: int) -> list[lis
     Returns [E] the devices of each expert's shares (repeats allowed)."""
     E = len(load)
     per = [load[e] / counts[e] for e in range(E)]
-    items = sorted(((e, i) for e in range(E) for i in range(counts[e])),
-                   key=lambda t: (-per[t[0]], t[1] > 0, t[0], t[1]))
+    items = lpt_order(per, counts)
     for attempt in (items, sorted(items, key=lambda t: t[1] > 0)):
         dev_load = [0.0] * N
         free = [S] * N
@@ -172,5 +201,5 @@ def greedy_replicas(load: np.ndarray, N: int, S: int) -> list[list[int]]:
 
 
 
-__all__ = ["replica_counts_greedy", "lower_bound", "pack_lpt", "lpt_replicas", "lpt_shares", "greedy_counts",
-           "greedy_replicas"]
+__all__ = ["replica_counts_greedy", "lower_bound", "pack_lpt", "lpt_order", "lpt_replicas", "lpt_shares",
+           "greedy_counts", "greedy_sequence", "greedy_replicas"]

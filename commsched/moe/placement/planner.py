@@ -14,9 +14,9 @@ from .checks import check_load, check_sizes
 from .eplb import eplb_placement
 from .greedy import greedy_placement
 from .node_aware import NODE_CANDIDATES, node_aware_placement, node_inputs
-from .packing import pack_lpt, replica_counts_greedy
-from .search import count_search, improve
-from .types import Placement, placement_key
+from .packing import greedy_sequence, lpt_replicas
+from .search import BatchSearch, ShareSearch, count_search, counts_matrix, matrix_replicas
+from .types import Placement, make_placement, matrix_key, placement_key
 
 # packings improved by local search besides the greedy's and EPLB's layouts, for up to
 # REFINE_SMALL_SLOTS slots (N*S) and above; at 256 x 64 the extra starts changed the
@@ -84,9 +84,8 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
     steps = 20 * N * S if max_steps is None else max_steps
     if refine is None:
         refine = REFINE_SMALL if N * S <= REFINE_SMALL_SLOTS else REFINE_LARGE
-    greedy = greedy_placement(load, N, S)
     if N == 1 or load.sum() == 0.0:
-        return greedy
+        return greedy_placement(load, N, S)
     top = min(N * S, N * E)
     if N * S > REFINE_SMALL_SLOTS:  # each LPT packing costs about a search step there
         max_candidates = min(max_candidates, LARGE_CANDIDATES)
@@ -94,18 +93,41 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
         totals = list(range(E, top + 1))
     else:
         totals = sorted({int(round(x)) for x in np.linspace(E, top, max_candidates)})
-    packed = [pack_lpt(load, replica_counts_greedy(load, R, N), N, S) for R in totals]
-    packed.sort(key=placement_key)
-    eplb = eplb_placement(load, N, S).shares(load)  # EPLB's own layout, two shares on a device kept
-    starts: list[Placement] = []
+    # every layout below is a share matrix C [E, N] keyed by placement_key's sums
+    # (matrix_key); a Placement is built for the winner only
+    lo = [float(x) for x in load]
+    seq = greedy_sequence(lo, N, top - E)  # the apportionment of every total: a prefix of it
+    packed = []
+    for R in totals:
+        counts = 1 + np.bincount(seq[:R - E], minlength=E)
+        C = counts_matrix(lpt_replicas(lo, counts.tolist(), N, S), E, N)
+        packed.append((matrix_key(C, load), C))
+    greedy = packed[-1]  # greedy_placement: the apportionment of all `top` slots, by LPT
+    packed.sort(key=lambda t: t[0])
+    plan = eplb_placement(load, N, S)  # EPLB's own layout, two shares on a device kept
+    C = np.zeros((E, N), dtype=np.int64)
+    for d, row in enumerate(plan.slots):
+        np.add.at(C[:, d], list(row), 1)
+    eplb = (matrix_key(C, load), C)
+    starts: list[tuple] = []
     for p in [greedy, eplb] + packed[:max(0, refine)]:
-        if all(p.replicas != q.replicas for q in starts):  # the greedy is often packed[0]
+        if all((p[1] != q[1]).any() for q in starts):  # the greedy is often packed[0]
             starts.append(p)
-    cands = starts + packed + [improve(p, load, steps) for p in starts]
-    best = min(cands, key=placement_key)
+    if N * S <= REFINE_SMALL_SLOTS:  # small: numpy's per-call cost dominates, so all starts in lockstep
+        batch = BatchSearch([C for _, C in starts], load, S)
+        batch.run(steps)
+        finals = list(batch.C)
+    else:  # large: BatchSearch's retarget tier would hold [starts, S, E, N]
+        finals = []
+        for _, C in starts:
+            search = ShareSearch(C, load, S)
+            search.run(steps)
+            finals.append(search.C)
+    improved = [(matrix_key(C, load), C) for C in finals]
+    best = min(starts + packed + improved, key=lambda t: t[0])
+    result = make_placement(matrix_replicas(best[1]), load, N, S)
     if count_evals > 0 and N * S <= COUNT_SEARCH_SLOTS:
-        best = min(best, count_search(best, load, count_evals, True), key=placement_key)
-    return best
-
+        result = min(result, count_search(result, load, count_evals, True), key=placement_key)
+    return result
 
 __all__ = ["plan_placement", "REFINE_SMALL", "REFINE_LARGE", "REFINE_SMALL_SLOTS", "LARGE_CANDIDATES", "COUNT_SEARCH_SLOTS"]

@@ -33,13 +33,16 @@ Legend: E experts, N devices, S slots per device, K candidates of a family, F ex
 from __future__ import annotations
 
 import itertools
+from typing import Sequence
 
 import numpy as np
 
 from .packing import lpt_shares
-from .types import Placement, device_loads, make_placement, placement_key
+from .types import Placement, device_loads, make_placement, matrix_key, placement_key
 
 FAMILIES = (("transfer", "swap", "add", "drop"), ("retarget",))
+# the thorough count search decodes this many neighbours at once (one BatchSearch)
+COUNT_CHUNK = 32
 
 
 def counts_matrix(replicas, E: int, N: int) -> np.ndarray:
@@ -59,12 +62,37 @@ def matrix_replicas(C_EN: np.ndarray) -> list[list[int]]:
 def _top2(V: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(max, argmax, second largest) along the last axis (-inf when there is one column)."""
     a1 = V.argmax(axis=-1)
-    t1 = np.take_along_axis(V, a1[..., None], axis=-1)[..., 0]
+    if a1.ndim == 1:
+        idx: tuple = (np.arange(a1.shape[0]), a1)
+    else:
+        idx = tuple(np.arange(n).reshape((-1,) + (1,) * (a1.ndim - 1 - i)) for i, n in enumerate(a1.shape)) + (a1,)
+    t1 = V[idx]
     if V.shape[-1] == 1:
         return t1, a1, np.full_like(t1, -np.inf)
     W = V.copy()
-    np.put_along_axis(W, a1[..., None], -np.inf, axis=-1)
+    W[idx] = -np.inf
     return t1, a1, W.max(axis=-1)
+
+
+def apply_move(C: np.ndarray, kind: str, a, d: int) -> None:
+    """Apply move (kind, *a) of the busiest device d to the share matrix C in place."""
+    if kind == "transfer":
+        C[a[0], d] -= 1
+        C[a[0], a[1]] += 1
+    elif kind == "swap":
+        C[a[0], d] -= 1
+        C[a[1], a[2]] -= 1
+        C[a[0], a[2]] += 1
+        C[a[1], d] += 1
+    elif kind == "add":
+        C[a[0], a[1]] += 1
+    elif kind == "drop":
+        C[a[0], d] -= 1
+    elif kind == "retarget":
+        C[a[1], a[2]] -= 1
+        C[a[0], a[2]] += 1
+    else:  # pragma: no cover - internal
+        raise AssertionError(kind)
 
 
 class ShareSearch:
@@ -79,6 +107,41 @@ class ShareSearch:
         self.eps = 1e-12 * scale
         self.eps2 = 1e-12 * scale * scale
         assert (self.C.sum(axis=1) >= 1).all() and ((self.C > 0).sum(axis=0) <= self.S).all()
+        self._sync()
+
+    def _sync(self) -> None:
+        """Rebuild the caches of the grid step from ``C``: [E] shares per expert, [E, N] C > 0
+        and C as float64, [N] distinct experts per device (kept exact by :meth:`_apply`)."""
+        self.cnt = self.C.sum(axis=1)
+        self.pos = self.C > 0
+        self.held = self.pos.sum(axis=0)
+        self.Cf = self.C.astype(np.float64)
+
+    def _apply(self, kind: str, a, d: int) -> None:
+        """Apply a move to ``C`` and update the caches of the cells it touched."""
+        apply_move(self.C, kind, a, d)
+        a = [int(x) for x in a]
+        if kind == "transfer":
+            cells = ((a[0], d), (a[0], a[1]))
+        elif kind == "swap":
+            cells = ((a[0], d), (a[1], a[2]), (a[0], a[2]), (a[1], d))
+        elif kind == "add":
+            cells = ((a[0], a[1]),)
+            self.cnt[a[0]] += 1
+        elif kind == "drop":
+            cells = ((a[0], d),)
+            self.cnt[a[0]] -= 1
+        else:  # retarget
+            cells = ((a[1], a[2]), (a[0], a[2]))
+            self.cnt[a[0]] += 1
+            self.cnt[a[1]] -= 1
+        C, pos, Cf, held = self.C, self.pos, self.Cf, self.held
+        for e, dv in cells:
+            c = C.item(e, dv)
+            Cf[e, dv] = c
+            if pos.item(e, dv) != (c > 0):
+                pos[e, dv] = c > 0
+                held[dv] += 1 if c > 0 else -1
 
     # ------------------------------------------------------------------ state
     def loads(self, C: np.ndarray | None = None) -> np.ndarray:
@@ -125,24 +188,8 @@ class ShareSearch:
             out["retarget"] = np.stack([Ei[ok], Fi[ok], Di[ok]], axis=1)
         return out
 
-    def _apply_to(self, C: np.ndarray, kind: str, a: np.ndarray, d: int) -> None:
-        if kind == "transfer":
-            C[a[0], d] -= 1
-            C[a[0], a[1]] += 1
-        elif kind == "swap":
-            C[a[0], d] -= 1
-            C[a[1], a[2]] -= 1
-            C[a[0], a[2]] += 1
-            C[a[1], d] += 1
-        elif kind == "add":
-            C[a[0], a[1]] += 1
-        elif kind == "drop":
-            C[a[0], d] -= 1
-        elif kind == "retarget":
-            C[a[1], a[2]] -= 1
-            C[a[0], a[2]] += 1
-        else:  # pragma: no cover - internal
-            raise AssertionError(kind)
+    def _apply_to(self, C: np.ndarray, kind: str, a, d: int) -> None:
+        apply_move(C, kind, a, d)
 
     # ------------------------------------------------------------------ scoring
     def _score(self, kind: str, a: np.ndarray, state):
@@ -200,6 +247,143 @@ class ShareSearch:
             m[i], ss[i] = v.max(), v @ v
         return m, ss
 
+    # ------------------------------------------------------------------ fast step
+    def _fast_step(self) -> tuple | None:
+        """:meth:`step` on grids: the moves of a family scored as one [k, N] (transfer, add),
+        [k, P] (swap, retarget: P the shares (f, d2) off the busiest device) or [k] (drop)
+        array, k the experts on the busiest device, infeasible entries at +inf; the same
+        formulas, candidate order and choice rule as :meth:`_step` with :meth:`_score`."""
+        C, load, N, S = self.C, self.load, self.N, self.S
+        cnt, held = self.cnt, self.held
+        per = load / cnt
+        dl = per @ self.Cf
+        order = np.argsort(-dl, kind="stable")
+        d = int(order[0])
+        cur_m, cur_ss = float(dl[d]), float(dl @ dl)
+        t1 = int(order[1]) if N > 1 else -1
+        u1 = dl[t1] if N > 1 else -np.inf
+        u2 = dl[order[2]] if N > 2 else -np.inf
+        ss0 = cur_ss
+        es = np.flatnonzero(self.pos[:, d])
+        G = C[es]                                    # [k, N]
+        pe = per[es]
+        ar = np.arange(N)
+        nz = np.flatnonzero(self.pos.ravel())
+        fs, ds = np.divmod(nz, N)
+        keep = ds != d
+        fs, ds = fs[keep], ds[keep]                  # [P] shares off the busiest device
+
+        def slot_ok_d2(fs, ds):
+            """[k, P] whether d2 keeps <= S experts when one of f's shares there becomes e's."""
+            return held[ds][None, :] + (G[:, ds] == 0) - (C[fs, ds] == 1)[None, :] <= S
+
+        p_add = load / (cnt + 1)
+        base = dl[None, :] + (p_add - per)[es][:, None] * G   # [k, N]: e's shares shrink
+        inf = np.inf
+
+        def pick(fams):
+            ms = [m.ravel() for _, m, _ in fams]
+            sss = [ss.ravel() for _, _, ss in fams]
+            m, ss = np.concatenate(ms), np.concatenate(sss)
+            better = (m < cur_m - self.eps) | ((m <= cur_m + self.eps) & (ss < cur_ss - self.eps2))
+            if not better.any():
+                return None
+            m0 = m[better].min()
+            pool = better & (m <= m0 + self.eps)
+            j = int(np.argmin(np.where(pool, ss, inf)))
+            for (kind, mk, _), mf in zip(fams, ms):
+                if j < mf.size:
+                    return kind, np.unravel_index(j, mk.shape)
+                j -= mf.size
+            raise AssertionError(j)  # pragma: no cover - internal
+
+        # tier 1: transfer, swap, add, drop. A family whose every move leaves some device
+        # above cur_m + eps (a bound on its maximum load) cannot improve: it is skipped.
+        lim = cur_m + self.eps
+        fams = []
+        pair_ok = (ar != d)[None, :] & ((G > 0) | (held < S)[None, :])
+        x = dl[d] - pe
+        y = dl[None, :] + pe[:, None]                # the target device after a transfer
+        if y.size and y.min() <= lim:
+            rest = np.where(ar == t1, u2, u1)
+            m_t = np.where(pair_ok, np.maximum(np.maximum(x[:, None], y), rest[None, :]), inf)
+            ss_t = ss0 + (x * x)[:, None] - dl[d] ** 2 + y * y - (dl * dl)[None, :]
+            fams.append(("transfer", m_t, ss_t))
+        # swaps: only the shares (f, d2) where d2 ends at or below cur_m + eps for the
+        # smallest share on d (d2's load after any swap with f is at least that)
+        per_f = per[fs]
+        dl_ds = dl[ds]
+        cs = np.flatnonzero(dl_ds + (pe.min() - per_f) <= lim) if fs.size else fs
+        fs_s, ds_s, per_f, dl_ds = fs[cs], ds[cs], per_f[cs], dl_ds[cs]
+        ok = ((fs_s[None, :] != es[:, None]) & (per_f[None, :] < pe[:, None]) & slot_ok_d2(fs_s, ds_s)
+              & (held[d] + (C[fs_s, d] == 0)[None, :] - (C[es, d] == 1)[:, None] <= S))
+        delta = pe[:, None] - per_f[None, :]
+        xs, ys = dl[d] - delta, dl_ds[None, :] + delta
+        rest_s = np.where(ds_s == t1, u2, u1)
+        m_s = np.where(ok, np.maximum(np.maximum(xs, ys), rest_s[None, :]), inf)
+        ss_s = ss0 + xs * xs - dl[d] ** 2 + ys * ys - (dl_ds ** 2)[None, :]
+        fams.append(("swap", m_s, ss_s))
+        w = base + p_add[es][:, None]                # the device gaining the share, after an add
+        if w.size and w.min() <= lim:
+            top, arg, sec = _top2(base)
+            m_a = np.where(pair_ok, np.maximum(np.where(arg[:, None] == ar[None, :], sec[:, None], top[:, None]), w),
+                           inf)
+            ss_a = (base * base).sum(axis=1)[:, None] + w * w - base * base
+            fams.append(("add", m_a, ss_a))
+        two = cnt[es] >= 2
+        if two.any():
+            p_drop_e = load[es] / np.maximum(cnt[es] - 1, 1)
+            V = dl[None, :] + (p_drop_e - pe)[:, None] * G
+            V[:, d] -= p_drop_e
+            m_d = np.where(two, V.max(axis=1), inf)
+            ss_d = (V * V).sum(axis=1)
+            fams.append(("drop", m_d, ss_d))
+        got = pick(fams)
+        if got is None:
+            move = self._tier2(C, cnt, per, d, es, fs, ds, slot_ok_d2, base, p_add, pick, cur_m)
+            if move is None:
+                return None
+            kind = move[0]
+        else:
+            kind, idx = got
+            i = int(idx[0])
+            if kind == "drop":
+                move = (kind, int(es[i]))
+            elif kind == "swap":
+                move = (kind, int(es[i]), int(fs_s[idx[1]]), int(ds_s[idx[1]]))
+            else:
+                move = (kind, int(es[i]), int(idx[1]))
+        self._apply(kind, move[1:], d)
+        return move
+
+    def _tier2(self, C, cnt, per, d, es, fs, ds, slot_ok_d2, base, p_add, pick, cur_m) -> tuple | None:
+        """The best improving retarget (e, f, d2) of the grid step, or None (not applied)."""
+        load = self.load
+        inf = np.inf
+        ok = (fs[None, :] != es[:, None]) & (cnt[fs] >= 2)[None, :] & slot_ok_d2(fs, ds)
+        cols = np.flatnonzero(ok.any(axis=0))
+        if cols.size == 0:
+            return None
+        fs2, ds2, ok = fs[cols], ds[cols], ok[:, cols]
+        p_drop = load / np.maximum(cnt - 1, 1)
+        # d2's load after the retarget (the same sums as V's below); none can improve when
+        # every one of them is above cur_m + eps
+        v = base[:, ds2] + ((p_drop - per)[fs2] * C[fs2, ds2])[None, :]   # [k, P']
+        w = v + p_add[es][:, None] - p_drop[fs2][None, :]
+        if np.where(ok, w, inf).min() > cur_m + self.eps:
+            return None
+        uf, finv = np.unique(fs2, return_inverse=True)
+        V = base[:, None, :] + ((p_drop - per)[uf])[None, :, None] * C[uf][None, :, :]  # [k, F, N]
+        top, arg, sec = _top2(V)
+        sq = (V * V).sum(axis=2)
+        m_r = np.where(ok, np.maximum(np.where(arg[:, finv] == ds2[None, :], sec[:, finv], top[:, finv]), w), inf)
+        ss_r = sq[:, finv] + w * w - v * v
+        got = pick([("retarget", m_r, ss_r)])
+        if got is None:
+            return None
+        kind, (i, j) = got
+        return (kind, int(es[i]), int(fs2[j]), int(ds2[j]))
+
     # ------------------------------------------------------------------ step
     def _step(self, score) -> tuple | None:
         state = self._state()
@@ -229,7 +413,7 @@ class ShareSearch:
             for kind, k in who:
                 if j < k:
                     move = (kind, *(int(x) for x in cands[kind][j]))
-                    self._apply_to(self.C, kind, np.asarray(move[1:]), d)
+                    self._apply(kind, move[1:], d)
                     return move
                 j -= k
         return None
@@ -237,6 +421,11 @@ class ShareSearch:
     def step(self) -> tuple | None:
         """Apply the best improving move (module docstring) and return it as (family,
         *args); None at a local optimum."""
+        return self._fast_step()
+
+    def step_scored(self) -> tuple | None:
+        """:meth:`step` through :meth:`candidates` and the per-family scores (the layout
+        before the grid step; kept as a second twin)."""
         return self._step(self._score)
 
     def step_reference(self) -> tuple | None:
@@ -251,6 +440,187 @@ class ShareSearch:
 
     def result(self) -> Placement:
         return make_placement(matrix_replicas(self.C), self.load, self.N, self.S)
+
+
+class BatchSearch:
+    """Several starts of :class:`ShareSearch` in lockstep: layouts ``C`` [B, E, N], one numpy
+    call per formula for all of them (on small instances the per-call overhead, not the
+    arithmetic, is the step's cost; the count search decodes its neighbours with it). The
+    retarget tier holds a [R, S, E, N] array: small instances only. Each start makes exactly the moves :meth:`ShareSearch.step`
+    makes from it (same formulas, candidate order and choice rule; a test checks); a start
+    at its local optimum stops, the others go on. Legend adds B starts, A the starts still
+    moving, P the shares off a start's busiest device (padded to the most of any start)."""
+
+    def __init__(self, Cs_BEN: Sequence[np.ndarray], load_E: np.ndarray, slots_per_device: int) -> None:
+        self.C = np.array(np.stack(Cs_BEN), dtype=np.int64)
+        self.load = np.asarray(load_E, dtype=np.float64)
+        self.B, self.E, self.N = self.C.shape
+        self.S = int(slots_per_device)
+        scale = max(1.0, float(self.load.sum()))
+        self.eps = 1e-12 * scale
+        self.eps2 = 1e-12 * scale * scale
+        self.steps = np.zeros(self.B, dtype=np.int64)
+
+    def run(self, max_steps: int) -> np.ndarray:
+        """Up to ``max_steps`` moves per start; returns [B] the moves each made."""
+        active = np.arange(self.B)
+        for _ in range(max_steps):
+            if active.size == 0:
+                break
+            moved = self._step(active)
+            self.steps[active[moved]] += 1
+            active = active[moved]
+        return self.steps
+
+    def _step(self, act: np.ndarray) -> np.ndarray:
+        """One move for each start in ``act``; returns [A] bool, whether it moved."""
+        load, N, S = self.load, self.N, self.S
+        C = self.C[act]                                       # [A, E, N]
+        A = act.size
+        ai = np.arange(A)
+        ac = ai[:, None]
+        cnt = C.sum(axis=2)                                   # [A, E]
+        per = load[None, :] / cnt
+        dl = np.stack([per[i] @ C[i] for i in range(A)])      # [A, N] as ShareSearch sums it
+        order = np.argsort(-dl, axis=1, kind="stable")
+        pos = C > 0
+        held = pos.sum(axis=1)                                # [A, N]
+        cur_m = dl.max(axis=1)
+        cur_ss = np.array([float(dl[i] @ dl[i]) for i in range(A)])
+        d = order[:, 0]
+        if N > 1:
+            t1 = order[:, 1]
+            u1 = dl[ai, t1]
+        else:
+            t1, u1 = np.full(A, -1), np.full(A, -np.inf)
+        u2 = dl[ai, order[:, 2]] if N > 2 else np.full(A, -np.inf)
+        ss0 = cur_ss[:, None, None]
+        dd = dl[ai, d]                                        # [A] busiest load
+        # the experts on the busiest device, ascending, padded to S (the padding masked)
+        on = pos[ai, :, d]                                    # [A, E]
+        K = min(S, self.E)                                    # experts a device can hold
+        es = np.argsort(~on, axis=1, kind="stable")[:, :K]    # [A, K] (S written for K below)
+        ev = on[ac, es]               # [A, S] valid
+        G = C[ai[:, None], es, :]                             # [A, S, N]
+        pe = per[ac, es]              # [A, S]
+        ar = np.arange(N)
+        # the shares (f, d2) off the busiest device in C's row-major order, padded to P
+        off = pos & (ar[None, None, :] != d[:, None, None])
+        rows, cols = np.nonzero(off.reshape(A, -1))
+        P_A = np.bincount(rows, minlength=A)
+        P = int(P_A.max()) if rows.size else 0
+        slot = np.arange(rows.size) - np.repeat(np.cumsum(P_A) - P_A, P_A)
+        flat = np.zeros((A, P), dtype=np.int64)
+        flat[rows, slot] = cols
+        pv = np.zeros((A, P), dtype=bool)
+        pv[rows, slot] = True
+        fs, ds = np.divmod(flat, N)                           # [A, P]
+        G_ds = G[ai[:, None, None], np.arange(K)[None, :, None], ds[:, None, :]]  # C[e, d2]
+        C_fd2 = C[ai[:, None], fs, ds]                        # [A, P]
+        held_d2 = held[ac, ds]
+        slot_ok_d2 = held_d2[:, None, :] + (G_ds == 0) - (C_fd2 == 1)[:, None, :] <= S  # [A, S, P]
+        p_add = load[None, :] / (cnt + 1)
+        base = dl[:, None, :] + (p_add - per)[ac, es][:, :, None] * G  # [A, S, N]
+        inf = np.inf
+        ddc = dd[:, None]
+
+        # tier 1: transfer, swap, add, drop
+        pair_ok = ev[:, :, None] & (ar[None, :] != d[:, None])[:, None, :] & ((G > 0) | (held < S)[:, None, :])
+        x = ddc - pe                                          # [A, S]
+        y = dl[:, None, :] + pe[:, :, None]
+        rest = np.where(ar[None, :] == t1[:, None], u2[:, None], u1[:, None])  # [A, N]
+        m_t = np.where(pair_ok, np.maximum(np.maximum(x[:, :, None], y), rest[:, None, :]), inf)
+        ss_t = ss0 + (x * x)[:, :, None] - (dd ** 2)[:, None, None] + y * y - (dl * dl)[:, None, :]
+        per_f = per[ac, fs]           # [A, P]
+        C_fd = C[ai[:, None], fs, d[:, None]]                 # [A, P]
+        C_ed = C[ai[:, None], es, d[:, None]]                 # [A, S]
+        held_d = held[ai, d]
+        ok = (ev[:, :, None] & pv[:, None, :] & (fs[:, None, :] != es[:, :, None])
+              & (per_f[:, None, :] < pe[:, :, None]) & slot_ok_d2
+              & (held_d[:, None, None] + (C_fd == 0)[:, None, :] - (C_ed == 1)[:, :, None] <= S))
+        delta = pe[:, :, None] - per_f[:, None, :]
+        dl_ds = dl[ac, ds]            # [A, P]
+        xs, ys = ddc[:, :, None] - delta, dl_ds[:, None, :] + delta
+        rest_s = np.where(ds == t1[:, None], u2[:, None], u1[:, None])
+        m_s = np.where(ok, np.maximum(np.maximum(xs, ys), rest_s[:, None, :]), inf)
+        ss_s = ss0 + xs * xs - (dd ** 2)[:, None, None] + ys * ys - (dl_ds ** 2)[:, None, :]
+        top, arg, sec = _top2(base)                           # [A, S]
+        w = base + p_add[ac, es][:, :, None]
+        m_a = np.where(pair_ok, np.maximum(np.where(arg[:, :, None] == ar, sec[:, :, None], top[:, :, None]), w), inf)
+        bb = base * base
+        ss_a = bb.sum(axis=2)[:, :, None] + w * w - bb
+        cnt_e = cnt[ac, es]
+        two = ev & (cnt_e >= 2)
+        p_drop_e = load[es] / np.maximum(cnt_e - 1, 1)        # [A, S]
+        V = dl[:, None, :] + (p_drop_e - pe)[:, :, None] * G
+        V[ai[:, None], np.arange(K)[None, :], d[:, None]] -= p_drop_e
+        m_d = np.where(two, V.max(axis=2), inf)
+        ss_d = (V * V).sum(axis=2)
+        fams = [("transfer", m_t, ss_t), ("swap", m_s, ss_s), ("add", m_a, ss_a), ("drop", m_d, ss_d)]
+        m = np.concatenate([f[1].reshape(A, -1) for f in fams], axis=1)
+        ss = np.concatenate([f[2].reshape(A, -1) for f in fams], axis=1)
+        cm = cur_m[:, None]
+        better = (m < cm - self.eps) | ((m <= cm + self.eps) & (ss < cur_ss[:, None] - self.eps2))
+        has = better.any(axis=1)
+        m0 = np.where(better, m, inf).min(axis=1)
+        pool = better & (m <= m0[:, None] + self.eps)
+        jj = np.argmin(np.where(pool, ss, inf), axis=1)
+        sizes = [f[1][0].size for f in fams]
+        moved = has.copy()
+        for i in np.flatnonzero(has).tolist():
+            j = int(jj[i])
+            for (kind, mk, _), k in zip(fams, sizes):
+                if j < k:
+                    idx = np.unravel_index(j, mk.shape[1:])
+                    e = int(es[i, idx[0]])
+                    if kind == "drop":
+                        a = (e,)
+                    elif kind == "swap":
+                        a = (e, int(fs[i, idx[1]]), int(ds[i, idx[1]]))
+                    else:
+                        a = (e, int(idx[1]))
+                    apply_move(self.C[act[i]], kind, a, int(d[i]))
+                    break
+                j -= k
+        r = np.flatnonzero(~has)
+        if r.size == 0 or P == 0:  # P == 0: no share off the busiest device to retarget
+            return moved
+        # tier 2 (retarget) for the starts without a tier-1 move: [R, S, E, N] at once
+        ri = np.arange(r.size)
+        rc = ri[:, None]
+        Cr, cnt_r, per_r, es_r, fs_r, ds_r = C[r], cnt[r], per[r], es[r], fs[r], ds[r]
+        ok = (ev[r][:, :, None] & pv[r][:, None, :] & (fs_r[:, None, :] != es_r[:, :, None])
+              & (cnt_r[rc, fs_r] >= 2)[:, None, :] & slot_ok_d2[r])
+        p_drop = load[None, :] / np.maximum(cnt_r - 1, 1)
+        g = p_drop - per_r                                    # [R, E]
+        base_r = base[r]
+        v = (base_r[ri[:, None, None], np.arange(K)[None, :, None], ds_r[:, None, :]]
+             + (g[rc, fs_r] * Cr[ri[:, None], fs_r, ds_r])[:, None, :])  # [R, S, P]
+        w = v + p_add[r][rc, es_r][:, :, None] - p_drop[rc, fs_r][:, None, :]
+        V = base_r[:, :, None, :] + g[:, None, :, None] * Cr[:, None, :, :]   # [R, S, E, N]
+        top, arg, sec = _top2(V)                              # [R, S, E]
+        sq = (V * V).sum(axis=3)
+        si = np.arange(K)[None, :, None]
+        rr = ri[:, None, None]
+        fsb = fs_r[:, None, :]
+        m_r = np.where(ok, np.maximum(np.where(arg[rr, si, fsb] == ds_r[:, None, :], sec[rr, si, fsb],
+                                               top[rr, si, fsb]), w), inf).reshape(r.size, -1)
+        ss_r = (sq[rr, si, fsb] + w * w - v * v).reshape(r.size, -1)
+        cm = cur_m[r][:, None]
+        better = (m_r < cm - self.eps) | ((m_r <= cm + self.eps) & (ss_r < cur_ss[r][:, None] - self.eps2))
+        has2 = better.any(axis=1)
+        m0 = np.where(better, m_r, inf).min(axis=1)
+        pool = better & (m_r <= m0[:, None] + self.eps)
+        jj = np.argmin(np.where(pool, ss_r, inf), axis=1)
+        for q in np.flatnonzero(has2).tolist():
+            i = int(r[q])
+            s_, p_ = divmod(int(jj[q]), P)
+            apply_move(self.C[act[i]], "retarget", (int(es[i, s_]), int(fs[i, p_]), int(ds[i, p_])), int(d[i]))
+        moved[r] = has2
+        return moved
+
+    def results(self) -> list[np.ndarray]:
+        return list(self.C)
 
 
 def improve(p: Placement, load: np.ndarray, max_steps: int) -> Placement:
@@ -293,29 +663,45 @@ def count_search(p: Placement, load: np.ndarray, max_evals: int, thorough: bool)
             if counts[y] > 1:
                 yield ((y, -1),)
 
+    def better(k) -> bool:
+        return k[0] < best_key[0] - tol or (k[0] <= best_key[0] + tol and k[1] < best_key[1] - tol * tol)
+
     while evals < max_evals:
-        for change in neighbours():
-            if evals >= max_evals:
-                break
-            evals += 1
-            trial = list(counts)
-            for x, dx in change:
-                trial[x] += dx
-            reps = lpt_shares(lo, trial, N, S)
-            if thorough:
-                q: Placement | None = improve(make_placement(reps, load, N, S), load, 20 * N * S)
-                k = placement_key(q)
+        changes = list(neighbours())  # (the generator reads best and counts, which change only on a move)
+        i, moved = 0, False
+        while i < len(changes) and evals < max_evals:
+            part = changes[i:i + min(COUNT_CHUNK if thorough else 1, max_evals - evals)]
+            trials = []
+            for change in part:
+                trial = list(counts)
+                for x, dx in change:
+                    trial[x] += dx
+                trials.append(trial)
+            reps = [lpt_shares(lo, t, N, S) for t in trials]
+            if thorough:  # each improved by local search, all of the chunk in lockstep; keyed on the share matrix
+                srch = BatchSearch([counts_matrix(r, E, N) for r in reps], load, S)
+                srch.run(20 * N * S)
+                keys = [matrix_key(C, load) for C in srch.C]
             else:  # scored without building the Placement (the same sums as make_placement's), built if taken
-                q = None
-                dl = device_loads(reps, load, N).tolist()
-                k = (max(dl), float(sum(x * x for x in dl)))
-            if k[0] < best_key[0] - tol or (k[0] <= best_key[0] + tol and k[1] < best_key[1] - tol * tol):
-                best = q if q is not None else make_placement(reps, load, N, S)
-                best_key, counts = k, list(best.replica_counts)
+                keys = []
+                for r in reps:
+                    dl = device_loads(r, load, N).tolist()
+                    keys.append((max(dl), float(sum(x * x for x in dl))))
+            for j, k in enumerate(keys):
+                if better(k):  # the first improving neighbour in order, as one at a time would take
+                    evals += j + 1
+                    best = (make_placement(matrix_replicas(srch.C[j]), load, N, S) if thorough
+                            else make_placement(reps[j], load, N, S))
+                    best_key, counts = k, list(best.replica_counts)
+                    moved = True
+                    break
+            if moved:
                 break
-        else:
-            break  # no neighbour is better: a local optimum
+            evals += len(part)
+            i += len(part)
+        if not moved:
+            break  # no neighbour is better (a local optimum), or max_evals reached
     return best
 
 
-__all__ = ["FAMILIES", "ShareSearch", "counts_matrix", "matrix_replicas", "improve", "count_search"]
+__all__ = ["FAMILIES", "ShareSearch", "BatchSearch", "apply_move", "counts_matrix", "matrix_replicas", "improve", "count_search"]

@@ -150,6 +150,23 @@ def make_placement(replicas: Sequence[Sequence[int]], load: np.ndarray, N: int, 
     return Placement(reps, tuple(float(x) for x in dl), S, device_host)
 
 
+def matrix_loads(C_EN: np.ndarray, load: np.ndarray) -> np.ndarray:
+    """[N] device loads of a share matrix (``C[e, d]`` shares of expert e on device d), summed
+    in the order :func:`device_loads` sums the replica lists of that layout (so the values are
+    bit for bit those of the :class:`Placement`, without building it)."""
+    E, N = C_EN.shape
+    cnt = C_EN.sum(axis=1)
+    flat = np.repeat(np.tile(np.arange(N), E), C_EN.ravel())
+    share = np.repeat(load / np.maximum(cnt, 1), cnt)
+    return np.bincount(flat, weights=share, minlength=N).astype(np.float64)
+
+
+def matrix_key(C_EN: np.ndarray, load: np.ndarray) -> tuple[float, float]:
+    """:func:`placement_key` of the layout of a share matrix, without building it."""
+    dl = matrix_loads(C_EN, load)
+    return (float(dl.max()), float(dl @ dl))
+
+
 def placement_key(p: Placement) -> tuple[float, float]:
     """Lexicographic quality: maximum device load, then sum of squared device loads."""
     dl = np.asarray(p.device_load)
@@ -157,4 +174,5 @@ def placement_key(p: Placement) -> tuple[float, float]:
 
 
 
-__all__ = ["Placement", "imbalance", "device_loads", "make_placement", "placement_key"]
+__all__ = ["Placement", "imbalance", "device_loads", "make_placement", "matrix_loads", "matrix_key",
+           "placement_key"]
