@@ -157,6 +157,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-root", default=None)
     g.add_argument("--syn-nodes", type=int, default=20_000)
     g.add_argument("--syn-edges", type=int, default=200_000)
+    g.add_argument("--syn-seed", type=int, default=0,
+                   help="seed of the synthetic graph (another graph of the same shape; --seeds "
+                        "seeds the training)")
     g.add_argument("--epochs", type=int, default=20)
     g.add_argument("--eval-every", type=int, default=None,
                    help="evaluate every K epochs (default 5; 1 with --metric time-to-acc)")
@@ -232,6 +235,8 @@ def variants(a: argparse.Namespace) -> list[Variant]:
         common += ["--dataset", a.dataset] + (["--data-root", a.data_root] if a.data_root else [])
     else:
         common += ["--syn-nodes", str(a.syn_nodes), "--syn-edges", str(a.syn_edges)]
+        if getattr(a, "syn_seed", 0):
+            common += ["--syn-seed", str(a.syn_seed)]
     pm = getattr(a, "partition_method", "metis")
     out = []
     models = a.models or ("gcn" if tta else "gcn,sage")
@@ -410,7 +415,8 @@ def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> 
              "test_acc": median_of(rs, "test_acc"),
              "comm_share": (median_of(rs, "breakdown_s.comm") or 0) / ep if ep else None,
              "quant_share": (median_of(rs, "breakdown_s.quant") or 0) / ep if ep else None,
-             "assign_share_of_wall": median_of(rs, "assign_share_of_wall")}
+             "assign_share_of_wall": median_of(rs, "assign_share_of_wall"),
+             "solve_share_of_wall": median_of(rs, "solve_share_of_wall")}
         if base:
             # per-repeat ratios (repeat k of vanilla against repeat k of this variant: interleaved)
             rat = [b["epoch_time_s"] / x["epoch_time_s"] for b, x in zip(base, rs)]
@@ -436,10 +442,10 @@ def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> 
         r["runs"] = len(rs)
         rows[v] = r
     keys = ("epoch_time_s", "speedup_vs_vanilla", "speedup_vs_vanilla_bf16", "comm_share", "quant_share", "assign_share_of_wall",
-            "bytes_per_epoch_MB", "test_acc", "x_nocomm")
+            "solve_share_of_wall", "bytes_per_epoch_MB", "test_acc", "x_nocomm")
     lines = _variant_rows(rows, keys, 3)
     lines.append("speedup_vs_vanilla: median over repeats of (vanilla epoch / variant epoch) of the "
-                 "same repeat (_bf16: against vanilla with --dtype bfloat16); comm/quant shares: of the variant's median epoch; x_nocomm: epoch time "
+                 "same repeat (_bf16: against vanilla with --dtype bfloat16); comm/quant shares: of the variant's median epoch; assign_share_of_wall: the re-assignments' time on the training thread (adaptive: gather and broadcast), solve_share_of_wall: adaptive's background solves, both of rank 0's wall clock; x_nocomm: epoch time "
                  "as a multiple of the timing-only nocomm mode (remote rows = zeros, wrong maths).")
     tables = {"AdaQP against Vanilla (per model)": "\n".join(lines)}
     tables["Which mode to pick here"] = pick_line(rows, getattr(a, "bandwidth", None) or "unshaped")
@@ -493,7 +499,7 @@ WORKLOAD = Workload(
                  "of the same model. Run under an emulated network with --bandwidth RATE and "
                  "--hosts K (root, ip and tc)."),
     key_metrics=("epoch_time_s", "bytes_sent_per_epoch", "test_acc", "breakdown_s.comm",
-                 "breakdown_s.quant", "assign_share_of_wall"),
+                 "breakdown_s.quant", "assign_share_of_wall", "solve_share_of_wall"),
     add_arguments=add_arguments,
     variants=variants,
     summarize=summarize,

@@ -140,6 +140,9 @@ def test_bench_variants_and_summary_with_time_to_acc(tmp_path, monkeypatch):
     assert set(keep) | set(skipped) == set(gnn.TTA_MODES)
     args = gnn.variants(a)[0].args
     assert args[args.index("--eval-every") + 1] == "1"  # every epoch evaluated
+    assert "--syn-seed" not in args  # the default graph
+    other = gnn.variants(p.parse_args(["--syn-seed", "7"]))[0].args
+    assert other[other.index("--syn-seed") + 1] == "7"
     plain = p.parse_args([])
     assert gnn.variants(plain)[0].args[gnn.variants(plain)[0].args.index("--eval-every") + 1] == "5"
     # a mode this checkout lacks is skipped, not an error
