@@ -52,7 +52,7 @@ from ..quant.assign_joint import DROP, SIGN, STOCHASTIC, TECHNIQUE_NAMES, TECHNI
 from ..quant.codec import decode_signs, dequantize_rows, encode_signs, payload_bytes, quantize_rows
 from ..quant.fast import say_stderr, warm_sign_codec
 from ..results import median
-from .adaptive_plan import link_model, sender_report, solve_period, technique_segments
+from .adaptive_plan import link_model, sender_report, solve_budget, solve_period, technique_segments
 from .adaqp import EXCHANGE_COMPILE_MIN_ELEMENTS, AdaQPExchange, _mix_key
 from .adaqp_plan import AdaQPOptions, WidthLayout, width_layout
 from .book import PartitionBook
@@ -346,9 +346,8 @@ class AdaptiveExchange(AdaQPExchange):
                 for dst, (g, _) in per.items() if me in (src, dst)}
         pend: dict = {"epoch": epoch, "gids": gids, "gather_s": time.perf_counter() - t0}
         if me == 0:
-            limit = self.opt.assign_time_limit_s
-            if self._last_epoch_s:
-                limit = max(0.02, min(limit, 0.5 * self._last_epoch_s))
+            solver, limit = solve_budget(self.opt.assign_time_limit_s, self.solver,
+                                         self.opt.period, self._last_epoch_s)
             box: dict = {}
 
             def solve() -> None:
@@ -360,7 +359,7 @@ class AdaptiveExchange(AdaQPExchange):
                         links = links.scaled(median(ratios))
                     table, info = solve_period(got, links, error_budget=self.error_budget,
                                                time_limit_s=limit, seed=self.seed,
-                                               solver=self.solver, period=self.opt.period,
+                                               solver=solver, period=self.opt.period,
                                                hosts_P=self.hosts_P, workers=1)
                     info["theta_ratio"] = median(ratios) if ratios else None
                     info["time_limit_s"] = limit

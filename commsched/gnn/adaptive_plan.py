@@ -47,6 +47,26 @@ from ..topology import INTER, INTRA, Topology
 LINK_MODELS = ("topology", "averaged", "ring")
 
 
+# rank 0's CP-SAT runs only where it fits in this share of a period's measured time (the
+# solve thread shares the cores with training; at a short limit CP-SAT rarely beats the
+# greedy: docs/benchmarks.md, "one assignment over every technique"), and never below
+# CPSAT_MIN_S seconds
+CPSAT_SHARE = 0.02
+CPSAT_MIN_S = 0.1  # about what CP-SAT takes to prove an 8-group-a-channel problem optimal at 4 ranks
+
+
+def solve_budget(limit_s: float, solver: str, period: int, last_epoch_s: float | None) -> tuple[str, float]:
+    """(solver, CP-SAT time limit) of one period's solve: the configured limit, at most half
+    the last epoch and :data:`CPSAT_SHARE` of the period's time; the greedy alone when that
+    share is under :data:`CPSAT_MIN_S` (before any epoch is timed: the configured ones)."""
+    if not last_epoch_s:
+        return solver, limit_s
+    cap = CPSAT_SHARE * period * last_epoch_s
+    if solver == "cp-sat" and cap < CPSAT_MIN_S:
+        solver = "greedy"
+    return solver, max(0.02, min(limit_s, 0.5 * last_epoch_s, max(cap, CPSAT_MIN_S)))
+
+
 def technique_segments(dim: int, technique: int) -> tuple[int, ...]:
     """Per-row bytes of the segments one technique's rows travel in: none (dropped), one
     sign record, payload and metadata (2/4/8 bits), or the float32 row."""
@@ -275,6 +295,6 @@ def solve_period(per_rank: list[dict], links: LinkModel, *, error_budget: float,
     return table, info
 
 
-__all__ = ["LINK_MODELS", "LinkModel", "MAX_GROUPS_PER_CHANNEL", "PeriodProblem",
-           "build_period_problem", "channel_groups", "link_model", "sender_report", "solve_period",
-           "technique_segments"]
+__all__ = ["CPSAT_MIN_S", "CPSAT_SHARE", "LINK_MODELS", "LinkModel", "MAX_GROUPS_PER_CHANNEL", "PeriodProblem",
+           "build_period_problem", "channel_groups", "link_model", "sender_report", "solve_budget",
+           "solve_period", "technique_segments"]

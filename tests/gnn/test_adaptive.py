@@ -101,6 +101,8 @@ def three_rank_cases(rank: int, world: int) -> dict:
     out["assignments"] = ma["adaptive"]["assignments"]
     out["hist"] = ma["adaptive"]["rows_per_technique_last_epoch_this_rank"]
     out["bytes_per_epoch"] = ma["bytes_sent_per_epoch"]
+    out["shares"] = (ma.get("assign_share_of_wall"), ma.get("solve_share_of_wall"),
+                     ma["adaptive"].get("assign_total_s"), ma["adaptive"].get("solve_total_s"))
     return out
 
 
@@ -123,3 +125,20 @@ def test_adaptive_on_three_ranks():
             for k in x["keys"]:
                 assert k["error"] <= k["budget"] * (1 + 1e-3)
         assert sum(o["hist"].values()) > 0
+        if rank == 0:  # rank 0 reports the re-assignments' share of its wall clock
+            inline, solve, inline_s, solve_s = o["shares"]
+            assert inline_s == pytest.approx(sum(x["wall_s"] for x in a)) and 0 < inline < 1
+            assert solve_s == pytest.approx(sum(x["solve_s"] for x in a)) and 0 < solve < 1
+
+
+def test_solve_budget_keeps_cpsat_within_a_share_of_the_period():
+    from commsched.gnn.adaptive_plan import CPSAT_MIN_S, CPSAT_SHARE, solve_budget
+
+    assert solve_budget(0.25, "cp-sat", 5, None) == ("cp-sat", 0.25)  # no epoch timed yet
+    # a 0.5 s epoch, period 5: 2% of 2.5 s is under the floor, the greedy alone
+    assert CPSAT_SHARE * 5 * 0.5 < CPSAT_MIN_S
+    assert solve_budget(0.25, "cp-sat", 5, 0.5)[0] == "greedy"
+    # a 4 s epoch: CP-SAT at min(limit, half an epoch, 2% of 20 s = 0.4 s)
+    assert solve_budget(0.25, "cp-sat", 5, 4.0) == ("cp-sat", 0.25)
+    assert solve_budget(1.0, "cp-sat", 5, 4.0) == ("cp-sat", pytest.approx(0.4))
+    assert solve_budget(1.0, "greedy", 5, 4.0)[0] == "greedy"
