@@ -99,6 +99,9 @@ class AdaptiveExchange(AdaQPExchange):
 
     def end_epoch(self, ctx: PassContext) -> None:
         super().end_epoch(ctx)
+        if self._epoch_t is not None:  # the training epoch alone (an evaluation pass between
+            # two epochs is not in it: it made the solve's limit follow the evaluation's time)
+            self._last_epoch_s = time.perf_counter() - self._epoch_t
         if self._finite is not None:
             ok, self._finite = bool(self._finite), None  # one host read an epoch
             if not ok:
@@ -123,10 +126,7 @@ class AdaptiveExchange(AdaQPExchange):
         """Trace in the last epoch of each period; at a period's first epoch gather the
         traces and start rank 0's solve in the background; at the next epoch apply it."""
         epoch = ctx.epoch
-        now = time.perf_counter()
-        if self._epoch_t is not None:
-            self._last_epoch_s = now - self._epoch_t
-        self._epoch_t = now
+        self._epoch_t = time.perf_counter()  # end_epoch measures the training epoch from here
         self._tracing = (epoch + 1) % self.opt.period == 0
         if self.world_size == 1 or epoch == 0:
             return
