@@ -561,19 +561,22 @@ SOCKET_RATE = textwrap.dedent("""
 """)
 
 
-def _assert_shaped_rate(measure, rate: int, what: str, tries: int = 3) -> None:
+def _assert_shaped_rate(measure, rate: int, what: str, tries: int = 4, floor: float = 0.6) -> None:
     """The shaper caps the rate on every try (above 1.2x fails at once); the rate is also
-    reached (0.8x) on at least one of `tries` tries. A single short transfer can fall
-    short when the test suite's other workers hold both cores, so a slow try is retried;
-    a unit slip (bit against byte, kbit against mbit) is off by 8x or more on every try."""
+    reached (``floor`` of it) on at least one of `tries` tries. One TCP stream through a
+    token bucket on a loaded 2-core machine falls short of the rate (CI saw 133-154 of
+    200 Mbit/s on three tries while the suite's other worker held a core: tbf drops when
+    the bucket runs dry and TCP backs off), so the floor is 0.6x and a slow try is retried;
+    a unit slip (bit against byte, kbit against mbit) is off by 8x or more on every try,
+    and the cap itself is checked on every try."""
     seen = []
     for _ in range(tries):
         measured = measure()
         seen.append(measured)
         assert measured <= 1.2 * rate, f"measured {measured / 1e6:.1f} Mbit/s for {what}: not capped"
-        if measured >= 0.8 * rate:
+        if measured >= floor * rate:
             return
-    raise AssertionError(f"{what} delivered below 80% of its rate on every try: "
+    raise AssertionError(f"{what} delivered below {floor:.0%} of its rate on every try: "
                          + ", ".join(f"{m / 1e6:.1f}" for m in seen) + " Mbit/s")
 
 
