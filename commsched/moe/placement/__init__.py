@@ -89,6 +89,7 @@ _EXPORTS: dict[str, str] = {
     "host_local_loads": "hosts",
     "host_local_loads_reference": "hosts",
     "cross_rows": "node_aware",
+    "cross_rows_reference": "node_aware",
     "node_cost": "node_aware",
     "PLANNERS": "registry",
     "eplb_layout": "registry",

@@ -22,6 +22,15 @@ def even_origin(load_E: Sequence[float] | np.ndarray, device_host: Sequence[int]
     return (n_H / hosts.size)[:, None] * load[None, :]
 
 
+def replica_matrix(replicas: Sequence[Sequence[int]], num_devices: int) -> np.ndarray:
+    """[E, N] float: how many replicas (shares) of expert e device d holds (a device holding
+    m shares of e counts m times)."""
+    E, N = len(replicas), num_devices
+    lens = np.fromiter((len(r) for r in replicas), dtype=np.int64, count=E)
+    flat = np.fromiter(itertools.chain.from_iterable(replicas), dtype=np.int64, count=int(lens.sum()))
+    return np.bincount(np.repeat(np.arange(E), lens) * N + flat, minlength=E * N).reshape(E, N).astype(np.float64)
+
+
 def host_local_loads(replicas: Sequence[Sequence[int]], origin_HE: np.ndarray, device_host: Sequence[int]
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The host-local split of ``origin_HE[h, e]`` tokens (host h's tokens routed to expert e):
@@ -31,11 +40,8 @@ def host_local_loads(replicas: Sequence[Sequence[int]], origin_HE: np.ndarray, d
     :func:`host_local_loads_reference` is the loop-per-token-group twin."""
     o = np.asarray(origin_HE, dtype=np.float64).T  # [E, H]
     host = np.asarray(device_host, dtype=np.int64)
-    E, H, N = o.shape[0], o.shape[1], host.size
-    lens = np.fromiter((len(r) for r in replicas), dtype=np.int64, count=len(replicas))
-    flat = np.fromiter(itertools.chain.from_iterable(replicas), dtype=np.int64, count=int(lens.sum()))
-    R = np.bincount(np.repeat(np.arange(E), lens) * N + flat, minlength=E * N).reshape(E, N).astype(np.float64)
-    # (a device holding m shares of e counts m times)
+    H = o.shape[1]
+    R = replica_matrix(replicas, host.size)
     r_EH = R @ (host[:, None] == np.arange(H)[None, :])  # replicas of e on host h
     local = r_EH > 0
     stay = np.where(local, o / np.maximum(r_EH, 1.0), 0.0)  # [E, H] share of each local replica
@@ -71,4 +77,4 @@ def host_local_loads_reference(replicas: Sequence[Sequence[int]], origin_HE: np.
 
 
 
-__all__ = ["even_origin", "host_local_loads", "host_local_loads_reference"]
+__all__ = ["even_origin", "replica_matrix", "host_local_loads", "host_local_loads_reference"]

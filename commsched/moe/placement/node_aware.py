@@ -24,6 +24,7 @@ Legend: E experts, N devices, S slots per device, H hosts.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from typing import Callable, Sequence
@@ -32,7 +33,7 @@ import numpy as np
 
 from .checks import check_hosts, check_load
 from .hosts import even_origin, host_local_loads
-from .packing import greedy_counts
+from .packing import greedy_counts, greedy_replicas, lpt_replicas
 from .types import Placement, device_loads, make_placement
 
 # node-aware placement: how many counts k of experts kept on every host are tried (each
@@ -60,6 +61,32 @@ def cross_rows(p: Placement, load_E: Sequence[float] | np.ndarray, device_host: 
         raise ValueError(f"origin_HE must be [H, E] = [{H}, {p.num_experts}], got {o.shape}")
     if p.device_host is not None:
         return host_local_loads(p.replicas, o, hosts)[1:]
+    # every (expert e, host h, replica d of e off h) in the loop order of
+    # cross_rows_reference, accumulated in that order by np.add.at: the same sums, bit for bit
+    host = np.asarray(hosts, dtype=np.int64)
+    lens = np.fromiter((len(r) for r in p.replicas), dtype=np.int64, count=p.num_experts)
+    e_j = np.repeat(np.arange(p.num_experts), lens)
+    d_j = np.fromiter(itertools.chain.from_iterable(p.replicas), dtype=np.int64, count=e_j.size)
+    j, h = (a.ravel() for a in np.meshgrid(np.arange(e_j.size), np.arange(H), indexing="ij"))
+    keep = host[d_j[j]] != h
+    j, h = j[keep], h[keep]
+    o_ = np.lexsort((j, h, e_j[j]))
+    j, h = j[o_], h[o_]
+    x = o[h, e_j[j]] / lens[e_j[j]]
+    out_H, in_H = np.zeros(H), np.zeros(H)
+    np.add.at(out_H, h, x)
+    np.add.at(in_H, host[d_j[j]], x)
+    return out_H, in_H
+
+
+def cross_rows_reference(p: Placement, load_E: Sequence[float] | np.ndarray, device_host: Sequence[int],
+                         origin_HE: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Slow twin of :func:`cross_rows` for a flat placement: one host's tokens of one expert
+    on one replica at a time."""
+    hosts = list(device_host)
+    load = check_load(load_E)
+    o = even_origin(load, hosts) if origin_HE is None else np.asarray(origin_HE, dtype=np.float64)
+    H = max(hosts) + 1
     out_H, in_H = np.zeros(H), np.zeros(H)
     for e, devs in enumerate(p.replicas):
         for h in range(H):
@@ -117,62 +144,79 @@ def node_aware_placement(load: np.ndarray, N: int, S: int, hosts: tuple[int, ...
 
     lo = [float(x) for x in load]
     n_H = [len(ds) for ds in dev_H]
-    assigned: dict[int, tuple[list[list[int]], list[list[float]]]] = {}
+    assigned: dict[int, tuple[list[list[int]], list[list[float]], np.ndarray]] = {}
+    counts: dict[tuple[int, int], list[int]] = {}  # (k, h): the greedy counts estimate() found
 
-    def assign(k: int) -> tuple[list[list[int]], list[list[float]]]:
-        """Which experts each host holds, and the tokens its devices serve of each."""
+    def assign(k: int) -> tuple[list[list[int]], list[list[float]], np.ndarray]:
+        """Which experts each host holds, the tokens its devices serve of each, and [E] the
+        host of each expert (-1: kept on every host)."""
         if k in assigned:
             return assigned[k]
-        everywhere, rest = set(order[:k]), order[k:]
+        rest = order[k:]
         served = [float(x) for x in origin[:, order[:k]].sum(axis=1)]  # tokens each host's devices serve
         room = [c - k for c in cap_H]
         # each host takes at most its devices' share of the other experts while another host
-        # has room, so that every host keeps spare slots for replicas of its heavy experts
+        # has room, so that every host keeps spare slots for replicas of its heavy experts;
+        # then any host with room. (hosts leave ``elig`` when their quota runs out)
         fair = [min(room[h], -(-len(rest) * n_H[h] // N)) for h in range(H)]
-        on: list[list[int]] = [sorted(everywhere) for _ in range(H)]
+        quota = fair
+        elig = [h for h in range(H) if fair[h] > 0]
+        if not elig:
+            quota, elig = room, [h for h in range(H) if room[h] > 0]
+        host_of = [-1] * E
         for e in rest:  # descending load, to the host whose devices would serve the least
-            quota = fair if any(x > 0 for x in fair) else room
+            x = lo[e]
             best_h, best_v = -1, math.inf
-            for h in range(H):
-                if quota[h] > 0:
-                    v = (served[h] + lo[e]) / n_H[h]
-                    if v < best_v:
-                        best_h, best_v = h, v
-            on[best_h].append(e)
+            for h in elig:
+                v = (served[h] + x) / n_H[h]
+                if v < best_v:
+                    best_h, best_v = h, v
+            host_of[e] = best_h
             room[best_h] -= 1
             fair[best_h] -= 1
-            served[best_h] += lo[e]
-        on = [sorted(x) for x in on]
-        local = [[float(origin[h, e]) if e in everywhere else lo[e] for e in on[h]] for h in range(H)]
-        assigned[k] = (on, local)
-        return on, local
+            served[best_h] += x
+            if quota[best_h] <= 0:
+                elig.remove(best_h)
+                if not elig and quota is fair:
+                    quota, elig = room, [h for h in range(H) if room[h] > 0]
+        on: list[list[int]] = [[] for _ in range(H)]
+        local: list[list[float]] = [[] for _ in range(H)]
+        for e in range(E):  # ascending expert id on every host
+            g = host_of[e]
+            if g < 0:
+                for h in range(H):
+                    on[h].append(e)
+                    local[h].append(float(origin[h, e]))
+            else:
+                on[g].append(e)
+                local[g].append(lo[e])
+        assigned[k] = (on, local, np.asarray(host_of, dtype=np.int64))
+        return assigned[k]
 
     def estimate(k: int) -> tuple[float, float]:
         """(node cost, max load) of k without packing: each host's devices at the larger of
         their mean and the largest share of the greedy apportionment of their slots (a bound
         LPT comes close to), the rows crossing from the assignment alone."""
-        on, local = assign(k)
+        on, local, host_of = assign(k)
         top = 0.0
-        out_H, in_H = np.zeros(H), np.zeros(H)
-        held = np.zeros((H, E), dtype=bool)
-        for h in range(H):
-            held[h, on[h]] = True
         for h in range(H):
             if on[h]:
-                c = greedy_counts(local[h], n_H[h], S)
+                c = counts[k, h] = greedy_counts(local[h], n_H[h], S)
                 top = max(top, sum(local[h]) / n_H[h], max(x / r for x, r in zip(local[h], c)))
-        only = held.sum(axis=0) == 1  # experts on one host: every other host's tokens cross to it
-        for h in range(H):
-            out_H[h] = float(origin[h, ~held[h]].sum())
-            in_H[h] = float((load - origin[h])[only & held[h]].sum())
-        x = float(max(out_H.max(), in_H.max()))
+        # experts on one host: every other host's tokens cross to it
+        out_H = [float(origin[h, (host_of >= 0) & (host_of != h)].sum()) for h in range(H)]
+        in_H = [float((load - origin[h])[host_of == h].sum()) for h in range(H)]
+        x = max(max(out_H), max(in_H))
         return top + w * x, top
 
     def layout(k: int, planner: Callable[..., list[list[int]]]) -> list[list[int]]:
-        on, local = assign(k)
+        on, local, _ = assign(k)
         reps: list[list[int]] = [[] for _ in range(E)]
         for h in range(H):
-            sub = planner(np.asarray(local[h]), n_H[h], S)
+            if planner is greedy_replicas and (k, h) in counts:  # the counts estimate() found
+                sub = lpt_replicas(local[h], counts[k, h], n_H[h], S)
+            else:
+                sub = planner(np.asarray(local[h]), n_H[h], S)
             for i, e in enumerate(on[h]):
                 reps[e].extend(dev_H[h][d] for d in sub[i])
         return reps
@@ -217,5 +261,5 @@ def node_inputs(load: np.ndarray, N: int, device_host, cross_weight: float, orig
 
 
 
-__all__ = ["NODE_CANDIDATES", "NODE_REFINE", "cross_rows", "node_cost", "node_aware_placement",
+__all__ = ["NODE_CANDIDATES", "NODE_REFINE", "cross_rows", "cross_rows_reference", "node_cost", "node_aware_placement",
            "node_inputs"]
