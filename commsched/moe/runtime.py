@@ -94,6 +94,7 @@ def row_cost(bank: ExpertBank, rank: int, world: int, group=None) -> float:
 @dataclass
 class BatchTimes:
     meta: float = 0.0
+    meta_wait: float = 0.0
     phase1: float = 0.0
     phase1_wait: float = 0.0
     plan: float = 0.0
@@ -108,7 +109,7 @@ class Runtime:
     exchange (else the sequential twin); device: the job's device, where the metadata
     rows are exchanged (NCCL carries CUDA tensors only) and the layers' tensors live."""
 
-    META_EXTRA = 4  # digest of the previous placement, batch, layer, tokens
+    META_EXTRA = 5  # digest of the previous placement, batch, layer, tokens, wall time sent
 
     def __init__(self, strategy: PlacementStrategy, bank: ExpertBank, estimator: PopularityEstimator | None, *,
                  path_length: int, pipelined: bool, rank: int, world: int, group=None,
@@ -162,7 +163,10 @@ class Runtime:
             self._future.result()
 
     def _gather_meta(self, layer: int, counts_E: np.ndarray, est_next_E: np.ndarray) -> np.ndarray:
-        """[N, 2E + 4] every rank's metadata row (see :meth:`moe`), identical on all ranks.
+        """[N, 2E + 5] every rank's metadata row (see :meth:`moe`), identical on all ranks.
+        Its last entry is the wall-clock time (``time.time()``) the rank sent it at, from
+        which :meth:`moe` splits the exchange's time into the wait for the last rank and the
+        exchange after it.
 
         Pipelined: every rank sends its row to every other rank directly (an all-to-all
         of one row per peer: one step, the peers in parallel, so a late rank's row reaches
@@ -172,7 +176,8 @@ class Runtime:
         E = self.E
         row = np.zeros(2 * E + self.META_EXTRA, dtype=np.float64)
         row[:E], row[E:2 * E] = counts_E, est_next_E
-        row[2 * E:] = (self._prev_digest, self._batch, layer, self._T)
+        row[2 * E:2 * E + 4] = (self._prev_digest, self._batch, layer, self._T)
+        row[2 * E + 4] = time.time()
         if self.world == 1:
             return row[None, :]
         mine = torch.from_numpy(row)
@@ -210,6 +215,10 @@ class Runtime:
         t0 = time.perf_counter()
         M = self._gather_meta(j, counts, est_local)
         t1 = time.perf_counter()
+        # the wait for the last rank to send (clocks of one host agree; across hosts their
+        # skew enters, so it is clamped to the call's time), the rest the exchange itself
+        sent = M[:, 2 * E + 4]
+        wait = min(max(0.0, float(sent.max() - sent[self.rank])), t1 - t0)
         counts_PE = M[:, :E].astype(np.int64)
         actual = counts_PE.sum(axis=0).astype(np.float64)
         est_this = self._est_next  # gathered one layer earlier (None at layer 0)
@@ -250,7 +259,8 @@ class Runtime:
                        rank=self.rank, group=self.group, keep_TK=keep_TK, times=self.placed_times,
                        pipelined=self.pipelined, loading=loading, wait_loaded=wait_loaded,
                        device=self.bank.device, meanwhile=ahead)
-        bt.meta += t1 - t0
+        bt.meta += t1 - t0 - wait
+        bt.meta_wait += wait
         bt.phase1_wait += t2 - t1
         bt.plan += t3 - t2
         bt.load += t4 - t3
@@ -270,10 +280,10 @@ class Runtime:
             self._future = None
         self.records.append({
             "latency_s": latency_s,
-            "parts_s": {"meta": self._bt.meta, "phase1": self._bt.phase1, "phase1_wait": self._bt.phase1_wait,
+            "parts_s": {"meta_wait": self._bt.meta_wait, "meta": self._bt.meta, "phase1": self._bt.phase1, "phase1_wait": self._bt.phase1_wait,
                         "plan": self._bt.plan, "load": self._bt.load + pt.load_wait, "a2a": pt.a2a,
                         "expert": pt.expert, "dispatch_other": pt.other,
-                        "dense": max(0.0, latency_s - self._bt.meta - self._bt.phase1 - self._bt.phase1_wait
+                        "dense": max(0.0, latency_s - self._bt.meta_wait - self._bt.meta - self._bt.phase1 - self._bt.phase1_wait
                                      - self._bt.plan - self._bt.load - pt.load_wait - pt.a2a - pt.expert
                                      - pt.other)},
             "bytes_sent": pt.bytes_sent,

@@ -624,6 +624,11 @@ def _trace_equals_local(rank: int, world: int) -> None:
         assert m["planning_window_ms"]["p50"] >= 0.0 and m["phase1_ms"]["p50"] >= 0.0
         if placement == "static":
             assert m["phase1_ms"]["p95"] == 0.0
+        # the metadata exchange split: the wait for the last rank to send, and the rest
+        bd = m["breakdown_s"]
+        assert bd["meta_wait"] >= 0.0 and bd["meta"] >= 0.0
+        if world == 1:
+            assert bd["meta_wait"] == 0.0
 
 
 def _model_equals_local(ckpt: str, rank: int, world: int) -> None:
