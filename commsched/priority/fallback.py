@@ -12,8 +12,13 @@ advance which case it is in (the link, the ranks' skew, the model), so it measur
 *fallback* in the order P F F P P F F P ... (so that a steady trend of the step times,
 such as the first steps' warm-up, favours neither) -- every micro-op launched as soon as it is ready, as ``fifo`` launches its
 buckets, and under lina-overlap the whole reduction waited for at the end of the backward
-pass -- and the run keeps whichever took less time, summed over its probe steps, each step
-timed as its slowest rank. Ties keep the primary. The decision is the same on every rank
+pass -- and the run keeps whichever took less time per step, on average over its probe
+steps, each step timed as its slowest rank. Ties keep the primary. Under an overlapped
+schedule (lina-overlap) a step run right after a switch of mode carries the other mode's
+tail (the step after P -> F waits for the overlapped reduction of the P step and then for
+its own; the step after F -> P leaves its tail to a step that may not be counted), so with
+``skip_switches`` only the steps run in the same mode as the step before them count: in
+P F F P, the first P and the second F. The decision is the same on every rank
 (every rank computes it from the same gathered times) and is announced once.
 
 :class:`FallbackProbe` is the pure part: which mode a step runs in, and the decision from
@@ -29,8 +34,8 @@ from typing import Sequence
 
 @dataclass(frozen=True)
 class Decision:
-    """The probe's verdict: ``fallback`` (True: fifo's launching from now on), and the
-    summed step times (seconds, slowest rank per step) of the primary and fallback steps."""
+    """The probe's verdict: ``fallback`` (True: fifo's launching from now on), and the mean
+    step times (seconds, slowest rank per step) of the counted primary and fallback steps."""
 
     fallback: bool
     primary_s: float
@@ -38,9 +43,9 @@ class Decision:
 
     def message(self, schedule: str, first: int, last: int) -> str:
         verb = "falls back to fifo's launching" if self.fallback else "keeps its schedule"
-        return (f"{schedule}: probe steps {first}-{last} took {self.primary_s:.3f} s as {schedule} against "
-                f"{self.fallback_s:.3f} s with every micro-op launched when ready (fifo's rule); the run {verb} "
-                "from here on")
+        return (f"{schedule}: probe steps {first}-{last} took {self.primary_s:.3f} s a step as {schedule} "
+                f"against {self.fallback_s:.3f} s with every micro-op launched when ready (fifo's rule); the run "
+                f"{verb} from here on")
 
 
 PROBE_WARMUP = 2  # steps before the probe: the first ones are slower (connections, allocator)
@@ -48,12 +53,16 @@ PROBE_WARMUP = 2  # steps before the probe: the first ones are slower (connectio
 
 class FallbackProbe:
     """Steps ``warmup .. warmup + 2 * probes - 1`` run primary and fallback in pairs, P F
-    then F P (:meth:`fallback_at`); :attr:`decide_at` is the first step run as decided."""
+    then F P (:meth:`fallback_at`); :attr:`decide_at` is the first step run as decided.
+    ``skip_switches``: count only the probe steps run in the mode of the step before them
+    (the warm-up steps run the primary), for a schedule whose reduction runs into the next
+    step."""
 
-    def __init__(self, warmup: int = PROBE_WARMUP, probes: int = 2):
+    def __init__(self, warmup: int = PROBE_WARMUP, probes: int = 2, skip_switches: bool = False):
         if warmup < 0 or probes < 0:
             raise ValueError(f"warmup and probes must be >= 0, got {warmup}, {probes}")
         self.warmup, self.probes = int(warmup), int(probes)
+        self.skip_switches = bool(skip_switches)
         self.decided: Decision | None = None
 
     @property
@@ -90,8 +99,13 @@ class FallbackProbe:
                              f"{[len(t) for t in times_RS]}")
         slowest_S = [max(t[s] for t in times_RS) for s in range(n)]
         fb = [self.fallback_at(self.first + s) for s in range(n)]
-        primary = sum(t for t, f in zip(slowest_S, fb) if not f)
-        fallback = sum(t for t, f in zip(slowest_S, fb) if f)
+        counted = [not self.skip_switches or fb[s] == (fb[s - 1] if s else False) for s in range(n)]
+
+        def mean(mode: bool) -> float:
+            xs = [t for t, f, c in zip(slowest_S, fb, counted) if f == mode and c]
+            return sum(xs) / len(xs)
+
+        primary, fallback = mean(False), mean(True)
         self.decided = Decision(fallback < primary, primary, fallback)
         return self.decided
 

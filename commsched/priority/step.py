@@ -58,7 +58,8 @@ class GradStep:
         self._entries, self.cfg, self._sched_kw = entries, cfg, sched_kw
         self._sched: GradScheduler | None = None
         # the measured A/B against fifo's launching (priority/fallback.py)
-        self.probe = FallbackProbe(PROBE_WARMUP, cfg.fallback_probes if cfg.schedule.adaptive else 0)
+        self.probe = FallbackProbe(PROBE_WARMUP, cfg.fallback_probes if cfg.schedule.adaptive else 0,
+                                   skip_switches=cfg.schedule.overlapped)
         self._step = -1
         self._t_last: float | None = None
         self._probe_times: list[float] = []

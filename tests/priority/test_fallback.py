@@ -19,9 +19,9 @@ def test_probe_modes_and_decision_hand_worked():
     # P F F P: a steady trend (the first steps slower) favours neither
     assert [pr.fallback_at(s) for s in range(6)] == [False, False, True, True, False, False]
     assert pr.decide_at == 5 and pr.probing(1) and pr.probing(4) and not pr.probing(5)
-    # two ranks; per step the slower rank counts: primary 1.0 + 1.2, fallback 0.9 + 1.1
+    # two ranks; per step the slower rank counts: primary (1.0 + 1.2) / 2, fallback (0.9 + 1.1) / 2
     d = pr.decide([[1.0, 0.9, 1.1, 1.2], [0.7, 0.8, 0.6, 1.1]])
-    assert d.fallback and d.primary_s == pytest.approx(2.2) and d.fallback_s == pytest.approx(2.0)
+    assert d.fallback and d.primary_s == pytest.approx(1.1) and d.fallback_s == pytest.approx(1.0)
     trend = FallbackProbe(warmup=0, probes=2)  # equal modes under a falling trend: a tie
     assert not trend.decide([[4.0, 3.0, 2.0, 1.0]]).fallback
     assert [FallbackProbe(0, 4).fallback_at(s) for s in range(8)] == [False, True, True, False] * 2
@@ -33,6 +33,21 @@ def test_probe_modes_and_decision_hand_worked():
         FallbackProbe(1, 2).decide([[1.0, 2.0]])
     off = FallbackProbe(1, 0)
     assert not off.enabled and not any(off.fallback_at(s) for s in range(5))
+
+
+def test_probe_of_an_overlapped_schedule_skips_the_steps_after_a_switch():
+    """lina-overlap's tail: the F step after a P step waits for P's reduction (2.0 s), the P
+    step after an F step leaves its tail uncounted (0.5 s). Counting every step keeps the
+    schedule on that bias; counting only the steps in the mode of the step before (the first
+    P, the second F) compares the steady states, 1.0 against 0.9 s."""
+    times = [[1.0, 2.0, 0.9, 0.5]]
+    biased = FallbackProbe(0, 2).decide(times)
+    assert not biased.fallback and biased.primary_s == pytest.approx(0.75) and biased.fallback_s == pytest.approx(1.45)
+    fair = FallbackProbe(0, 2, skip_switches=True).decide(times)
+    assert fair.fallback and fair.primary_s == pytest.approx(1.0) and fair.fallback_s == pytest.approx(0.9)
+    # three pairs, P F F P P F: counted P at 0 and 4, F at 2 (1 and 3 follow a switch, 5 too)
+    six = FallbackProbe(0, 3, skip_switches=True).decide([[1.0, 9.0, 3.0, 9.0, 2.0, 9.0]])
+    assert six.primary_s == pytest.approx(1.5) and six.fallback_s == pytest.approx(3.0) and not six.fallback
 
 
 class ScriptedClock:
@@ -79,6 +94,8 @@ def test_grad_step_keeps_the_faster_mode(capsys, policy, fallback_faster):
     assert holds[:6] == [True, True, True, False, False, True]
     assert holds[6:] == [not fallback_faster] * 3
     assert gs.fallen_back is fallback_faster
+    # only lina-overlap's reduction runs into the next step: its probe skips the steps after a switch
+    assert gs.probe.skip_switches is (policy == "lina-overlap")
     if policy == "lina-overlap":
         assert overlaps[:6] == [True, True, True, False, False, True] and overlaps[6:] == [not fallback_faster] * 3
     err = capsys.readouterr().err
