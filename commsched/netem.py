@@ -18,7 +18,8 @@ Nothing is added to the root namespace: the addresses exist only inside the name
 created here, which have no route anywhere else. The namespaces are deleted when the
 command ends, fails, or this process receives SIGINT, SIGTERM or SIGHUP.
 
-**Link classes** (``--classes ADDR[,ADDR...]``, loopback layout): instead of one ``tbf``
+**Link classes** (``--classes ADDR[,ADDR...]``, loopback layout; ``--host-classes N``,
+hosts layout): instead of one ``tbf``
 whose TCP flows share the rate flow by flow, the loopback gets an ``htb`` qdisc with one
 class per listed address (every packet from or to it) and one class for all other
 traffic, each guaranteed an equal share of RATE and allowed to borrow up to all of it
@@ -27,7 +28,11 @@ address (commsched's gradient reduction: ``ScheduleConfig.reduce_address``) then
 concurrent collectives share the link per collective, as NCCL's channels of two
 communicators do on a GPU cluster, rather than per TCP connection (an all-to-all of P
 ranks opens P (P - 1) flows, a ring allreduce P). It models only the link's share; not the
-SM contention of two NCCL kernels, nor NVLink inside a node.
+SM contention of two NCCL kernels, nor NVLink inside a node. On emulated hosts, class C
+(1..N) is a subnet of its own, ``10.213.C.0/24``: host i's link gets a second address
+``10.213.C.(i+1)`` in it (``{caddrC}`` in the command), and both ends of every host link
+carry the ``htb`` with one class per subnet and one for the rest, so each host's NIC is
+shared per collective in both directions.
 
 ``--delay MS`` needs the ``netem`` qdisc (``sch_netem``); kernels without it are told so
 with a non-zero exit rather than running without the delay.
@@ -66,6 +71,7 @@ BURST_SLACK_BYTES = 1024            # ... but at least one full packet plus head
 QUEUE_TIME_S = 0.02
 CLASS_SUBNET = "127.0.0.0/8"         # --classes addresses: the namespace's own loopback only
 HTB_DEFAULT_MINOR = 10               # class 1:10 carries traffic of no listed address
+MAX_CLASSES = 8                      # --host-classes: subnets 10.213.1.0/24 .. 10.213.8.0/24
 RDZV_PORT = 29400                   # free in a fresh namespace by construction
 STOP_GRACE_S = 10.0                 # SIGTERM -> SIGKILL grace for the command
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -77,6 +83,7 @@ PLACEHOLDERS = {
     "{addr}": "this host's address",
     "{addr0}": "host 0's address (a rendezvous point)",
     "{is_host0}": "1 on host 0, else 0",
+    "{caddrC}": "this host's address in link class C = 1..N (--host-classes N)",
 }
 
 _RATE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)\s*$")
@@ -242,7 +249,8 @@ def parse_class_addresses(text: str | Sequence[str] | None) -> tuple[str, ...]:
 def class_shaping_commands(ns: str, dev: str, rate_bps: int, mtu: int,
                            addresses: Sequence[str]) -> list[list[str]]:
     """tc commands (run in ``ns``) giving ``dev`` an ``htb`` of ``rate_bps`` with one class
-    per address in ``addresses`` (packets from or to it) and a default class for the rest:
+    per address in ``addresses`` (packets from or to it; ``A.B.C.D/L``: from or to that
+    subnet) and a default class for the rest:
     each is guaranteed ``rate_bps / (len(addresses) + 1)`` and may borrow up to
     ``rate_bps`` (ceil), equal quanta, so backlogged classes share equally whatever their
     number of TCP flows. Each class queues in a ``bfifo`` as deep as :func:`tbf_params`'s
@@ -266,7 +274,8 @@ def class_shaping_commands(ns: str, dev: str, rate_bps: int, mtu: int,
     for a, m in zip(addresses, minors[1:]):
         for direction in ("src", "dst"):
             cmds.append(base + ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
-                                "u32", "match", "ip", direction, f"{a}/32", "flowid", f"1:{m}"])
+                                "u32", "match", "ip", direction, a if "/" in a else f"{a}/32",
+                                "flowid", f"1:{m}"])
     return cmds
 
 
@@ -279,7 +288,8 @@ class NetSpec:
     carries the traffic between the processes of that host (None: unlimited).
     ``classes`` (loopback layout, with a rate, no delay): addresses whose traffic gets its
     own equal share of the link (:func:`class_shaping_commands`); () keeps one ``tbf``
-    shared per TCP flow."""
+    shared per TCP flow. ``host_classes`` (hosts layout, with a rate, no delay): the number
+    of link classes of every host link, each a subnet (:func:`class_address`)."""
 
     rate_bps: int | None
     hosts: int = 1
@@ -287,6 +297,7 @@ class NetSpec:
     tag: str = ""
     host_rate_bps: int | None = None
     classes: tuple[str, ...] = ()
+    host_classes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.hosts, int) or not 1 <= self.hosts <= MAX_HOSTS:
@@ -310,6 +321,17 @@ class NetSpec:
                 raise ValueError("link classes (--classes) share a limited link: give --rate")
             if self.delay_ms:
                 raise ValueError("link classes (--classes) cannot be combined with --delay")
+        if isinstance(self.host_classes, bool) or not isinstance(self.host_classes, int) or \
+                not 0 <= self.host_classes <= MAX_CLASSES:
+            raise ValueError(f"host_classes must be an integer in 0..{MAX_CLASSES}, got {self.host_classes!r}")
+        if self.host_classes:
+            if self.hosts < 2:
+                raise ValueError("--host-classes gives the emulated hosts' links classes: it needs --hosts K >= 2 "
+                                 "(with one host, --classes ADDR classes the shared loopback)")
+            if self.rate_bps is None:
+                raise ValueError("link classes (--host-classes) share a limited link: give --rate")
+            if self.delay_ms:
+                raise ValueError("link classes (--host-classes) cannot be combined with --delay")
         if not re.fullmatch(r"[A-Za-z0-9_]*", self.tag):
             raise ValueError(f"tag must be letters, digits or _, got {self.tag!r}")
 
@@ -323,6 +345,7 @@ class NetPlan:
     addresses: tuple[str, ...]        # per host: its address (127.0.0.1 in loopback mode)
     ifname: str                       # the interface the command's traffic leaves by
     setup: tuple[tuple[str, ...], ...] = field(default=())
+    class_addresses: tuple[tuple[str, ...], ...] = ()  # per host: its address in class 1..N
 
     @property
     def namespaces(self) -> tuple[str, ...]:
@@ -333,6 +356,14 @@ def host_address(i: int) -> str:
     if not 0 <= i < MAX_HOSTS:
         raise ValueError(f"host index must be in 0..{MAX_HOSTS - 1}, got {i}")
     return f"{SUBNET_PREFIX}{i + 1}"
+
+
+def class_address(i: int, c: int) -> str:
+    """Host i's address in link class c (1..:data:`MAX_CLASSES`): ``10.213.c.(i+1)``, in the
+    class's own /24 (host addresses are class 0's subnet, :data:`SUBNET_PREFIX`)."""
+    if not 1 <= c <= MAX_CLASSES:
+        raise ValueError(f"link class must be in 1..{MAX_CLASSES}, got {c}")
+    return host_address(i).rsplit(".", 2)[0] + f".{c}.{i + 1}"
 
 
 def plan_network(spec: NetSpec) -> NetPlan:
@@ -372,11 +403,24 @@ def plan_network(spec: NetSpec) -> NetPlan:
         cmds.append(netns_cmd(h, ["ip", "link", "set", "dev", "lo", "up"]))
         cmds += shaping_commands(h, "lo", spec.host_rate_bps, lo_mtu)
         cmds.append(netns_cmd(h, ["ip", "addr", "add", f"{a}/{SUBNET_BITS}", "dev", HOST_IFNAME]))
+        # the class addresses after the primary one, which stays the interface's first
+        # (gloo binds to the first address of GLOO_SOCKET_IFNAME)
+        for c in range(1, spec.host_classes + 1):
+            cmds.append(netns_cmd(h, ["ip", "addr", "add", f"{class_address(i, c)}/{SUBNET_BITS}", "dev",
+                                      HOST_IFNAME]))
         cmds.append(netns_cmd(h, ["ip", "link", "set", "dev", HOST_IFNAME, "up"]))
+        if spec.host_classes:  # both directions of the link, one htb class per class subnet
+            assert spec.rate_bps is not None  # NetSpec checked
+            subnets = [class_address(0, c).rsplit(".", 1)[0] + f".0/{SUBNET_BITS}"
+                       for c in range(1, spec.host_classes + 1)]
+            cmds += class_shaping_commands(h, HOST_IFNAME, spec.rate_bps, mtu, subnets)
+            cmds += class_shaping_commands(br, port, spec.rate_bps, mtu, subnets)
+            continue
         # host -> bridge (upload) carries the one-way delay; bridge -> host (download) the rate only
         cmds += shaping_commands(h, HOST_IFNAME, spec.rate_bps, mtu, spec.delay_ms)
         cmds += shaping_commands(br, port, spec.rate_bps, mtu, None)
-    return NetPlan(hosts, br, addrs, HOST_IFNAME, tuple(map(tuple, cmds)))
+    caddrs = tuple(tuple(class_address(i, c) for c in range(1, spec.host_classes + 1)) for i in range(spec.hosts))
+    return NetPlan(hosts, br, addrs, HOST_IFNAME, tuple(map(tuple, cmds)), caddrs if spec.host_classes else ())
 
 
 def teardown_commands(plan: NetPlan) -> list[list[str]]:
@@ -384,10 +428,14 @@ def teardown_commands(plan: NetPlan) -> list[list[str]]:
     return [["ip", "netns", "delete", ns] for ns in plan.namespaces]
 
 
-def fill_placeholders(argv: Sequence[str], host: int, addresses: Sequence[str]) -> list[str]:
-    """``argv`` for host ``host`` with each :data:`PLACEHOLDERS` key replaced."""
+def fill_placeholders(argv: Sequence[str], host: int, addresses: Sequence[str],
+                      class_addresses: Sequence[Sequence[str]] = ()) -> list[str]:
+    """``argv`` for host ``host`` with each :data:`PLACEHOLDERS` key replaced
+    (``class_addresses[host][c - 1]``: ``{caddrC}``)."""
     values = {"{host}": str(host), "{hosts}": str(len(addresses)), "{addr}": addresses[host],
               "{addr0}": addresses[0], "{is_host0}": "1" if host == 0 else "0"}
+    if class_addresses:
+        values.update({f"{{caddr{c + 1}}}": a for c, a in enumerate(class_addresses[host])})
     out = []
     for a in argv:
         for k, v in values.items():
@@ -560,7 +608,7 @@ def run_emulated(spec: NetSpec, argv: Sequence[str], env: dict[str, str] | None 
             try:
                 e = child_env(em.plan, dict(os.environ if env is None else env))
                 for i, ns in enumerate(em.plan.host_ns):
-                    cmd = netns_cmd(ns, fill_placeholders(argv, i, em.plan.addresses))
+                    cmd = netns_cmd(ns, fill_placeholders(argv, i, em.plan.addresses, em.plan.class_addresses))
                     procs.append(subprocess.Popen(cmd, env=e, start_new_session=True))
                 while True:
                     rcs = [p.poll() for p in procs]
@@ -674,6 +722,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="loopback layout: give the traffic from or to each of these loopback addresses "
                         "(127.0.0.2, ...) its own equal share of the link (htb), all other traffic one more "
                         "share, instead of one tbf shared per TCP flow")
+    p.add_argument("--host-classes", type=int, default=0, metavar="N",
+                   help="with --hosts K: N link classes on every host link, class C a subnet of its own "
+                        "(host i's address in it: 10.213.C.(i+1), {caddrC} in COMMAND); each class and the "
+                        "rest get an equal share of the link (htb), in both directions")
     p.add_argument("--cleanup", action="store_true",
                    help="delete namespaces left behind by commsched netem processes that no longer exist "
                         "(and in which no process still runs), then exit")
@@ -704,7 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         spec = NetSpec(parse_optional_rate(a.rate), a.hosts, a.delay, tag=str(os.getpid()),
                        host_rate_bps=parse_optional_rate(a.host_rate),
-                       classes=parse_class_addresses(a.classes))
+                       classes=parse_class_addresses(a.classes), host_classes=a.host_classes)
         return run_emulated(spec, cmd)
     except (ValueError, NetemError) as e:
         print(f"commsched netem: {e}", file=sys.stderr)
@@ -713,7 +765,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 __all__ = ["NetSpec", "NetPlan", "NetemError", "TbfParams", "Emulation", "parse_rate",
            "parse_optional_rate", "format_rate", "tbf_params", "parse_class_addresses",
-           "class_shaping_commands", "plan_network", "teardown_commands",
+           "class_shaping_commands", "class_address", "plan_network", "teardown_commands",
            "fill_placeholders", "check_requirements", "run_emulated", "delay_supported", "namespace_owner",
            "stale_namespaces", "main"]
 

@@ -3,7 +3,7 @@
 whose commands run under :mod:`commsched.netem` (the emulator itself knows nothing of
 benchmarks).
 
-Link models (``--link-model``, :data:`LINK_MODELS`; the loopback layout):
+Link models (``--link-model``, :data:`LINK_MODELS`; the loopback and the hosts layouts):
 
 * ``flow`` -- one ``tbf`` on the shared loopback: concurrent collectives share the rate
   per TCP flow, so an all-to-all of P ranks (P (P - 1) flows) keeps most of it against a
@@ -13,7 +13,10 @@ Link models (``--link-model``, :data:`LINK_MODELS`; the loopback layout):
   (``commsched netem --classes``); workloads bind their gradient reduction to that address
   (``args.reduce_address``), so the allreduce and the all-to-all share the link per
   collective, as two NCCL communicators' channels do. It models the link's share only:
-  not the SMs two NCCL kernels contend for, nor NVLink inside a node.
+  not the SMs two NCCL kernels contend for, nor NVLink inside a node. On emulated hosts
+  (``--hosts K``) every host link carries the classes in both directions (``commsched
+  netem --host-classes 1``) and the reduction binds to the host's address in the class
+  subnet (:data:`REDUCE_CLASS_PLACEHOLDER`, filled in per host).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ _STANDALONE = ("import importlib.util as u, sys; s = u.spec_from_file_location('
 
 LINK_MODELS = ("collective", "flow")
 REDUCE_CLASS_ADDRESS = "127.0.0.2"   # the gradient reduction's link class (loopback namespace only)
+REDUCE_CLASS_PLACEHOLDER = "{caddr1}"  # hosts layout: each host's address in link class 1
 
 
 class EmulationUnavailable(NetemError):
@@ -53,7 +57,7 @@ class EmulationUnavailable(NetemError):
 
 def netem_prefix(rate_bps: int | None, hosts: int = 1, delay_ms: float | None = None,
                  python: str = sys.executable, host_rate_bps: int | None = None,
-                 classes: Sequence[str] = ()) -> list[str]:
+                 classes: Sequence[str] = (), host_classes: int = 0) -> list[str]:
     """The ``commsched netem ... --`` prefix that runs a command under this emulation.
 
     It loads the emulator's file on its own (:data:`_STANDALONE`) rather than
@@ -70,6 +74,8 @@ def netem_prefix(rate_bps: int | None, hosts: int = 1, delay_ms: float | None = 
         cmd += ["--host-rate", f"{host_rate_bps}bit"]
     if classes:
         cmd += ["--classes", ",".join(classes)]
+    if host_classes:
+        cmd += ["--host-classes", str(host_classes)]
     return cmd + ["--"]
 
 
@@ -170,14 +176,21 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
     if ns.delay and not (probe_delay or delay_supported)():
         raise EmulationUnavailable("--delay is not supported on this machine: the kernel has no "
                                    "netem qdisc (sch_netem); run without --delay")
-    classes = (REDUCE_CLASS_ADDRESS,) if link_model == "collective" else ()
-    prefix = netem_prefix(rate, hosts, ns.delay, host_rate_bps=host_rate, classes=classes)
+    per_collective = link_model == "collective"
+    classes = (REDUCE_CLASS_ADDRESS,) if per_collective and hosts == 1 else ()
+    host_classes = 1 if per_collective and hosts > 1 else 0
+    prefix = netem_prefix(rate, hosts, ns.delay, host_rate_bps=host_rate, classes=classes,
+                          host_classes=host_classes)
     info = {"mode": "hosts" if hosts > 1 else "loopback", "hosts": hosts, "link_model": link_model,
-            "link_classes": list(classes),
+            "link_classes": list(classes) or ([REDUCE_CLASS_PLACEHOLDER] if host_classes else []),
             "rate_bps": rate, "delay_ms": ns.delay, "host_rate_bps": host_rate,
             "nproc_meaning": "processes per host" if hosts > 1 else "processes (ranks)",
             "layout": (f"{hosts} host namespaces on a bridge, each link limited to the rate in both "
-                       "directions; between ranks of one host "
+                       "directions"
+                       + (", in equal-weight htb classes: the gradient reduction (bound to each host's "
+                          "address in 10.213.1.0/24) and everything else (link model 'collective')"
+                          if host_classes else ", shared per TCP flow (link model 'flow')" if link_model else "")
+                       + "; between ranks of one host "
                        + (f"{format_rate(host_rate)}, shared" if host_rate else "unlimited")
                        if hosts > 1 else
                        "one namespace; all ranks share one loopback limited to the rate"
@@ -197,7 +210,8 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
 
     return RunContext(bandwidth=format_rate(rate) if rate else None, note="; ".join(notes), hosts=hosts,
                       delay_ms=ns.delay, rate_bps=rate, launch=launch, info=info, flags=flags,
-                      link_model=link_model), rest
+                      link_model=link_model,
+                      reduce_address=REDUCE_CLASS_PLACEHOLDER if host_classes else None), rest
 
 
 def _link_model(asked: str | None, wl: Workload | None, rate: int | None, hosts: int, delay: float | None,
@@ -211,8 +225,7 @@ def _link_model(asked: str | None, wl: Workload | None, rate: int | None, hosts:
         if asked is not None:
             raise ValueError("--link-model needs a shaped link: give --bandwidth RATE (or drop --link-model)")
         return None
-    why = ("the emulated hosts' links (--hosts K > 1) have no link classes yet" if hosts > 1 else
-           "link classes cannot be combined with --delay" if delay else None)
+    why = "link classes cannot be combined with --delay" if delay else None
     if model == "collective" and why:
         if asked is not None:
             raise ValueError(f"--link-model collective: {why}; use --link-model flow")
@@ -224,4 +237,5 @@ def _link_model(asked: str | None, wl: Workload | None, rate: int | None, hosts:
     return model
 
 
-__all__ = ["EmulationUnavailable", "LINK_MODELS", "REDUCE_CLASS_ADDRESS", "bench_context", "netem_prefix"]
+__all__ = ["EmulationUnavailable", "LINK_MODELS", "REDUCE_CLASS_ADDRESS", "REDUCE_CLASS_PLACEHOLDER", "bench_context",
+           "netem_prefix"]

@@ -20,6 +20,7 @@ from commsched.bench.emulation import EmulationUnavailable, bench_context, netem
 from commsched.netem import (
     NetSpec,
     check_requirements,
+    class_address,
     class_shaping_commands,
     exit_code,
     fill_placeholders,
@@ -230,6 +231,33 @@ def test_plan_hosts_with_a_host_rate_shapes_each_hosts_loopback():
     # without a host rate, no host's lo is touched beyond bringing it up
     plain = plan_network(NetSpec(10**9, hosts=2, tag="7"))
     assert not [c for c in plain.setup if "lo" in c and ("tbf" in c or "mtu" in c)]
+
+
+def test_plan_hosts_with_link_classes():
+    """--host-classes 1: every host link gets a second address in 10.213.1.0/24 after its own
+    and an htb on both ends with one class for that subnet (from or to it) and one for the
+    rest, in place of the tbfs; the class addresses fill {caddr1}."""
+    plan = plan_network(NetSpec(10**9, hosts=2, tag="7", host_classes=1))
+    assert plan.class_addresses == (("10.213.1.1",), ("10.213.1.2",))
+    assert class_address(1, 1) == "10.213.1.2" and class_address(0, 8) == "10.213.8.1"
+    adds = [c for c in plan.setup if c[4:7] == ("ip", "addr", "add")]
+    assert [(c[3], c[7]) for c in adds] == [("commsched-7-h0", "10.213.0.1/24"), ("commsched-7-h0", "10.213.1.1/24"),
+                                            ("commsched-7-h1", "10.213.0.2/24"), ("commsched-7-h1", "10.213.1.2/24")]
+    assert not [c for c in plan.setup if "tbf" in c]
+    roots = [(c[3], c[8]) for c in plan.setup if "htb" in c and "root" in c]
+    assert sorted(roots) == sorted([("commsched-7-h0", "cs0"), ("commsched-7-h1", "cs0"),
+                                    ("commsched-7-br", "h0"), ("commsched-7-br", "h1")])
+    filters = [c for c in plan.setup if "filter" in c]
+    assert len(filters) == 8 and all(c[c.index("match") + 3] == "10.213.1.0/24" for c in filters)
+    assert fill_placeholders(["--reduce-address", "{caddr1}", "{addr}"], 1, plan.addresses,
+                             plan.class_addresses) == ["--reduce-address", "10.213.1.2", "10.213.0.2"]
+    for kw, msg in ((dict(hosts=1), "--hosts K >= 2"), (dict(rate_bps=None), "give --rate"),
+                    (dict(delay_ms=2.0), "--delay"), (dict(host_classes=9), "0..8"),
+                    (dict(host_classes=True), "0..8")):
+        base = dict(rate_bps=10**9, hosts=2, host_classes=1)
+        base.update(kw)
+        with pytest.raises(ValueError, match=msg):
+            NetSpec(**base)
 
 
 def test_netspec_validation():
@@ -507,10 +535,17 @@ def test_bench_context_link_models():
     assert ctx.reduce_address == "127.0.0.2"
     with pytest.raises(ValueError, match="needs a shaped link"):
         bench_context(_workload(), ["--link-model", "collective"], euid=0, which=ALL_TOOLS)
-    with pytest.raises(ValueError, match="--hosts K > 1"):
-        bench_context(wl, ["--link-model", "collective", "--hosts", "2"], euid=0, which=ALL_TOOLS)
+    # on emulated hosts: every host link classed, the reduction bound to each host's class address
     ctx, _ = bench_context(wl, ["--hosts", "2"], euid=0, which=ALL_TOOLS)
-    assert ctx.link_model == "flow" and "link model 'flow'" in ctx.note
+    assert ctx.link_model == "collective" and ctx.reduce_address == "{caddr1}"
+    cmd = ctx.launch(Variant("v", "m"), 2, "out")
+    assert cmd[cmd.index("--host-classes") + 1] == "1" and "--classes" not in cmd
+    assert "htb classes" in ctx.info["layout"] and ctx.info["link_classes"] == ["{caddr1}"]
+    ctx, _ = bench_context(wl, ["--hosts", "2", "--link-model", "flow"], euid=0, which=ALL_TOOLS)
+    assert ctx.reduce_address is None and "--host-classes" not in ctx.launch(Variant("v", "m"), 2, "out")
+    with pytest.raises(ValueError, match="--delay"):
+        bench_context(wl, ["--link-model", "collective", "--hosts", "2", "--delay", "1"], euid=0,
+                      which=ALL_TOOLS, probe_delay=lambda: True)
     with pytest.raises(ValueError, match="one of collective, flow"):
         bench_context(wl, ["--link-model", "nccl"], euid=0, which=ALL_TOOLS)
 
@@ -641,6 +676,65 @@ def test_link_classes_share_per_address_not_per_flow():
     assert per_flow < per_class - 0.1, f"per flow {per_flow:.2f}, per class {per_class:.2f}"
 
 
+# host 1 sends to host 0 for DURATION s: one flow to host 0's class address against eight to its own
+HOSTS_CLASS_SHARE = textwrap.dedent("""
+    import socket, sys, threading, time
+    DURATION, host, addr0, caddr0 = float(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    targets = [(caddr0, 5100)] + [(addr0, 5101 + i) for i in range(8)]
+    if host == "1":
+        def send(a):
+            for _ in range(200):
+                try:
+                    c = socket.create_connection(a); break
+                except OSError:
+                    time.sleep(0.05)
+            else:
+                raise SystemExit(f"no connection to {a}")
+            end = time.perf_counter() + DURATION
+            while time.perf_counter() < end:
+                c.sendall(b"\\0" * 65536)
+            c.close()
+        ts = [threading.Thread(target=send, args=(a,)) for a in targets]
+    else:
+        got = {}
+        def serve(a):
+            srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            srv.bind(a); srv.listen(1); conn, _ = srv.accept(); buf = bytearray(1 << 20); n = 0
+            while True:
+                k = conn.recv_into(buf)
+                if not k:
+                    break
+                n += k
+            got[a] = n
+        ts = [threading.Thread(target=serve, args=(a,)) for a in targets]
+    for t in ts: t.start()
+    for t in ts: t.join()
+    if host == "0":
+        print(got[targets[0]] / sum(got.values()))
+""")
+
+
+@pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+@pytest.mark.root
+def test_host_link_classes_share_per_class_not_per_flow(tmp_path):
+    """``--hosts 2 --host-classes 1``: one flow to host 0's class address gets about half of
+    host 1's link against eight flows to host 0's own address (per TCP flow about a ninth)."""
+    (tmp_path / "share.py").write_text(HOSTS_CLASS_SHARE)
+    script = (f"exec {sys.executable} {tmp_path}/share.py 3.0 {{host}} {{addr0}} CLASS "
+              f"> {tmp_path}/share{{host}}")
+
+    def share(args, caddr0):
+        p = _netem(["--rate", "100mbit", "--hosts", "2", *args], ["sh", "-c", script.replace("CLASS", caddr0)])
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        return float((tmp_path / "share0").read_text())
+
+    per_class = share(["--host-classes", "1"], class_address(0, 1))
+    per_flow = share([], "10.213.0.1")  # without classes: the same flows all to host 0's one address
+    assert 0.38 <= per_class <= 0.62, f"the lone class got {per_class:.2f} of the link (per flow: {per_flow:.2f})"
+    assert per_flow < per_class - 0.1, f"per flow {per_flow:.2f}, per class {per_class:.2f}"
+
+
 @pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
 @pytest.mark.root
 def test_hosts_link_is_shaped_and_namespaces_go(tmp_path):
@@ -743,14 +837,17 @@ def test_delay_supported_or_refused_clearly():
 @pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
 @pytest.mark.root
 @pytest.mark.slow
-def test_two_hosts_two_processes_all_to_all(tmp_path):
+@pytest.mark.parametrize("link_model", ["flow", "collective"])
+def test_two_hosts_two_processes_all_to_all(tmp_path, link_model):
     """A 2-host x 2-process torchrun job (c10d rendezvous at host 0) completes an uneven
-    all_to_all across the emulated hosts, launched by the bench runner."""
+    all_to_all across the emulated hosts, launched by the bench runner; with the link
+    classes (a second address on every host link) gloo still binds to the host's own."""
     wl = Workload(name="netem-check", description="check", key_metrics=("a2a_time_s",),
                   variants=lambda a: [Variant("direct", "commsched.bench.netem_check", ("--scale", "4"))])
     lines: list[str] = []
     s = run_bench(wl, ["--hosts", "2", "--bandwidth", "200mbit", "--nproc", "2", "--out", str(tmp_path),
-                       "--timeout", "120"], progress=lines.append)
+                       "--timeout", "120", "--link-model", link_model], progress=lines.append)
+    assert s["meta"]["link_model"] == link_model
     m = json.loads((tmp_path / "direct" / "rep0" / "metrics.json").read_text())
     assert m["ok"] and m["world_size"] == 4 and m["bad_ranks"] == []
     addrs = [a[0] for a in m["addresses_by_rank"]]
