@@ -620,3 +620,21 @@ def test_cli_defaults_are_the_configs(tmp_path):
     from commsched.moe.train import build_parser, config_from_args
 
     assert config_from_args(build_parser().parse_args(["--out", str(tmp_path)])) == TrainConfig()
+
+
+def test_ranks_may_bind_the_reduction_to_their_own_host_address():
+    """On emulated hosts every host binds the reduction to its own address in the link
+    class's subnet (``--reduce-address {caddr1}``): the cross-rank check compares only
+    whether an address is set, and every other field as before."""
+    from commsched.dist import config_digest
+    from commsched.moe.trainer import _comparable
+    from commsched.priority.policy import ScheduleConfig
+
+    def cfg(address, steps=10):
+        return TrainConfig(steps=steps, schedule=ScheduleConfig("lina", reduce_address=address))
+
+    host0, host1 = _comparable(cfg("10.213.1.1"), False), _comparable(cfg("10.213.1.2"), False)
+    assert config_digest(host0) == config_digest(host1)
+    assert config_digest(host0) != config_digest(_comparable(cfg(None), False))
+    assert config_digest(host0) != config_digest(_comparable(cfg("10.213.1.1", steps=11), False))
+    assert config_digest(host0) != config_digest(_comparable(cfg("10.213.1.1"), True))
