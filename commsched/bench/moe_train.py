@@ -94,6 +94,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allreduce-threads", type=int, default=d["allreduce_threads"],
                    help="fifo and lina: gloo worker threads of the gradient-allreduce group")
     g.add_argument("--ds-stage", type=int, default=d["ds_stage"])
+    g.add_argument("--fallback-exchange", action="store_true",
+                   help="lina and lina-overlap variants: the probe's fallback also runs the all-to-all as "
+                        "fifo's (one chunk, not pipelined; commsched.moe.train --fallback-exchange)")
     g.add_argument("--a2a-bits", type=int, choices=(16, 8), default=None,
                    help="also run lina-qB and lina-overlap-qB: lina / lina-overlap with the expert all-to-all "
                         "at B bits (commsched.moe.train --a2a-bits)")
@@ -118,7 +121,8 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
     mod = "commsched.moe.train"
     c = _common(a)
     lina = ("--impl", "commsched", "--schedule", "lina", "--chunks", str(a.chunks), "--pipeline",
-            "--hold-in-block" if a.hold_in_block else "--no-hold-in-block", *c)
+            "--hold-in-block" if a.hold_in_block else "--no-hold-in-block", *c,
+            *(("--fallback-exchange",) if getattr(a, "fallback_exchange", False) else ()))
     out = [
         Variant("deepspeed", mod, ("--impl", "deepspeed", *c)),
         Variant("fifo", mod, ("--impl", "commsched", "--schedule", "fifo", "--chunks", "1", "--no-pipeline", *c)),

@@ -82,6 +82,7 @@ from . import train_state
 from .data import Corpus, load_corpus
 from .dispatch import ExpertGroup
 from .experts import is_expert_param
+from .layer import DispatchConfig, MoELayer
 from .model import MoETransformerLM
 from .training import (
     TrainConfig,
@@ -304,6 +305,25 @@ def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
         model.close()
 
 
+def _fallback_exchange(opt, model: torch.nn.Module, dispatch: DispatchConfig) -> None:
+    """``--fallback-exchange``: the probe's fallback is fifo's exchange as well as fifo's
+    launching. In the steps run as the fallback every MoE layer's all-to-all is one chunk,
+    not pipelined (as fifo's), in the others as configured. On two emulated hosts the four
+    chunks of lina's pipelined exchange cost more than its launching rule does
+    (docs/benchmarks.md). Off by default: the chunking changes the arithmetic's last bits,
+    so the bits of a run then follow a decision taken from measured times."""
+    plain = dataclasses.replace(dispatch, chunks=1, pipeline=False)
+    if plain == dispatch:
+        return
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+
+    def switch(fallback: bool) -> None:
+        for layer in layers:
+            layer.dispatch = plain if fallback else dispatch
+
+    opt.on_mode(switch)
+
+
 def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device: torch.device, model,
                 sched_params, events: A2AEvents, *, out: Path | None, resume: bool,
                 on_step: Callable[[int], None] | None, hier: HierGroups | None = None) -> dict:
@@ -314,6 +334,8 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
     sched_cfg = cfg.schedule if hier is not None else dataclasses.replace(cfg.schedule, hier_reduce=False)
     opt = make_grad_step(model, sched_params, sched_cfg, lambda ps: torch.optim.Adam(ps, lr=cfg.lr),
                          device=device, hier=hier)
+    if cfg.fallback_exchange:
+        _fallback_exchange(opt, model, cfg.dispatch)
     B, S = cfg.batch_size, cfg.model.seq_len
     tl_step = cfg.timeline_at
     rows: list[dict] = []

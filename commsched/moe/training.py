@@ -59,6 +59,11 @@ class TrainConfig(Config):
                         choices=DTYPES)
     checkpoint_every: int = option(0, "--impl commsched: write OUT/checkpoint-rank{r}.pt every K steps and "
                                       "after the last (0: never)")
+    fallback_exchange: bool = option(False, "lina, lina-overlap: the probe's fallback steps (and every step "
+                                            "once it chose the fallback) also run the MoE all-to-all as "
+                                            "fifo's, one chunk, not pipelined; the chunking changes the "
+                                            "loss's last bits, so a run's bits then follow the measured "
+                                            "decision")
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:

@@ -63,6 +63,7 @@ class GradStep:
         self._step = -1
         self._t_last: float | None = None
         self._probe_times: list[float] = []
+        self._mode_listeners: list[Callable[[bool], None]] = []
         self._now: Callable[[], float] = time.perf_counter  # the probe's clock (tests script it)
 
     # ------------------------------------------------------------------ life
@@ -107,6 +108,15 @@ class GradStep:
 
     def _set_mode(self, fallback: bool) -> None:
         self.scheduler.set_fallback(fallback)
+        for fn in self._mode_listeners:
+            fn(fallback)
+
+    def on_mode(self, fn: Callable[[bool], None]) -> None:
+        """Call ``fn(fallback)`` as every step begins (before its forward pass) with the mode
+        the step runs in: True in the probe's fallback steps and, once the probe chose it,
+        in every later step. What else the fallback should switch registers here (the MoE
+        trainer's ``--fallback-exchange``: its all-to-all to fifo's exchange)."""
+        self._mode_listeners.append(fn)
 
     @property
     def fallen_back(self) -> bool | None:

@@ -638,3 +638,37 @@ def test_ranks_may_bind_the_reduction_to_their_own_host_address():
     assert config_digest(host0) != config_digest(_comparable(cfg(None), False))
     assert config_digest(host0) != config_digest(_comparable(cfg("10.213.1.1", steps=11), False))
     assert config_digest(host0) != config_digest(_comparable(cfg("10.213.1.1"), True))
+
+
+def test_fallback_exchange_switches_the_all_to_all_to_fifos():
+    """``--fallback-exchange``: in the probe's fallback steps (and after it chose the
+    fallback) every MoE layer's all-to-all runs as fifo's, one chunk, not pipelined; in the
+    others as configured. Off by default (it changes the last bits of the loss)."""
+    from commsched.moe.layer import DispatchConfig, MoELayer
+    from commsched.moe.model import ModelConfig, MoETransformerLM
+    from commsched.moe.train import build_parser, config_from_args
+    from commsched.moe.trainer import _fallback_exchange
+
+    class Listeners:
+        def __init__(self):
+            self.fns = []
+
+        def on_mode(self, fn):
+            self.fns.append(fn)
+
+    assert not TrainConfig().fallback_exchange
+    assert config_from_args(build_parser().parse_args(["--fallback-exchange", "--out", "x"])).fallback_exchange
+    lina = DispatchConfig(chunks=4, pipeline=True)
+    model = MoETransformerLM(ModelConfig(d_model=16, n_heads=2, n_layers=2, seq_len=8, d_ff=16, expert_hidden=16,
+                                         num_experts=2, k=1, moe_every=1), dispatch=lina)
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    opt = Listeners()
+    _fallback_exchange(opt, model, lina)
+    (switch,) = opt.fns
+    switch(True)
+    assert layers and all((m.dispatch.chunks, m.dispatch.pipeline) == (1, False) for m in layers)
+    switch(False)
+    assert all(m.dispatch == lina for m in layers)
+    fifo = Listeners()  # already fifo's exchange: nothing to switch
+    _fallback_exchange(fifo, model, DispatchConfig())
+    assert fifo.fns == []

@@ -77,6 +77,8 @@ def test_grad_step_keeps_the_faster_mode(capsys, policy, fallback_faster):
     gs = make_grad_step(net, entries, cfg, lambda ps: torch.optim.Adam(ps, lr=1e-2),
                         launch=lambda flat, group: DoneWork())
     gs._now = ScriptedClock([2.0, 2.0, prim, fb, fb, prim] + [1.0] * 10)
+    modes: list[bool] = []
+    gs.on_mode(modes.append)  # what else the fallback switches hears every step's mode
     holds, overlaps = [], []
     with gs:
         base = gs.scheduler._holds
@@ -93,6 +95,7 @@ def test_grad_step_keeps_the_faster_mode(capsys, policy, fallback_faster):
     # warm-up, then the probe's P F F P; from step 6 on the decided mode
     assert holds[:6] == [True, True, True, False, False, True]
     assert holds[6:] == [not fallback_faster] * 3
+    assert modes == [not h for h in holds]
     assert gs.fallen_back is fallback_faster
     # only lina-overlap's reduction runs into the next step: its probe skips the steps after a switch
     assert gs.probe.skip_switches is (policy == "lina-overlap")
