@@ -74,6 +74,7 @@ reduced gradients).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from contextlib import contextmanager
@@ -143,7 +144,7 @@ class GradScheduler(CompletionMixin, RecordsMixin):
                  completion: str | None = None, names: Sequence[str] | None = None,
                  find_unused_parameters: bool = True, external: Iterable[torch.Tensor] = (),
                  on_complete: Callable[[int, BaseException | None], None] | None = None,
-                 hier: HierGroups | None = None):
+                 hier: HierGroups | None = None, fallback_buckets: bool = False):
         self.cfg = cfg
         if cfg.overlapped and not self._OVERLAP:
             raise ValueError("the 'lina-overlap' schedule leaves the reduction running into the next forward "
@@ -178,8 +179,8 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         # the layout (priority/buckets.py): communicated parameters first (in the order given),
         # then the scale-only ones; operations never span two groups (nor, for buckets, two dtypes)
         ids = group_ids([g for _, g, _, _ in entries])
-        layout = plan_buckets([GradSlot(k, str(p.dtype), p.numel(), p.element_size())
-                               for (p, _, _, _), k in zip(entries, ids)], cfg)
+        slots = [GradSlot(k, str(p.dtype), p.numel(), p.element_size()) for (p, _, _, _), k in zip(entries, ids)]
+        layout = plan_buckets(slots, cfg)
         entries = [entries[i] for i in layout.order]
         self._params = [p for p, _, _, _ in entries]
         self._groups = [g for _, g, _, _ in entries]
@@ -195,15 +196,16 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         if not ext <= set(self._index):
             raise ValueError("external parameters must be among the scheduler's parameters")
         self._external = [id(p) in ext for p in self._params]
-        self.ops: list[CommOp] = list(layout.ops)
-        self._op_groups = [self._groups[k] for k in layout.op_first]
         self._hier = self._setup_hier(hier)
-        # operations over all ranks go through the hierarchy (priority/hier.py) when there is
-        # one, unless they are too small for it to pay (ScheduleConfig.hier_min_bytes)
-        self._op_hier = [self._hier is not None and group_size(g) == self._hier.world_size
-                         and spec.nbytes >= cfg.hier_min_bytes for spec, g in zip(self.ops, self._op_groups)]
+        # the operations of each mode (set_fallback): the schedule's own; with
+        # fallback_buckets the fallback's are fifo's buckets (the same parameter order)
+        self._layouts = {False: self._derive(layout)}
+        if fallback_buckets and not cfg.schedule.fused:
+            fifo = plan_buckets(slots, dataclasses.replace(cfg, policy="fifo"))
+            assert fifo.order == layout.order, "the bucket layouts must keep the parameters' order"
+            self._layouts[True] = self._derive(fifo)
+        self.ops, self._op_groups, self._op_hier, self._ops_of_param = self._layouts[False]
         self._hier_step: HierStep | None = None
-        self._ops_of_param: list[list[int]] = [list(o) for o in layout.ops_of_param]
         self._policy = make_policy(cfg, self.device.type)
         p = self._policy
         self._holds = (p.hold_for_a2a, p.hold_in_block, p.credit_bytes)
@@ -225,6 +227,17 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="commsched-gradsched", daemon=True)
         self._thread.start()
+
+    def _derive(self, layout) -> tuple[list[CommOp], list, list[bool], list[list[int]]]:
+        """(operations, their groups, whether each goes through the hierarchy, the operations
+        of each parameter) of one bucket layout. Operations over all ranks go through the
+        hierarchy (priority/hier.py) when there is one, unless they are too small for it to
+        pay (ScheduleConfig.hier_min_bytes)."""
+        ops = list(layout.ops)
+        groups = [self._groups[k] for k in layout.op_first]
+        hier = [self._hier is not None and group_size(g) == self._hier.world_size
+                and spec.nbytes >= self.cfg.hier_min_bytes for spec, g in zip(ops, groups)]
+        return ops, groups, hier, [list(o) for o in layout.ops_of_param]
 
     def _check_same_registration(self, described: list[tuple]) -> None:
         """Collective over the default group (when initialised, several ranks and every group a
@@ -298,13 +311,16 @@ class GradScheduler(CompletionMixin, RecordsMixin):
 
     def set_fallback(self, on: bool) -> None:
         """From the next :meth:`begin_step` on: launch every operation as soon as it is ready
-        (fifo's rule, on this schedule's micro-ops) when ``on``, else the schedule's own rule
-        again (priority/fallback.py decides). Every rank must set the same."""
+        (fifo's rule, on this schedule's micro-ops, or with ``fallback_buckets`` on fifo's
+        buckets) when ``on``, else the schedule's own rule again (priority/fallback.py
+        decides). Every rank must set the same."""
         with self._cv:
             self._fallback = bool(on)
 
     def _apply_fallback(self) -> None:
         p = self._policy
+        self.ops, self._op_groups, self._op_hier, self._ops_of_param = \
+            self._layouts[self._fallback and True in self._layouts]
         if self._fallback:
             p.hold_for_a2a, p.hold_in_block, p.credit_bytes = False, False, None
         else:

@@ -109,6 +109,35 @@ def test_grad_step_keeps_the_faster_mode(capsys, policy, fallback_faster):
         torch.testing.assert_close(v, ref[k])
 
 
+def test_fallback_buckets_reduce_in_fifos_buckets_with_the_same_result():
+    """``fallback_buckets``: in fallback steps the scheduler reduces in fifo's buckets (fewer,
+    larger operations), in the others in the schedule's micro-ops; either way the step equals
+    the plain optimizer's."""
+    net = _net()
+    cfg = ScheduleConfig("lina", microop_bytes=64, fallback_probes=2)
+    entries = [(p, FakeGroup(), 1.0) for p in reversed(list(net.parameters()))]
+    gs = make_grad_step(net, entries, cfg, lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                        launch=lambda flat, group: DoneWork(), fallback_buckets=True)
+    gs._now = ScriptedClock([2.0, 2.0, 1.5, 1.0, 1.0, 1.5] + [1.0] * 10)  # the fallback is faster
+    steps, n_ops = 9, []
+    with gs:
+        for step in range(steps):
+            x, y = _batch(step)
+            gs.before_forward()
+            loss = nn.functional.cross_entropy(net(x), y)
+            gs.before_backward()
+            loss.backward()
+            n_ops.append(gs.scheduler.num_ops)
+            gs.after_backward(sync=step + 1 == steps)
+    micro, fused = max(n_ops), min(n_ops)
+    assert fused < micro
+    # warm-up, P F F P, then the fallback chosen: fifo's buckets in every fallback step
+    assert n_ops == [micro, micro, micro, fused, fused, micro, fused, fused, fused]
+    ref = _reference(steps)
+    for k, v in net.state_dict().items():
+        torch.testing.assert_close(v, ref[k])
+
+
 def test_no_probe_for_fifo_or_when_off():
     for cfg in (ScheduleConfig("fifo"), ScheduleConfig("lina", fallback_probes=0)):
         gs = make_grad_step(_net(), [(p, FakeGroup(), 1.0) for p in _net().parameters()], cfg,
