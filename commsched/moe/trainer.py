@@ -308,7 +308,7 @@ def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
 def _fallback_exchange(opt, model: torch.nn.Module, dispatch: DispatchConfig) -> None:
     """``--fallback-exchange``: the probe's fallback is fifo's exchange as well as fifo's
     launching. In the steps run as the fallback every MoE layer's all-to-all is one chunk,
-    not pipelined (as fifo's), in the others as configured (and under lina the reduction
+    not pipelined (as fifo's), in the others as configured (and the reduction
     runs in fifo's buckets: ``GradScheduler(fallback_buckets=True)``). On two emulated hosts the four
     chunks of lina's pipelined exchange cost more than its launching rule does
     (docs/benchmarks.md). Off by default: the chunking changes the arithmetic's last bits,
@@ -333,9 +333,8 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
     # after the whole reduction, or under lina-overlap one Adam per module, stepped as its
     # reduction ends in the next forward pass (priority/overlap.py)
     sched_cfg = cfg.schedule if hier is not None else dataclasses.replace(cfg.schedule, hier_reduce=False)
-    # --fallback-exchange: the fallback's reduction in fifo's buckets too (lina; lina-overlap's
-    # per-module waits are planned on its micro-ops, so it keeps them)
-    buckets = {"fallback_buckets": True} if cfg.fallback_exchange and not sched_cfg.overlapped else {}
+    # --fallback-exchange: the fallback's reduction in fifo's buckets too
+    buckets = {"fallback_buckets": True} if cfg.fallback_exchange else {}
     opt = make_grad_step(model, sched_params, sched_cfg, lambda ps: torch.optim.Adam(ps, lr=cfg.lr),
                          device=device, hier=hier, **buckets)
     if cfg.fallback_exchange:

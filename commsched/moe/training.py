@@ -61,7 +61,7 @@ class TrainConfig(Config):
                                       "after the last (0: never)")
     fallback_exchange: bool = option(False, "lina, lina-overlap: the probe's fallback steps (and every step "
                                             "once it chose the fallback) also run the MoE all-to-all as "
-                                            "fifo's, one chunk, not pipelined (and lina's reduction in fifo's "
+                                            "fifo's, one chunk, not pipelined (and the reduction in fifo's "
                                             "buckets); the chunking changes the "
                                             "loss's last bits, so a run's bits then follow the measured "
                                             "decision")

@@ -123,6 +123,7 @@ class OverlapScheduler(GradScheduler):
         self._used_final: list[bool] = [True] * len(self._params)
         self._remaining: list[int] = [len(o) for o in self._ops_of_param]
         self._ctrl_work: Any = None
+        self._prio_param: list[int] | None = None  # set_priorities' per parameter
         self._t_end = 0.0
         self._end_mark: Any = None
 
@@ -152,10 +153,15 @@ class OverlapScheduler(GradScheduler):
         if prio is not None and len(prio) != len(self._params):
             raise ValueError(f"{len(prio)} priorities for {len(self._params)} parameters")
         with self._cv:
-            if prio is None:
-                self._policy.set_priorities(None)
-                return
-            self._policy.set_priorities([min(prio[pc.tensor] for pc in op.pieces) for op in self.ops])
+            self._prio_param = None if prio is None else list(prio)
+            self._map_priorities()
+
+    def _map_priorities(self) -> None:
+        """The per-parameter priorities as the policy's per-operation ones, for the operations
+        of the current mode (lock held)."""
+        prio = self._prio_param
+        self._policy.set_priorities(None if prio is None else
+                                    [min(prio[pc.tensor] for pc in op.pieces) for op in self.ops])
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -170,8 +176,14 @@ class OverlapScheduler(GradScheduler):
 
     # ------------------------------------------------------------------ the step
     def begin_step(self) -> None:
+        two = True in self._layouts  # fallback_buckets: this step's operations may be the other layout's
+        if two:
+            with self._cv:
+                self._policy.set_priorities(None)
         super().begin_step()
         with self._cv:
+            if two:
+                self._map_priorities()
             self._remaining = [len(o) for o in self._ops_of_param]
             self._agreed = False
             self._used_final = [True] * len(self._params)

@@ -109,12 +109,13 @@ def test_grad_step_keeps_the_faster_mode(capsys, policy, fallback_faster):
         torch.testing.assert_close(v, ref[k])
 
 
-def test_fallback_buckets_reduce_in_fifos_buckets_with_the_same_result():
+@pytest.mark.parametrize("policy", ["lina", "lina-overlap"])
+def test_fallback_buckets_reduce_in_fifos_buckets_with_the_same_result(policy):
     """``fallback_buckets``: in fallback steps the scheduler reduces in fifo's buckets (fewer,
     larger operations), in the others in the schedule's micro-ops; either way the step equals
     the plain optimizer's."""
     net = _net()
-    cfg = ScheduleConfig("lina", microop_bytes=64, fallback_probes=2)
+    cfg = ScheduleConfig(policy, microop_bytes=64, fallback_probes=2)
     entries = [(p, FakeGroup(), 1.0) for p in reversed(list(net.parameters()))]
     gs = make_grad_step(net, entries, cfg, lambda ps: torch.optim.Adam(ps, lr=1e-2),
                         launch=lambda flat, group: DoneWork(), fallback_buckets=True)
