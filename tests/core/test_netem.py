@@ -725,7 +725,12 @@ def test_host_link_classes_share_per_class_not_per_flow(tmp_path):
 
     def share(args, caddr0):
         p = _netem(["--rate", "100mbit", "--hosts", "2", *args], ["sh", "-c", script.replace("CLASS", caddr0)])
-        _, err = p.communicate(timeout=60)
+        try:
+            _, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # stop the emulator: it deletes its namespaces on SIGTERM
+            p.terminate()
+            p.communicate(timeout=30)
+            raise
         assert p.returncode == 0, err
         return float((tmp_path / "share0").read_text())
 
