@@ -18,7 +18,7 @@ schedule (lina-overlap) a step run right after a switch of mode carries the othe
 tail (the step after P -> F waits for the overlapped reduction of the P step and then for
 its own; the step after F -> P leaves its tail to a step that may not be counted), so with
 ``skip_switches`` only the steps run in the same mode as the step before them count: in
-P F F P, the first P and the second F. The decision is the same on every rank
+P F F P, the first P and the second F (with one pair, P F, the F step counts as it is). The decision is the same on every rank
 (every rank computes it from the same gathered times) and is announced once.
 
 :class:`FallbackProbe` is the pure part: which mode a step runs in, and the decision from
@@ -101,8 +101,9 @@ class FallbackProbe:
         fb = [self.fallback_at(self.first + s) for s in range(n)]
         counted = [not self.skip_switches or fb[s] == (fb[s - 1] if s else False) for s in range(n)]
 
-        def mean(mode: bool) -> float:
-            xs = [t for t, f, c in zip(slowest_S, fb, counted) if f == mode and c]
+        def mean(mode: bool) -> float:  # a mode none of whose steps counts (P F): all its steps
+            xs = [t for t, f, c in zip(slowest_S, fb, counted) if f == mode and c] or \
+                 [t for t, f in zip(slowest_S, fb) if f == mode]
             return sum(xs) / len(xs)
 
         primary, fallback = mean(False), mean(True)

@@ -48,6 +48,9 @@ def test_probe_of_an_overlapped_schedule_skips_the_steps_after_a_switch():
     # three pairs, P F F P P F: counted P at 0 and 4, F at 2 (1 and 3 follow a switch, 5 too)
     six = FallbackProbe(0, 3, skip_switches=True).decide([[1.0, 9.0, 3.0, 9.0, 2.0, 9.0]])
     assert six.primary_s == pytest.approx(1.5) and six.fallback_s == pytest.approx(3.0) and not six.fallback
+    # one pair, P F: the F step follows a switch, but it is the only one, so it counts
+    one = FallbackProbe(0, 1, skip_switches=True).decide([[1.0, 0.8]])
+    assert one.fallback and one.primary_s == pytest.approx(1.0) and one.fallback_s == pytest.approx(0.8)
 
 
 class ScriptedClock:
