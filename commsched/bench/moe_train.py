@@ -95,8 +95,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fifo and lina: gloo worker threads of the gradient-allreduce group")
     g.add_argument("--ds-stage", type=int, default=d["ds_stage"])
     g.add_argument("--fallback-exchange", action="store_true",
-                   help="lina and lina-overlap variants: the probe's fallback also runs the all-to-all as "
-                        "fifo's (one chunk, not pipelined; commsched.moe.train --fallback-exchange)")
+                   help="lina and lina-overlap variants: the probe's fallback also runs the all-to-all and "
+                        "the reduction as fifo's (one chunk, not pipelined; fifo's buckets; "
+                        "commsched.moe.train --fallback-exchange)")
     g.add_argument("--a2a-bits", type=int, choices=(16, 8), default=None,
                    help="also run lina-qB and lina-overlap-qB: lina / lina-overlap with the expert all-to-all "
                         "at B bits (commsched.moe.train --a2a-bits)")

@@ -280,11 +280,12 @@ class Runtime:
             self._future = None
         self.records.append({
             "latency_s": latency_s,
-            "parts_s": {"meta_wait": self._bt.meta_wait, "meta": self._bt.meta, "phase1": self._bt.phase1, "phase1_wait": self._bt.phase1_wait,
+            "parts_s": {"meta_wait": self._bt.meta_wait, "meta": self._bt.meta, "phase1": self._bt.phase1,
+                        "phase1_wait": self._bt.phase1_wait,
                         "plan": self._bt.plan, "load": self._bt.load + pt.load_wait, "a2a": pt.a2a,
                         "expert": pt.expert, "dispatch_other": pt.other,
-                        "dense": max(0.0, latency_s - self._bt.meta_wait - self._bt.meta - self._bt.phase1 - self._bt.phase1_wait
-                                     - self._bt.plan - self._bt.load - pt.load_wait - pt.a2a - pt.expert
+                        "dense": max(0.0, latency_s - self._bt.meta_wait - self._bt.meta - self._bt.phase1
+                                     - self._bt.phase1_wait - self._bt.plan - self._bt.load - pt.load_wait - pt.a2a - pt.expert
                                      - pt.other)},
             "bytes_sent": pt.bytes_sent,
             "peer_bytes": list(pt.stats.bytes_sent),  # sent to each peer by both row exchanges

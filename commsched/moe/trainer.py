@@ -160,7 +160,6 @@ def build_commsched(cfg: TrainConfig, groups: Groups, observer: A2AObserver | No
     return model, sched_params
 
 
-
 def _comparable(cfg: TrainConfig, resume: bool) -> dict:
     """The configuration every rank must share. The reduction's bind address is each host's
     own (``--reduce-address {caddr1}`` on emulated hosts: one address per host in the link
@@ -170,6 +169,7 @@ def _comparable(cfg: TrainConfig, resume: bool) -> dict:
     if isinstance(sched, dict) and sched.get("reduce_address"):
         sched["reduce_address"] = "<set: each host's own address>"
     return d
+
 
 def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = None,
           device: torch.device | str | None = None, resume: bool = False,
@@ -308,10 +308,9 @@ def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
 def _fallback_exchange(opt, model: torch.nn.Module, dispatch: DispatchConfig) -> None:
     """``--fallback-exchange``: the probe's fallback is fifo's exchange as well as fifo's
     launching. In the steps run as the fallback every MoE layer's all-to-all is one chunk,
-    not pipelined (as fifo's), in the others as configured (and the reduction
-    runs in fifo's buckets: ``GradScheduler(fallback_buckets=True)``). On two emulated hosts the four
-    chunks of lina's pipelined exchange cost more than its launching rule does
-    (docs/benchmarks.md). Off by default: the chunking changes the arithmetic's last bits,
+    not pipelined (as fifo's), in the others as configured; the reduction's fifo buckets
+    are ``GradScheduler(fallback_buckets=True)``'s. On two emulated hosts the four chunks of
+    lina's pipelined exchange cost more than its launching rule does (docs/benchmarks.md). Off by default: the chunking changes the arithmetic's last bits,
     so the bits of a run then follow a decision taken from measured times."""
     plain = dataclasses.replace(dispatch, chunks=1, pipeline=False)
     if plain == dispatch:

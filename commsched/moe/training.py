@@ -62,9 +62,8 @@ class TrainConfig(Config):
     fallback_exchange: bool = option(False, "lina, lina-overlap: the probe's fallback steps (and every step "
                                             "once it chose the fallback) also run the MoE all-to-all as "
                                             "fifo's, one chunk, not pipelined (and the reduction in fifo's "
-                                            "buckets); the chunking changes the "
-                                            "loss's last bits, so a run's bits then follow the measured "
-                                            "decision")
+                                            "buckets); the chunking changes the loss's last bits, so a "
+                                            "run's bits then follow the measured decision")
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:

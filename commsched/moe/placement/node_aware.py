@@ -261,5 +261,5 @@ def node_inputs(load: np.ndarray, N: int, device_host, cross_weight: float, orig
 
 
 
-__all__ = ["NODE_CANDIDATES", "NODE_REFINE", "cross_rows", "cross_rows_reference", "node_cost", "node_aware_placement",
-           "node_inputs"]
+__all__ = ["NODE_CANDIDATES", "NODE_REFINE", "cross_rows", "cross_rows_reference", "node_cost",
+           "node_aware_placement", "node_inputs"]
