@@ -20,7 +20,8 @@ techniques in place of widths:
   ``m = x + e``, ``e <- m - decode(encode(m))`` (as the ``onebit`` mode). A row sent any
   other way resets its error to zero.
 * **Until the first assignment** (the first ``period`` epochs) every row is sent as
-  signs: the ``onebit`` mode's traffic.
+  signs: the ``onebit`` mode's traffic (``--techniques`` without ``sign``: the narrowest
+  offered width).
 * **Trace.** In the last epoch of each period the exchange records, per sent row, its
   weighted energy ``c |x|^2`` (the error of dropping it), its weighted 1-bit error (the
   measured error-feedback residual ``c |e|^2`` for a row sent as signs, else the closed
@@ -48,7 +49,14 @@ import torch
 
 from ..all2all import exchange_segments
 from ..dist import all_gather_object, broadcast_object
-from ..quant.assign_joint import DROP, SIGN, STOCHASTIC, TECHNIQUE_NAMES, TECHNIQUES
+from ..quant.assign_joint import (
+    DROP,
+    SIGN,
+    STOCHASTIC,
+    TECHNIQUE_NAMES,
+    TECHNIQUES,
+    parse_techniques,
+)
 from ..quant.codec import decode_signs, dequantize_rows, encode_signs, payload_bytes, quantize_rows
 from ..quant.fast import say_stderr, warm_sign_codec
 from ..results import median
@@ -64,7 +72,9 @@ class AdaptiveExchange(AdaQPExchange):
     """The ``adaptive`` mode's exchange; see the module doc.
 
     error_budget: each exchange's modelled error at most this share of its rows' weighted
-    energy; solver: ``cp-sat`` (hinted by the greedy answer, never worse) or ``greedy``;
+    energy; techniques: the ones offered (float32 always is; ``parse_techniques``); the
+    first period sends signs, or where signs are not offered the narrowest offered width;
+    solver: ``cp-sat`` (hinted by the greedy answer, never worse) or ``greedy``;
     the rest as :class:`~commsched.gnn.adaqp.AdaQPExchange` (``options.link_costs``: the
     link model, ``options.period``, ``options.group_size``, ``options.assign_time_limit_s``:
     CP-SAT's limit)."""
@@ -73,7 +83,8 @@ class AdaptiveExchange(AdaQPExchange):
 
     def __init__(self, book: PartitionBook, *, norm: str, options: AdaQPOptions | None = None,
                  error_budget: float = 2.0, solver: str = "cp-sat", seed: int = 0, group=None,
-                 pattern: str = "direct", device: torch.device | str | None = None):
+                 pattern: str = "direct", device: torch.device | str | None = None,
+                 techniques=TECHNIQUES):
         if not 0.0 <= error_budget:
             raise ValueError(f"--error-budget must be >= 0 (a share of each exchange's energy), "
                              f"got {error_budget}")
@@ -82,6 +93,10 @@ class AdaptiveExchange(AdaQPExchange):
         super().__init__(book, scheme="adaptive", overlap=True, norm=norm, options=options,
                          seed=seed, group=group, pattern=pattern, device=device)
         self.error_budget, self.solver = float(error_budget), solver
+        self.techniques = parse_techniques(techniques)
+        # until the first assignment: signs (the onebit mode's traffic), else the narrowest
+        # offered technique that sends something
+        self.warmup = next(t for t in self.techniques if t != DROP)
         # (layer, direction) -> (positions, error-feedback residual [n, D]) of the rows sent as
         # signs in its last exchange
         self.errors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -144,7 +159,7 @@ class AdaptiveExchange(AdaQPExchange):
     def channel_widths(self, src: int, dst: int, n: int, layer: int, direction: str) -> np.ndarray:
         w = self.assigned.get((layer, direction), {}).get((src, dst))
         if w is None:
-            return np.full(n, SIGN, dtype=np.int64)  # until the first assignment: signs
+            return np.full(n, self.warmup, dtype=np.int64)  # until the first assignment
         assert w.size == n, (w.size, n)
         return w
 
@@ -360,7 +375,8 @@ class AdaptiveExchange(AdaQPExchange):
                     table, info = solve_period(got, links, error_budget=self.error_budget,
                                                time_limit_s=limit, seed=self.seed,
                                                solver=solver, period=self.opt.period,
-                                               hosts_P=self.hosts_P, workers=1)
+                                               hosts_P=self.hosts_P, workers=1,
+                                               techniques=self.techniques)
                     info["theta_ratio"] = median(ratios) if ratios else None
                     info["time_limit_s"] = limit
                     box["out"] = (table, info)
@@ -405,6 +421,7 @@ class AdaptiveExchange(AdaQPExchange):
     def report(self) -> dict:
         out = {"adaptive": {"period": self.opt.period, "group_size": self.opt.group_size,
                             "error_budget": self.error_budget, "solver": self.solver,
+                            "techniques": [TECHNIQUE_NAMES[t] for t in self.techniques],
                             "link_cost_source": self.opt.link_costs,
                             "hosts": list(self.hosts_P) if self.hosts_P else None,
                             "link_costs": {str(p): {"theta_s_per_byte": th, "gamma_s": ga}

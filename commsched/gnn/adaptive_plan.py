@@ -37,6 +37,7 @@ from ..quant.assign_joint import (
     TECHNIQUE_NAMES,
     TECHNIQUES,
     JointProblem,
+    parse_techniques,
     row_bytes,
     row_errors,
     solve_joint,
@@ -207,13 +208,15 @@ class PeriodProblem:
 
 
 def build_period_problem(per_rank: list[dict], links: LinkModel, *, error_budget: float,
-                         period: int = 1) -> PeriodProblem:
+                         period: int = 1, techniques=TECHNIQUES) -> PeriodProblem:
     """From every rank's report -- ``groups``: :func:`sender_report`, ``dims`` {(layer,
     dir): row width} -- one problem: each group's errors those of its ``period``'s summed
     messages (``row_errors`` of its sums), each key's budget ``error_budget`` times its
-    rows' summed energy."""
+    rows' summed energy; a technique not in ``techniques`` is not offered (its error
+    infinite; float32 always is)."""
     if not error_budget >= 0:
         raise ValueError(f"error_budget must be >= 0, got {error_budget}")
+    off_T = np.array([t not in parse_techniques(techniques) for t in TECHNIQUES])
     keys = tuple(sorted({k for r in per_rank for k in r["groups"]}))
     pair_index = {p: q for q, p in enumerate(links.pairs)}
     key_G, pair_G, count_G, bytes_l, err_l, where = [], [], [], [], [], []
@@ -229,7 +232,9 @@ def build_period_problem(per_rank: list[dict], links: LinkModel, *, error_budget
                     continue
                 sums = np.asarray(sums, dtype=np.float64).reshape(-1, 3)
                 cnt = np.bincount(np.asarray(gid, dtype=np.int64), minlength=sums.shape[0])
-                err_l.append(row_errors(sums[:, 0], sums[:, 1], sums[:, 2], period=period))
+                err = row_errors(sums[:, 0], sums[:, 1], sums[:, 2], period=period)
+                err[:, off_T] = np.inf
+                err_l.append(err)
                 bytes_l.append(cnt[:, None] * rb[None, :])
                 energy[ki] += float(sums[:, 0].sum())
                 for g in range(sums.shape[0]):
@@ -250,15 +255,17 @@ def build_period_problem(per_rank: list[dict], links: LinkModel, *, error_budget
 
 def solve_period(per_rank: list[dict], links: LinkModel, *, error_budget: float,
                  time_limit_s: float, seed: int = 0, solver: str = "cp-sat", period: int = 1,
-                 hosts_P=None, workers: int = 2) -> tuple[dict, dict]:
-    """Rank 0's part of the re-assignment: :func:`build_period_problem`, ``solve_joint``.
+                 hosts_P=None, workers: int = 2, techniques=TECHNIQUES) -> tuple[dict, dict]:
+    """Rank 0's part of the re-assignment: :func:`build_period_problem` (over the offered
+    ``techniques``), ``solve_joint``.
     Returns ({(layer, dir): {(src, dst): technique of each group, uint8 [G]}} -- a row's
     technique is ``table[key][(src, dst)][gid]`` with the sender's ``gid`` --, info: solve
     time, status, predicted seconds of the period's exchanges (and the greedy answer's),
     rows per technique, per key the error used against its budget, and given ``hosts_P``
     the rows and bytes per link class)."""
     t0 = time.perf_counter()
-    pp = build_period_problem(per_rank, links, error_budget=error_budget, period=period)
+    pp = build_period_problem(per_rank, links, error_budget=error_budget, period=period,
+                              techniques=techniques)
     res = solve_joint(pp.problem, time_limit_s=time_limit_s, seed=seed, solver=solver,
                       workers=workers)
     table: dict = {k: {} for k in pp.problem.keys}

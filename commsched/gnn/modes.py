@@ -60,6 +60,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from ..configurable import Config, Registry, check, option
+from ..quant.assign_joint import parse_techniques
 from .adaptive import AdaptiveExchange
 from .adaqp import AdaQPExchange
 from .adaqp_plan import LINK_COST_SOURCES, AdaQPOptions
@@ -176,10 +177,17 @@ class AdaptiveConfig(AdaQPConfig):
     error_budget: float = option(2.0, "adaptive: each exchange's modelled error (dropped rows, "
                                  "1-bit residuals, quantization variance) at most this share of "
                                  "its rows' weighted energy")
+    techniques: str = option("drop,sign,2,4,8,fp32", "adaptive: the techniques a message group "
+                             "may take, comma-separated from drop, sign, 2, 4, 8, fp32 (fp32 is "
+                             "always offered)")
     joint_solver: str = option("cp-sat", cli=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        try:
+            parse_techniques(self.techniques)
+        except ValueError as e:
+            check(False, f"--techniques: {e}")
         check(self.error_budget >= 0, f"--error-budget must be >= 0 (a share of each exchange's "
               f"energy), got {self.error_budget}")
         check(self.joint_solver in ("cp-sat", "greedy"),
@@ -192,6 +200,7 @@ class AdaptiveConfig(AdaQPConfig):
               "normalisation: pass norm= (the layer's norm, e.g. \"gcn\" or \"mean\")")
         return AdaptiveExchange(book, norm=norm, options=self.options,
                                 error_budget=self.error_budget, solver=self.joint_solver,
+                                techniques=self.techniques,
                                 seed=seed, group=group, pattern=pattern, device=device)
 
 

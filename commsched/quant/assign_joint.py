@@ -52,6 +52,26 @@ SCALE = 10_000  # the integer model's resolution (time and error, per key)
 BUDGET_TOL = 1e-3
 
 
+def parse_techniques(spec) -> tuple[int, ...]:
+    """The techniques of a comma-separated ``spec`` (``drop,sign,2,4,8,fp32``; ``2-bit``
+    and ``32`` are accepted too), or of a sequence of technique ids, in :data:`TECHNIQUES`
+    order. float32 is always among them (it keeps every budget feasible)."""
+    names = {v: k for k, v in TECHNIQUE_NAMES.items()}
+    names.update({str(t): t for t in TECHNIQUES})
+    items = [x.strip() for x in spec.split(",")] if isinstance(spec, str) else list(spec)
+    out = set()
+    for x in items:
+        if x == "":
+            continue
+        t = names.get(x) if isinstance(x, str) else (int(x) if x in TECHNIQUES else None)
+        if t is None:
+            raise ValueError(f"unknown technique {x!r}: pick from drop, sign, 2, 4, 8, fp32 "
+                             "(comma-separated)")
+        out.add(t)
+    out.add(RAW)
+    return tuple(t for t in TECHNIQUES if t in out)
+
+
 def row_bytes(technique: int, dim: int) -> int:
     """Wire bytes of one row of ``dim`` values sent with ``technique``."""
     if technique == DROP:
@@ -428,4 +448,4 @@ def _cpsat(problem: JointProblem, hint: np.ndarray, *, time_limit_s: float, seed
 
 __all__ = ["BUDGET_TOL", "DROP", "JointAssignment", "JointEvaluation", "JointProblem", "RAW",
            "SIGN", "STOCHASTIC", "TECHNIQUES", "TECHNIQUE_NAMES", "evaluate_joint", "greedy_joint",
-           "row_bytes", "row_errors", "solve_joint"]
+           "parse_techniques", "row_bytes", "row_errors", "solve_joint"]

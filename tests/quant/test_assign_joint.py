@@ -25,6 +25,7 @@ from commsched.quant.assign_joint import (
     JointProblem,
     evaluate_joint,
     greedy_joint,
+    parse_techniques,
     row_bytes,
     row_errors,
     solve_joint,
@@ -193,3 +194,26 @@ def test_layout_over_techniques():
     assert lay.rows_per_width() == {0: 1, 1: 2, 2: 0, 4: 1, 8: 0, 32: 1}
     with pytest.raises(ValueError, match="widths for peer 0"):
         width_layout([np.array([3])], D, widths=TECHNIQUES, row_segments=technique_segments)
+
+
+def test_offered_techniques_bound_the_answer():
+    """``techniques`` restricts every group's choice (float32 always offered); at a budget
+    that drops everything when drops are offered, without them nothing is dropped and the
+    cheapest offered technique carries the rows; bad names are refused by name."""
+    assert parse_techniques("drop,sign") == (0, 1, 32)
+    assert parse_techniques("8, 2-bit, 4") == (2, 4, 8, 32)
+    assert parse_techniques([32]) == (32,)
+    with pytest.raises(ValueError, match="unknown technique '3'"):
+        parse_techniques("2,3")
+    fast = LinkCost(gamma=1e-5, theta=1e-9)
+    topo = Topology(("h0", "h0", "h1", "h1"), {"intra": fast, "inter": fast})
+    reps = _reports(4, 200)
+    links = link_model(4, "averaged", topology=topo)
+    t_all, i_all = solve_period(reps, links, error_budget=1e6, time_limit_s=1.0)
+    assert i_all["rows_per_technique"]["drop"] == sum(i_all["rows_per_technique"].values())
+    t_q, i_q = solve_period(reps, links, error_budget=1e6, time_limit_s=1.0, techniques="2,4,8")
+    used = {int(t) for chans in t_q.values() for v in chans.values() for t in v}
+    assert used == {2}
+    assert i_q["rows_per_technique"]["2-bit"] == sum(i_q["rows_per_technique"].values())
+    _, i_f = solve_period(reps, links, error_budget=0.0, time_limit_s=1.0, techniques="drop,sign")
+    assert i_f["rows_per_technique"]["fp32"] == sum(i_f["rows_per_technique"].values())
