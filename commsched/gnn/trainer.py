@@ -242,6 +242,23 @@ def run_device(cfg: TrainConfig, group=None) -> torch.device:
     return group_device(cfg.device, group)
 
 
+def assigned_epoch_time(assignments: list[dict], epoch_time_s_RE: list[list[float]],
+                        first_epoch: int = 0) -> tuple[int, float] | None:
+    """(the first epoch that ran on an assignment, the median over it and the later timed
+    epochs of the slowest rank's epoch time) of an adaptive exchange's ``assignments``
+    (``applied_epoch``, or AdaQP's ``epoch``); ``epoch_time_s_RE`` per rank, per epoch timed
+    from ``first_epoch``. None before any assignment ran. The epochs before it send what
+    the exchange starts with (signs for ``adaptive``): the plans compare on the rest."""
+    starts = [a.get("applied_epoch", a.get("epoch")) for a in assignments]
+    starts = [int(e) for e in starts if e is not None]
+    if not starts or not epoch_time_s_RE or not epoch_time_s_RE[0]:
+        return None
+    first = min(starts)
+    E = len(epoch_time_s_RE[0])
+    times = [max(r[e] for r in epoch_time_s_RE) for e in range(max(0, first - first_epoch), E)]
+    return (first, float(median(times))) if times else None
+
+
 def bytes_by_class(sent_RES: Sequence[Sequence[Sequence[int]]], hosts_P: Sequence[str]) -> dict[str, float]:
     """{"intra": bytes, "inter": bytes}: the median over epochs of the bytes all ranks sent
     to peers on their own host / on another host. ``sent_RES[r][e][p]``: bytes rank r sent
@@ -515,6 +532,7 @@ def _run(tr: Trainer, cfg: TrainConfig, part: PartData, out_dir, resume: bool, p
             raise ValueError(f"--resume: checkpoint {ckpt} does not fit this run (another model or "
                              f"configuration, or a damaged file: {read_error(e)}); start without "
                              "--resume or use the same options") from None
+    e0 = tr.epoch  # the first epoch this invocation trains (after a resume: not 0)
     with Progress(cfg.epochs, f"{cfg.mode} {cfg.model}", "epoch", enabled=progress and tr.rank == 0,
                   initial=min(tr.epoch, cfg.epochs)) as bar:
         while tr.epoch < cfg.epochs:
@@ -543,6 +561,9 @@ def _run(tr: Trainer, cfg: TrainConfig, part: PartData, out_dir, resume: bool, p
         if tr.rank == 0 and isinstance(extra.get(key), dict):
             wall = time.perf_counter() - t_start
             done = extra[key].get("assignments", [])
+            steady = assigned_epoch_time(done, [r["epoch_time_s"] for r in per_rank], e0)
+            if steady is not None:
+                extra[key]["first_assigned_epoch"], extra["epoch_time_s_assigned"] = steady
             assign = sum(a.get("wall_s", 0.0) for a in done)
             extra[key]["assign_total_s"] = assign
             extra["assign_share_of_wall"] = assign / wall if wall > 0 else 0.0
@@ -558,5 +579,5 @@ def _run(tr: Trainer, cfg: TrainConfig, part: PartData, out_dir, resume: bool, p
     return metrics.to_dict(), tr
 
 
-__all__ = ["CHECKPOINT", "DTYPES", "MIXED_DTYPES", "TrainConfig", "Trainer", "allreduce_grads", "bytes_by_class", "peak_rss_mib",
+__all__ = ["CHECKPOINT", "assigned_epoch_time", "DTYPES", "MIXED_DTYPES", "TrainConfig", "Trainer", "allreduce_grads", "bytes_by_class", "peak_rss_mib",
            "run_device", "run_training"]
