@@ -103,9 +103,6 @@ def time_to_acc(a: argparse.Namespace) -> bool:
     return getattr(a, "metric", "epoch") == "time-to-acc" or getattr(a, "target_acc", None) is not None
 
 
-ESUM_SUFFIX = "-esum"  # adaptive-esum: --error-measure sum
-
-
 def mode_args(name: str) -> tuple[str, ...]:
     """The ``commsched.gnn.train`` options of a bench mode name: ``--mode`` (and
     ``--dtype``, :func:`split_mode`) after the suffixes are taken off: a trailing
@@ -113,19 +110,12 @@ def mode_args(name: str) -> tuple[str, ...]:
     :data:`COST_SUFFIXES` on an adaptive mode (``adaqp-topo``: ``--link-costs topology``,
     ``adaqp-topoev``: ``--link-costs topology --equal-variance``, ``adaqp-avg``: ``averaged``).
     Outermost, one of :data:`GRAD_SUFFIXES` (``vanilla-lina``: ``--grad-schedule lina``),
-    and outside that ``-ebX`` on ``adaptive`` (``adaptive-eb0.5``: ``--error-budget 0.5``),
-    outermost ``-esum`` on ``adaptive`` (``--error-measure sum``, the measure before the
-    per-epoch one)."""
+    and outside that ``-ebX`` on ``adaptive`` (``adaptive-eb0.5``: ``--error-budget 0.5``)."""
     extra: tuple[str, ...] = ()
     base = name
-    if base.endswith(ESUM_SUFFIX):  # adaptive-esum: --error-measure sum
-        base, extra = base[: -len(ESUM_SUFFIX)], ("--error-measure", "sum")
-        if not hasattr(mode_spec(base.split("-")[0]), "error_measure"):
-            raise ValueError(f"--modes {name}: {ESUM_SUFFIX} sets the error measure of --mode "
-                             f"adaptive, not of {base}")
     eb = re.search(r"-eb([0-9]*\.?[0-9]+)$", base)
     if eb:  # adaptive-eb0.5: --error-budget 0.5
-        base, extra = base[: eb.start()], ("--error-budget", eb.group(1)) + extra
+        base, extra = base[: eb.start()], ("--error-budget", eb.group(1))
         if not hasattr(mode_spec(base.split("-")[0]), "error_budget"):
             raise ValueError(f"--modes {name}: -eb sets the error budget of --mode adaptive, "
                              f"not of {base}")

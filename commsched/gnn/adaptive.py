@@ -51,7 +51,6 @@ from ..all2all import exchange_segments
 from ..dist import all_gather_object, broadcast_object
 from ..quant.assign_joint import (
     DROP,
-    ERROR_MEASURES,
     SIGN,
     STOCHASTIC,
     TECHNIQUE_NAMES,
@@ -73,7 +72,7 @@ class AdaptiveExchange(AdaQPExchange):
     """The ``adaptive`` mode's exchange; see the module doc.
 
     error_budget: each exchange's modelled error at most this share of its rows' weighted
-    energy (``error_measure``: ``row_errors``' measure); techniques: the ones offered (float32 always is; ``parse_techniques``); the
+    energy; techniques: the ones offered (float32 always is; ``parse_techniques``); the
     first period sends signs, or where signs are not offered the narrowest offered width;
     solver: ``cp-sat`` (hinted by the greedy answer, never worse) or ``greedy``;
     the rest as :class:`~commsched.gnn.adaqp.AdaQPExchange` (``options.link_costs``: the
@@ -85,7 +84,7 @@ class AdaptiveExchange(AdaQPExchange):
     def __init__(self, book: PartitionBook, *, norm: str, options: AdaQPOptions | None = None,
                  error_budget: float = 2.0, solver: str = "cp-sat", seed: int = 0, group=None,
                  pattern: str = "direct", device: torch.device | str | None = None,
-                 techniques=TECHNIQUES, error_measure: str = "max"):
+                 techniques=TECHNIQUES):
         if not 0.0 <= error_budget:
             raise ValueError(f"--error-budget must be >= 0 (a share of each exchange's energy), "
                              f"got {error_budget}")
@@ -95,10 +94,6 @@ class AdaptiveExchange(AdaQPExchange):
                          seed=seed, group=group, pattern=pattern, device=device)
         self.error_budget, self.solver = float(error_budget), solver
         self.techniques = parse_techniques(techniques)
-        if error_measure not in ERROR_MEASURES:
-            raise ValueError(f"--error-measure must be one of {', '.join(ERROR_MEASURES)}, got "
-                             f"{error_measure!r}")
-        self.error_measure = error_measure
         # until the first assignment: signs (the onebit mode's traffic), else the narrowest
         # offered technique that sends something
         self.warmup = next(t for t in self.techniques if t != DROP)
@@ -381,8 +376,7 @@ class AdaptiveExchange(AdaQPExchange):
                                                time_limit_s=limit, seed=self.seed,
                                                solver=solver, period=self.opt.period,
                                                hosts_P=self.hosts_P, workers=1,
-                                               techniques=self.techniques,
-                                               error_measure=self.error_measure)
+                                               techniques=self.techniques)
                     info["theta_ratio"] = median(ratios) if ratios else None
                     info["time_limit_s"] = limit
                     box["out"] = (table, info)
@@ -428,7 +422,6 @@ class AdaptiveExchange(AdaQPExchange):
         out = {"adaptive": {"period": self.opt.period, "group_size": self.opt.group_size,
                             "error_budget": self.error_budget, "solver": self.solver,
                             "techniques": [TECHNIQUE_NAMES[t] for t in self.techniques],
-                            "error_measure": self.error_measure,
                             "link_cost_source": self.opt.link_costs,
                             "hosts": list(self.hosts_P) if self.hosts_P else None,
                             "link_costs": {str(p): {"theta_s_per_byte": th, "gamma_s": ga}

@@ -208,11 +208,10 @@ class PeriodProblem:
 
 
 def build_period_problem(per_rank: list[dict], links: LinkModel, *, error_budget: float,
-                         period: int = 1, techniques=TECHNIQUES,
-                         error_measure: str = "max") -> PeriodProblem:
+                         period: int = 1, techniques=TECHNIQUES) -> PeriodProblem:
     """From every rank's report -- ``groups``: :func:`sender_report`, ``dims`` {(layer,
     dir): row width} -- one problem: each group's errors those of its ``period``'s summed
-    messages (``row_errors`` of its sums, ``error_measure``), each key's budget ``error_budget`` times its
+    messages (``row_errors`` of its sums), each key's budget ``error_budget`` times its
     rows' summed energy; a technique not in ``techniques`` is not offered (its error
     infinite; float32 always is)."""
     if not error_budget >= 0:
@@ -233,8 +232,7 @@ def build_period_problem(per_rank: list[dict], links: LinkModel, *, error_budget
                     continue
                 sums = np.asarray(sums, dtype=np.float64).reshape(-1, 3)
                 cnt = np.bincount(np.asarray(gid, dtype=np.int64), minlength=sums.shape[0])
-                err = row_errors(sums[:, 0], sums[:, 1], sums[:, 2], period=period,
-                                 measure=error_measure)
+                err = row_errors(sums[:, 0], sums[:, 1], sums[:, 2], period=period)
                 err[:, off_T] = np.inf
                 err_l.append(err)
                 bytes_l.append(cnt[:, None] * rb[None, :])
@@ -257,8 +255,7 @@ def build_period_problem(per_rank: list[dict], links: LinkModel, *, error_budget
 
 def solve_period(per_rank: list[dict], links: LinkModel, *, error_budget: float,
                  time_limit_s: float, seed: int = 0, solver: str = "cp-sat", period: int = 1,
-                 hosts_P=None, workers: int = 2, techniques=TECHNIQUES,
-                 error_measure: str = "max") -> tuple[dict, dict]:
+                 hosts_P=None, workers: int = 2, techniques=TECHNIQUES) -> tuple[dict, dict]:
     """Rank 0's part of the re-assignment: :func:`build_period_problem` (over the offered
     ``techniques``), ``solve_joint``.
     Returns ({(layer, dir): {(src, dst): technique of each group, uint8 [G]}} -- a row's
@@ -268,7 +265,7 @@ def solve_period(per_rank: list[dict], links: LinkModel, *, error_budget: float,
     the rows and bytes per link class)."""
     t0 = time.perf_counter()
     pp = build_period_problem(per_rank, links, error_budget=error_budget, period=period,
-                              techniques=techniques, error_measure=error_measure)
+                              techniques=techniques)
     res = solve_joint(pp.problem, time_limit_s=time_limit_s, seed=seed, solver=solver,
                       workers=workers)
     table: dict = {k: {} for k in pp.problem.keys}

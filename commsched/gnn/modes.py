@@ -60,7 +60,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from ..configurable import Config, Registry, check, option
-from ..quant.assign_joint import ERROR_MEASURES, parse_techniques
+from ..quant.assign_joint import parse_techniques
 from .adaptive import AdaptiveExchange
 from .adaqp import AdaQPExchange
 from .adaqp_plan import LINK_COST_SOURCES, AdaQPOptions
@@ -180,11 +180,6 @@ class AdaptiveConfig(AdaQPConfig):
     techniques: str = option("drop,sign,2,4,8,fp32", "adaptive: the techniques a message group "
                              "may take, comma-separated from drop, sign, 2, 4, 8, fp32 (fp32 is "
                              "always offered)")
-    error_measure: str = option("max", "adaptive: the error a technique is charged: max (the larger "
-                                "of one epoch's message error and the period's summed error, per "
-                                "epoch) or sum (the period's sum alone, which prices 1-bit signs "
-                                "with error feedback at 2/period of their residual)",
-                                choices=ERROR_MEASURES)
     joint_solver: str = option("cp-sat", cli=False)
 
     def __post_init__(self) -> None:
@@ -205,7 +200,7 @@ class AdaptiveConfig(AdaQPConfig):
               "normalisation: pass norm= (the layer's norm, e.g. \"gcn\" or \"mean\")")
         return AdaptiveExchange(book, norm=norm, options=self.options,
                                 error_budget=self.error_budget, solver=self.joint_solver,
-                                techniques=self.techniques, error_measure=self.error_measure,
+                                techniques=self.techniques,
                                 seed=seed, group=group, pattern=pattern, device=device)
 
 

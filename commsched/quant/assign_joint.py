@@ -85,33 +85,19 @@ def row_bytes(technique: int, dim: int) -> int:
     raise ValueError(f"technique must be one of {TECHNIQUES}, got {technique!r}")
 
 
-ERROR_MEASURES = ("max", "sum")
-
-
 def row_errors(drop_R, sign_R, beta_R, techniques: Sequence[int] = TECHNIQUES, *,
-               period: int = 1, measure: str = "max") -> np.ndarray:
+               period: int = 1) -> np.ndarray:
     """err_RT [R, T]: the modelled error of each row under each technique (module doc),
     from its weighted energy ``drop_R`` (c |x|^2), its weighted 1-bit residual ``sign_R``
-    and its AdaQP variance weight ``beta_R`` (c D range^2 / 6).
-
-    ``measure="sum"``: the error of the sum of the ``period`` epochs' messages of the row,
-    per epoch: stochastic rounding is unbiased and independent from epoch to epoch
-    (``period * v / period = v``); a dropped row misses the same values every epoch, so
-    its errors add up coherently (``period^2 * c |x|^2 / period``); error feedback carries
-    a sign message's residual into the next one, so the period's sum misses only the first
-    and the last residual (``2 * sign / period``).
-
-    ``measure="max"`` (the default): the larger of that and the error of one epoch's
-    message, which the receiver's next layer (nonlinear) sees: the same for a dropped or
-    a stochastic row, but ``2 * sign`` for a sign row (its message misses the last
-    residual and carries the one before: ``x + e' - e``). The sum alone let 1-bit rows
-    look five times cheaper than they train at a period of 5: on Squirrel the solver sent
-    16-91% of the boundary as signs and lost 2-3 pp of test accuracy, while the same
-    budget without signs kept Vanilla's (docs/benchmarks.md, "Squirrel")."""
+    and its AdaQP variance weight ``beta_R`` (c D range^2 / 6), as the error of the sum of
+    the ``period`` epochs' messages of the row, per epoch: stochastic rounding is unbiased
+    and independent from epoch to epoch (``period * v / period = v``); a dropped row
+    misses the same values every epoch, so its errors add up coherently (``period^2 *
+    c |x|^2 / period``); error feedback carries a sign message's residual into the next
+    one, so the period's sum misses only the first and the last residual (``2 * sign /
+    period``)."""
     if not (isinstance(period, int) and period >= 1):
         raise ValueError(f"period must be an integer >= 1, got {period!r}")
-    if measure not in ERROR_MEASURES:
-        raise ValueError(f"the error measure must be one of {', '.join(ERROR_MEASURES)}, got {measure!r}")
     e2 = np.asarray(drop_R, dtype=np.float64).reshape(-1)
     s1 = np.asarray(sign_R, dtype=np.float64).reshape(-1)
     bt = np.asarray(beta_R, dtype=np.float64).reshape(-1)
@@ -123,8 +109,7 @@ def row_errors(drop_R, sign_R, beta_R, techniques: Sequence[int] = TECHNIQUES, *
         if t == DROP:
             cols.append(e2 * period)
         elif t == SIGN:
-            summed = s1 * (2.0 / period) if period > 1 else s1
-            cols.append(summed if measure == "sum" else np.maximum(summed, 2.0 * s1))
+            cols.append(s1 * (2.0 / period) if period > 1 else s1)
         elif t in STOCHASTIC:
             cols.append(bt / float((1 << t) - 1) ** 2)
         elif t == RAW:
@@ -461,6 +446,6 @@ def _cpsat(problem: JointProblem, hint: np.ndarray, *, time_limit_s: float, seed
     return choice, ("optimal" if st == cp_model.OPTIMAL else "feasible")
 
 
-__all__ = ["BUDGET_TOL", "DROP", "ERROR_MEASURES", "JointAssignment", "JointEvaluation", "JointProblem", "RAW",
+__all__ = ["BUDGET_TOL", "DROP", "JointAssignment", "JointEvaluation", "JointProblem", "RAW",
            "SIGN", "STOCHASTIC", "TECHNIQUES", "TECHNIQUE_NAMES", "evaluate_joint", "greedy_joint",
            "parse_techniques", "row_bytes", "row_errors", "solve_joint"]

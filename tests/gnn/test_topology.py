@@ -208,11 +208,6 @@ def test_bench_mode_names():
     assert mode_args("adaqp-topoev") == ("--mode", "adaqp", "--link-costs", "topology",
                                          "--equal-variance")
     assert mode_args("vanilla-bf16") == ("--mode", "vanilla", "--dtype", "bfloat16")
-    assert mode_args("adaptive-esum") == ("--mode", "adaptive", "--error-measure", "sum")
-    assert mode_args("adaptive-eb0.3-esum") == ("--mode", "adaptive", "--error-budget", "0.3",
-                                                "--error-measure", "sum")
-    with pytest.raises(ValueError, match="-esum sets the error measure of --mode adaptive"):
-        mode_args("vanilla-esum")
     with pytest.raises(ValueError, match="-topo picks the link costs of an adaptive mode"):
         mode_args("uniform-topo")
 

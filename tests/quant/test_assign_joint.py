@@ -35,17 +35,10 @@ from commsched.topology import Topology
 
 def test_bytes_and_errors_by_hand():
     assert [row_bytes(t, 10) for t in TECHNIQUES] == [0, 2 + 4, 3 + 8, 5 + 8, 10 + 8, 40]
-    e = row_errors([4.0], [1.0], [9.0], measure="sum")  # period 1: the errors of one message
+    e = row_errors([4.0], [1.0], [9.0])  # period 1: the errors of one message
     assert e.tolist() == [[4.0, 1.0, 9.0 / 9, 9.0 / 225, 9.0 / 255 ** 2, 0.0]]
-    e5 = row_errors([4.0], [1.0], [9.0], period=5, measure="sum")  # coherent drop, carried residual
+    e5 = row_errors([4.0], [1.0], [9.0], period=5)  # coherent drop, carried residual
     assert e5[0, 0] == 20.0 and e5[0, 1] == pytest.approx(0.4) and e5[0, 2:].tolist() == e[0, 2:].tolist()
-    # the default: the larger of that and one epoch's message error (a sign message
-    # carries the last residual and misses its own: 2 * sign); the rest as the sum's
-    m5 = row_errors([4.0], [1.0], [9.0], period=5)
-    assert m5[0, 1] == 2.0 and m5[0, [0, 2, 3, 4, 5]].tolist() == e5[0, [0, 2, 3, 4, 5]].tolist()
-    assert row_errors([4.0], [1.0], [9.0])[0, 1] == 2.0
-    with pytest.raises(ValueError, match="error measure must be one of max, sum"):
-        row_errors([1.0], [1.0], [1.0], measure="mean")
     with pytest.raises(ValueError, match="one entry per row"):
         row_errors([1.0, 2.0], [1.0], [1.0])
     with pytest.raises(ValueError, match="technique must be one of"):
