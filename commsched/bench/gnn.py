@@ -103,6 +103,9 @@ def time_to_acc(a: argparse.Namespace) -> bool:
     return getattr(a, "metric", "epoch") == "time-to-acc" or getattr(a, "target_acc", None) is not None
 
 
+WSIGN_SUFFIX = "-wsign"  # adaptive-wsign: --warmup sign
+
+
 def mode_args(name: str) -> tuple[str, ...]:
     """The ``commsched.gnn.train`` options of a bench mode name: ``--mode`` (and
     ``--dtype``, :func:`split_mode`) after the suffixes are taken off: a trailing
@@ -110,12 +113,18 @@ def mode_args(name: str) -> tuple[str, ...]:
     :data:`COST_SUFFIXES` on an adaptive mode (``adaqp-topo``: ``--link-costs topology``,
     ``adaqp-topoev``: ``--link-costs topology --equal-variance``, ``adaqp-avg``: ``averaged``).
     Outermost, one of :data:`GRAD_SUFFIXES` (``vanilla-lina``: ``--grad-schedule lina``),
-    and outside that ``-ebX`` on ``adaptive`` (``adaptive-eb0.5``: ``--error-budget 0.5``)."""
+    and outside that ``-ebX`` on ``adaptive`` (``adaptive-eb0.5``: ``--error-budget 0.5``),
+    outermost ``-wsign`` on ``adaptive`` (``--warmup sign``, the first period as signs)."""
     extra: tuple[str, ...] = ()
     base = name
+    if base.endswith(WSIGN_SUFFIX):  # adaptive-wsign: --warmup sign
+        base, extra = base[: -len(WSIGN_SUFFIX)], ("--warmup", "sign")
+        if not hasattr(mode_spec(base.split("-")[0]), "warmup"):
+            raise ValueError(f"--modes {name}: {WSIGN_SUFFIX} sets the warm-up of --mode "
+                             f"adaptive, not of {base}")
     eb = re.search(r"-eb([0-9]*\.?[0-9]+)$", base)
     if eb:  # adaptive-eb0.5: --error-budget 0.5
-        base, extra = base[: eb.start()], ("--error-budget", eb.group(1))
+        base, extra = base[: eb.start()], ("--error-budget", eb.group(1)) + extra
         if not hasattr(mode_spec(base.split("-")[0]), "error_budget"):
             raise ValueError(f"--modes {name}: -eb sets the error budget of --mode adaptive, "
                              f"not of {base}")

@@ -19,9 +19,10 @@ techniques in place of widths:
 * **Error feedback.** A row sent as signs carries the error of its last sign message:
   ``m = x + e``, ``e <- m - decode(encode(m))`` (as the ``onebit`` mode). A row sent any
   other way resets its error to zero.
-* **Until the first assignment** (the first ``period`` epochs) every row is sent as
-  signs: the ``onebit`` mode's traffic (``--techniques`` without ``sign``: the narrowest
-  offered width).
+* **Until the first assignment** (the first ``period`` epochs) every row is sent with
+  ``--warmup`` (default 2-bit stochastic: unbiased and stateless; ``sign`` sends the
+  ``onebit`` mode's traffic, half the bytes, but on Squirrel those epochs of signs cost
+  2.3 pp of test accuracy that the rest of the run did not recover: docs/benchmarks.md).
 * **Trace.** In the last epoch of each period the exchange records, per sent row, its
   weighted energy ``c |x|^2`` (the error of dropping it), its weighted 1-bit error (the
   measured error-feedback residual ``c |e|^2`` for a row sent as signs, else the closed
@@ -72,9 +73,9 @@ class AdaptiveExchange(AdaQPExchange):
     """The ``adaptive`` mode's exchange; see the module doc.
 
     error_budget: each exchange's modelled error at most this share of its rows' weighted
-    energy; techniques: the ones offered (float32 always is; ``parse_techniques``); the
-    first period sends signs, or where signs are not offered the narrowest offered width;
-    solver: ``cp-sat`` (hinted by the greedy answer, never worse) or ``greedy``;
+    energy; techniques: the ones offered (float32 always is; ``parse_techniques``);
+    warmup: the technique of the first period's rows (``2``: 2-bit stochastic; where not
+    offered, the narrowest offered width); solver: ``cp-sat`` (hinted by the greedy answer, never worse) or ``greedy``;
     the rest as :class:`~commsched.gnn.adaqp.AdaQPExchange` (``options.link_costs``: the
     link model, ``options.period``, ``options.group_size``, ``options.assign_time_limit_s``:
     CP-SAT's limit)."""
@@ -84,7 +85,7 @@ class AdaptiveExchange(AdaQPExchange):
     def __init__(self, book: PartitionBook, *, norm: str, options: AdaQPOptions | None = None,
                  error_budget: float = 2.0, solver: str = "cp-sat", seed: int = 0, group=None,
                  pattern: str = "direct", device: torch.device | str | None = None,
-                 techniques=TECHNIQUES):
+                 techniques=TECHNIQUES, warmup: str | int = "2"):
         if not 0.0 <= error_budget:
             raise ValueError(f"--error-budget must be >= 0 (a share of each exchange's energy), "
                              f"got {error_budget}")
@@ -94,9 +95,11 @@ class AdaptiveExchange(AdaQPExchange):
                          seed=seed, group=group, pattern=pattern, device=device)
         self.error_budget, self.solver = float(error_budget), solver
         self.techniques = parse_techniques(techniques)
-        # until the first assignment: signs (the onebit mode's traffic), else the narrowest
-        # offered technique that sends something
-        self.warmup = next(t for t in self.techniques if t != DROP)
+        # until the first assignment: ``warmup`` where offered, else the narrowest offered
+        # technique that sends something
+        w = parse_techniques(str(warmup))[0]  # the one named (fp32 sorts last)
+        self.warmup = w if w in self.techniques and w != DROP else next(
+            t for t in self.techniques if t != DROP)
         # (layer, direction) -> (positions, error-feedback residual [n, D]) of the rows sent as
         # signs in its last exchange
         self.errors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -422,6 +425,7 @@ class AdaptiveExchange(AdaQPExchange):
         out = {"adaptive": {"period": self.opt.period, "group_size": self.opt.group_size,
                             "error_budget": self.error_budget, "solver": self.solver,
                             "techniques": [TECHNIQUE_NAMES[t] for t in self.techniques],
+                            "warmup": TECHNIQUE_NAMES[self.warmup],
                             "link_cost_source": self.opt.link_costs,
                             "hosts": list(self.hosts_P) if self.hosts_P else None,
                             "link_costs": {str(p): {"theta_s_per_byte": th, "gamma_s": ga}

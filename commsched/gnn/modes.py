@@ -163,6 +163,9 @@ class AdaQPConfig(ExchangeConfig, AdaQPOptions):
                              device=device)
 
 
+WARMUPS = ("sign", "2", "4", "8", "fp32")  # adaptive's --warmup
+
+
 @dataclass(frozen=True, kw_only=True)
 class AdaptiveConfig(AdaQPConfig):
     """``adaptive``: every message group picks dropped, 1-bit signs with error feedback,
@@ -180,10 +183,15 @@ class AdaptiveConfig(AdaQPConfig):
     techniques: str = option("drop,sign,2,4,8,fp32", "adaptive: the techniques a message group "
                              "may take, comma-separated from drop, sign, 2, 4, 8, fp32 (fp32 is "
                              "always offered)")
+    warmup: str = option("2", "adaptive: the technique of every row before the first assignment "
+                         "(sign, 2, 4, 8 or fp32; where --techniques does not offer it, the "
+                         "narrowest offered width)", choices=WARMUPS)
     joint_solver: str = option("cp-sat", cli=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check(self.warmup in WARMUPS, f"--warmup must be one of {', '.join(WARMUPS)}, got "
+              f"{self.warmup!r}")
         try:
             parse_techniques(self.techniques)
         except ValueError as e:
@@ -200,7 +208,7 @@ class AdaptiveConfig(AdaQPConfig):
               "normalisation: pass norm= (the layer's norm, e.g. \"gcn\" or \"mean\")")
         return AdaptiveExchange(book, norm=norm, options=self.options,
                                 error_budget=self.error_budget, solver=self.joint_solver,
-                                techniques=self.techniques,
+                                techniques=self.techniques, warmup=self.warmup,
                                 seed=seed, group=group, pattern=pattern, device=device)
 
 

@@ -45,6 +45,33 @@ def test_config_and_one_rank_trains_as_vanilla():
     assert ma["adaptive"]["error_budget"] == 2.0
 
 
+def test_warmup_and_offered_techniques():
+    """The rows of the first period: 2-bit by default, ``--warmup sign`` the onebit mode's
+    signs, a warm-up not offered by ``--techniques`` the narrowest offered width; bad
+    names refused by the config."""
+    from commsched.gnn.data import SyntheticSpec, synthetic_graph
+    from commsched.gnn.modes import make_exchange, mode_config
+    from commsched.gnn.partition import make_parts, partition_nodes
+
+    g = synthetic_graph(SyntheticSpec(num_nodes=60, num_edges=200, num_features=5, num_classes=3, seed=2))
+    book = make_parts(g, partition_nodes(g, 1, "metis", 0), 1)[0].book
+
+    def first(**kw):
+        ex = make_exchange("adaptive", book, norm="gcn", config=mode_config("adaptive", **kw))
+        return ex.channel_widths(0, 1, 3, 0, "forward").tolist(), ex.report()["adaptive"]
+
+    w, rep = first()
+    assert w == [2, 2, 2] and rep["warmup"] == "2-bit" and rep["techniques"][-1] == "fp32"
+    assert first(warmup="sign")[0] == [1, 1, 1]
+    assert first(warmup="sign", techniques="drop,4,8")[0] == [4, 4, 4]
+    w, rep = first(techniques="drop")
+    assert w == [32, 32, 32] and rep["techniques"] == ["drop", "fp32"]
+    with pytest.raises(ValueError, match="--techniques: unknown technique 'three'"):
+        mode_config("adaptive", techniques="2,three")
+    with pytest.raises(ValueError, match="--warmup must be one of sign, 2, 4, 8, fp32"):
+        mode_config("adaptive", warmup="1")
+
+
 def three_rank_cases(rank: int, world: int) -> dict:
     from commsched.all2all import CommStats
     from commsched.gnn.adaptive import AdaptiveExchange

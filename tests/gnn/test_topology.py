@@ -208,6 +208,11 @@ def test_bench_mode_names():
     assert mode_args("adaqp-topoev") == ("--mode", "adaqp", "--link-costs", "topology",
                                          "--equal-variance")
     assert mode_args("vanilla-bf16") == ("--mode", "vanilla", "--dtype", "bfloat16")
+    assert mode_args("adaptive-wsign") == ("--mode", "adaptive", "--warmup", "sign")
+    assert mode_args("adaptive-eb0.3-wsign") == ("--mode", "adaptive", "--error-budget", "0.3",
+                                                 "--warmup", "sign")
+    with pytest.raises(ValueError, match="-wsign sets the warm-up of --mode adaptive"):
+        mode_args("vanilla-wsign")
     with pytest.raises(ValueError, match="-topo picks the link costs of an adaptive mode"):
         mode_args("uniform-topo")
 
