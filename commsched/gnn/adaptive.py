@@ -75,8 +75,8 @@ class AdaptiveExchange(AdaQPExchange):
     error_budget: each exchange's modelled error at most this share of its rows' weighted
     energy; techniques: the ones offered (float32 always is; ``parse_techniques``);
     warmup: the technique of the first period's rows (``2``: 2-bit stochastic; where not
-    offered, the narrowest offered width); solver: ``cp-sat`` (hinted by the greedy answer, never worse) or ``greedy``;
-    the rest as :class:`~commsched.gnn.adaqp.AdaQPExchange` (``options.link_costs``: the
+    offered, the narrowest offered width); solver: ``cp-sat`` (hinted by the greedy
+    answer, never worse) or ``greedy``; the rest as :class:`~commsched.gnn.adaqp.AdaQPExchange` (``options.link_costs``: the
     link model, ``options.period``, ``options.group_size``, ``options.assign_time_limit_s``:
     CP-SAT's limit)."""
 
