@@ -104,6 +104,7 @@ def time_to_acc(a: argparse.Namespace) -> bool:
 
 
 WSIGN_SUFFIX = "-wsign"  # adaptive-wsign: --warmup sign
+GRAD_BITS_SUFFIX = r"-g(16|8|4|2)"  # adaptive-g8: --grad-bits 8 (a regular expression)
 
 
 def mode_args(name: str) -> tuple[str, ...]:
@@ -114,11 +115,16 @@ def mode_args(name: str) -> tuple[str, ...]:
     ``adaqp-topoev``: ``--link-costs topology --equal-variance``, ``adaqp-avg``: ``averaged``).
     Outermost, one of :data:`GRAD_SUFFIXES` (``vanilla-lina``: ``--grad-schedule lina``),
     and outside that ``-ebX`` on ``adaptive`` (``adaptive-eb0.5``: ``--error-budget 0.5``),
-    outermost ``-wsign`` on ``adaptive`` (``--warmup sign``, the first period as signs)."""
+    then ``-wsign`` on ``adaptive`` (``--warmup sign``, the first period as signs);
+    outermost :data:`GRAD_BITS_SUFFIX` on any mode (``adaptive-g8``: ``--grad-bits 8``, the
+    gradient allreduce compressed)."""
     extra: tuple[str, ...] = ()
     base = name
+    gb = re.search(GRAD_BITS_SUFFIX + "$", base)
+    if gb:  # adaptive-g8: --grad-bits 8
+        base, extra = base[: gb.start()], ("--grad-bits", gb.group(1))
     if base.endswith(WSIGN_SUFFIX):  # adaptive-wsign: --warmup sign
-        base, extra = base[: -len(WSIGN_SUFFIX)], ("--warmup", "sign")
+        base, extra = base[: -len(WSIGN_SUFFIX)], ("--warmup", "sign") + extra
         if not hasattr(mode_spec(base.split("-")[0]), "warmup"):
             raise ValueError(f"--modes {name}: {WSIGN_SUFFIX} sets the warm-up of --mode "
                              f"adaptive, not of {base}")
@@ -130,7 +136,10 @@ def mode_args(name: str) -> tuple[str, ...]:
                              f"not of {base}")
     for suf, sched in GRAD_SUFFIXES.items():
         if base.endswith(suf):
-            base, extra = base[: -len(suf)], ("--grad-schedule", sched)
+            if gb:
+                raise ValueError(f"--modes {name}: {suf} (--grad-schedule {sched}) reduces exact "
+                                 f"buckets; -g{gb.group(1)} compresses the flat allreduce: pick one")
+            base, extra = base[: -len(suf)], ("--grad-schedule", sched) + extra
             break
     if base.endswith(HOSTS_SUFFIX):
         base, extra = base[: -len(HOSTS_SUFFIX)], extra + ("--partition-method", "metis-hosts")
@@ -205,7 +214,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "gcn,sage; gcn with --metric time-to-acc)")
     g.add_argument("--modes", default=None,
                    help=f"comma-separated modes for every model, a full-precision one may end in "
-                        f"{BF16_SUFFIX} (--dtype bfloat16), any in -lina or -fifo (--grad-schedule) (default: gcn {','.join(MODES_GCN)}; "
+                        f"{BF16_SUFFIX} (--dtype bfloat16), any in -lina or -fifo (--grad-schedule), any in -g16, -g8, -g4 or -g2 (--grad-bits) (default: gcn {','.join(MODES_GCN)}; "
                         f"sage {','.join(MODES_SAGE)})")
     g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="device of every variant (default auto: CUDA when every rank has its own GPU)")
@@ -526,6 +535,6 @@ WORKLOAD = Workload(
     baseline_of=baseline_of,
 )
 
-__all__ = ["BF16_SUFFIX", "COST_SUFFIXES", "DEFAULT_BANDWIDTH", "HOSTS_SUFFIX", "METRICS", "MODES_TOPOLOGY",
+__all__ = ["BF16_SUFFIX", "COST_SUFFIXES", "DEFAULT_BANDWIDTH", "GRAD_BITS_SUFFIX", "HOSTS_SUFFIX", "METRICS", "MODES_TOPOLOGY",
            "SEED_MARK", "TTA_MODES", "WORKLOAD", "time_to_acc", "tta_modes", "class_figures", "mode_args", "parse_seeds", "plot_class_widths",
            "pool_seeds", "split_mode"]

@@ -78,12 +78,21 @@ def _world(group) -> tuple[int, int]:
 
 
 def allreduce_grads(params, loss: torch.Tensor | None = None, *, group=None,
-                    timer: Breakdown | None = None) -> float | None:
+                    timer: Breakdown | None = None, bits: int = 32, seed: int = 0) -> float | None:
     """Sum every parameter's gradient over the ranks of ``group`` (one flat allreduce, timed
     as "reduce" in ``timer``), together with ``loss`` (a scalar) when given; returns the
     summed loss as a float (None without one). Parameters without a gradient get a zero one
     first, so every rank reduces the same flat tensor. Collective; on one rank (or no
-    process group) the gradients stay as they are."""
+    process group) the gradients stay as they are.
+
+    ``bits`` (``TrainConfig.grad_bits``): 32 sums exactly (one ``all_reduce`` with the loss
+    in it); 16 or 8/4/2 send the gradients in fewer bytes through
+    :func:`commsched.quant.allreduce.quantized_all_reduce` (bfloat16, or the codec's
+    unbiased stochastic row records keyed by ``seed``; vary it per step), every replica
+    getting the same sums, and the loss exactly in a one-value allreduce of its own."""
+    from ..quant.allreduce import check_grad_bits, quantized_all_reduce
+
+    bits = check_grad_bits(bits, "grad bits")
     params = [p for p in params if p.requires_grad]
     for p in params:
         if p.grad is None:
@@ -93,17 +102,27 @@ def allreduce_grads(params, loss: torch.Tensor | None = None, *, group=None,
         return None if loss is None else float(loss.detach())
     with (timer.time("reduce") if timer is not None else contextlib.nullcontext()):
         parts = [p.grad.reshape(-1) for p in params]
-        if loss is not None:
+        exact = bits == 32
+        if loss is not None and exact:
             parts.append(loss.detach().reshape(1).to(device=params[0].device, dtype=params[0].dtype))
         flat = torch.cat(parts)
         with comm_guard("allreduce of parameter gradients", group):
-            dist.all_reduce(flat, group=group)
+            if exact:
+                dist.all_reduce(flat, group=group)
+            else:
+                quantized_all_reduce(flat, bits, group=group, seed=seed)
+                if loss is not None:
+                    total = loss.detach().reshape(1).to(device=params[0].device,
+                                                        dtype=torch.float64).clone()
+                    dist.all_reduce(total, group=group)
         off = 0
         for p in params:
             n = p.numel()
             p.grad.copy_(flat[off:off + n].view_as(p))
             off += n
-    return None if loss is None else float(flat[-1])
+    if loss is None:
+        return None
+    return float(flat[-1]) if exact else float(total)
 
 
 # --------------------------------------------------------------------------- layer kinds
@@ -434,13 +453,15 @@ class DistGraph:
             self._ctx = None
 
     # -- collectives of a loop ------------------------------------------------------------
-    def sync_grads(self, params: Iterable[torch.Tensor], loss: torch.Tensor | None = None) -> float | None:
+    def sync_grads(self, params: Iterable[torch.Tensor], loss: torch.Tensor | None = None, *,
+                   bits: int = 32, seed: int = 0) -> float | None:
         """Sum the gradients of ``params`` over the ranks (call it after ``backward`` and
         before the optimizer step; with the loss normalised by the global count, such as
         ``totals["train"]``, the sum is the full-graph gradient); returns the summed
-        ``loss`` when given. Collective."""
+        ``loss`` when given. ``bits`` < 32 sends the gradients compressed, keyed by
+        ``seed`` (vary it per step): :func:`allreduce_grads`. Collective."""
         timer = self._ctx.timer if self._ctx is not None else None
-        return allreduce_grads(params, loss, group=self.group, timer=timer)
+        return allreduce_grads(params, loss, group=self.group, timer=timer, bits=bits, seed=seed)
 
     def all_sum(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the ranks (a new tensor; for counts, losses). Collective."""

@@ -11,7 +11,11 @@ allreduce runs through the core's :class:`~commsched.priority.executor.GradSched
 instead: cut into micro-ops (``lina``, ``serial``) or buckets (``fifo``), launched as
 each parameter's gradient becomes ready during the backward pass, on a process group of
 its own; under ``lina`` held while a backward halo exchange is in flight (the exchanges
-of the remaining layers are on the critical path, the allreduce is not). The sums are
+of the remaining layers are on the critical path, the allreduce is not). With
+``grad_bits`` below 32 the flat allreduce sends the gradients compressed
+(:func:`commsched.quant.allreduce.quantized_all_reduce`: bfloat16 at 16, the codec's
+unbiased stochastic row records at 8/4/2, keyed by the seed, the epoch and the rank), the
+loss exactly beside them; every replica still applies bit-identical sums. The sums are
 those of the flat allreduce (exact on 2 ranks; on more, up to the order gloo adds the
 ranks' values in). Every rank applies the same update to the same
 parameters, so the replicas never drift apart. With one rank (and no process group at
@@ -66,6 +70,8 @@ from ..dist import (
     group_device,
 )
 from ..results import OutputError, Progress, load_torch_file, median, read_error, save_torch
+from ..quant.allreduce import GRAD_BITS, check_grad_bits
+from ..quant.rowwire import format_seed
 from .adaqp_plan import AdaQPOptions
 from .bns import BNSOptions
 from .context import PassContext
@@ -137,6 +143,9 @@ class TrainConfig:
                                 "or a gradient schedule launched during it (lina: held behind the "
                                 "backward halo exchanges; fifo: buckets at once; serial: after it)",
                                 choices=GRAD_SCHEDULES)
+    grad_bits: int = option(32, "width of the gradient allreduce's messages: 32 exact; 16 bfloat16; "
+                            "8/4/2 the codec's stochastic row records (docs/gnn.md, \"Compressed "
+                            "gradient allreduce\"); the flat allreduce only", choices=GRAD_BITS)
     device: str = option("cpu", "auto: CUDA when every local rank has its own GPU, else the CPU",
                          choices=DEVICE_CHOICES)
 
@@ -171,6 +180,11 @@ class TrainConfig:
         if self.grad_schedule not in GRAD_SCHEDULES:
             raise ValueError(f"--grad-schedule must be one of {', '.join(GRAD_SCHEDULES)}, got "
                              f"{self.grad_schedule!r}")
+        check_grad_bits(self.grad_bits, "--grad-bits")
+        if self.grad_bits != 32 and self.grad_schedule != "flat":
+            raise ValueError(f"--grad-bits {self.grad_bits} compresses the flat allreduce; "
+                             f"--grad-schedule {self.grad_schedule} reduces exact buckets through "
+                             "the gradient scheduler: pick one of the two")
         if self.dropout_rng not in ("node", "local"):
             raise ValueError(f"dropout_rng must be node or local, got {self.dropout_rng!r}")
 
@@ -413,7 +427,9 @@ class Trainer:
         return loss_all
 
     def _allreduce_grads(self, loss: torch.Tensor, timer: Breakdown) -> float:
-        return allreduce_grads(self.model.parameters(), loss, group=self.group, timer=timer)
+        # the keys of a compressed allreduce: the run's seed, this epoch (ranks mix in theirs)
+        return allreduce_grads(self.model.parameters(), loss, group=self.group, timer=timer,
+                               bits=self.cfg.grad_bits, seed=format_seed(self.cfg.seed, self.epoch, 0x64AD))
 
     def _allreduce_loss(self, loss: torch.Tensor) -> float:
         total = loss.reshape(1).clone()

@@ -24,6 +24,8 @@ _CODEC_EXPORTS: dict[str, str] = {
     "encode_records": "codec",
     "decode_records": "codec",
     "QuantRows": "rowwire",
+    "quantized_all_reduce": "allreduce",
+    "GRAD_BITS": "allreduce",
 }
 
 # name -> submodule, for the bit-width assignment problem and its solvers

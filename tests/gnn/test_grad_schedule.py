@@ -85,3 +85,48 @@ def test_every_schedule_trains_as_the_flat_allreduce(world):
         assert seen["a2a_count"] == 2, seen
         assert seen["ar_bytes"] == out["param_bytes"] and seen["allreduce_count"] >= 2, seen
         assert seen["ar_started_during_a2a"] == 0, seen
+
+
+# --------------------------------------------------------------------------- --grad-bits
+def test_grad_bits_is_checked_and_on_the_command_line():
+    from commsched.bench.gnn import mode_args
+    from commsched.gnn.train import build_parser
+
+    assert TrainConfig().grad_bits == 32
+    with pytest.raises(ValueError, match="--grad-bits must be one of 32, 16, 8, 4, 2"):
+        TrainConfig(grad_bits=12)
+    with pytest.raises(ValueError, match="--grad-schedule lina reduces exact buckets"):
+        TrainConfig(grad_bits=8, grad_schedule="lina")
+    assert build_parser().parse_args(["--grad-bits", "8"]).grad_bits == 8
+    assert TrainConfig(grad_bits=8).record()["grad_bits"] == 8  # the ranks compare it
+    assert mode_args("adaptive-g8") == ("--mode", "adaptive", "--grad-bits", "8")
+    assert mode_args("adaptive-wsign-g16") == ("--mode", "adaptive", "--warmup", "sign", "--grad-bits", "16")
+    with pytest.raises(ValueError, match="pick one"):
+        mode_args("vanilla-lina-g8")
+
+
+def _train_bits(rank: int, world: int) -> dict:
+    from commsched.gnn.data import SyntheticSpec, synthetic_graph
+    from commsched.gnn.partition import make_parts, partition_nodes
+    from commsched.gnn.trainer import run_training
+
+    g = synthetic_graph(SyntheticSpec(num_nodes=300, num_edges=1500, num_features=24, num_classes=3, seed=2))
+    part = make_parts(g, partition_nodes(g, world, "metis", 0), world)[rank]
+    out = {}
+    for bits in (32, 16, 8):
+        m, tr = run_training(TrainConfig(layers=2, hidden=32, epochs=6, seed=3, grad_bits=bits), part)
+        out[bits] = {"loss": m["loss"], "params": [p.detach().clone() for p in tr.model.parameters()]}
+    return out
+
+
+@pytest.mark.slow
+def test_compressed_gradient_allreduce_keeps_the_replicas_in_step():
+    res = run_ranks(2, _train_bits, timeout_s=300)
+    for bits in (16, 8):
+        # the same parameters on both ranks after 6 updates from compressed sums
+        assert all(torch.equal(a, b) for a, b in zip(res[0][bits]["params"], res[1][bits]["params"])), bits
+        exact, got = res[0][32], res[0][bits]
+        assert got["loss"][0] == pytest.approx(exact["loss"][0], rel=1e-6)  # the loss is summed exactly
+        # close to the exact run's training, not equal to it
+        np.testing.assert_allclose(got["loss"], exact["loss"], rtol=0.05)
+        assert not all(torch.equal(a, b) for a, b in zip(got["params"], exact["params"])), bits

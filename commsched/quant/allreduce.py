@@ -1,0 +1,145 @@
+"""A compressed sum over ranks: reduce-scatter and all-gather of the shared codec's row records.
+
+Legend: n values in the flat tensor, P ranks, F values per row, R rows after padding
+(a multiple of P), C = R / P rows per owner chunk, W bytes of one row record.
+
+``quantized_all_reduce(flat, bits)`` sums a flat floating-point tensor over the ranks of
+a group, as ``dist.all_reduce`` does, in fewer bytes:
+
+1. *Reduce-scatter.* The tensor, zero-padded to R rows of F values, is cut into P chunks
+   of C rows; chunk p is owned by rank p. Each rank encodes its rows as row records
+   (:func:`commsched.quant.codec.encode_records`: per row a ``bits``-bit stochastic
+   payload and a float32 scale and zero point) and sends chunk p to rank p in one
+   ``all_to_all_single``. The owner decodes what its peers sent and adds it, in float32,
+   to its own chunk, which never left the rank and stays exact.
+2. *All-gather.* The owner encodes its summed chunk once and every rank receives those
+   same bytes (``all_gather``) and decodes them, the owner included, so every replica
+   holds bit-identical sums: data-parallel parameters stay in step.
+
+Each rank sends ``2 (P - 1) C W`` bytes, the byte count of a ring allreduce's two phases
+at ``W / (4 F)`` of float32's width (264 / 1024 at 8 bits with F = 256). The result is
+unbiased (both quantizations are stochastic with independent keys; E[sum'] = sum) and
+each summed value is off by at most the level steps of the P - 1 peers' rows it came in
+plus one level step of the summed row (a level step: (max - min) / (2^bits - 1) of its
+row). ``bits=16`` sends the
+rows as bfloat16 (round to nearest even, relative error <= 2^-8) and sums in float32;
+``bits=32`` is ``dist.all_reduce`` itself, exact.
+
+Keys: the caller's ``seed`` (an int, for example from the training seed and the step) is
+hashed with the rank and the phase into the codec's 32-bit message keys, so no two ranks
+or steps share random bits and the same seed replays the same bytes. The keys are host
+ints: encoding never reads the device.
+
+The same code runs on gloo (CPU tensors) and NCCL (CUDA tensors): both take uint8
+``all_to_all_single`` and the list form of ``all_gather``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .codec import IMPLS, decode_records, encode_records
+from .rowwire import format_seed
+from .wire import BITS, record_bytes
+
+GRAD_BITS = (32, 16, 8, 4, 2)  # the widths quantized_all_reduce takes (32: exact)
+ROW_VALUES = 256  # F: values per row record (one scale and zero point per 256 values)
+_PHASE_SCATTER, _PHASE_GATHER = 1, 2
+
+
+def check_grad_bits(bits, what: str = "bits") -> int:
+    """``bits`` as an int if it is one of :data:`GRAD_BITS`, else a ValueError naming them."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in GRAD_BITS:
+        raise ValueError(f"{what} must be one of {', '.join(map(str, GRAD_BITS))} (32: exact "
+                         f"float32 allreduce, 16: bfloat16 wire, 8/4/2: the codec's stochastic "
+                         f"row records), got {bits!r}")
+    return int(bits)
+
+
+def wire_bytes(numel: int, world: int, bits: int, row_values: int = ROW_VALUES) -> int:
+    """Bytes one rank sends for a sum of ``numel`` values over ``world`` ranks at ``bits``
+    (both phases; at 32 bits those of a ring allreduce of float32). Pure."""
+    bits = check_grad_bits(bits)
+    if world <= 1 or numel <= 0:
+        return 0
+    if bits == 32:
+        return 2 * (world - 1) * -(-numel // world) * 4
+    rows = -(-numel // row_values)
+    chunk = -(-rows // world)
+    per_row = row_values * 2 if bits == 16 else record_bytes(row_values, bits)
+    return 2 * (world - 1) * chunk * per_row
+
+
+def _encode(x_RF: torch.Tensor, bits: int, key: int, impl: str) -> torch.Tensor:
+    """uint8 [R, W] of float rows at ``bits`` (16: bfloat16 bytes)."""
+    if bits == 16:
+        return x_RF.to(torch.bfloat16).contiguous().view(torch.uint8)
+    return encode_records(x_RF, bits, key, impl=impl)
+
+
+def _decode(w_RW: torch.Tensor, bits: int, F: int, impl: str) -> torch.Tensor:
+    """float32 [R, F] from the bytes of :func:`_encode`."""
+    if bits == 16:
+        return w_RW.contiguous().view(torch.bfloat16).float()
+    return decode_records(w_RW, bits, F, impl=impl)
+
+
+def quantized_all_reduce(flat: torch.Tensor, bits: int = 8, *, group=None, seed: int = 0,
+                         row_values: int = ROW_VALUES, impl: str = "auto") -> torch.Tensor:
+    """Sum the 1-D floating-point tensor ``flat`` over the ranks of ``group`` in place, its
+    messages at ``bits`` (one of :data:`GRAD_BITS`; module docstring), and return it.
+
+    Collective: every rank calls it with a tensor of the same numel, dtype and ``bits``.
+    ``seed`` keys the stochastic rounding (vary it per call, e.g. with the step).
+    ``row_values``: values per row record (one scale per row; smaller rows follow the
+    values more closely and cost 8 bytes each). On one rank (or without a process group)
+    the tensor is returned as it is. Raises ValueError for a bad ``bits``, ``impl``,
+    ``row_values`` or a tensor that is not 1-D floating point."""
+    bits = check_grad_bits(bits)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if isinstance(row_values, bool) or not isinstance(row_values, int) or row_values < 1:
+        raise ValueError(f"row_values must be an int >= 1, got {row_values!r}")
+    if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or not flat.dtype.is_floating_point:
+        raise ValueError(f"flat must be a 1-D floating-point tensor, got "
+                         f"{getattr(flat, 'dtype', type(flat).__name__)} {tuple(getattr(flat, 'shape', ()))}")
+    if not (dist.is_available() and dist.is_initialized()):
+        return flat
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = flat.numel()
+    if P == 1 or n == 0:
+        return flat
+    if bits == 32:
+        dist.all_reduce(flat, group=group)
+        return flat
+    assert bits == 16 or bits in BITS
+    F = int(row_values)
+    rows = -(-n // F)
+    C = -(-rows // P)  # rows per owner chunk
+    R = C * P
+    x = torch.zeros(R * F, dtype=torch.float32, device=flat.device)
+    x[:n] = flat
+    x_RF = x.view(R, F)
+    # 1. reduce-scatter: chunk p of every rank's rows goes to rank p as row records
+    send = _encode(x_RF, bits, format_seed(seed, rank, _PHASE_SCATTER), impl)
+    Wb = send.shape[1]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
+    got = _decode(recv, bits, F, impl).view(P, C, F)
+    mine = x_RF[rank * C:(rank + 1) * C]
+    # the own chunk stays exact; the peers' decoded chunks are added in rank order
+    total = mine.clone()
+    for p in range(P):
+        if p != rank:
+            total += got[p]
+    # 2. all-gather: the owner's summed chunk, encoded once; every rank decodes those bytes
+    sent = _encode(total, bits, format_seed(seed, rank, _PHASE_GATHER), impl)
+    parts = [torch.empty((C, Wb), dtype=torch.uint8, device=flat.device) for _ in range(P)]
+    dist.all_gather(parts, sent.contiguous(), group=group)
+    out = _decode(torch.cat(parts), bits, F, impl).view(-1)
+    flat.copy_(out[:n])
+    return flat
+
+
+__all__ = ["GRAD_BITS", "ROW_VALUES", "check_grad_bits", "quantized_all_reduce", "wire_bytes"]

@@ -1,0 +1,139 @@
+"""``commsched.quant.allreduce.quantized_all_reduce``: the compressed sum over ranks (the GNN
+trainer's ``--grad-bits``). Pure checks in milliseconds; one multi-process run on real gloo
+ranks shows the sums are the same bytes on every rank, within the codec's bound of the exact
+sum, unbiased, replayable from the seed, and unchanged under the NCCL semantics fake."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from commsched.quant.allreduce import GRAD_BITS, ROW_VALUES, check_grad_bits, quantized_all_reduce, wire_bytes
+from tests.mp import run_ranks
+
+
+def test_bits_are_checked_with_a_message_naming_the_widths():
+    for bad in (0, 1, 3, 12, 64, "8", 8.0, True):
+        with pytest.raises(ValueError, match="must be one of 32, 16, 8, 4, 2"):
+            check_grad_bits(bad)
+    assert [check_grad_bits(b) for b in GRAD_BITS] == list(GRAD_BITS)
+
+
+def test_bad_input_is_refused_before_any_collective():
+    with pytest.raises(ValueError, match="1-D floating-point"):
+        quantized_all_reduce(torch.zeros(4, 4), 8)
+    with pytest.raises(ValueError, match="1-D floating-point"):
+        quantized_all_reduce(torch.zeros(4, dtype=torch.int64), 8)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        quantized_all_reduce(torch.zeros(4), 8, impl="cuda")
+    with pytest.raises(ValueError, match="row_values must be an int >= 1"):
+        quantized_all_reduce(torch.zeros(4), 8, row_values=0)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        quantized_all_reduce(torch.zeros(4), 7)
+
+
+def test_without_a_process_group_the_tensor_is_left_as_it_is():
+    x = torch.randn(1000)
+    y = x.clone()
+    assert quantized_all_reduce(y, 8) is y
+    assert torch.equal(x, y)
+
+
+def test_wire_bytes():
+    n, P = 435_000, 4
+    full = wire_bytes(n, P, 32)
+    assert full == 2 * 3 * (n // 4) * 4  # a ring allreduce of float32: 2 (P - 1) n / P values
+    rows = -(-n // ROW_VALUES)
+    chunk = -(-rows // P)
+    assert wire_bytes(n, P, 8) == 2 * 3 * chunk * (ROW_VALUES + 8)
+    assert wire_bytes(n, P, 16) == 2 * 3 * chunk * ROW_VALUES * 2
+    assert 3.8 < full / wire_bytes(n, P, 8) < 3.9  # 1024 / 264 bytes per 256 values, plus padding
+    assert wire_bytes(n, 1, 8) == 0 and wire_bytes(0, P, 8) == 0
+
+
+# --------------------------------------------------------------------------- on gloo ranks
+N = 5 * ROW_VALUES * 3 + 77  # not a multiple of rows * ranks: the padding is exercised
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    pad = (-x.numel()) % ROW_VALUES
+    return torch.cat([x, x.new_zeros(pad)]).view(-1, ROW_VALUES)
+
+
+def _level_steps(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Per value, the level step of its row: (max - min) / (2^bits - 1)."""
+    r = _rows_of(x)
+    step = (r.max(1).values - r.min(1).values) / (2 ** bits - 1)
+    return step.repeat_interleave(ROW_VALUES)[: x.numel()]
+
+
+def _sums(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from tests.nccl_fake import nccl_semantics
+
+    g = torch.Generator().manual_seed(100 + rank)
+    # rows of very different scales, a constant row and a zero row: per-row scales matter
+    x = torch.randn(N, generator=g) * (1 + rank)
+    x[:ROW_VALUES] *= 1e-4
+    x[ROW_VALUES:2 * ROW_VALUES] = 0.5
+    x[2 * ROW_VALUES:3 * ROW_VALUES] = 0.0
+    exact = x.double().clone()
+    dist.all_reduce(exact)
+    everyone = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(everyone, x)
+    out: dict = {"exact": exact, "inputs": everyone}
+    for bits in GRAD_BITS:
+        y = x.clone()
+        assert quantized_all_reduce(y, bits, seed=11) is y
+        out[bits] = y
+    out["replay"] = quantized_all_reduce(x.clone(), 8, seed=11)
+    out["other_seed"] = quantized_all_reduce(x.clone(), 8, seed=12)
+    # unbiased: the mean over many seeds closes in on the exact sum
+    out["mean8"] = torch.stack([quantized_all_reduce(x.clone(), 8, seed=1000 + s)
+                                for s in range(48)]).mean(0)
+    out["f64"] = quantized_all_reduce(x.double(), 8, seed=11)
+    with nccl_semantics() as fake:
+        out["nccl"] = quantized_all_reduce(x.clone(), 8, seed=11)
+        out["nccl_calls"] = dict(fake.calls)
+    return out
+
+
+@pytest.mark.slow
+def test_compressed_sums_on_three_ranks():
+    world = 3
+    res = run_ranks(world, _sums, timeout_s=180)
+    exact = res[0]["exact"]
+    inputs = res[0]["inputs"]
+    for bits in GRAD_BITS:
+        for r in range(1, world):  # every replica holds the same bytes
+            assert torch.equal(res[r][bits], res[0][bits]), (bits, r)
+    assert torch.allclose(res[0][32].double(), exact, rtol=1e-6, atol=1e-6)
+    # bf16 on the wire, float32 sums: each term within 2^-8 relative, the result once more
+    err16 = (res[0][16].double() - exact).abs()
+    bound16 = sum(x.double().abs() for x in inputs) * 2 ** -8 + exact.abs() * 2 ** -8 + 1e-6
+    assert bool((err16 <= bound16).all())
+    for bits in (8, 4, 2):
+        got = res[0][bits].double()
+        # the bound: the peers' level steps (each rank's own chunk stays exact; bounded by all
+        # ranks' steps here) and one step of the summed row, plus float32 rounding
+        bound = sum(_level_steps(x, bits) for x in inputs).double()
+        bound = bound + _level_steps(exact.float(), bits).double() * 1.5 + 1e-5
+        assert bool(((got - exact).abs() <= bound).all()), bits
+    err8 = (res[0][8].double() - exact).abs()
+    assert float(err8.max()) > 0  # it did quantize
+    assert float(err8[2 * ROW_VALUES:3 * ROW_VALUES].max()) == 0  # zero rows sum to zeros
+    # the constant row sums exactly (0.5 on each rank)
+    assert torch.allclose(res[0][8][ROW_VALUES:2 * ROW_VALUES].double(), exact[ROW_VALUES:2 * ROW_VALUES])
+    # the same seed replays the same bytes; another seed rounds otherwise
+    assert torch.equal(res[0]["replay"], res[0][8])
+    assert not torch.equal(res[0]["other_seed"], res[0][8])
+    # unbiased: 48 seeds average the rounding away (error ~ 1/sqrt(48) of one draw's)
+    mean_err = (res[0]["mean8"].double() - exact).abs().mean()
+    assert float(mean_err) < 0.35 * float(err8.mean())
+    # float64 input: summed in float32 on the wire, written back in float64
+    assert res[0]["f64"].dtype == torch.float64
+    assert torch.allclose(res[0]["f64"], res[0][8].double(), atol=1e-5)
+    # NCCL's semantics (the blocking collectives go through as on a GPU): the same bytes
+    assert torch.equal(res[0]["nccl"], res[0][8])
+    assert res[0]["nccl_calls"].get("all_to_all_single") == 1
