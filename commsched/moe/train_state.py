@@ -86,7 +86,10 @@ def make_state(*, cfg: Any, step: int, rank: int, world_size: int, ep_size: int,
     return {"format": FORMAT, "version": VERSION, "config": config_record(cfg), "step": int(step),
             "rank": int(rank), "world_size": int(world_size), "ep_size": int(ep_size),
             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "rows": [dict(r) for r in rows], "rng": rng}
+            "rows": [dict(r) for r in rows], "rng": rng,
+            # the gradient schedule's fallback probe (GradStep.probe_state): a resumed run
+            # runs every step in the mode the interrupted one would have
+            **({"probe": optimizer.probe_state()} if hasattr(optimizer, "probe_state") else {})}
 
 
 def write_tmp(path: Path, state: dict[str, Any]) -> Path:

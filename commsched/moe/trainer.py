@@ -347,6 +347,8 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
         st = _resume_state(cfg, out, ep, device)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
+        if "probe" in st:  # checkpoints before the probe state: the probe starts again
+            opt.load_probe_state(st["probe"])
         rows = [dict(r) for r in st["rows"]]
         start = int(st["step"])
         train_state.restore_rng(st, device)

@@ -41,7 +41,7 @@ from torch import nn
 
 from ..dist import all_gather_object
 from .executor import GradScheduler
-from .fallback import PROBE_WARMUP, FallbackProbe
+from .fallback import PROBE_WARMUP, Decision, FallbackProbe
 from .overlap import OverlapOptimizer, OverlapScheduler
 from .policy import ScheduleConfig
 from .records import OpRecord
@@ -117,6 +117,42 @@ class GradStep:
         in every later step. What else the fallback should switch registers here (the MoE
         trainer's ``--fallback-exchange``: its all-to-all to fifo's exchange)."""
         self._mode_listeners.append(fn)
+
+    # ------------------------------------------------------------------ the probe in checkpoints
+    def probe_state(self) -> dict:
+        """The probe's progress, for a checkpoint taken once step ``k`` (the last one begun)
+        completed: ``{"step": k, "times": [...], "decided": None or {"fallback", "primary_s",
+        "fallback_s"}}``. A step of the probe that has not been timed yet (``k`` itself) is
+        timed up to now. :meth:`load_probe_state` in the resumed run carries on from it, so
+        its steps run in the modes the interrupted run's would have (the decision kept, or
+        taken at the same step from the same number of probe times), which is what makes a
+        resume exact when the mode changes the arithmetic (the MoE trainer's
+        ``--fallback-exchange``). Pure host state; JSON-able."""
+        times = list(self._probe_times)
+        if self._t_last is not None and self.probe.probing(self._step):
+            times.append(self._now() - self._t_last)
+        d = self.probe.decided
+        return {"step": int(self._step), "times": [float(t) for t in times],
+                "decided": None if d is None else {"fallback": bool(d.fallback),
+                                                   "primary_s": float(d.primary_s),
+                                                   "fallback_s": float(d.fallback_s)}}
+
+    def load_probe_state(self, st: dict) -> None:
+        """Carry on from :meth:`probe_state` of the interrupted run (before :meth:`open`, no
+        collective). Raises ValueError naming what is wrong with a malformed state."""
+        try:
+            step, times, d = int(st["step"]), [float(t) for t in st["times"]], st["decided"]
+            decided = None if d is None else Decision(bool(d["fallback"]), float(d["primary_s"]),
+                                                      float(d["fallback_s"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"the gradient schedule's probe state is damaged ({type(e).__name__}: {e}); "
+                             "expected {'step': int, 'times': [float], 'decided': None or "
+                             "{'fallback', 'primary_s', 'fallback_s'}}") from None
+        if step < -1 or (self.probe.enabled and len(times) > 2 * self.probe.probes):
+            raise ValueError(f"the gradient schedule's probe state does not fit this schedule: step "
+                             f"{step}, {len(times)} probe times for {self.probe.probes} probe pairs")
+        self._step, self._probe_times, self._t_last = step, times, None
+        self.probe.decided = decided
 
     @property
     def fallen_back(self) -> bool | None:

@@ -337,6 +337,60 @@ def test_moe_checkpoint_resume_is_exact(tmp_path):
     assert_case(res, "checkpoint_resume_exact")
 
 
+def _fallback_resume_exact(tmp: str, rank: int, world: int) -> None:
+    """``--fallback-exchange`` changes the arithmetic of the steps run as the fallback, so a
+    resume is exact only if every step runs in the mode the interrupted run would have: the
+    checkpoint carries the probe's progress. The decision is scripted (fallback faster) so
+    that the uninterrupted reference decides alike; killed before the probe ends (checkpoint
+    of step 4: probe steps 2-5), just before the decision (step 6) and after it (step 8),
+    each resumed run ends bitwise equal to the uninterrupted one."""
+    import dataclasses
+
+    from commsched.moe.train_state import checkpoint_path
+    from commsched.priority import fallback
+
+    calls: list[list[int]] = []
+    real = fallback.FallbackProbe.decide
+
+    def scripted(self, times_RS):
+        calls.append([len(t) for t in times_RS])  # what a resumed run gathered
+        n = 2 * self.probes
+        return real(self, [[1.0 if self.fallback_at(self.first + s) else 2.0 for s in range(n)]
+                           for _ in times_RS] if all(len(t) == n for t in times_RS) else times_RS)
+
+    fallback.FallbackProbe.decide = scripted
+    try:
+        cfg = dataclasses.replace(_cfg(world, "lina", chunks=2, pipeline=True, steps=10),
+                                  checkpoint_every=2, fallback_exchange=True)
+        assert cfg.schedule.fallback_probes == 2
+        full_m, full_state = train(dataclasses.replace(cfg, checkpoint_every=0), None, progress=False)
+        assert calls == [[4] * world]
+        for kill, resumed_from, decides in ((5, 4, 1), (7, 6, 1), (9, 8, 0)):
+            d = Path(tmp) / f"fx{kill}"
+            with pytest.raises(_Killed):
+                train(cfg, d, progress=False, on_step=_die_after(kill))
+            probe = torch.load(checkpoint_path(d, rank), weights_only=True)["probe"]
+            assert probe["step"] == resumed_from - 1
+            assert len(probe["times"]) == min(resumed_from - 2, 4)
+            assert (probe["decided"] is not None) is (resumed_from > 6)
+            calls.clear()
+            m, state = train(cfg, d, progress=False, resume=True)
+            assert m.to_dict()["resumed_from_step"] == resumed_from
+            assert len(calls) == decides and all(c == [4] * world for c in calls)  # taken from 4 times
+            assert _same_state(state, full_state) and m.loss == full_m.loss, kill
+    finally:
+        fallback.FallbackProbe.decide = real
+
+
+@pytest.mark.slow
+def test_fallback_exchange_resume_is_exact(tmp_path):
+    import functools
+
+    res = run_cases(2, [("fallback_resume_exact", functools.partial(_fallback_resume_exact, str(tmp_path)))],
+                    timeout_s=240, env={"COMMSCHED_TIMEOUT_S": "30"})
+    assert_case(res, "fallback_resume_exact")
+
+
 def _cuda_resume_exact(tmp: str, rank: int, world: int) -> None:
     """On CUDA: the device's optimizer state and random state go through the checkpoint too."""
     import dataclasses

@@ -147,3 +147,65 @@ def test_no_probe_for_fifo_or_when_off():
         gs = make_grad_step(_net(), [(p, FakeGroup(), 1.0) for p in _net().parameters()], cfg,
                             lambda ps: torch.optim.Adam(ps, lr=1e-2), launch=lambda flat, group: DoneWork())
         assert not gs.probe.enabled
+
+
+def _modes_of(gs, steps: range, modes: list) -> None:
+    with gs:
+        for step in steps:
+            x, y = _batch(step)
+            gs.before_forward()
+            loss = nn.functional.cross_entropy(_NET(x), y)
+            gs.before_backward()
+            modes.append(gs.scheduler._policy.hold_for_a2a)
+            loss.backward()
+            gs.after_backward(sync=True)
+
+
+_NET = _net()
+
+
+def _gs(durations):
+    cfg = ScheduleConfig("lina", microop_bytes=64, fallback_probes=2)
+    entries = [(p, FakeGroup(), 1.0) for p in reversed(list(_NET.parameters()))]
+    gs = make_grad_step(_NET, entries, cfg, lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                        launch=lambda flat, group: DoneWork())
+    gs._now = ScriptedClock(durations)
+    return gs
+
+
+@pytest.mark.parametrize("cut", [1, 3, 5, 6, 8])
+def test_probe_state_resumes_the_probe_where_it_stopped(cut):
+    """A run stopped after step ``cut`` (a checkpoint) and carried on from
+    ``probe_state()`` runs every later step in the mode the whole run does, and decides from
+    the same number of probe times: in the warm-up, inside the probe (3: step 3 timed up to
+    the checkpoint), on its last step (5), at the decision (6) and after it (8)."""
+    durations = [2.0, 2.0, 1.5, 1.0, 1.0, 1.5] + [1.0] * 10  # the fallback is faster
+    whole: list[bool] = []
+    g = _gs(list(durations))
+    _modes_of(g, range(10), whole)
+    assert whole[6:] == [False] * 4 and g.fallen_back  # lina falls back from step 6 on
+    first: list[bool] = []
+    a = _gs(list(durations))
+    _modes_of(a, range(cut + 1), first)
+    st = a.probe_state()
+    assert st["step"] == cut and (st["decided"] is not None) is (cut >= 6)
+    assert len(st["times"]) == max(0, min(cut - 1, 4))
+    import json
+
+    st = json.loads(json.dumps(st))  # it is what a checkpoint holds
+    b = _gs(durations[cut + 1:])  # the steps it runs take what they take in the whole run
+    b.load_probe_state(st)
+    rest: list[bool] = []
+    _modes_of(b, range(cut + 1, 10), rest)
+    assert first + rest == whole
+    assert b.fallen_back is True
+
+
+def test_a_damaged_probe_state_is_refused():
+    gs = _gs([1.0] * 5)
+    for bad in ({}, {"step": 1, "times": "x", "decided": None}, {"step": 1, "times": [], "decided": {"fallback": 1}},
+                {"step": "a", "times": [], "decided": None}):
+        with pytest.raises(ValueError, match="probe state is damaged"):
+            gs.load_probe_state(bad)
+    with pytest.raises(ValueError, match="does not fit this schedule"):
+        gs.load_probe_state({"step": 3, "times": [1.0] * 5, "decided": None})
