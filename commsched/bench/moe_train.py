@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from ..dist import DEVICE_CHOICES
@@ -98,6 +99,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lina and lina-overlap variants: the probe's fallback also runs the all-to-all and "
                         "the reduction as fifo's (one chunk, not pipelined; fifo's buckets; "
                         "commsched.moe.train --fallback-exchange)")
+    g.add_argument("--grad-bits", type=int, choices=(16, 8), default=None,
+                   help="also run fifo-gB, lina-gB and lina-overlap-gB (and fifo-qA-gB, lina-qA-gB, "
+                        "lina-overlap-qA-gB with --a2a-bits A): the gradient reduction's messages at B bits "
+                        "(commsched.moe.train --grad-bits)")
     g.add_argument("--a2a-bits", type=int, choices=(16, 8), default=None,
                    help="also run lina-qB and lina-overlap-qB: lina / lina-overlap with the expert all-to-all "
                         "at B bits (commsched.moe.train --a2a-bits)")
@@ -136,6 +141,16 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
         out += [Variant(f"lina-q{bits}", mod, (*lina, *q)),
                 Variant(f"lina-overlap-q{bits}", mod, ("--impl", "commsched", "--schedule", "lina-overlap",
                                                        *lina[4:], *q))]
+    gbits = getattr(a, "grad_bits", None)
+    if gbits:  # the gradient reduction compressed (quant/allreduce.py), alone and with -qA
+        g = ("--grad-bits", str(gbits))
+        by_name = {v.name: v for v in out}
+        out += [Variant(f"{n}-g{gbits}", mod, (*by_name[n].args, *g)) for n in ("fifo", "lina", "lina-overlap")]
+        if bits:  # both compressions: fifo-qA-gB, lina-qA-gB, lina-overlap-qA-gB
+            q = ("--a2a-bits", str(bits))
+            out += [Variant(f"fifo-q{bits}-g{gbits}", mod, (*by_name["fifo"].args, *q, *g)),
+                    *(Variant(f"{n}-q{bits}-g{gbits}", mod, (*by_name[f"{n}-q{bits}"].args, *g))
+                      for n in ("lina", "lina-overlap"))]
     if (getattr(a, "hosts", 1) or 1) > 1:  # on emulated hosts: lina with the hierarchical reduction
         out.append(Variant("lina-hier", mod, (*lina, "--hier-reduce")))
     return out
@@ -237,7 +252,19 @@ def overlap_bound(compute_s: float | None, grad_bytes: int | None, a2a_link_s: f
 
 
 Q_VARIANTS = ("lina-q8", "lina-overlap-q8", "lina-q16", "lina-overlap-q16")  # with --a2a-bits
-OURS = ("fifo", "lina", "lina-overlap", "lina-hier", *Q_VARIANTS)  # commsched's configurations
+# with --grad-bits B: fifo-gB, lina-gB, lina-overlap-gB (and the three -qA-gB with --a2a-bits A)
+_COMPRESSED = re.compile(r"-(q|g)\d+$")
+
+
+def compressed(name: str) -> bool:
+    """Whether a variant compresses (its all-to-all, ``-qB``, or its reduction, ``-gB``)."""
+    return bool(_COMPRESSED.search(name))
+
+
+def ours(names) -> list[str]:
+    """commsched's configurations among the variant names (every one but DeepSpeed's)."""
+    return [v for v in names if v != "deepspeed"]
+
 
 
 def _q8_rows(runs, med, rep_ratio) -> list[tuple]:
@@ -246,9 +273,7 @@ def _q8_rows(runs, med, rep_ratio) -> list[tuple]:
     against both, the all-to-all against lina's, and the loss gap to fifo (largest per step,
     relative)."""
     rows = []
-    for v in Q_VARIANTS:
-        if v not in runs:
-            continue
+    for v in [v for v in runs if compressed(v)]:
         rows += [
             (f"step time: fifo / {v} (goal >= 1.5)", rep_ratio("fifo", v, "step_time_s"), "x"),
             (f"step time: deepspeed / {v} (goal >= 2)", rep_ratio("deepspeed", v, "step_time_s"), "x"),
@@ -258,11 +283,11 @@ def _q8_rows(runs, med, rep_ratio) -> list[tuple]:
         if c and f:
             rows.append((f"loss: {v} largest per-step gap to fifo, relative (goal <= 0.01)",
                          max(abs(a - b) / b for a, b in zip(c, f)), ""))
-    ours = {v: med[v]["step_time_s"] for v in OURS if v in med and med[v]["step_time_s"]}
-    if ours and any(v in runs for v in Q_VARIANTS):
-        best = min(ours, key=ours.get)
+    mine = {v: med[v]["step_time_s"] for v in ours(med) if med[v]["step_time_s"]}
+    if mine and any(compressed(v) for v in runs):
+        best = min(mine, key=mine.get)
         rows += [
-            (f"best commsched configuration: {best}", ours[best], " s"),
+            (f"best commsched configuration: {best}", mine[best], " s"),
             (f"step time: fifo / best ({best}; goal >= 1.5)", rep_ratio("fifo", best, "step_time_s"), "x"),
             (f"step time: deepspeed / best ({best}; goal >= 2)", rep_ratio("deepspeed", best, "step_time_s"), "x"),
         ]

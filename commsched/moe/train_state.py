@@ -45,6 +45,11 @@ RESUMABLE = ("steps", "checkpoint_every", "warmup", "probe_steps", "eval_batches
 _KEYS = ("config", "step", "rank", "world_size", "ep_size", "model", "optimizer", "rows", "rng")
 
 
+# configuration keys added after checkpoints were first written, with the value a checkpoint
+# without them was trained with: such a file still resumes under that value
+ADDED_KEYS = {"grad_bits": 32}
+
+
 def checkpoint_path(out: str | os.PathLike, rank: int) -> Path:
     """``out/checkpoint-rank{rank}.pt``."""
     return Path(out) / f"checkpoint-rank{rank}.pt"
@@ -69,7 +74,7 @@ def config_mismatch(mine: dict, theirs: dict) -> str | None:
                 out[f"{pre}{k}"] = v
         return out
 
-    a, b = flat(mine), flat(theirs)
+    a, b = flat(mine), flat({**ADDED_KEYS, **theirs})
     diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     if not diff:
         return None
@@ -78,8 +83,9 @@ def config_mismatch(mine: dict, theirs: dict) -> str | None:
 
 def make_state(*, cfg: Any, step: int, rank: int, world_size: int, ep_size: int,
                model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: list[dict],
-               device: torch.device) -> dict[str, Any]:
-    """What one rank's checkpoint holds after ``step`` completed steps."""
+               device: torch.device, grad_launches: int | None = None) -> dict[str, Any]:
+    """What one rank's checkpoint holds after ``step`` completed steps (``grad_launches``:
+    the compressed reduction's launch count, whose keys continue from it on resume)."""
     rng = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
@@ -89,7 +95,8 @@ def make_state(*, cfg: Any, step: int, rank: int, world_size: int, ep_size: int,
             "rows": [dict(r) for r in rows], "rng": rng,
             # the gradient schedule's fallback probe (GradStep.probe_state): a resumed run
             # runs every step in the mode the interrupted one would have
-            **({"probe": optimizer.probe_state()} if hasattr(optimizer, "probe_state") else {})}
+            **({"probe": optimizer.probe_state()} if hasattr(optimizer, "probe_state") else {}),
+            **({"grad_launches": int(grad_launches)} if grad_launches is not None else {})}
 
 
 def write_tmp(path: Path, state: dict[str, Any]) -> Path:

@@ -77,6 +77,8 @@ from ..observe import A2AEvents, A2AObserver
 from ..priority.executor import LOCAL, GradScheduler
 from ..priority.hier import HierGroups, make_hier
 from ..priority.step import make_grad_step
+from ..quant.allreduce import CompressedLauncher
+from ..quant.rowwire import format_seed
 from ..results import OutputError, Progress, write_json
 from . import train_state
 from .data import Corpus, load_corpus
@@ -258,7 +260,7 @@ def _resume_state(cfg: TrainConfig, out: Path, ep: int, device: torch.device) ->
 
 
 def _save_state(cfg: TrainConfig, out: Path, step: int, ep: int, model, opt, rows: list[dict],
-                device: torch.device) -> None:
+                device: torch.device, grad_launches: int | None = None) -> None:
     """Every rank writes its file beside the old one (flushed to the disk), the ranks learn
     whether all could (a full disk on any rank is the same one-line error on every rank,
     nothing renamed), then each renames its file into place keeping the old one, and once
@@ -266,7 +268,8 @@ def _save_state(cfg: TrainConfig, out: Path, step: int, ep: int, model, opt, row
     rank = dist.get_rank()
     path = train_state.checkpoint_path(out, rank)
     st = train_state.make_state(cfg=cfg, step=step, rank=rank, world_size=dist.get_world_size(), ep_size=ep,
-                                model=model, optimizer=opt, rows=rows, device=device)
+                                model=model, optimizer=opt, rows=rows, device=device,
+                                grad_launches=grad_launches)
     tmp, err = None, None
     try:
         tmp = train_state.write_tmp(path, st)
@@ -327,15 +330,31 @@ def _fallback_exchange(opt, model: torch.nn.Module, dispatch: DispatchConfig) ->
 def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device: torch.device, model,
                 sched_params, events: A2AEvents, *, out: Path | None, resume: bool,
                 on_step: Callable[[int], None] | None, hier: HierGroups | None = None) -> dict:
-    rank = dist.get_rank()
     # the schedule's optimizer behind one step interface (priority/step.py): one Adam stepped
     # after the whole reduction, or under lina-overlap one Adam per module, stepped as its
     # reduction ends in the next forward pass (priority/overlap.py)
     sched_cfg = cfg.schedule if hier is not None else dataclasses.replace(cfg.schedule, hier_reduce=False)
     # --fallback-exchange: the fallback's reduction in fifo's buckets too
     buckets = {"fallback_buckets": True} if cfg.fallback_exchange else {}
+    # --grad-bits: every reduction of the schedule summed in fewer bytes (quant/allreduce.py)
+    launcher = None
+    if cfg.grad_bits != 32:
+        launcher = CompressedLauncher(cfg.grad_bits, seed=format_seed(cfg.seed, 0x6AD))
+    try:
+        return _train_steps(cfg, corpus, ep, bar, device, model, sched_params, events, sched_cfg, buckets,
+                            launcher, out=out, resume=resume, on_step=on_step, hier=hier)
+    finally:
+        if launcher is not None:
+            launcher.close()
+
+
+def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device: torch.device, model,
+                 sched_params, events: A2AEvents, sched_cfg, buckets: dict, launcher, *, out: Path | None,
+                 resume: bool, on_step: Callable[[int], None] | None, hier: HierGroups | None) -> dict:
+    rank = dist.get_rank()
     opt = make_grad_step(model, sched_params, sched_cfg, lambda ps: torch.optim.Adam(ps, lr=cfg.lr),
-                         device=device, hier=hier, **buckets)
+                         device=device, hier=hier, **buckets,
+                         **({"launch": launcher} if launcher is not None else {}))
     if cfg.fallback_exchange:
         _fallback_exchange(opt, model, cfg.dispatch)
     B, S = cfg.batch_size, cfg.model.seq_len
@@ -349,6 +368,8 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
         opt.load_state_dict(st["optimizer"])
         if "probe" in st:  # checkpoints before the probe state: the probe starts again
             opt.load_probe_state(st["probe"])
+        if launcher is not None:  # the rounding keys continue from the interrupted run's
+            launcher.launches = int(st.get("grad_launches", 0))
         rows = [dict(r) for r in st["rows"]]
         start = int(st["step"])
         train_state.restore_rng(st, device)
@@ -388,7 +409,8 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
             if step == tl_step and st is not None:
                 timeline = _timeline_dicts(opt.records)
             if ckpt:
-                _save_state(cfg, out, step + 1, ep, model, opt, rows, device)
+                _save_state(cfg, out, step + 1, ep, model, opt, rows, device,
+                            grad_launches=None if launcher is None else launcher.launches)
             if on_step is not None:
                 on_step(step + 1)
             bar.update(1)

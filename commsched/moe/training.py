@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..configurable import Config, option
 from ..dist import DEVICE_CHOICES
 from ..priority.policy import ScheduleConfig
+from ..quant.allreduce import GRAD_BITS, check_grad_bits
 from ..results import Record, median
 from .data import Corpus
 from .experts import is_expert_param
@@ -64,6 +65,9 @@ class TrainConfig(Config):
                                             "fifo's, one chunk, not pipelined (and the reduction in fifo's "
                                             "buckets); the chunking changes the loss's last bits, so a "
                                             "run's bits then follow the measured decision")
+    grad_bits: int = option(32, "--impl commsched: width of the gradient reduction's messages: 32 exact; "
+                                "16 bfloat16; 8/4/2 the shared codec's stochastic row records "
+                                "(docs/moe.md, \"Compressed gradient reduction\")", choices=GRAD_BITS)
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -99,6 +103,10 @@ class TrainConfig(Config):
         if self.dispatch.a2a_bits != 32 and self.impl != "commsched":
             raise ValueError(f"--a2a-bits {self.dispatch.a2a_bits} is an option of --impl commsched (DeepSpeed's "
                              "MoE layer runs its own all-to-all); use --a2a-bits 32 with --impl deepspeed")
+        check_grad_bits(self.grad_bits, "--grad-bits")
+        if self.grad_bits != 32 and self.impl != "commsched":
+            raise ValueError(f"--grad-bits {self.grad_bits} is an option of --impl commsched (DeepSpeed "
+                             "reduces its own way); use --grad-bits 32 with --impl deepspeed")
         if self.checkpoint_every and self.impl != "commsched":
             raise ValueError("--checkpoint-every is an option of --impl commsched; DeepSpeed's runs "
                              "are not checkpointed here")

@@ -36,6 +36,9 @@ The same code runs on gloo (CPU tensors) and NCCL (CUDA tensors): both take uint
 
 from __future__ import annotations
 
+import queue
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -142,4 +145,104 @@ def quantized_all_reduce(flat: torch.Tensor, bits: int = 8, *, group=None, seed:
     return flat
 
 
-__all__ = ["GRAD_BITS", "ROW_VALUES", "check_grad_bits", "quantized_all_reduce", "wire_bytes"]
+class _CompressedWork:
+    """The Work of one :class:`CompressedLauncher` launch: ``wait()`` (raises the sum's
+    error; on CUDA the caller's stream then waits for the worker's), ``is_completed()``,
+    ``get_future()`` (completes, with the flat tensor, when the sum is done)."""
+
+    def __init__(self, fut: torch.futures.Future, event=None):
+        self._fut, self.event = fut, event
+
+    def wait(self, timeout=None) -> bool:
+        self._fut.wait()  # raises the worker's error
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+
+class CompressedLauncher:
+    """A launcher for :class:`commsched.priority.executor.GradScheduler` (``launch=``) that
+    sums each launched operation with :func:`quantized_all_reduce` at ``bits``.
+
+    The two phases of a compressed sum need the decoded bytes of the first before the second
+    can start, so a launch cannot be one backend call: each launch is queued to one worker
+    thread that runs the sums one after another, in launch order. The scheduler launches in
+    its policy's order, the same on every rank, so every group sees its collectives in the
+    same order everywhere (the worker must be the only user of the scheduler's groups while
+    a step reduces, as the scheduler's own groups are). On CUDA the worker waits for an event
+    recorded on the launching stream, runs on a stream of its own and records an event that
+    the Work's ``wait()`` makes the caller's stream wait for. ``seed`` keys the rounding;
+    each launch takes the next key. ``close()`` stops the worker (also at exit: a daemon)."""
+
+    def __init__(self, bits: int = 8, *, seed: int = 0, impl: str = "auto",
+                 row_values: int = ROW_VALUES):
+        self.bits = check_grad_bits(bits)
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+        self.impl, self.row_values, self.seed = impl, int(row_values), int(seed)
+        self.launches = 0
+        self._q: queue.Queue = queue.Queue()
+        self._stream = None
+        self._thread = threading.Thread(target=self._run, name="commsched-compressed-allreduce", daemon=True)
+        self._thread.start()
+
+    def __call__(self, flat: torch.Tensor, group) -> _CompressedWork:
+        if self._thread is None:
+            raise RuntimeError("CompressedLauncher is closed")
+        fut: torch.futures.Future = torch.futures.Future()
+        ready = done = None
+        if flat.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()  # the launching stream: the flat gradient is written there
+            done = torch.cuda.Event()
+        key = format_seed(self.seed, self.launches)
+        self.launches += 1
+        self._q.put((flat, group, key, ready, done, fut))
+        return _CompressedWork(fut, done)
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            flat, group, key, ready, done, fut = job
+            try:
+                if ready is not None:
+                    if self._stream is None:
+                        torch.cuda.set_device(flat.device)
+                        self._stream = torch.cuda.Stream(flat.device)
+                    with torch.cuda.stream(self._stream):
+                        self._stream.wait_event(ready)
+                        quantized_all_reduce(flat, self.bits, group=group, seed=key,
+                                             row_values=self.row_values, impl=self.impl)
+                        done.record(self._stream)
+                else:
+                    quantized_all_reduce(flat, self.bits, group=group, seed=key,
+                                         row_values=self.row_values, impl=self.impl)
+            except BaseException as e:  # the scheduler sees it at the Work
+                fut.set_exception(e)
+            else:
+                fut.set_result(flat)
+
+    def close(self) -> None:
+        """Stop the worker once the queued sums are done."""
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> "CompressedLauncher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["GRAD_BITS", "ROW_VALUES", "CompressedLauncher", "check_grad_bits", "quantized_all_reduce",
+           "wire_bytes"]

@@ -39,6 +39,26 @@ def test_workload_variants_parse_as_training_configs(tmp_path):
     assert got == {"deepspeed": False, "fifo": False, "lina": True, "lina-overlap": True}
 
 
+def test_grad_bits_variants(tmp_path):
+    """--grad-bits B adds fifo-gB, lina-gB, lina-overlap-gB; with --a2a-bits A the three
+    -qA-gB too, each the same run as its base variant with --grad-bits B (and --a2a-bits A)."""
+    from commsched.bench.moe_train import compressed, ours
+
+    wl = load_workload("moe-train")
+    names = [v.name for v in wl.variants(build_parser(wl).parse_args(["--grad-bits", "8"]))]
+    assert names == ["deepspeed", "fifo", "lina", "lina-overlap", "fifo-g8", "lina-g8", "lina-overlap-g8"]
+    vs = {v.name: v for v in wl.variants(build_parser(wl).parse_args(["--grad-bits", "16", "--a2a-bits", "8"]))}
+    assert {"fifo-q8-g16", "lina-q8-g16", "lina-overlap-q8-g16", "lina-q8", "lina-overlap-q8"} <= set(vs)
+    cfg = {n: config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)])) for n, v in vs.items()}
+    for n, c in cfg.items():
+        assert c.grad_bits == (16 if n.endswith("-g16") else 32), n
+        assert c.dispatch.a2a_bits == (8 if "-q8" in n else 32), n
+    base = cfg["lina-overlap"]
+    assert cfg["lina-overlap-q8-g16"].schedule == base.schedule and cfg["fifo-q8-g16"].schedule == cfg["fifo"].schedule
+    assert compressed("lina-q8") and compressed("fifo-g8") and not compressed("lina-overlap")
+    assert ours(["deepspeed", "fifo", "fifo-g8"]) == ["fifo", "fifo-g8"]
+
+
 def test_summary_tables_and_plots(tmp_path):
     wl = load_workload("moe-train")
     args = build_parser(wl).parse_args([])
