@@ -1,10 +1,12 @@
-"""Loss parity of the quantized expert all-to-all: the same MoE training run at every
-``--a2a-bits`` width and seed, the loss curves compared with full precision's.
+"""Loss parity of the quantized expert all-to-all (and of the compressed gradient
+reduction): the same MoE training run at every width and seed, the loss curves compared
+with full precision's.
 
     python -m commsched.bench.a2a_parity --out DIR --steps 300 --seeds 0,1,2 --bits 32,8 \\
         --corpus /work/shared/data/text/tinyshakespeare.txt
 
-Every (seed, width) is one ``torchrun`` run of :mod:`commsched.moe.train` (no link
+A width is ``A`` (``--a2a-bits A``), ``gB`` (``--grad-bits B``: the gradient reduction
+compressed) or ``AgB`` (both); ``32`` is the reference. Every (seed, width) is one ``torchrun`` run of :mod:`commsched.moe.train` (no link
 emulation: this measures the maths, not the time), seeds interleaved with widths so that
 machine load falls on both alike. Same seed, same weights and same batches at every
 width: the only difference is the exchange's rounding. For each seed and width against
@@ -19,6 +21,7 @@ go to ``--out``. The goal of issue 29: every gap within 1%.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 import time
@@ -58,22 +61,39 @@ def gaps(loss: list[float], ref: list[float], window: int) -> dict[str, float]:
             "final_gap": (tail - tail_ref) / tail_ref}
 
 
-def plot(curves: dict[tuple[int, int], list[float]], window: int, path: Path) -> Path:
+_WIDTH = re.compile(r"^(\d+)?(?:g(\d+))?$")
+
+
+def parse_width(text: str) -> tuple[int, int]:
+    """``"8"`` -> (8, 32), ``"g8"`` -> (32, 8), ``"8g8"`` -> (8, 8): (--a2a-bits,
+    --grad-bits) of a width (pure; ValueError naming the forms for anything else)."""
+    m = _WIDTH.match(str(text).strip())
+    if not m or not (m.group(1) or m.group(2)):
+        raise ValueError(f"--bits: {text!r} is not a width: A (--a2a-bits A), gB (--grad-bits B) or AgB (both)")
+    return int(m.group(1) or 32), int(m.group(2) or 32)
+
+
+def width_label(a2a: int, grad: int) -> str:
+    """The label of a width: the inverse of :func:`parse_width` (``32`` for the reference)."""
+    return (str(a2a) if a2a != 32 or grad == 32 else "") + (f"g{grad}" if grad != 32 else "")
+
+
+def plot(curves: dict[tuple[int, str], list[float]], window: int, path: Path) -> Path:
     plt = pyplot()
     seeds = sorted({s for s, _ in curves})
-    widths = sorted({b for _, b in curves}, reverse=True)
+    widths = sorted({b for _, b in curves}, key=lambda w: (w != "32", w))
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.8))
-    styles = {32: "-", 16: "--", 8: ":"}
+    styles = {"32": "-", "16": "--", "8": ":", "g8": "-.", "8g8": (0, (1, 3))}
     for s in seeds:
         for b in widths:
             c = curves.get((s, b))
             if c is None:
                 continue
-            ax.plot(_moving(c, window), styles.get(b, "-"), color=f"C{s}", label=f"seed {s}, {b} bits")
-            ref = curves.get((s, 32))
-            if ref is not None and b != 32:
+            ax.plot(_moving(c, window), linestyle=styles.get(b, "-"), color=f"C{s}", label=f"seed {s}, {b} bits")
+            ref = curves.get((s, "32"))
+            if ref is not None and b != "32":
                 ma, mr = _moving(c, window), _moving(ref, window)
-                bx.plot([100 * (a - r) / r for a, r in zip(ma, mr)], styles.get(b, "-"), color=f"C{s}",
+                bx.plot([100 * (a - r) / r for a, r in zip(ma, mr)], linestyle=styles.get(b, "-"), color=f"C{s}",
                         label=f"seed {s}, {b} bits")
     ax.set_xlabel("step")
     ax.set_ylabel(f"train loss ({window}-step moving average)")
@@ -92,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--bits", default="32,8", help="widths to run; 32 is the reference and always runs")
+    p.add_argument("--bits", default="32,8", help="widths to run: A (--a2a-bits A), gB (--grad-bits B), AgB "
+                                                  "(both); 32 is the reference and always runs")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--window", type=int, default=10)
     p.add_argument("--corpus", default=None)
@@ -106,7 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     seeds = [int(s) for s in a.seeds.split(",")]
-    widths = sorted({32, *(int(b) for b in a.bits.split(","))}, reverse=True)
+    try:
+        parsed = [parse_width(b) for b in a.bits.split(",")]
+    except ValueError as e:
+        print(f"a2a_parity: {e}", file=sys.stderr)
+        return 2
+    widths = [width_label(*w) for w in sorted({(32, 32), *parsed}, key=lambda w: (-w[0], -w[1]))]
     passthrough = []
     for flag in MODEL_FLAGS:
         passthrough += [flag, str(getattr(a, flag[2:].replace("-", "_")))]
@@ -118,9 +144,10 @@ def main(argv=None) -> int:
     for s in seeds:
         for b in widths:
             name = f"seed{s}-bits{b}"
+            a2a, grad = parse_width(b)
             v = Variant(name, "commsched.moe.train",
                         ("--impl", "commsched", "--steps", str(a.steps), "--warmup", "1", "--seed", str(s),
-                         "--a2a-bits", str(b), "--probe-steps", "0", *passthrough))
+                         "--a2a-bits", str(a2a), "--grad-bits", str(grad), "--probe-steps", "0", *passthrough))
             print(f"[a2a-parity] {name} ...", flush=True)
             m = run_variant(v, a.nproc, a.out / name, RunContext(), a.timeout)
             curves[(s, b)] = m["loss"]
@@ -132,9 +159,9 @@ def main(argv=None) -> int:
     rows = []
     for s in seeds:
         for b in widths:
-            if b == 32:
+            if b == "32":
                 continue
-            g = gaps(curves[(s, b)], curves[(s, 32)], a.window)
+            g = gaps(curves[(s, b)], curves[(s, "32")], a.window)
             v32, vb = metrics[f"seed{s}-bits32"]["val_loss"], metrics[f"seed{s}-bits{b}"]["val_loss"]
             g["val_gap"] = (vb - v32) / v32 if v32 and vb is not None else None
             rows.append({"seed": s, "bits": b, **g})
@@ -163,7 +190,7 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["MODEL_FLAGS", "build_parser", "gaps", "main", "plot"]
+__all__ = ["MODEL_FLAGS", "build_parser", "gaps", "main", "parse_width", "plot", "width_label"]
 
 
 if __name__ == "__main__":

@@ -127,3 +127,24 @@ def test_device_and_dtype_reach_every_variant(tmp_path):
     for v in wl.variants(args):
         cfg = config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)]))
         assert (cfg.device, cfg.dtype) == ("cpu", "bfloat16"), v.name
+
+
+def test_a2a_parity_widths_and_plot(tmp_path):
+    """The parity bench's widths: A (--a2a-bits), gB (--grad-bits), AgB (both); the plot
+    takes every label."""
+    import pytest
+
+    from commsched.bench.a2a_parity import gaps, main, parse_width, plot, width_label
+
+    assert [parse_width(t) for t in ("32", "8", "g8", "8g16")] == [(32, 32), (8, 32), (32, 8), (8, 16)]
+    assert [width_label(*parse_width(t)) for t in ("32", "8", "g8", "8g16")] == ["32", "8", "g8", "8g16"]
+    for bad in ("", "g", "8g", "x8", "8 g8"):
+        with pytest.raises(ValueError, match="is not a width"):
+            parse_width(bad)
+    assert main(["--out", str(tmp_path / "bad"), "--bits", "32,q8"]) == 2  # refused before any run
+    ref = [3.0, 2.5, 2.0, 1.8]
+    g = gaps([3.0, 2.6, 2.0, 1.8], ref, 2)
+    assert g["max_step_gap"] == pytest.approx(0.1 / 2.5)
+    png = plot({(0, "32"): ref, (0, "g8"): [3.0, 2.6, 2.0, 1.8], (0, "8g8"): [3.0, 2.4, 2.1, 1.8]}, 2,
+               tmp_path / "loss.png")
+    assert png.exists() and png.stat().st_size > 1000
