@@ -39,7 +39,9 @@ def _with_index(device: torch.device) -> torch.device:
 
 
 # launch(flat_gradient, group) -> a torch.distributed Work (or anything with wait(),
-# get_future() and is_completed()); the default is an asynchronous all_reduce
+# get_future() and is_completed()); the default is an asynchronous all_reduce. A launcher
+# with ``takes_op = True`` is called launch(flat, group, op=seq): the operation's number,
+# the same on every rank and in every mode (CompressedLauncher keys its rounding by it)
 Launcher = Callable[[torch.Tensor, Any], Any]
 
 

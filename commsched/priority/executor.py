@@ -75,6 +75,7 @@ reduced gradients).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from contextlib import contextmanager
@@ -414,12 +415,15 @@ class GradScheduler(CompletionMixin, RecordsMixin):
             st = self._state[seq]
             self._stamp(self._rec[("allreduce", seq)], "start_s")
             try:
+                # a launcher that keys its work by the operation (CompressedLauncher) gets it
+                launch = (functools.partial(self._launch, op=seq) if getattr(self._launch, "takes_op", False)
+                          else self._launch)
                 if not self._op_hier[seq]:
-                    work = self._launch(st.flat, st.group)
+                    work = launch(st.flat, st.group)
                 elif self._chained:  # all three phases now, ordered on the side stream
-                    work = self._hier_step.launch_chained(seq, self._launch, self._side)
+                    work = self._hier_step.launch_chained(seq, launch, self._side)
                 else:  # the phase across hosts: this rank's shard over its cross group
-                    work = self._launch(self._hier_step.inter_tensor(seq), self._hier_step.cross)
+                    work = launch(self._hier_step.inter_tensor(seq), self._hier_step.cross)
             except RuntimeError as e:
                 self._error = CommError(f"rank {current_rank()}: launching allreduce {seq} failed: {e}")
                 if self._on_complete is not None:

@@ -177,8 +177,15 @@ class CompressedLauncher:
     same order everywhere (the worker must be the only user of the scheduler's groups while
     a step reduces, as the scheduler's own groups are). On CUDA the worker waits for an event
     recorded on the launching stream, runs on a stream of its own and records an event that
-    the Work's ``wait()`` makes the caller's stream wait for. ``seed`` keys the rounding;
-    each launch takes the next key. ``close()`` stops the worker (also at exit: a daemon)."""
+    the Work's ``wait()`` makes the caller's stream wait for. ``seed`` keys the rounding: a
+    launch of the scheduler's operation ``op`` (the scheduler passes it: ``takes_op``) takes
+    the key of (``seed``, ``op``, how many times ``op`` was launched before), so the bits of a
+    run do not depend on the order the operations happen to be launched in (a schedule's
+    mode may change it); a launch without ``op`` takes the next key of its own count.
+    :meth:`state_dict` / :meth:`load_state_dict` carry those counts through a checkpoint.
+    ``close()`` stops the worker (also at exit: a daemon)."""
+
+    takes_op = True
 
     def __init__(self, bits: int = 8, *, seed: int = 0, impl: str = "auto",
                  row_values: int = ROW_VALUES):
@@ -186,13 +193,14 @@ class CompressedLauncher:
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
         self.impl, self.row_values, self.seed = impl, int(row_values), int(seed)
-        self.launches = 0
+        self.launches = 0  # launches without an operation number
+        self.op_launches: dict[int, int] = {}  # per operation number: launches so far
         self._q: queue.Queue = queue.Queue()
         self._stream = None
         self._thread = threading.Thread(target=self._run, name="commsched-compressed-allreduce", daemon=True)
         self._thread.start()
 
-    def __call__(self, flat: torch.Tensor, group) -> _CompressedWork:
+    def __call__(self, flat: torch.Tensor, group, op: int | None = None) -> _CompressedWork:
         if self._thread is None:
             raise RuntimeError("CompressedLauncher is closed")
         fut: torch.futures.Future = torch.futures.Future()
@@ -201,8 +209,13 @@ class CompressedLauncher:
             ready = torch.cuda.Event()
             ready.record()  # the launching stream: the flat gradient is written there
             done = torch.cuda.Event()
-        key = format_seed(self.seed, self.launches)
-        self.launches += 1
+        if op is None:
+            key = format_seed(self.seed, self.launches)
+            self.launches += 1
+        else:
+            n = self.op_launches.get(int(op), 0)
+            key = format_seed(self.seed, 1 << 20, int(op), n)
+            self.op_launches[int(op)] = n + 1
         self._q.put((flat, group, key, ready, done, fut))
         return _CompressedWork(fut, done)
 
@@ -229,6 +242,22 @@ class CompressedLauncher:
                 fut.set_exception(e)
             else:
                 fut.set_result(flat)
+
+    def state_dict(self) -> dict:
+        """The key counters (JSON-able): what a checkpoint needs for a resumed run to round
+        as the uninterrupted one."""
+        return {"launches": int(self.launches),
+                "op_launches": {str(k): int(v) for k, v in self.op_launches.items()}}
+
+    def load_state_dict(self, st: dict) -> None:
+        """Continue the key counters of :meth:`state_dict` (ValueError for a damaged state)."""
+        try:
+            launches = int(st["launches"])
+            ops = {int(k): int(v) for k, v in dict(st["op_launches"]).items()}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"the compressed reduction's key state is damaged ({type(e).__name__}: {e}); "
+                             "expected {'launches': int, 'op_launches': {op: int}}") from None
+        self.launches, self.op_launches = launches, ops
 
     def close(self) -> None:
         """Stop the worker once the queued sums are done."""
