@@ -69,9 +69,9 @@ from ..dist import (
     config_digest,
     group_device,
 )
-from ..results import OutputError, Progress, load_torch_file, median, read_error, save_torch
 from ..quant.allreduce import GRAD_BITS, check_grad_bits
 from ..quant.rowwire import format_seed
+from ..results import OutputError, Progress, load_torch_file, median, read_error, save_torch
 from .adaqp_plan import AdaQPOptions
 from .bns import BNSOptions
 from .context import PassContext

@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from commsched.quant.allreduce import GRAD_BITS, ROW_VALUES, check_grad_bits, quantized_all_reduce, wire_bytes
+from commsched.quant.allreduce import (
+    GRAD_BITS,
+    ROW_VALUES,
+    check_grad_bits,
+    quantized_all_reduce,
+    wire_bytes,
+)
 from tests.mp import run_ranks
 
 
