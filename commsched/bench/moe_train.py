@@ -251,7 +251,6 @@ def overlap_bound(compute_s: float | None, grad_bytes: int | None, a2a_link_s: f
     return link, (max(compute_s, link) if compute_s is not None else None)
 
 
-Q_VARIANTS = ("lina-q8", "lina-overlap-q8", "lina-q16", "lina-overlap-q16")  # with --a2a-bits
 # with --grad-bits B: fifo-gB, lina-gB, lina-overlap-gB (and the three -qA-gB with --a2a-bits A)
 _COMPRESSED = re.compile(r"-(q|g)\d+$")
 

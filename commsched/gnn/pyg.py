@@ -61,6 +61,7 @@ from torch import nn
 from ..all2all import CommStats
 from ..clock import Clock
 from ..dist import check_same_config, comm_guard
+from ..quant.allreduce import check_grad_bits, quantized_all_reduce
 from .adaqp_plan import AdaQPOptions
 from .book import NORMS, edge_weights
 from .context import PassContext
@@ -90,8 +91,6 @@ def allreduce_grads(params, loss: torch.Tensor | None = None, *, group=None,
     :func:`commsched.quant.allreduce.quantized_all_reduce` (bfloat16, or the codec's
     unbiased stochastic row records keyed by ``seed``; vary it per step), every replica
     getting the same sums, and the loss exactly in a one-value allreduce of its own."""
-    from ..quant.allreduce import check_grad_bits, quantized_all_reduce
-
     bits = check_grad_bits(bits, "grad bits")
     params = [p for p in params if p.requires_grad]
     for p in params:

@@ -164,6 +164,8 @@ class GradScheduler(CompletionMixin, RecordsMixin):
             raise ValueError(f"completion must be 'callback', 'poll' or None, got {completion!r}")
         self._completion = "event" if self._cuda else (completion or "callback")
         self._launch = launch or _all_reduce
+        # a launcher that keys its work by the operation (CompressedLauncher) is given it
+        self._launch_takes_op = bool(getattr(self._launch, "takes_op", False))
         self.clock = Clock(self.device)
         self.launch_rule = cfg.launch_rule(self.device.type)
         entries, described = [], []
@@ -415,9 +417,7 @@ class GradScheduler(CompletionMixin, RecordsMixin):
             st = self._state[seq]
             self._stamp(self._rec[("allreduce", seq)], "start_s")
             try:
-                # a launcher that keys its work by the operation (CompressedLauncher) gets it
-                launch = (functools.partial(self._launch, op=seq) if getattr(self._launch, "takes_op", False)
-                          else self._launch)
+                launch = functools.partial(self._launch, op=seq) if self._launch_takes_op else self._launch
                 if not self._op_hier[seq]:
                     work = launch(st.flat, st.group)
                 elif self._chained:  # all three phases now, ordered on the side stream

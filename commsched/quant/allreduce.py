@@ -232,6 +232,7 @@ class CompressedLauncher:
                         self._stream = torch.cuda.Stream(flat.device)
                     with torch.cuda.stream(self._stream):
                         self._stream.wait_event(ready)
+                        flat.record_stream(self._stream)  # the allocator keeps it until the sum ran
                         quantized_all_reduce(flat, self.bits, group=group, seed=key,
                                              row_values=self.row_values, impl=self.impl)
                         done.record(self._stream)
