@@ -25,6 +25,7 @@ _CODEC_EXPORTS: dict[str, str] = {
     "decode_records": "codec",
     "QuantRows": "rowwire",
     "quantized_all_reduce": "allreduce",
+    "quantized_all_reduce_many": "allreduce",
     "GRAD_BITS": "allreduce",
 }
 

@@ -36,6 +36,7 @@ The same code runs on gloo (CPU tensors) and NCCL (CUDA tensors): both take uint
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 
@@ -49,6 +50,8 @@ from .wire import BITS, record_bytes
 GRAD_BITS = (32, 16, 8, 4, 2)  # the widths quantized_all_reduce takes (32: exact)
 ROW_VALUES = 256  # F: values per row record (one scale and zero point per 256 values)
 _PHASE_SCATTER, _PHASE_GATHER = 1, 2
+# CompressedLauncher: launches summed together at most (4 MiB: 16 of Lina's micro-ops, 4 fifo buckets)
+DEFAULT_BATCH_BYTES = 4 << 20
 
 
 def check_grad_bits(bits, what: str = "bits") -> int:
@@ -99,50 +102,125 @@ def quantized_all_reduce(flat: torch.Tensor, bits: int = 8, *, group=None, seed:
     values more closely and cost 8 bytes each). On one rank (or without a process group)
     the tensor is returned as it is. Raises ValueError for a bad ``bits``, ``impl``,
     ``row_values`` or a tensor that is not 1-D floating point."""
+    bits = _check_args(bits, impl, row_values)
+    _check_flat(flat)
+    if not (dist.is_available() and dist.is_initialized()):
+        return flat
+    if dist.get_world_size(group) == 1 or flat.numel() == 0:
+        return flat
+    if bits == 32:
+        dist.all_reduce(flat, group=group)
+        return flat
+    _sum_batch([(flat, seed)], bits, group, int(row_values), impl)
+    return flat
+
+
+def quantized_all_reduce_many(flats, bits: int = 8, *, group=None, seeds=None,
+                              row_values: int = ROW_VALUES, impl: str = "auto") -> list:
+    """:func:`quantized_all_reduce` of each 1-D tensor of ``flats`` (``seeds``: one per tensor,
+    default 0, 1, ...) in one ``all_to_all_single`` and one ``all_gather`` for all of them.
+
+    Each tensor is cut into rows, owner chunks and keys exactly as alone, and its records
+    travel side by side with the others', so every tensor ends with the same bytes as
+    ``quantized_all_reduce(flat, bits, seed=seed)`` would leave it: batching changes the number
+    of collectives (each pays a latency), never the bits. ``bits=32`` sums each tensor with
+    its own ``dist.all_reduce`` (a ring's summation order follows the layout, so fusing
+    tensors would change the last bits). Collective: every rank passes the same numels in
+    the same order. Returns ``flats``."""
+    bits = _check_args(bits, impl, row_values)
+    flats = list(flats)
+    seeds = list(range(len(flats))) if seeds is None else [int(s) for s in seeds]
+    if len(seeds) != len(flats):
+        raise ValueError(f"seeds: one per tensor ({len(flats)}), got {len(seeds)}")
+    for flat in flats:
+        _check_flat(flat)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return flats
+    if bits == 32:
+        for flat in flats:
+            if flat.numel():
+                dist.all_reduce(flat, group=group)
+        return flats
+    items = [(f, s) for f, s in zip(flats, seeds) if f.numel()]
+    if items:
+        _sum_batch(items, bits, group, int(row_values), impl)
+    return flats
+
+
+def _check_args(bits, impl, row_values) -> int:
     bits = check_grad_bits(bits)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if isinstance(row_values, bool) or not isinstance(row_values, int) or row_values < 1:
         raise ValueError(f"row_values must be an int >= 1, got {row_values!r}")
+    return bits
+
+
+def _check_flat(flat) -> None:
     if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or not flat.dtype.is_floating_point:
         raise ValueError(f"flat must be a 1-D floating-point tensor, got "
                          f"{getattr(flat, 'dtype', type(flat).__name__)} {tuple(getattr(flat, 'shape', ()))}")
-    if not (dist.is_available() and dist.is_initialized()):
-        return flat
-    P, rank = dist.get_world_size(group), dist.get_rank(group)
-    n = flat.numel()
-    if P == 1 or n == 0:
-        return flat
-    if bits == 32:
-        dist.all_reduce(flat, group=group)
-        return flat
+
+
+_NOTE_BYTES = 8  # one int64 each rank appends to its all-gather part (``note=``)
+
+
+def _sum_batch(items, bits: int, group, F: int, impl: str, note: int | None = None):
+    """The two phases of the module docstring for the (flat, seed) ``items`` at once (bits 16
+    or a codec width; checked by the callers): per item its own rows, owner chunks and keys,
+    the items' bytes side by side in one ``all_to_all_single`` and one ``all_gather``. With
+    ``note`` (an int) each rank appends it to its all-gather part and every rank gets the list
+    of all ranks' notes back (else None): what :class:`CompressedLauncher` uses to agree on
+    its next batch without a collective of its own."""
     assert bits == 16 or bits in BITS
-    F = int(row_values)
-    rows = -(-n // F)
-    C = -(-rows // P)  # rows per owner chunk
-    R = C * P
-    x = torch.zeros(R * F, dtype=torch.float32, device=flat.device)
-    x[:n] = flat
-    x_RF = x.view(R, F)
-    # 1. reduce-scatter: chunk p of every rank's rows goes to rank p as row records
-    send = _encode(x_RF, bits, format_seed(seed, rank, _PHASE_SCATTER), impl)
-    Wb = send.shape[1]
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    dev = items[0][0].device
+    plan = []  # per item: flat, n, C, x_RF
+    sends = []
+    for flat, seed in items:
+        n = flat.numel()
+        rows = -(-n // F)
+        C = -(-rows // P)  # rows per owner chunk
+        x = torch.zeros(C * P * F, dtype=torch.float32, device=dev)
+        x[:n] = flat
+        x_RF = x.view(C * P, F)
+        # 1. reduce-scatter: chunk p of every rank's rows goes to rank p as row records
+        send = _encode(x_RF, bits, format_seed(seed, rank, _PHASE_SCATTER), impl)
+        plan.append((flat, n, C, x_RF))
+        sends.append(send.view(P, -1))
+    widths = [s.shape[1] for s in sends]  # bytes per destination, per item
+    send = sends[0] if len(sends) == 1 else torch.cat(sends, dim=1)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
-    got = _decode(recv, bits, F, impl).view(P, C, F)
-    mine = x_RF[rank * C:(rank + 1) * C]
-    # the own chunk stays exact; the peers' decoded chunks are added in rank order
-    total = mine.clone()
-    for p in range(P):
-        if p != rank:
-            total += got[p]
-    # 2. all-gather: the owner's summed chunk, encoded once; every rank decodes those bytes
-    sent = _encode(total, bits, format_seed(seed, rank, _PHASE_GATHER), impl)
-    parts = [torch.empty((C, Wb), dtype=torch.uint8, device=flat.device) for _ in range(P)]
-    dist.all_gather(parts, sent.contiguous(), group=group)
-    out = _decode(torch.cat(parts), bits, F, impl).view(-1)
-    flat.copy_(out[:n])
-    return flat
+    dist.all_to_all_single(recv.view(-1), send.contiguous().view(-1), group=group)
+    totals = []
+    off = 0
+    for (flat, n, C, x_RF), wd in zip(plan, widths):
+        got = _decode(recv[:, off:off + wd].reshape(P * C, wd // C), bits, F, impl).view(P, C, F)
+        off += wd
+        mine = x_RF[rank * C:(rank + 1) * C]
+        # the own chunk stays exact; the peers' decoded chunks are added in rank order
+        total = mine.clone()
+        for p in range(P):
+            if p != rank:
+                total += got[p]
+        totals.append(total)
+    # 2. all-gather: each owner's summed chunks, encoded once; every rank decodes those bytes
+    seeds = [seed for _, seed in items]
+    sent = [_encode(t, bits, format_seed(s, rank, _PHASE_GATHER), impl).view(-1)
+            for t, s in zip(totals, seeds)]
+    if note is not None:
+        sent.append(torch.tensor([int(note)], dtype=torch.int64, device=dev).view(torch.uint8))
+    mine_b = sent[0] if len(sent) == 1 else torch.cat(sent)
+    parts = [torch.empty_like(mine_b) for _ in range(P)]
+    dist.all_gather(parts, mine_b.contiguous(), group=group)
+    off = 0
+    for (flat, n, C, x_RF), wd in zip(plan, widths):
+        w = torch.cat([part[off:off + wd] for part in parts]).view(P * C, wd // C)
+        off += wd
+        flat.copy_(_decode(w, bits, F, impl).view(-1)[:n])
+    if note is None:
+        return None
+    return torch.stack([part[off:off + _NOTE_BYTES].clone().view(torch.int64)[0] for part in parts]).tolist()
 
 
 class _CompressedWork:
@@ -172,29 +250,52 @@ class CompressedLauncher:
 
     The two phases of a compressed sum need the decoded bytes of the first before the second
     can start, so a launch cannot be one backend call: each launch is queued to one worker
-    thread that runs the sums one after another, in launch order. The scheduler launches in
-    its policy's order, the same on every rank, so every group sees its collectives in the
-    same order everywhere (the worker must be the only user of the scheduler's groups while
-    a step reduces, as the scheduler's own groups are). On CUDA the worker waits for an event
-    recorded on the launching stream, runs on a stream of its own and records an event that
-    the Work's ``wait()`` makes the caller's stream wait for. ``seed`` keys the rounding: a
-    launch of the scheduler's operation ``op`` (the scheduler passes it: ``takes_op``) takes
-    the key of (``seed``, ``op``, how many times ``op`` was launched before), so the bits of a
-    run do not depend on the order the operations happen to be launched in (a schedule's
-    mode may change it); a launch without ``op`` takes the next key of its own count.
-    :meth:`state_dict` / :meth:`load_state_dict` carry those counts through a checkpoint.
-    ``close()`` stops the worker (also at exit: a daemon)."""
+    thread that runs the sums in launch order. The scheduler launches in its policy's order,
+    the same on every rank, so every group sees its collectives in the same order everywhere
+    (the worker must be the only user of the scheduler's groups while a step reduces, as the
+    scheduler's own groups are).
+
+    *Batches.* Each sum's two collectives cost a latency whatever their size, and a schedule
+    of small micro-ops (Lina's 256 KiB) pays it many times a step. So the worker sums the
+    launches already queued on every rank together, in one pair of collectives
+    (:func:`quantized_all_reduce_many`: each launch keeps its own rows and keys, so a batch
+    changes no bit). The ranks agree on a batch without a collective of their own: in a sum
+    over a group of all ranks each rank appends to its all-gather bytes how many launches it
+    holds queued, and the smallest of those counts is how many every rank is known to hold;
+    each batch takes up to that many (at least one) and counts them off, cut where the group
+    or device changes or the batch would pass ``batch_bytes`` (``batch_bytes=0``: one sum per
+    launch, no counts on the wire). A group of fewer ranks (an expert-data-parallel group,
+    one host's) hears only its members, so its sums carry no counts: every rank's launches
+    follow the same sequence of operations, so the cuts fall at the same launches on every
+    rank whichever of the groups of one kind it belongs to. At
+    ``bits=32`` every launch is its own ``all_reduce`` (a fused ring would change the last
+    bits). :attr:`batches` and :attr:`summed` count the batches and the launches in them.
+
+    On CUDA the worker waits for an event recorded on the launching stream, runs on a stream
+    of its own and records an event that the Work's ``wait()`` makes the caller's stream wait
+    for (reading the agreed counts back is one host sync per batch on the worker's stream).
+    ``seed`` keys the rounding: a launch of the scheduler's operation ``op`` (the scheduler
+    passes it: ``takes_op``) takes the key of (``seed``, ``op``, how many times ``op`` was
+    launched before), so the bits of a run do not depend on the order the operations happen
+    to be launched in (a schedule's mode may change it); a launch without ``op`` takes the
+    next key of its own count. :meth:`state_dict` / :meth:`load_state_dict` carry those
+    counts through a checkpoint. ``close()`` stops the worker (also at exit: a daemon)."""
 
     takes_op = True
 
     def __init__(self, bits: int = 8, *, seed: int = 0, impl: str = "auto",
-                 row_values: int = ROW_VALUES):
+                 row_values: int = ROW_VALUES, batch_bytes: int = DEFAULT_BATCH_BYTES):
         self.bits = check_grad_bits(bits)
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+        if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 0:
+            raise ValueError(f"batch_bytes must be an int >= 0 (0: one sum per launch), got {batch_bytes!r}")
         self.impl, self.row_values, self.seed = impl, int(row_values), int(seed)
+        self.batch_bytes = int(batch_bytes) if self.bits != 32 else 0
         self.launches = 0  # launches without an operation number
         self.op_launches: dict[int, int] = {}  # per operation number: launches so far
+        self.batches = 0  # pairs of collectives the worker ran
+        self.summed = 0  # launches summed in them
         self._q: queue.Queue = queue.Queue()
         self._stream = None
         self._thread = threading.Thread(target=self._run, name="commsched-compressed-allreduce", daemon=True)
@@ -220,29 +321,82 @@ class CompressedLauncher:
         return _CompressedWork(fut, done)
 
     def _run(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            flat, group, key, ready, done, fut = job
+        backlog: collections.deque = collections.deque()  # launches taken off the queue, in order
+        closing = False
+        known = 0  # launches from the backlog's head on that every rank is known to hold (the same everywhere)
+
+        def drain() -> bool:  # queued launches into the backlog; False once close() was called
             try:
-                if ready is not None:
-                    if self._stream is None:
-                        torch.cuda.set_device(flat.device)
-                        self._stream = torch.cuda.Stream(flat.device)
-                    with torch.cuda.stream(self._stream):
-                        self._stream.wait_event(ready)
-                        flat.record_stream(self._stream)  # the allocator keeps it until the sum ran
-                        quantized_all_reduce(flat, self.bits, group=group, seed=key,
-                                             row_values=self.row_values, impl=self.impl)
-                        done.record(self._stream)
-                else:
-                    quantized_all_reduce(flat, self.bits, group=group, seed=key,
-                                         row_values=self.row_values, impl=self.impl)
+                while True:
+                    job = self._q.get_nowait()
+                    if job is None:
+                        return False
+                    backlog.append(job)
+            except queue.Empty:
+                return True
+
+        while True:
+            if not backlog:
+                if closing:
+                    return
+                job = self._q.get()
+                if job is None:
+                    return
+                backlog.append(job)
+            batch = [backlog.popleft()]
+            size = batch[0][0].numel() * batch[0][0].element_size()
+            while len(batch) < known and backlog:
+                nxt = backlog[0][0]
+                size += nxt.numel() * nxt.element_size()
+                if backlog[0][1] is not batch[0][1] or nxt.device != batch[0][0].device or size > self.batch_bytes:
+                    break
+                batch.append(backlog.popleft())
+            known = max(0, known - len(batch))
+            note = None
+            if self.batch_bytes and self._spans_world(batch[0][1]):
+                if not closing:
+                    closing = not drain()
+                note = len(backlog)
+            try:
+                notes = self._sum(batch, note)
             except BaseException as e:  # the scheduler sees it at the Work
-                fut.set_exception(e)
+                for job in batch:
+                    job[5].set_exception(e)
+                known = 0
             else:
-                fut.set_result(flat)
+                self.batches += 1
+                self.summed += len(batch)
+                if notes:
+                    known = min(notes)
+                for job in batch:
+                    job[5].set_result(job[0])
+
+    @staticmethod
+    def _spans_world(group) -> bool:
+        return dist.get_world_size(group) == dist.get_world_size()
+
+    def _sum(self, batch, note):
+        """Sum the launches of ``batch`` together (their flats in place); the ranks' notes."""
+        group = batch[0][1]
+        items = [(flat, key) for flat, _, key, *_ in batch]
+        if self.bits == 32 or dist.get_world_size(group) == 1:
+            quantized_all_reduce_many([f for f, _ in items], self.bits, group=group,
+                                      seeds=[k for _, k in items], row_values=self.row_values, impl=self.impl)
+            return None
+        if batch[0][3] is None:
+            return _sum_batch(items, self.bits, group, self.row_values, self.impl, note)
+        flat0 = batch[0][0]
+        if self._stream is None:
+            torch.cuda.set_device(flat0.device)
+            self._stream = torch.cuda.Stream(flat0.device)
+        with torch.cuda.stream(self._stream):
+            for flat, _, _, ready, _, _ in batch:
+                self._stream.wait_event(ready)
+                flat.record_stream(self._stream)  # the allocator keeps it until the sum ran
+            notes = _sum_batch(items, self.bits, group, self.row_values, self.impl, note)
+            for job in batch:
+                job[4].record(self._stream)
+        return notes
 
     def state_dict(self) -> dict:
         """The key counters (JSON-able): what a checkpoint needs for a resumed run to round
@@ -274,5 +428,5 @@ class CompressedLauncher:
         self.close()
 
 
-__all__ = ["GRAD_BITS", "ROW_VALUES", "CompressedLauncher", "check_grad_bits", "quantized_all_reduce",
-           "wire_bytes"]
+__all__ = ["DEFAULT_BATCH_BYTES", "GRAD_BITS", "ROW_VALUES", "CompressedLauncher", "check_grad_bits",
+           "quantized_all_reduce", "quantized_all_reduce_many", "wire_bytes"]

@@ -1,7 +1,10 @@
-"""``commsched.quant.allreduce.quantized_all_reduce``: the compressed sum over ranks (the GNN
-trainer's ``--grad-bits``). Pure checks in milliseconds; one multi-process run on real gloo
+"""``commsched.quant.allreduce.quantized_all_reduce``: the compressed sum over ranks (the
+trainers' ``--grad-bits``). Pure checks in milliseconds; one multi-process run on real gloo
 ranks shows the sums are the same bytes on every rank, within the codec's bound of the exact
-sum, unbiased, replayable from the seed, and unchanged under the NCCL semantics fake."""
+sum, unbiased, replayable from the seed, unchanged under the NCCL semantics fake and when
+summed many at once (``quantized_all_reduce_many``); another shows ``CompressedLauncher``'s
+batches change no bit and never hang, with ranks that launch at different paces into
+groups of all ranks and of some."""
 
 from __future__ import annotations
 
@@ -11,8 +14,10 @@ import torch
 from commsched.quant.allreduce import (
     GRAD_BITS,
     ROW_VALUES,
+    CompressedLauncher,
     check_grad_bits,
     quantized_all_reduce,
+    quantized_all_reduce_many,
     wire_bytes,
 )
 from tests.mp import run_ranks
@@ -36,6 +41,13 @@ def test_bad_input_is_refused_before_any_collective():
         quantized_all_reduce(torch.zeros(4), 8, row_values=0)
     with pytest.raises(ValueError, match="bits must be one of"):
         quantized_all_reduce(torch.zeros(4), 7)
+    with pytest.raises(ValueError, match=r"seeds: one per tensor \(2\), got 1"):
+        quantized_all_reduce_many([torch.zeros(4), torch.zeros(4)], 8, seeds=[1])
+    with pytest.raises(ValueError, match="1-D floating-point"):
+        quantized_all_reduce_many([torch.zeros(4), torch.zeros(2, 2)], 8)
+    for bad in (-1, 1.5, True, "4M"):
+        with pytest.raises(ValueError, match=r"batch_bytes must be an int >= 0"):
+            CompressedLauncher(8, batch_bytes=bad)
 
 
 def test_without_a_process_group_the_tensor_is_left_as_it_is():
@@ -43,6 +55,9 @@ def test_without_a_process_group_the_tensor_is_left_as_it_is():
     y = x.clone()
     assert quantized_all_reduce(y, 8) is y
     assert torch.equal(x, y)
+    ys = [x.clone(), x[:10].clone()]
+    assert quantized_all_reduce_many(ys, 8) == ys
+    assert torch.equal(ys[0], x)
 
 
 def test_wire_bytes():
@@ -102,6 +117,16 @@ def _sums(rank: int, world: int) -> dict:
     with nccl_semantics() as fake:
         out["nccl"] = quantized_all_reduce(x.clone(), 8, seed=11)
         out["nccl_calls"] = dict(fake.calls)
+    # many at once: each tensor the bytes it gets alone (an empty one skipped), two collectives
+    parts = [x.clone(), x[:300].clone() * 3, x[:0].clone(), x[:1000].double()]
+    seeds = [11, 5, 9, 7]
+    for bits in (16, 8, 2):
+        many = quantized_all_reduce_many([t.clone() for t in parts], bits, seeds=seeds)
+        out[("many", bits)] = many
+        out[("alone", bits)] = [quantized_all_reduce(t.clone(), bits, seed=s) for t, s in zip(parts, seeds)]
+    with nccl_semantics() as fake:
+        quantized_all_reduce_many([t.clone() for t in parts], 8, seeds=seeds)
+        out["many_calls"] = dict(fake.calls)
     return out
 
 
@@ -143,3 +168,74 @@ def test_compressed_sums_on_three_ranks():
     # NCCL's semantics (the blocking collectives go through as on a GPU): the same bytes
     assert torch.equal(res[0]["nccl"], res[0][8])
     assert res[0]["nccl_calls"].get("all_to_all_single") == 1
+    # quantized_all_reduce_many: the same bytes as alone, on every rank, in one pair of collectives
+    for bits in (16, 8, 2):
+        for r in range(world):
+            many, alone = res[r][("many", bits)], res[r][("alone", bits)]
+            assert [t.dtype for t in many] == [t.dtype for t in alone]
+            assert all(torch.equal(a, b) for a, b in zip(many, alone)), (bits, r)
+            assert all(torch.equal(a, b) for a, b in zip(many, res[0][("many", bits)]))
+    assert res[0]["many_calls"].get("all_to_all_single") == 1
+
+
+# --------------------------------------------------------------------------- the launcher
+# (group, numel) per launch, the same sequence on every rank: "all" is a group of every
+# rank, "pair" the rank's own of two (0, 2) / (1, 3), as expert-data-parallel groups are
+LAUNCHES = ([("all", 5000), ("all", 700), ("pair", 3000), ("all", 40_000), ("pair", 300),
+             ("pair", 9000), ("all", 20_000), ("all", 64), ("all", 6000)] * 3
+            + [("all", 1200)] * 12 + [("pair", 800)] * 6 + [("all", 90_000)])
+
+
+def _launches(rank: int, world: int) -> dict:
+    import random
+    import time
+
+    import torch.distributed as dist
+
+    from tests.nccl_fake import nccl_semantics
+
+    groups = {"all": dist.new_group(list(range(world)))}
+    for pair in ([0, 2], [1, 3]):
+        g = dist.new_group(pair)
+        if rank in pair:
+            groups["pair"] = g
+    base = [torch.randn(n, generator=torch.Generator().manual_seed(1000 * rank + i))
+            for i, (_, n) in enumerate(LAUNCHES)]
+
+    def run(batch_bytes: int, pace_seed: int, fake: bool = False) -> tuple:
+        pace = random.Random(pace_seed * 10 + rank)  # each rank its own pace
+        with CompressedLauncher(8, seed=3, batch_bytes=batch_bytes) as launch:
+            flats = [t.clone() for t in base]
+            works = []
+            for i, ((g, _), flat) in enumerate(zip(LAUNCHES, flats)):
+                if pace.random() < 0.3:
+                    time.sleep(pace.random() * 0.02)
+                works.append(launch(flat, groups[g], op=i % 7))
+            for w in works:
+                w.wait()
+            return flats, launch.batches, launch.summed
+
+    out = {"one": run(0, 1), "batched": run(1 << 16, 2), "big": run(1 << 22, 3)}
+    with nccl_semantics():
+        out["nccl"] = run(1 << 22, 4)
+    return out
+
+
+@pytest.mark.slow
+def test_launcher_batches_change_no_bit_on_four_ranks():
+    world = 4
+    res = run_ranks(world, _launches, timeout_s=240)
+    n = len(LAUNCHES)
+    for r in range(world):
+        one, batches_one, summed_one = res[r]["one"]
+        assert batches_one == summed_one == n  # batch_bytes=0: one sum per launch
+        for name in ("batched", "big", "nccl"):
+            flats, batches, summed = res[r][name]
+            assert summed == n
+            assert all(torch.equal(a, b) for a, b in zip(flats, one)), (name, r)
+        # the ranks' different paces still left launches queued to sum together
+        assert res[r]["big"][1] < n, res[r]["big"][1]
+    for r in range(1, world):  # every replica of a group holds the same bytes
+        for i, (g, _) in enumerate(LAUNCHES):
+            peer = 0 if g == "all" else r % 2
+            assert torch.equal(res[r]["one"][0][i], res[peer]["one"][0][i]), (i, r)
