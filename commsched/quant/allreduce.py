@@ -194,7 +194,7 @@ def _sum_batch(items, bits: int, group, F: int, impl: str, note: int | None = No
     dist.all_to_all_single(recv.view(-1), send.contiguous().view(-1), group=group)
     totals = []
     off = 0
-    for (flat, n, C, x_RF), wd in zip(plan, widths):
+    for (_flat, _n, C, x_RF), wd in zip(plan, widths):
         got = _decode(recv[:, off:off + wd].reshape(P * C, wd // C), bits, F, impl).view(P, C, F)
         off += wd
         mine = x_RF[rank * C:(rank + 1) * C]
@@ -214,7 +214,7 @@ def _sum_batch(items, bits: int, group, F: int, impl: str, note: int | None = No
     parts = [torch.empty_like(mine_b) for _ in range(P)]
     dist.all_gather(parts, mine_b.contiguous(), group=group)
     off = 0
-    for (flat, n, C, x_RF), wd in zip(plan, widths):
+    for (flat, n, C, _x_RF), wd in zip(plan, widths):
         w = torch.cat([part[off:off + wd] for part in parts]).view(P * C, wd // C)
         off += wd
         flat.copy_(_decode(w, bits, F, impl).view(-1)[:n])
