@@ -103,6 +103,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run fifo-gB, lina-gB and lina-overlap-gB (and fifo-qA-gB, lina-qA-gB, "
                         "lina-overlap-qA-gB with --a2a-bits A): the gradient reduction's messages at B bits "
                         "(commsched.moe.train --grad-bits)")
+    g.add_argument("--grad-batch-bytes", type=int, default=None,
+                   help="the -gB variants: sums summed together up to this many bytes (default: the "
+                        "trainer's, 4 MiB; 0: one sum per launch; commsched.moe.train --grad-batch-bytes)")
+    g.add_argument("--grad-unbatched", action="store_true",
+                   help="with --grad-bits B also run lina-b0-gB (and lina-b0-qA-gB with --a2a-bits A): "
+                        "lina-gB with every launch summed alone (--grad-batch-bytes 0), the batching's A/B")
     g.add_argument("--a2a-bits", type=int, choices=(16, 8), default=None,
                    help="also run lina-qB and lina-overlap-qB: lina / lina-overlap with the expert all-to-all "
                         "at B bits (commsched.moe.train --a2a-bits)")
@@ -144,6 +150,9 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
     gbits = getattr(a, "grad_bits", None)
     if gbits:  # the gradient reduction compressed (quant/allreduce.py), alone and with -qA
         g = ("--grad-bits", str(gbits))
+        if getattr(a, "grad_batch_bytes", None) is not None:
+            g += ("--grad-batch-bytes", str(a.grad_batch_bytes))
+        b0 = (*g, "--grad-batch-bytes", "0")  # argparse: the last one counts
         by_name = {v.name: v for v in out}
         out += [Variant(f"{n}-g{gbits}", mod, (*by_name[n].args, *g)) for n in ("fifo", "lina", "lina-overlap")]
         if bits:  # both compressions: fifo-qA-gB, lina-qA-gB, lina-overlap-qA-gB
@@ -151,6 +160,10 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
             out += [Variant(f"fifo-q{bits}-g{gbits}", mod, (*by_name["fifo"].args, *q, *g)),
                     *(Variant(f"{n}-q{bits}-g{gbits}", mod, (*by_name[f"{n}-q{bits}"].args, *g))
                       for n in ("lina", "lina-overlap"))]
+        if getattr(a, "grad_unbatched", False):  # the A/B of CompressedLauncher's batches
+            out.append(Variant(f"lina-b0-g{gbits}", mod, (*by_name["lina"].args, *b0)))
+            if bits:
+                out.append(Variant(f"lina-b0-q{bits}-g{gbits}", mod, (*by_name[f"lina-q{bits}"].args, *b0)))
     if (getattr(a, "hosts", 1) or 1) > 1:  # on emulated hosts: lina with the hierarchical reduction
         out.append(Variant("lina-hier", mod, (*lina, "--hier-reduce")))
     return out

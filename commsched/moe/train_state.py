@@ -37,9 +37,10 @@ from ..results import save_torch
 FORMAT = "commsched-moe-train-state"
 VERSION = 1
 # configuration fields a resumed run may change: the length of the run and what is
-# measured after it, never what shapes a step's arithmetic
+# measured after it, never what shapes a step's arithmetic (grad_batch_bytes: how many sums share
+# a pair of collectives, never their bits)
 RESUMABLE = ("steps", "checkpoint_every", "warmup", "probe_steps", "eval_batches", "timeline_step",
-             "device")
+             "device", "grad_batch_bytes")
 
 
 _KEYS = ("config", "step", "rank", "world_size", "ep_size", "model", "optimizer", "rows", "rng")

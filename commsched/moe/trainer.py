@@ -339,7 +339,8 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
     # --grad-bits: every reduction of the schedule summed in fewer bytes (quant/allreduce.py)
     launcher = None
     if cfg.grad_bits != 32:
-        launcher = CompressedLauncher(cfg.grad_bits, seed=format_seed(cfg.seed, 0x6AD))
+        launcher = CompressedLauncher(cfg.grad_bits, seed=format_seed(cfg.seed, 0x6AD),
+                                      batch_bytes=cfg.grad_batch_bytes)
     try:
         return _train_steps(cfg, corpus, ep, bar, device, model, sched_params, events, sched_cfg, buckets,
                             launcher, out=out, resume=resume, on_step=on_step, hier=hier)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..configurable import Config, option
 from ..dist import DEVICE_CHOICES
 from ..priority.policy import ScheduleConfig
-from ..quant.allreduce import GRAD_BITS, check_grad_bits
+from ..quant.allreduce import DEFAULT_BATCH_BYTES, GRAD_BITS, check_grad_bits
 from ..results import Record, median
 from .data import Corpus
 from .experts import is_expert_param
@@ -68,6 +68,9 @@ class TrainConfig(Config):
     grad_bits: int = option(32, "--impl commsched: width of the gradient reduction's messages: 32 exact; "
                                 "16 bfloat16; 8/4/2 the shared codec's stochastic row records "
                                 "(docs/moe.md, \"Compressed gradient reduction\")", choices=GRAD_BITS)
+    grad_batch_bytes: int = option(DEFAULT_BATCH_BYTES, "--grad-bits 16/8/4/2: launches the ranks all hold "
+                                   "queued are summed together, up to this many bytes, in one pair of "
+                                   "collectives (the same bits; 0: one sum per launch)")
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -107,6 +110,10 @@ class TrainConfig(Config):
         if self.grad_bits != 32 and self.impl != "commsched":
             raise ValueError(f"--grad-bits {self.grad_bits} is an option of --impl commsched (DeepSpeed "
                              "reduces its own way); use --grad-bits 32 with --impl deepspeed")
+        if isinstance(self.grad_batch_bytes, bool) or not isinstance(self.grad_batch_bytes, int) \
+                or self.grad_batch_bytes < 0:
+            raise ValueError(f"--grad-batch-bytes must be an integer >= 0 (0: one sum per launch), "
+                             f"got {self.grad_batch_bytes!r}")
         if self.checkpoint_every and self.impl != "commsched":
             raise ValueError("--checkpoint-every is an option of --impl commsched; DeepSpeed's runs "
                              "are not checkpointed here")

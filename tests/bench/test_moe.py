@@ -56,6 +56,20 @@ def test_grad_bits_variants(tmp_path):
     base = cfg["lina-overlap"]
     assert cfg["lina-overlap-q8-g16"].schedule == base.schedule and cfg["fifo-q8-g16"].schedule == cfg["fifo"].schedule
     assert compressed("lina-q8") and compressed("fifo-g8") and not compressed("lina-overlap")
+    assert all(c.grad_batch_bytes == 4 << 20 for c in cfg.values())  # the trainer's default batches
+    # --grad-unbatched: lina-b0-gB (and -qA-gB), lina's run with every launch summed alone;
+    # --grad-batch-bytes reaches every -gB variant but those
+    ab = build_parser(wl).parse_args(["--grad-bits", "8", "--a2a-bits", "8", "--grad-unbatched",
+                                      "--grad-batch-bytes", "65536"])
+    vs = {v.name: v for v in wl.variants(ab)}
+    cfg = {n: config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)])) for n, v in vs.items()}
+    assert cfg["lina-b0-g8"].grad_batch_bytes == 0 and cfg["lina-b0-q8-g8"].grad_batch_bytes == 0
+    assert cfg["lina-g8"].grad_batch_bytes == 65536 and cfg["fifo-q8-g8"].grad_batch_bytes == 65536
+    import dataclasses
+    for n, base in (("lina-b0-g8", "lina-g8"), ("lina-b0-q8-g8", "lina-q8-g8")):
+        assert dataclasses.replace(cfg[n], grad_batch_bytes=65536) == cfg[base]
+        assert compressed(n)
+    assert "lina-b0-g8" not in [v.name for v in wl.variants(build_parser(wl).parse_args(["--grad-bits", "8"]))]
     assert ours(["deepspeed", "fifo", "fifo-g8"]) == ["fifo", "fifo-g8"]
 
 

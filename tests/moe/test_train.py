@@ -417,6 +417,10 @@ def _grad_bits_cases(tmp: str, rank: int, world: int) -> None:
     # the rounding is keyed by the operation, not the launch order: the schedules of one
     # micro-op layout (lina, lina-overlap, serial) compute the same bits, whatever they hold
     assert _same_state(states["lina"], states["lina-overlap"]) and _same_state(states["lina"], states["serial"])
+    # and summing the launches together (the default) or one by one changes no bit either
+    alone = _run(dataclasses.replace(_cfg(world, "lina", chunks=2, pipeline=True, steps=4), grad_bits=8,
+                                     grad_batch_bytes=0))
+    assert _same_state(alone["state"], states["lina"])
     cfg = dataclasses.replace(_cfg(world, "lina", chunks=2, pipeline=True, steps=5), checkpoint_every=2, grad_bits=8)
     full_m, full_state = train(dataclasses.replace(cfg, checkpoint_every=0), None, progress=False)
     d = Path(tmp) / "g8"
@@ -448,6 +452,11 @@ def test_grad_bits_is_checked():
     rec = {"lr": 0.01, "grad_bits": 32}
     assert config_mismatch(rec, {"lr": 0.01}) is None
     assert "grad_bits: 32 -> 8" in config_mismatch({**rec, "grad_bits": 8}, {"lr": 0.01})
+    # how many sums share a pair of collectives changes no bit: a resumed run may change it
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="--grad-batch-bytes must be an integer >= 0"):
+            TrainConfig(grad_bits=8, grad_batch_bytes=bad)
+    assert config_mismatch({**rec, "grad_batch_bytes": 0}, {**rec, "grad_batch_bytes": 1 << 22}) is None
 
 
 def _cuda_resume_exact(tmp: str, rank: int, world: int) -> None:
