@@ -107,8 +107,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the -gB variants: sums summed together up to this many bytes (default: the "
                         "trainer's, 4 MiB; 0: one sum per launch; commsched.moe.train --grad-batch-bytes)")
     g.add_argument("--grad-unbatched", action="store_true",
-                   help="with --grad-bits B also run lina-b0-gB (and lina-b0-qA-gB with --a2a-bits A): "
-                        "lina-gB with every launch summed alone (--grad-batch-bytes 0), the batching's A/B")
+                   help="with --grad-bits B also run fifo-b0-gB and lina-b0-gB (and fifo-b0-qA-gB, "
+                        "lina-b0-qA-gB with --a2a-bits A): those variants with every launch summed alone "
+                        "(--grad-batch-bytes 0), the batching's A/B")
     g.add_argument("--a2a-bits", type=int, choices=(16, 8), default=None,
                    help="also run lina-qB and lina-overlap-qB: lina / lina-overlap with the expert all-to-all "
                         "at B bits (commsched.moe.train --a2a-bits)")
@@ -161,9 +162,10 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
                     *(Variant(f"{n}-q{bits}-g{gbits}", mod, (*by_name[f"{n}-q{bits}"].args, *g))
                       for n in ("lina", "lina-overlap"))]
         if getattr(a, "grad_unbatched", False):  # the A/B of CompressedLauncher's batches
-            out.append(Variant(f"lina-b0-g{gbits}", mod, (*by_name["lina"].args, *b0)))
+            out += [Variant(f"{n}-b0-g{gbits}", mod, (*by_name[n].args, *b0)) for n in ("fifo", "lina")]
             if bits:
-                out.append(Variant(f"lina-b0-q{bits}-g{gbits}", mod, (*by_name[f"lina-q{bits}"].args, *b0)))
+                out += [Variant(f"{n}-b0-q{bits}-g{gbits}", mod, (*by_name[m].args, *q, *b0))
+                        for n, m in (("fifo", "fifo"), ("lina", f"lina-q{bits}"))]
     if (getattr(a, "hosts", 1) or 1) > 1:  # on emulated hosts: lina with the hierarchical reduction
         out.append(Variant("lina-hier", mod, (*lina, "--hier-reduce")))
     return out

@@ -57,7 +57,7 @@ def test_grad_bits_variants(tmp_path):
     assert cfg["lina-overlap-q8-g16"].schedule == base.schedule and cfg["fifo-q8-g16"].schedule == cfg["fifo"].schedule
     assert compressed("lina-q8") and compressed("fifo-g8") and not compressed("lina-overlap")
     assert all(c.grad_batch_bytes == 4 << 20 for c in cfg.values())  # the trainer's default batches
-    # --grad-unbatched: lina-b0-gB (and -qA-gB), lina's run with every launch summed alone;
+    # --grad-unbatched: fifo-b0-gB, lina-b0-gB (and -qA-gB), their runs with every launch summed alone;
     # --grad-batch-bytes reaches every -gB variant but those
     ab = build_parser(wl).parse_args(["--grad-bits", "8", "--a2a-bits", "8", "--grad-unbatched",
                                       "--grad-batch-bytes", "65536"])
@@ -66,7 +66,9 @@ def test_grad_bits_variants(tmp_path):
     assert cfg["lina-b0-g8"].grad_batch_bytes == 0 and cfg["lina-b0-q8-g8"].grad_batch_bytes == 0
     assert cfg["lina-g8"].grad_batch_bytes == 65536 and cfg["fifo-q8-g8"].grad_batch_bytes == 65536
     import dataclasses
-    for n, base in (("lina-b0-g8", "lina-g8"), ("lina-b0-q8-g8", "lina-q8-g8")):
+    assert cfg["fifo-b0-g8"].grad_batch_bytes == 0 and cfg["fifo-b0-q8-g8"].grad_batch_bytes == 0
+    for n, base in (("lina-b0-g8", "lina-g8"), ("lina-b0-q8-g8", "lina-q8-g8"), ("fifo-b0-g8", "fifo-g8"),
+                    ("fifo-b0-q8-g8", "fifo-q8-g8")):
         assert dataclasses.replace(cfg[n], grad_batch_bytes=65536) == cfg[base]
         assert compressed(n)
     assert "lina-b0-g8" not in [v.name for v in wl.variants(build_parser(wl).parse_args(["--grad-bits", "8"]))]
