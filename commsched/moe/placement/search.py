@@ -19,8 +19,9 @@ tier 1
 tier 2
   * ``retarget`` (e, f, d2): one share of f on d2 (f keeps at least one) becomes a share of e
 
-The step applies the best improving move: lowest maximum device load, then (within 1e-12
-of the total) lowest sum of squared loads, then the first in the order above (families in
+The step applies the best improving move: lowest maximum device load, then lowest sum of
+squared loads (each within 1e-12 of the total load, or of its square: sums that differ only
+in their last bits tie), then the first in the order above (families in
 that order; within a family e ascending, then d2 or the share (f, d2) in C's row-major
 order). :meth:`ShareSearch.step` scores a family in O(candidates) with the top three device
 loads (moves that change two devices) or per-row top two (moves that change all of an
@@ -72,6 +73,14 @@ def _top2(V: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     W = V.copy()
     W[idx] = -np.inf
     return t1, a1, W.max(axis=-1)
+
+
+def _first_least(pool: np.ndarray, ss: np.ndarray, eps2: float) -> np.ndarray:
+    """Along the last axis: the first candidate of ``pool`` whose sum of squares is within
+    ``eps2`` of the pool's least (the choice rule's tie: equal sums computed by different
+    formulas, or summed in another order by another numpy build, may differ in the last bits)."""
+    s = np.where(pool, ss, np.inf)
+    return np.argmax(pool & (s <= s.min(axis=-1, keepdims=True) + eps2), axis=-1)
 
 
 def apply_move(C: np.ndarray, kind: str, a, d: int) -> None:
@@ -290,7 +299,7 @@ class ShareSearch:
                 return None
             m0 = m[better].min()
             pool = better & (m <= m0 + self.eps)
-            j = int(np.argmin(np.where(pool, ss, inf)))
+            j = int(_first_least(pool, ss, self.eps2))
             for (kind, mk, _), mf in zip(fams, ms):
                 if j < mf.size:
                     return kind, np.unravel_index(j, mk.shape)
@@ -409,7 +418,7 @@ class ShareSearch:
                 continue
             m0 = m[better].min()
             pool = better & (m <= m0 + self.eps)
-            j = int(np.argmin(np.where(pool, ss, np.inf)))
+            j = int(_first_least(pool, ss, self.eps2))
             for kind, k in who:
                 if j < k:
                     move = (kind, *(int(x) for x in cands[kind][j]))
@@ -564,7 +573,7 @@ class BatchSearch:
         has = better.any(axis=1)
         m0 = np.where(better, m, inf).min(axis=1)
         pool = better & (m <= m0[:, None] + self.eps)
-        jj = np.argmin(np.where(pool, ss, inf), axis=1)
+        jj = _first_least(pool, ss, self.eps2)
         sizes = [f[1][0].size for f in fams]
         moved = has.copy()
         for i in np.flatnonzero(has).tolist():
@@ -611,7 +620,7 @@ class BatchSearch:
         has2 = better.any(axis=1)
         m0 = np.where(better, m_r, inf).min(axis=1)
         pool = better & (m_r <= m0[:, None] + self.eps)
-        jj = np.argmin(np.where(pool, ss_r, inf), axis=1)
+        jj = _first_least(pool, ss_r, self.eps2)
         for q in np.flatnonzero(has2).tolist():
             i = int(r[q])
             s_, p_ = divmod(int(jj[q]), P)
