@@ -17,6 +17,13 @@ Three paths compute the same thing, ``out[t] = sum_k gate[t, k] * expert_{e[t, k
   chunks are still on the wire; the combine exchange of a chunk is queued as soon as its
   experts are done. The backward pass is pipelined the same
   way (a custom autograd function), so gradients flow chunk by chunk too.
+* :func:`ep_moe` with ``pipeline=True, merge=True`` -- the pipelined path's arithmetic
+  without its pipelining: every chunk is encoded and computed exactly as above (the same
+  rows, keys, expert calls and gradient sums, so the same bits), but the C chunks of each
+  exchange travel together as one all-to-all (a peer's rows of chunk 0, then of chunk 1,
+  ...), one exchange each way instead of C. Where the overlap does not pay (2 cores, a
+  bridge between emulated hosts: every exchange pays every peer's skew and latency) this is
+  the cheaper exchange a schedule's fallback switches to without changing a bit.
 
 Rows sent by a rank are ordered by (chunk, expert); chunk c holds the tokens
 ``[c*T/C, (c+1)*T/C)``. Expert e lives on EP rank ``e // L``. One small exchange of
@@ -298,9 +305,36 @@ class _Pipeline:
     """
 
     def __init__(self, plans: Sequence[ChunkPlan], eg: ExpertGroup, observer: A2AObserver | None,
-                 lanes: Lanes | None = None, wires: MoEWires | None = None):
+                 lanes: Lanes | None = None, wires: MoEWires | None = None, merge: bool = False):
         self.plans, self.eg, self.observer, self.lanes = list(plans), eg, observer, lanes
         self.wires = wires or MoEWires()
+        self.merge = merge
+
+    def exchange(self, xs: Sequence[torch.Tensor], plans: Sequence[A2APlan], fmt: RowFormat | None):
+        """Start the exchange of every chunk (``xs[c]`` through ``plans[c]``); returns a
+        function ``get(c)`` giving chunk c's received rows, decoded (waiting as needed).
+        Pipelined: one exchange per chunk, queued now. ``merge``: each chunk encoded as
+        alone, in chunk order (the same keys), then every chunk's rows in one exchange and
+        split again on arrival (rows are decoded one by one, so the same values)."""
+        if not self.merge:
+            hs = [self.start(x, pl, fmt) for x, pl in zip(xs, plans)]
+            return lambda c: self.finish(hs[c])
+        ws = [encode_rows(x.contiguous(), fmt) for x in xs]
+        P, rank = self.eg.size, self.eg.rank
+        parts = [w[pl.send_offsets[p]:pl.send_offsets[p + 1]] for p in range(P) for w, pl in zip(ws, plans)]
+        send = parts[0] if len(parts) == 1 else torch.cat(parts)
+        both = A2APlan(tuple(sum(pl.send_counts[p] for pl in plans) for p in range(P)),
+                       tuple(sum(pl.recv_counts[p] for pl in plans) for p in range(P)), rank)
+        got = all_to_all_async(send, both, group=self.eg.group, observer=self.observer).wait()
+        pieces: list[list[torch.Tensor]] = [[] for _ in plans]
+        off = 0
+        for p in range(P):  # from peer p: its rows of chunk 0, of chunk 1, ...
+            for c, pl in enumerate(plans):
+                pieces[c].append(got[off:off + pl.recv_counts[p]])
+                off += pl.recv_counts[p]
+        outs = [decode_rows(pc[0] if len(pc) == 1 else torch.cat(pc), fmt, x.shape[1:], x.dtype)
+                for pc, x in zip(pieces, xs)]
+        return outs.__getitem__
 
     def start(self, x: torch.Tensor, plan: A2APlan, fmt: RowFormat | None = None):
         """Queue one exchange of ``x``'s rows in ``fmt`` (encoded here, on the caller's
@@ -328,15 +362,24 @@ class _PipelinedExperts(torch.autograd.Function):
     def forward(ctx, x_send, pipe: _Pipeline, *params):
         pd = [p.detach().requires_grad_(True) for p in params]
         wd, wc = pipe.wires.dispatch, pipe.wires.combine
-        sends = [pipe.start(x_send[cp.send_lo:cp.send_hi], cp.plan, _fmt(wd, False)) for cp in pipe.plans]
-        saved, backs = [], []
-        for cp, h in zip(pipe.plans, sends):
-            xe = pipe.finish(h)[cp.perm_R].requires_grad_(True)
+        plans = pipe.plans
+        got = pipe.exchange([x_send[cp.send_lo:cp.send_hi] for cp in plans], [cp.plan for cp in plans],
+                            _fmt(wd, False))
+        saved, backs, ys = [], [], []
+        for c, cp in enumerate(plans):
+            xe = got(c)[cp.perm_R].requires_grad_(True)
             with torch.enable_grad():
                 y = expert_apply(xe, cp.counts_L, *pd)
             saved.append((xe, y))
-            backs.append(pipe.start(y.detach()[cp.inv_R], cp.plan.reversed(), _fmt(wc, False)))
-        outs = [pipe.finish(h) for h in backs]
+            if pipe.merge:  # the combine goes once every chunk is computed
+                ys.append(y.detach()[cp.inv_R])
+            else:
+                backs.append(pipe.start(y.detach()[cp.inv_R], cp.plan.reversed(), _fmt(wc, False)))
+        if pipe.merge:
+            back = pipe.exchange(ys, [cp.plan.reversed() for cp in plans], _fmt(wc, False))
+            outs = [back(c) for c in range(len(plans))]
+        else:
+            outs = [pipe.finish(h) for h in backs]
         ctx.pipe, ctx.saved, ctx.pd = pipe, saved, pd
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -349,11 +392,13 @@ class _PipelinedExperts(torch.autograd.Function):
         g_send = g_send.contiguous()
         wd, wc = pipe.wires.dispatch, pipe.wires.combine
         # the combine's reverse (output gradients to the experts), then the dispatch's
-        sends = [pipe.start(g_send[cp.send_lo:cp.send_hi], cp.plan, _fmt(wc, True)) for cp in pipe.plans]
+        plans = pipe.plans
+        got = pipe.exchange([g_send[cp.send_lo:cp.send_hi] for cp in plans], [cp.plan for cp in plans],
+                            _fmt(wc, True))
         g_params: list[torch.Tensor | None] = [None] * len(pd)
-        backs = []
-        for cp, h, (xe, y) in zip(pipe.plans, sends, saved):
-            ge = pipe.finish(h)[cp.perm_R]
+        backs, gxs = [], []
+        for c, (cp, (xe, y)) in enumerate(zip(plans, saved)):
+            ge = got(c)[cp.perm_R]
             if y.requires_grad and y.shape[0] > 0:
                 grads = torch.autograd.grad(y, [xe, *pd], ge, allow_unused=True)
                 gx = grads[0] if grads[0] is not None else torch.zeros_like(xe)
@@ -362,8 +407,15 @@ class _PipelinedExperts(torch.autograd.Function):
                         g_params[i] = gp if g_params[i] is None else g_params[i] + gp
             else:
                 gx = torch.zeros_like(xe)
-            backs.append(pipe.start(gx.detach()[cp.inv_R], cp.plan.reversed(), _fmt(wd, True)))
-        outs = [pipe.finish(h) for h in backs]
+            if pipe.merge:
+                gxs.append(gx.detach()[cp.inv_R])
+            else:
+                backs.append(pipe.start(gx.detach()[cp.inv_R], cp.plan.reversed(), _fmt(wd, True)))
+        if pipe.merge:
+            back = pipe.exchange(gxs, [cp.plan.reversed() for cp in plans], _fmt(wd, True))
+            outs = [back(c) for c in range(len(plans))]
+        else:
+            outs = [pipe.finish(h) for h in backs]
         ctx.saved = None
         if obs is not None:
             obs.block_end()
@@ -375,10 +427,11 @@ class _PipelinedExperts(torch.autograd.Function):
 # --------------------------------------------------------------------------- EP entry point
 def ep_moe(x_TD: torch.Tensor, routing: Routing, experts: ExpertFFN, eg: ExpertGroup, *,
            chunks: int = 1, pipeline: bool = False, observer: A2AObserver | None = None,
-           lanes: Lanes | None = None, wires: MoEWires | None = None) -> torch.Tensor:
+           lanes: Lanes | None = None, wires: MoEWires | None = None, merge: bool = False) -> torch.Tensor:
     """Expert-parallel MoE over ``eg`` (see the module docstring). Collective on the EP group:
-    every rank of it must call this, with the same ``chunks`` and wire widths. ``lanes``
-    (pipelined path): run the chunks' exchanges one at a time on its ``comm`` lane.
+    every rank of it must call this, with the same ``chunks``, ``merge`` and wire widths.
+    ``lanes`` (pipelined path): run the chunks' exchanges one at a time on its ``comm`` lane.
+    ``merge`` (pipelined path): the chunks of each exchange in one all-to-all, the same bits.
     ``wires``: the exchanges' formats (:func:`moe_wires`; default plain)."""
     if experts.num_experts != eg.num_experts or experts.first != eg.first or experts.num_local != eg.num_local:
         raise ValueError(f"this rank holds experts [{experts.first}, {experts.first + experts.num_local}) "
@@ -389,7 +442,7 @@ def ep_moe(x_TD: torch.Tensor, routing: Routing, experts: ExpertFFN, eg: ExpertG
     plans = build_chunk_plans(asg, eg, observer)
     x_send = x_TD[asg.token_A]
     if pipeline:
-        y_send = _PipelinedExperts.apply(x_send, _Pipeline(plans, eg, observer, lanes, wires), *experts.params())
+        y_send = _PipelinedExperts.apply(x_send, _Pipeline(plans, eg, observer, lanes, wires, merge), *experts.params())
     else:
         y_send = _plain_chunks(x_send, plans, experts, eg, observer, wires)
     return combine(y_send, asg, x_TD.shape[0])

@@ -58,6 +58,8 @@ class DispatchConfig(Config):
 
     chunks: int = option(1, "chunks of the pipelined all-to-all")
     pipeline: bool = option(False, "overlap each chunk's exchange with the expert compute of the others")
+    merge: bool = option(False, "pipeline: send the chunks of each exchange as one all-to-all (no overlap; "
+                                "the same chunk-by-chunk arithmetic, so the same bits)")
     a2a_bits: int = option(32, "width of the expert all-to-all rows: 32 as computed; 16 bfloat16; 8: tokens "
                                "to the experts (and the gradients of their outputs) as 8-bit rows of the "
                                "shared codec with a per-row scale, the rest bfloat16", choices=A2A_BITS)
@@ -114,12 +116,13 @@ class MoELayer(nn.Module):
         else:
             if self.expert_group.size > 1:
                 check_ddp(self, self.experts.parameters())  # inside DistributedDataParallel: leaves them to commsched
-            if self.dispatch.pipeline and (self._lanes is None or self._lanes.device != x.device):
+            merge = self.dispatch.pipeline and self.dispatch.merge
+            if self.dispatch.pipeline and not merge and (self._lanes is None or self._lanes.device != x.device):
                 self.close()
                 self._lanes = Lanes(x.device, names=("compute", "comm"))
             y_TD = ep_moe(x_TD, routing, self.experts, self.expert_group, chunks=self.dispatch.chunks,
                           pipeline=self.dispatch.pipeline, observer=self.observer, lanes=self._lanes,
-                          wires=self.wires)
+                          wires=self.wires, merge=merge)
         return y_TD.reshape(x.shape), routing.aux_loss
 
 

@@ -157,6 +157,36 @@ def _ep_equals_local(rank: int, world: int) -> None:
         assert timer.time_s > 0
 
 
+def _merged_equals_pipelined(rank: int, world: int) -> None:
+    """``merge``: the pipelined path's chunks in one exchange each way give the same bits
+    (outputs and every gradient), plain and with the 8-bit wire, in 2 + 2 exchanges."""
+    for seed, (per_rank, k, chunks, bits) in enumerate([(1, 1, 3, 32), (2, 2, 2, 32), (1, 2, 3, 8), (2, 1, 4, 8)]):
+        E = per_rank * world
+        rc = RouterConfig(E, k=k, min_capacity=1)
+        eg = ExpertGroup(E, world, rank, None)
+        layers, timers = [], []
+        for merge in (False, True):
+            torch.manual_seed(200 + seed)
+            timers.append(A2ATimer())
+            layers.append(MoELayer(D, H, rc, expert_group=eg, observer=timers[-1], wire_seed=seed,
+                                   dispatch=DispatchConfig(chunks, True, a2a_bits=bits, merge=merge)))
+        g = torch.Generator().manual_seed(300 * seed + rank)
+        T = _tokens(rank, world, seed)
+        x, gy = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+        got = []
+        for layer in layers:
+            xi = x.clone().requires_grad_(True)
+            y, aux = layer(xi)
+            ((y * gy).sum() + aux).backward()
+            got.append([y.detach(), xi.grad, layer.router.weight.grad,
+                        *(getattr(layer.experts, n).grad for n in ("w1", "b1", "w2", "b2"))])
+            layer.close()
+        what = dict(seed=seed, per_rank=per_rank, k=k, chunks=chunks, bits=bits)
+        for a, b in zip(*got):
+            assert torch.equal(a, b), what
+        assert timers[0].calls == 1 + 4 * chunks and timers[1].calls == 1 + 4, (timers[0].calls, timers[1].calls)
+
+
 def _ep_rejects_wrong_block(rank: int, world: int) -> None:
     rc = RouterConfig(world, k=1)
     layer = MoELayer(D, H, rc, expert_group=ExpertGroup(world, world, rank, None))
@@ -166,7 +196,8 @@ def _ep_rejects_wrong_block(rank: int, world: int) -> None:
         ep_moe(torch.zeros(2, D), layer.router(torch.zeros(2, D)), layer.experts, wrong)
 
 
-CASES = [("ep_equals_local", _ep_equals_local), ("ep_rejects_wrong_block", _ep_rejects_wrong_block)]
+CASES = [("ep_equals_local", _ep_equals_local), ("merged_equals_pipelined", _merged_equals_pipelined),
+         ("ep_rejects_wrong_block", _ep_rejects_wrong_block)]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
