@@ -308,23 +308,18 @@ def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
         model.close()
 
 
-def _fallback_exchange(opt, model: torch.nn.Module, dispatch: DispatchConfig, whole: bool = False) -> None:
-    """The probe's fallback runs fifo's exchange as well as fifo's launching, as far as the
-    bits allow. In the steps run as the fallback (and in every step once the probe chose it)
-    a pipelined MoE all-to-all sends its chunks as one exchange each way
-    (``DispatchConfig.merge``: the same chunk-by-chunk arithmetic, so the same bits, whatever
-    the probe decides); in the others it runs as configured. ``whole``
-    (``--fallback-exchange``): one chunk, not pipelined, as fifo's, and the reduction in fifo's
-    buckets (``GradScheduler(fallback_buckets=True)``); that changes the arithmetic's last
-    bits, so the bits of a run then follow a decision taken from measured times. On two
-    emulated hosts the four exchanges of lina's pipelined all-to-all cost more than its
-    launching rule does (docs/benchmarks.md)."""
-    if whole:
-        plain = dataclasses.replace(dispatch, chunks=1, pipeline=False, merge=False)
-    elif dispatch.pipeline and dispatch.chunks > 1 and not dispatch.merge:
-        plain = dataclasses.replace(dispatch, merge=True)
-    else:
-        plain = dispatch
+def _fallback_exchange(opt, model: torch.nn.Module, dispatch: DispatchConfig) -> None:
+    """``--fallback-exchange``: the probe's fallback is fifo's exchange as well as fifo's
+    launching. In the steps run as the fallback every MoE layer's all-to-all is one chunk,
+    not pipelined (as fifo's), in the others as configured; the reduction's fifo buckets
+    are ``GradScheduler(fallback_buckets=True)``'s. On two emulated hosts the four chunks of
+    lina's pipelined exchange and its 256 KiB micro-ops cost more than its launching rule
+    does (docs/benchmarks.md). Off by default: the chunking and the buckets change the
+    arithmetic's last bits, so the bits of a run then follow a decision taken from measured
+    times. (The exact middle way, the pipelined exchange's chunks sent as one exchange each
+    way, ``DispatchConfig.merge``, was measured as the default fallback and did not pay: on
+    one host the pipelining itself is worth about 4%; docs/benchmarks.md.)"""
+    plain = dataclasses.replace(dispatch, chunks=1, pipeline=False, merge=False)
     if plain == dispatch:
         return
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
@@ -365,7 +360,8 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
     opt = make_grad_step(model, sched_params, sched_cfg, lambda ps: torch.optim.Adam(ps, lr=cfg.lr),
                          device=device, hier=hier, **buckets,
                          **({"launch": launcher} if launcher is not None else {}))
-    _fallback_exchange(opt, model, cfg.dispatch, whole=cfg.fallback_exchange)
+    if cfg.fallback_exchange:
+        _fallback_exchange(opt, model, cfg.dispatch)
     B, S = cfg.batch_size, cfg.model.seq_len
     tl_step = cfg.timeline_at
     rows: list[dict] = []

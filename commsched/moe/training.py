@@ -61,11 +61,10 @@ class TrainConfig(Config):
     checkpoint_every: int = option(0, "--impl commsched: write OUT/checkpoint-rank{r}.pt every K steps and "
                                       "after the last (0: never)")
     fallback_exchange: bool = option(False, "lina, lina-overlap: the probe's fallback steps (and every step "
-                                            "once it chose the fallback), which by default send the pipelined "
-                                            "all-to-all's chunks as one exchange (the same bits), run it as "
-                                            "fifo's instead, one chunk, not pipelined, and the reduction in "
-                                            "fifo's buckets; that changes the loss's last bits, so a run's "
-                                            "bits then follow the measured decision")
+                                            "once it chose the fallback) also run the MoE all-to-all as "
+                                            "fifo's, one chunk, not pipelined (and the reduction in fifo's "
+                                            "buckets); that changes the loss's last bits, so a run's bits "
+                                            "then follow the measured decision")
     grad_bits: int = option(32, "--impl commsched: width of the gradient reduction's messages: 32 exact; "
                                 "16 bfloat16; 8/4/2 the shared codec's stochastic row records "
                                 "(docs/moe.md, \"Compressed gradient reduction\")", choices=GRAD_BITS)

@@ -382,54 +382,6 @@ def _fallback_resume_exact(tmp: str, rank: int, world: int) -> None:
         fallback.FallbackProbe.decide = real
 
 
-def _fallback_merge_exact(rank: int, world: int) -> None:
-    """The default fallback sends a pipelined all-to-all's chunks as one exchange each way
-    (``DispatchConfig.merge``), which changes no bit: a run whose probe falls back ends
-    bitwise equal to one whose probe keeps the schedule (plain and 8-bit wire), so the bits
-    of a run never follow the measured decision. And the fallback did merge the chunks."""
-    import dataclasses
-
-    from commsched.moe import dispatch
-    from commsched.priority import fallback
-
-    real, exchange = fallback.FallbackProbe.decide, dispatch._Pipeline.exchange
-    merged: list[bool] = []
-
-    def scripted(faster_fallback: bool):
-        def decide(self, times_RS):
-            n = 2 * self.probes
-            return real(self, [[1.0 if self.fallback_at(self.first + s) == faster_fallback else 2.0
-                                for s in range(n)] for _ in times_RS])
-        return decide
-
-    def recording(self, *a, **kw):
-        merged.append(self.merge)
-        return exchange(self, *a, **kw)
-
-    dispatch._Pipeline.exchange = recording
-    try:
-        for bits in (32, 8):
-            cfg = _cfg(world, "lina", chunks=2, pipeline=True, steps=8)
-            cfg = dataclasses.replace(cfg, dispatch=dataclasses.replace(cfg.dispatch, a2a_bits=bits))
-            runs = []
-            for faster_fallback in (False, True):
-                fallback.FallbackProbe.decide = scripted(faster_fallback)
-                merged.clear()
-                runs.append(_run(cfg))
-                # probe steps 2-5 (P F F P), then every step in the chosen mode
-                assert any(merged) and (all(merged[-8:]) if faster_fallback else not any(merged[-8:])), bits
-            assert _same_state(runs[0]["state"], runs[1]["state"]) and runs[0]["loss"] == runs[1]["loss"], bits
-    finally:
-        fallback.FallbackProbe.decide, dispatch._Pipeline.exchange = real, exchange
-
-
-@pytest.mark.slow
-def test_fallback_merged_exchange_changes_no_bit():
-    res = run_cases(2, [("fallback_merge_exact", _fallback_merge_exact)], timeout_s=240,
-                    env={"COMMSCHED_TIMEOUT_S": "30"})
-    assert_case(res, "fallback_merge_exact")
-
-
 @pytest.mark.slow
 def test_fallback_exchange_resume_is_exact(tmp_path):
     import functools
@@ -811,10 +763,9 @@ def test_ranks_may_bind_the_reduction_to_their_own_host_address():
 
 
 def test_fallback_exchange_switches_the_all_to_all_to_fifos():
-    """In the probe's fallback steps (and after it chose the fallback) a pipelined MoE
-    all-to-all sends its chunks as one exchange each way (the same bits); with
-    ``--fallback-exchange`` it runs as fifo's, one chunk, not pipelined. In the other steps
-    as configured. The option is off by default (it changes the last bits of the loss)."""
+    """``--fallback-exchange``: in the probe's fallback steps (and after it chose the
+    fallback) every MoE layer's all-to-all runs as fifo's, one chunk, not pipelined; in the
+    others as configured. Off by default (it changes the last bits of the loss)."""
     from commsched.moe.layer import DispatchConfig, MoELayer
     from commsched.moe.model import ModelConfig, MoETransformerLM
     from commsched.moe.train import build_parser, config_from_args
@@ -834,23 +785,17 @@ def test_fallback_exchange_switches_the_all_to_all_to_fifos():
                                          num_experts=2, k=1, moe_every=1), dispatch=lina)
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     opt = Listeners()
-    _fallback_exchange(opt, model, lina, whole=True)
+    _fallback_exchange(opt, model, lina)
     (switch,) = opt.fns
     switch(True)
     assert layers and all((m.dispatch.chunks, m.dispatch.pipeline) == (1, False) for m in layers)
     switch(False)
     assert all(m.dispatch == lina for m in layers)
-    exact = Listeners()  # the default: the chunks merged, the arithmetic kept
-    _fallback_exchange(exact, model, lina)
-    (switch,) = exact.fns
+    merged = Listeners()  # a merged pipelined exchange falls back to one chunk too
+    _fallback_exchange(merged, model, DispatchConfig(chunks=4, pipeline=True, merge=True))
+    (switch,) = merged.fns
     switch(True)
-    assert all((m.dispatch.chunks, m.dispatch.pipeline, m.dispatch.merge) == (4, True, True) for m in layers)
-    switch(False)
-    assert all(m.dispatch == lina for m in layers)
-    for plain in (DispatchConfig(), DispatchConfig(chunks=4)):  # one exchange already, or not pipelined
-        none = Listeners()
-        _fallback_exchange(none, model, plain)
-        assert none.fns == []
+    assert all((m.dispatch.chunks, m.dispatch.pipeline, m.dispatch.merge) == (1, False, False) for m in layers)
     fifo = Listeners()  # already fifo's exchange: nothing to switch
-    _fallback_exchange(fifo, model, DispatchConfig(), whole=True)
+    _fallback_exchange(fifo, model, DispatchConfig())
     assert fifo.fns == []
