@@ -41,6 +41,7 @@ from pathlib import Path
 
 from ..dist import DEVICE_CHOICES
 from ..moe.training import DTYPES
+from ..priority.fallback import PROBE_WARMUP
 from ..priority.policy import DEFAULT_CREDIT_MICROOPS, ScheduleConfig
 from ..results import median
 from .plots import pyplot, save_figure
@@ -95,10 +96,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allreduce-threads", type=int, default=d["allreduce_threads"],
                    help="fifo and lina: gloo worker threads of the gradient-allreduce group")
     g.add_argument("--ds-stage", type=int, default=d["ds_stage"])
-    g.add_argument("--fallback-exchange", action="store_true",
+    g.add_argument("--fallback-exchange", action=argparse.BooleanOptionalAction, default=True,
                    help="lina and lina-overlap variants: the probe's fallback also runs the all-to-all and "
-                        "the reduction as fifo's (one chunk, not pipelined; fifo's buckets; "
-                        "commsched.moe.train --fallback-exchange)")
+                        "the reduction as fifo's (one chunk, not pipelined; fifo's buckets), the trainer's "
+                        "default; --no-fallback-exchange: only fifo's launching (commsched.moe.train "
+                        "--fallback-exchange)")
     g.add_argument("--grad-bits", type=int, choices=(16, 8), default=None,
                    help="also run fifo-gB, lina-gB and lina-overlap-gB (and fifo-qA-gB, lina-qA-gB, "
                         "lina-overlap-qA-gB with --a2a-bits A): the gradient reduction's messages at B bits "
@@ -135,7 +137,7 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
     c = _common(a)
     lina = ("--impl", "commsched", "--schedule", "lina", "--chunks", str(a.chunks), "--pipeline",
             "--hold-in-block" if a.hold_in_block else "--no-hold-in-block", *c,
-            *(("--fallback-exchange",) if getattr(a, "fallback_exchange", False) else ()))
+            "--fallback-exchange" if getattr(a, "fallback_exchange", True) else "--no-fallback-exchange")
     out = [
         Variant("deepspeed", mod, ("--impl", "deepspeed", *c)),
         Variant("fifo", mod, ("--impl", "commsched", "--schedule", "fifo", "--chunks", "1", "--no-pipeline", *c)),
@@ -191,6 +193,22 @@ def link_times(payload: float, grad_bytes: float, P: int, hosts: int, rate_bps: 
     sec = 8.0 / rate_bps
     return {"a2a": a2a_bytes * sec, "a2a_backward": a2a_bytes * sec / 2,
             "allreduce_flat": flat * sec, "allreduce_hier": hier * sec}
+
+
+def after_probe_start(probes: int = _SCHED.fallback_probes) -> int:
+    """Index (from 0) of the first step after the fallback probe of lina and lina-overlap
+    that carries no probe step's tail: the probe runs steps PROBE_WARMUP .. PROBE_WARMUP +
+    2 probes - 1, the step after it may still wait for the last probe step's overlapped
+    reduction. Pure."""
+    return PROBE_WARMUP + 2 * probes + 1
+
+
+def step_after_probe(m: dict, start: int) -> float | None:
+    """Median time of a run's steps from ``start`` on (``step_times_s``), None when it has
+    none there: a schedule's steady state once its probe has decided, the one-time probe
+    left out (every variant over the same steps)."""
+    st = m.get("step_times_s") or []
+    return median(st[start:]) if len(st) > start else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -332,9 +350,13 @@ def _overlap_rows(runs, med, rep_ratio, m_any, P, rate, a2a_link_s, hosts) -> li
 
 
 def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
+    start = after_probe_start()
+    for rs in runs.values():
+        for m in rs:
+            m["step_after_probe_s"] = step_after_probe(m, start)
     med = {v: {k: median_of(rs, k) for k in ("step_time_s", "a2a_time_s", "allreduce_time_s",
                                              "a2a_alone_time_s", "allreduce_wait_s", "val_loss",
-                                             "allreduce_in_backward_share")}
+                                             "allreduce_in_backward_share", "step_after_probe_s")}
            for v, rs in runs.items()}
     lines = ["| quantity | value |", "|---|---|"]
     lina, fifo, ds, hier = med.get("lina"), med.get("fifo"), med.get("deepspeed"), med.get("lina-hier")
@@ -350,6 +372,10 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
         ("step time: deepspeed / lina (goal >= 1.4)", rep_ratio("deepspeed", "lina", "step_time_s"), "x"),
         ("step time: fifo / lina (goal >= 1.0; >= 1.3 per collective)", rep_ratio("fifo", "lina", "step_time_s"), "x"),
         ("step time: deepspeed / fifo", rep_ratio("deepspeed", "fifo", "step_time_s"), "x"),
+        (f"step time after the probe (steps {start + 1} on, every variant): fifo / lina (goal >= 1.0)",
+         rep_ratio("fifo", "lina", "step_after_probe_s"), "x"),
+        (f"step time after the probe (steps {start + 1} on, every variant): fifo / lina-overlap (goal >= 1.0)",
+         rep_ratio("fifo", "lina-overlap", "step_after_probe_s"), "x"),
         ("all-to-all: fifo / lina", rep_ratio("fifo", "lina", "a2a_time_s"), "x"),
         ("all-to-all: deepspeed / lina", rep_ratio("deepspeed", "lina", "a2a_time_s"), "x"),
         ("lina all-to-all / its all-to-all alone", _ratio(lina and lina["a2a_time_s"], lina and lina["a2a_alone_time_s"]), "x"),

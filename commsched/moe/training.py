@@ -60,11 +60,13 @@ class TrainConfig(Config):
                         choices=DTYPES)
     checkpoint_every: int = option(0, "--impl commsched: write OUT/checkpoint-rank{r}.pt every K steps and "
                                       "after the last (0: never)")
-    fallback_exchange: bool = option(False, "lina, lina-overlap: the probe's fallback steps (and every step "
-                                            "once it chose the fallback) also run the MoE all-to-all as "
-                                            "fifo's, one chunk, not pipelined (and the reduction in fifo's "
-                                            "buckets); that changes the loss's last bits, so a run's bits "
-                                            "then follow the measured decision")
+    fallback_exchange: bool = option(True, "lina, lina-overlap: the probe's fallback steps (and every step "
+                                           "once it chose the fallback) run fifo's exchange as well as "
+                                           "fifo's launching: the MoE all-to-all in one chunk, not pipelined, "
+                                           "the reduction in fifo's buckets; that changes the loss's last "
+                                           "bits, so a run's bits follow the measured decision "
+                                           "(--no-fallback-exchange: only the launching falls back, and the "
+                                           "bits never depend on the decision)")
     grad_bits: int = option(32, "--impl commsched: width of the gradient reduction's messages: 32 exact; "
                                 "16 bfloat16; 8/4/2 the shared codec's stochastic row records "
                                 "(docs/moe.md, \"Compressed gradient reduction\")", choices=GRAD_BITS)

@@ -31,12 +31,12 @@ def test_workload_variants_parse_as_training_configs(tmp_path):
     assert ov.schedule.hold_in_block == cfgs["lina"].schedule.hold_in_block
     # the same model, data and seed in every variant
     assert len({(c.model, c.steps, c.seed, c.batch_size) for c in cfgs.values()}) == 1
-    assert not any(c.fallback_exchange for c in cfgs.values())
-    # --fallback-exchange reaches the schedules that probe, not fifo or DeepSpeed
-    fx = build_parser(wl).parse_args(["--fallback-exchange"])
+    assert cfgs["lina"].fallback_exchange and cfgs["lina-overlap"].fallback_exchange  # the trainer's default
+    # --no-fallback-exchange reaches the schedules that probe (fifo and DeepSpeed do not probe)
+    nfx = build_parser(wl).parse_args(["--no-fallback-exchange"])
     got = {v.name: config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)])).fallback_exchange
-           for v in wl.variants(fx)}
-    assert got == {"deepspeed": False, "fifo": False, "lina": True, "lina-overlap": True}
+           for v in wl.variants(nfx) if v.name.startswith("lina")}
+    assert got == {"lina": False, "lina-overlap": False}
 
 
 def test_grad_bits_variants(tmp_path):

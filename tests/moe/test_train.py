@@ -37,7 +37,8 @@ def _cfg(world: int, schedule: str, *, chunks: int = 1, pipeline: bool = False, 
                        schedule=ScheduleConfig(schedule, microop_bytes=1024, bucket_bytes=4096, launch=launch),
                        dispatch=DispatchConfig(chunks, pipeline),
                        steps=steps, batch_size=2, lr=1e-2, seed=3, ep_size=ep, warmup=min(1, steps - 1), probe_steps=1,
-                       eval_batches=1, corpus=str(CORPUS), max_corpus_bytes=1 << 18, device=device, dtype=dtype)
+                       eval_batches=1, corpus=str(CORPUS), max_corpus_bytes=1 << 18, device=device, dtype=dtype,
+                       fallback_exchange=False)  # these runs' bits must not follow a timed decision
 
 
 def _run(cfg: TrainConfig, device=None) -> dict:
@@ -765,7 +766,8 @@ def test_ranks_may_bind_the_reduction_to_their_own_host_address():
 def test_fallback_exchange_switches_the_all_to_all_to_fifos():
     """``--fallback-exchange``: in the probe's fallback steps (and after it chose the
     fallback) every MoE layer's all-to-all runs as fifo's, one chunk, not pipelined; in the
-    others as configured. Off by default (it changes the last bits of the loss)."""
+    others as configured. On by default (``--no-fallback-exchange`` keeps a run's bits
+    independent of the timed decision)."""
     from commsched.moe.layer import DispatchConfig, MoELayer
     from commsched.moe.model import ModelConfig, MoETransformerLM
     from commsched.moe.train import build_parser, config_from_args
@@ -778,8 +780,8 @@ def test_fallback_exchange_switches_the_all_to_all_to_fifos():
         def on_mode(self, fn):
             self.fns.append(fn)
 
-    assert not TrainConfig().fallback_exchange
-    assert config_from_args(build_parser().parse_args(["--fallback-exchange", "--out", "x"])).fallback_exchange
+    assert TrainConfig().fallback_exchange
+    assert not config_from_args(build_parser().parse_args(["--no-fallback-exchange", "--out", "x"])).fallback_exchange
     lina = DispatchConfig(chunks=4, pipeline=True)
     model = MoETransformerLM(ModelConfig(d_model=16, n_heads=2, n_layers=2, seq_len=8, d_ff=16, expert_hidden=16,
                                          num_experts=2, k=1, moe_every=1), dispatch=lina)
