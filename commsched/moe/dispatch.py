@@ -21,9 +21,9 @@ Three paths compute the same thing, ``out[t] = sum_k gate[t, k] * expert_{e[t, k
   without its pipelining: every chunk is encoded and computed exactly as above (the same
   rows, keys, expert calls and gradient sums, so the same bits), but the C chunks of each
   exchange travel together as one all-to-all (a peer's rows of chunk 0, then of chunk 1,
-  ...), one exchange each way instead of C. Where the overlap does not pay (2 cores, a
-  bridge between emulated hosts: every exchange pays every peer's skew and latency) this is
-  the cheaper exchange a schedule's fallback switches to without changing a bit.
+  ...), one exchange each way instead of C: for links where every exchange pays a large
+  latency and every peer's skew (a bridge between hosts) and the overlap does not pay it
+  back, without changing a bit of the pipelined arithmetic.
 
 Rows sent by a rank are ordered by (chunk, expert); chunk c holds the tokens
 ``[c*T/C, (c+1)*T/C)``. Expert e lives on EP rank ``e // L``. One small exchange of

@@ -309,16 +309,17 @@ def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
 
 
 def _fallback_exchange(opt, model: torch.nn.Module, dispatch: DispatchConfig) -> None:
-    """``--fallback-exchange``: the probe's fallback is fifo's exchange as well as fifo's
-    launching. In the steps run as the fallback every MoE layer's all-to-all is one chunk,
-    not pipelined (as fifo's), in the others as configured; the reduction's fifo buckets
-    are ``GradScheduler(fallback_buckets=True)``'s. On two emulated hosts the four chunks of
-    lina's pipelined exchange and its 256 KiB micro-ops cost more than its launching rule
-    does (docs/benchmarks.md). Off by default: the chunking and the buckets change the
-    arithmetic's last bits, so the bits of a run then follow a decision taken from measured
-    times. (The exact middle way, the pipelined exchange's chunks sent as one exchange each
-    way, ``DispatchConfig.merge``, was measured as the default fallback and did not pay: on
-    one host the pipelining itself is worth about 4%; docs/benchmarks.md.)"""
+    """``--fallback-exchange`` (the default): the probe's fallback is fifo's exchange as well
+    as fifo's launching. In the steps run as the fallback every MoE layer's all-to-all is one
+    chunk, not pipelined (as fifo's), in the others as configured; the reduction's fifo
+    buckets are ``GradScheduler(fallback_buckets=True)``'s. Where lina cannot help, its 256
+    KiB micro-ops' reduction tail and, across hosts, its pipelined exchange's four chunks
+    cost more than its launching rule does (docs/benchmarks.md). The chunking and the
+    buckets change the arithmetic's last bits, so the bits of a run follow a decision taken
+    from measured times (``--no-fallback-exchange`` keeps them a function of the
+    configuration). The exact middle way, the pipelined exchange's chunks sent as one
+    exchange each way (``DispatchConfig.merge``), was measured as the fallback and did not
+    pay: on one host the pipelining itself is worth about 4% of a step."""
     plain = dataclasses.replace(dispatch, chunks=1, pipeline=False, merge=False)
     if plain == dispatch:
         return
