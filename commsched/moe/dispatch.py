@@ -336,6 +336,11 @@ class _Pipeline:
                 for pc, x in zip(pieces, xs)]
         return outs.__getitem__
 
+    def returns(self, fmt: RowFormat | None) -> "_Returns":
+        """The reverse exchanges of the chunks, added one by one as each is computed."""
+        return _Returns(self, fmt)
+
+
     def start(self, x: torch.Tensor, plan: A2APlan, fmt: RowFormat | None = None):
         """Queue one exchange of ``x``'s rows in ``fmt`` (encoded here, on the caller's
         thread; reported as begun now); :meth:`finish` waits for it and decodes."""
@@ -354,6 +359,30 @@ class _Pipeline:
         return decode_rows(out, fmt, row_shape, dtype)
 
 
+class _Returns:
+    """Chunks added one by one (``add``): pipelined, each exchange is queued at once; with
+    ``merge``, they are held and sent together by ``results()``, which returns every chunk's
+    received rows in order."""
+
+    def __init__(self, pipe: _Pipeline, fmt: RowFormat | None):
+        self.pipe, self.fmt = pipe, fmt
+        self.xs: list[torch.Tensor] = []
+        self.plans: list[A2APlan] = []
+        self.handles: list = []
+
+    def add(self, x: torch.Tensor, plan: A2APlan) -> None:
+        if self.pipe.merge:
+            self.xs.append(x)
+            self.plans.append(plan)
+        else:
+            self.handles.append(self.pipe.start(x, plan, self.fmt))
+
+    def results(self) -> list[torch.Tensor]:
+        if not self.pipe.merge:
+            return [self.pipe.finish(h) for h in self.handles]
+        get = self.pipe.exchange(self.xs, self.plans, self.fmt)
+        return [get(c) for c in range(len(self.xs))]
+
 class _PipelinedExperts(torch.autograd.Function):
     """x_send [A, D] (sorted by chunk, expert) -> expert outputs [A, D] in the same order,
     with every chunk's exchange overlapping the expert compute of the chunks before it."""
@@ -365,21 +394,14 @@ class _PipelinedExperts(torch.autograd.Function):
         plans = pipe.plans
         got = pipe.exchange([x_send[cp.send_lo:cp.send_hi] for cp in plans], [cp.plan for cp in plans],
                             _fmt(wd, False))
-        saved, backs, ys = [], [], []
+        saved, back = [], pipe.returns(_fmt(wc, False))
         for c, cp in enumerate(plans):
             xe = got(c)[cp.perm_R].requires_grad_(True)
             with torch.enable_grad():
                 y = expert_apply(xe, cp.counts_L, *pd)
             saved.append((xe, y))
-            if pipe.merge:  # the combine goes once every chunk is computed
-                ys.append(y.detach()[cp.inv_R])
-            else:
-                backs.append(pipe.start(y.detach()[cp.inv_R], cp.plan.reversed(), _fmt(wc, False)))
-        if pipe.merge:
-            back = pipe.exchange(ys, [cp.plan.reversed() for cp in plans], _fmt(wc, False))
-            outs = [back(c) for c in range(len(plans))]
-        else:
-            outs = [pipe.finish(h) for h in backs]
+            back.add(y.detach()[cp.inv_R], cp.plan.reversed())
+        outs = back.results()
         ctx.pipe, ctx.saved, ctx.pd = pipe, saved, pd
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -396,7 +418,7 @@ class _PipelinedExperts(torch.autograd.Function):
         got = pipe.exchange([g_send[cp.send_lo:cp.send_hi] for cp in plans], [cp.plan for cp in plans],
                             _fmt(wc, True))
         g_params: list[torch.Tensor | None] = [None] * len(pd)
-        backs, gxs = [], []
+        back = pipe.returns(_fmt(wd, True))
         for c, (cp, (xe, y)) in enumerate(zip(plans, saved)):
             ge = got(c)[cp.perm_R]
             if y.requires_grad and y.shape[0] > 0:
@@ -407,15 +429,8 @@ class _PipelinedExperts(torch.autograd.Function):
                         g_params[i] = gp if g_params[i] is None else g_params[i] + gp
             else:
                 gx = torch.zeros_like(xe)
-            if pipe.merge:
-                gxs.append(gx.detach()[cp.inv_R])
-            else:
-                backs.append(pipe.start(gx.detach()[cp.inv_R], cp.plan.reversed(), _fmt(wd, True)))
-        if pipe.merge:
-            back = pipe.exchange(gxs, [cp.plan.reversed() for cp in plans], _fmt(wd, True))
-            outs = [back(c) for c in range(len(plans))]
-        else:
-            outs = [pipe.finish(h) for h in backs]
+            back.add(gx.detach()[cp.inv_R], cp.plan.reversed())
+        outs = back.results()
         ctx.saved = None
         if obs is not None:
             obs.block_end()
