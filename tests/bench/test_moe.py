@@ -164,3 +164,18 @@ def test_a2a_parity_widths_and_plot(tmp_path):
     png = plot({(0, "32"): ref, (0, "g8"): [3.0, 2.6, 2.0, 1.8], (0, "8g8"): [3.0, 2.4, 2.1, 1.8]}, 2,
                tmp_path / "loss.png")
     assert png.exists() and png.stat().st_size > 1000
+
+
+def test_step_after_probe_leaves_out_the_probe_and_the_step_after_it():
+    """The steady-state step time: the median of the steps after the fallback probe (steps
+    PROBE_WARMUP .. PROBE_WARMUP + 2 probes - 1) and the one step after it that may carry the
+    last probe step's overlapped reduction; None when a run has no such step."""
+    from commsched.bench.moe_train import after_probe_start, step_after_probe
+    from commsched.priority.fallback import PROBE_WARMUP
+
+    assert after_probe_start(2) == PROBE_WARMUP + 5 and after_probe_start(0) == PROBE_WARMUP + 1
+    s = after_probe_start(2)
+    times = [9.0] * s + [1.0, 3.0, 2.0]  # the slow probe steps are left out
+    assert step_after_probe({"step_times_s": times}, s) == 2.0
+    assert step_after_probe({"step_times_s": times[:s]}, s) is None
+    assert step_after_probe({}, s) is None
