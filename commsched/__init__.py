@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ._lazy import lazy_getattr
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS: dict[str, str] = {
     "A2AHandle": "all2all",
