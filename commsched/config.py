@@ -7,6 +7,7 @@
 | COMMSCHED_PROGRESS      | 0 disables progress bars                            | 1       |
 | COMMSCHED_COMPILE       | 0: the quantization codec never calls torch.compile (its eager twin runs: same bits, slower; also `AdaQPOptions(compile=False)`, `--no-compile`) | 1 |
 | COMMSCHED_CACHE_DIR     | where the native CPU codec kernel is built and kept (once per machine) | `$XDG_CACHE_HOME/commsched` or `~/.cache/commsched` |
+| COMMSCHED_DATA          | the default `--data-root`: where named data sets are looked for and downloaded to | `$XDG_CACHE_HOME/commsched/data` or `~/.cache/commsched/data` |
 | GLOO_SOCKET_IFNAME      | gloo's interfaces, comma-separated (torch reads it too) | auto |
 | RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK / MASTER_ADDR / MASTER_PORT | set by torchrun (GROUP_RANK: the node's index) | |
 """
@@ -33,6 +34,7 @@ class EnvConfig:
     compile: bool = True
     group_rank: int | None = None  # torchrun's node index (GROUP_RANK)
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "commsched")
+    data_root: Path = field(default_factory=lambda: Path.home() / ".cache" / "commsched" / "data")
 
 
 def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
@@ -68,10 +70,10 @@ def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
     backend = env.get("COMMSCHED_BACKEND") or None
     if backend is not None and backend not in ("gloo", "nccl", "mpi"):
         raise ValueError(f"COMMSCHED_BACKEND={backend!r}: expected gloo, nccl or mpi")
-    cache = env.get("COMMSCHED_CACHE_DIR") or ""
-    if not cache:
-        xdg = env.get("XDG_CACHE_HOME") or ""
-        cache = str(Path(xdg) / "commsched") if xdg else str(Path.home() / ".cache" / "commsched")
+    xdg = env.get("XDG_CACHE_HOME") or ""
+    user_cache = Path(xdg) / "commsched" if xdg else Path.home() / ".cache" / "commsched"
+    cache = env.get("COMMSCHED_CACHE_DIR") or str(user_cache)
+    data_root = env.get("COMMSCHED_DATA") or str(user_cache / "data")
     return EnvConfig(
         timeout_s=timeout_s,
         backend=backend,
@@ -84,4 +86,5 @@ def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
         compile=_flag("COMMSCHED_COMPILE", True),
         group_rank=_int("GROUP_RANK"),
         cache_dir=Path(cache).expanduser(),
+        data_root=Path(data_root).expanduser(),
     )

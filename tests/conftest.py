@@ -16,3 +16,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Every connection attempt and name lookup in this process fails at once (a machine
+    without network): code that would download must say so instead."""
+    import socket
+
+    def refuse(*_a, **_k):
+        raise OSError("network access is disabled in this test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)

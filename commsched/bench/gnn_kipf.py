@@ -1,4 +1,4 @@
-"""``python -m commsched.bench.gnn_kipf --data-root DIR``: Kipf & Welling's GCN on Cora.
+"""``python -m commsched.bench.gnn_kipf [--data-root DIR]``: Kipf & Welling's GCN on Cora.
 
 Their setting: 2 layers, hidden 16, dropout 0.5, Adam lr 0.01, weight decay 5e-4,
 200 epochs, row-normalised features, the Planetoid split. Reports the test accuracy
@@ -25,7 +25,8 @@ GOAL = 0.79
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m commsched.bench.gnn_kipf", description=__doc__.splitlines()[0])
-    p.add_argument("--data-root", required=True, metavar="DIR")
+    p.add_argument("--data-root", metavar="DIR", help="folder of the named data sets (default "
+                   "$COMMSCHED_DATA, else ~/.cache/commsched/data; downloaded there when missing)")
     p.add_argument("--dataset", default="cora", choices=("cora", "citeseer"))
     p.add_argument("--model", default="gcn", choices=LAYERS.names, help="a layer kind (commsched.gnn.LAYERS)")
     p.add_argument("--seeds", type=int, default=3)

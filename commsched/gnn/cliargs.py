@@ -19,8 +19,10 @@ def add_graph_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--dataset", default=None,
                      help=f"named data set: {', '.join(DATASETS)} (default synthetic)")
     src.add_argument("--graph", metavar="FILE.npz", help="a graph file (DESIGN.md 'Graph files')")
-    g.add_argument("--data-root", metavar="DIR", help="folder holding the named data sets "
-                   "(laid out like ../shared/data)")
+    g.add_argument("--data-root", metavar="DIR",
+                   help="folder of the named data sets: read there, downloaded there when missing "
+                        "(default $COMMSCHED_DATA, else ~/.cache/commsched/data; "
+                        "`commsched datasets` lists them)")
     g.add_argument("--split", type=int, default=0, help="mask split of multi-split files (default 0)")
     g.add_argument("--directed", action="store_true", help="keep edges directed (default: undirected)")
     s = p.add_argument_group("synthetic graph")

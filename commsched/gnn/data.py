@@ -34,8 +34,14 @@ import torch
 from ..results import read_error
 
 GRAPH_KEYS = ("node_features", "node_labels", "edges", "train_masks", "val_masks", "test_masks")
-PLANETOID = {"cora": "Cora", "citeseer": "CiteSeer"}
-HETEROPHILOUS = ("tolokers", "minesweeper", "squirrel", "chameleon")
+# named data sets: torch_geometric's Planetoid (folder name) and the heterophilous-graph
+# files of yandex-research/heterophilous-graphs (PyG's HeterophilousGraphDataset reads
+# five of them; squirrel and chameleon come from the same place)
+PLANETOID = {"cora": "Cora", "citeseer": "CiteSeer", "pubmed": "PubMed"}
+PLANETOID_RAW = ("x", "tx", "allx", "y", "ty", "ally", "graph", "test.index")
+HETEROPHILOUS = ("tolokers", "minesweeper", "squirrel", "chameleon", "roman_empire",
+                 "amazon_ratings", "questions")
+PYG_HETEROPHILOUS = ("roman_empire", "amazon_ratings", "minesweeper", "tolokers", "questions")
 DATASETS = (*PLANETOID, *HETEROPHILOUS, "synthetic")
 
 
@@ -417,9 +423,21 @@ def synthetic_graph(spec: SyntheticSpec = SyntheticSpec()) -> Graph:
 
 
 # --------------------------------------------------------------------------- named data sets
+class DatasetUnavailable(ValueError):
+    """A named data set is not under the data root and could not be downloaded."""
+
+
+def default_data_root() -> Path:
+    """``$COMMSCHED_DATA``, else ``$XDG_CACHE_HOME/commsched/data`` or ``~/.cache/commsched/data``."""
+    from ..config import read_env
+
+    return read_env().data_root
+
+
 def _planetoid_dir(root: Path, name: str) -> Path | None:
+    files = [f"ind.{name.lower()}.{s}" for s in PLANETOID_RAW]
     for cand in (root / "planetoid" / name, root / name, root / name.lower()):
-        if (cand / "raw").is_dir():
+        if all((cand / "raw" / f).is_file() for f in files):
             return cand
     return None
 
@@ -432,30 +450,123 @@ def _hetero_file(root: Path, name: str) -> Path | None:
     return None
 
 
-def load_dataset(name: str, data_root: str | os.PathLike, *, split: int = 0,
-                 directed: bool = False, normalize_features: bool = True) -> Graph:
-    """A named data set from ``data_root`` (a folder laid out like ../shared/data).
+def _check_name(name: str) -> str:
+    key = name.lower().replace("-", "_")
+    if key not in DATASETS or key == "synthetic":
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(d for d in DATASETS if d != 'synthetic')} "
+                         "(or pass --graph FILE.npz)")
+    return key
 
-    cora / citeseer: Planetoid raw files, read with torch_geometric's ``Planetoid`` on a
-    temporary writable copy (PyG writes a ``processed/`` folder); features are
-    row-normalised as in Kipf & Welling unless ``normalize_features`` is False.
-    tolokers / minesweeper / squirrel / chameleon: graph files.
+
+def find_dataset(name: str, data_root: str | os.PathLike | None = None) -> Path | None:
+    """Where data set ``name``'s raw files are under ``data_root`` (the Planetoid folder or
+    the npz file), or None when they are not there. Nothing is downloaded."""
+    key = _check_name(name)
+    root = Path(data_root) if data_root is not None else default_data_root()
+    if key in PLANETOID:
+        return _planetoid_dir(root, PLANETOID[key])
+    return _hetero_file(root, key)
+
+
+def dataset_home(name: str, data_root: str | os.PathLike | None = None) -> Path:
+    """The folder a download of ``name`` goes to (``raw/`` inside it holds the files)."""
+    key = _check_name(name)
+    root = Path(data_root) if data_root is not None else default_data_root()
+    if key in PLANETOID:
+        return root / "planetoid" / PLANETOID[key]
+    return root / "heterophilous" / key
+
+
+@contextlib.contextmanager
+def _quiet():
+    """PyG prints "Downloading ..." and "Processing..."; warnings about its own internals."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
+
+
+def download_dataset(name: str, data_root: str | os.PathLike | None = None) -> Path:
+    """Download data set ``name`` into ``data_root`` with torch_geometric (``Planetoid``,
+    ``HeterophilousGraphDataset``, or PyG's ``download_url`` from the same source for
+    squirrel and chameleon) unless it is there already; return ``find_dataset``'s path.
+
+    Raises :class:`DatasetUnavailable` (a ValueError) naming the data set, the folder and
+    what to do when the download fails (no network, a proxy, a full disk).
     """
-    key = name.lower()
-    root = Path(data_root)
+    key = _check_name(name)
+    root = Path(data_root) if data_root is not None else default_data_root()
+    found = find_dataset(key, root)
+    if found is not None:
+        return found
+    home = dataset_home(key, root)
+    made = [d for d in (home, home.parent, root) if not d.exists()]  # deepest first
+    try:
+        with _quiet():
+            if key in PLANETOID:
+                from torch_geometric.datasets import Planetoid
+
+                Planetoid(str(root / "planetoid"), PLANETOID[key])
+            elif key in PYG_HETEROPHILOUS:
+                from torch_geometric.datasets import HeterophilousGraphDataset
+
+                HeterophilousGraphDataset(str(root / "heterophilous"), key)
+            else:
+                from torch_geometric.data import download_url
+                from torch_geometric.datasets import HeterophilousGraphDataset
+
+                download_url(f"{HeterophilousGraphDataset.url}/{key}.npz", str(home / "raw"))
+    except Exception as e:  # noqa: BLE001 - urllib, fsspec, aiohttp, OSError: all one answer
+        for d in made:  # nothing half-downloaded is taken for the data set next time
+            shutil.rmtree(d, ignore_errors=True) if d == home else _rmdir_if_empty(d)
+        raise DatasetUnavailable(
+            f"dataset {key!r} is not in {root} and could not be downloaded there "
+            f"({read_error(e)}); connect to the internet and run again, or put its files in "
+            f"{home / 'raw'}, or pass --data-root DIR of a folder that holds them "
+            "(`commsched datasets` lists what it finds)") from None
+    found = find_dataset(key, root)
+    if found is None:
+        raise DatasetUnavailable(f"dataset {key!r}: the download into {home} did not leave the "
+                                 f"expected files in {home / 'raw'}")
+    return found
+
+
+def _rmdir_if_empty(d: Path) -> None:
+    with contextlib.suppress(OSError):
+        d.rmdir()
+
+
+def dataset_status(data_root: str | os.PathLike | None = None) -> list[tuple[str, Path | None]]:
+    """(name, where its files are or None) for every named data set under ``data_root``."""
+    return [(n, find_dataset(n, data_root)) for n in DATASETS if n != "synthetic"]
+
+
+def load_dataset(name: str, data_root: str | os.PathLike | None = None, *, split: int = 0,
+                 directed: bool = False, normalize_features: bool = True,
+                 download: bool = True) -> Graph:
+    """A named data set from ``data_root`` (default :func:`default_data_root`), downloaded
+    there with torch_geometric when its files are missing (``download=False``: never).
+
+    cora / citeseer / pubmed: Planetoid raw files under ``planetoid/{Cora,...}/raw``, read
+    with torch_geometric's ``Planetoid`` on a temporary writable copy (PyG writes a
+    ``processed/`` folder; the data root is only read); Planetoid split; features are
+    row-normalised as in Kipf & Welling unless ``normalize_features`` is False.
+    tolokers / minesweeper / squirrel / chameleon / roman_empire / amazon_ratings /
+    questions: graph files under ``heterophilous/NAME/raw/NAME.npz``, 10 splits.
+    """
+    key = _check_name(name)
+    root = Path(data_root) if data_root is not None else default_data_root()
+    src = download_dataset(key, root) if download else find_dataset(key, root)
+    if src is None:
+        raise DatasetUnavailable(f"dataset {key!r}: its files are not in {root} (looked for "
+                                 f"{dataset_home(key, root) / 'raw'})")
     if key in PLANETOID:
         pname = PLANETOID[key]
-        src = _planetoid_dir(root, pname)
-        if src is None:
-            raise ValueError(f"dataset {name!r}: no Planetoid folder under {root} (looked for "
-                             f"{root / 'planetoid' / pname / 'raw'} and {root / pname / 'raw'})")
         from torch_geometric.datasets import Planetoid
 
         with tempfile.TemporaryDirectory(prefix="commsched-planetoid-") as tmp:
             shutil.copytree(src / "raw", Path(tmp) / pname / "raw")
-            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-                    contextlib.redirect_stderr(io.StringIO()):  # PyG prints "Processing..."
-                warnings.simplefilter("ignore")
+            with _quiet():
                 data = Planetoid(tmp, pname)[0]
         g = from_pyg(data, split=split, directed=directed, name=key)
         if normalize_features:
@@ -465,14 +576,7 @@ def load_dataset(name: str, data_root: str | os.PathLike, *, split: int = 0,
             g = Graph(x.contiguous(), g.y_N, g.edge_index_2E, g.train_mask, g.val_mask,
                       g.test_mask, name=g.name, directed=g.directed, num_classes=g.num_classes)
         return g
-    if key in HETEROPHILOUS:
-        f = _hetero_file(root, key)
-        if f is None:
-            raise ValueError(f"dataset {name!r}: no {key}.npz under {root} (looked in "
-                             f"{root / 'heterophilous' / key / 'raw'} and {root / key / 'raw'})")
-        return load_graph(f, split=split, directed=directed, name=key)
-    raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)} "
-                     "(or pass --graph FILE.npz)")
+    return load_graph(src, split=split, directed=directed, name=key)
 
 
 # --------------------------------------------------------------------------- sources
@@ -494,11 +598,9 @@ class GraphSource:
         if self.kind == "file" and not self.path:
             raise ValueError("a graph file source needs a path")
         if self.kind == "dataset":
-            if self.name.lower() not in DATASETS or self.name.lower() == "synthetic":
-                raise ValueError(f"unknown dataset {self.name!r}; known: {', '.join(DATASETS)}")
-            if not self.data_root:
-                raise ValueError(f"dataset {self.name!r} needs --data-root DIR (a folder laid out "
-                                 "like ../shared/data)")
+            object.__setattr__(self, "name", _check_name(self.name))
+            if not self.data_root:  # the default, resolved once so every rank agrees
+                object.__setattr__(self, "data_root", str(default_data_root()))
         if self.kind == "synthetic" and self.synthetic is None:
             object.__setattr__(self, "synthetic", SyntheticSpec())
 
@@ -526,6 +628,7 @@ def load_source(src: GraphSource) -> Graph:
     return load_dataset(src.name, src.data_root, split=src.split, directed=src.directed)
 
 
-__all__ = ["DATASETS", "Graph", "GraphSource", "SyntheticSpec", "clean_edges", "from_edges",
+__all__ = ["DATASETS", "DatasetUnavailable", "Graph", "GraphSource", "SyntheticSpec", "clean_edges",
+           "dataset_status", "default_data_root", "download_dataset", "find_dataset", "from_edges",
            "from_pyg", "graph_fingerprint", "load_dataset", "load_graph", "load_source",
            "save_graph", "synthetic_graph"]

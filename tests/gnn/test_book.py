@@ -203,7 +203,7 @@ def test_partition_folder_round_trip_and_refusals(tmp_path):
         load_part(tmp_path / "p", 1, 3)
 
 
-def test_partition_cli_writes_folder_and_checks_source(tmp_path, capsys):
+def test_partition_cli_writes_folder_and_checks_source(tmp_path, capsys, no_network):
     args = ["--syn-nodes", "400", "--syn-edges", "2000", "--syn-features", "4", "--syn-classes", "3"]
     assert main(args + ["--parts", "2", "--method", "random", "--out", str(tmp_path / "f")]) == 0
     out = capsys.readouterr().out
@@ -218,6 +218,7 @@ def test_partition_cli_writes_folder_and_checks_source(tmp_path, capsys):
     other = GraphSource(synthetic=S(num_nodes=401, num_edges=2000, num_features=4, num_classes=3))
     with pytest.raises(ValueError, match="made for another graph"):
         load_part(tmp_path / "f", 0, 2, source_id=other.identity())
-    assert main(["--dataset", "cora", "--parts", "2", "--out", str(tmp_path / "g")]) == 2
-    assert "--data-root" in capsys.readouterr().err
+    assert main(["--dataset", "cora", "--data-root", str(tmp_path / "none"), "--parts", "2",
+                 "--out", str(tmp_path / "g")]) == 2
+    assert "dataset 'cora'" in capsys.readouterr().err
     json.loads((tmp_path / "f" / "meta.json").read_text())
