@@ -1,7 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   -- run the main job on the embedded default
 #   make test   -- run the whole test suite
-# Both create .venv when missing and install the CPU build of torch when no torch is present.
+# Both create .venv when missing and install torch==2.13.0 from pip when no torch is present.
 
 PYTHON ?= python3
 VENV   ?= .venv
