@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
 from typing import Callable, Sequence
 
 USAGE = """usage: commsched COMMAND [ARGS...]
@@ -35,6 +34,7 @@ commands:
 _COMMANDS = {
     "netem": "commsched.netem:main",
     "partition": "commsched.gnn.partition_cli:main",
+    "datasets": "commsched.gnn.datasets_cli:main",
     "demo": "commsched.bench.demo:main",
 }
 
@@ -126,47 +126,6 @@ def _topology(argv: Sequence[str]) -> int:
     return 0
 
 
-def _datasets(argv: Sequence[str]) -> int:
-    import argparse
-
-    from .dist import cli_error
-    from .gnn.data import (
-        DATASETS,
-        dataset_home,
-        dataset_status,
-        default_data_root,
-        download_dataset,
-    )
-
-    p = argparse.ArgumentParser(
-        prog="commsched datasets",
-        description="List the named GNN data sets (--dataset NAME) and whether each is in the "
-                    "data root; a missing one is downloaded there by torch_geometric the first "
-                    "time a command uses it, or now with --download NAME.")
-    p.add_argument("--data-root", metavar="DIR",
-                   help="the folder to look in (default $COMMSCHED_DATA, else "
-                        "~/.cache/commsched/data)")
-    p.add_argument("--download", metavar="NAME", choices=[d for d in DATASETS if d != "synthetic"],
-                   help="download this data set into the data root (when missing)")
-    a = p.parse_args(list(argv))
-    root = Path(a.data_root) if a.data_root else default_data_root()
-    try:
-        if a.download:
-            print(f"{a.download}: {download_dataset(a.download, root)}")
-            return 0
-        rows = dataset_status(root)
-    except ValueError as e:
-        return cli_error("commsched datasets", e)
-    print(f"data root: {root}" + ("" if root.is_dir() else " (does not exist yet)"))
-    width = max(len(n) for n, _ in rows)
-    for name, where in rows:
-        state = f"present  {where}" if where is not None else \
-            f"missing  (downloaded to {dataset_home(name, root)} on first use)"
-        print(f"  {name:<{width}}  {state}")
-    print(f"  {'synthetic':<{width}}  embedded  (generated; the default without --dataset/--graph)")
-    return 0
-
-
 def _build_topology(a):
     """The topology the parsed ``commsched topology`` arguments ask for (None on ranks
     other than 0 of a probe); ValueError for a wrong combination."""
@@ -240,8 +199,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(rest)
     if cmd == "topology":
         return _topology(rest)
-    if cmd == "datasets":
-        return _datasets(rest)
     if cmd in _COMMANDS:
         rc = _load(_COMMANDS[cmd])(rest)
         return int(rc or 0)
