@@ -1,4 +1,4 @@
-"""The ``commsched`` command: ``bench``, ``netem``, ``partition``, ``topology``, ``demo``.
+"""The ``commsched`` command: ``bench``, ``netem``, ``partition``, ``topology``, ``demo``, ``results``.
 
 Command-line parsing lives here and in the ``__main__`` modules only.
 """
@@ -22,6 +22,9 @@ commands:
                   show a topology: table, picture (DIR/topology.png), file (DIR/topology.json);
                   --probe measures the links under torchrun
   demo            the main job on the embedded default (what `make demo` runs)
+  results [--from-summary SUMMARY_JSON --row ID] [--check]
+                  render docs/results.md and the README's results table from
+                  docs/results/headlines.json (see `commsched results -h`)
 
 `commsched COMMAND -h` describes each command.
 """
@@ -31,6 +34,7 @@ _COMMANDS = {
     "netem": "commsched.netem:main",
     "partition": "commsched.gnn.partition_cli:main",
     "demo": "commsched.bench.demo:main",
+    "results": "commsched.bench.results_page:main",
 }
 
 
