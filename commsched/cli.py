@@ -1,5 +1,5 @@
 """The ``commsched`` command: ``bench``, ``netem``, ``partition``, ``datasets``, ``topology``,
-``demo``.
+``demo``, ``results``.
 
 Command-line parsing lives here and in the ``__main__`` modules only.
 """
@@ -26,6 +26,9 @@ commands:
                   show a topology: table, picture (DIR/topology.png), file (DIR/topology.json);
                   --probe measures the links under torchrun
   demo            the main job on the embedded default (what `make demo` runs)
+  results [--from-summary SUMMARY_JSON --row ID] [--check]
+                  render docs/results.md and the README's results table from
+                  docs/results/headlines.json (see `commsched results -h`)
 
 `commsched COMMAND -h` describes each command.
 """
@@ -36,6 +39,7 @@ _COMMANDS = {
     "partition": "commsched.gnn.partition_cli:main",
     "datasets": "commsched.gnn.datasets_cli:main",
     "demo": "commsched.bench.demo:main",
+    "results": "commsched.bench.results_page:main",
 }
 
 

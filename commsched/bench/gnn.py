@@ -2,7 +2,7 @@
 
 Each variant is one ``torchrun -m commsched.gnn.train`` run on the same synthetic graph
 (or ``--dataset``) and partition. Default regime: the emulated rate
-:data:`DEFAULT_BANDWIDTH`, chosen (and recorded in docs/benchmarks.md) so that Vanilla
+:data:`DEFAULT_BANDWIDTH`, chosen (and recorded in docs/methods/gnn.md) so that Vanilla
 spends about three quarters of its epoch communicating on this machine, as in AdaQP's
 Table 1; without root/tc the runs are unshaped and the summary says so.
 
@@ -12,7 +12,7 @@ the wire: the Vanilla a modern framework runs). The default variants include
 ``vanilla-bf16``, so AdaQP is reported against both Vanillas. ``--device`` is passed to
 every variant (``auto``: CUDA when every rank has its own GPU).
 
-Topology variants (issue 17; docs/benchmarks.md, "AdaQP per link class"): an adaptive
+Topology variants (docs/methods/gnn.md): an adaptive
 mode may end in ``-topo`` (``--link-costs topology``), ``-topoev`` (that and
 ``--equal-variance``) or ``-avg`` (``--link-costs averaged``), any mode in ``-hp``
 (``--partition-method metis-hosts``), and any mode, last, in ``-lina`` or ``-fifo``
@@ -23,7 +23,7 @@ each variant's mean width and bytes inside and across hosts, its speed-up over
 ``adaqp-avg`` and the inter-host halo rows; ``widths_by_class.png`` the width histogram
 per link class.
 
-Time to accuracy (issue 20; docs/benchmarks.md, "GNN modes: time to accuracy"):
+Time to accuracy (docs/methods/gnn.md):
 ``--metric time-to-acc`` (or ``--target-acc A``) evaluates after every epoch and adds the
 report of :mod:`commsched.bench.gnn_tta`: per variant, epochs and wall-clock until the
 validation accuracy first reaches the target (``A``, or ``--target-frac`` of Vanilla's
@@ -183,7 +183,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="evaluate every K epochs (default 5; 1 with --metric time-to-acc)")
     g.add_argument("--metric", choices=METRICS, default="epoch",
                    help="epoch: time per epoch (default); time-to-acc: also epochs and wall-clock "
-                        "to a target validation accuracy (docs/benchmarks.md, issue 20)")
+                        "to a target validation accuracy (docs/methods/gnn.md)")
     g.add_argument("--target-acc", type=float, default=None, metavar="A",
                    help="time-to-acc target validation accuracy in (0, 1] (implies --metric "
                         "time-to-acc; default: --target-frac of vanilla's best)")
