@@ -12,18 +12,18 @@ the wire: the Vanilla a modern framework runs). The default variants include
 ``vanilla-bf16``, so AdaQP is reported against both Vanillas. ``--device`` is passed to
 every variant (``auto``: CUDA when every rank has its own GPU).
 
-Topology variants (issue 17; docs/benchmarks.md, "AdaQP per link class"): an adaptive
+Topology variants (docs/adaqp.md, "Link costs per link class"): an adaptive
 mode may end in ``-topo`` (``--link-costs topology``), ``-topoev`` (that and
 ``--equal-variance``) or ``-avg`` (``--link-costs averaged``), any mode in ``-hp``
 (``--partition-method metis-hosts``), and any mode, last, in ``-lina`` or ``-fifo``
-(``--grad-schedule``: the gradient allreduce through the core's scheduler, issue 30);
+(``--grad-schedule``: the gradient allreduce through the core's scheduler);
 ``--seeds 0,1,2`` runs every variant once per seed
 and the summary pools them. With ``--hosts`` the summary's "Per link class" table gives
 each variant's mean width and bytes inside and across hosts, its speed-up over
 ``adaqp-avg`` and the inter-host halo rows; ``widths_by_class.png`` the width histogram
 per link class.
 
-Time to accuracy (issue 20; docs/benchmarks.md, "GNN modes: time to accuracy"):
+Time to accuracy (figures in docs/results.md):
 ``--metric time-to-acc`` (or ``--target-acc A``) evaluates after every epoch and adds the
 report of :mod:`commsched.bench.gnn_tta`: per variant, epochs and wall-clock until the
 validation accuracy first reaches the target (``A``, or ``--target-frac`` of Vanilla's
@@ -76,11 +76,11 @@ COST_SUFFIXES = {"-topoev": ("topology", "--equal-variance"), "-topo": ("topolog
 HOSTS_SUFFIX = "-hp"  # partitioned with --partition-method metis-hosts (heavy cuts inside hosts)
 # the gradient allreduce through the core's scheduler (--grad-schedule): vanilla-lina, adaqp-fifo
 GRAD_SUFFIXES = {"-lina": "lina", "-fifo": "fifo"}
-# `--hosts K` comparison of issue 17: the four variants of the topology table
+# the `--hosts K` comparison: the four variants of the topology table
 MODES_TOPOLOGY = ("vanilla", "adaqp-topo", "adaqp-topoev", "adaqp-avg", "uniform")
 MODES_GCN = ("vanilla", "vanilla" + BF16_SUFFIX) + tuple(m for m in MODE_NAMES if m != "vanilla")
 MODES_SAGE = ("vanilla", "vanilla" + BF16_SUFFIX, "adaqp")
-# TTA_MODES (from gnn_tta): the time-to-accuracy comparison (issue 20); a mode that is not registered is skipped
+# TTA_MODES (from gnn_tta): the time-to-accuracy comparison; a mode that is not registered is skipped
 METRICS = ("epoch", "time-to-acc")
 
 
@@ -183,7 +183,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="evaluate every K epochs (default 5; 1 with --metric time-to-acc)")
     g.add_argument("--metric", choices=METRICS, default="epoch",
                    help="epoch: time per epoch (default); time-to-acc: also epochs and wall-clock "
-                        "to a target validation accuracy (docs/benchmarks.md, issue 20)")
+                        "to a target validation accuracy (see docs/results.md)")
     g.add_argument("--target-acc", type=float, default=None, metavar="A",
                    help="time-to-acc target validation accuracy in (0, 1] (implies --metric "
                         "time-to-acc; default: --target-frac of vanilla's best)")
