@@ -2,7 +2,7 @@
 
 Each variant is one ``torchrun -m commsched.gnn.train`` run on the same synthetic graph
 (or ``--dataset``) and partition. Default regime: the emulated rate
-:data:`DEFAULT_BANDWIDTH`, chosen (and recorded in docs/benchmarks.md) so that Vanilla
+:data:`DEFAULT_BANDWIDTH`, chosen (and recorded in docs/results.md) so that Vanilla
 spends about three quarters of its epoch communicating on this machine, as in AdaQP's
 Table 1; without root/tc the runs are unshaped and the summary says so.
 

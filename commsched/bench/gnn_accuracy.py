@@ -1,7 +1,7 @@
 """Accuracy grid: does AdaQP train as well as Vanilla? ``python -m commsched.bench.gnn_accuracy``
 
 Runs ``torchrun -m commsched.gnn.train`` once per (data set, mode, seed) with one fixed
-recipe (by default the one docs/benchmarks.md quotes for Cora: GCN 3 x 256, LayerNorm,
+recipe (by default the one docs/results.md quotes for Cora: GCN 3 x 256, LayerNorm,
 dropout 0.5, lr 0.01, 100 epochs, evaluation every 2 epochs, AdaQP period 20 and group
 size 20, local dropout masks, 4 ranks, unshaped loopback: accuracy does not depend on the
 link rate), one run at a time, each under ``nice`` (these runs are not timed).

@@ -15,7 +15,7 @@ from the emulated link rate, ``--inter-rate``, unless ``--cross-weight`` is give
 summary then adds a table of p95 latency, imbalance and the bytes the row exchanges sent
 between and within hosts (counted per peer by the exchanges, ``inter_host_bytes_per_batch``).
 
-The default configuration (stated in docs/benchmarks.md) replays the synthetic trace
+The default configuration (stated in docs/results.md) replays the synthetic trace
 (16 experts, 12 layers, top-2; busiest expert about 4.2x the mean) on an *emulated
 accelerator* per rank: rows travel through the real all-to-all, and a device is busy
 ``--us-per-row`` microseconds per row it computes, so that expert compute dominates a

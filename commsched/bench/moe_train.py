@@ -47,7 +47,7 @@ from ..results import median
 from .plots import pyplot, save_figure
 from .runner import Variant, Workload, median_of
 
-# The benchmark model and link (the documented default regime; see docs/benchmarks.md):
+# The benchmark model and link (the documented default regime; see docs/results.md):
 # every other block MoE, 4 experts (one per rank), 800 Mbit/s shared by the 4 ranks -- the
 # all-to-all is about a third of a fifo step, as in Lina's setting.
 DEFAULT_BANDWIDTH = "800mbit"

@@ -1,4 +1,4 @@
-"""Measurements behind docs/moe_inference.md and docs/benchmarks.md: planner quality,
+"""Measurements behind docs/moe_inference.md and docs/results.md: planner quality,
 the planner against DeepSeek's EPLB, estimation accuracy per path length, and placement
 imbalance of the inference strategies on synthetic traces.
 

@@ -22,7 +22,7 @@ techniques in place of widths:
 * **Until the first assignment** (the first ``period`` epochs) every row is sent with
   ``--warmup`` (default 2-bit stochastic: unbiased and stateless; ``sign`` sends the
   ``onebit`` mode's traffic, half the bytes, but on Squirrel those epochs of signs cost
-  2.3 pp of test accuracy that the rest of the run did not recover: docs/benchmarks.md).
+  2.3 pp of test accuracy that the rest of the run did not recover: docs/results.md).
 * **Trace.** In the last epoch of each period the exchange records, per sent row, its
   weighted energy ``c |x|^2`` (the error of dropping it), its weighted 1-bit error (the
   measured error-feedback residual ``c |e|^2`` for a row sent as signs, else the closed

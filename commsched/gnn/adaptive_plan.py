@@ -50,7 +50,7 @@ LINK_MODELS = ("topology", "averaged", "ring")
 
 # rank 0's CP-SAT runs only where it fits in this share of a period's measured time (the
 # solve thread shares the cores with training; at a short limit CP-SAT rarely beats the
-# greedy: docs/benchmarks.md, "one assignment over every technique"), and never below
+# greedy: docs/results.md), and never below
 # CPSAT_MIN_S seconds
 CPSAT_SHARE = 0.02
 CPSAT_MIN_S = 0.1  # about what CP-SAT takes to prove an 8-group-a-channel problem optimal at 4 ranks

@@ -314,7 +314,7 @@ def _fallback_exchange(opt, model: torch.nn.Module, dispatch: DispatchConfig) ->
     chunk, not pipelined (as fifo's), in the others as configured; the reduction's fifo
     buckets are ``GradScheduler(fallback_buckets=True)``'s. Where lina cannot help, its 256
     KiB micro-ops' reduction tail and, across hosts, its pipelined exchange's four chunks
-    cost more than its launching rule does (docs/benchmarks.md). The chunking and the
+    cost more than its launching rule does (docs/results.md). The chunking and the
     buckets change the arithmetic's last bits, so the bits of a run follow a decision taken
     from measured times (``--no-fallback-exchange`` keeps them a function of the
     configuration). The exact middle way, the pipelined exchange's chunks sent as one

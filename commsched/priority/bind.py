@@ -10,7 +10,7 @@ for: the bandwidth emulator's link classes (``commsched netem --classes ADDR``,
 ``commsched bench --link-model collective``) give every packet from or to ADDR its own
 equal share of the emulated link, so the allreduce and the all-to-all contend per
 collective, as two NCCL communicators' channels do, instead of per TCP flow (docs/netem.md,
-docs/benchmarks.md "moe-train").
+docs/results.md, moe-train).
 
 Making the twins is collective over the default group (every rank makes the twins of every
 rank's groups, in one order), as every group construction is.

@@ -72,7 +72,7 @@ from .microops import CommOp, bucket, partition
 # bytes need on the link when peers arrive late (tens of ms on 4 ranks sharing 2 cores, against
 # about 15 ms of link for 256 KiB at 800 Mbit/s), so with one micro-op in flight the allreduce
 # crawled through the gaps of the backward pass; several in flight keep the link busy, at the
-# price of a longer worst-case wait for an all-to-all that arrives (docs/benchmarks.md, moe-train).
+# price of a longer worst-case wait for an all-to-all that arrives (docs/results.md, moe-train).
 DEFAULT_CREDIT_MICROOPS = 8
 
 # Under hier_reduce, operations below this many bytes are reduced flat: a 4 KiB layer-norm

@@ -219,7 +219,7 @@ def test_kipf_gcn_cora_accuracy():
     """Kipf & Welling's setting (2 layers, hidden 16, dropout 0.5, lr 0.01, wd 5e-4, 200
     epochs): test accuracy at the best validation epoch >= 79%. One seed, validation every
     5 epochs, to keep the suite fast; ``python -m commsched.bench.gnn_kipf`` runs the full
-    protocol (3 seeds, every epoch) and docs/benchmarks.md quotes it."""
+    protocol (3 seeds, every epoch) and docs/results.md quotes it."""
     part = _one_part(load_dataset("cora", DATA))
     cfg = TrainConfig(model="gcn", layers=2, hidden=16, dropout=0.5, layer_norm=False, lr=0.01,
                       weight_decay=5e-4, epochs=200, seed=0, eval_every=5)

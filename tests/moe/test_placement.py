@@ -376,7 +376,7 @@ def _check_eplb(ep: EplbPlan, load, N, S) -> None:
 
 def test_plan_against_eplb_on_random_instances():
     """plan_placement never loses to EPLB by more than 0.5% of the max device load (the
-    500-instance figure is in docs/benchmarks.md; this is a small sample of the same
+    500-instance figure is in docs/results.md; this is a small sample of the same
     generator)."""
     from commsched.bench.placement_report import eplb_instances
 
