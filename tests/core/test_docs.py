@@ -23,9 +23,9 @@ PROCESS = re.compile(
     r"|\b(?:PR|pull request)\s*#?\d+"
     r"|(?<![\w/])#\d{2,}\b"                    # #29 (not an anchor or a colour)
     r"|(?<!ring )\bround \d+\b"                # round 3 (a ring round of an exchange is prose)
-    r"|\b(?:this|last|previous|first|second|earlier|later|next) round\b"
+    r"|\b(?:last|previous|earlier) round\b"
     r"|\bsessions?\b"
-    r"|\bquiet machine\b|\bload average\b|\bbusy machine\b"
+    r"|\bquiet machine\b|\bload average\b"
     r"|\blatest measurement\b",
     re.IGNORECASE)
 
@@ -45,9 +45,9 @@ def _hits(lines, where: str) -> list[str]:
 @pytest.mark.parametrize("text,bad", [
     ("see docs/benchmarks.md, issue 20", True), ("measured in round 3", True), ("round 3", True),
     ("(last round of issue 29)", True), ("in this session", True), ("goal (issue 9)", True),
-    ("the issue's goal", True), ("On a quiet machine", True), ("load average 10", True),
+    ("the issue's goal", True), ("On a quiet machine", True), ("timers on a loaded machine", False), ("load average 10", True),
     ("Issue 29: the compressed sums", True), ("fixed in #31", True), ("Latest measurement", True),
-    ("this round", True),
+    ("the previous round", True), ("the variance of this round", False),
     # legitimate prose
     ("ring round 0 is the local copy", False), ("round i sends to rank+i", False),
     ("collectives issued in sequence order", False), ("every rank must issue the same", False),
