@@ -8,6 +8,7 @@
 | COMMSCHED_COMPILE       | 0: the quantization codec never calls torch.compile (its eager twin runs: same bits, slower; also `AdaQPOptions(compile=False)`, `--no-compile`) | 1 |
 | COMMSCHED_CACHE_DIR     | where the native CPU codec kernel is built and kept (once per machine) | `$XDG_CACHE_HOME/commsched` or `~/.cache/commsched` |
 | COMMSCHED_DATA          | the default `--data-root`: where named data sets are looked for and downloaded to | `$XDG_CACHE_HOME/commsched/data` or `~/.cache/commsched/data` |
+| CC                      | the C compiler that builds the native CPU codec kernel (a name on PATH or a path) | `cc`, `gcc` or `clang`, the first found |
 | GLOO_SOCKET_IFNAME      | gloo's interfaces, comma-separated (torch reads it too) | auto |
 | RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK / MASTER_ADDR / MASTER_PORT | set by torchrun (GROUP_RANK: the node's index) | |
 """
@@ -35,6 +36,7 @@ class EnvConfig:
     group_rank: int | None = None  # torchrun's node index (GROUP_RANK)
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "commsched")
     data_root: Path = field(default_factory=lambda: Path.home() / ".cache" / "commsched" / "data")
+    cc: str | None = None  # CC: the C compiler of the native CPU codec kernel (None: search)
 
 
 def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
@@ -87,4 +89,5 @@ def read_env(environ: dict[str, str] | None = None) -> EnvConfig:
         group_rank=_int("GROUP_RANK"),
         cache_dir=Path(cache).expanduser(),
         data_root=Path(data_root).expanduser(),
+        cc=env.get("CC") or None,
     )

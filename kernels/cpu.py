@@ -68,8 +68,9 @@ _lib: ctypes.CDLL | None = None
 _status: NativeStatus | None = None
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC")
+def _compiler(cc: str | None = None) -> str | None:
+    """The compiler ``cc`` names (on PATH or a path; None if not found), or without it the
+    first of cc, gcc, clang on PATH."""
     if cc:
         return shutil.which(cc) or None
     for name in ("cc", "gcc", "clang"):
@@ -123,7 +124,7 @@ def _build(cc: str, target: Path) -> None:
             os.unlink(tmp)
 
 
-def _load_locked(enabled: bool, folder: Path) -> None:
+def _load_locked(enabled: bool, folder: Path, cc: str | None = None) -> None:
     global _lib, _status
     if not enabled:
         _status = NativeStatus("off", reason="COMMSCHED_COMPILE=0 (no compiling of any kind)")
@@ -131,7 +132,7 @@ def _load_locked(enabled: bool, folder: Path) -> None:
     if sys.platform == "win32":
         _status = NativeStatus("off", reason="not built on Windows")
         return
-    cc = _compiler()
+    cc = _compiler(cc)
     if cc is None:
         _status = NativeStatus("failed", reason="no C compiler found (set CC, or install gcc)")
         return
@@ -160,14 +161,15 @@ def _load_locked(enabled: bool, folder: Path) -> None:
     _status = NativeStatus(state, path=target, seconds=time.perf_counter() - t, compiler=Path(cc).name)
 
 
-def load(cache_dir: str | os.PathLike, enabled: bool = True) -> ctypes.CDLL | None:
+def load(cache_dir: str | os.PathLike, enabled: bool = True, cc: str | None = None) -> ctypes.CDLL | None:
     """The native library (built in ``cache_dir`` or loaded from it on the first call in
     this process), or None. ``enabled=False`` (``COMMSCHED_COMPILE=0``) never builds; the
-    first call decides for the process. (``commsched.config`` reads
-    ``COMMSCHED_CACHE_DIR``; the kernels package imports nothing of commsched.)"""
+    first call decides for the process. ``cc``: the C compiler to build with (the ``CC``
+    variable; None: the first of cc, gcc, clang on PATH). (``commsched.config`` reads
+    ``COMMSCHED_CACHE_DIR`` and ``CC``; the kernels package imports nothing of commsched.)"""
     with _lock:
         if _status is None:
-            _load_locked(enabled, Path(cache_dir))
+            _load_locked(enabled, Path(cache_dir), cc)
         return _lib
 
 

@@ -15,7 +15,7 @@ moving average (``--window`` steps, default 10: per-step losses of two diverged
 trajectories differ by batch noise the average removes), the gap of the mean of the last
 ``--window`` steps, and the held-out loss; ``summary.json``, ``summary.md`` and
 ``loss.png`` (each width's curve per seed, and the relative gap of the moving averages)
-go to ``--out``. The goal of issue 29: every gap within 1%.
+go to ``--out``. The goal: every gap within 1%.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Topology variants (docs/methods/gnn.md): an adaptive
 mode may end in ``-topo`` (``--link-costs topology``), ``-topoev`` (that and
 ``--equal-variance``) or ``-avg`` (``--link-costs averaged``), any mode in ``-hp``
 (``--partition-method metis-hosts``), and any mode, last, in ``-lina`` or ``-fifo``
-(``--grad-schedule``: the gradient allreduce through the core's scheduler, issue 30);
+(``--grad-schedule``: the gradient allreduce through the core's scheduler);
 ``--seeds 0,1,2`` runs every variant once per seed
 and the summary pools them. With ``--hosts`` the summary's "Per link class" table gives
 each variant's mean width and bytes inside and across hosts, its speed-up over
@@ -76,11 +76,11 @@ COST_SUFFIXES = {"-topoev": ("topology", "--equal-variance"), "-topo": ("topolog
 HOSTS_SUFFIX = "-hp"  # partitioned with --partition-method metis-hosts (heavy cuts inside hosts)
 # the gradient allreduce through the core's scheduler (--grad-schedule): vanilla-lina, adaqp-fifo
 GRAD_SUFFIXES = {"-lina": "lina", "-fifo": "fifo"}
-# `--hosts K` comparison of issue 17: the four variants of the topology table
+# the `--hosts K` comparison: the four variants of the topology table
 MODES_TOPOLOGY = ("vanilla", "adaqp-topo", "adaqp-topoev", "adaqp-avg", "uniform")
 MODES_GCN = ("vanilla", "vanilla" + BF16_SUFFIX) + tuple(m for m in MODE_NAMES if m != "vanilla")
 MODES_SAGE = ("vanilla", "vanilla" + BF16_SUFFIX, "adaqp")
-# TTA_MODES (from gnn_tta): the time-to-accuracy comparison (issue 20); a mode that is not registered is skipped
+# TTA_MODES (from gnn_tta): the time-to-accuracy comparison; a mode that is not registered is skipped
 METRICS = ("epoch", "time-to-acc")
 
 

@@ -32,7 +32,7 @@ def demo_argv(out: Path, nproc: int, epochs: int, device: str = "auto") -> list[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="commsched demo gnn", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m commsched.bench.gnn_demo", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("runs/demo/gnn"))
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--epochs", type=int, default=8)

@@ -1,4 +1,4 @@
-"""Time to accuracy: the ``--metric time-to-acc`` report of ``commsched bench gnn`` (issue 20).
+"""Time to accuracy: the ``--metric time-to-acc`` report of ``commsched bench gnn``.
 
 Legend: E epochs of a run, V evaluations (one per epoch with ``--eval-every 1``).
 

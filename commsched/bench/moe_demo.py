@@ -21,7 +21,7 @@ def demo_argv(out: Path, nproc: int, batches: int, device: str = "auto") -> list
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="commsched demo moe", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m commsched.bench.moe_demo", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("runs/demo/moe"))
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--batches", type=int, default=8)

@@ -24,7 +24,7 @@ it (a sleeping device leaves the CPU to the others). ``--compute real`` runs rea
 instead; ``--driver model --checkpoint FILE`` runs the trained language model.
 
 The summary adds, per variant, the latency ratio to static and to oracle measured in
-each interleaved repeat, the goal checks of issue 9 (lina's p95 at least 1.6x below
+each interleaved repeat, the goal checks (lina's p95 at least 1.6x below
 static and within 15% of oracle, mean imbalance at most 1.25), and ``heatmap.png``:
 the mean expert load per layer, and per variant the mean number of replicas of each
 expert per layer.
@@ -218,7 +218,7 @@ def _summarize(runs: dict[str, list[dict]], args: argparse.Namespace, out: Path)
                                               "met": bool(morc and morc <= GOAL_ORACLE)},
         }
         extra["goals"] = goals
-        g_rows = ["| goal (issue 9) | measured (medians over repeats) | target | met |", "|---|---|---|---|"]
+        g_rows = ["| goal | measured (medians over repeats) | target | met |", "|---|---|---|---|"]
         for k, g in goals.items():
             m = g["measured"]
             g_rows.append(f"| {k} | {m:.3f} | {g['goal']} | {'yes' if g['met'] else 'no'} |" if m is not None

@@ -145,7 +145,7 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
         Variant("lina-overlap", mod, ("--impl", "commsched", "--schedule", "lina-overlap", *lina[4:])),
     ]
     bits = getattr(a, "a2a_bits", None)
-    if bits:  # schedule + compression (issue 29.3): the quantized expert all-to-all
+    if bits:  # schedule + compression: the quantized expert all-to-all
         q = ("--a2a-bits", str(bits))
         out += [Variant(f"lina-q{bits}", mod, (*lina, *q)),
                 Variant(f"lina-overlap-q{bits}", mod, ("--impl", "commsched", "--schedule", "lina-overlap",

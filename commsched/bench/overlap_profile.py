@@ -1,4 +1,4 @@
-"""What lina-overlap's machinery costs on the CPU, apart from the link (issue 29).
+"""What lina-overlap's machinery costs on the CPU, apart from the link.
 
 Two single-process micro-benchmarks, each comparing the two sides interleaved in one run:
 

@@ -41,7 +41,7 @@ from ..moe.popularity import DEFAULT_REPLAN_THRESHOLD, PopularityEstimator, topk
 from ..moe.traces import SyntheticTraceConfig, synthetic_trace, trace_stats
 from ..results import write_json
 
-# the two trace presets: the reading of Lina's skew (busiest expert 4-5.6x the
+# the two trace presets: one reading of Lina's skew (busiest expert 4-5.6x the
 # mean) and the paper text's (busiest 4-5.6x the *least* popular), which is milder
 PRESETS: dict[str, SyntheticTraceConfig] = {
     "default": SyntheticTraceConfig(),

@@ -249,7 +249,7 @@ def _stop_signals_raise():
     """Inside: SIGTERM and SIGHUP raise ``SystemExit(128 + signal)`` in the main thread, as
     SIGINT raises KeyboardInterrupt, so that a bench stopped by either still stops its
     running variant's process group (and the emulator below it removes its namespaces)
-    instead of leaving it orphaned in its own session. Later signals are ignored while the
+    instead of leaving it orphaned. Later signals are ignored while the
     clean-up runs. Yields a :class:`_StopSignals` whose ``held()`` defers them across the
     start of the variant. Elsewhere than the main thread (where handlers cannot be set) a
     no-op."""

@@ -211,8 +211,8 @@ class TrainConfig:
 
     def record(self) -> dict[str, Any]:
         """The config as metrics.json and checkpoints record it: every field (the exchange's
-        config nested) and the option sets ``adaqp``, ``pipegcn``, ``bns`` as before
-        issue 28 (readers of older records find them)."""
+        config nested) and the option sets ``adaqp``, ``pipegcn``, ``bns`` at the top level
+        as well (readers of records with that layout find them)."""
         out = dataclasses.asdict(self)
         out.update(adaqp=dataclasses.asdict(self.adaqp), pipegcn=dataclasses.asdict(self.pipegcn),
                    bns=dataclasses.asdict(self.bns))

@@ -331,7 +331,7 @@ def native_library():
     if _cpu.status() is not None:  # decided for this process: no environment read per message
         return _cpu.library()
     env = read_env()
-    return _cpu.load(env.cache_dir, env.compile)
+    return _cpu.load(env.cache_dir, env.compile, env.cc)
 
 
 def native_status() -> str:

@@ -120,3 +120,26 @@ def test_clock_on_cpu_is_the_host_clock():
     b = c.mark()
     assert c.seconds(a, b) >= 0.009
     c.sync()
+
+
+def test_cc_is_read_here_and_passed_to_the_kernel_loader():
+    from commsched.config import read_env
+
+    assert read_env({}).cc is None
+    assert read_env({"CC": ""}).cc is None
+    assert read_env({"CC": "clang"}).cc == "clang"
+
+
+def test_no_module_but_config_reads_the_environment():
+    """Environment variables are read in one place (commsched/config.py): a library or
+    kernel module may hand the environment on to a child, never look a variable up."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    read = re.compile(r"os\.environ\.get\(|os\.environ\[|os\.getenv\(")
+    found = [f"{p.relative_to(root)}:{i}" for folder in ("commsched", "kernels")
+             for p in sorted((root / folder).rglob("*.py")) if p.name != "config.py"
+             and "bench" not in p.relative_to(root).parts
+             for i, line in enumerate(p.read_text().splitlines(), 1) if read.search(line)]
+    assert not found, "environment read outside commsched/config.py: " + ", ".join(found)
