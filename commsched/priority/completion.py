@@ -131,11 +131,10 @@ class CompletionMixin:
         """Check the polled completions (executor thread, lock held)."""
         for seq, w in list(self._polled.items()):
             if self._cuda:
-                if not isinstance(w, torch.cuda.Event):
-                    # the side stream waits for the collective; an event there completes with it
-                    with torch.cuda.stream(self._side):
-                        w.wait()
-                        ev = self.clock.mark(self._side)
+                if not self._is_mark(w):
+                    ev = self._event_after(w)
+                    if ev is None:
+                        continue  # its host part still runs: never a blocking wait under the lock
                     self._polled[seq] = w = ev
                 if w.query():
                     del self._polled[seq]
@@ -143,6 +142,25 @@ class CompletionMixin:
             elif w.is_completed():
                 del self._polled[seq]
                 self._completed(seq)
+
+    @staticmethod
+    def _is_mark(w: Any) -> bool:
+        return isinstance(w, torch.cuda.Event)
+
+    def _event_after(self, w: Any) -> Any:
+        """A CUDA event on the side stream that completes with Work ``w`` (executor thread,
+        lock held), or None while ``w``'s host part still runs. A Work with a host future and
+        an event (``stream_wait``: CompressedLauncher's) is skipped until ``is_completed()``,
+        then the side stream waits on its event; any other Work's ``wait()`` is NCCL's
+        non-blocking stream wait."""
+        with torch.cuda.stream(self._side):
+            if hasattr(w, "stream_wait"):
+                if not w.is_completed():
+                    return None
+                w.stream_wait(self._side)
+            else:
+                w.wait()
+            return self.clock.mark(self._side)
 
     def _thread_setup(self) -> None:
         """The executor thread's first act: on CUDA its device (its events and streams)."""

@@ -75,6 +75,7 @@ reduced gradients).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import threading
 import time
@@ -168,6 +169,12 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         self._launch_takes_op = bool(getattr(self._launch, "takes_op", False))
         self.clock = Clock(self.device)
         self.launch_rule = cfg.launch_rule(self.device.type)
+        # a launcher that issues its collectives itself (CompressedLauncher) follows the launch
+        # rule: under ``program`` from the launching thread, flushed at the end of each program point
+        bind = getattr(self._launch, "bind_launch_rule", None)
+        if bind is not None:
+            bind(self.launch_rule)
+        self._launch_flush = getattr(self._launch, "flush", None)
         entries, described = [], []
         for i, e in enumerate(params):
             if not isinstance(e, (tuple, list)) or len(e) not in (2, 3) or not isinstance(e[0], torch.Tensor):
@@ -437,6 +444,9 @@ class GradScheduler(CompletionMixin, RecordsMixin):
                 self._polled[seq] = work
                 self._thread_wake = True
                 self._cv.notify_all()
+        if self._launch_flush is not None:
+            # the launches of this program point, summed together now (CompressedLauncher)
+            self._launch_flush()
 
     # ------------------------------------------------------------------ observer (compute thread)
     def a2a_begin(self, nbytes: int) -> object:
@@ -509,18 +519,27 @@ class GradScheduler(CompletionMixin, RecordsMixin):
             if self._error is not None:
                 failure, self._error = self._error, None
             elif not ok:
+                hanging = sorted(self._policy._ar_inflight)
                 failure = CommError(f"rank {current_rank()}: gradient allreduce did not finish within "
                                     f"{self.timeout_s:.0f} s ({self._policy.allreduce_pending} not "
-                                    "launched): a peer did not take part")
+                                    f"launched; launched and not complete: operations {hanging[:8]}"
+                                    f"{' ...' if len(hanging) > 8 else ''}): a peer did not take part")
             state = self._state
         if failure is not None:
             # let every launched operation end (each fails by the backend's own timeout at
             # the latest) before the error leaves: a Work still running when the process
-            # groups are destroyed aborts the process ("terminate ... gloo::IoException")
+            # groups are destroyed aborts the process ("terminate ... gloo::IoException");
+            # a Work that takes a timeout gets a bounded one, so the error does leave
+            grace = datetime.timedelta(seconds=min(self.timeout_s, 10.0))
             for st in state:
                 if st.work is not None:
                     try:
-                        st.work.wait()
+                        st.work.wait(grace)
+                    except TypeError:
+                        try:
+                            st.work.wait()
+                        except RuntimeError:
+                            pass
                     except RuntimeError:
                         pass
                     st.work = None

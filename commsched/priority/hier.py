@@ -312,7 +312,10 @@ class HierStep:
             w1 = dist.reduce_scatter_tensor(e.shard, e.buf, group=self.g.intra, async_op=True)
             w1.wait()  # the stream waits for it (NCCL: no host wait)
             w2 = launch(e.shard, self.g.cross)
-            w2.wait()
+            if hasattr(w2, "stream_wait") and stream is not None:
+                w2.stream_wait(stream)  # its event, recorded at enqueue: no host wait (CompressedLauncher)
+            else:
+                w2.wait()
             w3 = dist.all_gather_into_tensor(e.out, e.shard, group=self.g.gather, async_op=True)
         e.works += [w1, w2, w3]
         return w3

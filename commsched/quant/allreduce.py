@@ -31,14 +31,16 @@ or steps share random bits and the same seed replays the same bytes. The keys ar
 ints: encoding never reads the device.
 
 The same code runs on gloo (CPU tensors) and NCCL (CUDA tensors): both take uint8
-``all_to_all_single`` and the list form of ``all_gather``.
+``all_to_all_single`` and ``all_gather_into_tensor`` (one [P, L] buffer).
 """
 
 from __future__ import annotations
 
 import collections
+import datetime
 import queue
 import threading
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -92,7 +94,7 @@ def _decode(w_RW: torch.Tensor, bits: int, F: int, impl: str) -> torch.Tensor:
 
 
 def quantized_all_reduce(flat: torch.Tensor, bits: int = 8, *, group=None, seed: int = 0,
-                         row_values: int = ROW_VALUES, impl: str = "auto") -> torch.Tensor:
+                         row_values: int = ROW_VALUES, impl: str = "auto", force_wire: bool = False) -> torch.Tensor:
     """Sum the 1-D floating-point tensor ``flat`` over the ranks of ``group`` in place, its
     messages at ``bits`` (one of :data:`GRAD_BITS`; module docstring), and return it.
 
@@ -100,13 +102,14 @@ def quantized_all_reduce(flat: torch.Tensor, bits: int = 8, *, group=None, seed:
     ``seed`` keys the stochastic rounding (vary it per call, e.g. with the step).
     ``row_values``: values per row record (one scale per row; smaller rows follow the
     values more closely and cost 8 bytes each). On one rank (or without a process group)
-    the tensor is returned as it is. Raises ValueError for a bad ``bits``, ``impl``,
+    the tensor is returned as it is, unless ``force_wire`` (a one-GPU check of the wire path:
+    encode, collectives, decode, even on one rank). Raises ValueError for a bad ``bits``, ``impl``,
     ``row_values`` or a tensor that is not 1-D floating point."""
     bits = _check_args(bits, impl, row_values)
     _check_flat(flat)
     if not (dist.is_available() and dist.is_initialized()):
         return flat
-    if dist.get_world_size(group) == 1 or flat.numel() == 0:
+    if (dist.get_world_size(group) == 1 and not force_wire) or flat.numel() == 0:
         return flat
     if bits == 32:
         dist.all_reduce(flat, group=group)
@@ -208,34 +211,68 @@ def _sum_batch(items, bits: int, group, F: int, impl: str, note: int | None = No
     seeds = [seed for _, seed in items]
     sent = [_encode(t, bits, format_seed(s, rank, _PHASE_GATHER), impl).view(-1)
             for t, s in zip(totals, seeds)]
-    if note is not None:
-        sent.append(torch.tensor([int(note)], dtype=torch.int64, device=dev).view(torch.uint8))
+    if note is not None:  # torch.full: no host-to-device copy (a tensor from a host list syncs)
+        sent.append(torch.full((1,), int(note), dtype=torch.int64, device=dev).view(torch.uint8))
     mine_b = sent[0] if len(sent) == 1 else torch.cat(sent)
-    parts = [torch.empty_like(mine_b) for _ in range(P)]
-    dist.all_gather(parts, mine_b.contiguous(), group=group)
+    gathered = torch.empty(P * mine_b.numel(), dtype=torch.uint8, device=dev)  # one buffer (gloo: 1-D)
+    dist.all_gather_into_tensor(gathered, mine_b.contiguous(), group=group)
+    parts = gathered.view(P, -1)  # [P, L]
     off = 0
     for (flat, n, C, _x_RF), wd in zip(plan, widths):
-        w = torch.cat([part[off:off + wd] for part in parts]).view(P * C, wd // C)
+        w = parts[:, off:off + wd].reshape(P * C, wd // C)
         off += wd
         flat.copy_(_decode(w, bits, F, impl).view(-1)[:n])
     if note is None:
         return None
-    return torch.stack([part[off:off + _NOTE_BYTES].clone().view(torch.int64)[0] for part in parts]).tolist()
+    # the worker regime only (gloo): reading the notes is a host sync on a device
+    return parts[:, off:off + _NOTE_BYTES].clone().view(torch.int64)[:, 0].tolist()
+
+
+def _timeout_s(timeout) -> float | None:
+    """A Work-style timeout (None, seconds or a timedelta) in seconds."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
 
 
 class _CompressedWork:
-    """The Work of one :class:`CompressedLauncher` launch: ``wait()`` (raises the sum's
-    error; on CUDA the caller's stream then waits for the worker's), ``is_completed()``,
-    ``get_future()`` (completes, with the flat tensor, when the sum is done)."""
+    """The Work of one :class:`CompressedLauncher` launch.
 
-    def __init__(self, fut: torch.futures.Future, event=None):
-        self._fut, self.event = fut, event
+    ``wait(timeout=None)``: raises the sum's error; on CUDA the caller's current stream then
+    waits for the sum's ``done`` event (no host wait in the program regime); a host part
+    still running after ``timeout`` (seconds or a timedelta) raises a RuntimeError.
+    ``is_completed()``: whether the host part is done (program regime: at once, as NCCL's
+    future completes at enqueue; worker regime: the worker ran it). ``stream_wait(stream)``:
+    make ``stream`` wait for the sum (CUDA; call it once ``is_completed()``) -- what the
+    executor's poll uses instead of a blocking ``wait()``. ``get_future()`` completes, with
+    the flat tensor, with the host part."""
+
+    def __init__(self, fut: torch.futures.Future, event=None, launcher: "CompressedLauncher | None" = None):
+        self._fut, self.event, self._launcher = fut, event, launcher
+        self._host = threading.Event()
+        fut.add_done_callback(lambda _f: self._host.set())
+
+    def _flush(self) -> None:
+        if self._launcher is not None and not self._fut.done():
+            self._launcher.flush()  # a launch still pending in the program regime: enqueue it now
 
     def wait(self, timeout=None) -> bool:
-        self._fut.wait()  # raises the worker's error
+        self._flush()
+        t = _timeout_s(timeout)
+        if not self._host.wait(t):
+            raise RuntimeError(f"the compressed sum did not finish within {t:.1f} s (a peer did not take "
+                               "part, or the worker is stuck)")
+        self._fut.wait()  # raises the sum's error
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
         return True
+
+    def stream_wait(self, stream) -> None:
+        self._fut.wait()  # done already (is_completed): raises the sum's error
+        if self.event is not None and stream is not None:
+            stream.wait_event(self.event)
 
     def is_completed(self) -> bool:
         return self._fut.done()
@@ -249,42 +286,53 @@ class CompressedLauncher:
     sums each launched operation with :func:`quantized_all_reduce` at ``bits``.
 
     The two phases of a compressed sum need the decoded bytes of the first before the second
-    can start, so a launch cannot be one backend call: each launch is queued to one worker
-    thread that runs the sums in launch order. The scheduler launches in its policy's order,
-    the same on every rank, so every group sees its collectives in the same order everywhere
-    (the worker must be the only user of the scheduler's groups while a step reduces, as the
-    scheduler's own groups are).
+    can start, so a launch is not one backend call. Two regimes, by where the collectives
+    are issued:
 
-    *Batches.* Each sum's two collectives cost a latency whatever their size, and a schedule
-    of small micro-ops (Lina's 256 KiB) pays it many times a step. So the worker sums the
-    launches already queued on every rank together, in one pair of collectives
-    (:func:`quantized_all_reduce_many`: each launch keeps its own rows and keys, so a batch
-    changes no bit). The ranks agree on a batch without a collective of their own: in a sum
-    over a group of all ranks each rank appends to its all-gather bytes how many launches it
-    holds queued, and the smallest of those counts is how many every rank is known to hold;
-    each batch takes up to that many (at least one) and counts them off, cut where the group
-    or device changes or the batch would pass ``batch_bytes`` (``batch_bytes=0``: one sum per
-    launch, no counts on the wire). A group of fewer ranks (an expert-data-parallel group,
-    one host's) hears only its members, so its sums carry no counts: every rank's launches
-    follow the same sequence of operations, so the cuts fall at the same launches on every
-    rank whichever of the groups of one kind it belongs to. At
-    ``bits=32`` every launch is its own ``all_reduce`` (a fused ring would change the last
-    bits). :attr:`batches` and :attr:`summed` count the batches and the launches in them.
+    * **program** (``inline=True``; the default for CUDA tensors, and whenever the
+      scheduler runs the ``program`` launch rule: it tells the launcher through
+      :meth:`bind_launch_rule`). A launch is held until the end of the program point that
+      handed it out (the scheduler calls :meth:`flush` after each ``next_ops()``; a Work's
+      ``wait()`` flushes too), then the launches of that point are summed together from the
+      launching thread, cut into batches where the group or device changes or a batch would
+      pass ``batch_bytes``. Every rank passes the same program points with the same
+      launches, so the batches and the collectives' interleaving with the compute thread's
+      all-to-alls are the same on every rank without any agreement -- NCCL's rule for
+      collectives on different communicators. On CUDA every batch runs on the launcher's
+      side stream after the launching stream's ``ready`` event and records a ``done`` event,
+      whatever the width (32 bits and one-rank groups too); nothing reads the device, and
+      the Work's future completes at enqueue, as NCCL's does.
+    * **worker** (``inline=False``; gloo under the ``completion`` launch rule). Launches are
+      queued to one worker thread that runs the sums in launch order (gloo progresses every
+      group independently, so issuing them off the compute thread is sound there). The worker
+      sums the launches already queued on every rank together: in a sum over a group of all
+      ranks each rank appends to its all-gather bytes how many launches it holds queued, and
+      the smallest of those counts is how many every rank is known to hold; each batch takes
+      up to that many (at least one), cut as above (``batch_bytes=0``: one sum per launch, no
+      counts on the wire). A group of fewer ranks hears only its members, so its sums carry no
+      counts: every rank's launches follow the same sequence of operations, so the cuts fall
+      at the same launches on every rank.
 
-    On CUDA the worker waits for an event recorded on the launching stream, runs on a stream
-    of its own and records an event that the Work's ``wait()`` makes the caller's stream wait
-    for (reading the agreed counts back is one host sync per batch on the worker's stream).
+    Batching changes no bit (:func:`quantized_all_reduce_many`: each launch keeps its own
+    rows and keys); at ``bits=32`` every launch is its own ``all_reduce``. :attr:`batches` and
+    :attr:`summed` count the batches and the launches in them. ``force_wire``: sum over the
+    wire even at one rank (a one-GPU check of the path). Row-record Triton kernels are
+    warmed up on the launching thread before a worker starts, so two threads never compile
+    one kernel at once.
+
     ``seed`` keys the rounding: a launch of the scheduler's operation ``op`` (the scheduler
     passes it: ``takes_op``) takes the key of (``seed``, ``op``, how many times ``op`` was
     launched before), so the bits of a run do not depend on the order the operations happen
     to be launched in (a schedule's mode may change it); a launch without ``op`` takes the
     next key of its own count. :meth:`state_dict` / :meth:`load_state_dict` carry those
-    counts through a checkpoint. ``close()`` stops the worker (also at exit: a daemon)."""
+    counts through a checkpoint. ``close()`` stops the worker, waiting at most
+    ``close_timeout_s`` (also at exit: a daemon)."""
 
     takes_op = True
 
     def __init__(self, bits: int = 8, *, seed: int = 0, impl: str = "auto",
-                 row_values: int = ROW_VALUES, batch_bytes: int = DEFAULT_BATCH_BYTES):
+                 row_values: int = ROW_VALUES, batch_bytes: int = DEFAULT_BATCH_BYTES,
+                 force_wire: bool = False, inline: bool | None = None, close_timeout_s: float = 30.0):
         self.bits = check_grad_bits(bits)
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
@@ -292,18 +340,33 @@ class CompressedLauncher:
             raise ValueError(f"batch_bytes must be an int >= 0 (0: one sum per launch), got {batch_bytes!r}")
         self.impl, self.row_values, self.seed = impl, int(row_values), int(seed)
         self.batch_bytes = int(batch_bytes) if self.bits != 32 else 0
+        self.force_wire = bool(force_wire)
+        self.inline = inline  # None: decided by bind_launch_rule, else at the first launch (CUDA: program)
+        self._inline_set = inline is not None
+        self.close_timeout_s = float(close_timeout_s)
         self.launches = 0  # launches without an operation number
         self.op_launches: dict[int, int] = {}  # per operation number: launches so far
-        self.batches = 0  # pairs of collectives the worker ran
+        self.batches = 0  # pairs of collectives run
         self.summed = 0  # launches summed in them
         self._q: queue.Queue = queue.Queue()
-        self._stream = None
-        self._thread = threading.Thread(target=self._run, name="commsched-compressed-allreduce", daemon=True)
-        self._thread.start()
+        self._pending: list = []  # program regime: launches of the current program point
+        self._streams: dict = {}  # CUDA device -> the launcher's side stream
+        self._warm: set = set()  # devices whose row-record kernels ran once
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def bind_launch_rule(self, rule: str) -> None:
+        """The scheduler's launch rule: ``program`` issues the sums from the launching thread
+        at the program points (the program regime), ``completion`` from a worker. An explicit
+        ``inline=`` wins."""
+        if not self._inline_set:
+            self.inline = rule == "program"
 
     def __call__(self, flat: torch.Tensor, group, op: int | None = None) -> _CompressedWork:
-        if self._thread is None:
+        if self._closed:
             raise RuntimeError("CompressedLauncher is closed")
+        if self.inline is None:
+            self.inline = flat.device.type == "cuda"
         fut: torch.futures.Future = torch.futures.Future()
         ready = done = None
         if flat.device.type == "cuda":
@@ -317,9 +380,56 @@ class CompressedLauncher:
             n = self.op_launches.get(int(op), 0)
             key = format_seed(self.seed, 1 << 20, int(op), n)
             self.op_launches[int(op)] = n + 1
-        self._q.put((flat, group, key, ready, done, fut))
+        job = (flat, group, key, ready, done, fut)
+        if self.inline:
+            self._pending.append(job)
+            return _CompressedWork(fut, done, self)
+        if self._thread is None:
+            self._warm_up(flat.device)
+            self._thread = threading.Thread(target=self._run, name="commsched-compressed-allreduce", daemon=True)
+            self._thread.start()
+        self._q.put(job)
         return _CompressedWork(fut, done)
 
+    def _warm_up(self, device: torch.device) -> None:
+        """Run the row-record kernels once on this thread (their JIT compile) before a worker
+        thread may call them (audit 3, item 9); the keys are fixed, nothing is sent."""
+        if device.type != "cuda" or self.bits not in BITS or device in self._warm:
+            return
+        self._warm.add(device)
+        x = torch.zeros((1, self.row_values), dtype=torch.float32, device=device)
+        decode_records(encode_records(x, self.bits, 0, impl=self.impl), self.bits, self.row_values, impl=self.impl)
+
+    # ------------------------------------------------------------------ program regime
+    def flush(self) -> None:
+        """Sum the launches handed out since the last flush (program regime), in batches cut
+        where the group or device changes or ``batch_bytes`` would be passed; on CUDA only
+        enqueued. Called by the scheduler at the end of each program point."""
+        pending, self._pending = self._pending, []
+        i = 0
+        while i < len(pending):
+            batch = [pending[i]]
+            size = batch[0][0].numel() * batch[0][0].element_size()
+            i += 1
+            while i < len(pending):
+                nxt = pending[i][0]
+                size += nxt.numel() * nxt.element_size()
+                if pending[i][1] is not batch[0][1] or nxt.device != batch[0][0].device or size > self.batch_bytes:
+                    break
+                batch.append(pending[i])
+                i += 1
+            try:
+                self._sum(batch, None)
+            except BaseException as e:  # the scheduler sees it at the Work; the rest cannot match any more
+                for job in batch + pending[i:]:
+                    job[5].set_exception(e)
+                return
+            self.batches += 1
+            self.summed += len(batch)
+            for job in batch:
+                job[5].set_result(job[0])
+
+    # ------------------------------------------------------------------ worker regime
     def _run(self) -> None:
         backlog: collections.deque = collections.deque()  # launches taken off the queue, in order
         closing = False
@@ -376,27 +486,39 @@ class CompressedLauncher:
         return dist.get_world_size(group) == dist.get_world_size()
 
     def _sum(self, batch, note):
-        """Sum the launches of ``batch`` together (their flats in place); the ranks' notes."""
+        """Sum the launches of ``batch`` together (their flats in place); the ranks' notes.
+        Every CUDA batch goes through the side stream (wait on ``ready``, record ``done``),
+        whatever the width or group size."""
         group = batch[0][1]
         items = [(flat, key) for flat, _, key, *_ in batch]
-        if self.bits == 32 or dist.get_world_size(group) == 1:
-            quantized_all_reduce_many([f for f, _ in items], self.bits, group=group,
-                                      seeds=[k for _, k in items], row_values=self.row_values, impl=self.impl)
-            return None
         if batch[0][3] is None:
-            return _sum_batch(items, self.bits, group, self.row_values, self.impl, note)
+            return self._sum_items(items, group, note)
         flat0 = batch[0][0]
-        if self._stream is None:
-            torch.cuda.set_device(flat0.device)
-            self._stream = torch.cuda.Stream(flat0.device)
-        with torch.cuda.stream(self._stream):
+        stream = self._streams.get(flat0.device)
+        if stream is None:
+            if self._thread is not None and threading.current_thread() is self._thread:
+                torch.cuda.set_device(flat0.device)
+            stream = self._streams[flat0.device] = torch.cuda.Stream(flat0.device)
+        with torch.cuda.stream(stream):
             for flat, _, _, ready, _, _ in batch:
-                self._stream.wait_event(ready)
-                flat.record_stream(self._stream)  # the allocator keeps it until the sum ran
-            notes = _sum_batch(items, self.bits, group, self.row_values, self.impl, note)
+                stream.wait_event(ready)
+                flat.record_stream(stream)  # the allocator keeps it until the sum ran
+            notes = self._sum_items(items, group, note)
             for job in batch:
-                job[4].record(self._stream)
+                job[4].record(stream)
         return notes
+
+    def _sum_items(self, items, group, note):
+        if self.bits == 32 or (dist.get_world_size(group) == 1 and not self.force_wire):
+            if self.bits == 32 and (dist.get_world_size(group) > 1 or self.force_wire):
+                for flat, _ in items:
+                    if flat.numel():
+                        dist.all_reduce(flat, group=group)
+            return None
+        items = [(f, k) for f, k in items if f.numel()]
+        if not items:
+            return None
+        return _sum_batch(items, self.bits, group, self.row_values, self.impl, note)
 
     def state_dict(self) -> dict:
         """The key counters (JSON-able): what a checkpoint needs for a resumed run to round
@@ -415,10 +537,18 @@ class CompressedLauncher:
         self.launches, self.op_launches = launches, ops
 
     def close(self) -> None:
-        """Stop the worker once the queued sums are done."""
+        """Sum what is still pending (program regime); stop the worker once the queued sums
+        are done, waiting at most ``close_timeout_s`` (a worker stuck in a collective whose
+        peer died is left behind, a daemon, with a warning: never a hang)."""
+        if self._pending:
+            self.flush()
+        self._closed = True
         if self._thread is not None:
             self._q.put(None)
-            self._thread.join()
+            self._thread.join(self.close_timeout_s)
+            if self._thread.is_alive():
+                warnings.warn(f"CompressedLauncher.close(): the worker did not stop within "
+                              f"{self.close_timeout_s:.0f} s (a sum waits for a peer); left behind", RuntimeWarning)
             self._thread = None
 
     def __enter__(self) -> "CompressedLauncher":

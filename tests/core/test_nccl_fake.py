@@ -148,11 +148,17 @@ def _case_executor(rank: int, world: int) -> None:
     from commsched.priority.executor import GradScheduler
     from commsched.priority.policy import ScheduleConfig
 
-    with nccl_semantics(delay_s=0.01):
+    # the completion launch rule (gloo's) launches from the executor thread after completions,
+    # which NCCL's ordering check would flag: CUDA never runs it, so its order is not checked
+    with nccl_semantics(delay_s=0.01, check=False):
         for policy in ("lina", "fifo", "serial"):
             for completion in ("callback", "poll"):
                 cfg = ScheduleConfig(policy, microop_bytes=512, bucket_bytes=2048)
                 _reduce_some_steps(GradScheduler, cfg, rank, world, completion=completion)
+    with nccl_semantics(delay_s=0.01):  # the program rule (CUDA's): every launch in program order
+        for policy in ("lina", "fifo", "serial"):
+            cfg = ScheduleConfig(policy, microop_bytes=512, bucket_bytes=2048, launch="program")
+            _reduce_some_steps(GradScheduler, cfg, rank, world, completion="poll")
 
 
 def _case_overlap(rank: int, world: int) -> None:
@@ -161,7 +167,7 @@ def _case_overlap(rank: int, world: int) -> None:
 
     params = [torch.nn.Parameter(torch.full((n,), 1.0)) for n in (300, 5)]
     cfg = ScheduleConfig("lina-overlap", microop_bytes=512)
-    with nccl_semantics(delay_s=0.01):
+    with nccl_semantics(delay_s=0.01, check=False):  # the completion rule: see _case_executor
         with OverlapScheduler([(p, None, 1.0 / world) for p in params], cfg, timeout_s=60) as s:
             for step in range(2):
                 for p in params:
@@ -192,7 +198,7 @@ def _case_hier_chained(rank: int, world: int) -> None:
             self._chained = True
 
     cfg = ScheduleConfig("lina", microop_bytes=512, hier_reduce=True, hier_min_bytes=0)
-    with nccl_semantics(delay_s=0.01):
+    with nccl_semantics(delay_s=0.01, check=False):  # the completion rule: see _case_executor
         _reduce_some_steps(Chained, cfg, rank, world, hier=hier, completion="poll")
 
 
@@ -217,3 +223,89 @@ def test_under_nccl_semantics(results, case):
 def test_hierarchical_reduction_chained_under_nccl_semantics():
     assert_case(run_cases(4, [("hier_chained", _case_hier_chained)], timeout_s=240, pg_timeout_s=30),
                 "hier_chained")
+
+
+# --------------------------------------------------------------------------- the order checker
+def _log(*ops) -> list:
+    from tests.nccl_fake import Entry
+
+    return [Entry(g, op, n, "float32", "MainThread", i) for i, (g, op, n) in enumerate(ops)]
+
+
+def test_order_checker_reports_a_cross_group_reorder():
+    from tests.nccl_fake import order_violations
+
+    A, B = (0, 1, 2), (0, 1)
+    # every group alone sees the same sequence on every member, but ranks 0 and 1 (both in
+    # A and B) interleave them the other way round: NCCL's rule for two communicators
+    logs = [_log((A, "all_reduce", 8), (B, "all_to_all_single", 4)),
+            _log((B, "all_to_all_single", 4), (A, "all_reduce", 8)),
+            _log((A, "all_reduce", 8))]
+    v = order_violations(logs)
+    assert len(v) == 1 and "interleaved differently" in v[0] and "(0, 1) and (0, 1, 2)" in v[0], v
+    # the same order everywhere passes; so does a group that shares only one rank
+    ok = [_log((A, "all_reduce", 8), (B, "all_to_all_single", 4)),
+          _log((A, "all_reduce", 8), (B, "all_to_all_single", 4)),
+          _log((A, "all_reduce", 8))]
+    assert order_violations(ok) == []
+    C = (1, 2)
+    assert order_violations([_log((A, "all_reduce", 8), (B, "all_reduce", 1)),
+                             _log((C, "barrier", 0), (B, "all_reduce", 1), (A, "all_reduce", 8)),
+                             _log((A, "all_reduce", 8), (C, "barrier", 0))]) != []  # B/A swapped on rank 1
+    assert order_violations([_log((A, "all_reduce", 8), (B, "all_reduce", 1)),
+                             _log((C, "barrier", 0), (A, "all_reduce", 8), (B, "all_reduce", 1)),
+                             _log((C, "barrier", 0), (A, "all_reduce", 8))]) == []  # A/C share 2 ranks: same order
+    # (a) one group, two sequences; numels of uneven exchanges may differ, a sum's may not
+    v = order_violations([_log((B, "all_reduce", 8)), _log((B, "all_reduce", 9))])
+    assert len(v) == 1 and "op 0 differs" in v[0]
+    assert order_violations([_log((B, "all_to_all_single(splits)", 8)),
+                             _log((B, "all_to_all_single(splits)", 9))]) == []
+    v = order_violations([_log((B, "all_reduce", 8), (B, "barrier", 0)), _log((B, "all_reduce", 8))])
+    assert "nothing (it issued 1 ops)" in v[0]
+    assert order_violations([[], []], [["group (0, 1) used by two threads"], []]) == \
+        ["rank 0: group (0, 1) used by two threads"]
+
+
+def _case_order_checked(rank: int, world: int) -> None:
+    """On 3 ranks with groups A (all) and B (0, 1): a consistent order passes the check at
+    the block's exit; ranks 0 and 1 issuing A and B the other way round are reported on every
+    rank; a group used by two threads at once is reported too."""
+    import threading
+
+    from tests.nccl_fake import OrderViolation
+
+    A = dist.new_group([0, 1, 2])
+    B = dist.new_group([0, 1])
+
+    def issue(first_b: bool) -> None:
+        ws = []
+        t, u = torch.ones(4), torch.ones(2)
+        for g, x in ([(B, u), (A, t)] if first_b else [(A, t), (B, u)]):
+            if g is B and rank == 2:
+                continue
+            ws.append(dist.all_reduce(x, group=g, async_op=True))  # async: gloo progresses both
+        for w in ws:
+            w.wait()
+
+    with nccl_semantics() as fake:
+        issue(False)
+        dist.barrier(group=A)
+        obj = [None] * world
+        dist.all_gather_object(obj, rank)
+    assert [e.op for e in fake.log] == ["all_reduce"] * (2 if rank < 2 else 1) + ["barrier", "all_gather_object"]
+    with pytest.raises(OrderViolation, match=r"groups \(0, 1\) and \(0, 1, 2\) .*interleaved differently"):
+        with nccl_semantics():
+            issue(rank == 1)
+    # two threads on one group, one's Work outstanding (never waited) while the other calls
+    with pytest.raises(OrderViolation, match="two threads on one communicator"):
+        with nccl_semantics(delay_s=5.0) as fake:
+            w = dist.all_reduce(torch.ones(1), group=A, async_op=True)
+            th = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1), group=A), name="worker")
+            th.start()
+            th.join(30)
+            w.wait()
+
+
+def test_order_is_checked_across_ranks():
+    assert_case(run_cases(3, [("order_checked", _case_order_checked)], timeout_s=120, pg_timeout_s=30),
+                "order_checked")

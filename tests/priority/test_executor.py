@@ -435,3 +435,120 @@ def test_hier_side_stream_waits_for_the_producer_and_holds_the_buffers(monkeypat
     with hier._on_side(None, bufs):  # the CPU: a plain block
         log.append(("phases",))
     assert log == [("phases",)]
+
+
+# --------------------------------------------------------------------------- audit 3, items 2 and 5
+class _Mark:
+    """A stand-in CUDA event on the side stream: complete at once."""
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostWork:
+    """A stand-in for CompressedLauncher's Work on CUDA: a host future (its sum still runs on
+    a worker until ``release``) and an event; ``wait()`` blocks the host -- what the executor
+    must never call under its lock."""
+
+    def __init__(self, release: "threading.Event"):
+        self.release, self.fut = release, torch.futures.Future()
+        self.blocking_waits = 0
+
+    def is_completed(self) -> bool:
+        if self.release.is_set() and not self.fut.done():
+            self.fut.set_result(None)
+        return self.fut.done()
+
+    def stream_wait(self, stream) -> None:
+        assert self.is_completed()
+
+    def wait(self, timeout=None) -> bool:
+        self.blocking_waits += 1
+        t = None if timeout is None else getattr(timeout, "total_seconds", lambda: timeout)()
+        if not self.release.wait(t):
+            raise RuntimeError("the stand-in sum never finished")
+        return True
+
+    def get_future(self):
+        return self.fut
+
+
+def _as_cuda(sched) -> None:
+    """The scheduler's CUDA completion path (events on a side stream) on the CPU."""
+    sched._cuda, sched._side, sched._completion = True, None, "event"
+    sched.clock.mark = lambda *a, **k: _Mark()
+    sched._is_mark = lambda w: isinstance(w, _Mark)
+
+
+def test_a_slow_compressed_work_does_not_block_the_scheduler():
+    """The executor thread skips a Work whose host part still runs instead of waiting for it
+    with the lock held: an all-to-all and a gradient hook go ahead meanwhile (audit 3, #2)."""
+    import threading
+
+    release = threading.Event()
+    works = []
+
+    def launch(flat, g):
+        works.append(_HostWork(release))
+        return works[-1]
+
+    params = [torch.nn.Parameter(torch.ones(64)) for _ in range(2)]
+    cfg = ScheduleConfig("fifo", bucket_bytes=64, launch="program")
+    with GradScheduler([(p, FakeGroup(), 1.0) for p in params], cfg, device="cpu", launch=launch,
+                       timeout_s=30) as sched:
+        _as_cuda(sched)
+        sched.begin_step()
+        (params[0] * 2).sum().backward()  # the first operation launches; its sum does not end
+        assert len(works) == 1
+        # the executor thread polls it for a while: it must not sit in wait() holding the lock
+        for _ in range(3):
+            with sched._cv:
+                sched._thread_wake = True
+                sched._cv.notify_all()
+        done = threading.Event()
+
+        def compute():
+            key = sched.a2a_begin(128)
+            sched.a2a_end(key)
+            (params[1] * 3).sum().backward()  # another gradient hook, which launches the second
+            done.set()
+
+        th = threading.Thread(target=compute)
+        th.start()
+        assert done.wait(20), "a2a_begin / the gradient hook waited for the slow compressed sum"
+        th.join()
+        assert len(works) == 2 and all(w.blocking_waits == 0 for w in works) and not release.is_set()
+        release.set()
+        sched._cuda = False  # finish's marks: host clock on the CPU
+        sched.finish()
+    assert all(w.blocking_waits <= 1 for w in works)
+
+
+def test_finish_raises_within_its_timeout_on_a_sum_that_never_ends():
+    """A never-completing Work (a dead peer) makes finish() raise its CommError naming the
+    operation within the timeout, never hang (audit 3, #5)."""
+    import threading
+
+    from commsched.dist import CommError
+
+    never = threading.Event()
+    p = torch.nn.Parameter(torch.ones(16))
+    cfg = ScheduleConfig("fifo", launch="program")
+    result = {}
+    with GradScheduler([(p, FakeGroup(), 1.0)], cfg, device="cpu", launch=lambda f, g: _HostWork(never),
+                       timeout_s=0.5) as sched:
+        _as_cuda(sched)
+
+        def step():
+            sched.begin_step()
+            p.sum().backward()
+            try:
+                sched.finish()
+            except CommError as e:
+                result["err"] = str(e)
+
+        th = threading.Thread(target=step, daemon=True)
+        th.start()
+        th.join(30)
+        assert not th.is_alive(), "finish() did not come back"
+    assert "did not finish within" in result["err"] and "operations [0]" in result["err"], result

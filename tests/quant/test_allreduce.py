@@ -239,3 +239,45 @@ def test_launcher_batches_change_no_bit_on_four_ranks():
         for i, (g, _) in enumerate(LAUNCHES):
             peer = 0 if g == "all" else r % 2
             assert torch.equal(res[r]["one"][0][i], res[peer]["one"][0][i]), (i, r)
+
+
+def _program_regime(rank: int, world: int) -> dict:
+    """The program regime (what CUDA runs): the launches of one flush summed from this thread,
+    the same bits as the worker's; force_wire sums over the wire on a one-rank group."""
+    import torch.distributed as dist
+
+    from tests.nccl_fake import nccl_semantics
+
+    base = [torch.randn(n, generator=torch.Generator().manual_seed(7 * rank + i)) for i, n in
+            enumerate((5000, 300, 40_000, 64))]
+    out = {}
+    for inline in (False, True):
+        with nccl_semantics(), CompressedLauncher(8, seed=3, batch_bytes=1 << 16, inline=inline) as launch:
+            flats = [t.clone() for t in base]
+            works = [launch(f, None, op=i) for i, f in enumerate(flats)]
+            if inline:
+                assert not any(w.is_completed() for w in works)  # held until the program point ends
+                launch.flush()
+                assert all(w.is_completed() for w in works) and launch.batches == 3  # cut by batch_bytes
+            for w in works:
+                assert w.wait(timeout=30)
+            out[inline] = flats
+    one = dist.new_group([rank])  # every rank its own one-rank group
+    x = base[0].clone()
+    assert torch.equal(quantized_all_reduce(x, 8, group=one), base[0])  # the shortcut
+    y = quantized_all_reduce(base[0].clone(), 8, group=one, force_wire=True)
+    out["wire"] = (float((y - base[0]).abs().max()), float(_level_steps(base[0], 8).max()))
+    with CompressedLauncher(32, inline=True, force_wire=True) as launch:
+        z = base[1].clone()
+        launch(z, one).wait()
+        out["exact32"] = torch.equal(z, base[1])
+    return out
+
+
+def test_program_regime_and_force_wire():
+    res = run_ranks(2, _program_regime, timeout_s=120)
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(res[r][True], res[r][False]))
+        err, step = res[r]["wire"]
+        assert 0 < err <= step * 1.01  # it went through the 8-bit records
+        assert res[r]["exact32"]
