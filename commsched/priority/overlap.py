@@ -59,10 +59,10 @@ from ..dist import (
     CommError,
     all_gather_object,
     control_device,
+    control_group,
     peer_failure_hint,
     unresponsive_note,
 )
-from ..dist import control_group
 from .bind import bind_new_group
 from .buckets import LOCAL
 from .executor import GradScheduler
