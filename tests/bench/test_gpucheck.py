@@ -48,6 +48,7 @@ def test_the_check_runs_on_the_cpu_from_its_command_line_passes_and_reports_its_
     assert res["paths"]["status"] == "ok", res["paths"]
     assert all(res["paths"][k]["status"] == "ok" for k in gpucheck.PATH_CHECKS)
     assert res["paths"]["records"]["cases"] > 0 and res["paths"]["launcher"]["launches_summed"] > 0
+    assert "paths/cuda: the same checks ran with the CPU's codec" in skipped
     # the backend called directly at world size 1 (gloo here: what gloo lacks is skipped, by name)
     nccl = res["nccl"]
     assert nccl["status"] == "ok" and nccl["backend"] == "gloo", nccl
