@@ -381,7 +381,8 @@ def _create_threaded_gloo(backend_opts, options: GlooGroupOptions):
     return ProcessGroupGloo(backend_opts.store, backend_opts.group_rank, backend_opts.group_size, opts)
 
 
-def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float | None = None):
+def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float | None = None,
+              backend: str | None = None):
     """``dist.new_group(ranks)`` under the configured timeout (``timeout_s``, default
     ``COMMSCHED_TIMEOUT_S``: torch's own default for a new group is 30 minutes whatever the
     default group's is); on gloo with ``threads``, a group whose collectives run on that
@@ -391,12 +392,18 @@ def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float 
     many small operations in flight (Lina's micro-ops) pay one latency each in turn; more
     threads let their latencies overlap. Other backends ignore ``threads``. Every rank must
     call it, in the same order, like ``dist.new_group``. Every group commsched creates is
-    made here.
+    made here. ``backend``: the group's backend (default: the default group's); a group that
+    only carries CPU control tensors is :func:`control_group`'s.
     """
     t = read_env().timeout_s if timeout_s is None else float(timeout_s)
     if not t > 0:
         raise ValueError(f"timeout_s must be > 0, got {t}")
     timeout = datetime.timedelta(seconds=t)
+    if backend is not None:
+        if threads is not None:
+            raise ValueError("new_group: threads is an option of the default gloo backend; give threads or "
+                             f"backend, not both (got backend={backend!r}, threads={threads})")
+        return dist.new_group(ranks, backend=backend, timeout=timeout)
     if threads is None or dist.get_backend() != "gloo":
         return dist.new_group(ranks, timeout=timeout)
     if threads < 1:
@@ -406,6 +413,18 @@ def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float 
                                       devices=["cpu", "cuda"])  # gloo reduces CUDA tensors too
     return dist.new_group(ranks, backend=GLOO_THREADED, pg_options=GlooGroupOptions(threads),
                           timeout=timeout)
+
+
+CONTROL_BACKEND = "gloo"  # the backend of groups that carry only CPU control tensors
+
+
+def control_group(ranks: list[int], *, timeout_s: float | None = None):
+    """A group for small CPU control tensors only (counts, flags, agreements; never a CUDA
+    tensor): gloo whatever the default group's backend. A group made with the default
+    backend inherits a CUDA job's bound device (``device_id``) and gets an NCCL
+    communicator at once (connected eagerly, split from the default one), with its device
+    memory, that a control group would never use. Collective, as :func:`new_group`."""
+    return new_group(ranks, timeout_s=timeout_s, backend=CONTROL_BACKEND)
 
 
 # --------------------------------------------------------------------------- guarded collectives

@@ -1,37 +1,49 @@
 """The GPU check: what only a GPU can show, in one command of a few minutes.
 
-    python -m commsched.bench.gpucheck --out DIR [--device cuda] [--procs 2,4] [--quick]
+    python -m commsched.bench.gpucheck [--out DIR] [--device cuda] [--procs 2,4] [--quick]
 
 Sections (each reports ``ok``, ``failed`` with the error, or ``skipped`` with the reason):
 
+* ``warm``: every Triton specialisation the later sections use, compiled once (or loaded
+  from Triton's on-disk cache), so that their budgets time checks, not cold compiles.
 * ``kernels``: the Triton kernels against the torch reference on the device, bit for bit
   (payload, metadata, decoded rows) at irregular shapes and every width.
 * ``codec``: quantize / dequantize throughput against ``torch.clone`` of the same tensor,
   and the clone's share of the card's memory bandwidth (from its name when known).
-* ``frontends``: GNN training (Vanilla and AdaQP), MoE training (Lina; DeepSpeed when
-  installed) and MoE inference, a few steps each at world size 1 on the device, with the
-  peak device memory of each (> 0 shows it ran there).
 * ``nccl``: at world size 1 commsched's exchanges short-circuit, so the backend itself is
   called in a child process: ``all_reduce``, ``all_to_all_single`` with split sizes,
   ``batch_isend_irecv``, reduce-scatter / all-gather into tensors, ``Work.wait`` /
   ``is_completed`` and event timing, on NCCL with ``device_id`` (gloo on the CPU, where the
   calls gloo lacks are skipped by name).
-* ``cuda_tests``: the test suite's ``cuda``-marked tests (``pytest -m cuda``), when the
-  package runs from a repository checkout.
+* ``paths``: the new paths at world size 1, past the one-rank shortcuts, in a child process
+  on a one-rank group (NCCL on CUDA): row records (Triton on CUDA against the torch
+  reference, bit for bit), the compressed allreduce (``force_wire``), ``CompressedLauncher``
+  under the real GradScheduler and executor, the 8-bit expert all-to-all forward and
+  backward, and a one-rank ``LinaDDP``; on the CPU the same checks (``auto`` against
+  ``reference``).
+* ``frontends``: GNN training (Vanilla and AdaQP), MoE training (Lina; with the 8-bit
+  all-to-all, 8-bit gradients and the pipelined chunks, merged or not; lina-overlap;
+  DeepSpeed when installed) and MoE inference, a few steps each at world size 1 on the
+  device, with the peak device memory of each (> 0 shows it ran there). The CPU's
+  ``--quick`` plan runs one launch of each entry point (:data:`CPU_QUICK_RUNS`).
 * ``shared``: 2-4 processes sharing the one GPU over gloo with CUDA tensors: the direct
   all_to_all and a multi-segment exchange against a point-to-point reference, and the
   gradient executor's ordering: ``finish()`` returns only once every reduction is in the
   gradients (NCCL refuses two ranks on one GPU, so this runs on gloo).
+* ``cuda_tests``: the test suite's ``cuda``-marked tests (``pytest -m "cuda and not slow"``
+  with ``--quick``), over the files that hold them only, when the package runs from a
+  repository checkout.
 
 The whole check has a deadline (``--deadline``, default 480 s = 8 minutes); each section has
-its share of it (:data:`SECTION_SHARES`, adding up to it): a section past its budget fails
-(a child process is killed; an in-process section is left behind on its thread) and the check
-goes on; none starts once the deadline is spent. What was skipped is printed at the end,
-one line each (``skipped: SECTION[/PART]: reason``) and listed in the JSON (``skipped``).
+its share of it (:data:`SECTION_SHARES`, from budgets derived from measured times:
+:data:`SECTION_BUDGET_S`): a section past its budget fails (a child process is killed with
+its process group; an in-process section is left behind on its thread) and the check goes
+on; none starts once the deadline is spent. What was skipped is printed at the end, one
+line each (``skipped: SECTION[/PART]: reason``) and listed in the JSON (``skipped``).
 
-Writes ``DIR/gpucheck.json`` and ``DIR/gpucheck.log``; exits 1 when a section failed. With
-``--device cpu`` the same code runs on the CPU (the kernel section is skipped): the test
-suite runs it that way.
+Writes ``DIR/gpucheck.json`` and ``DIR/gpucheck.log`` (default DIR ``runs/gpucheck-<time>``);
+exits 1 when a section failed. With ``--device cpu`` the same code runs on the CPU (what only a
+GPU runs is skipped, saying so): the test suite runs ``--device cpu --quick`` that way.
 """
 
 from __future__ import annotations
@@ -102,6 +114,35 @@ def _needs(module: str) -> None:
 
 
 # --------------------------------------------------------------------------- kernels
+def warm_kernels(device: torch.device, quick: bool) -> dict:
+    """Compile every Triton specialisation the later sections use (or load it from Triton's
+    on-disk cache, which the ``paths`` child then finds filled), one row each, so that the
+    ``kernels``, ``codec`` and ``paths`` budgets time checks, not cold compiles: quantize /
+    dequantize at the kernel shapes' and the codec's widths, row records at the record
+    widths, the allreduce's row width and the all-to-all check's, every width of bits."""
+    if device.type != "cuda":
+        raise _Skip("the Triton kernels need a CUDA device to compile for")
+    from ..quant.allreduce import ROW_VALUES
+    from ..quant.codec import decode_records, dequantize, encode_records, quantize
+    from ..quant.wire import BITS
+
+    flat = sorted({D for N, D in (KERNEL_SHAPES[:3] if quick else KERNEL_SHAPES) if N} | {256})
+    records = sorted(set(RECORD_WIDTHS[:3] if quick else RECORD_WIDTHS) | {ROW_VALUES, 129})
+    calls = 0
+    for D in flat:
+        x = torch.randn(1, D, device=device)
+        for b in BITS:
+            dequantize(quantize(x, b, seed=1, impl="triton"), impl="triton")
+            calls += 2
+    for D in records:
+        x = torch.randn(1, D, device=device)
+        for b in BITS:
+            decode_records(encode_records(x, b, 1, impl="triton"), b, D, impl="triton")
+            calls += 2
+    torch.cuda.synchronize(device)
+    return {"kernel_calls": calls, "flat_widths": flat, "record_widths": records}
+
+
 def check_kernels(device: torch.device, quick: bool) -> dict:
     """Triton against the reference, bit for bit, on the device."""
     if device.type != "cuda":
@@ -165,17 +206,34 @@ def check_codec(device: torch.device, quick: bool) -> dict:
 
 
 # --------------------------------------------------------------------------- front-ends
+# the new MoE paths of one run: 8-bit expert all-to-all, 8-bit gradient reduction, the chunked
+# all-to-all pipelined with the experts
+Q8_PIPELINE = ["--a2a-bits", "8", "--grad-bits", "8", "--chunks", "2", "--pipeline"]
+# the CPU's --quick plan (the test suite runs it): one launch of every entry point, the MoE
+# training one with every new path (Q8_PIPELINE and --merge); the others run on CUDA and in
+# the CPU's full plan
+CPU_QUICK_RUNS = ("gnn-vanilla", "moe-train-lina-merge", "moe-infer-lina")
+
+
 def frontend_runs(device: torch.device, quick: bool, out: Path) -> list[tuple[str, str, list[str], str | None]]:
-    """(name, module, argv, dependency) of each front-end run: a few steps, small sizes."""
+    """(name, module, argv, dependency) of each front-end run: a few steps, small sizes (a
+    GNN run on the default synthetic graph takes minutes on a CPU and shows nothing more)."""
     dev = ["--device", "cuda" if device.type == "cuda" else "cpu"]
     epochs = "2" if quick else "4"
+    graph = ["--syn-nodes", "2000", "--syn-edges", "10000", "--hidden", "32", "--layers", "2"]
     steps = ["--steps", "3", "--warmup", "1", "--probe-steps", "1", "--eval-batches", "1"]
     small = ["--batch-size", "2", "--seq-len", "32", "--d-model", "64", "--heads", "2", "--layers", "2",
              "--d-ff", "128", "--expert-hidden", "128", "--experts", "4"]
     return [
-        ("gnn-vanilla", "commsched.gnn.train", ["--mode", "vanilla", "--epochs", epochs, *dev], "pymetis"),
-        ("gnn-adaqp", "commsched.gnn.train", ["--mode", "adaqp", "--epochs", epochs, *dev], "ortools"),
+        ("gnn-vanilla", "commsched.gnn.train", ["--mode", "vanilla", "--epochs", epochs, *graph, *dev], "pymetis"),
+        ("gnn-adaqp", "commsched.gnn.train", ["--mode", "adaqp", "--epochs", epochs, *graph, *dev], "ortools"),
         ("moe-train-lina", "commsched.moe.train", ["--schedule", "lina", *steps, *small, *dev], None),
+        ("moe-train-lina-q8", "commsched.moe.train", ["--schedule", "lina", *Q8_PIPELINE, *steps, *small, *dev],
+         None),
+        ("moe-train-lina-merge", "commsched.moe.train",
+         ["--schedule", "lina", *Q8_PIPELINE, "--merge", *steps, *small, *dev], None),
+        ("moe-train-lina-overlap", "commsched.moe.train", ["--schedule", "lina-overlap", *steps, *small, *dev],
+         None),
         ("moe-train-deepspeed", "commsched.moe.train", ["--impl", "deepspeed", *steps, *small, *dev],
          "deepspeed"),
         # --compute real: the default, emulated, is the CPU model of an accelerator (refused on cuda)
@@ -216,6 +274,10 @@ def check_frontends(device: torch.device, quick: bool, out: Path, timeout_s: flo
     failed = False
     end = time.monotonic() + timeout_s
     for name, module, argv, dep in frontend_runs(device, quick, out):
+        if device.type != "cuda" and quick and name not in CPU_QUICK_RUNS:
+            res[name] = {"status": "skipped", "reason": "not in the CPU's --quick plan (one run of each entry point: "
+                         f"{', '.join(CPU_QUICK_RUNS)}); it runs on CUDA and in the CPU's full plan"}
+            continue
         if dep is not None and importlib.util.find_spec(dep) is None:
             res[name] = {"status": "skipped", "reason": f"{dep} is not installed"}
             continue
@@ -234,12 +296,11 @@ def check_frontends(device: torch.device, quick: bool, out: Path, timeout_s: flo
                "--out", str(run_dir), "--overwrite"]
         t = time.perf_counter()
         with open(run_dir / "log.txt", "w") as logf:
-            try:
-                rc = subprocess.run(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                    timeout=left).returncode
-                err = None if rc == 0 else f"exit status {rc}; log: {run_dir / 'log.txt'}"
-            except subprocess.TimeoutExpired:
-                err = f"ran past the {left:.0f} s left of the section's budget; log: {run_dir / 'log.txt'}"
+            rc = _run_in_own_group(cmd, left, env=env, stdout=logf, stderr=subprocess.STDOUT)
+        if rc is None:
+            err = f"ran past the {left:.0f} s left of the section's budget; log: {run_dir / 'log.txt'}"
+        else:
+            err = None if rc == 0 else f"exit status {rc}; log: {run_dir / 'log.txt'}"
         r: dict[str, Any] = {"status": "failed" if err else "ok", "seconds": time.perf_counter() - t,
                              "command": f"python -m {module} " + " ".join(argv)}
         if err:
@@ -261,7 +322,34 @@ def check_frontends(device: torch.device, quick: bool, out: Path, timeout_s: flo
             failed = True
         res[name] = r
     res["status"] = "failed" if failed else "ok"
+    if failed:
+        res["error"] = "failed: " + ", ".join(k for k, v in res.items() if isinstance(v, dict)
+                                               and v.get("status") == "failed")
     return res
+
+
+def _run_in_own_group(cmd: list[str], timeout_s: float, **kw) -> int | None:
+    """Run ``cmd`` as the leader of a new process group; its exit status, or None when it ran
+    past ``timeout_s``: then the whole group is killed (pytest's or a trainer's own children
+    included, so none lingers on the device)."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd, start_new_session=True, **kw)
+    try:
+        return proc.wait(timeout=max(timeout_s, 0.1))
+    except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return None
 
 
 # --------------------------------------------------------------------------- shared GPU, gloo
@@ -465,39 +553,314 @@ def check_nccl(device: torch.device, timeout_s: float = 60) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- new paths at world size 1
+RECORD_WIDTHS = (1, 7, 33, 127, 300)  # irregular row widths of the row-record check
+PATH_CHECKS = ("records", "allreduce_wire", "launcher", "a2a_q8", "ddp")
+
+
+def _fast_impl(dev: torch.device) -> str:
+    """The codec implementation a job runs on ``dev``: Triton on CUDA, ``auto`` on the CPU."""
+    return "triton" if dev.type == "cuda" else "auto"
+
+
+def _path_records(dev: torch.device, ref_pg, quick: bool) -> dict:
+    """Row records (``encode_records`` / ``decode_records``: payload row stride W = B + 8, the
+    metadata inside the record) on the device against the torch reference on the CPU, bit
+    for bit given the same keys, at irregular widths and every width of bits."""
+    from ..quant.codec import decode_records, encode_records
+    from ..quant.wire import BITS
+
+    g = torch.Generator().manual_seed(5)
+    impl, bad, n = _fast_impl(dev), [], 0
+    for D in RECORD_WIDTHS[:3] if quick else RECORD_WIDTHS:
+        x = torch.randn(37, D, generator=g) * 2 + 0.5
+        for b in BITS:
+            key = 1000 + 7 * D + b
+            ref = encode_records(x, b, key, impl="reference")
+            got = encode_records(x.to(dev), b, key, impl=impl)
+            same_r = bool(torch.equal(got.cpu(), ref))
+            same_d = bool(torch.equal(decode_records(got, b, D, impl=impl).cpu(),
+                                      decode_records(ref, b, D, impl="reference")))
+            n += 1
+            if not (same_r and same_d):
+                bad.append({"D": D, "bits": b, "records": same_r, "decoded": same_d})
+    return {"ok": not bad, "impl": impl, "cases": n, "mismatches": bad}
+
+
+def _path_allreduce_wire(dev: torch.device, ref_pg, quick: bool) -> dict:
+    """``quantized_all_reduce`` on the one-rank group past its one-rank shortcut
+    (``force_wire``): both phases' records, all_to_all_single and all_gather on the backend;
+    bit for bit the torch reference's result (the same call on the CPU over gloo)."""
+    from ..quant.allreduce import quantized_all_reduce
+
+    x = torch.randn(5003, generator=torch.Generator().manual_seed(6))
+    got = x.to(dev, copy=True)
+    quantized_all_reduce(got, bits=8, group=None, seed=3, impl=_fast_impl(dev), force_wire=True)
+    want = x.clone()
+    quantized_all_reduce(want, bits=8, group=ref_pg, seed=3, impl="reference", force_wire=True)
+    got = got.cpu()
+    err = float((got - x).abs().max())
+    bound = float(x.max() - x.min()) / 255 * 1.001  # one level step of the widest row
+    return {"ok": bool(torch.equal(got, want)) and err <= bound and not torch.equal(got, x),
+            "reference_equal": bool(torch.equal(got, want)), "max_error": err, "error_bound": bound}
+
+
+class _TwoRanks:
+    """A stand-in group of two ranks: the GradScheduler launches its operations (a one-rank
+    group would make them local); :class:`_OnGroup` sends them to the real one-rank group."""
+
+    def size(self) -> int:
+        return 2
+
+
+class _OnGroup:
+    """A launcher that hands each launch to ``launcher`` on ``group`` instead of the stand-in."""
+
+    takes_op = True
+
+    def __init__(self, launcher, group):
+        self.launcher, self.group = launcher, group
+
+    def __call__(self, flat, group, op=None):
+        return self.launcher(flat, self.group, op=op)
+
+
+def _launcher_grads(dev: torch.device, group, impl: str) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    from ..priority.executor import GradScheduler
+    from ..priority.policy import ScheduleConfig
+    from ..quant.allreduce import CompressedLauncher
+
+    params = [torch.nn.Parameter(torch.zeros(n, device=dev)) for n in (3000, 5, 700)]
+    ws = [torch.randn(p.numel(), generator=torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
+    launcher = CompressedLauncher(8, seed=1, impl=impl, force_wire=True)
+    try:
+        with GradScheduler([(p, _TwoRanks(), 1.0) for p in params], ScheduleConfig("lina", microop_bytes=4096),
+                           device=dev, launch=_OnGroup(launcher, group)) as s:
+            for _step in range(2):
+                for p in params:
+                    p.grad = None
+                s.begin_step()
+                sum((p * w.to(dev)).sum() for p, w in zip(params, ws)).backward()
+                s.finish()
+        return [p.grad.detach().cpu() for p in params], ws, launcher.summed
+    finally:
+        launcher.close()
+
+
+def _path_launcher(dev: torch.device, ref_pg, quick: bool) -> dict:
+    """``CompressedLauncher(force_wire=True)`` under the real GradScheduler and its executor
+    (event completion, the side stream, ``record_stream`` on CUDA), two steps: the gradients
+    are the reference's (the same launches on the CPU over gloo), bit for bit."""
+    got, ws, summed = _launcher_grads(dev, None, _fast_impl(dev))
+    want, _, _ = _launcher_grads(torch.device("cpu"), ref_pg, "reference")
+    same = all(torch.equal(a, b) for a, b in zip(got, want))
+    close = all(float((a - w).abs().max()) <= float(w.max() - w.min()) / 255 * 1.001 for a, w in zip(got, ws))
+    return {"ok": same and close and summed > 0, "reference_equal": same, "within_a_level": close,
+            "launches_summed": summed}
+
+
+def _path_a2a_q8(dev: torch.device, ref_pg, quick: bool) -> dict:
+    """The 8-bit expert all-to-all as ``--a2a-bits 8`` builds it (``moe_wires``: 8-bit rows
+    towards the experts, bfloat16 back; the backward pass the other way round), forward and
+    backward on the one-rank group (it encodes and decodes before the one-rank copy): equal
+    to the torch reference's encode / decode with the same keys."""
+    from ..all2all import all_to_all
+    from ..moe.dispatch import moe_wires
+    from ..quant.rowwire import QuantRows
+
+    g = torch.Generator().manual_seed(9)
+    x, gz = torch.randn(29, 3, 43, generator=g), torch.randn(29, 3, 43, generator=g)
+    w = moe_wires(8, 77, impl=_fast_impl(dev))
+    xd = x.to(dev, copy=True).requires_grad_()
+    y = all_to_all(xd, [29], wire=w.dispatch)  # rows to the experts: 8 bits
+    z = all_to_all(y, [29], wire=w.combine)  # back: bfloat16; its backward: 8 bits
+    z.backward(gz.to(dev))
+    ref = QuantRows(8, seed=77, impl="reference")  # its keys in the same order: forward, then backward
+    want_y = ref.decode(ref.encode(x), x.shape[1:], torch.float32)
+    want_z = want_y.bfloat16().float()
+    want_gx = ref.decode(ref.encode(gz), gz.shape[1:], torch.float32).bfloat16().float()
+    fwd = bool(torch.equal(z.detach().cpu(), want_z))
+    bwd = bool(torch.equal(xd.grad.cpu(), want_gx))
+    return {"ok": fwd and bwd, "forward_equal": fwd, "backward_equal": bwd}
+
+
+def _path_ddp(dev: torch.device, ref_pg, quick: bool) -> dict:
+    """A one-rank ``LinaDDP`` (``DistributedDataParallel`` with ``lina_hook``; DDP has no
+    one-rank shortcut, so its reducer calls the hook, and on CUDA the hook's futures carry
+    the device): two steps, the gradients equal the plain module's."""
+    import copy
+
+    from ..priority.ddp import LinaDDP
+    from ..priority.policy import ScheduleConfig
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(dev)
+    twin = copy.deepcopy(net)
+    kw: dict[str, Any] = {"device_ids": [dev]} if dev.type == "cuda" else {}
+    ddp = LinaDDP(net, schedule=ScheduleConfig("lina", microop_bytes=256), bucket_cap_mb=0.001, **kw)
+    err = 0.0
+    try:
+        for step in range(2):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).to(dev)
+            net.zero_grad(set_to_none=True)
+            twin.zero_grad(set_to_none=True)
+            ddp(x).square().sum().backward()
+            twin(x).square().sum().backward()
+            err = max(err, max(float((a.grad - b.grad).abs().max()) for a, b in zip(net.parameters(),
+                                                                                  twin.parameters())))
+        stats = ddp.lina.last_stats is not None
+    finally:
+        ddp.close()
+    return {"ok": err <= 1e-6 and stats, "max_error": err}
+
+
+def _paths_worker(init_file: str, device_name: str, quick: bool, q) -> None:
+    """The checks of :data:`PATH_CHECKS` on a one-rank group (NCCL with ``device_id`` on CUDA,
+    gloo on the CPU) plus a gloo group of the same rank for the CPU reference; each check
+    reports on its own (one failing does not hide the others). Puts (status, {check: result})."""
+    try:
+        import torch.distributed as dist
+
+        from ..dist import prepare_process_group_import
+
+        prepare_process_group_import()
+        dev = torch.device(device_name)
+        kw: dict[str, Any] = {}
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+            kw["device_id"] = dev
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"file://{init_file}",
+                                rank=0, world_size=1, timeout=datetime.timedelta(seconds=60), **kw)
+        ref_pg = dist.new_group([0], backend="gloo")  # the reference's CPU tensors
+        fns = {"records": _path_records, "allreduce_wire": _path_allreduce_wire, "launcher": _path_launcher,
+               "a2a_q8": _path_a2a_q8, "ddp": _path_ddp}
+        res: dict[str, Any] = {}
+        for name in PATH_CHECKS:
+            t = time.perf_counter()
+            try:
+                r = fns[name](dev, ref_pg, quick)
+                r["status"] = "ok" if r.pop("ok") else "failed"
+            except Exception as e:  # this check fails; the next one runs
+                r = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            r["seconds"] = time.perf_counter() - t
+            res[name] = r
+        dist.destroy_process_group()
+        q.put(("ok", res))
+    except BaseException:
+        q.put(("err", traceback.format_exc()))
+
+
+def check_paths(device: torch.device, quick: bool, timeout_s: float = 60) -> dict:
+    """The new paths at world size 1, past commsched's one-rank shortcuts, in a child process
+    (:data:`PATH_CHECKS`; :func:`_paths_worker`): row records, the compressed allreduce and
+    its launcher under the executor, the 8-bit all-to-all, LinaDDP. The same code runs on the
+    CPU (``auto`` against ``reference``). A hang ends at ``timeout_s`` with the child killed."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        p = ctx.Process(target=_paths_worker, args=(os.path.join(d, "rdzv"), str(device), quick, q))
+        p.start()
+        try:
+            status, res = q.get(timeout=timeout_s)
+        except Exception:
+            status, res = "hang", None
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    if status == "hang":
+        return {"status": "failed", "error": f"ran past its budget of {timeout_s:.0f} s (a hang?)"}
+    if status == "err":
+        return {"status": "failed", "error": res.strip().splitlines()[-1], "traceback": res}
+    failed = [k for k, v in res.items() if v["status"] != "ok"]
+    out: dict[str, Any] = dict(res)
+    if device.type != "cuda":
+        out["skipped"] = {"cuda": "the same checks ran with the CPU's codec (auto) against the reference "
+                          "over gloo; Triton, NCCL and the launcher's CUDA streams and events need a CUDA device"}
+    out["status"] = "failed" if failed else "ok"
+    if failed:
+        out["error"] = "failed: " + ", ".join(f"{k} ({res[k].get('error', 'mismatch')})" for k in failed)
+    return out
+
 # --------------------------------------------------------------------------- cuda tests
-def check_cuda_tests(device: torch.device, out: Path, timeout_s: float = 300) -> dict:
-    """The test suite's ``cuda``-marked tests (a repository checkout only)."""
+CUDA_MARK = "@pytest.mark.cuda"
+
+
+def cuda_test_files(root: Path) -> list[str]:
+    """The test files (relative to ``root``) that hold ``cuda``-marked tests: found by their
+    text, so pytest collects only these, not the whole suite with its heavy imports."""
+    tests = root / "tests"
+    return sorted(str(p.relative_to(root)) for p in tests.rglob("test_*.py") if CUDA_MARK in p.read_text())
+
+
+def cuda_tests_command(root: Path, quick: bool) -> list[str]:
+    """pytest over :func:`cuda_test_files` and the ``cuda`` mark (``quick``: not the slow ones)."""
+    marks = "cuda and not slow" if quick else "cuda"
+    return [sys.executable, "-m", "pytest", "-q", "-m", marks, "-p", "no:cacheprovider", *cuda_test_files(root)]
+
+
+def check_cuda_tests(device: torch.device, out: Path, timeout_s: float = 300, quick: bool = False) -> dict:
+    """The test suite's ``cuda``-marked tests (a repository checkout only), in their own
+    process group: past ``timeout_s`` the group is killed, pytest's pool children with it."""
     import subprocess
 
-    if device.type != "cuda":
-        raise _Skip("the cuda-marked tests need a CUDA device")
     root = Path(__file__).resolve().parents[2]
-    if not (root / "tests" / "conftest.py").exists():
+    has_suite = (root / "tests" / "conftest.py").exists()
+    if device.type != "cuda":
+        cmd = cuda_tests_command(root, quick)
+        what = (f" (there: pytest -m '{cmd[cmd.index('-m', 2) + 1]}' over the {len(cuda_test_files(root))} "
+                "files that hold them)") if has_suite else ""
+        raise _Skip(f"the cuda-marked tests need a CUDA device{what}")
+    if not has_suite:
         raise _Skip(f"no test suite beside the package ({root / 'tests'})")
     _needs("pytest")
     log = out / "cuda-tests.log"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"]
+    cmd = cuda_tests_command(root, quick)
     with open(log, "w") as f:
-        try:
-            rc = subprocess.run(cmd, cwd=root, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            return {"status": "failed", "error": f"ran past its budget of {timeout_s:.0f} s", "log": str(log)}
+        rc = _run_in_own_group(cmd, timeout_s, cwd=root, stdout=f, stderr=subprocess.STDOUT)
+    if rc is None:
+        return {"status": "failed", "error": f"ran past its budget of {timeout_s:.0f} s (its process group "
+                "was killed)", "log": str(log), "command": " ".join(cmd[1:])}
     tail = log.read_text().strip().splitlines()[-1:] or [""]
     return {"status": "ok" if rc == 0 else "failed", "summary": tail[0], "log": str(log),
             "command": " ".join(cmd[1:])}
 
 
 # --------------------------------------------------------------------------- main
-DEADLINE_S = 480.0  # the whole check's default deadline (8 minutes)
-# each section's share of the deadline (they add up to 1: one hang cannot overrun the total)
-SECTION_SHARES = {"kernels": 0.08, "codec": 0.05, "nccl": 0.07, "frontends": 0.45, "shared": 0.2,
-                  "cuda_tests": 0.15}
-SECTIONS = tuple(SECTION_SHARES)
+# Budgets, measured, not guessed. Each section's budget is its measured time times
+# BUDGET_MARGIN, rounded up to 5 s; the budgets add up to 450 s, inside the 480 s deadline
+# with 30 s left for the teardown joins of the sections' children, and section_budgets()
+# hands a deadline out in their proportion. MEASURED_CPU_S: the slowest of four runs of
+# `python -m commsched.bench.gpucheck --device cpu [--quick] --out DIR` (the full plan, procs
+# 2,4; the quick plan for codec) on the development machine, 2 cores shared with other jobs
+# at load averages 2.5-9, 2026-12-06:
+#   codec      0.1 0.1 0.1 (full)  0.7 (quick, load 9)
+#   nccl       4.3 10.8 4.7 5.7
+#   paths      8.1 5.6 4.5  (child spawn + the 5 checks; the checks themselves take 0.2 s)
+#   frontends  51.6 41.6    (the 8 runs, small sizes; 4.8-8.1 s each, mostly start-up)
+#   shared     61.8 21.4 20.0 90.7 (2 and 4 processes; 90.7 at load 9)
+# The CUDA-only sections cannot run there: MEASURED_CUDA_S are estimates from their work, to
+# be replaced by the "seconds" of a GPU run's gpucheck.json: warm ~54 Triton specialisations
+# at ~1 s each cold (the on-disk cache makes a second run take seconds); kernels 9-18
+# bit-exact cases, warm; cuda_tests the "cuda and not slow" tests of the 7 files holding
+# cuda marks (collection ~15 s, ~10 cases of 1-5 s).
+MEASURED_CPU_S = {"codec": 0.7, "nccl": 10.8, "paths": 8.1, "frontends": 51.6, "shared": 90.7}
+MEASURED_CUDA_S = {"warm": 60.0, "kernels": 5.0, "cuda_tests": 60.0}
+BUDGET_MARGIN = 1.5
+SECTIONS = ("warm", "kernels", "codec", "nccl", "paths", "frontends", "shared", "cuda_tests")
+_MEASURED_S = {**MEASURED_CUDA_S, **MEASURED_CPU_S}
+SECTION_BUDGET_S = {k: float(5 * -(-(BUDGET_MARGIN * _MEASURED_S[k]) // 5)) for k in SECTIONS}
+DEADLINE_S = 480.0  # the whole check's default deadline (8 minutes); the budgets fit in it
+# each section's share of a deadline: its budget over the default deadline (they add up to
+# 450/480: one hang cannot overrun the total, and the children's teardown has its reserve)
+SECTION_SHARES = {k: v / DEADLINE_S for k, v in SECTION_BUDGET_S.items()}
 
 
 def section_budgets(deadline_s: float) -> dict[str, float]:
-    """Seconds each section may take under an overall deadline (they add up to it). Pure."""
+    """Seconds each section may take under an overall deadline: :data:`SECTION_BUDGET_S`
+    scaled by ``deadline_s / DEADLINE_S`` (adding up to less than it: the reserve). Pure."""
     if not deadline_s > 0:
         raise ValueError(f"the deadline must be > 0 seconds, got {deadline_s}")
     return {k: deadline_s * v for k, v in SECTION_SHARES.items()}
@@ -555,13 +918,16 @@ def run_check(out: Path, device: torch.device, *, procs: tuple[int, ...] = (2, 4
     log = say or Log(out / "gpucheck.log")
     budgets = section_budgets(deadline_s)
     table: dict[str, Callable[[float], dict]] = {
+        "warm": lambda b: _with_budget(lambda: warm_kernels(device, quick), b)(),
         "kernels": lambda b: _with_budget(lambda: check_kernels(device, quick), b)(),
         "codec": lambda b: _with_budget(lambda: check_codec(device, quick), b)(),
         "nccl": lambda b: check_nccl(device, timeout_s=b),
+        "paths": lambda b: check_paths(device, quick, timeout_s=b),
         "frontends": lambda b: check_frontends(device, quick, out, timeout_s=b),
         "shared": lambda b: check_shared(device, procs, timeout_s=b),
-        "cuda_tests": lambda b: check_cuda_tests(device, out, timeout_s=b),
+        "cuda_tests": lambda b: check_cuda_tests(device, out, timeout_s=b, quick=quick),
     }
+    assert tuple(table) == SECTIONS
     info: dict[str, Any] = {"device": str(device), "torch": torch.__version__,
                             "cuda": torch.version.cuda, "command": " ".join(sys.argv),
                             "deadline_s": deadline_s}
@@ -596,9 +962,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m commsched.bench.gpucheck",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, default=None, help="output folder (default runs/gpucheck-<time>)")
     p.add_argument("--device", choices=DEVICE_CHOICES, default="cuda")
-    p.add_argument("--procs", default="2,4", help="process counts sharing the device")
+    p.add_argument("--procs", default=None, help="process counts sharing the device (default 2,4; "
+                   "2 with --quick on the CPU)")
     p.add_argument("--quick", action="store_true", help="fewer shapes, smaller runs")
     p.add_argument("--sections", default=None, help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--deadline", type=float, default=DEADLINE_S,
@@ -609,14 +976,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"gpucheck: {e}", file=sys.stderr)
         return 2
-    procs = tuple(int(x) for x in a.procs.split(",") if x)
+    procs_arg = a.procs or ("2" if a.quick and device.type != "cuda" else "2,4")
+    procs = tuple(int(x) for x in procs_arg.split(",") if x)
+    out = a.out or Path("runs") / f"gpucheck-{time.strftime('%Y%m%d-%H%M%S')}"
     sections = tuple(a.sections.split(",")) if a.sections else None
     unknown = sorted(set(sections or ()) - set(SECTIONS))
     if unknown or not a.deadline > 0:
         print(f"gpucheck: unknown sections {unknown} (choose from {','.join(SECTIONS)})" if unknown
               else f"gpucheck: --deadline must be > 0, got {a.deadline}", file=sys.stderr)
         return 2
-    res = run_check(a.out, device, procs=procs, quick=a.quick, sections=sections, deadline_s=a.deadline)
+    res = run_check(out, device, procs=procs, quick=a.quick, sections=sections, deadline_s=a.deadline)
     print(json.dumps({k: v.get("status") for k, v in res.items() if isinstance(v, dict) and "status" in v}))
     return 0 if res["ok"] else 1
 

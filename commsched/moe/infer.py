@@ -85,10 +85,16 @@ from .infer_run import run, run_inference
 
 __all__ = ["InferConfig", "PlacementConfig", "EmulationConfig", "TraceDriverConfig", "ModelDriverConfig",
            "InferMetrics", "Setup", "Driver", "TraceDriver", "ModelDriver", "DRIVER_CLASSES", "DRIVERS",
-           "COMPUTES", "EXCHANGES", "build", "run", "run_inference", "summarize", "job_device"]
+           "COMPUTES", "EXCHANGES", "build", "main", "run", "run_inference", "summarize", "job_device"]
 
 
-if __name__ == "__main__":  # python -m commsched.moe.infer: the command line is infer_cli's
-    from .infer_cli import main
+def main(argv=None) -> int:
+    """``python -m commsched.moe.infer ARGS``: the command line (:func:`commsched.moe.infer_cli.main`,
+    imported when called: the CLI imports this module); what the GPU check and the benches call."""
+    from .infer_cli import main as cli_main
 
+    return cli_main(argv)
+
+
+if __name__ == "__main__":
     raise SystemExit(main())

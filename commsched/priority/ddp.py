@@ -153,6 +153,15 @@ def check_ddp(owner: nn.Module, params: Iterable[torch.Tensor]) -> None:
     setattr(owner, _CHECKED_ATTR, id(ddp))
 
 
+def _any_nonzero(tensors: list[torch.Tensor]) -> bool:
+    """Whether any element of ``tensors`` is nonzero (NaN counts): the per-tensor flags are
+    stacked on each device and read back once per device, not once per tensor."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t.ne(0).any())
+    return any(bool(torch.stack(flags).any()) for flags in by_device.values())
+
+
 class LinaState:
     """The state of :func:`lina_hook` on ``ddp``: one :class:`GradScheduler` over DDP's
     parameters (reported by the hook) and the marked ones (hooked), and the observer the
@@ -253,6 +262,7 @@ class LinaState:
         back at its end (exact, as DDP). A reduced sum that local accumulation was added to
         since (``no_sync`` passes without ``zero_grad``) cannot be split again: refused."""
         self._stash = []
+        moved: list[tuple[str, torch.Tensor]] = []  # written since the reduction: zeroed, or added to
         for name, p, _ in self._grouped:
             rec = self._reduced.get(id(p))
             g = p.grad
@@ -261,14 +271,19 @@ class LinaState:
             if g._version == rec[1]:
                 self._stash.append((p, g))
                 p.grad = None
-            elif bool(g.any()):
-                raise RuntimeError(
-                    f"LinaDDP: the gradient of expert parameter {name!r} holds the last step's reduced sum "
-                    "with local gradients added since (backward passes inside no_sync() after a "
-                    "synchronising one, without zero_grad): its parts cannot be told apart. Call "
-                    "optimizer.zero_grad() after each optimizer step, or run every micro-batch but the "
-                    "last inside no_sync()")
+            else:
+                moved.append((name, g))
         self._reduced.clear()
+        # zero_grad(set_to_none=False) moves every version each step: one device read per step
+        # and device for all of them (not one per parameter), the culprit named only on error
+        if moved and _any_nonzero([g for _, g in moved]):
+            name = next(n for n, g in moved if bool(g.any()))
+            raise RuntimeError(
+                f"LinaDDP: the gradient of expert parameter {name!r} holds the last step's reduced sum "
+                "with local gradients added since (backward passes inside no_sync() after a "
+                "synchronising one, without zero_grad): its parts cannot be told apart. Call "
+                "optimizer.zero_grad() after each optimizer step, or run every micro-batch but the "
+                "last inside no_sync()")
 
     def _bucket(self, bucket) -> torch.futures.Future:
         sched = self._sched

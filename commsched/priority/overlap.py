@@ -59,10 +59,10 @@ from ..dist import (
     CommError,
     all_gather_object,
     control_device,
+    control_group,
     peer_failure_hint,
     unresponsive_note,
 )
-from ..dist import new_group as cs_new_group
 from .bind import bind_new_group
 from .buckets import LOCAL
 from .executor import GradScheduler
@@ -108,8 +108,9 @@ class OverlapScheduler(GradScheduler):
         assert isinstance(self._policy, OverlapPolicy)
         self._find_unused_flags, self._find_unused = self._find_unused, False  # exchanged at end_backward_async
         dist_on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        # every rank makes the control group here, at construction, like every group
-        self._ctrl = cs_new_group(list(range(dist.get_world_size()))) if dist_on else None
+        # every rank makes the control group here, at construction, like every group: gloo
+        # (CPU agreement tensors only), so a CUDA job gives it no NCCL communicator
+        self._ctrl = control_group(list(range(dist.get_world_size()))) if dist_on else None
         self._members: list[tuple[int, ...] | None] = []
         for g in self._groups:
             if g is LOCAL or not dist_on or (g is not None and not isinstance(g, dist.ProcessGroup)):

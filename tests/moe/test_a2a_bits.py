@@ -366,7 +366,7 @@ def test_the_wire_reads_nothing_back_on_the_host(monkeypatch):
     assert x.grad is not None and y2.dtype == torch.bfloat16
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+@pytest.mark.cuda  # conftest skips it without a device; gpucheck runs -m cuda
 def test_records_on_cuda_are_the_reference_and_never_synchronise():
     x = torch.randn(37, 129, generator=torch.Generator().manual_seed(3))
     key = 4242

@@ -318,3 +318,48 @@ def results2():
 @pytest.mark.parametrize("name", [n for n, _ in CASES2])
 def test_two_ranks(results2, name):
     assert_case(results2, name)
+
+
+def test_the_stash_check_reads_the_device_once_per_step_not_per_expert_parameter(monkeypatch):
+    """audit 3, item 11: zero_grad(set_to_none=False) moves every expert gradient's version
+    each step; the check that none holds local additions reads the device once for all of
+    them, and still names the parameter when one does."""
+    import weakref
+
+    from commsched.priority.ddp import LinaState
+
+    params = [nn.Parameter(torch.zeros(5)) for _ in range(6)]
+    for p in params:
+        p.grad = torch.randn(5)
+
+    def state_after_a_step():
+        st = LinaState.__new__(LinaState)  # only the stash's state: no DDP, no process group
+        st._grouped = [(f"experts.{i}", p, None) for i, p in enumerate(params)]
+        st._reduced = {id(p): (weakref.ref(p.grad), p.grad._version) for p in params}
+        st._stash = []
+        return st
+
+    reads = []
+    real_bool = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(1) or real_bool(t))
+    # zeroed in place (the optimizer's zero_grad(set_to_none=False)): one read, nothing stashed
+    st = state_after_a_step()
+    for p in params:
+        p.grad.zero_()
+    st._stash_reduced()
+    assert len(reads) == 1 and st._stash == [] and st._reduced == {}
+    assert all(p.grad is not None for p in params)
+    # untouched: set aside without reading anything
+    reads.clear()
+    st = state_after_a_step()
+    st._stash_reduced()
+    assert reads == [] and len(st._stash) == 6 and all(p.grad is None for p in params)
+    for p, g in st._stash:
+        p.grad = g
+    # local gradients added to one reduced sum: the same error as before, naming it
+    st = state_after_a_step()
+    for p in params:
+        p.grad.zero_()
+    params[4].grad.add_(1.0)
+    with pytest.raises(RuntimeError, match=r"'experts.4' holds the last step's reduced sum with local gradients"):
+        st._stash_reduced()
