@@ -155,7 +155,8 @@ def render_page(data: Mapping) -> str:
                 fig += " (run the command, then `commsched results --from-summary OUT/summary.json --row " + r["id"] + "`)"
             elif r.get("detail"):
                 fig += f"; {r['detail']}"
-            out.append(f"| {_cell(r['headline'])} | {_cell(fig)} | {_cell(r.get('goal') or '-')} "
+            # each row carries its id as an anchor: guides link to `results.md#<row id>`
+            out.append(f"| <a id=\"{r['id']}\"></a>{_cell(r['headline'])} | {_cell(fig)} | {_cell(r.get('goal') or '-')} "
                        f"| {_cell(met_text(r))} | `{_cell(r['command'])}` |")
             if r.get("limit") and r.get("figure") is not None:
                 limits.append(f"- *{r['headline']}* ({_num(r['figure'])}{r.get('unit', '')}): {r['limit']}")

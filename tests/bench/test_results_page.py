@@ -41,6 +41,7 @@ def test_page_has_every_row_and_links_its_method_pages(data):
         assert (ROOT / "docs" / s["method"]).exists(), s["method"]
         for r in s["rows"]:
             assert r["headline"].replace("|", "\\|") in page
+            assert f'<a id="{r["id"]}"></a>' in page, r["id"]  # guides link to results.md#<row id>
     for r in rp.rows(data):  # a miss says what limits it
         if r.get("figure") is not None and str(r.get("met", "")).startswith("no"):
             assert r.get("limit"), r["id"]

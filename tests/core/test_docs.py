@@ -121,3 +121,17 @@ def test_links_between_pages_resolve():
                 if not (p.parent / target).exists() and target != "results.md":
                     bad.append(f"{p.relative_to(ROOT)}:{i}: {target}")
     assert not bad, "links to pages that do not exist:\n" + "\n".join(bad)
+
+
+def test_links_into_the_results_page_name_a_row_or_a_section():
+    page = (DOCS / "results.md").read_text()
+    anchors = set(re.findall(r'<a id="([^"]+)"></a>', page)) | {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#+\s+(.*)$", page, re.M)}
+    bad = []
+    for p in sorted(DOCS.rglob("*.md")) + [ROOT / "README.md"]:
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            for anchor in re.findall(r"\]\((?:docs/)?results\.md#([^)\s]+)\)", line):
+                if anchor not in anchors:
+                    bad.append(f"{p.relative_to(ROOT)}:{i}: results.md#{anchor}")
+    assert not bad, "links to rows or sections that results.md lacks:\n" + "\n".join(bad)
