@@ -112,7 +112,9 @@ def commands() -> list[Command]:
     out += [Command(f"commsched bench {n}", bench_parser(WORKLOADS[n])) for n in sorted(WORKLOADS)]
     out += [Command("commsched netem", netem_parser()),
             Command("commsched partition", partition_parser()),
-            Command("commsched topology", text=cli.TOPOLOGY_HELP)]
+            Command("commsched datasets", parser_of(importlib.import_module("commsched.gnn.datasets_cli").main)),
+            Command("commsched topology", text=cli.TOPOLOGY_HELP),
+            Command("commsched results", parser_of(importlib.import_module("commsched.bench.results_page").main))]
     for mod in _MAIN_MODULES:
         p = parser_of(importlib.import_module(mod).main)
         name = p.prog if p.prog.startswith(("commsched ", "python -m ")) else f"python -m {mod}"
