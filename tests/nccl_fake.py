@@ -120,7 +120,7 @@ def order_violations(logs: Sequence[Sequence[Entry]], notes: Sequence[Sequence[s
             bad_groups.add(g)
             if k is None:
                 k = min(len(a), len(b))
-            show = lambda s: str(s[k]) if k < len(s) else f"nothing (it issued {len(s)} ops)"  # noqa: E731
+            show = lambda s, k=k: str(s[k]) if k < len(s) else f"nothing (it issued {len(s)} ops)"  # noqa: E731
             out.append(f"group {g}: op {k} differs between its members: rank {ref} issued {show(a)}, "
                        f"rank {r} issued {show(b)}")
             break

@@ -548,7 +548,8 @@ class CompressedLauncher:
             self._thread.join(self.close_timeout_s)
             if self._thread.is_alive():
                 warnings.warn(f"CompressedLauncher.close(): the worker did not stop within "
-                              f"{self.close_timeout_s:.0f} s (a sum waits for a peer); left behind", RuntimeWarning)
+                              f"{self.close_timeout_s:.0f} s (a sum waits for a peer); left behind", RuntimeWarning,
+                              stacklevel=2)
             self._thread = None
 
     def __enter__(self) -> "CompressedLauncher":

@@ -75,8 +75,8 @@ def test_no_process_words_in_any_help():
 
 
 def test_every_command_has_help_and_a_reference_entry():
-    from commsched.bench.workloads import WORKLOADS
     from commsched.bench.docgen import commands
+    from commsched.bench.workloads import WORKLOADS
 
     names = [c.name for c in commands()]
     assert len(names) == len(set(names))
