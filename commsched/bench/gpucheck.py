@@ -454,6 +454,24 @@ def check_shared(device: torch.device, procs: tuple[int, ...], timeout_s: float 
 
 
 # --------------------------------------------------------------------------- NCCL at world size 1
+def _init_one_rank(init_file: str, device_name: str) -> torch.device:
+    """A one-rank default group on ``device_name``: NCCL bound to the device (an eager
+    communicator: a bad device fails here, not later) on CUDA, gloo on the CPU."""
+    import torch.distributed as dist
+
+    from ..dist import prepare_process_group_import
+
+    prepare_process_group_import()
+    dev = torch.device(device_name)
+    kw: dict[str, Any] = {}
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        kw["device_id"] = dev
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"file://{init_file}",
+                            rank=0, world_size=1, timeout=datetime.timedelta(seconds=60), **kw)
+    return dev
+
+
 def _nccl_worker(init_file: str, device_name: str, q) -> None:
     """torch.distributed's own calls on a one-rank group (NCCL on CUDA, gloo on the CPU),
     bypassing commsched's one-rank shortcuts; puts (status, {check: bool}, {check: reason})."""
@@ -461,17 +479,9 @@ def _nccl_worker(init_file: str, device_name: str, q) -> None:
         import torch.distributed as dist
 
         from ..clock import Clock
-        from ..dist import prepare_process_group_import
 
-        prepare_process_group_import()
-        dev = torch.device(device_name)
-        kw: dict[str, Any] = {}
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-            kw["device_id"] = dev  # eager communicator: a bad device fails here, not later
+        dev = _init_one_rank(init_file, device_name)
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=60), **kw)
         res: dict[str, bool] = {}
         skipped: dict[str, str] = {}
         clock = Clock(dev)
@@ -721,16 +731,7 @@ def _paths_worker(init_file: str, device_name: str, quick: bool, q) -> None:
     try:
         import torch.distributed as dist
 
-        from ..dist import prepare_process_group_import
-
-        prepare_process_group_import()
-        dev = torch.device(device_name)
-        kw: dict[str, Any] = {}
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-            kw["device_id"] = dev
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"file://{init_file}",
-                                rank=0, world_size=1, timeout=datetime.timedelta(seconds=60), **kw)
+        dev = _init_one_rank(init_file, device_name)
         ref_pg = dist.new_group([0], backend="gloo")  # the reference's CPU tensors
         fns = {"records": _path_records, "allreduce_wire": _path_allreduce_wire, "launcher": _path_launcher,
                "a2a_q8": _path_a2a_q8, "ddp": _path_ddp}
