@@ -33,7 +33,7 @@ is kept in a small per-process table until the group is destroyed (the one piece
 module state here: open connections, like torch's own table of groups).
 
 ``observer`` (an :class:`~commsched.observe.A2AObserver`, for example the gradient
-scheduler of :mod:`commsched.priority.executor`) is told when the exchange starts and ends
+scheduler of :mod:`commsched.priority.runtime.executor`) is told when the exchange starts and ends
 (``a2a_begin(bytes sent to peers)`` / ``a2a_end``) and how long the caller was blocked in it,
 in the forward pass and again for the reverse exchange autograd runs in the backward pass.
 ``backward_block`` marks the expert block of an MoE layer in the backward pass: the

@@ -35,9 +35,9 @@ commands:
 
 # entry points, imported when their command runs
 _COMMANDS = {
-    "netem": "commsched.netem:main",
-    "partition": "commsched.gnn.partition_cli:main",
-    "datasets": "commsched.gnn.datasets_cli:main",
+    "netem": "commsched.cluster.netem:main",
+    "partition": "commsched.gnn.graph.partition_cli:main",
+    "datasets": "commsched.gnn.graph.datasets_cli:main",
     "demo": "commsched.bench.demo:main",
     "results": "commsched.bench.results_page:main",
 }
@@ -133,7 +133,7 @@ def _topology(argv: Sequence[str]) -> int:
 def _build_topology(a):
     """The topology the parsed ``commsched topology`` arguments ask for (None on ranks
     other than 0 of a probe); ValueError for a wrong combination."""
-    from .topology import DEFAULT_INTER, DEFAULT_INTRA, Topology
+    from .cluster.topology import DEFAULT_INTER, DEFAULT_INTRA, Topology
 
     layout = a.hosts is not None or a.nproc is not None
     given = [n for n, on in (("--file", a.file is not None), ("--hosts/--nproc", layout),
@@ -153,8 +153,8 @@ def _build_topology(a):
     if layout:
         if a.hosts is None or a.nproc is None:
             raise ValueError("a hand-built layout needs both --hosts K and --nproc N (ranks per host)")
-        from .costmodel import LinkCost
-        from .netem import parse_optional_rate
+        from .cluster.costmodel import LinkCost
+        from .cluster.netem import parse_optional_rate
 
         def cost(cls: str, default: LinkCost) -> LinkCost:
             rate, lat = getattr(a, f"{cls}_rate"), getattr(a, f"{cls}_latency_us")
@@ -174,8 +174,8 @@ def _build_topology(a):
                 raise ValueError(f"{flag} must be an integer >= 1, got {v}")
         return Topology.grid(a.hosts, a.nproc, intra=cost("intra", DEFAULT_INTRA),
                              inter=cost("inter", DEFAULT_INTER))
+    from .cluster.topology import PROBE_SIZES
     from .dist import group_device, init_distributed
-    from .topology import PROBE_SIZES
 
     try:
         sizes = PROBE_SIZES if a.sizes is None else tuple(int(x) for x in a.sizes.split(","))

@@ -3,7 +3,7 @@
 An MoE layer reports each of its exchanges (``a2a_begin`` / ``a2a_end``), the expert block
 of its backward pass (``block_begin`` / ``block_end``) and the time its compute thread
 spent blocked on an exchange (``a2a_blocked``) to the :class:`A2AObserver` it was built
-with. Implementations: the gradient scheduler of :mod:`commsched.priority.executor` and
+with. Implementations: the gradient scheduler of :mod:`commsched.priority.runtime.executor` and
 :class:`A2ATimer`. ``commsched.all_to_all(..., observer=)`` and ``all_to_all_async`` report
 to one in both directions (the forward exchange and the reverse one of the backward pass),
 through :class:`A2AReport`, so any expert-parallel layer built on them is observed.

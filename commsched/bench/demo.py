@@ -2,9 +2,9 @@
 
 1. GNN: Vanilla against AdaQP, GCN on a seeded synthetic graph, 4 ranks, under the
    bench's emulated communication-bound rate when run as root (unshaped otherwise, with
-   a note saying what that means). See ``commsched.bench.gnn_demo``.
+   a note saying what that means). See ``commsched.bench.gnn.demo``.
 2. MoE: a short inference run comparing static expert placement with Lina's two-phase
-   placement on synthetic routing traces. See ``commsched.bench.moe_infer``.
+   placement on synthetic routing traces. See ``commsched.bench.moe.infer``.
 
 Results land under ``--out`` (default ``runs/demo``).
 """
@@ -26,11 +26,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="where the ranks compute (auto: CUDA when every rank has its own GPU)")
     a = p.parse_args(list(argv or []))
-    from .gnn_demo import main as gnn_demo
+    from .gnn.demo import main as gnn_demo
 
     rc = gnn_demo(["--out", str(a.out / "gnn"), "--nproc", str(a.nproc), "--device", a.device])
     if rc or a.skip_moe:
         return rc
-    from .moe_demo import main as moe_demo
+    from .moe.demo import main as moe_demo
 
     return moe_demo(["--out", str(a.out / "moe"), "--nproc", str(a.nproc), "--device", a.device])

@@ -33,12 +33,12 @@ API_PACKAGES = ("commsched", "commsched.quant", "commsched.priority", "commsched
 
 # ``python -m`` front-ends, each parser taken from its ``main``
 _MAIN_MODULES = (
-    "commsched.gnn.train", "commsched.moe.train", "commsched.moe.infer_cli",
-    "commsched.moe.record", "commsched.bench.demo", "commsched.bench.gnn_demo",
-    "commsched.bench.moe_demo", "commsched.bench.gnn_sweep", "commsched.bench.gnn_accuracy",
-    "commsched.bench.gnn_tta", "commsched.bench.gnn_kipf", "commsched.bench.placement_report",
-    "commsched.bench.a2a_parity", "commsched.bench.overlap_profile", "commsched.bench.all2all",
-    "commsched.bench.hier_check", "commsched.bench.netem_check", "commsched.bench.gpucheck",
+    "commsched.gnn.train", "commsched.moe.train", "commsched.moe.infer.cli",
+    "commsched.moe.record", "commsched.bench.demo", "commsched.bench.gnn.demo",
+    "commsched.bench.moe.demo", "commsched.bench.gnn.sweep", "commsched.bench.gnn.accuracy",
+    "commsched.bench.gnn.tta", "commsched.bench.gnn.kipf", "commsched.bench.moe.placement_report",
+    "commsched.bench.moe.a2a_parity", "commsched.bench.micro.overlap_profile", "commsched.bench.micro.all2all",
+    "commsched.bench.micro.hier_check", "commsched.bench.micro.netem_check", "commsched.bench.gpucheck",
     "commsched.bench.docgen",
 )
 
@@ -102,8 +102,8 @@ def _printed(main: Callable[[Sequence[str]], object], argv: Sequence[str]) -> st
 def commands() -> list[Command]:
     """Every command and ``python -m`` front-end, in the order docs/cli.md lists them."""
     from .. import cli
-    from ..gnn.partition_cli import build_parser as partition_parser
-    from ..netem import build_parser as netem_parser
+    from ..cluster.netem import build_parser as netem_parser
+    from ..gnn.graph.partition_cli import build_parser as partition_parser
     from .runner import build_parser as bench_parser
     from .workloads import WORKLOADS
 
@@ -112,13 +112,13 @@ def commands() -> list[Command]:
     out += [Command(f"commsched bench {n}", bench_parser(WORKLOADS[n])) for n in sorted(WORKLOADS)]
     out += [Command("commsched netem", netem_parser()),
             Command("commsched partition", partition_parser()),
-            Command("commsched datasets", parser_of(importlib.import_module("commsched.gnn.datasets_cli").main)),
+            Command("commsched datasets", parser_of(importlib.import_module("commsched.gnn.graph.datasets_cli").main)),
             Command("commsched topology", text=cli.TOPOLOGY_HELP),
             Command("commsched results", parser_of(importlib.import_module("commsched.bench.results_page").main))]
     for mod in _MAIN_MODULES:
         p = parser_of(importlib.import_module(mod).main)
         name = p.prog if p.prog.startswith(("commsched ", "python -m ")) else f"python -m {mod}"
-        if mod == "commsched.moe.infer_cli":
+        if mod == "commsched.moe.infer.cli":
             name = "python -m commsched.moe.infer"
         p.prog = name
         out.append(Command(name, p))

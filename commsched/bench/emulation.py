@@ -1,6 +1,6 @@
 """Bench glue for the bandwidth emulator: ``--bandwidth/--hosts/--host-rate/--delay`` and
 ``--link-model`` of ``commsched bench`` become a :class:`~commsched.bench.runner.RunContext`
-whose commands run under :mod:`commsched.netem` (the emulator itself knows nothing of
+whose commands run under :mod:`commsched.cluster.netem` (the emulator itself knows nothing of
 benchmarks).
 
 Link models (``--link-model``, :data:`LINK_MODELS`; the loopback and the hosts layouts):
@@ -27,8 +27,8 @@ import shutil
 import sys
 from typing import Callable, Sequence
 
-from .. import netem
-from ..netem import (
+from ..cluster import netem
+from ..cluster.netem import (
     MAX_HOSTS,
     RDZV_PORT,
     NetemError,
@@ -61,7 +61,7 @@ def netem_prefix(rate_bps: int | None, hosts: int = 1, delay_ms: float | None = 
     """The ``commsched netem ... --`` prefix that runs a command under this emulation.
 
     It loads the emulator's file on its own (:data:`_STANDALONE`) rather than
-    ``-m commsched.netem``: importing the package may import torch, seconds per run on a
+    ``-m commsched.cluster.netem``: importing the package may import torch, seconds per run on a
     busy machine, and the emulator needs only the standard library.
     """
     cmd = [python, "-c", _STANDALONE, os.path.abspath(netem.__file__),

@@ -393,8 +393,8 @@ def _shared_worker(rank: int, world: int, init_file: str, device_name: str, q) -
 def _executor_check(rank: int, world: int, dev: torch.device) -> bool:
     """Gradients reduced by the Lina executor are the ranks' mean, read right after
     ``finish()`` (no race: finish returns only when every reduction is in place)."""
-    from ..priority.executor import GradScheduler
     from ..priority.policy import ScheduleConfig
+    from ..priority.runtime.executor import GradScheduler
 
     params = [torch.nn.Parameter(torch.zeros(n, device=dev)) for n in (70_000, 3, 40_000, 1)]
     cfg = ScheduleConfig("lina", microop_bytes=16 << 10)
@@ -636,8 +636,8 @@ class _OnGroup:
 
 
 def _launcher_grads(dev: torch.device, group, impl: str) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
-    from ..priority.executor import GradScheduler
     from ..priority.policy import ScheduleConfig
+    from ..priority.runtime.executor import GradScheduler
     from ..quant.allreduce import CompressedLauncher
 
     params = [torch.nn.Parameter(torch.zeros(n, device=dev)) for n in (3000, 5, 700)]
@@ -675,7 +675,7 @@ def _path_a2a_q8(dev: torch.device, ref_pg, quick: bool) -> dict:
     backward on the one-rank group (it encodes and decodes before the one-rank copy): equal
     to the torch reference's encode / decode with the same keys."""
     from ..all2all import all_to_all
-    from ..moe.dispatch import moe_wires
+    from ..moe.model.dispatch import moe_wires
     from ..quant.rowwire import QuantRows
 
     g = torch.Generator().manual_seed(9)

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from . import all2all, assign, gnn, moe_infer, moe_train, quant
 from .emulation import bench_context
+from .gnn import compare as gnn
+from .micro import all2all, assign, quant
+from .moe import infer as moe_infer
+from .moe import train as moe_train
 from .runner import RunContext, Workload, run_workload
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (

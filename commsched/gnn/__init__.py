@@ -10,26 +10,26 @@ from .._lazy import lazy_getattr
 # name -> submodule
 _EXPORTS: dict[str, str] = {
     # graphs
-    "Graph": "data", "GraphSource": "data", "SyntheticSpec": "data", "load_graph": "data",
-    "load_dataset": "data", "synthetic_graph": "data", "from_pyg": "data", "from_edges": "data",
-    "save_graph": "data", "graph_fingerprint": "data",
+    "Graph": "graph.data", "GraphSource": "graph.data", "SyntheticSpec": "graph.data", "load_graph": "graph.data",
+    "load_dataset": "graph.data", "synthetic_graph": "graph.data", "from_pyg": "graph.data", "from_edges": "graph.data",
+    "save_graph": "graph.data", "graph_fingerprint": "graph.data",
     # partitioning
-    "PartitionBook": "book", "build_book": "book", "build_books": "book",
-    "partition_nodes": "partition", "make_parts": "partition", "PartData": "partition",
-    "save_partition": "partition", "load_part": "partition",
+    "PartitionBook": "graph.book", "build_book": "graph.book", "build_books": "graph.book",
+    "partition_nodes": "graph.partition", "make_parts": "graph.partition", "PartData": "graph.partition",
+    "save_partition": "graph.partition", "load_part": "graph.partition",
     # exchange, layers, training
-    "HaloExchange": "halo", "VanillaExchange": "halo", "ZeroExchange": "halo",
-    "MODES": "modes", "make_exchange": "modes", "ExchangeConfig": "modes", "mode_config": "modes",
-    "LAYERS": "models", "FastLayer": "models", "PyGLayer": "models", "AdaQPExchange": "adaqp",
-    "AdaQPOptions": "adaqp_plan", "PassContext": "context", "GNNMetrics": "metrics",
-    "DistMessagePassing": "layers", "GCNConv": "layers",
-    "SAGEConv": "layers", "DistGNN": "layers", "LocalGraph": "layers",
+    "HaloExchange": "exchange.halo", "VanillaExchange": "exchange.halo", "ZeroExchange": "exchange.halo",
+    "MODES": "exchange.modes", "make_exchange": "exchange.modes", "ExchangeConfig": "exchange.modes", "mode_config": "exchange.modes",
+    "LAYERS": "nn.models", "FastLayer": "nn.models", "PyGLayer": "nn.models", "AdaQPExchange": "exchange.adaqp",
+    "AdaQPOptions": "exchange.adaqp_plan", "PassContext": "context", "GNNMetrics": "train.metrics",
+    "DistMessagePassing": "nn.layers", "GCNConv": "nn.layers",
+    "SAGEConv": "nn.layers", "DistGNN": "nn.layers", "LocalGraph": "nn.layers",
     "Breakdown": "timing", "BREAKDOWN_KEYS": "timing",
-    "TrainConfig": "trainer", "Trainer": "trainer", "run_training": "trainer",
-    "allreduce_grads": "trainer",
+    "TrainConfig": "train.trainer", "Trainer": "train.trainer", "run_training": "train.trainer",
+    "allreduce_grads": "train.trainer",
     # PyG layers and own loops
-    "DistGraph": "pyg", "DistributedLayer": "pyg", "distributed": "pyg", "LayerKind": "pyg",
-    "LAYER_KINDS": "pyg", "layer_kind": "pyg",
+    "DistGraph": "nn.pyg", "DistributedLayer": "nn.pyg", "distributed": "nn.pyg", "LayerKind": "nn.pyg",
+    "LAYER_KINDS": "nn.pyg", "layer_kind": "nn.pyg",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -16,7 +16,7 @@ before it is built, since DDP broadcasts rank 0's parameters at construction)::
 Design: a real ``register_comm_hook`` hook can carry the policy. DDP hands the hook each
 bucket (in bucket order, once every gradient of it is ready) and waits for the returned
 futures only at the end of the backward pass. :func:`lina_hook` reports the bucket's
-gradients (views of its buffer) to one :class:`~commsched.priority.executor.GradScheduler`,
+gradients (views of its buffer) to one :class:`~commsched.priority.runtime.executor.GradScheduler`,
 which cuts them into micro-ops and launches them when the policy allows -- after the
 all-to-all that the MoE layers report to the same state (it is an
 :class:`~commsched.observe.A2AObserver`: register it with the layers' ``A2AEvents``) --
@@ -48,13 +48,13 @@ the scheduler's operation order follows it from the next step (every rank sees D
 order, which DDP takes from rank 0, so every rank rebuilds alike).
 
 Grouped parameters. A parameter marked with :func:`set_grad_group` (the expert-parallel
-:class:`~commsched.moe.layer.MoELayer` marks its experts) is not data-parallel over DDP's
+:class:`~commsched.moe.model.layer.MoELayer` marks its experts) is not data-parallel over DDP's
 group: each rank holds different values. :func:`ignore_grouped_params` (done by
 :class:`LinaDDP`) keeps DDP away from them -- no broadcast from rank 0 at construction, no
 averaging -- and the state reduces their gradients itself: scaled by 1 / (DDP's world size)
 and summed over their own group (the expert-data-parallel group of ranks holding the same
 experts; none when the expert-parallel group spans every rank), as
-:mod:`commsched.moe.trainer` and DeepSpeed MoE do. They are hooked directly (their gradient
+:mod:`commsched.moe.train.trainer` and DeepSpeed MoE do. They are hooked directly (their gradient
 does not pass through DDP's buckets) and reduced after DDP's buckets. :func:`check_ddp`
 (called by the MoE layer's forward pass) raises when a plain DDP reduces such parameters
 or leaves their gradients to nobody.
@@ -74,8 +74,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..dist import new_group
 from ..observe import A2AEvents
-from .executor import GradScheduler, group_size
 from .policy import ScheduleConfig
+from .runtime.executor import GradScheduler, group_size
 
 GRAD_GROUP_ATTR = "_commsched_grad_group"  # on a parameter: its GradGroup
 STATE_ATTR = "_commsched_lina"  # on a DistributedDataParallel: its LinaState
@@ -85,7 +85,7 @@ _CHECKED_ATTR = "_commsched_ddp_checked"  # on a layer: id of the DDP it was che
 @dataclass(frozen=True)
 class GradGroup:
     """Where a parameter's gradient is reduced instead of DDP's group: summed over ``group``
-    (a process group, or :data:`~commsched.priority.executor.LOCAL` for no communication)
+    (a process group, or :data:`~commsched.priority.runtime.executor.LOCAL` for no communication)
     after scaling by 1 / ``world``, the data-parallel world size the layout assumes (for
     experts: expert-parallel size x expert-data-parallel group size)."""
 

@@ -30,7 +30,7 @@ rule of :mod:`commsched.priority.policy`), never in reaction to a completion, so
 three phases are issued together when the policy launches the operation, one after another
 on the executor's side stream (each waits for the one before it on the device).
 
-The executor (:class:`~commsched.priority.executor.GradScheduler`) sends an operation over
+The executor (:class:`~commsched.priority.runtime.executor.GradScheduler`) sends an operation over
 all ranks through these phases when it is at least ``ScheduleConfig.hier_min_bytes`` long;
 smaller ones stay flat (their NIC bytes save less than two more collectives cost).
 
@@ -56,16 +56,16 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..topology import Topology
+from ..cluster.topology import Topology
 
 INTRA, INTER, GATHER = "intra", "inter", "gather"  # the phases of one operation
 
 
 class HostLayout:
-    """The hierarchy's view of a :class:`~commsched.topology.Topology` (pure): its ranks on
+    """The hierarchy's view of a :class:`~commsched.cluster.topology.Topology` (pure): its ranks on
     its hosts, every host holding the same number of them. Built from a topology, or from
     ``hosts_P`` (rank r on host ``hosts_P[r]``: :meth:`Topology.from_hosts
-    <commsched.topology.Topology.from_hosts>`). Hosts are numbered by their first rank; a
+    <commsched.cluster.topology.Topology.from_hosts>`). Hosts are numbered by their first rank; a
     host's ranks keep their order (local rank l is the l-th of them)."""
 
     def __init__(self, topology: Topology | Sequence[str]):
@@ -165,7 +165,7 @@ class HierGroups:
 def make_hier(hosts_P: Topology | Sequence[str], *, threads: int | None = None,
               say: Callable[[str], None] | None = None) -> HierGroups | None:
     """The groups of the hierarchical reduction over ranks on hosts ``hosts_P`` (a
-    :class:`~commsched.topology.Topology`, or the host of each rank), or None when
+    :class:`~commsched.cluster.topology.Topology`, or the host of each rank), or None when
     the hierarchy is the flat reduction (one host, or one rank per host): then rank 0 says so
     once (``say``, default: a line on stderr) and the caller reduces flat. Uneven hosts are a
     ValueError. Collective."""

@@ -5,7 +5,7 @@ a gradient micro-op became ready, an operation finished, the expert block of a b
 pass began or ended, the backward pass ended) and :meth:`Policy.next_ops` answers which
 operations to launch now, all-to-alls first. The discrete-event simulator
 (:mod:`commsched.priority.sim`) and the executor on real process groups
-(:mod:`commsched.priority.executor`) drive the same class, built by :func:`make_policy`
+(:mod:`commsched.priority.runtime.executor`) drive the same class, built by :func:`make_policy`
 from the same :class:`ScheduleConfig` (one set of defaults: what the simulator checks is
 what runs).
 
@@ -36,7 +36,7 @@ Schedules (:data:`SCHEDULES`, a :class:`~commsched.configurable.Registry` of
   behind every all-to-all of this rank (those of the next forward pass), while the
   optimizer steps each parameter group as soon as its reduction ends and the next forward
   pass waits, module by module, only for its own parameters
-  (:mod:`commsched.priority.overlap`). Which micro-ops are still to launch differs between
+  (:mod:`commsched.priority.runtime.overlap`). Which micro-ops are still to launch differs between
   ranks under the ``completion`` rule, so the ranks agree on it first
   (:attr:`OverlapPolicy.wants_agreement`, :meth:`OverlapPolicy.agree`: the largest count
   launched on any rank); under ``program`` it is the same everywhere already.
@@ -305,7 +305,7 @@ class ScheduleConfig(Config):
     @property
     def overlapped(self) -> bool:
         """Whether the step leaves its reduction running into the next forward pass
-        (``lina-overlap``: :mod:`commsched.priority.overlap` steps the optimizer per group)."""
+        (``lina-overlap``: :mod:`commsched.priority.runtime.overlap` steps the optimizer per group)."""
         return self.schedule.overlapped
 
     @property

@@ -3,9 +3,9 @@
 Legend: none (parameters and gradients keep their own shapes).
 
 Under ``fifo``, ``lina`` and ``serial`` a step reduces every gradient
-(:meth:`GradScheduler.finish <commsched.priority.executor.GradScheduler.finish>`) and then
+(:meth:`GradScheduler.finish <commsched.priority.runtime.executor.GradScheduler.finish>`) and then
 steps one optimizer; under ``lina-overlap`` the reduction runs into the next forward pass
-and one optimizer per module steps there (:mod:`commsched.priority.overlap`). A training
+and one optimizer per module steps there (:mod:`commsched.priority.runtime.overlap`). A training
 loop should not care which: :class:`GradStep` is what both look like from the loop, as
 torchtitan's ``OptimizersContainer`` and its optimizers-in-backward twin share one
 ``step()``. :func:`make_grad_step` picks the implementation from the schedule::
@@ -25,7 +25,7 @@ Timings are the dictionaries of :meth:`GradScheduler.finish` (``a2a_time_s``,
 ``a2a_blocked_s``, ``allreduce_time_s``, ``allreduce_wait_s``, ``backward_end_s``,
 ``allreduce_in_backward_share``, ...); :attr:`GradStep.records` are the timeline records of
 the step whose timings were returned last. :meth:`GradStep.state_dict` is the optimizer's
-own (one ``torch.optim`` state, or :class:`~commsched.priority.overlap.OverlapOptimizer`'s
+own (one ``torch.optim`` state, or :class:`~commsched.priority.runtime.overlap.OverlapOptimizer`'s
 list of them), so checkpoints are what they were before this interface.
 """
 
@@ -40,18 +40,18 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dist import all_gather_object
-from .executor import GradScheduler
 from .fallback import PROBE_WARMUP, Decision, FallbackProbe
-from .overlap import OverlapOptimizer, OverlapScheduler
 from .policy import ScheduleConfig
-from .records import OpRecord
+from .runtime.executor import GradScheduler
+from .runtime.overlap import OverlapOptimizer, OverlapScheduler
+from .runtime.records import OpRecord
 
 MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 class GradStep:
     """The step interface (module docstring). ``entries``, ``cfg`` and ``sched_kw`` are the
-    scheduler's (:class:`~commsched.priority.executor.GradScheduler`); it is built by
+    scheduler's (:class:`~commsched.priority.runtime.executor.GradScheduler`); it is built by
     :meth:`open` (collective over the ranks, as every scheduler's construction is)."""
 
     def __init__(self, entries: Sequence[tuple], cfg: ScheduleConfig, **sched_kw: Any):
@@ -236,9 +236,9 @@ class ReduceThenStep(GradStep):
 
 
 class OverlapStep(GradStep):
-    """``lina-overlap``: an :class:`~commsched.priority.overlap.OverlapOptimizer` (one
+    """``lina-overlap``: an :class:`~commsched.priority.runtime.overlap.OverlapOptimizer` (one
     optimizer per module, built by ``make_optimizer``) bound to an
-    :class:`~commsched.priority.overlap.OverlapScheduler`. :meth:`before_backward` ends the
+    :class:`~commsched.priority.runtime.overlap.OverlapScheduler`. :meth:`before_backward` ends the
     previous step (normally nothing is left); :meth:`after_backward` returns at once unless
     ``sync``. Closing removes the optimizer's forward pre-hooks."""
 

@@ -9,7 +9,7 @@ it is specific to MoE:
   about to wait for (an expert all-to-all, a pipeline-parallel send or receive of
   activations, any collective on the critical path). They are launched at once.
 * *background* operations -- the allreduce micro-ops of
-  :class:`~commsched.priority.executor.GradScheduler`: a gradient reduction cut into
+  :class:`~commsched.priority.runtime.executor.GradScheduler`: a gradient reduction cut into
   equal micro-ops (``ScheduleConfig.microop_bytes``), each launched by the scheduler's
   ``launch`` (an asynchronous ``all_reduce`` by default, any collective on the chunk
   otherwise). Under ``lina`` none is launched while an urgent operation is waiting or in
@@ -29,7 +29,7 @@ it, and reports its end when :meth:`UrgentOp.wait` returns::
         op.wait()                       # the send had the link, within the credit
         sched.finish()
 
-In ``sched.records`` an urgent operation is an :class:`~commsched.priority.executor.OpRecord`
+In ``sched.records`` an urgent operation is an :class:`~commsched.priority.runtime.executor.OpRecord`
 of kind ``"a2a"`` (the policy's name for the urgent kind), with its ready, start and end
 times.
 """
@@ -85,7 +85,7 @@ class UrgentOp:
 def urgent(observer: A2AObserver, start: Callable[..., Any], *args: Any, nbytes: int = 0,
            device: torch.device | str | None = None, **kwargs: Any) -> UrgentOp:
     """Launch ``start(*args, **kwargs)`` as an urgent operation of ``observer`` (a
-    :class:`~commsched.priority.executor.GradScheduler`, or any all-to-all observer).
+    :class:`~commsched.priority.runtime.executor.GradScheduler`, or any all-to-all observer).
 
     The observer is told first (``a2a_begin(nbytes)``), so from now until
     :meth:`UrgentOp.wait` returns a ``lina`` scheduler launches no background micro-op

@@ -31,15 +31,15 @@ _CODEC_EXPORTS: dict[str, str] = {
 
 # name -> submodule, for the bit-width assignment problem and its solvers
 _ASSIGN_EXPORTS: dict[str, str] = {
-    "MessageGroup": "assign",
-    "Channel": "assign",
-    "assign_bitwidths": "assign",
-    "BitwidthAssignment": "assign",
-    "assign_many": "assign",
-    "AssignmentProblem": "assign",
-    "evaluate_assignment": "assign",
-    "group_messages": "assign",
-    "expand_group_bits": "assign",
+    "MessageGroup": "widths.assign",
+    "Channel": "widths.assign",
+    "assign_bitwidths": "widths.assign",
+    "BitwidthAssignment": "widths.assign",
+    "assign_many": "widths.assign",
+    "AssignmentProblem": "widths.assign",
+    "evaluate_assignment": "widths.assign",
+    "group_messages": "widths.assign",
+    "expand_group_bits": "widths.assign",
 }
 
 _EXPORTS = {**_CODEC_EXPORTS, **_ASSIGN_EXPORTS}

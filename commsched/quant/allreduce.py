@@ -282,7 +282,7 @@ class _CompressedWork:
 
 
 class CompressedLauncher:
-    """A launcher for :class:`commsched.priority.executor.GradScheduler` (``launch=``) that
+    """A launcher for :class:`commsched.priority.runtime.executor.GradScheduler` (``launch=``) that
     sums each launched operation with :func:`quantized_all_reduce` at ``bits``.
 
     The two phases of a compressed sum need the decoded bytes of the first before the second

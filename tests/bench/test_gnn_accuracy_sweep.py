@@ -1,4 +1,4 @@
-"""The accuracy grid (commsched.bench.gnn_accuracy) and the rate sweep (commsched.bench.gnn_sweep):
+"""The accuracy grid (commsched.bench.gnn.accuracy) and the rate sweep (commsched.bench.gnn.sweep):
 their pure parts on hand-worked examples, and the sweep's --collect path end to end on
 stored bench summaries. No training runs here (those are the benchmarks)."""
 

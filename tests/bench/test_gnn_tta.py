@@ -1,4 +1,4 @@
-"""The time-to-accuracy report of ``commsched bench gnn`` (commsched/bench/gnn_tta.py), pure:
+"""The time-to-accuracy report of ``commsched bench gnn`` (commsched/bench/gnn/tta.py), pure:
 the time-to-target computation on hand-made curves, the aggregation over seeds, the
 target from Vanilla's best, the table, the plot, and the bench's variants and summary
 with ``--metric time-to-acc``."""
@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from commsched.bench.gnn_tta import (
+from commsched.bench.gnn.tta import (
     TimeToTarget,
     pick_score,
     run_curve,
@@ -242,7 +242,7 @@ def test_adaptive_bench_names():
     """``adaptive`` is in the time-to-accuracy comparison; ``-ebX`` sets its error budget,
     ``-avg`` its link model; ``-eb`` on another mode is refused."""
     from commsched.bench import gnn
-    from commsched.bench.gnn import mode_args
+    from commsched.bench.gnn.compare import mode_args
 
     assert "adaptive" in gnn.TTA_MODES
     assert mode_args("adaptive-eb0.5") == ("--mode", "adaptive", "--error-budget", "0.5")

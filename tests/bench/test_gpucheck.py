@@ -141,7 +141,7 @@ def test_every_frontend_run_parses_its_own_arguments(tmp_path):
     from commsched.gnn import train as gnn_train
     from commsched.moe import train as moe_train
     from commsched.moe.infer import InferConfig
-    from commsched.moe.infer_cli import build_parser, config_from_args
+    from commsched.moe.infer.cli import build_parser, config_from_args
 
     for quick in (True, False):
         runs = gpucheck.frontend_runs(torch.device("cuda"), quick, tmp_path)

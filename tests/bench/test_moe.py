@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from commsched.bench import build_parser, load_workload
-from commsched.moe.train import build_parser as train_parser
-from commsched.moe.train import config_from_args
+from commsched.moe.train.cli import build_parser as train_parser
+from commsched.moe.train.cli import config_from_args
 
 
 def _fake_metrics(step: float, a2a: float, alone: float | None, losses: list[float]) -> dict:
@@ -42,7 +42,7 @@ def test_workload_variants_parse_as_training_configs(tmp_path):
 def test_grad_bits_variants(tmp_path):
     """--grad-bits B adds fifo-gB, lina-gB, lina-overlap-gB; with --a2a-bits A the three
     -qA-gB too, each the same run as its base variant with --grad-bits B (and --a2a-bits A)."""
-    from commsched.bench.moe_train import compressed, ours
+    from commsched.bench.moe.train import compressed, ours
 
     wl = load_workload("moe-train")
     names = [v.name for v in wl.variants(build_parser(wl).parse_args(["--grad-bits", "8"]))]
@@ -127,7 +127,7 @@ def test_collective_link_model_binds_the_commsched_reductions(tmp_path):
 def test_overlap_bound_is_the_larger_of_compute_and_link():
     """Hand-worked: 4 ranks share one 8 Mbit/s link (1e6 B/s); the ring allreduce of 1 MiB
     puts 2 * 3 * 1 MiB on it (6.29 s), the all-to-all 0.5 s more."""
-    from commsched.bench.moe_train import overlap_bound
+    from commsched.bench.moe.train import overlap_bound
 
     link, bound = overlap_bound(2.0, 1 << 20, 0.5, 4, 8e6)
     assert abs(link - (6 * (1 << 20) / 1e6 + 0.5)) < 1e-9 and bound == link
@@ -150,7 +150,7 @@ def test_a2a_parity_widths_and_plot(tmp_path):
     takes every label."""
     import pytest
 
-    from commsched.bench.a2a_parity import gaps, main, parse_width, plot, width_label
+    from commsched.bench.moe.a2a_parity import gaps, main, parse_width, plot, width_label
 
     assert [parse_width(t) for t in ("32", "8", "g8", "8g16")] == [(32, 32), (8, 32), (32, 8), (8, 16)]
     assert [width_label(*parse_width(t)) for t in ("32", "8", "g8", "8g16")] == ["32", "8", "g8", "8g16"]
@@ -170,7 +170,7 @@ def test_step_after_probe_leaves_out_the_probe_and_the_step_after_it():
     """The steady-state step time: the median of the steps after the fallback probe (steps
     PROBE_WARMUP .. PROBE_WARMUP + 2 probes - 1) and the one step after it that may carry the
     last probe step's overlapped reduction; None when a run has no such step."""
-    from commsched.bench.moe_train import after_probe_start, step_after_probe
+    from commsched.bench.moe.train import after_probe_start, step_after_probe
     from commsched.priority.fallback import PROBE_WARMUP
 
     assert after_probe_start(2) == PROBE_WARMUP + 5 and after_probe_start(0) == PROBE_WARMUP + 1

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from commsched.bench import results_page as rp
-from commsched.bench.gnn_tta import tta_rows
+from commsched.bench.gnn.tta import tta_rows
 from commsched.results import write_json
 
 ROOT = Path(__file__).resolve().parents[2]

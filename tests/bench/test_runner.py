@@ -23,7 +23,7 @@ from commsched.bench import (
 )
 from commsched.bench.emulation import netem_prefix
 from commsched.bench.runner import _stop
-from commsched.netem import check_requirements
+from commsched.cluster.netem import check_requirements
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -111,8 +111,8 @@ def test_inline_workload_refuses_emulation(tmp_path):
 def test_torchrun_workload_end_to_end(tmp_path):
     """Two tiny torchrun variants (2 ranks each), repeated and interleaved; checks files and ratios."""
     wl = Workload(name="check", description="check", key_metrics=("a2a_time_s", "bytes_sent_total"),
-                  variants=lambda a: [Variant("direct", "commsched.bench.netem_check", ("--pattern", "direct", "--scale", "2")),
-                                      Variant("ring", "commsched.bench.netem_check", ("--pattern", "ring", "--scale", "2"))])
+                  variants=lambda a: [Variant("direct", "commsched.bench.micro.netem_check", ("--pattern", "direct", "--scale", "2")),
+                                      Variant("ring", "commsched.bench.micro.netem_check", ("--pattern", "ring", "--scale", "2"))])
     lines: list[str] = []
     s = run_bench(wl, ["--nproc", "2", "--out", str(tmp_path), "--timeout", "120", "--bandwidth", "none"],
                   progress=lines.append)
@@ -236,9 +236,9 @@ def test_bench_gnn_compares_within_each_model_and_says_what_to_pick(tmp_path, ca
     import argparse
 
     from commsched.bench import load_workload
-    from commsched.bench.gnn import PICK_ACC_TOLERANCE, baseline_of, summarize
+    from commsched.bench.gnn.compare import PICK_ACC_TOLERANCE, baseline_of, summarize
     from commsched.bench.runner import build_parser, summary_markdown
-    from commsched.gnn.modes import MODE_NAMES
+    from commsched.gnn.exchange.modes import MODE_NAMES
 
     wl = load_workload("gnn")
     runs = {"gcn-vanilla": [_gnn_rows("gcn", "vanilla", 2.0, 0.80)],

@@ -295,7 +295,7 @@ def test_control_device_is_the_cpu_on_gloo():
 
 def test_bench_inter_host_bytes_from_the_topology():
     from commsched import Topology
-    from commsched.bench.all2all import inter_host_bytes
+    from commsched.bench.micro.all2all import inter_host_bytes
 
     # 2 hosts x 2 ranks, 10 B per ordered pair: 8 pairs cross hosts; each host sends 2 x 2 x 10
     assert inter_host_bytes(Topology.grid(2, 2), 10) == (80, 40)
@@ -309,7 +309,7 @@ def test_bench_inter_host_bytes_from_the_topology():
 def test_bench_variants_per_transport():
     import argparse
 
-    from commsched.bench.all2all import WORKLOAD
+    from commsched.bench.micro.all2all import WORKLOAD
 
     def names(transports: str) -> list[tuple[str, tuple]]:
         a = argparse.Namespace(sizes=None, min_time=1.0, device="cpu", transports=transports)

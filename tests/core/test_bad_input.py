@@ -51,7 +51,7 @@ def _bad_crc(src: Path, dst: Path) -> Path:
 
 # --------------------------------------------------------------------------- file readers
 def test_graph_file_corrupt_kinds_name_the_file(tmp_path):
-    from commsched.gnn.data import load_graph
+    from commsched.gnn.graph.data import load_graph
 
     good = tmp_path / "good.npz"
     np.savez(good, **_graph_arrays())
@@ -70,9 +70,9 @@ def test_graph_file_corrupt_kinds_name_the_file(tmp_path):
 
 
 def test_graph_without_training_nodes_is_refused(tmp_path):
-    from commsched.gnn.data import from_edges, load_graph
-    from commsched.gnn.partition import make_parts
-    from commsched.gnn.trainer import TrainConfig, Trainer
+    from commsched.gnn.graph.data import from_edges, load_graph
+    from commsched.gnn.graph.partition import make_parts
+    from commsched.gnn.train.trainer import TrainConfig, Trainer
 
     a = _graph_arrays()
     a["train_masks"] = np.zeros(6, bool)
@@ -88,7 +88,7 @@ def test_graph_without_training_nodes_is_refused(tmp_path):
 
 
 def _parts(tmp_path: Path) -> Path:
-    from commsched.gnn.partition_cli import main as partition_main
+    from commsched.gnn.graph.partition_cli import main as partition_main
 
     folder = tmp_path / "parts"
     assert partition_main(SYN + ["--parts", "1", "--method", "random", "--out", str(folder)]) == 0
@@ -96,7 +96,7 @@ def _parts(tmp_path: Path) -> Path:
 
 
 def test_partition_folder_corrupt_kinds_name_the_file(tmp_path):
-    from commsched.gnn.partition import load_part
+    from commsched.gnn.graph.partition import load_part
 
     folder = _parts(tmp_path)
     load_part(folder, 0, 1)
@@ -142,9 +142,9 @@ def test_torch_files_load_only_weights(tmp_path):
 
 
 def test_gnn_checkpoint_truncated_names_the_file(tmp_path):
-    from commsched.gnn.data import SyntheticSpec, synthetic_graph
-    from commsched.gnn.partition import make_parts
-    from commsched.gnn.trainer import TrainConfig, run_training
+    from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
+    from commsched.gnn.graph.partition import make_parts
+    from commsched.gnn.train.trainer import TrainConfig, run_training
 
     g = synthetic_graph(SyntheticSpec(num_nodes=120, num_edges=500, num_features=4, num_classes=3))
     part = make_parts(g, np.zeros(g.num_nodes, np.int64), 1)[0]
@@ -162,7 +162,12 @@ def test_gnn_checkpoint_truncated_names_the_file(tmp_path):
 
 
 def test_trace_file_corrupt_kinds_name_the_file(tmp_path):
-    from commsched.moe.traces import SyntheticTraceConfig, load_trace, save_trace, synthetic_trace
+    from commsched.moe.record.traces import (
+        SyntheticTraceConfig,
+        load_trace,
+        save_trace,
+        synthetic_trace,
+    )
 
     good = tmp_path / "t.npz"
     save_trace(good, synthetic_trace(SyntheticTraceConfig(num_tokens=256, num_layers=2, num_experts=4)))
@@ -185,7 +190,7 @@ def test_trace_file_corrupt_kinds_name_the_file(tmp_path):
 
 
 def test_corpus_empty_missing_or_folder_names_the_file(tmp_path):
-    from commsched.moe.data import load_corpus
+    from commsched.moe.model.data import load_corpus
 
     empty = tmp_path / "empty.txt"
     empty.write_text("")
@@ -201,8 +206,8 @@ def test_corpus_empty_missing_or_folder_names_the_file(tmp_path):
 
 
 def test_moe_checkpoint_corrupt_names_the_file(tmp_path):
-    from commsched.moe.model import ModelConfig, MoETransformerLM
-    from commsched.moe.recorder import load_checkpoint, save_checkpoint
+    from commsched.moe.model.lm import ModelConfig, MoETransformerLM
+    from commsched.moe.record.recorder import load_checkpoint, save_checkpoint
 
     f = tmp_path / "lm.pt"
     save_checkpoint(f, MoETransformerLM(ModelConfig(d_model=8, n_heads=2, d_ff=8, expert_hidden=8, seq_len=8)))
@@ -216,9 +221,9 @@ def test_moe_checkpoint_corrupt_names_the_file(tmp_path):
 
 # --------------------------------------------------------------------------- degenerate settings
 def test_degenerate_settings_are_refused():
-    from commsched.gnn.trainer import TrainConfig as GNNConfig
-    from commsched.moe.model import ModelConfig
-    from commsched.moe.training import TrainConfig as MoEConfig
+    from commsched.gnn.train.trainer import TrainConfig as GNNConfig
+    from commsched.moe.model.lm import ModelConfig
+    from commsched.moe.train.training import TrainConfig as MoEConfig
 
     for kw, pat in ((dict(lr=-1.0), "--lr must be a finite number > 0"), (dict(lr=0.0), "--lr"),
                     (dict(lr=float("nan")), "--lr"), (dict(weight_decay=-0.1), "--weight-decay"),
@@ -283,18 +288,18 @@ def _no_work(monkeypatch, module: str, name: str):
 def test_uncreatable_or_used_out_is_refused_before_any_work(front, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("COMMSCHED_PROGRESS", "0")
     if front == "gnn":
-        from commsched.gnn.train import main
+        from commsched.gnn.train.cli import main
         _no_work(monkeypatch, "commsched.gnn.train", "obtain_part")
         args = ["--device", "cpu", "--epochs", "1"]
         prog = "commsched.gnn.train"
     elif front == "moe-train":
-        from commsched.moe.train import main
+        from commsched.moe.train.cli import main
         _no_work(monkeypatch, "commsched.moe.train", "train")
         args = ["--device", "cpu", "--steps", "1", "--warmup", "0"]
         prog = "commsched.moe.train"
     else:
-        from commsched.moe.infer_cli import main
-        _no_work(monkeypatch, "commsched.moe.infer_cli", "run")
+        from commsched.moe.infer.cli import main
+        _no_work(monkeypatch, "commsched.moe.infer.cli", "run")
         args = ["--batches", "1", "--warmup", "0"]
         prog = "commsched.moe.infer"
     (tmp_path / "file").write_text("x")
@@ -313,7 +318,7 @@ def test_uncreatable_or_used_out_is_refused_before_any_work(front, tmp_path, mon
 
 
 def test_gnn_cli_failed_run_leaves_marker_and_overwrite_replaces(tmp_path, monkeypatch, capsys):
-    from commsched.gnn.train import main
+    from commsched.gnn.train.cli import main
 
     monkeypatch.setenv("COMMSCHED_PROGRESS", "0")
     out = tmp_path / "run"
@@ -333,8 +338,8 @@ def test_gnn_cli_failed_run_leaves_marker_and_overwrite_replaces(tmp_path, monke
 
 
 def test_moe_cli_detected_errors_are_one_line(tmp_path, monkeypatch, capsys):
-    from commsched.moe.infer_cli import main as infer_main
-    from commsched.moe.train import main as train_main
+    from commsched.moe.infer.cli import main as infer_main
+    from commsched.moe.train.cli import main as train_main
 
     monkeypatch.setenv("COMMSCHED_PROGRESS", "0")
     empty = tmp_path / "empty.txt"
@@ -359,7 +364,7 @@ def test_moe_cli_detected_errors_are_one_line(tmp_path, monkeypatch, capsys):
 
 
 def test_record_refuses_its_out_before_training(tmp_path, capsys):
-    from commsched.moe.record import main
+    from commsched.moe.record.cli import main
 
     (tmp_path / "file").write_text("x")
     t = time.perf_counter()
@@ -389,7 +394,7 @@ def _moe_train_cli_on_ranks(rank: int, world: int, out: str) -> tuple[int, str]:
     import contextlib
     import io
 
-    from commsched.moe.train import main
+    from commsched.moe.train.cli import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):  # main keeps the harness's group and ends it
@@ -440,8 +445,8 @@ def test_messages_carry_no_foreign_advice(tmp_path):
     """Round 3 of the fault probe: a garbage torch file loses torch's "weights_only=False"
     advice, a text file given as a graph loses numpy's allow_pickle hint, a non-UTF-8
     topology file is named."""
-    from commsched.gnn.data import load_graph
-    from commsched.topology import Topology
+    from commsched.cluster.topology import Topology
+    from commsched.gnn.graph.data import load_graph
 
     bad = tmp_path / "part0.pt"
     bad.write_bytes(bytes(range(256)) * 12)

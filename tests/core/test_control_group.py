@@ -26,8 +26,8 @@ def test_control_group_asks_for_gloo_whatever_the_default_backend(monkeypatch):
 def _overlap_ctrl(rank: int, world: int) -> dict:
     """An OverlapScheduler's control group: how it was made, its backend, and a two-step run
     whose end-of-backward agreement goes over it (gradients: the ranks' mean)."""
-    from commsched.priority.overlap import OverlapOptimizer, OverlapScheduler
     from commsched.priority.policy import ScheduleConfig
+    from commsched.priority.runtime.overlap import OverlapOptimizer, OverlapScheduler
     from tests.priority.test_overlap import OPTIMIZERS, _batch, _Net
 
     made = []

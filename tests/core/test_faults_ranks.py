@@ -50,9 +50,9 @@ def _survive(body) -> dict:
 
 # --------------------------------------------------------------------------- the three jobs
 def _gnn(rank: int, world: int, how: str, stamp: str) -> dict:
-    from commsched.gnn.data import SyntheticSpec, synthetic_graph
-    from commsched.gnn.partition import make_parts, partition_nodes
-    from commsched.gnn.trainer import TrainConfig, run_training
+    from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
+    from commsched.gnn.graph.partition import make_parts, partition_nodes
+    from commsched.gnn.train.trainer import TrainConfig, run_training
 
     g = synthetic_graph(SyntheticSpec(num_nodes=120, num_edges=500, num_features=6, num_classes=3,
                                       communities_per_class=1, seed=3))
@@ -67,9 +67,9 @@ def _gnn(rank: int, world: int, how: str, stamp: str) -> dict:
 
 
 def _moe_cfg(world: int, steps: int, schedule: str = "lina", **kw):
-    from commsched.moe.layer import DispatchConfig
-    from commsched.moe.model import ModelConfig
-    from commsched.moe.trainer import TrainConfig
+    from commsched.moe.model.layer import DispatchConfig
+    from commsched.moe.model.lm import ModelConfig
+    from commsched.moe.train.trainer import TrainConfig
     from commsched.priority.policy import ScheduleConfig
 
     model = ModelConfig(d_model=16, n_heads=2, n_layers=2, seq_len=8, d_ff=24, expert_hidden=20,
@@ -81,7 +81,7 @@ def _moe_cfg(world: int, steps: int, schedule: str = "lina", **kw):
 
 
 def _moe_train(rank: int, world: int, how: str, stamp: str, schedule: str = "lina") -> dict:
-    import commsched.moe.trainer as mt
+    import commsched.moe.train.trainer as mt
 
     real_load = mt.load_corpus
 
@@ -108,7 +108,7 @@ def _moe_train_overlap(rank: int, world: int, how: str, stamp: str) -> dict:
 
 def _infer_cfg(batches: int, seed: int = 1):
     from commsched.moe.infer import EmulationConfig, InferConfig, PlacementConfig, TraceDriverConfig
-    from commsched.moe.traces import SyntheticTraceConfig
+    from commsched.moe.record.traces import SyntheticTraceConfig
 
     syn = SyntheticTraceConfig(num_experts=6, num_layers=2, k=2, num_tokens=1024, seq_len=16)
     return InferConfig(placement=PlacementConfig("lina"), compute="emulated", batches=batches, warmup=1,
@@ -118,7 +118,7 @@ def _infer_cfg(batches: int, seed: int = 1):
 
 
 def _moe_infer(rank: int, world: int, how: str, stamp: str) -> dict:
-    import commsched.moe.infer_run as mi
+    import commsched.moe.infer.loop as mi
 
     class Faulty(mi.Runtime):
         def begin_batch(self, b, T):
@@ -153,8 +153,8 @@ def test_a_stopped_rank_ends_the_job_and_is_named(job, how, tmp_path):
 
 # --------------------------------------------------------------------------- config agreement
 def test_config_differences_name_nested_keys():
-    from commsched.gnn.adaqp_plan import AdaQPOptions
-    from commsched.gnn.trainer import TrainConfig
+    from commsched.gnn.exchange.adaqp_plan import AdaQPOptions
+    from commsched.gnn.train.trainer import TrainConfig
 
     a = TrainConfig(mode="adaqp")
     b = dataclasses.replace(a, lr=0.02, exchange=dataclasses.replace(a.exchange, lam=0.25))
@@ -165,8 +165,8 @@ def test_config_differences_name_nested_keys():
 
 
 def _gnn_part(rank: int, world: int):
-    from commsched.gnn.data import SyntheticSpec, synthetic_graph
-    from commsched.gnn.partition import make_parts, partition_nodes
+    from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
+    from commsched.gnn.graph.partition import make_parts, partition_nodes
 
     g = synthetic_graph(SyntheticSpec(num_nodes=90, num_edges=360, num_features=5, num_classes=3,
                                       communities_per_class=1, seed=4))
@@ -184,7 +184,7 @@ def _expect_value_error(fn, *words: str) -> None:
 
 
 def _case_gnn_lr(rank, world):
-    from commsched.gnn.trainer import TrainConfig, run_training
+    from commsched.gnn.train.trainer import TrainConfig, run_training
 
     cfg = TrainConfig(layers=2, hidden=8, epochs=2, lr=0.02 if rank == 2 else 0.01)
     _expect_value_error(lambda: run_training(cfg, _gnn_part(rank, world)),
@@ -192,8 +192,8 @@ def _case_gnn_lr(rank, world):
 
 
 def _case_gnn_nested(rank, world):
-    from commsched.gnn.adaqp_plan import AdaQPOptions
-    from commsched.gnn.trainer import TrainConfig, run_training
+    from commsched.gnn.exchange.adaqp_plan import AdaQPOptions
+    from commsched.gnn.train.trainer import TrainConfig, run_training
 
     cfg = TrainConfig(mode="adaqp", layers=2, hidden=8, epochs=2,
                       exchange=AdaQPOptions(lam=0.25 if rank == 1 else 0.5))
@@ -201,7 +201,7 @@ def _case_gnn_nested(rank, world):
 
 
 def _case_gnn_hidden_dtype_model(rank, world):
-    from commsched.gnn.trainer import TrainConfig, run_training
+    from commsched.gnn.train.trainer import TrainConfig, run_training
 
     part = _gnn_part(rank, world)
     for key, odd in (("hidden", {"hidden": 4}), ("dtype", {"dtype": "float64"}), ("model", {"model": "sage"})):
@@ -212,7 +212,7 @@ def _case_gnn_hidden_dtype_model(rank, world):
 def _case_halo_rows_validated(rank, world):
     import torch
 
-    from commsched.gnn.halo import VanillaExchange
+    from commsched.gnn.exchange.halo import VanillaExchange
 
     ex = VanillaExchange(_gnn_part(rank, world).book)
     ex.validate(dtype=torch.float32, row_numel=5)
@@ -222,7 +222,7 @@ def _case_halo_rows_validated(rank, world):
 
 
 def _case_moe_train_lr(rank, world):
-    from commsched.moe.trainer import train
+    from commsched.moe.train.trainer import train
 
     cfg = _moe_cfg(world, 2)
     cfg = dataclasses.replace(cfg, lr=0.5) if rank == 2 else cfg
@@ -230,7 +230,7 @@ def _case_moe_train_lr(rank, world):
 
 
 def _case_moe_train_hidden(rank, world):
-    from commsched.moe.trainer import train
+    from commsched.moe.train.trainer import train
 
     cfg = _moe_cfg(world, 2)
     if rank == 1:
@@ -241,7 +241,7 @@ def _case_moe_train_hidden(rank, world):
 def _case_dispatch_rows_validated(rank, world):
     import torch
 
-    from commsched.moe.dispatch import ExpertGroup
+    from commsched.moe.model.dispatch import ExpertGroup
 
     eg = ExpertGroup(world, world, rank)
     eg.validate(16, torch.float32)
@@ -281,7 +281,7 @@ def _group_timeouts(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from commsched.dist import new_group
-    from commsched.moe.trainer import make_groups
+    from commsched.moe.train.trainer import make_groups
 
     def timeout_of(g) -> float:
         return g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
@@ -295,7 +295,7 @@ def _group_timeouts(rank: int, world: int) -> dict:
         import deepspeed
         from deepspeed.comm import comm as ds_comm
 
-        from commsched.moe.deepspeed_baseline import _groups_under_timeout
+        from commsched.moe.train.deepspeed_baseline import _groups_under_timeout
     except ImportError:
         return out
     deepspeed.init_distributed(dist_backend="gloo")

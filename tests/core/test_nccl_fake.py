@@ -109,7 +109,7 @@ def _case_direct_pattern(rank: int, world: int) -> None:
 
 def _case_ring_probe(rank: int, world: int) -> None:
     """AdaQP's default link probe (``link_costs="ring"``) under NCCL's rules."""
-    from commsched.costmodel import probe_link_costs
+    from commsched.cluster.costmodel import probe_link_costs
 
     with nccl_semantics() as fake:
         costs = probe_link_costs(sizes=(256, 4096), repeats=1)
@@ -119,7 +119,7 @@ def _case_ring_probe(rank: int, world: int) -> None:
 
 def _case_pair_probe(rank: int, world: int) -> None:
     """The topology's pair probe (one-way sends of disjoint pairs) under NCCL's rules."""
-    from commsched.costmodel import probe_pair_costs
+    from commsched.cluster.costmodel import probe_pair_costs
 
     rounds = [[(0, 1)], [(1, 2)], [(2, 0)]]
     with nccl_semantics():
@@ -145,8 +145,8 @@ def _reduce_some_steps(sched_cls, cfg, rank: int, world: int, **kw) -> None:
 def _case_executor(rank: int, world: int) -> None:
     """Futures that fire at enqueue and results that land at wait(): finish() still hands
     back reduced gradients (it waits on every Work before the copy-back)."""
-    from commsched.priority.executor import GradScheduler
     from commsched.priority.policy import ScheduleConfig
+    from commsched.priority.runtime.executor import GradScheduler
 
     # the completion launch rule (gloo's) launches from the executor thread after completions,
     # which NCCL's ordering check would flag: CUDA never runs it, so its order is not checked
@@ -162,8 +162,8 @@ def _case_executor(rank: int, world: int) -> None:
 
 
 def _case_overlap(rank: int, world: int) -> None:
-    from commsched.priority.overlap import OverlapScheduler
     from commsched.priority.policy import ScheduleConfig
+    from commsched.priority.runtime.overlap import OverlapScheduler
 
     params = [torch.nn.Parameter(torch.full((n,), 1.0)) for n in (300, 5)]
     cfg = ScheduleConfig("lina-overlap", microop_bytes=512)
@@ -185,9 +185,9 @@ def _case_overlap(rank: int, world: int) -> None:
 def _case_hier_chained(rank: int, world: int) -> None:
     """The CUDA form of the hierarchical reduction (all three phases issued at the launch,
     chained; priority/hier.py), forced on the CPU under NCCL's rules."""
-    from commsched.priority.executor import GradScheduler
     from commsched.priority.hier import make_hier
     from commsched.priority.policy import ScheduleConfig
+    from commsched.priority.runtime.executor import GradScheduler
 
     hier = make_hier([f"h{r // 2}" for r in range(world)])  # 2 hosts x 2 ranks
     assert hier is not None

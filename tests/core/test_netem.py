@@ -17,7 +17,7 @@ import pytest
 from commsched import netem
 from commsched.bench import Variant, Workload, emulation, run_bench
 from commsched.bench.emulation import EmulationUnavailable, bench_context, netem_prefix
-from commsched.netem import (
+from commsched.cluster.netem import (
     NetSpec,
     check_requirements,
     class_address,
@@ -295,7 +295,7 @@ def test_cleanup_never_deletes_a_live_emulation():
     """--cleanup's choice, as pure functions: only names commsched netem gives, only when
     the owner pid is gone and no namespace of that emulation still holds a process; an
     emulation's namespaces go (or stay) together."""
-    from commsched.netem import namespace_owner
+    from commsched.cluster.netem import namespace_owner
 
     assert namespace_owner("commsched-123-h4") == ("commsched-123", 123)
     assert namespace_owner("commsched-probe9-lo") == ("commsched-probe9", 9)
@@ -335,7 +335,7 @@ def test_cleanup_asks_ip_whether_a_namespace_is_in_use(monkeypatch):
 
 
 def test_duplex_probe_listens_on_loopback_unless_inside_emulated_hosts():
-    from commsched.bench.netem_check import probe_bind_address
+    from commsched.bench.micro.netem_check import probe_bind_address
 
     lan = {"eth0": "192.168.1.7", "docker0": "172.17.0.1"}
     assert probe_bind_address(lan, ()) == "127.0.0.1"                 # never the first LAN address
@@ -349,13 +349,13 @@ def test_duplex_probe_listens_on_loopback_unless_inside_emulated_hosts():
 
 
 def _socket_probe_case(rank: int, world: int) -> float:
-    from commsched.bench.netem_check import socket_duplex_probe
+    from commsched.bench.micro.netem_check import socket_duplex_probe
 
     return socket_duplex_probe(1 << 20, "127.0.0.1")
 
 
 def _contention_case(rank: int, world: int) -> dict:
-    from commsched.bench.netem_check import contention_probe
+    from commsched.bench.micro.netem_check import contention_probe
 
     return contention_probe(256 << 10, reduce_address="127.0.0.2", repeats=2, microop_bytes=16 << 10, in_flight=2,
                             threads=2)
@@ -434,7 +434,7 @@ def test_main_without_root_says_so(monkeypatch, capsys):
 # --------------------------------------------------------------------------- bench context
 def _workload(**kw) -> Workload:
     base = dict(name="fake", description="d", key_metrics=("t",),
-                variants=lambda a: [Variant("v", "commsched.bench.netem_check")])
+                variants=lambda a: [Variant("v", "commsched.bench.micro.netem_check")])
     base.update(kw)
     return Workload(**base)
 
@@ -467,14 +467,14 @@ def test_bench_context_hosts_launch():
     ctx, rest = bench_context(_workload(), ["--hosts", "2", "--bandwidth", "200mbit", "--nproc", "3"],
                               euid=0, which=ALL_TOOLS)
     assert rest == ["--nproc", "3"] and ctx.hosts == 2 and ctx.info["nproc_meaning"] == "processes per host"
-    cmd = ctx.command(Variant("v", "commsched.bench.netem_check", ("--scale", "2")), 3, Path("/o"))
+    cmd = ctx.command(Variant("v", "commsched.bench.micro.netem_check", ("--scale", "2")), 3, Path("/o"))
     i = cmd.index("--")
     assert cmd[i - 2:i] == ["--hosts", "2"] and "200000000bit" in cmd[:i]
     inner = cmd[i + 1:]
     for a in ("--nnodes=2", "--nproc_per_node=3", "--rdzv-backend=c10d", "--rdzv-endpoint={addr0}:29400",
               "--local-addr={addr}", "--rdzv-conf=is_host={is_host0}", "--node-rank={host}"):
         assert a in inner
-    assert inner[-5:] == ["commsched.bench.netem_check", "--scale", "2", "--out", "/o"]
+    assert inner[-5:] == ["commsched.bench.micro.netem_check", "--scale", "2", "--out", "/o"]
 
 
 def test_bench_context_host_rate():
@@ -482,7 +482,7 @@ def test_bench_context_host_rate():
                                             "--nproc", "2"], euid=0, which=ALL_TOOLS)
     assert rest == ["--nproc", "2"] and ctx.info["host_rate_bps"] == 10 * 10**9
     assert ("--host-rate", "10gbit") == ctx.flags[-2:] and "10gbit, shared" in ctx.info["layout"]
-    cmd = ctx.command(Variant("v", "commsched.bench.netem_check"), 2, Path("/o"))
+    cmd = ctx.command(Variant("v", "commsched.bench.micro.netem_check"), 2, Path("/o"))
     i = cmd.index("--")
     assert cmd[i - 2:i] == ["--host-rate", "10000000000bit"]
     with pytest.raises(ValueError, match="--host-rate .* needs --hosts K >= 2"):
@@ -848,7 +848,7 @@ def test_two_hosts_two_processes_all_to_all(tmp_path, link_model):
     all_to_all across the emulated hosts, launched by the bench runner; with the link
     classes (a second address on every host link) gloo still binds to the host's own."""
     wl = Workload(name="netem-check", description="check", key_metrics=("a2a_time_s",),
-                  variants=lambda a: [Variant("direct", "commsched.bench.netem_check", ("--scale", "4"))])
+                  variants=lambda a: [Variant("direct", "commsched.bench.micro.netem_check", ("--scale", "4"))])
     lines: list[str] = []
     s = run_bench(wl, ["--hosts", "2", "--bandwidth", "200mbit", "--nproc", "2", "--out", str(tmp_path),
                        "--timeout", "120", "--link-model", link_model], progress=lines.append)

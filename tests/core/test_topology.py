@@ -11,15 +11,15 @@ import pytest
 
 from commsched import LinkCost, Topology, predict_exchange
 from commsched.cli import main as cli_main
-from commsched.config import read_env
-from commsched.costmodel import check_probe_rounds
-from commsched.topology import (
+from commsched.cluster.costmodel import check_probe_rounds
+from commsched.cluster.topology import (
     SWITCH,
     fit_link_classes,
     host_names,
     probe_rounds,
     used_classes,
 )
+from commsched.config import read_env
 from tests.mp import run_ranks
 
 INTRA = LinkCost(gamma=2e-6, theta=1 / 100e9)  # 2 us, 100 GB/s
@@ -243,7 +243,7 @@ def test_missing_file_is_one_error(tmp_path):
 
 
 def test_topology_module_imports_without_torch():
-    code = "import sys, commsched.topology; print('torch' in sys.modules)"
+    code = "import sys, commsched.cluster.topology; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
@@ -299,7 +299,7 @@ def test_cli_bad_arguments_exit_2_with_one_line(argv, msg, capsys):
 def _probe_case(rank, world, out):
     import os
 
-    from commsched.topology import Topology as T
+    from commsched.cluster.topology import Topology as T
 
     # one host: no GROUP_RANK
     assert cli_main(["topology", "--probe", "--sizes", "1024,65536,1048576", "--repeats", "1",

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from commsched.quant import decode_signs, encode_signs
-from commsched.quant.assign_joint import TECHNIQUES, row_bytes
+from commsched.quant.widths.joint import TECHNIQUES, row_bytes
 from tests.mp import run_ranks
 
 
@@ -22,11 +22,11 @@ def _tech(src: int, dst: int, n: int) -> np.ndarray:
 
 
 def test_config_and_one_rank_trains_as_vanilla():
-    from commsched.gnn.adaptive import AdaptiveExchange
-    from commsched.gnn.data import SyntheticSpec, synthetic_graph
-    from commsched.gnn.modes import MODES, make_exchange, mode_config
-    from commsched.gnn.partition import make_parts, partition_nodes
-    from commsched.gnn.trainer import TrainConfig, run_training
+    from commsched.gnn.exchange.adaptive import AdaptiveExchange
+    from commsched.gnn.exchange.modes import MODES, make_exchange, mode_config
+    from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
+    from commsched.gnn.graph.partition import make_parts, partition_nodes
+    from commsched.gnn.train.trainer import TrainConfig, run_training
 
     cfg = mode_config("adaptive")
     assert cfg.link_costs == "topology" and cfg.error_budget == 2.0 and MODES["adaptive"].quantized
@@ -49,9 +49,9 @@ def test_warmup_and_offered_techniques():
     """The rows of the first period: 2-bit by default, ``--warmup sign`` the onebit mode's
     signs, a warm-up not offered by ``--techniques`` the narrowest offered width; bad
     names refused by the config."""
-    from commsched.gnn.data import SyntheticSpec, synthetic_graph
-    from commsched.gnn.modes import make_exchange, mode_config
-    from commsched.gnn.partition import make_parts, partition_nodes
+    from commsched.gnn.exchange.modes import make_exchange, mode_config
+    from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
+    from commsched.gnn.graph.partition import make_parts, partition_nodes
 
     g = synthetic_graph(SyntheticSpec(num_nodes=60, num_edges=200, num_features=5, num_classes=3, seed=2))
     book = make_parts(g, partition_nodes(g, 1, "metis", 0), 1)[0].book
@@ -74,11 +74,11 @@ def test_warmup_and_offered_techniques():
 
 def three_rank_cases(rank: int, world: int) -> dict:
     from commsched.all2all import CommStats
-    from commsched.gnn.adaptive import AdaptiveExchange
     from commsched.gnn.context import PassContext
-    from commsched.gnn.data import SyntheticSpec, synthetic_graph
-    from commsched.gnn.partition import make_parts, partition_nodes
-    from commsched.gnn.trainer import TrainConfig, run_training
+    from commsched.gnn.exchange.adaptive import AdaptiveExchange
+    from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
+    from commsched.gnn.graph.partition import make_parts, partition_nodes
+    from commsched.gnn.train.trainer import TrainConfig, run_training
 
     out: dict = {}
     g = synthetic_graph(SyntheticSpec(num_nodes=240, num_edges=1200, num_features=13, num_classes=3,
@@ -120,7 +120,7 @@ def three_rank_cases(rank: int, world: int) -> dict:
     out["err_sign"] = torch.allclose(e[ts == 1], s_rows - decode_signs(encode_signs(s_rows)[0], D))
     # training through two re-assignments (period 2): finite, learning, solver recorded
     cfg = dict(model="gcn", layers=3, hidden=16, epochs=6, seed=1)
-    from commsched.gnn.modes import mode_config
+    from commsched.gnn.exchange.modes import mode_config
 
     ma, _ = run_training(TrainConfig(mode="adaptive", exchange=mode_config("adaptive", period=2),
                                      **cfg), part)
@@ -159,7 +159,7 @@ def test_adaptive_on_three_ranks():
 
 
 def test_solve_budget_keeps_cpsat_within_a_share_of_the_period():
-    from commsched.gnn.adaptive_plan import CPSAT_MIN_S, CPSAT_SHARE, solve_budget
+    from commsched.gnn.exchange.adaptive_plan import CPSAT_MIN_S, CPSAT_SHARE, solve_budget
 
     assert solve_budget(0.25, "cp-sat", 5, None) == ("cp-sat", 0.25)  # no epoch timed yet
     # a 0.5 s epoch, period 5: 2% of 2.5 s is under the floor, the greedy alone

@@ -9,10 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from commsched.gnn.adaqp_plan import AdaQPOptions, random_widths, solve_widths, width_layout
-from commsched.gnn.data import SyntheticSpec, synthetic_graph
-from commsched.gnn.partition import make_parts, partition_nodes
-from commsched.gnn.trainer import TrainConfig, run_training
+from commsched.gnn.exchange.adaqp_plan import (
+    AdaQPOptions,
+    random_widths,
+    solve_widths,
+    width_layout,
+)
+from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
+from commsched.gnn.graph.partition import make_parts, partition_nodes
+from commsched.gnn.train.trainer import TrainConfig, run_training
 from commsched.quant.reference import BITS
 from tests.mp import run_ranks
 
@@ -75,7 +80,7 @@ _ODD_D = 4099  # a row width no other test compiles
 def fake_compile(monkeypatch):
     """torch.compile as the identity, and no native kernel: the torch.compile path of a
     machine without a C compiler."""
-    import commsched.gnn.adaqp as A
+    import commsched.gnn.exchange.adaqp as A
     from commsched.quant import fast
 
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
@@ -107,8 +112,8 @@ def test_codec_compiling_says_what_and_how_long(fake_compile):
 
 
 def test_adaqp_prepare_speaks_on_rank_0_and_not_without_compiling(fake_compile):
-    from commsched.gnn.adaqp import AdaQPExchange
-    from commsched.gnn.book import build_books
+    from commsched.gnn.exchange.adaqp import AdaQPExchange
+    from commsched.gnn.graph.book import build_books
 
     # node i of part 0 joined to node 40 + i of part 1: 40 rows each way, 40 * 4099
     # elements per exchange, large enough to compile
@@ -136,8 +141,8 @@ def test_adaqp_prepare_with_the_native_kernel_says_once_and_compiles_nothing(mon
     in one line) and no torch.compile kernel is made for any row width."""
     from commsched.kernels import cpu as C
 
-    from commsched.gnn.adaqp import AdaQPExchange
-    from commsched.gnn.book import build_books
+    from commsched.gnn.exchange.adaqp import AdaQPExchange
+    from commsched.gnn.graph.book import build_books
     from commsched.quant import fast
 
     if fast.native_library() is None:
@@ -160,8 +165,8 @@ def test_adaqp_prepare_with_the_native_kernel_says_once_and_compiles_nothing(mon
 
 def test_compile_off_by_environment_never_calls_torch_compile(monkeypatch):
     from commsched.config import read_env
-    from commsched.gnn.adaqp import AdaQPExchange
-    from commsched.gnn.book import build_books
+    from commsched.gnn.exchange.adaqp import AdaQPExchange
+    from commsched.gnn.graph.book import build_books
     from commsched.quant import fast
 
     assert read_env({}).compile and read_env({"COMMSCHED_COMPILE": "1"}).compile
@@ -213,8 +218,8 @@ def _overlap_case(part, grp) -> tuple[bool, bool]:
     from contextlib import contextmanager
 
     from commsched.gnn.context import PassContext
-    from commsched.gnn.halo import VanillaExchange
-    from commsched.gnn.layers import GCNConv, LocalGraph
+    from commsched.gnn.exchange.halo import VanillaExchange
+    from commsched.gnn.nn.layers import GCNConv, LocalGraph
     from commsched.gnn.timing import Breakdown
 
     log: list = []
@@ -284,7 +289,7 @@ def _topology_case(part, rank: int) -> dict:
 def _cases(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from commsched.gnn.modes import make_exchange
+    from commsched.gnn.exchange.modes import make_exchange
 
     out: dict = {}
     g = synthetic_graph(SYN)

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commsched.gnn.book import build_book, build_books, edge_weights, split_blocks
-from commsched.gnn.data import SyntheticSpec, clean_edges, from_edges, synthetic_graph
-from commsched.gnn.partition import (
+from commsched.gnn.graph.book import build_book, build_books, edge_weights, split_blocks
+from commsched.gnn.graph.data import SyntheticSpec, clean_edges, from_edges, synthetic_graph
+from commsched.gnn.graph.partition import (
     edge_cut,
     load_part,
     make_parts,
@@ -20,7 +20,7 @@ from commsched.gnn.partition import (
     read_meta,
     save_partition,
 )
-from commsched.gnn.partition_cli import main
+from commsched.gnn.graph.partition_cli import main
 
 
 def _undirected(pairs, n):
@@ -190,7 +190,7 @@ def test_partition_folder_round_trip_and_refusals(tmp_path):
     with pytest.raises(ValueError, match="made for 3 parts but this run has world size 2"):
         load_part(tmp_path / "p", 0, 2)
     other = _syn(seed=5, n=300, m=1500)
-    from commsched.gnn.data import graph_fingerprint
+    from commsched.gnn.graph.data import graph_fingerprint
 
     with pytest.raises(ValueError, match="made for another graph"):
         load_part(tmp_path / "p", 0, 3, fingerprint=graph_fingerprint(other))
@@ -210,8 +210,8 @@ def test_partition_cli_writes_folder_and_checks_source(tmp_path, capsys, no_netw
     assert "random into 2 parts" in out and "part 1:" in out
     meta = read_meta(tmp_path / "f")
     assert meta["graph"]["num_nodes"] == 400 and meta["source_id"].startswith("synthetic:")
-    from commsched.gnn.data import GraphSource
-    from commsched.gnn.data import SyntheticSpec as S
+    from commsched.gnn.graph.data import GraphSource
+    from commsched.gnn.graph.data import SyntheticSpec as S
 
     same = GraphSource(synthetic=S(num_nodes=400, num_edges=2000, num_features=4, num_classes=3))
     load_part(tmp_path / "f", 0, 2, source_id=same.identity())

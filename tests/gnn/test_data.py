@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from commsched.gnn.data import (
+from commsched.gnn.graph.data import (
     Graph,
     GraphSource,
     SyntheticSpec,

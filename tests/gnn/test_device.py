@@ -18,14 +18,14 @@ import torch
 
 from commsched.clock import Clock
 from commsched.gnn import adaqp as adaqp_mod
-from commsched.gnn.adaqp_plan import AdaQPOptions
 from commsched.gnn.context import PassContext
-from commsched.gnn.data import SyntheticSpec, from_edges, synthetic_graph
-from commsched.gnn.layers import LocalGraph
-from commsched.gnn.modes import make_exchange
-from commsched.gnn.partition import make_parts, partition_nodes
+from commsched.gnn.exchange.adaqp_plan import AdaQPOptions
+from commsched.gnn.exchange.modes import make_exchange
+from commsched.gnn.graph.data import SyntheticSpec, from_edges, synthetic_graph
+from commsched.gnn.graph.partition import make_parts, partition_nodes
+from commsched.gnn.nn.layers import LocalGraph
 from commsched.gnn.timing import Breakdown
-from commsched.gnn.trainer import TrainConfig, Trainer, run_device, run_training
+from commsched.gnn.train.trainer import TrainConfig, Trainer, run_device, run_training
 from tests.mp import run_ranks
 
 SYN = SyntheticSpec(num_nodes=300, num_edges=1500, num_features=10, num_classes=4,
@@ -60,7 +60,7 @@ def test_device_and_dtype_options_validate():
 
 
 def test_train_cli_carries_device_and_bf16():
-    from commsched.gnn.train import build_parser, config_from_args
+    from commsched.gnn.train.cli import build_parser, config_from_args
 
     a = build_parser().parse_args(["--device", "cpu", "--dtype", "bfloat16", "--mode", "adaqp-p"])
     cfg = config_from_args(a)
@@ -72,7 +72,7 @@ def test_train_cli_carries_device_and_bf16():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA")
 def test_train_cli_device_cuda_without_cuda_says_so(capsys):
-    from commsched.gnn.train import main
+    from commsched.gnn.train.cli import main
 
     assert main(["--device", "cuda", "--epochs", "1"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err

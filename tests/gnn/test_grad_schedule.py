@@ -12,21 +12,21 @@ import numpy as np
 import pytest
 import torch
 
-from commsched.gnn.trainer import GRAD_SCHEDULES, TrainConfig
+from commsched.gnn.train.trainer import GRAD_SCHEDULES, TrainConfig
 from tests.mp import run_ranks
 
 SCHEDULES = [s for s in GRAD_SCHEDULES if s != "flat"]
 
 
 def test_grad_schedule_is_checked_and_on_the_command_line():
-    from commsched.gnn.train import build_parser
+    from commsched.gnn.train.cli import build_parser
 
     with pytest.raises(ValueError, match="--grad-schedule must be one of flat, lina, fifo, serial"):
         TrainConfig(grad_schedule="lina-overlap")
     a = build_parser().parse_args(["--grad-schedule", "lina"])
     assert a.grad_schedule == "lina"
     assert TrainConfig().grad_schedule == "flat"
-    from commsched.bench.gnn import mode_args
+    from commsched.bench.gnn.compare import mode_args
 
     assert mode_args("vanilla-lina") == ("--mode", "vanilla", "--grad-schedule", "lina")
     assert mode_args("adaqp-hp-fifo") == ("--mode", "adaqp", "--grad-schedule", "fifo",
@@ -36,9 +36,9 @@ def test_grad_schedule_is_checked_and_on_the_command_line():
 def _train(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from commsched.gnn.data import SyntheticSpec, synthetic_graph
-    from commsched.gnn.partition import make_parts, partition_nodes
-    from commsched.gnn.trainer import Trainer, run_training
+    from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
+    from commsched.gnn.graph.partition import make_parts, partition_nodes
+    from commsched.gnn.train.trainer import Trainer, run_training
 
     g = synthetic_graph(SyntheticSpec(num_nodes=300, num_edges=1500, num_features=24, num_classes=3, seed=2))
     part = make_parts(g, partition_nodes(g, world, "metis", 0), world)[rank]
@@ -89,8 +89,8 @@ def test_every_schedule_trains_as_the_flat_allreduce(world):
 
 # --------------------------------------------------------------------------- --grad-bits
 def test_grad_bits_is_checked_and_on_the_command_line():
-    from commsched.bench.gnn import mode_args
-    from commsched.gnn.train import build_parser
+    from commsched.bench.gnn.compare import mode_args
+    from commsched.gnn.train.cli import build_parser
 
     assert TrainConfig().grad_bits == 32
     with pytest.raises(ValueError, match="--grad-bits must be one of 32, 16, 8, 4, 2"):
@@ -106,9 +106,9 @@ def test_grad_bits_is_checked_and_on_the_command_line():
 
 
 def _train_bits(rank: int, world: int) -> dict:
-    from commsched.gnn.data import SyntheticSpec, synthetic_graph
-    from commsched.gnn.partition import make_parts, partition_nodes
-    from commsched.gnn.trainer import run_training
+    from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
+    from commsched.gnn.graph.partition import make_parts, partition_nodes
+    from commsched.gnn.train.trainer import run_training
 
     g = synthetic_graph(SyntheticSpec(num_nodes=300, num_edges=1500, num_features=24, num_classes=3, seed=2))
     part = make_parts(g, partition_nodes(g, world, "metis", 0), world)[rank]

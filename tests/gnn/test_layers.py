@@ -11,18 +11,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from commsched.gnn.data import SyntheticSpec, from_edges, load_dataset, synthetic_graph
-from commsched.gnn.layers import (
+from commsched.gnn.exchange.modes import make_exchange
+from commsched.gnn.graph.data import SyntheticSpec, from_edges, load_dataset, synthetic_graph
+from commsched.gnn.graph.partition import make_parts, partition_nodes
+from commsched.gnn.nn.layers import (
     DistMessagePassing,
     LocalGraph,
     _keep_scalar,
     dropout_keep,
     node_dropout,
 )
-from commsched.gnn.models import LAYERS
-from commsched.gnn.modes import make_exchange
-from commsched.gnn.partition import make_parts, partition_nodes
-from commsched.gnn.trainer import TrainConfig, Trainer, run_training
+from commsched.gnn.nn.models import LAYERS
+from commsched.gnn.train.trainer import TrainConfig, Trainer, run_training
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
@@ -218,7 +218,7 @@ def test_training_config_errors():
 def test_kipf_gcn_cora_accuracy():
     """Kipf & Welling's setting (2 layers, hidden 16, dropout 0.5, lr 0.01, wd 5e-4, 200
     epochs): test accuracy at the best validation epoch >= 79%. One seed, validation every
-    5 epochs, to keep the suite fast; ``python -m commsched.bench.gnn_kipf`` runs the full
+    5 epochs, to keep the suite fast; ``python -m commsched.bench.gnn.kipf`` runs the full
     protocol (3 seeds, every epoch) and docs/results.md quotes it."""
     part = _one_part(load_dataset("cora", DATA))
     cfg = TrainConfig(model="gcn", layers=2, hidden=16, dropout=0.5, layer_norm=False, lr=0.01,

@@ -12,26 +12,26 @@ import pytest
 import torch
 
 from commsched.all2all import CommStats
-from commsched.gnn.adaqp import AdaQPExchange
-from commsched.gnn.adaqp_plan import AdaQPOptions, build_problems
-from commsched.gnn.bns import BNSExchange
 from commsched.gnn.context import PassContext
-from commsched.gnn.data import SyntheticSpec, synthetic_graph
-from commsched.gnn.halo import VanillaExchange, ZeroExchange
-from commsched.gnn.layers import GCNConv, LocalGraph
-from commsched.gnn.metrics import (
+from commsched.gnn.exchange.adaqp import AdaQPExchange
+from commsched.gnn.exchange.adaqp_plan import AdaQPOptions, build_problems
+from commsched.gnn.exchange.bns import BNSExchange
+from commsched.gnn.exchange.halo import VanillaExchange, ZeroExchange
+from commsched.gnn.exchange.modes import MODE_NAMES, MODES, make_exchange, mode_spec
+from commsched.gnn.exchange.onebit import OneBitExchange
+from commsched.gnn.exchange.stale import PipeGCNExchange
+from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
+from commsched.gnn.graph.partition import make_parts, partition_nodes
+from commsched.gnn.nn.layers import GCNConv, LocalGraph
+from commsched.gnn.nn.models import LAYERS
+from commsched.gnn.train.metrics import (
     AUC_BINS,
     GNNMetrics,
     auc_from_histograms,
     auc_histograms,
     summarize,
 )
-from commsched.gnn.models import LAYERS
-from commsched.gnn.modes import MODE_NAMES, MODES, make_exchange, mode_spec
-from commsched.gnn.onebit import OneBitExchange
-from commsched.gnn.partition import make_parts, partition_nodes
-from commsched.gnn.stale import PipeGCNExchange
-from commsched.gnn.trainer import TrainConfig
+from commsched.gnn.train.trainer import TrainConfig
 from commsched.quant.reference import BITS
 
 GNN = Path(__file__).resolve().parents[2] / "commsched" / "gnn"
@@ -86,7 +86,7 @@ def test_mode_table_builds_each_modes_exchange(parts):
 
 
 def test_train_cli_modes_and_adaqp_flags_come_from_the_table():
-    from commsched.gnn.train import build_parser, config_from_args
+    from commsched.gnn.train.cli import build_parser, config_from_args
 
     p = build_parser()
     mode_action = next(a for a in p._actions if a.dest == "mode")

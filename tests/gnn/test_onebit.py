@@ -101,11 +101,11 @@ def test_error_feedback_carries_the_error_to_the_next_message():
 # --------------------------------------------------------------------------- the exchange
 def test_one_rank_trains_as_vanilla():
     """One rank has no remote rows: onebit sends nothing and equals Vanilla bit for bit."""
-    from commsched.gnn.data import SyntheticSpec, synthetic_graph
-    from commsched.gnn.modes import MODES, make_exchange
-    from commsched.gnn.onebit import OneBitExchange
-    from commsched.gnn.partition import make_parts, partition_nodes
-    from commsched.gnn.trainer import TrainConfig, run_training
+    from commsched.gnn.exchange.modes import MODES, make_exchange
+    from commsched.gnn.exchange.onebit import OneBitExchange
+    from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
+    from commsched.gnn.graph.partition import make_parts, partition_nodes
+    from commsched.gnn.train.trainer import TrainConfig, run_training
 
     g = synthetic_graph(SyntheticSpec(num_nodes=60, num_edges=200, num_features=5, num_classes=3, seed=2))
     part = make_parts(g, partition_nodes(g, 1, "metis", 0), 1)[0]
@@ -126,10 +126,10 @@ def three_rank_cases(rank: int, world: int) -> dict:
     """The 3-rank cases; :func:`check_three_rank` asserts on their per-rank results."""
     from commsched.all2all import CommStats
     from commsched.gnn.context import PassContext
-    from commsched.gnn.data import SyntheticSpec, synthetic_graph
-    from commsched.gnn.onebit import OneBitExchange
-    from commsched.gnn.partition import make_parts, partition_nodes
-    from commsched.gnn.trainer import TrainConfig, run_training
+    from commsched.gnn.exchange.onebit import OneBitExchange
+    from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
+    from commsched.gnn.graph.partition import make_parts, partition_nodes
+    from commsched.gnn.train.trainer import TrainConfig, run_training
 
     def dec_enc(x, err=None):
         return decode_signs(encode_signs(x, error=err, impl="reference")[0], x.shape[1], impl="reference")
@@ -214,8 +214,8 @@ def test_deferred_finite_check_reads_nothing_back_until_asked():
 def test_onebit_exchange_raises_at_the_end_of_an_epoch_with_bad_rows():
     from types import SimpleNamespace
 
-    from commsched.gnn.book import build_books
-    from commsched.gnn.onebit import OneBitExchange
+    from commsched.gnn.exchange.onebit import OneBitExchange
+    from commsched.gnn.graph.book import build_books
 
     books = build_books(np.array([0, 1]), np.array([1, 0]), np.array([0, 1]), 2)
     ex = OneBitExchange(books[0])

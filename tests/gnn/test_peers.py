@@ -15,18 +15,18 @@ import numpy as np
 import pytest
 import torch
 
-from commsched.gnn.bns import (
+from commsched.gnn.context import PassContext
+from commsched.gnn.exchange.bns import (
     BNSExchange,
     BNSOptions,
     boundary_sample,
     kept_count,
     sample_epoch,
 )
-from commsched.gnn.context import PassContext
-from commsched.gnn.data import SyntheticSpec, synthetic_graph
-from commsched.gnn.partition import make_parts, partition_nodes
-from commsched.gnn.stale import PipeGCNExchange, PipeGCNOptions
-from commsched.gnn.trainer import TrainConfig, run_training
+from commsched.gnn.exchange.stale import PipeGCNExchange, PipeGCNOptions
+from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
+from commsched.gnn.graph.partition import make_parts, partition_nodes
+from commsched.gnn.train.trainer import TrainConfig, run_training
 from tests.mp import assert_case, run_cases
 
 SYN = SyntheticSpec(num_nodes=300, num_edges=1500, num_features=10, num_classes=3,
@@ -84,8 +84,8 @@ def test_bns_rescaling_is_unbiased():
 
 
 def test_peer_mode_options_and_errors():
-    from commsched.gnn.modes import make_exchange
-    from commsched.gnn.train import build_parser, config_from_args
+    from commsched.gnn.exchange.modes import make_exchange
+    from commsched.gnn.train.cli import build_parser, config_from_args
 
     for bad in (0, 0.0, -0.5, 1.5, float("nan"), True, "0.5"):
         with pytest.raises(ValueError, match=r"--boundary-rate must be a fraction in \(0, 1\]"):
@@ -134,7 +134,7 @@ def test_one_rank_peer_modes_equal_vanilla():
 def test_bns_refuses_attention_layers_in_the_pyg_adapter():
     from torch_geometric.nn import GATConv, SAGEConv
 
-    from commsched.gnn.pyg import DistGraph, distributed
+    from commsched.gnn.nn.pyg import DistGraph, distributed
 
     g = synthetic_graph(SYN)
     dg = DistGraph.from_graph(g, mode="bns")

@@ -1,4 +1,4 @@
-"""PyG layers through the halo exchange (commsched.gnn.pyg): layer kinds and their errors,
+"""PyG layers through the halo exchange (commsched.gnn.nn.pyg): layer kinds and their errors,
 one rank against the plain PyG layer; and the 3-rank cases (:data:`THREE_RANK_CASES`, on
 3 gloo ranks): GCNConv, SAGEConv, GINConv and GATConv
 from torch_geometric against the full-graph layer (vanilla and adaqp-p: outputs and
@@ -15,9 +15,9 @@ from torch import nn
 from torch_geometric.nn import ChebConv, GATConv, GCNConv, GINConv, SAGEConv
 
 from commsched.gnn import SyntheticSpec, synthetic_graph
-from commsched.gnn.adaqp_plan import AdaQPOptions
-from commsched.gnn.layers import DistMessagePassing
-from commsched.gnn.pyg import DistGraph, LayerKind, distributed, layer_kind
+from commsched.gnn.exchange.adaqp_plan import AdaQPOptions
+from commsched.gnn.nn.layers import DistMessagePassing
+from commsched.gnn.nn.pyg import DistGraph, LayerKind, distributed, layer_kind
 from tests.mp import assert_case, run_cases
 
 SYN = SyntheticSpec(num_nodes=300, num_edges=1500, num_features=12, num_classes=3,
@@ -185,8 +185,8 @@ def case_adaqp_trains_close_to_vanilla(rank, world):
 def case_sum_aggregation_in_every_quantized_mode(rank, world):
     """commsched's own sum layer (docs/gnn.md's GIN) trains in every quantized mode."""
     from commsched.gnn import LAYERS, make_parts, partition_nodes
-    from commsched.gnn.models import FastLayer
-    from commsched.gnn.trainer import TrainConfig, run_training
+    from commsched.gnn.nn.models import FastLayer
+    from commsched.gnn.train.trainer import TrainConfig, run_training
 
     class GINConvOwn(DistMessagePassing):
         norm = "sum"

@@ -11,12 +11,18 @@ from dataclasses import dataclass
 import pytest
 
 from commsched.configurable import option
-from commsched.gnn.data import SyntheticSpec, synthetic_graph
-from commsched.gnn.halo import VanillaExchange
-from commsched.gnn.models import LAYERS, FastLayer, PyGLayer
-from commsched.gnn.modes import MODES, ExchangeConfig, make_exchange, mode_config, modes_copy
-from commsched.gnn.partition import make_parts, partition_nodes
-from commsched.gnn.trainer import TrainConfig, run_training
+from commsched.gnn.exchange.halo import VanillaExchange
+from commsched.gnn.exchange.modes import (
+    MODES,
+    ExchangeConfig,
+    make_exchange,
+    mode_config,
+    modes_copy,
+)
+from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
+from commsched.gnn.graph.partition import make_parts, partition_nodes
+from commsched.gnn.nn.models import LAYERS, FastLayer, PyGLayer
+from commsched.gnn.train.trainer import TrainConfig, run_training
 from tests.mp import run_ranks
 
 SYN = SyntheticSpec(num_nodes=200, num_edges=800, num_features=8, num_classes=3, seed=3)
@@ -60,7 +66,7 @@ class CountingConfig(ExchangeConfig):
 
 
 def test_a_new_mode_is_one_class_one_entry_and_trains_from_the_cli():
-    from commsched.gnn.train import build_parser, config_from_args
+    from commsched.gnn.train.cli import build_parser, config_from_args
 
     modes = modes_copy()
     modes.register("counting", CountingConfig)
@@ -97,8 +103,8 @@ def test_mode_configs_hold_their_options_and_refuse_others():
 
 # --------------------------------------------------------------------------- the layer registry
 def test_layer_registry_holds_own_and_pyg_layers():
-    from commsched.gnn.layers import GCNConv, SAGEConv
-    from commsched.gnn.train import build_parser
+    from commsched.gnn.nn.layers import GCNConv, SAGEConv
+    from commsched.gnn.train.cli import build_parser
 
     assert LAYERS.names == ("gcn", "sage", "gin", "gat")
     assert LAYERS["gcn"] == FastLayer(conv=GCNConv) and LAYERS["sage"] == FastLayer(conv=SAGEConv)
@@ -120,7 +126,7 @@ def _cli(out, model, mode="vanilla", extra=()):
 
 @pytest.mark.parametrize("model", ["gin", "gat"])
 def test_pyg_models_train_from_the_cli_on_one_rank(tmp_path, model, monkeypatch):
-    from commsched.gnn.train import main
+    from commsched.gnn.train.cli import main
 
     monkeypatch.setenv("COMMSCHED_PROGRESS", "0")
     assert main(_cli(tmp_path / model, model)) == 0
@@ -130,7 +136,7 @@ def test_pyg_models_train_from_the_cli_on_one_rank(tmp_path, model, monkeypatch)
 
 
 def _two_rank_cli(rank, world, out, model, mode):
-    from commsched.gnn.train import main
+    from commsched.gnn.train.cli import main
 
     # main ends the process group: one run per spawn
     return main(_cli(f"{out}/{model}", model, mode, ("--period", "1", "--no-compile")))

@@ -12,10 +12,15 @@ import torch
 
 from commsched import LinkCost, Topology
 from commsched.gnn import partition as part_mod
-from commsched.gnn.adaqp_plan import AdaQPOptions, link_class_report, peer_costs, solve_widths
-from commsched.gnn.data import Graph, clean_edges
-from commsched.gnn.partition import group_parts, halo_rows, inter_host_rows, partition_nodes
-from commsched.gnn.trainer import bytes_by_class
+from commsched.gnn.exchange.adaqp_plan import (
+    AdaQPOptions,
+    link_class_report,
+    peer_costs,
+    solve_widths,
+)
+from commsched.gnn.graph.data import Graph, clean_edges
+from commsched.gnn.graph.partition import group_parts, halo_rows, inter_host_rows, partition_nodes
+from commsched.gnn.train.trainer import bytes_by_class
 from commsched.quant.codec import META_BYTES, payload_bytes
 
 HOSTS = ["a", "a", "b", "b"]
@@ -198,7 +203,7 @@ def test_metis_hosts_keeps_heavy_cuts_inside_hosts():
 
 # --------------------------------------------------------------------------- bench names
 def test_bench_mode_names():
-    from commsched.bench.gnn import mode_args
+    from commsched.bench.gnn.compare import mode_args
 
     assert mode_args("adaqp-topo") == ("--mode", "adaqp", "--link-costs", "topology")
     assert mode_args("adaqp-q-avg") == ("--mode", "adaqp-q", "--link-costs", "averaged")
@@ -220,7 +225,13 @@ def test_bench_mode_names():
 def test_bench_seeds_pool_and_class_figures():
     import argparse
 
-    from commsched.bench.gnn import add_arguments, class_figures, parse_seeds, pool_seeds, variants
+    from commsched.bench.gnn.compare import (
+        add_arguments,
+        class_figures,
+        parse_seeds,
+        pool_seeds,
+        variants,
+    )
 
     assert parse_seeds(None) is None and parse_seeds("2,0") == [2, 0]
     for bad in ("1,x", "1,1", ""):
@@ -251,8 +262,8 @@ def test_assigned_epoch_time_and_the_bench_compares_plans_on_it(tmp_path):
     adaptive-avg ratio uses it, so the shared warm-up epochs do not decide it."""
     import argparse
 
-    from commsched.bench.gnn import summarize as bench_summarize
-    from commsched.gnn.trainer import assigned_epoch_time
+    from commsched.bench.gnn.compare import summarize as bench_summarize
+    from commsched.gnn.train.trainer import assigned_epoch_time
 
     per_rank = [[1.0, 1.0, 0.2, 0.3, 0.4], [0.9, 1.1, 0.25, 0.2, 0.1]]
     assert assigned_epoch_time([{"applied_epoch": 2}, {"applied_epoch": 4}], per_rank) == (2, 0.3)

@@ -14,9 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from commsched.gnn.data import SyntheticSpec, from_edges, load_dataset, save_graph, synthetic_graph
-from commsched.gnn.partition import make_parts, partition_nodes
-from commsched.gnn.trainer import TrainConfig, run_training
+from commsched.gnn.graph.data import (
+    SyntheticSpec,
+    from_edges,
+    load_dataset,
+    save_graph,
+    synthetic_graph,
+)
+from commsched.gnn.graph.partition import make_parts, partition_nodes
+from commsched.gnn.train.trainer import TrainConfig, run_training
 from tests.mp import run_ranks
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
@@ -55,7 +61,7 @@ def _directed_graph():
 
 
 def _graphs(paths: dict[str, str]):
-    from commsched.gnn.data import load_graph
+    from commsched.gnn.graph.data import load_graph
 
     return {k: load_graph(v) for k, v in paths.items()}
 
@@ -169,9 +175,9 @@ def test_roc_auc_on_a_two_class_graph_matches_the_exact_one():
 
 
 def _two_rank_cases(rank: int, world: int, tmp: str, group) -> dict:
-    from commsched.gnn.data import GraphSource
-    from commsched.gnn.modes import make_exchange
-    from commsched.gnn.train import obtain_part, startup_check
+    from commsched.gnn.exchange.modes import make_exchange
+    from commsched.gnn.graph.data import GraphSource
+    from commsched.gnn.train.cli import obtain_part, startup_check
 
     out: dict = {}
     src = GraphSource(synthetic=SYN)
@@ -187,7 +193,7 @@ def _two_rank_cases(rank: int, world: int, tmp: str, group) -> dict:
     out["halo_ok"] = torch.equal(got, g.x_NF[torch.from_numpy(part.book.remote_ids)])
     # 3. the forward exchange in the background (central aggregation overlapping it, as
     #    AdaQP-p will) gives bit-identical training
-    from commsched.gnn.halo import VanillaExchange
+    from commsched.gnn.exchange.halo import VanillaExchange
 
     c3 = TrainConfig(model="gcn", layers=3, hidden=8, epochs=3, seed=9)
     m_sync, _ = run_training(c3, part, group=group)
@@ -270,7 +276,7 @@ def test_vanilla_on_2_3_4_ranks_equals_single_process(graph_paths, tmp_path):
 # --------------------------------------------------------------------------- torchrun CLI
 @pytest.mark.slow
 def test_torchrun_cli_with_partition_folder(tmp_path, capsys):
-    from commsched.gnn.partition_cli import main as partition_main
+    from commsched.gnn.graph.partition_cli import main as partition_main
 
     syn = ["--syn-nodes", "300", "--syn-edges", "1500", "--syn-features", "8", "--syn-classes", "3"]
     assert partition_main(syn + ["--parts", "2", "--out", str(tmp_path / "parts")]) == 0
@@ -285,7 +291,7 @@ def test_torchrun_cli_with_partition_folder(tmp_path, capsys):
     assert len(m["peak_rss_mib_per_rank"]) == 2 and m["bytes_sent_per_epoch"] > 0
     assert "vanilla gcn on synthetic x2" in p.stdout
     # in-process (world size 1): another graph's options against a folder, an unknown mode
-    from commsched.gnn.train import main as train_main
+    from commsched.gnn.train.cli import main as train_main
 
     assert partition_main(syn + ["--parts", "1", "--out", str(tmp_path / "one")]) == 0
     one = ["--partition-dir", str(tmp_path / "one"), "--epochs", "1", "--hidden", "4",

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from commsched.all2all import BF16, A2APlan, CommStats, Wire, all_to_all, all_to_all_async
-from commsched.moe.dispatch import A2A_BITS, ExpertGroup, moe_wires
-from commsched.moe.layer import DispatchConfig, MoELayer
-from commsched.moe.router import RouterConfig
-from commsched.moe.training import TrainConfig, a2a_payload_bytes, a2a_row_bytes
+from commsched.moe.model.dispatch import A2A_BITS, ExpertGroup, moe_wires
+from commsched.moe.model.layer import DispatchConfig, MoELayer
+from commsched.moe.model.router import RouterConfig
+from commsched.moe.train.training import TrainConfig, a2a_payload_bytes, a2a_row_bytes
 from commsched.observe import A2ATimer
 from commsched.quant import reference as ref
 from commsched.quant.codec import decode_records, encode_records
@@ -148,7 +148,7 @@ def test_bad_widths_are_refused_with_the_allowed_values():
 
 
 def test_cli_has_the_flag_and_refuses_other_values(capsys):
-    from commsched.moe.train import build_parser, config_from_args
+    from commsched.moe.train.cli import build_parser, config_from_args
 
     p = build_parser()
     assert config_from_args(p.parse_args(["--out", "x", "--a2a-bits", "8"])).dispatch.a2a_bits == 8
@@ -159,7 +159,7 @@ def test_cli_has_the_flag_and_refuses_other_values(capsys):
 
 
 def test_payload_bytes_follow_the_width():
-    from commsched.moe.model import ModelConfig
+    from commsched.moe.model.lm import ModelConfig
 
     m = ModelConfig(d_model=64)
     cfg = {b: TrainConfig(model=m, dispatch=DispatchConfig(a2a_bits=b)) for b in A2A_BITS}
@@ -319,8 +319,8 @@ def test_training_at_every_width_mp():
 # --------------------------------------------------------------------------- the bench's variants
 def test_bench_adds_the_quantized_variants_and_their_rows(tmp_path):
     from commsched.bench import build_parser, load_workload
-    from commsched.moe.train import build_parser as train_parser
-    from commsched.moe.train import config_from_args
+    from commsched.moe.train.cli import build_parser as train_parser
+    from commsched.moe.train.cli import config_from_args
 
     wl = load_workload("moe-train")
     plain = [v.name for v in wl.variants(build_parser(wl).parse_args([]))]

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from commsched.moe.deepspeed_lina import _check_engine
+from commsched.moe.train.deepspeed_lina import _check_engine
 
 
 def _engine(stage=0, fp16=False, bf16=False, gas=1, sp=1, pipe=False):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from commsched.moe.placed import (
+from commsched.moe.infer.placed import (
     own_split,
     placed_moe,
     placed_moe_local,
@@ -21,6 +21,13 @@ from commsched.moe.placed import (
     replica_share,
     send_order,
 )
+from commsched.moe.infer.policy import (
+    PolicyConfig,
+    default_slots,
+    placement_digest,
+    relabel,
+    strategy_class,
+)
 from commsched.moe.placement import (
     Placement,
     eplb_placement,
@@ -28,13 +35,6 @@ from commsched.moe.placement import (
     split_offsets,
     split_tokens,
     static_placement,
-)
-from commsched.moe.placement_policy import (
-    PolicyConfig,
-    default_slots,
-    placement_digest,
-    relabel,
-    strategy_class,
 )
 from tests.mp import assert_case, run_cases
 
@@ -185,7 +185,7 @@ def test_pipelined_one_device_order_of_work_and_result():
 
 
 def test_emulated_device_is_an_async_stream():
-    from commsched.moe.banks import EmulatedBank
+    from commsched.moe.infer.banks import EmulatedBank
 
     bank = EmulatedBank(1, 4, 2, 3, us_per_row=1e6, load_ms=0.0, seed=0)  # 1 s per row: never waited for
     bank.ensure(0, [0, 1])
@@ -203,8 +203,8 @@ def test_emulated_device_is_an_async_stream():
 
 
 def test_ffn_bank_loads_slots_and_computes_the_experts_ffn():
-    from commsched.moe.banks import FFNBank
-    from commsched.moe.experts import ExpertFFN, expert_apply
+    from commsched.moe.infer.banks import FFNBank
+    from commsched.moe.model.experts import ExpertFFN, expert_apply
 
     torch.manual_seed(0)
     ffn = ExpertFFN(5, 4, 6)
@@ -228,10 +228,10 @@ def test_ffn_bank_loads_slots_and_computes_the_experts_ffn():
 
 
 def test_model_moe_call_seam_is_the_models_forward():
-    from commsched.moe.banks import FFNBank
-    from commsched.moe.layer import MoELayer
-    from commsched.moe.model import ModelConfig, MoETransformerLM
-    from commsched.moe.runtime import model_forward, model_weights
+    from commsched.moe.infer.banks import FFNBank
+    from commsched.moe.infer.runtime import model_forward, model_weights
+    from commsched.moe.model.layer import MoELayer
+    from commsched.moe.model.lm import ModelConfig, MoETransformerLM
 
     torch.manual_seed(0)
     model = MoETransformerLM(ModelConfig(d_model=16, n_heads=2, n_layers=4, seq_len=8, d_ff=24, expert_hidden=20,
@@ -255,7 +255,7 @@ def test_model_moe_call_seam_is_the_models_forward():
 
 
 def test_infer_config_from_cli_is_nested():
-    from commsched.moe.infer_cli import build_parser, config_from_args
+    from commsched.moe.infer.cli import build_parser, config_from_args
 
     cfg = config_from_args(build_parser().parse_args(
         ["--placement", "oracle", "--slots", "5", "--us-per-row", "3", "--tokens-per-batch", "64",
@@ -365,7 +365,7 @@ def test_policy_config_errors_speak():
 
 # one test per strategy class: its properties, phase 1 and decision on a hand-worked layer
 def test_static_strategy_class():
-    from commsched.moe.placement_policy import StaticPlacement
+    from commsched.moe.infer.policy import StaticPlacement
 
     assert strategy_class("static") is StaticPlacement
     assert (StaticPlacement.needs_profile, StaticPlacement.loads_online, StaticPlacement.estimates_paths) == (
@@ -379,7 +379,7 @@ def test_static_strategy_class():
 
 
 def test_eplb_strategy_class():
-    from commsched.moe.placement_policy import EplbPlacement
+    from commsched.moe.infer.policy import EplbPlacement
 
     assert strategy_class("eplb") is EplbPlacement
     assert (EplbPlacement.needs_profile, EplbPlacement.loads_online, EplbPlacement.estimates_paths) == (
@@ -395,7 +395,7 @@ def test_eplb_strategy_class():
 
 
 def test_lina_strategy_class():
-    from commsched.moe.placement_policy import LinaPlacement
+    from commsched.moe.infer.policy import LinaPlacement
 
     assert strategy_class("lina") is LinaPlacement
     assert (LinaPlacement.needs_profile, LinaPlacement.loads_online, LinaPlacement.estimates_paths) == (
@@ -410,7 +410,7 @@ def test_lina_strategy_class():
 
 
 def test_oracle_strategy_class():
-    from commsched.moe.placement_policy import OraclePlacement
+    from commsched.moe.infer.policy import OraclePlacement
 
     assert strategy_class("oracle") is OraclePlacement
     assert (OraclePlacement.needs_profile, OraclePlacement.loads_online, OraclePlacement.estimates_paths) == (
@@ -425,8 +425,8 @@ def test_oracle_strategy_class():
 def test_a_new_strategy_and_planner_are_one_class_one_entry(monkeypatch):
     """Adding a placement strategy or a planner: one class, one registry entry (then
     PolicyConfig, the strategies and --placement / --planner accept the name)."""
+    from commsched.moe.infer.policy import STRATEGIES, LayerDecision, OraclePlacement
     from commsched.moe.placement.registry import PLANNERS, Planner
-    from commsched.moe.placement_policy import STRATEGIES, LayerDecision, OraclePlacement
 
     class HalfPlacement(OraclePlacement):  # re-planned on odd layers, static on the others
         name = "half"
@@ -457,7 +457,7 @@ def test_a_new_strategy_and_planner_are_one_class_one_entry(monkeypatch):
 
 
 def test_eplb_hier_strategy_class():
-    from commsched.moe.placement_policy import EplbHierPlacement
+    from commsched.moe.infer.policy import EplbHierPlacement
 
     assert strategy_class("eplb-hier") is EplbHierPlacement
     assert (EplbHierPlacement.needs_profile, EplbHierPlacement.loads_online, EplbHierPlacement.uses_hosts) == (
@@ -476,7 +476,7 @@ def test_eplb_hier_strategy_class():
 
 
 def test_lina_node_strategy_class():
-    from commsched.moe.placement_policy import LinaNodePlacement, cross_host_weight
+    from commsched.moe.infer.policy import LinaNodePlacement, cross_host_weight
 
     assert strategy_class("lina-node") is LinaNodePlacement
     assert (LinaNodePlacement.estimates_paths, LinaNodePlacement.uses_hosts) == (True, True)
@@ -496,7 +496,7 @@ def test_lina_node_strategy_class():
     with pytest.raises(ValueError, match="eplb-hier"):
         _policy("lina-node", HIST, online_planner="eplb", device_host=hosts)
     from commsched import Topology
-    from commsched.costmodel import LinkCost
+    from commsched.cluster.costmodel import LinkCost
 
     t = Topology.from_hosts(["a", "a", "b", "b"], intra=LinkCost(0.0, 1e-10), inter=LinkCost(0.0, 8e-9))
     # 2 exchanges x 256 B x (8e-9 - 1e-10) s/B over 100 us of compute per row
@@ -515,8 +515,8 @@ def test_relabel_stays_within_hosts():
 
 def test_strategy_table_is_the_cli_choice_list():
     from commsched.moe.infer import PlacementConfig
-    from commsched.moe.infer_cli import build_parser
-    from commsched.moe.placement_policy import STRATEGIES
+    from commsched.moe.infer.cli import build_parser
+    from commsched.moe.infer.policy import STRATEGIES
 
     assert list(STRATEGIES) == ["static", "eplb", "lina", "oracle", "eplb-hier", "lina-node"]
     assert all(c.name == n for n, c in STRATEGIES.items())
@@ -551,7 +551,7 @@ def test_placed_local_twin_is_the_dense_sum():
 # --------------------------------------------------------------------------- distributed == local
 def _trace_cfg(placement: str, compute: str, tokens_per_batch: int = 96, exchange: str = "pipelined"):
     from commsched.moe.infer import EmulationConfig, InferConfig, PlacementConfig, TraceDriverConfig
-    from commsched.moe.traces import SyntheticTraceConfig
+    from commsched.moe.record.traces import SyntheticTraceConfig
 
     syn = SyntheticTraceConfig(num_experts=8, num_layers=4, k=2, num_tokens=4096, seq_len=16)
     return InferConfig(placement=PlacementConfig(placement), compute=compute, batches=3, warmup=1,
@@ -562,7 +562,7 @@ def _trace_cfg(placement: str, compute: str, tokens_per_batch: int = 96, exchang
 
 
 def _local_layer(bank, j, h, e, g, keep):
-    from commsched.moe.placed import placed_moe_local
+    from commsched.moe.infer.placed import placed_moe_local
 
     return placed_moe_local(h, e, g, bank.reference(j), keep)
 
@@ -571,7 +571,7 @@ def _trace_equals_local(rank: int, world: int) -> None:
     import os
 
     from commsched.moe.infer import build, run
-    from commsched.moe.runtime import trace_forward
+    from commsched.moe.infer.runtime import trace_forward
 
     # pipelined (the default) and the sequential twin; 16 tokens: one sequence, the other ranks idle;
     # "hosts" (4 ranks): two hosts of two ranks told apart by torchrun's node index (GROUP_RANK), as
@@ -632,9 +632,9 @@ def _trace_equals_local(rank: int, world: int) -> None:
 
 
 def _model_equals_local(ckpt: str, rank: int, world: int) -> None:
-    from commsched.moe.data import load_corpus
     from commsched.moe.infer import InferConfig, ModelDriverConfig, PlacementConfig, run
-    from commsched.moe.recorder import load_checkpoint
+    from commsched.moe.model.data import load_corpus
+    from commsched.moe.record.recorder import load_checkpoint
 
     model, _ = load_checkpoint(ckpt)
     corpus = load_corpus(None)
@@ -653,8 +653,8 @@ def _model_equals_local(ckpt: str, rank: int, world: int) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from commsched.moe.model import ModelConfig, MoETransformerLM
-    from commsched.moe.recorder import save_checkpoint
+    from commsched.moe.model.lm import ModelConfig, MoETransformerLM
+    from commsched.moe.record.recorder import save_checkpoint
 
     torch.manual_seed(0)
     model = MoETransformerLM(ModelConfig(d_model=16, n_heads=2, n_layers=3, seq_len=16, d_ff=24, expert_hidden=20,
@@ -683,10 +683,10 @@ def test_static_layout_helper_matches_default_slots():
 
 # --------------------------------------------------------------------------- recorder, checkpoints, bench
 def test_record_trace_and_checkpoint_round_trip(tmp_path):
-    from commsched.moe.data import Corpus
-    from commsched.moe.model import ModelConfig, MoETransformerLM
-    from commsched.moe.recorder import load_checkpoint, record_trace, save_checkpoint
-    from commsched.moe.traces import load_trace, save_trace
+    from commsched.moe.model.data import Corpus
+    from commsched.moe.model.lm import ModelConfig, MoETransformerLM
+    from commsched.moe.record.recorder import load_checkpoint, record_trace, save_checkpoint
+    from commsched.moe.record.traces import load_trace, save_trace
 
     torch.manual_seed(1)
     model = MoETransformerLM(ModelConfig(d_model=16, n_heads=2, n_layers=2, seq_len=8, d_ff=16, expert_hidden=8,
@@ -724,7 +724,7 @@ def _metrics(p95: float, rows: float, imb: float, series: list[float]) -> dict:
 
 def test_bench_variants_summary_and_heatmap(tmp_path):
     from commsched.bench import build_parser
-    from commsched.bench.moe_infer import WORKLOAD
+    from commsched.bench.moe.infer import WORKLOAD
 
     a = build_parser(WORKLOAD).parse_args(["--lina-thresholds", "0,0.75", "--threshold", "0.5", "--batches", "5"])
     vs = {v.name: v.args for v in WORKLOAD.variants(a)}
@@ -749,7 +749,7 @@ def test_bench_variants_summary_and_heatmap(tmp_path):
     assert g["model_latency_p95_speedup_vs_static"]["measured"] == pytest.approx(100 / 60)
     assert out["latency_ms_batch_median_over_repeats"]["lina"]["p50"] == pytest.approx(120)
     assert (tmp_path / "heatmap.png").stat().st_size > 1000
-    from commsched.bench.moe_infer import hosts_table
+    from commsched.bench.moe.infer import hosts_table
 
     for v, b in (("static", 4e6), ("lina", 1e6)):  # on hosts: the bytes table, medians of the repeats
         for m in runs[v]:
@@ -761,8 +761,8 @@ def test_bench_variants_summary_and_heatmap(tmp_path):
 def test_placed_layer_times_its_parts_with_the_device_clock(monkeypatch):
     """Audit 2, item 12: the a2a / expert / other parts are ``Clock`` marks on the rows' device
     (CUDA events on a GPU, not enqueue times), kept unresolved until ``settle()``."""
-    import commsched.moe.placed as placed
-    from commsched.moe.placed import PlacedTimes
+    import commsched.moe.infer.placed as placed
+    from commsched.moe.infer.placed import PlacedTimes
 
     class Ev:
         waits = 0

@@ -19,7 +19,7 @@ def _weights(L: int = 2, E: int = 5, D: int = 4, H: int = 6, seed: int = 0):
 
 
 def test_ffn_bank_on_the_cpu_loads_by_copy_and_equals_the_reference():
-    from commsched.moe.banks import FFNBank
+    from commsched.moe.infer.banks import FFNBank
 
     ws = _weights()
     bank = FFNBank(ws, slots=3, device="cpu")
@@ -67,7 +67,7 @@ def test_ffn_bank_cuda_ordering_of_loads_and_computations(monkeypatch):
     # waits for the loads of the slots it reads (each event once) and records its use
     import contextlib
 
-    from commsched.moe.banks import FFNBank
+    from commsched.moe.infer.banks import FFNBank
 
     log: list = []
     compute = _Stream("compute", log)
@@ -104,7 +104,7 @@ def test_ffn_bank_cuda_ordering_of_loads_and_computations(monkeypatch):
 
 
 def test_emulated_bank_is_the_cpu_model_and_refuses_cuda():
-    from commsched.moe.banks import EmulatedBank
+    from commsched.moe.infer.banks import EmulatedBank
 
     EmulatedBank(1, 4, 2, 3, us_per_row=0.0, load_ms=0.0, seed=0, device="cpu")
     with pytest.raises(ValueError, match="CPU model of an accelerator"):
@@ -113,7 +113,7 @@ def test_emulated_bank_is_the_cpu_model_and_refuses_cuda():
 
 def test_infer_config_device_option():
     from commsched.moe.infer import InferConfig
-    from commsched.moe.infer_cli import build_parser, config_from_args
+    from commsched.moe.infer.cli import build_parser, config_from_args
 
     parse = build_parser().parse_args
     assert config_from_args(parse(["--out", "x"])).device == "auto"
@@ -132,9 +132,9 @@ def test_infer_config_device_option():
 
 def test_bench_passes_its_device_to_every_variant():
     from commsched.bench import build_parser
-    from commsched.bench.moe_infer import WORKLOAD
-    from commsched.moe.infer_cli import build_parser as infer_parser
-    from commsched.moe.infer_cli import config_from_args
+    from commsched.bench.moe.infer import WORKLOAD
+    from commsched.moe.infer.cli import build_parser as infer_parser
+    from commsched.moe.infer.cli import config_from_args
 
     a = build_parser(WORKLOAD).parse_args(["--device", "cpu", "--lina-thresholds", "0"])
     for v in WORKLOAD.variants(a):
@@ -151,7 +151,7 @@ def test_bench_passes_its_device_to_every_variant():
 
 def test_trace_inputs_on_an_explicit_cpu_device_are_the_default_inputs():
     from commsched.moe.infer import TraceDriver, TraceDriverConfig
-    from commsched.moe.traces import SyntheticTraceConfig
+    from commsched.moe.record.traces import SyntheticTraceConfig
 
     syn = SyntheticTraceConfig(num_experts=8, num_layers=3, k=2, num_tokens=2048, seq_len=16)
     drv = TraceDriver(TraceDriverConfig(synthetic=syn, tokens_per_batch=64, d_model=8), batches=2, seed=3, world=2)
@@ -164,8 +164,8 @@ def test_placed_moe_keeps_its_tensors_on_the_rows_device():
     # device plumbing give the local twin's result
     import numpy as np
 
-    from commsched.moe.banks import FFNBank
-    from commsched.moe.placed import placed_moe, placed_moe_local
+    from commsched.moe.infer.banks import FFNBank
+    from commsched.moe.infer.placed import placed_moe, placed_moe_local
     from commsched.moe.placement import Placement
 
     torch.manual_seed(0)
@@ -185,7 +185,7 @@ def test_placed_moe_keeps_its_tensors_on_the_rows_device():
 # --------------------------------------------------------------------------- processes
 def _cfg(placement: str, compute: str, exchange: str = "pipelined", device: str = "auto"):
     from commsched.moe.infer import EmulationConfig, InferConfig, PlacementConfig, TraceDriverConfig
-    from commsched.moe.traces import SyntheticTraceConfig
+    from commsched.moe.record.traces import SyntheticTraceConfig
 
     syn = SyntheticTraceConfig(num_experts=8, num_layers=3, k=2, num_tokens=4096, seq_len=16)
     return InferConfig(placement=PlacementConfig(placement), compute=compute, batches=3, warmup=1,
@@ -235,7 +235,7 @@ def test_device_plumbing_mp(results, case):
 # --------------------------------------------------------------------------- CUDA
 @pytest.mark.cuda
 def test_ffn_bank_cuda_loads_overlap_compute_on_the_copy_stream():
-    from commsched.moe.banks import FFNBank
+    from commsched.moe.infer.banks import FFNBank
 
     dev = torch.device("cuda", torch.cuda.current_device())
     ws = _weights(L=1, E=4, D=1024, H=4096)  # 32 MiB of weights per expert
@@ -290,8 +290,8 @@ def _one_rank_cuda_equals_cpu(rank: int, world: int, ckpt: str) -> list[str]:
 @pytest.mark.cuda
 @pytest.mark.slow
 def test_one_rank_inference_on_cuda_equals_cpu(tmp_path):
-    from commsched.moe.model import ModelConfig, MoETransformerLM
-    from commsched.moe.recorder import save_checkpoint
+    from commsched.moe.model.lm import ModelConfig, MoETransformerLM
+    from commsched.moe.record.recorder import save_checkpoint
 
     torch.manual_seed(0)
     model = MoETransformerLM(ModelConfig(d_model=16, n_heads=2, n_layers=3, seq_len=16, d_ff=24, expert_hidden=20,

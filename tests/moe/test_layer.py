@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commsched.moe.dispatch import ExpertGroup, sort_assignments
-from commsched.moe.layer import DispatchConfig, MoELayer
-from commsched.moe.router import RouterConfig, capacity_keep, load_balancing_loss, route_top_k
+from commsched.moe.model.dispatch import ExpertGroup, sort_assignments
+from commsched.moe.model.layer import DispatchConfig, MoELayer
+from commsched.moe.model.router import RouterConfig, capacity_keep, load_balancing_loss, route_top_k
 from commsched.observe import A2ATimer
 from tests.mp import assert_case, run_cases
 
@@ -190,7 +190,7 @@ def _merged_equals_pipelined(rank: int, world: int) -> None:
 def _ep_rejects_wrong_block(rank: int, world: int) -> None:
     rc = RouterConfig(world, k=1)
     layer = MoELayer(D, H, rc, expert_group=ExpertGroup(world, world, rank, None))
-    from commsched.moe.dispatch import ep_moe
+    from commsched.moe.model.dispatch import ep_moe
     wrong = ExpertGroup(world, world, (rank + 1) % world, None)
     with pytest.raises(ValueError, match="holds experts"):
         ep_moe(torch.zeros(2, D), layer.router(torch.zeros(2, D)), layer.experts, wrong)
@@ -263,7 +263,7 @@ def test_bfloat16_autocast_halves_the_exchanged_bytes(monkeypatch, pipeline):
 def test_dispatch_indices_live_on_the_routing_device(monkeypatch):
     """device='cpu' through the same device-generic code: every index the dispatcher builds
     and every tensor it exchanges is on the input's device."""
-    from commsched.moe.dispatch import build_chunk_plans
+    from commsched.moe.model.dispatch import build_chunk_plans
 
     sent = _recording_exchange(monkeypatch)
     dev = torch.device("cpu")

@@ -378,7 +378,7 @@ def test_plan_against_eplb_on_random_instances():
     """plan_placement never loses to EPLB by more than 0.5% of the max device load (the
     500-instance figure is in docs/results.md; this is a small sample of the same
     generator)."""
-    from commsched.bench.placement_report import eplb_instances
+    from commsched.bench.moe.placement_report import eplb_instances
 
     worse = []
     for inst in eplb_instances(seed=1, count=30, max_experts=32, max_devices=8):
@@ -502,7 +502,7 @@ def test_split_offsets_balance_across_ranks():
 def test_placement_report_smoke():
     """The report behind docs/moe_inference.md runs end to end on a tiny configuration and
     its figures are consistent with each other."""
-    from commsched.bench.placement_report import ReportConfig, run_report, to_markdown
+    from commsched.bench.moe.placement_report import ReportConfig, run_report, to_markdown
 
     cfg = ReportConfig(num_tokens=8192, max_batches=3, max_path=3, presets=("default",),
                        planner_shapes=((8, 4, 3),), planner_loads=("zipf1.2",),

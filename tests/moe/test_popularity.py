@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from commsched.moe.popularity import (
+from commsched.moe.infer.popularity import (
     DEFAULT_REPLAN_THRESHOLD,
     PopularityEstimator,
     estimation_accuracy,
@@ -13,7 +13,7 @@ from commsched.moe.popularity import (
     topk_experts,
     topk_overlap,
 )
-from commsched.moe.traces import (
+from commsched.moe.record.traces import (
     RoutingTrace,
     SyntheticTraceConfig,
     load_trace,
@@ -344,7 +344,7 @@ def test_max_entries_keeps_the_heaviest_paths():
 def test_replan_threshold_default_is_the_named_constant():
     import commsched.moe as moe
     from commsched.moe.infer import PlacementConfig
-    from commsched.moe.placement_policy import PolicyConfig
+    from commsched.moe.infer.policy import PolicyConfig
 
     assert moe.DEFAULT_REPLAN_THRESHOLD is DEFAULT_REPLAN_THRESHOLD
     assert PlacementConfig().threshold == DEFAULT_REPLAN_THRESHOLD

@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commsched.moe.experts import is_expert_param
-from commsched.moe.layer import DispatchConfig
-from commsched.moe.model import ModelConfig
-from commsched.moe.trainer import TrainConfig, build_commsched, make_groups, train
+from commsched.moe.model.experts import is_expert_param
+from commsched.moe.model.layer import DispatchConfig
+from commsched.moe.model.lm import ModelConfig
+from commsched.moe.train.trainer import TrainConfig, build_commsched, make_groups, train
 from commsched.observe import A2AEvents
-from commsched.priority.executor import GradScheduler
 from commsched.priority.policy import ScheduleConfig
+from commsched.priority.runtime.executor import GradScheduler
 from tests.mp import assert_case, run_cases
 from tests.priority.test_ddp_hook import lina_ddp_with_expert_dp_groups
 from tests.priority.test_hier import HIER_CASES4
@@ -188,7 +188,7 @@ def _overlap_checkpoint_holds_the_update(rank: int, world: int) -> None:
     import shutil
     import tempfile
 
-    from commsched.moe.train_state import checkpoint_path
+    from commsched.moe.train.state import checkpoint_path
 
     d = Path(tempfile.gettempdir()) / f"commsched-overlap-ckpt-{os.getppid()}"  # the same on every rank
     cfg = dataclasses.replace(_cfg(world, "lina-overlap", chunks=2, pipeline=True, steps=3), checkpoint_every=1)
@@ -275,7 +275,7 @@ def _checkpoint_resume_exact(tmp: str, rank: int, world: int) -> None:
     import dataclasses
     import json
 
-    from commsched.moe.train_state import checkpoint_path
+    from commsched.moe.train.state import checkpoint_path
 
     cfg = dataclasses.replace(_cfg(world, "lina", chunks=2, pipeline=True, steps=5), checkpoint_every=2)
     full_m, full_state = train(dataclasses.replace(cfg, checkpoint_every=0), None, progress=False)
@@ -298,7 +298,7 @@ def _checkpoint_resume_exact(tmp: str, rank: int, world: int) -> None:
         assert json.loads((d / "metrics.json").read_text())["loss"] == full_m.loss
     # a rank killed between its peer's rename and its own: rank 0 holds step 5 and kept step
     # 2 as its previous file, rank 1 still holds step 2; the set resumes from step 2, exactly
-    from commsched.moe.train_state import previous_path
+    from commsched.moe.train.state import previous_path
 
     dist.barrier()
     if rank == 0:
@@ -347,7 +347,7 @@ def _fallback_resume_exact(tmp: str, rank: int, world: int) -> None:
     each resumed run ends bitwise equal to the uninterrupted one."""
     import dataclasses
 
-    from commsched.moe.train_state import checkpoint_path
+    from commsched.moe.train.state import checkpoint_path
     from commsched.priority import fallback
 
     calls: list[list[int]] = []
@@ -399,7 +399,7 @@ def _grad_bits_cases(tmp: str, rank: int, world: int) -> None:
     uninterrupted one (the rounding keys continue from the checkpoint)."""
     import dataclasses
 
-    from commsched.moe.train_state import checkpoint_path
+    from commsched.moe.train.state import checkpoint_path
 
     states = {}
     for sched in ("fifo", "lina", "lina-overlap", "serial"):
@@ -447,7 +447,7 @@ def test_grad_bits_is_checked():
         _cfg(1, "lina").__class__(grad_bits=3)
     with pytest.raises(ValueError, match="--grad-bits 8 is an option of --impl commsched"):
         TrainConfig(impl="deepspeed", grad_bits=8)
-    from commsched.moe.train_state import config_mismatch
+    from commsched.moe.train.state import config_mismatch
 
     # a checkpoint written before --grad-bits existed resumes as the exact reduction it was
     rec = {"lr": 0.01, "grad_bits": 32}
@@ -524,8 +524,8 @@ def test_cli_resume_after_sigkill_is_exact(tmp_path):
 
 
 def test_checkpoint_options_are_checked():
-    from commsched.moe.train import build_parser, config_from_args
-    from commsched.moe.train_state import config_mismatch, config_record
+    from commsched.moe.train.cli import build_parser, config_from_args
+    from commsched.moe.train.state import config_mismatch, config_record
 
     with pytest.raises(ValueError, match="--checkpoint-every"):
         TrainConfig(checkpoint_every=-1)
@@ -588,7 +588,7 @@ def test_default_credit_is_several_microops():
 
 
 def test_grad_scheduler_timeout_comes_from_the_environment(monkeypatch):
-    from commsched.priority.executor import LOCAL
+    from commsched.priority.runtime.executor import LOCAL
 
     p = torch.nn.Parameter(torch.ones(3))
     monkeypatch.setenv("COMMSCHED_TIMEOUT_S", "7")
@@ -599,7 +599,7 @@ def test_grad_scheduler_timeout_comes_from_the_environment(monkeypatch):
 
 
 def test_cli_fills_the_one_schedule_config(tmp_path):
-    from commsched.moe.train import build_parser, config_from_args
+    from commsched.moe.train.cli import build_parser, config_from_args
     from commsched.priority.policy import SCHEDULES
 
     p = build_parser()
@@ -638,7 +638,7 @@ def _rank_result(r: int, deepspeed: bool = False) -> dict:
 def test_metrics_record_holds_the_documented_keys(tmp_path):
     import json
 
-    from commsched.moe.training import TrainMetrics, summarize
+    from commsched.moe.train.training import TrainMetrics, summarize
 
     cfg = TrainConfig(steps=3, warmup=1)
     m = summarize(cfg, [_rank_result(0), _rank_result(1)], 2, "unit")
@@ -661,7 +661,7 @@ def test_metrics_record_holds_the_documented_keys(tmp_path):
 def test_train_state_files_are_read_safely(tmp_path):
     """Every way a checkpoint file can be wrong is one ValueError naming the file; a good
     one round-trips (weights_only)."""
-    from commsched.moe.train_state import (
+    from commsched.moe.train.state import (
         FORMAT,
         VERSION,
         checkpoint_path,
@@ -710,7 +710,7 @@ class _CudaEventLike:
 def test_deepspeed_comm_times_come_from_the_logger_dictionary():
     """Audit 2, item 2: the latencies are read from ``comms_logger.comms_dict`` (floats on
     every device; each entry the op's timer total so far), never from the timers' events."""
-    from commsched.moe.deepspeed_baseline import comm_latency_s
+    from commsched.moe.train.deepspeed_baseline import comm_latency_s
 
     d = {"all_to_all_single": {4096: [2, [1.5, 3.0], [0, 0], [0, 0]], 512: [1, [4.0], [0], [0]]},
          "all_reduce": {64: [3, [0.5, 1.0, 2.0], [], []]}, "broadcast": {8: [0, [], [], []]}}
@@ -725,8 +725,8 @@ def test_deepspeed_comm_times_come_from_the_logger_dictionary():
 def test_deepspeed_logger_is_off_for_timed_cuda_steps_and_the_summary_says_where_times_came_from():
     """Audit 2, item 2b: the comms logger synchronises after every collective; on CUDA it is on
     for the warm-up steps only, and the summary takes the communication times from them."""
-    from commsched.moe.deepspeed_baseline import profiled_step
-    from commsched.moe.training import summarize
+    from commsched.moe.train.deepspeed_baseline import profiled_step
+    from commsched.moe.train.training import summarize
 
     assert [profiled_step(s, 2, cuda=True) for s in range(4)] == [True, True, False, False]
     assert all(profiled_step(s, 2, cuda=False) for s in range(4))
@@ -740,7 +740,7 @@ def test_deepspeed_logger_is_off_for_timed_cuda_steps_and_the_summary_says_where
 
 def test_cli_defaults_are_the_configs(tmp_path):
     """The flags are generated from the configs: no flag given is the default config."""
-    from commsched.moe.train import build_parser, config_from_args
+    from commsched.moe.train.cli import build_parser, config_from_args
 
     assert config_from_args(build_parser().parse_args(["--out", str(tmp_path)])) == TrainConfig()
 
@@ -750,7 +750,7 @@ def test_ranks_may_bind_the_reduction_to_their_own_host_address():
     class's subnet (``--reduce-address {caddr1}``): the cross-rank check compares only
     whether an address is set, and every other field as before."""
     from commsched.dist import config_digest
-    from commsched.moe.trainer import _comparable
+    from commsched.moe.train.trainer import _comparable
     from commsched.priority.policy import ScheduleConfig
 
     def cfg(address, steps=10):
@@ -768,10 +768,10 @@ def test_fallback_exchange_switches_the_all_to_all_to_fifos():
     fallback) every MoE layer's all-to-all runs as fifo's, one chunk, not pipelined; in the
     others as configured. On by default (``--no-fallback-exchange`` keeps a run's bits
     independent of the timed decision)."""
-    from commsched.moe.layer import DispatchConfig, MoELayer
-    from commsched.moe.model import ModelConfig, MoETransformerLM
-    from commsched.moe.train import build_parser, config_from_args
-    from commsched.moe.trainer import _fallback_exchange
+    from commsched.moe.model.layer import DispatchConfig, MoELayer
+    from commsched.moe.model.lm import ModelConfig, MoETransformerLM
+    from commsched.moe.train.cli import build_parser, config_from_args
+    from commsched.moe.train.trainer import _fallback_exchange
 
     class Listeners:
         def __init__(self):

@@ -38,7 +38,7 @@ def _reduce_bound(rank: int, world: int, schedule: str, address: str | None):
     import torch.distributed as dist
 
     from commsched.dist import new_group
-    from commsched.priority.executor import GradScheduler
+    from commsched.priority.runtime.executor import GradScheduler
 
     torch.manual_seed(0)
     group = new_group(list(range(world)), threads=3)

@@ -1,4 +1,4 @@
-"""The executor's bucket layout (commsched/priority/buckets.py) on hand-worked examples:
+"""The executor's bucket layout (commsched/priority/runtime/buckets.py) on hand-worked examples:
 pure, no process group, no torch."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from commsched.priority.buckets import LOCAL, GradSlot, group_ids, plan_buckets
 from commsched.priority.policy import ScheduleConfig
+from commsched.priority.runtime.buckets import LOCAL, GradSlot, group_ids, plan_buckets
 
 
 def _spans(layout):
@@ -57,7 +57,7 @@ def test_group_ids_are_by_identity():
 
 
 def test_the_planner_imports_without_torch():
-    code = "import sys, commsched.priority.buckets; print('torch' in sys.modules)"
+    code = "import sys, commsched.priority.runtime.buckets; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from commsched.dist import new_group
-from commsched.moe.dispatch import ExpertGroup
-from commsched.moe.model import ModelConfig, MoETransformerLM
+from commsched.moe.model.dispatch import ExpertGroup
+from commsched.moe.model.lm import ModelConfig, MoETransformerLM
 from commsched.observe import A2AEvents
 from commsched.priority import (
     GradScheduler,

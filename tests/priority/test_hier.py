@@ -43,8 +43,8 @@ def test_uneven_hosts_are_refused_with_the_counts():
 
 
 def test_cli_option_and_deepspeed_refusal(tmp_path):
-    from commsched.moe.train import build_parser, config_from_args
-    from commsched.moe.training import TrainConfig
+    from commsched.moe.train.cli import build_parser, config_from_args
+    from commsched.moe.train.training import TrainConfig
 
     p = build_parser()
     sc = config_from_args(p.parse_args(["--hier-reduce", "--hier-min-bytes", "0", "--out", str(tmp_path)])).schedule
@@ -58,7 +58,7 @@ def test_bench_link_times_by_hand():
     """2 hosts x 2 ranks at 8 bit/s (1 byte/s): a NIC carries 2 ranks x 8 B x 2/4 of the
     all-to-all = 8 B; a ring allreduce of 12 B crosses it with 2 x 12 x 3/4 = 18 B, the
     hierarchical one with 2 x 12 x 1/2 = 12 B. One host: every byte passes the one limit."""
-    from commsched.bench.moe_train import link_times
+    from commsched.bench.moe.train import link_times
 
     assert link_times(8, 12, 4, 2, 8.0) == {"a2a": 8.0, "a2a_backward": 4.0, "allreduce_flat": 18.0,
                                            "allreduce_hier": 12.0}
@@ -81,7 +81,7 @@ def _params(rank: int) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
 
 def _reduce_once(cfg: ScheduleConfig, hier, a2a_during: bool = False) -> tuple[list[torch.Tensor], list[bool]]:
     from commsched.dist import new_group
-    from commsched.priority.executor import GradScheduler
+    from commsched.priority.runtime.executor import GradScheduler
 
     rank = dist.get_rank()
     ps, grads = _params(rank)
@@ -123,10 +123,10 @@ def _training_matches_flat(rank: int, world: int) -> None:
     gradient into up to lr per step, so a few elements move (measured: 0.19% of them by more
     than 1e-6, at most 3.8e-4; flat fifo's own reordering against flat lina: 0.18%, 3.3e-4),
     the rest agree to 1e-6, and so do the losses (measured 2.4e-7)."""
-    from commsched.moe.trainer import build_commsched, make_groups, train
+    from commsched.cluster.topology import Topology
+    from commsched.moe.train.trainer import build_commsched, make_groups, train
     from commsched.observe import A2AEvents
-    from commsched.priority.executor import GradScheduler
-    from commsched.topology import Topology
+    from commsched.priority.runtime.executor import GradScheduler
     from tests.moe.test_train import _cfg
 
     topo = Topology.grid(2, 2)

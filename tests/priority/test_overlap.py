@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from commsched.priority.executor import LOCAL, GradScheduler
-from commsched.priority.overlap import FORWARD, OverlapOptimizer, OverlapScheduler
 from commsched.priority.policy import ScheduleConfig
+from commsched.priority.runtime.executor import LOCAL, GradScheduler
+from commsched.priority.runtime.overlap import FORWARD, OverlapOptimizer, OverlapScheduler
 
 
 class _Net(nn.Module):

@@ -248,7 +248,7 @@ def test_lina_all_to_all_runs_at_its_alone_time_and_step_not_slower(kw):
 def test_a_new_schedule_is_one_class_one_entry():
     """Adding a gradient schedule: one Schedule subclass, one SCHEDULES entry; then
     ScheduleConfig, the simulator and the training CLI's --schedule take the name."""
-    from commsched.moe.train import build_parser
+    from commsched.moe.train.cli import build_parser
 
     class EagerSchedule(Schedule):
         """Micro-ops as soon as they are ready, never held for an all-to-all."""

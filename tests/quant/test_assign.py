@@ -13,8 +13,8 @@ import math
 import numpy as np
 import pytest
 
-import commsched.quant.assign as A
-from commsched.quant.assign import (
+import commsched.quant.widths.assign as A
+from commsched.quant.widths.assign import (
     AssignmentProblem,
     Channel,
     MessageGroup,
@@ -28,8 +28,8 @@ from commsched.quant.assign import (
     solve_problem,
     solve_within_variance,
 )
-from commsched.quant.assign_cpsat import OBJECTIVE_SCALE, PerGroupModel, ThresholdModel
-from commsched.quant.assign_problem import variance_factor
+from commsched.quant.widths.cpsat import OBJECTIVE_SCALE, PerGroupModel, ThresholdModel
+from commsched.quant.widths.problem import variance_factor
 
 LIMIT = dict(time_limit_s=20.0, seed=0, workers=1)
 
@@ -141,7 +141,7 @@ def test_checker_drops_a_term_whose_normaliser_is_zero():
 def test_bytes_use_the_codec_metadata_size():
     import commsched.quant as Q
     from commsched.quant import codec, reference
-    from commsched.quant.assign_problem import ALLOWED_BITS, meta_bytes
+    from commsched.quant.widths.problem import ALLOWED_BITS, meta_bytes
 
     assert meta_bytes() == codec.META_BYTES == Q.META_BYTES == 8
     assert ALLOWED_BITS is reference.BITS is codec.BITS  # one definition of the widths
@@ -319,7 +319,7 @@ def test_greedy_is_never_better_than_cpsat_and_both_pass_the_checker(seed):
 
 
 def test_fallback_to_greedy_is_logged(monkeypatch, caplog):
-    import commsched.quant.assign_cpsat as C
+    import commsched.quant.widths.cpsat as C
 
     real = C.solve_round
 
@@ -329,7 +329,7 @@ def test_fallback_to_greedy_is_logged(monkeypatch, caplog):
 
     monkeypatch.setattr(C, "solve_round", fail_round_one)
     rounds = random_rounds(1, 3, 2, (3, 4))
-    with caplog.at_level(logging.WARNING, logger="commsched.quant.assign"):
+    with caplog.at_level(logging.WARNING, logger="commsched.quant.widths.assign"):
         a = assign_bitwidths(rounds, lam=0.5, **LIMIT)
     assert a.status == "greedy-fallback" and a.solver_status == "UNKNOWN" and a.bound is None
     greedy = greedy_assignment(AssignmentProblem(rounds), 0.5)
@@ -393,7 +393,7 @@ def test_empty_channels_and_groups_are_fine():
 def test_secant_refinement_reaches_the_full_model_optimum():
     """Starting from few secants around a poor hint, refinement adds the missing ones
     and ends at the optimum of the model with every secant."""
-    from commsched.quant.assign_cpsat import solve_rounds
+    from commsched.quant.widths.cpsat import solve_rounds
 
     rng = np.random.default_rng(8)
     rounds = [[Channel(float(rng.uniform(1e-3, 2e-3)), 0.01,

@@ -1,5 +1,5 @@
-"""The ``adaptive`` mode's solver (``commsched.quant.assign_joint``) and its GNN-side
-problem builder (``commsched.gnn.adaptive_plan``): hand-worked bytes and errors, the
+"""The ``adaptive`` mode's solver (``commsched.quant.widths.joint``) and its GNN-side
+problem builder (``commsched.gnn.exchange.adaptive_plan``): hand-worked bytes and errors, the
 checker, the greedy and CP-SAT answers against brute force and the budget, and the
 topology's per-link costs changing the answer. Pure: milliseconds each."""
 
@@ -10,8 +10,9 @@ import itertools
 import numpy as np
 import pytest
 
-from commsched.costmodel import LinkCost
-from commsched.gnn.adaptive_plan import (
+from commsched.cluster.costmodel import LinkCost
+from commsched.cluster.topology import Topology
+from commsched.gnn.exchange.adaptive_plan import (
     build_period_problem,
     channel_groups,
     link_model,
@@ -19,8 +20,8 @@ from commsched.gnn.adaptive_plan import (
     solve_period,
     technique_segments,
 )
-from commsched.gnn.adaqp_plan import width_layout
-from commsched.quant.assign_joint import (
+from commsched.gnn.exchange.adaqp_plan import width_layout
+from commsched.quant.widths.joint import (
     TECHNIQUES,
     JointProblem,
     evaluate_joint,
@@ -30,7 +31,6 @@ from commsched.quant.assign_joint import (
     row_errors,
     solve_joint,
 )
-from commsched.topology import Topology
 
 
 def test_bytes_and_errors_by_hand():

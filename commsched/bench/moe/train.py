@@ -1,0 +1,479 @@
+"""``commsched bench moe-train``: DeepSpeed MoE, fifo and Lina's schedule side by side.
+
+Three variants of the same model, data and seed, each a ``torchrun`` run of
+:mod:`commsched.moe.train`:
+
+* ``deepspeed`` -- ``deepspeed.moe.layer.MoE`` under DeepSpeed's engine (ZeRO-2, gradient
+  reduction overlapping the backward pass, padded equal-split all-to-all);
+* ``fifo`` -- commsched's MoE layer, gradient allreduce in DDP-style buckets launched as
+  soon as they are ready, on a process group of its own (so it shares the link with the
+  all-to-all, as on a cluster), plain all-to-all;
+* ``lina`` -- the same layer with Lina's schedule: gradients cut into micro-ops launched
+  only in the gaps of the all-to-all, and the all-to-all cut into chunks pipelined with
+  expert compute;
+* ``lina-overlap`` -- ``lina``, but the step does not wait for the reduction: its tail runs
+  into the next forward pass in layer order, each module's optimizer step happens as soon
+  as its reduction ends and the next forward pass waits only for the module it enters
+  (:mod:`commsched.priority.runtime.overlap`). Its bound is max(compute, link bytes / rate) per
+  step (:func:`overlap_bound`), not their sum.
+* ``lina-q8``, ``lina-overlap-q8`` (with ``--a2a-bits 8``; ``-q16`` with 16) -- ``lina`` and
+  ``lina-overlap`` with the quantized expert all-to-all (8: rows to the experts as 8-bit
+  rows of the shared codec, rows back in bfloat16; :func:`commsched.moe.model.dispatch.moe_wires`):
+  commsched's schedule and compression together, against fifo and DeepSpeed in the same
+  run (:func:`_q8_rows`: their ratios, the best commsched configuration's, the loss gap).
+* ``lina-hier`` (only on emulated hosts, ``--hosts K``) -- ``lina`` with the hierarchical
+  reduction (``--hier-reduce``: inside each host, across hosts under lina's gate, inside
+  again; :mod:`commsched.priority.hier`).
+
+The summary adds lina's ratios against fifo, its all-to-all time against the all-to-all
+measured with no allreduce running (``a2a_alone_time_s``), the share of a fifo step spent
+in all-to-all, the link's time per step at the emulated rate (:func:`link_times`) and the
+lower bound of a step it implies, how closely the loss curves agree, a plot of the loss
+curves and a timeline (PNG) of one step's all-to-all and allreduce operations on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from ...dist import DEVICE_CHOICES
+from ...moe.train.training import DTYPES
+from ...priority.fallback import PROBE_WARMUP
+from ...priority.policy import DEFAULT_CREDIT_MICROOPS, ScheduleConfig
+from ...results import median
+from ..plots import pyplot, save_figure
+from ..runner import Variant, Workload, median_of
+
+# The benchmark model and link (the documented default regime; see docs/methods/moe_train.md):
+# every other block MoE, 4 experts (one per rank), 800 Mbit/s shared by the 4 ranks -- the
+# all-to-all is about a third of a fifo step, as in Lina's setting.
+DEFAULT_BANDWIDTH = "800mbit"
+# ... shared per collective (the gradient reduction in its own equal htb class), as NCCL's
+# channels share a GPU cluster's link; --link-model flow: per TCP flow (bench/emulation.py)
+DEFAULT_LINK_MODEL = "collective"
+# the Lina paper's median slowdown of an all-to-all by a concurrent allreduce (NCCL)
+PAPER_CONTENTION = 1.83
+_SCHED = ScheduleConfig()  # the schedule's own defaults
+DEFAULTS = {
+    "steps": 10, "warmup": 3, "batch_size": 8, "seq_len": 128, "d_model": 256, "heads": 4, "layers": 4,
+    "d_ff": 1024, "expert_hidden": 1024, "experts": 4, "k": 1, "moe_every": 2, "chunks": 4,
+    "microop_bytes": _SCHED.microop_bytes, "credit_bytes": None, "bucket_bytes": _SCHED.bucket_bytes,
+    "ds_stage": 2,
+    "allreduce_threads": 8,
+}
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    g = p.add_argument_group("model and training (all variants)")
+    g.add_argument("--steps", type=int, default=d["steps"])
+    g.add_argument("--warmup", type=int, default=d["warmup"], help="steps left out of the timing")
+    g.add_argument("--batch-size", type=int, default=d["batch_size"])
+    g.add_argument("--seq-len", type=int, default=d["seq_len"])
+    g.add_argument("--d-model", type=int, default=d["d_model"])
+    g.add_argument("--heads", type=int, default=d["heads"])
+    g.add_argument("--layers", type=int, default=d["layers"])
+    g.add_argument("--d-ff", type=int, default=d["d_ff"])
+    g.add_argument("--expert-hidden", type=int, default=d["expert_hidden"])
+    g.add_argument("--experts", type=int, default=d["experts"])
+    g.add_argument("--k", type=int, default=d["k"], choices=(1, 2))
+    g.add_argument("--moe-every", type=int, default=d["moe_every"])
+    g.add_argument("--corpus", default=None, help="text file (default: the Python standard library's sources)")
+    g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="every variant's device (auto: CUDA when every local rank has its own GPU)")
+    g.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="compute and all-to-all row dtype of every variant (bfloat16 halves the exchange)")
+    g = p.add_argument_group("schedules")
+    g.add_argument("--chunks", type=int, default=d["chunks"], help="lina: chunks of the pipelined all-to-all")
+    g.add_argument("--microop-bytes", type=int, default=d["microop_bytes"])
+    g.add_argument("--credit-bytes", type=int, default=d["credit_bytes"])
+    g.add_argument("--hold-in-block", action=argparse.BooleanOptionalAction, default=True,
+                   help="lina: also hold allreduce during backward expert compute")
+    g.add_argument("--bucket-bytes", type=int, default=d["bucket_bytes"], help="fifo buckets, DeepSpeed reduce bucket")
+    g.add_argument("--allreduce-threads", type=int, default=d["allreduce_threads"],
+                   help="fifo and lina: gloo worker threads of the gradient-allreduce group")
+    g.add_argument("--ds-stage", type=int, default=d["ds_stage"])
+    g.add_argument("--fallback-exchange", action=argparse.BooleanOptionalAction, default=True,
+                   help="lina and lina-overlap variants: the probe's fallback also runs the all-to-all and "
+                        "the reduction as fifo's (one chunk, not pipelined; fifo's buckets), the trainer's "
+                        "default; --no-fallback-exchange: only fifo's launching (commsched.moe.train "
+                        "--fallback-exchange)")
+    g.add_argument("--grad-bits", type=int, choices=(16, 8), default=None,
+                   help="also run fifo-gB, lina-gB and lina-overlap-gB (and fifo-qA-gB, lina-qA-gB, "
+                        "lina-overlap-qA-gB with --a2a-bits A): the gradient reduction's messages at B bits "
+                        "(commsched.moe.train --grad-bits)")
+    g.add_argument("--grad-batch-bytes", type=int, default=None,
+                   help="the -gB variants: sums summed together up to this many bytes (default: the "
+                        "trainer's, 4 MiB; 0: one sum per launch; commsched.moe.train --grad-batch-bytes)")
+    g.add_argument("--grad-unbatched", action="store_true",
+                   help="with --grad-bits B also run fifo-b0-gB and lina-b0-gB (and fifo-b0-qA-gB, "
+                        "lina-b0-qA-gB with --a2a-bits A): those variants with every launch summed alone "
+                        "(--grad-batch-bytes 0), the batching's A/B")
+    g.add_argument("--a2a-bits", type=int, choices=(16, 8), default=None,
+                   help="also run lina-qB and lina-overlap-qB: lina / lina-overlap with the expert all-to-all "
+                        "at B bits (commsched.moe.train --a2a-bits)")
+
+
+def _common(a: argparse.Namespace) -> list[str]:
+    out = ["--steps", a.steps, "--warmup", a.warmup, "--batch-size", a.batch_size, "--seq-len", a.seq_len,
+           "--d-model", a.d_model, "--heads", a.heads, "--layers", a.layers, "--d-ff", a.d_ff,
+           "--expert-hidden", a.expert_hidden, "--experts", a.experts, "--k", a.k, "--moe-every", a.moe_every,
+           "--microop-bytes", a.microop_bytes, "--bucket-bytes", a.bucket_bytes, "--ds-stage", a.ds_stage,
+           "--allreduce-threads", a.allreduce_threads, "--device", a.device, "--dtype", a.dtype]
+    if a.credit_bytes is not None:
+        out += ["--credit-bytes", a.credit_bytes]
+    if a.corpus:
+        out += ["--corpus", a.corpus]
+    if getattr(a, "reduce_address", None):  # link model 'collective': the reduction's own link class
+        out += ["--reduce-address", a.reduce_address]
+    return [str(x) for x in out]
+
+
+def _variants(a: argparse.Namespace) -> list[Variant]:
+    mod = "commsched.moe.train"
+    c = _common(a)
+    lina = ("--impl", "commsched", "--schedule", "lina", "--chunks", str(a.chunks), "--pipeline",
+            "--hold-in-block" if a.hold_in_block else "--no-hold-in-block", *c,
+            "--fallback-exchange" if getattr(a, "fallback_exchange", True) else "--no-fallback-exchange")
+    out = [
+        Variant("deepspeed", mod, ("--impl", "deepspeed", *c)),
+        Variant("fifo", mod, ("--impl", "commsched", "--schedule", "fifo", "--chunks", "1", "--no-pipeline", *c)),
+        Variant("lina", mod, lina),
+        Variant("lina-overlap", mod, ("--impl", "commsched", "--schedule", "lina-overlap", *lina[4:])),
+    ]
+    bits = getattr(a, "a2a_bits", None)
+    if bits:  # schedule + compression: the quantized expert all-to-all
+        q = ("--a2a-bits", str(bits))
+        out += [Variant(f"lina-q{bits}", mod, (*lina, *q)),
+                Variant(f"lina-overlap-q{bits}", mod, ("--impl", "commsched", "--schedule", "lina-overlap",
+                                                       *lina[4:], *q))]
+    gbits = getattr(a, "grad_bits", None)
+    if gbits:  # the gradient reduction compressed (quant/allreduce.py), alone and with -qA
+        g = ("--grad-bits", str(gbits))
+        if getattr(a, "grad_batch_bytes", None) is not None:
+            g += ("--grad-batch-bytes", str(a.grad_batch_bytes))
+        b0 = (*g, "--grad-batch-bytes", "0")  # argparse: the last one counts
+        by_name = {v.name: v for v in out}
+        out += [Variant(f"{n}-g{gbits}", mod, (*by_name[n].args, *g)) for n in ("fifo", "lina", "lina-overlap")]
+        if bits:  # both compressions: fifo-qA-gB, lina-qA-gB, lina-overlap-qA-gB
+            q = ("--a2a-bits", str(bits))
+            out += [Variant(f"fifo-q{bits}-g{gbits}", mod, (*by_name["fifo"].args, *q, *g)),
+                    *(Variant(f"{n}-q{bits}-g{gbits}", mod, (*by_name[f"{n}-q{bits}"].args, *g))
+                      for n in ("lina", "lina-overlap"))]
+        if getattr(a, "grad_unbatched", False):  # the A/B of CompressedLauncher's batches
+            out += [Variant(f"{n}-b0-g{gbits}", mod, (*by_name[n].args, *b0)) for n in ("fifo", "lina")]
+            if bits:
+                out += [Variant(f"{n}-b0-q{bits}-g{gbits}", mod, (*by_name[m].args, *q, *b0))
+                        for n, m in (("fifo", "fifo"), ("lina", f"lina-q{bits}"))]
+    if (getattr(a, "hosts", 1) or 1) > 1:  # on emulated hosts: lina with the hierarchical reduction
+        out.append(Variant("lina-hier", mod, (*lina, "--hier-reduce")))
+    return out
+
+
+def link_times(payload: float, grad_bytes: float, P: int, hosts: int, rate_bps: float) -> dict[str, float]:
+    """Seconds the busiest emulated link needs per step (pure): ``a2a`` for the all-to-all's
+    bytes (all four exchanges; under even routing a rank sends (P-1)/P of its rows to other
+    ranks), ``a2a_backward`` for the backward half, ``allreduce_flat`` for a ring allreduce of
+    the non-expert gradients, ``allreduce_hier`` for the hierarchical one. One host: every
+    byte between ranks passes the one shared limit (a ring's P edges each carry 2S(P-1)/P).
+    H hosts of L ranks, one limited NIC each way per host: a NIC carries the bytes of its L
+    ranks to the P - L ranks elsewhere; a ring over consecutive ranks crosses each NIC once
+    each way (2S(P-1)/P), the hierarchical reduction 2S(H-1)/H (priority/hier.py)."""
+    L = P // hosts
+    if hosts <= 1:
+        a2a_bytes = payload * (P - 1)
+        flat = hier = 2 * grad_bytes * (P - 1)
+    else:
+        a2a_bytes = L * payload * (P - L) / P
+        flat = 2 * grad_bytes * (P - 1) / P
+        hier = 2 * grad_bytes * (hosts - 1) / hosts
+    sec = 8.0 / rate_bps
+    return {"a2a": a2a_bytes * sec, "a2a_backward": a2a_bytes * sec / 2,
+            "allreduce_flat": flat * sec, "allreduce_hier": hier * sec}
+
+
+def after_probe_start(probes: int = _SCHED.fallback_probes) -> int:
+    """Index (from 0) of the first step after the fallback probe of lina and lina-overlap
+    that carries no probe step's tail: the probe runs steps PROBE_WARMUP .. PROBE_WARMUP +
+    2 probes - 1, the step after it may still wait for the last probe step's overlapped
+    reduction. Pure."""
+    return PROBE_WARMUP + 2 * probes + 1
+
+
+def step_after_probe(m: dict, start: int) -> float | None:
+    """Median time of a run's steps from ``start`` on (``step_times_s``), None when it has
+    none there: a schedule's steady state once its probe has decided, the one-time probe
+    left out (every variant over the same steps)."""
+    st = m.get("step_times_s") or []
+    return median(st[start:]) if len(st) > start else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def _fmt(x, unit: str = "") -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3g}{unit}"
+
+
+def plot_timeline(timelines: dict[str, dict], path: Path) -> Path:
+    """One panel per variant; per rank two lanes: all-to-all (top) and allreduce (bottom),
+    and under ``lina-overlap`` a third: the next step's forward pass (light green, from its
+    start to its end) with each module group's wait for its update and its optimizer step
+    (dark green), which start inside the allreduce tail."""
+    plt = pyplot()
+
+    names = [n for n, t in timelines.items() if t.get("ranks")]
+    fig, axes = plt.subplots(len(names), 1, figsize=(11, 1.0 + 1.1 * max(len(timelines[n]["ranks"]) for n in names)
+                                                     * len(names)), squeeze=False)
+    colors = {"a2a": "tab:red", "allreduce": "tab:blue", "forward": "palegreen", "update": "darkgreen"}
+    for ax, n in zip(axes[:, 0], names):
+        ranks = timelines[n]["ranks"]
+        labels = ["a2a", "allreduce"]
+        if any(rec["kind"] == "forward" for recs in ranks for rec in recs):
+            labels.append("next fwd")
+        nl = len(labels)
+        for r, recs in enumerate(ranks):
+            for rec in sorted(recs, key=lambda x: x["kind"] == "update"):  # updates drawn over the forward
+                if rec["end_s"] < 0 or rec["start_s"] < 0 or rec["kind"] not in colors:
+                    continue
+                lane = nl * r + {"a2a": 0, "allreduce": 1}.get(rec["kind"], 2)
+                s0 = rec["ready_s"] if rec["kind"] == "update" else rec["start_s"]
+                ax.broken_barh([(s0, max(rec["end_s"] - s0, 2e-3))], (lane + 0.1, 0.8),
+                               facecolors=colors[rec["kind"]], edgecolor="black", linewidth=0.3)
+        ax.set_yticks([nl * r + 0.5 + i for r in range(len(ranks)) for i in range(nl)])
+        ax.set_yticklabels([f"rank {r} {lab}" for r in range(len(ranks)) for lab in labels], fontsize="x-small")
+        ax.invert_yaxis()
+        ax.set_title(f"{n}: step {timelines[n].get('step')} (seconds from the step start)", fontsize="small")
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("seconds")
+    save_figure(fig, path)
+    return path
+
+
+def plot_losses(runs: dict[str, list[dict]], path: Path) -> Path:
+    plt = pyplot()
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for v, rs in runs.items():
+        ax.plot(range(len(rs[0]["loss"])), rs[0]["loss"], label=v, marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss (mean over ranks)")
+    ax.set_title("loss curves (repeat 0)")
+    ax.legend()
+    save_figure(fig, path)
+    return path
+
+
+def overlap_bound(compute_s: float | None, grad_bytes: int | None, a2a_link_s: float | None, world: int,
+                  rate_bps: float | None) -> tuple[float | None, float | None]:
+    """(link seconds, bound) of one ``lina-overlap`` step on one emulated link that all
+    ``world`` ranks share: the link must carry the ring allreduce of the non-expert
+    gradients (every rank sends 2 (P - 1) / P of them: 2 (P - 1) * ``grad_bytes`` in all)
+    and the all-to-alls (``a2a_link_s``, the estimate above); the step cannot be shorter
+    than that nor than its compute, and with the reduction overlapping the next forward
+    pass it need not be longer than the larger of the two: bound = max(compute, link)."""
+    if not (grad_bytes and rate_bps and a2a_link_s is not None):
+        return None, None
+    link = 2 * (world - 1) * grad_bytes * 8 / rate_bps + a2a_link_s
+    return link, (max(compute_s, link) if compute_s is not None else None)
+
+
+# with --grad-bits B: fifo-gB, lina-gB, lina-overlap-gB (and the three -qA-gB with --a2a-bits A)
+_COMPRESSED = re.compile(r"-(q|g)\d+$")
+
+
+def compressed(name: str) -> bool:
+    """Whether a variant compresses (its all-to-all, ``-qB``, or its reduction, ``-gB``)."""
+    return bool(_COMPRESSED.search(name))
+
+
+def ours(names) -> list[str]:
+    """commsched's configurations among the variant names (every one but DeepSpeed's)."""
+    return [v for v in names if v != "deepspeed"]
+
+
+
+def _q8_rows(runs, med, rep_ratio) -> list[tuple]:
+    """Summary rows of the quantized variants: their step-time ratios against fifo and
+    DeepSpeed, commsched's best configuration (the fastest median step of its variants)
+    against both, the all-to-all against lina's, and the loss gap to fifo (largest per step,
+    relative)."""
+    rows = []
+    for v in [v for v in runs if compressed(v)]:
+        rows += [
+            (f"step time: fifo / {v} (goal >= 1.5)", rep_ratio("fifo", v, "step_time_s"), "x"),
+            (f"step time: deepspeed / {v} (goal >= 2)", rep_ratio("deepspeed", v, "step_time_s"), "x"),
+            (f"all-to-all: lina / {v}", rep_ratio("lina", v, "a2a_time_s"), "x"),
+        ]
+        c, f = runs[v][0].get("loss"), runs.get("fifo", [{}])[0].get("loss")
+        if c and f:
+            rows.append((f"loss: {v} largest per-step gap to fifo, relative (goal <= 0.01)",
+                         max(abs(a - b) / b for a, b in zip(c, f)), ""))
+    mine = {v: med[v]["step_time_s"] for v in ours(med) if med[v]["step_time_s"]}
+    if mine and any(compressed(v) for v in runs):
+        best = min(mine, key=mine.get)
+        rows += [
+            (f"best commsched configuration: {best}", mine[best], " s"),
+            (f"step time: fifo / best ({best}; goal >= 1.5)", rep_ratio("fifo", best, "step_time_s"), "x"),
+            (f"step time: deepspeed / best ({best}; goal >= 2)", rep_ratio("deepspeed", best, "step_time_s"), "x"),
+        ]
+    return rows
+
+
+def _overlap_rows(runs, med, rep_ratio, m_any, P, rate, a2a_link_s, hosts) -> list[tuple]:
+    """Summary rows of ``lina-overlap``: its ratios and its bound (compute: its step less the
+    time its compute thread waited for the all-to-all and for parameter updates)."""
+    ov = med.get("lina-overlap")
+    if ov is None:
+        return []
+    compute = None
+    if ov["step_time_s"] is not None:
+        compute = ov["step_time_s"] - (ov["a2a_time_s"] or 0.0) - (ov["allreduce_wait_s"] or 0.0)
+    grad = m_any.get("sizes", {}).get("non_expert_grad_bytes")
+    link, bound = overlap_bound(compute, grad, a2a_link_s if hosts == 1 else None, P, rate)
+    return [
+        ("step time: fifo / lina-overlap (goal >= 1.0; >= 1.4 per collective)", rep_ratio("fifo", "lina-overlap", "step_time_s"), "x"),
+        ("step time: lina / lina-overlap", rep_ratio("lina", "lina-overlap", "step_time_s"), "x"),
+        ("step time: deepspeed / lina-overlap", rep_ratio("deepspeed", "lina-overlap", "step_time_s"), "x"),
+        ("lina-overlap compute per step (step - all-to-all wait - update wait), s", compute, ""),
+        ("lina-overlap link per step (allreduce + all-to-all bytes / rate), s", link, ""),
+        ("lina-overlap bound max(compute, link), s", bound, ""),
+        ("lina-overlap step / its bound (goal <= 1.15)", _ratio(ov["step_time_s"], bound), "x"),
+        ("allreduce bytes reduced within the backward pass: lina-overlap", ov["allreduce_in_backward_share"], ""),
+    ]
+
+
+def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
+    start = after_probe_start()
+    for rs in runs.values():
+        for m in rs:
+            m["step_after_probe_s"] = step_after_probe(m, start)
+    med = {v: {k: median_of(rs, k) for k in ("step_time_s", "a2a_time_s", "allreduce_time_s",
+                                             "a2a_alone_time_s", "allreduce_wait_s", "val_loss",
+                                             "allreduce_in_backward_share", "step_after_probe_s")}
+           for v, rs in runs.items()}
+    lines = ["| quantity | value |", "|---|---|"]
+    lina, fifo, ds, hier = med.get("lina"), med.get("fifo"), med.get("deepspeed"), med.get("lina-hier")
+    # per-repeat ratios (interleaved runs), then their median
+    def rep_ratio(a: str, b: str, key: str) -> float | None:
+        if a not in runs or b not in runs:
+            return None
+        rs = [_ratio(x.get(key), y.get(key)) for x, y in zip(runs[a], runs[b])]
+        rs = [r for r in rs if r is not None]
+        return median(rs)
+
+    rows = [
+        ("step time: deepspeed / lina (goal >= 1.4)", rep_ratio("deepspeed", "lina", "step_time_s"), "x"),
+        ("step time: fifo / lina (goal >= 1.0; >= 1.3 per collective)", rep_ratio("fifo", "lina", "step_time_s"), "x"),
+        ("step time: deepspeed / fifo", rep_ratio("deepspeed", "fifo", "step_time_s"), "x"),
+        (f"step time after the probe (steps {start + 1} on, every variant): fifo / lina (goal >= 1.0)",
+         rep_ratio("fifo", "lina", "step_after_probe_s"), "x"),
+        (f"step time after the probe (steps {start + 1} on, every variant): fifo / lina-overlap (goal >= 1.0)",
+         rep_ratio("fifo", "lina-overlap", "step_after_probe_s"), "x"),
+        ("all-to-all: fifo / lina", rep_ratio("fifo", "lina", "a2a_time_s"), "x"),
+        ("all-to-all: deepspeed / lina", rep_ratio("deepspeed", "lina", "a2a_time_s"), "x"),
+        ("lina all-to-all / its all-to-all alone", _ratio(lina and lina["a2a_time_s"], lina and lina["a2a_alone_time_s"]), "x"),
+        (f"contention: fifo all-to-all / its all-to-all alone (link model {getattr(args, 'link_model', None)}; "
+         f"the Lina paper's median {PAPER_CONTENTION}x)",
+         _ratio(fifo and fifo["a2a_time_s"], fifo and fifo["a2a_alone_time_s"]), "x"),
+        ("contention against the paper's median (goal 0.8-1.2)",
+         _ratio(_ratio(fifo and fifo["a2a_time_s"], fifo and fifo["a2a_alone_time_s"]), PAPER_CONTENTION), "x"),
+        ("allreduce bytes reduced within the backward pass: lina", lina and lina["allreduce_in_backward_share"], ""),
+        ("allreduce bytes reduced within the backward pass: fifo", fifo and fifo["allreduce_in_backward_share"], ""),
+        ("all-to-all share of a fifo step", _ratio(fifo and fifo["a2a_time_s"], fifo and fifo["step_time_s"]), ""),
+        ("all-to-all share of a deepspeed step", _ratio(ds and ds["a2a_time_s"], ds and ds["step_time_s"]), ""),
+    ]
+    if hier:
+        rows += [
+            ("step time: deepspeed / lina-hier (goal >= 1.4)", rep_ratio("deepspeed", "lina-hier", "step_time_s"), "x"),
+            ("step time: fifo / lina-hier (goal >= 1.3)", rep_ratio("fifo", "lina-hier", "step_time_s"), "x"),
+            ("step time: lina / lina-hier", rep_ratio("lina", "lina-hier", "step_time_s"), "x"),
+            ("lina-hier all-to-all / its all-to-all alone", _ratio(hier["a2a_time_s"], hier["a2a_alone_time_s"]), "x"),
+            ("allreduce bytes reduced within the backward pass: lina-hier", hier["allreduce_in_backward_share"], ""),
+        ]
+    # the link's share of a step at the emulated rate (estimates from the bytes, see link_times)
+    m_any = next(iter(runs.values()))[0]
+    payload = m_any.get("sizes", {}).get("a2a_payload_bytes_per_step")
+    grad_bytes = m_any.get("sizes", {}).get("non_expert_grad_bytes")
+    P = m_any.get("world_size") or args.nproc
+    rate = getattr(args, "rate_bps", None)
+    hosts = getattr(args, "hosts", 1) or 1
+    lt = link_times(payload, grad_bytes, P, hosts, rate) if payload and grad_bytes and rate else None
+    rows.append(("all-to-all bytes at the emulated rate / fifo step (estimate)",
+                 _ratio(lt and lt["a2a"], fifo and fifo["step_time_s"]), ""))
+    link_s = lt and lt["a2a"]
+    rows += _overlap_rows(runs, med, rep_ratio, m_any, P, rate, link_s, hosts)
+    rows += _q8_rows(runs, med, rep_ratio)
+    # a lower bound of a step for any schedule that waits for every gradient before the
+    # optimizer step: the fastest measured forward pass and optimizer of commsched's
+    # variants, plus the link time of the allreduce and of the backward all-to-alls
+    ours = [runs[v] for v in ("fifo", "lina", "lina-hier") if v in runs]
+    fwd = min((x for x in (median_of(rs, "breakdown_s.forward") for rs in ours) if x is not None), default=None)
+    opt = min((x for x in (median_of(rs, "breakdown_s.optimizer_and_other") for rs in ours) if x is not None),
+              default=None)
+    bounds = {}
+    if lt and fwd is not None and opt is not None:
+        for kind in ("flat", "hier"):
+            bounds[kind] = fwd + lt[f"allreduce_{kind}"] + lt["a2a_backward"] + opt
+        rows += [
+            ("allreduce link time per step: flat ring / hierarchical (s)",
+             f"{lt['allreduce_flat']:.3g} / {lt['allreduce_hier']:.3g}", ""),
+            ("step lower bound, flat allreduce: forward + allreduce link + backward all-to-all link + optimizer (s)",
+             bounds["flat"], ""),
+            ("step lower bound, hierarchical allreduce (s)", bounds["hier"], ""),
+            ("fifo step / flat lower bound (the most a flat schedule can gain over fifo)",
+             _ratio(fifo and fifo["step_time_s"], bounds["flat"]), "x"),
+            ("fifo step / hierarchical lower bound", _ratio(fifo and fifo["step_time_s"], bounds["hier"]), "x"),
+            ("deepspeed step / flat lower bound", _ratio(ds and ds["step_time_s"], bounds["flat"]), "x"),
+        ]
+    for name, val, unit in rows:
+        lines.append(f"| {name} | {val if isinstance(val, str) else _fmt(val, unit)} |")
+    # loss curves: largest per-step gap between variants (repeat 0), and final losses
+    curves = {v: rs[0]["loss"] for v, rs in runs.items() if rs and rs[0].get("loss")}
+    loss_lines = ["| variant | first loss | last loss | max gap to fifo | held-out loss |", "|---|---|---|---|---|"]
+    for v, c in curves.items():
+        gap = max(abs(a - b) for a, b in zip(c, curves["fifo"])) if "fifo" in curves else None
+        loss_lines.append(f"| {v} | {c[0]:.4f} | {c[-1]:.4f} | {_fmt(gap)} | {_fmt(med[v]['val_loss'])} |")
+    timelines = {}
+    for v in ("fifo", "lina", "lina-overlap", "lina-hier"):
+        p = out / v / "rep0" / "timeline.json"
+        if p.exists():
+            timelines[v] = json.loads(p.read_text())
+    plots = []
+    if timelines:
+        plots.append(str(plot_timeline(timelines, out / "timeline.png")))
+    if curves:
+        plots.append(str(plot_losses(runs, out / "loss.png")))
+    m0 = next(iter(runs.values()))[0]
+    sizes = m0.get("sizes", {})
+    cfg_line = (f"model: d_model {args.d_model}, {args.layers} blocks (MoE every {args.moe_every}), "
+                f"{args.experts} experts of hidden {args.expert_hidden}, top-{args.k}, dense FFN {args.d_ff}; "
+                f"{args.batch_size} x {args.seq_len} tokens per rank per step; "
+                f"non-expert gradients {sizes.get('non_expert_grad_bytes', 0) / 2**20:.2f} MiB; "
+                f"all-to-all payload {sizes.get('a2a_payload_bytes_per_step', 0) / 2**20:.2f} MiB per rank per step; "
+                f"lina: {args.chunks} chunks, micro-ops of {args.microop_bytes} B, credit "
+                f"{args.credit_bytes if args.credit_bytes is not None else f'{DEFAULT_CREDIT_MICROOPS} micro-ops'}; fifo buckets {args.bucket_bytes} B; "
+                f"allreduce group: {args.allreduce_threads} gloo threads")
+    return {"extra_tables": {"Lina against fifo and DeepSpeed (medians of per-repeat ratios)": "\n".join(lines),
+                             "Loss curves": "\n".join(loss_lines),
+                             "Configuration": cfg_line},
+            "plots": plots,
+            "lina_ratios": {name: val for name, val, _ in rows}, "link_times_s": lt, "step_bounds_s": bounds}
+
+
+WORKLOAD = Workload(
+    name="moe-train",
+    description="MoE LM training: DeepSpeed MoE vs fifo allreduce vs Lina's all-to-all-first schedule",
+    key_metrics=("step_time_s", "a2a_time_s", "allreduce_time_s", "a2a_alone_time_s", "allreduce_wait_s"),
+    add_arguments=_add_arguments,
+    variants=_variants,
+    summarize=_summarize,
+    default_bandwidth=DEFAULT_BANDWIDTH,
+    default_link_model=DEFAULT_LINK_MODEL,
+)

@@ -1,0 +1,472 @@
+"""AdaQP's quantized exchange: multi-width halo rows, periodic adaptive widths, overlap.
+
+Legend: P ranks, n_p messages (rows) of one channel (one peer), D row width, b bits.
+
+:class:`AdaQPExchange`, a :class:`~commsched.gnn.exchange.halo.HaloExchange`, runs the quantized
+modes (``--mode``; the table of every mode is :mod:`commsched.gnn.exchange.modes`):
+
+========  =============================================  =========================
+mode      widths (scheme)                                 central/marginal overlap
+========  =============================================  =========================
+adaqp     adaptive (CP-SAT on rank 0 every ``period``)    yes
+adaqp-q   adaptive                                        no (exchange, then compute)
+uniform   every message at ``--bits``                     yes
+random    each message drawn from BITS every period       yes
+========  =============================================  =========================
+
+Its pure parts (options, width layouts, random widths, the rank-0 solve) are in
+:mod:`commsched.gnn.exchange.adaqp_plan`. The edge normalisation that weighs the messages (below)
+is the model's, passed in by whoever builds the exchange.
+
+**Wire format.** The rows one rank sends to peer p in one exchange are cut by width:
+for b in BITS (``commsched.quant.reference.BITS``), the rows of width b (in message
+order) are quantized and packed (``commsched.quant.codec.quantize_rows``: for CPU rows
+its compiled or eager CPU fast path, for CUDA rows the Triton kernels through the codec's
+``impl="auto"`` dispatch -- both bit-identical to the reference), giving two byte segments, payload [n_b * ceil(D b / 8)] and metadata [n_b * META_BYTES] (float32 scale and
+zero point). The six segments per peer travel as one message through
+``commsched.exchange_segments``. Both sides derive the segment sizes from the same
+per-channel width vector (:func:`width_layout`), so no sizes are exchanged.
+
+**Widths.** A channel is (src rank, dst rank, layer, direction); its width vector
+[n] is known to both ends: uniform and random widths are computed locally from shared
+seeds, adaptive widths are solved on rank 0 and broadcast. Until the first assignment
+(the first period) adaptive modes run at max(BITS).
+
+**Tracing.** Every quantized training exchange records, per outgoing message k, the
+variance weight beta_k = c_k * D * (max_k - min_k)^2 / 6, where the range comes from the
+quantization metadata and c_k is the sum of squared aggregation coefficients of k's
+receivers (``PartitionBook.send_coef_sq``) forward, and 1 backward (a gradient row is
+added into its owner's gradient with weight 1). Link costs (theta, gamma per peer) are
+probed at start-up and refined by scaling theta with the ratio of measured to predicted
+exchange times. ``AdaQPOptions.link_costs`` (``--link-costs``) picks the probe: ``ring``
+(``commsched.cluster.costmodel.probe_link_costs``, the default), ``topology`` (``Topology.probe``:
+every ordered pair timed alone, each peer its own measured cost, so a channel that
+crosses the slow inter-host link costs more than one inside a host) or ``averaged`` (the
+same probe, one cost for every pair: the mean of the pair fits, what a system that does
+not know the topology assumes). The assignment's ``link_classes`` reports, per link class,
+the mean width and the bytes per epoch it gives (``adaqp_plan.link_class_report``).
+With ``equal_variance`` (``--equal-variance``) the topology-aware widths are the fastest
+the solver finds at no more modelled variance than the averaged-cost assignment of the
+same traces (``adaqp_plan.solve_widths``).
+
+**Overlap.** ``start`` quantizes on the caller's thread, launches the exchange in the
+background (the core's asynchronous exchange: gloo's worker thread for the direct
+pattern, a comm thread for the ring) and returns; the layer aggregates its central nodes
+while the bytes are on the wire; ``wait`` blocks, then dequantizes. Quantization,
+communication and central compute are thus separate stages. Without overlap
+(``adaqp-q``) the whole chain completes inside ``start``. In backward the same split
+holds: the gradient rows are quantized and launched by the halo's receive node, the
+central aggregation's backward runs while they are on the wire, and the send node
+waits and dequantizes (``commsched.gnn.exchange.halo``).
+
+Breakdown keys: ``quant`` is quantize + dequantize time, ``comm`` the time blocked on the
+wire (quantization excluded), ``assign`` the re-assignment (gather, solve, broadcast).
+
+**Device.** The exchange's index tensors (the width layouts' ``pos``/``idx``, cached per
+period) live on its device (``device=`` or ``to``); the rows, the per-row ranges of the
+variance trace and the received rows stay there. The trace is kept as the last
+exchange's device tensor and read to numpy once per period, when rank 0 gathers it.
+Intervals (quantization, the measured wire time of the cost ratio) are marks of the
+pass timer's clock: CUDA events on CUDA, ``perf_counter`` on the CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ...all2all import all_to_all, exchange_segments
+from ...clock import Clock, Mark
+from ...dist import all_gather_object, broadcast_object
+from ...quant.codec import dequantize_rows, payload_bytes, quantize_rows
+from ...quant.fast import compile_enabled, say_stderr, warm_codec, warm_native
+from ...quant.reference import BITS
+from ...results import median
+from ..context import PassContext
+from ..graph.book import NORMS, PartitionBook
+from .adaqp_plan import (
+    SCHEMES,
+    TOPOLOGY_PROBE_SIZES,
+    AdaQPOptions,
+    WidthLayout,
+    peer_costs,
+    random_widths,
+    solve_widths,
+    width_layout,
+)
+from .halo import HaloExchange, Pending
+
+# --------------------------------------------------------------------------- codec
+# CPU rows only (CUDA rows always take the codec's "auto" choice, the Triton kernels).
+# Exchanges of at least this many elements (all rows of one layer and direction) use the
+# compiled codec for every width group, whatever the group's size: the kernels are compiled
+# once per width and row width in ``prepare`` with the row count dynamic, so a small group
+# costs a call, not a compile (the eager twin costs ~100x more per row). Smaller exchanges
+# (test graphs) take the codec's own choice ("auto": eager on the CPU at these sizes).
+EXCHANGE_COMPILE_MIN_ELEMENTS = 1 << 16
+
+
+def _mix_key(*parts: int) -> int:
+    h = 0x811C9DC5
+    for x in parts:
+        h = ((h ^ (x & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
+        h ^= h >> 15
+    return h
+
+
+def _check_norm(book: PartitionBook, norm: str) -> None:
+    """A ValueError unless ``book`` holds AdaQP's message coefficients for ``norm``."""
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {', '.join(NORMS)} (the layer's edge normalisation, "
+                         f"by which the AdaQP exchange weighs its messages), got {norm!r}")
+    if norm not in book.send_coef_sq:
+        raise ValueError(f"the partition book of rank {book.rank} has no AdaQP coefficients for "
+                         f"norm={norm!r} (it holds {', '.join(sorted(book.send_coef_sq))}): it was "
+                         "written by an older commsched; make the partition folder again")
+
+
+# --------------------------------------------------------------------------- exchange
+class AdaQPExchange(HaloExchange):
+    """The quantized exchange; see the module doc.
+
+    scheme: one of :data:`~commsched.gnn.exchange.adaqp_plan.SCHEMES`; overlap: launch the
+    exchange in the background (the central aggregation runs meanwhile) or finish it
+    inside ``start``; options: the run's :class:`AdaQPOptions` (default: the defaults); norm: the model's edge
+    normalisation ("gcn", "mean" or "sum": ``PartitionBook.send_coef_sq`` key) that weighs
+    each forward message's variance; seed: of the random widths and the rounding keys.
+    """
+
+    name = "adaqp"
+
+    def __init__(self, book: PartitionBook, *, scheme: str, overlap: bool, norm: str,
+                 options: AdaQPOptions | None = None, seed: int = 0, group=None,
+                 pattern: str = "direct", device: torch.device | str | None = None):
+        super().__init__(book, group=group, pattern=pattern)
+        if scheme not in SCHEMES:
+            raise ValueError(f"AdaQP scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+        _check_norm(book, norm)
+        self.scheme, self.overlap, self.norm, self.seed = scheme, overlap, norm, seed
+        # layer -> its own edge normalisation, where it differs from ``norm`` (set_layer_norm)
+        self.layer_norms: dict[int, str] = {}
+        self.opt = options if options is not None else AdaQPOptions()
+        self._compiles = self.opt.compile and compile_enabled()
+        self.rank = book.rank
+        self._calls = 0
+        # the period whose random draws are in force
+        self.period_index = 0
+        # (layer, direction) -> {(src, dst): widths [n]} for the channels touching this rank
+        self.assigned: dict[tuple[int, str], dict[tuple[int, int], np.ndarray]] = {}
+        self._layouts: dict[tuple, tuple[WidthLayout, WidthLayout]] = {}
+        # (layer, direction) -> the last training exchange's per-row (max - min) [T] float64,
+        # on the device; :attr:`trace` turns it into betas per peer when asked (once a period)
+        self._ranges: dict[tuple[int, str], torch.Tensor] = {}
+        self.dims: dict[tuple[int, str], int] = {}
+        self.link_costs: dict[int, tuple[float, float]] = {}
+        self.hosts_P: tuple[str, ...] | None = None  # the host of every rank (adaptive, set-up)
+        self.topology = None  # the probed Topology (link_costs topology / averaged)
+        self.ref_link_costs: dict[int, tuple[float, float]] = {}  # averaged (equal_variance)
+        # (predicted s, mark at launch, mark after the wait) per exchange, resolved in
+        # refined_costs (once a period: on CUDA the marks are events)
+        self._measured: list[tuple[float, Clock, Mark, Mark]] = []
+        self.assignments: list[dict] = []  # what each re-assignment did (rank 0 fills details)
+        self._compiled_dims: set[int] = set()  # row widths whose exchanges use the compiled codec
+        self._empty = torch.empty(0, dtype=torch.uint8)  # an empty segment, on the device
+        if device is not None:
+            self.to(device)
+
+    def to(self, device: torch.device | str) -> "AdaQPExchange":
+        device = torch.device(device)
+        if device != self.device:
+            super().to(device)
+            self._layouts.clear()
+            self._empty = torch.empty(0, dtype=torch.uint8, device=device)
+        return self
+
+    @property
+    def trace(self) -> dict[tuple[int, str], list[np.ndarray]]:
+        """{(layer, direction): [beta of each message sent to peer p, float64 [n_p]]} from the
+        last training exchange of each layer and direction (numpy; reads the device once)."""
+        P = self.world_size
+        out: dict[tuple[int, str], list[np.ndarray]] = {}
+        for (layer, direction), rng_T in self._ranges.items():
+            D = self.dims[(layer, direction)]
+            out_c, _ = self._counts(direction)
+            trace = [np.zeros(0)] * P
+            norm = self.layer_norms.get(layer, self.norm)
+            coef = self.book.send_coef_sq[norm] if direction == "forward" else None
+            beta = rng_T.cpu().numpy() ** 2 * (D / 6.0)
+            off = 0
+            for p in range(P):
+                if out_c[p]:
+                    c = coef[self.book.send_slice(p)] if direction == "forward" else 1.0
+                    trace[p] = c * beta[off:off + out_c[p]]
+                off += out_c[p]
+            out[(layer, direction)] = trace
+        return out
+
+    @property
+    def overlaps(self) -> bool:
+        return self.overlap
+
+    def set_layer_norm(self, layer: int, norm: str) -> None:
+        """Weigh ``layer``'s forward messages by ``norm`` (a model whose layers normalise
+        differently; default: the exchange's ``norm``)."""
+        _check_norm(self.book, norm)
+        self.layer_norms[layer] = norm
+
+    # ---- collective set-up -----------------------------------------------------------------
+    def validate(self, *, dtype: torch.dtype | None = None, row_numel: int | None = None) -> None:
+        super().validate(dtype=dtype, row_numel=row_numel)
+        if self.scheme == "adaptive" and self.world_size > 1:
+            from ...cluster.costmodel import probe_link_costs
+            from ...cluster.topology import Topology
+
+            # probe buffers on the messages' device, timed to a device sync on CUDA; the
+            # measured/predicted ratio of the real exchanges rescales theta every period
+            if self.opt.link_costs == "ring":
+                costs = probe_link_costs(self.group, sizes=self.opt.probe_sizes,
+                                         repeats=self.opt.probe_repeats, device=self.device)
+                self.link_costs = {p: (c.theta, c.gamma) for p, c in costs.items()}
+                self.hosts_P = Topology.from_env(self.group).hosts_P
+            else:  # every pair timed alone; its own cost (topology) or the mean (averaged)
+                self.topology = Topology.probe(self.group, sizes=TOPOLOGY_PROBE_SIZES,
+                                               repeats=self.opt.probe_repeats, device=self.device)
+                self.hosts_P = self.topology.hosts_P
+                self.link_costs = peer_costs(self.topology, self.rank, self.opt.link_costs)
+                self.ref_link_costs = peer_costs(self.topology, self.rank, "averaged")
+
+    @property
+    def compiles(self) -> bool:
+        """Whether this exchange compiles its codec (``options.compile`` and
+        ``COMMSCHED_COMPILE``, read when the exchange was made, both allow it)."""
+        return self._compiles
+
+    def prepare(self, dims: list[int], *, say: Callable[[str], None] | None = say_stderr) -> None:
+        """Set-up before the first epoch: compile the codec that will run (for every width
+        and row width this run exchanges, so no epoch pays for compilation): on the CPU the
+        compiled fast path, on CUDA the Triton kernels (``impl="auto"``). Rank 0 says on
+        ``say`` (default: stderr) what it compiles and, after, how long it took. Nothing
+        with ``options.compile=False`` or ``COMMSCHED_COMPILE=0``."""
+        if self.world_size == 1 or not self.compiles:
+            return
+        say = say if self.rank == 0 else None
+        if self.device.type != "cpu":
+            if say is not None:
+                say(f"commsched.gnn: compiling the Triton quantization kernels for row widths "
+                    f"{sorted(set(dims))} (first use on this machine: seconds per kernel; "
+                    "--no-compile runs the torch reference instead) ...")
+            t = time.perf_counter()
+            gen = torch.Generator(device=self.device)
+            for d in sorted(set(dims)):
+                x = torch.randn(64, d, generator=gen.manual_seed(d), device=self.device)
+                for b in BITS:
+                    pay, meta = quantize_rows(x, b, 1, 0, "auto")
+                    dequantize_rows(pay, meta, b, d, "auto")
+            if say is not None:
+                torch.cuda.synchronize(self.device)
+                say(f"commsched.gnn: Triton kernels ready in {time.perf_counter() - t:.1f} s")
+            return
+        if warm_native(say=say):  # the native kernel serves every width and row width
+            return
+        n_min = min(sum(self.book.send_counts), sum(self.book.recv_counts))
+        big = [d for d in sorted(set(dims)) if n_min * d >= EXCHANGE_COMPILE_MIN_ELEMENTS]
+        if big:  # smaller exchanges run eagerly
+            warm_codec(big, BITS, say=say)
+            self._compiled_dims.update(big)
+
+    def begin_epoch(self, ctx: PassContext) -> None:
+        epoch = ctx.epoch
+        if self.scheme == "random" and epoch // self.opt.period != self.period_index:
+            self.period_index = epoch // self.opt.period
+            self._layouts.clear()  # fresh draws for the new period
+        if self.world_size == 1 or epoch == 0 or epoch % self.opt.period:
+            return
+        if self.scheme == "adaptive":
+            t = time.perf_counter()  # host work and object collectives: the host clock
+            self.reassign(epoch)
+            dt = time.perf_counter() - t
+            ctx.timer.add("assign", dt)
+            self.assignments[-1]["wall_s"] = dt
+
+    # ---- widths and layouts ----------------------------------------------------------------
+    def channel_widths(self, src: int, dst: int, n: int, layer: int, direction: str) -> np.ndarray:
+        if self.scheme == "uniform":
+            return np.full(n, self.opt.bits, dtype=np.int64)
+        if self.scheme == "random":
+            return random_widths(n, seed=self.seed, layer=layer, direction=direction, src=src,
+                                 dst=dst, period_index=self.period_index)
+        w = self.assigned.get((layer, direction), {}).get((src, dst))
+        if w is None:
+            return np.full(n, max(BITS), dtype=np.int64)  # the first period: the widest
+        assert w.size == n, (w.size, n)
+        return w
+
+    def _counts(self, direction: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        b = self.book
+        return (b.send_counts, b.recv_counts) if direction == "forward" else (b.recv_counts, b.send_counts)
+
+    def layouts(self, layer: int, direction: str, dim: int) -> tuple[WidthLayout, WidthLayout]:
+        """(send layout, receive layout) of this rank for one exchange."""
+        key = (layer, direction, dim)
+        if key not in self._layouts:
+            out_c, in_c = self._counts(direction)
+            P, me = self.world_size, self.rank
+            send = width_layout([self.channel_widths(me, p, out_c[p], layer, direction)
+                                 for p in range(P)], dim)
+            recv = width_layout([self.channel_widths(p, me, in_c[p], layer, direction)
+                                 for p in range(P)], dim)
+            self._layouts[key] = (send.to(self.device), recv.to(self.device))
+        return self._layouts[key]
+
+    # ---- the transfer ------------------------------------------------------------------------
+    def transfer(self, rows: torch.Tensor, layer: int, direction: str, ctx: PassContext) -> Pending:
+        if not ctx.training:
+            # evaluation: full precision (accuracy is measured on the exact forward pass)
+            plan = self.plan if direction == "forward" else self.plan.reversed()
+            return Pending.ready(all_to_all(rows, plan, group=self.group, pattern=self.pattern))
+        # the backward exchange overlaps too (see halo.py)
+        return self._quantized(rows, layer, direction, ctx, background=self.overlap)
+
+    def _quantized(self, rows: torch.Tensor, layer: int, direction: str, ctx: PassContext,
+                   background: bool) -> Pending:
+        """Quantize every width group of the exchange in one codec call (the groups' rows
+        ordered peer by peer, so each peer's part is a contiguous slice), send, and on
+        ``wait`` dequantize each width group in one call and scatter the rows back."""
+        D = int(rows.shape[1])
+        send, recv = self.layouts(layer, direction, D)
+        out_c, in_c = self._counts(direction)
+        P = self.world_size
+        timer = ctx.timer
+        # the compiled CPU fast path is for CPU rows; CUDA rows go to Triton ("auto"); without
+        # compiling, the CPU's eager twin or the torch reference elsewhere
+        if not self.compiles:
+            impl = "eager" if rows.device.type == "cpu" else "reference"
+        else:
+            impl = "compiled" if D in self._compiled_dims and rows.device.type == "cpu" else "auto"
+        t0 = timer.mark()
+        x = rows.to(torch.float32).contiguous()
+        self._calls += 1
+        key = _mix_key(self.seed, self.rank, self._calls)
+        segs: list[list[torch.Tensor]] = [[] for _ in range(P)]
+        rng_T = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)  # each sent row's (max - min)
+        row0 = 0
+        for w, b in enumerate(BITS):
+            pos, per_peer = send.pos[w], send.peer_rows[w]
+            n = int(pos.numel())
+            if n == 0:
+                for p in range(P):
+                    segs[p] += [self._empty, self._empty]
+                continue
+            sel = x if n == x.shape[0] else x.index_select(0, pos)
+            pay, meta = quantize_rows(sel, b, key, row0, impl)  # distinct counters per row
+            row0 += n
+            rng_T.index_copy_(0, pos, meta[:, 0].double() * ((1 << b) - 1))
+            meta_bytes = meta.contiguous().view(torch.uint8)
+            o = 0
+            for p in range(P):
+                k = per_peer[p]
+                segs[p] += [pay[o:o + k].reshape(-1), meta_bytes[o:o + k].reshape(-1)]
+                o += k
+        if x.shape[0]:
+            self._ranges[(layer, direction)] = rng_T  # betas are derived once a period (trace)
+        self.dims[(layer, direction)] = D
+        t1 = timer.mark()
+        timer.add_span("quant", t0, t1)
+        timer.add_span("comm", t0, t1, -1.0)  # the caller times this call as comm; quantizing is not
+        t_wire = timer.mark()
+        h = exchange_segments(segs, recv.segments, group=self.group, pattern=self.pattern,
+                              stats=ctx.stats, async_op=True, device=self.device)
+        predicted = self._predict(send)
+
+        def finish() -> torch.Tensor:
+            got = h.wait()
+            t_got = timer.mark()
+            if predicted > 0:
+                self._measured.append((predicted, timer.clock, t_wire, t_got))
+            out = torch.empty((sum(in_c), D), dtype=torch.float32, device=rows.device)
+            for w, b in enumerate(BITS):
+                pos = recv.pos[w]
+                n = int(pos.numel())
+                if n == 0:
+                    continue
+                parts = [p for p in range(P) if recv.peer_rows[w][p]]
+                # one aligned buffer per width (the received views start at arbitrary bytes)
+                pay = torch.cat([got[p][2 * w] for p in parts]).view(n, payload_bytes(D, b))
+                meta = torch.cat([got[p][2 * w + 1] for p in parts]).view(torch.float32).view(n, 2)
+                if n == out.shape[0]:
+                    dequantize_rows(pay, meta, b, D, impl, out_ND=out)
+                else:
+                    out.index_copy_(0, pos, dequantize_rows(pay, meta, b, D, impl))
+            res = out.to(rows.dtype)
+            t_done = timer.mark()
+            timer.add_span("quant", t_got, t_done)
+            timer.add_span("comm", t_got, t_done, -1.0)
+            return res
+
+        return Pending(finish) if background else Pending.ready(finish())
+
+    # ---- link model and re-assignment ---------------------------------------------------------
+    def _predict(self, send: WidthLayout) -> float:
+        """Model time of one exchange (the slowest peer) under the probed link costs."""
+        if not self.link_costs:
+            return 0.0
+        tot = send.segments.peer_totals()
+        return max((self.link_costs[p][1] + self.link_costs[p][0] * tot[p]
+                    for p in self.link_costs if tot[p]), default=0.0)
+
+    def refined_costs(self, costs: dict[int, tuple[float, float]] | None = None
+                      ) -> dict[int, tuple[float, float]]:
+        """Probed (theta, gamma) per peer (``costs``, default the exchange's link costs),
+        theta scaled by the median ratio of measured to predicted exchange time since the
+        last assignment (1 without measurements)."""
+        costs = self.link_costs if costs is None else costs
+        if not self._measured:
+            return dict(costs)
+        ratio = median(clock.seconds(a, b) / p for p, clock, a, b in self._measured)
+        return {p: (th * ratio, ga) for p, (th, ga) in costs.items()}
+
+    def reassign(self, epoch: int) -> None:
+        """Collective, at the start of ``epoch``: gather traces on rank 0, solve one problem
+        per (layer, direction) with ``assign_many``, broadcast the widths; every rank
+        rebuilds its layouts."""
+        me = self.rank
+        mine = {"trace": {k: [np.asarray(a, dtype=np.float32) for a in v] for k, v in self.trace.items()},
+                "dims": dict(self.dims), "costs": self.refined_costs(),
+                "ref_costs": self.refined_costs(self.ref_link_costs),
+                "counts": (self.book.send_counts, self.book.recv_counts)}
+        # all_gather rather than gather: the same cost on gloo
+        got = all_gather_object(mine, "gathering AdaQP traces", self.group)
+        solved = (solve_widths(got, group_size=self.opt.group_size, lam=self.opt.lam,
+                               time_limit_s=self.opt.assign_time_limit_s, seed=self.seed,
+                               hosts_P=self.hosts_P, equal_variance=self.opt.equal_variance)
+                  if me == 0 else None)
+        table, info = broadcast_object(solved, "broadcasting AdaQP widths", 0, self.group)
+        self.assigned = {k: {c: w for c, w in chans.items() if me in c} for k, chans in table.items()}
+        self._layouts.clear()
+        self._measured.clear()
+        info = dict(info, epoch=epoch)
+        self.assignments.append(info)
+
+    def report(self) -> dict:
+        """What goes into metrics.json beside the standard keys."""
+        out: dict = {"adaqp": {"scheme": self.scheme, "overlap": self.overlap,
+                               "period": self.opt.period, "group_size": self.opt.group_size,
+                               "lam": self.opt.lam, "link_cost_source": self.opt.link_costs,
+                               "equal_variance": self.opt.equal_variance,
+                               "hosts": list(self.hosts_P) if self.hosts_P else None,
+                               "link_costs": {str(p): {"theta_s_per_byte": th, "gamma_s": ga}
+                                              for p, (th, ga) in self.link_costs.items()},
+                               "assignments": self.assignments}}
+        if self.world_size > 1:
+            hist = {b: 0 for b in BITS}
+            for send, _ in list(self._layouts.values()):
+                for b, n in send.rows_per_width().items():
+                    hist[b] += n
+            out["adaqp"]["rows_per_width_last_epoch_this_rank"] = {str(b): n for b, n in hist.items()}
+        return out
+
+
+__all__ = ["EXCHANGE_COMPILE_MIN_ELEMENTS", "AdaQPExchange"]

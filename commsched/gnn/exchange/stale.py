@@ -1,0 +1,130 @@
+"""PipeGCN's stale exchange (``--mode pipegcn``): last epoch's halo rows and gradients.
+
+Legend: R remote (halo) rows of this rank, T rows it sends per exchange, F row width.
+
+PipeGCN (Wan et al., ICLR 2022) pipelines the halo exchange with the computation: in
+training epoch t a layer aggregates the remote rows its peers sent in epoch t-1, and the
+owned rows receive the boundary gradients computed in epoch t-1; the rows and gradients
+of epoch t are sent in the background while epoch t computes, and are used in epoch t+1.
+So every exchange of epoch t (one per layer and direction) overlaps the rest of that
+epoch's forward, its backward, the gradient allreduce and the optimizer step, and is
+waited for once, at the end of the epoch (:meth:`PipeGCNExchange.end_epoch`, the blocked
+time counted as "comm").
+
+- **The first epoch is exact**: with nothing from a previous epoch, the first training
+  epoch of the exchange (epoch 0, or the first after ``--resume``: stale rows are not
+  checkpointed) waits for its own rows and gradients, like ``adaqp-p``; what it received
+  is then the stale value of the next epoch.
+- ``delay=0`` uses every epoch's own rows (the same background exchanges, waited at once):
+  it trains exactly like ``vanilla`` (the twin the tests compare with).
+- ``smoothing=gamma`` (PipeGCN-GF): the value used in epoch t+1 is the moving average
+  ``s_t = gamma * s_{t-1} + (1 - gamma) * r_t`` of the rows (and gradients) received,
+  ``s`` starting at the first epoch's exact rows; 0 (default) is plain PipeGCN.
+- Evaluation passes exchange exact rows, blocking, and leave the stale rows alone.
+
+The exchanges of one epoch are all in flight together, and the gradient allreduce runs
+while they are: that needs the direct pattern (one posted all-to-all per exchange); the
+ring runs its rounds on a thread that no other collective may overlap, so ``pattern="ring"``
+is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ...configurable import option
+from ..context import PassContext
+from ..graph.book import PartitionBook
+from .halo import Pending, VanillaExchange
+
+_FOREIGN = "--stale-delay and --stale-smoothing are options of --mode pipegcn, not of --mode {mode}"
+
+
+@dataclass(frozen=True)
+class PipeGCNOptions:
+    """``--stale-delay`` (1: PipeGCN, one epoch stale; 0: every epoch's own rows, equal to
+    vanilla) and ``--stale-smoothing`` (gamma in [0, 1) of the moving average of stale
+    rows and gradients; 0: off)."""
+
+    delay: int = option(1, "--mode pipegcn: 1 uses the previous epoch's halo rows and gradients; "
+                        "0 this epoch's (exact, equal to vanilla)", flag="--stale-delay", foreign=_FOREIGN)
+    smoothing: float = option(0.0, "--mode pipegcn: moving average of the stale rows and gradients, "
+                              "s = GAMMA s + (1 - GAMMA) received, GAMMA in [0, 1) (0: off)",
+                              flag="--stale-smoothing", foreign=_FOREIGN)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.delay, bool) or self.delay not in (0, 1):
+            raise ValueError(f"--stale-delay must be 0 (exact) or 1 (one epoch stale), got {self.delay!r}")
+        if not (isinstance(self.smoothing, (int, float)) and math.isfinite(self.smoothing)
+                and 0.0 <= self.smoothing < 1.0):
+            raise ValueError(f"--stale-smoothing must be a number in [0, 1) (0: off), got {self.smoothing!r}")
+        if self.delay == 0 and self.smoothing > 0:
+            raise ValueError("--stale-smoothing needs stale rows to smooth: it is an option of "
+                             "--stale-delay 1, not of the exact --stale-delay 0")
+
+
+def check_pattern(pattern: str, mode: str = "pipegcn") -> None:
+    """The rule, stated once: a stale exchange keeps every exchange of an epoch in flight
+    across the gradient allreduce, which only the direct pattern allows (a ValueError)."""
+    if pattern != "direct":
+        raise ValueError(f"--mode {mode} keeps every exchange of an epoch in flight across the "
+                         f"gradient allreduce, which needs --pattern direct (got {pattern!r})")
+
+
+class PipeGCNExchange(VanillaExchange):
+    """Full-precision rows in the background; training passes use the rows and gradients of
+    the previous epoch (see the module doc). ``wire_dtype`` as in :class:`VanillaExchange`."""
+
+    name = "pipegcn"
+
+    def __init__(self, book: PartitionBook, *, options: PipeGCNOptions | None = None, group=None,
+                 pattern: str = "direct", wire_dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        check_pattern(pattern)  # also a config check (PipeGCNConfig.check_run), for direct use
+        super().__init__(book, group=group, pattern=pattern, asynchronous=True,
+                         wire_dtype=wire_dtype, device=device)
+        self.options = options if options is not None else PipeGCNOptions()
+        self._stale: dict[tuple[int, str], torch.Tensor] = {}    # what the next epoch uses
+        self._inflight: dict[tuple[int, str], Pending] = {}     # this epoch's exchanges
+
+    def transfer(self, rows: torch.Tensor, layer: int, direction: str, ctx: PassContext) -> Pending:
+        fresh = super().transfer(rows, layer, direction, ctx)  # this epoch's rows, in the background
+        if not ctx.training:
+            return fresh  # evaluation: exact
+        key = (layer, direction)
+        if key in self._inflight:
+            raise RuntimeError(f"pipegcn: a second {direction} exchange of layer {layer} in one epoch "
+                               "(end_epoch was not called after the last training pass)")
+        self._inflight[key] = fresh
+        stale = self._stale.get(key)
+        if self.options.delay == 0 or stale is None:
+            return fresh  # exact: the first epoch, or no delay
+        # a new alias each pass: the pass's autograd marks the tensor it is given, not the kept one
+        return Pending.ready(stale.detach())
+
+    def end_epoch(self, ctx: PassContext) -> None:
+        """Wait for this epoch's exchanges (blocked time: "comm") and keep what arrived (or its
+        moving average) for the next epoch."""
+        if not self._inflight:
+            return
+        if self.options.delay == 0:  # every exchange was waited for in its pass: nothing to keep
+            self._inflight.clear()
+            return
+        gamma = self.options.smoothing
+        t = ctx.timer.mark()
+        with torch.no_grad():  # kept values join no graph: one epoch's graph never holds the next
+            for key, pend in self._inflight.items():
+                got = pend.wait().detach()
+                old = self._stale.get(key)
+                self._stale[key] = got if old is None or gamma == 0.0 else old * gamma + got * (1.0 - gamma)
+        self._inflight.clear()
+        ctx.timer.add_span("comm", t, ctx.timer.mark())
+
+    def report(self) -> dict:
+        return {"pipegcn": {"delay": self.options.delay, "smoothing": self.options.smoothing}}
+
+
+__all__ = ["PipeGCNExchange", "PipeGCNOptions"]

@@ -1,0 +1,599 @@
+"""Full-graph training over partitions: one rank per part, parameters replicated.
+
+Legend: n owned nodes of this rank, F input features, K classes, P ranks.
+
+Each epoch: forward through the distributed model (halo exchanges inside the layers),
+loss = sum of cross-entropy over this rank's training nodes / global training count,
+backward (gradient exchanges inside the layers), one allreduce (sum) of all parameter
+gradients plus the loss, then Adam. With ``grad_schedule`` a name of
+:data:`commsched.priority.policy.SCHEDULES` (``lina``, ``fifo``, ``serial``) the gradient
+allreduce runs through the core's :class:`~commsched.priority.runtime.executor.GradScheduler`
+instead: cut into micro-ops (``lina``, ``serial``) or buckets (``fifo``), launched as
+each parameter's gradient becomes ready during the backward pass, on a process group of
+its own; under ``lina`` held while a backward halo exchange is in flight (the exchanges
+of the remaining layers are on the critical path, the allreduce is not). With
+``grad_bits`` below 32 the flat allreduce sends the gradients compressed
+(:func:`commsched.quant.allreduce.quantized_all_reduce`: bfloat16 at 16, the codec's
+unbiased stochastic row records at 8/4/2, keyed by the seed, the epoch and the rank), the
+loss exactly beside them; every replica still applies bit-identical sums. The sums are
+those of the flat allreduce (exact on 2 ranks; on more, up to the order gloo adds the
+ranks' values in). Every rank applies the same update to the same
+parameters, so the replicas never drift apart. With one rank (and no process group at
+all) the same code is single-process full-graph training, the reference that N-rank
+training is tested against.
+
+Each training epoch and each evaluation is one pass with its own
+:class:`~commsched.gnn.context.PassContext` (epoch, training flag, a fresh timer, byte
+counters for training), handed to the model and the exchange; the trainer sets nothing
+on them between passes.
+
+**Device.** Everything a run touches per epoch lives on the run's device
+(``TrainConfig.device``, resolved by :func:`commsched.dist.resolve_device`, or the
+``device`` given to :class:`Trainer`): the model, features, labels, masks, the adjacency
+blocks, the exchange's indices. Epoch times and the breakdown are taken with a
+:class:`commsched.clock.Clock` of that device (CUDA events on CUDA, ``perf_counter`` on
+the CPU).
+
+**dtype.** ``float32`` (default) and ``float64`` are the dtype of everything.
+``bfloat16`` is the mixed-precision full-precision baseline (``vanilla``, ``adaqp-p``,
+``nocomm``, ``pipegcn``, ``bns`` only): parameters, optimizer, loss and the gradient allreduce stay float32;
+the forward runs under ``torch.autocast(dtype=bfloat16)`` (linear layers in bf16); the
+sparse aggregation runs in float32 (torch's CPU CSR product has no bf16 kernel); every
+exchanged row, forward and backward, crosses the wire in bf16 (half of float32's bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ...all2all import CommStats
+from ...clock import Clock
+from ...configurable import option
+from ...dist import (
+    DEVICE_CHOICES,
+    all_gather_object,
+    barrier,
+    check_same_config,
+    comm_guard,
+    config_digest,
+    group_device,
+)
+from ...quant.allreduce import GRAD_BITS, check_grad_bits
+from ...quant.rowwire import format_seed
+from ...results import OutputError, Progress, load_torch_file, median, read_error, save_torch
+from ..context import PassContext
+from ..exchange.adaqp_plan import AdaQPOptions
+from ..exchange.bns import BNSOptions
+from ..exchange.halo import HaloExchange
+from ..exchange.modes import MODES, OPTION_SETS, ExchangeConfig, resolve_config
+from ..exchange.stale import PipeGCNOptions
+from ..graph.partition import PartData
+from ..nn.layers import DistMessagePassing
+from ..nn.models import LAYERS
+from ..nn.pyg import DistGraph, _world, allreduce_grads
+from ..timing import Breakdown
+from .metrics import GNNMetrics, auc_from_histograms, auc_histograms, summarize
+
+# the gradient allreduce: one flat allreduce after the backward pass, or a schedule of the
+# core's (lina-overlap's tail runs into the next forward pass, which the GNN loop has not)
+GRAD_SCHEDULES = ("flat", "lina", "fifo", "serial")
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+# dtypes run as mixed precision: float32 parameters, autocast compute, this dtype on the wire
+MIXED_DTYPES = ("bfloat16",)
+CHECKPOINT = "checkpoint.pt"
+# config fields a resumed run may change
+_RESUMABLE = ("epochs", "checkpoint_every", "eval_every", "device")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that shapes a training run (identical on every rank; checked at start).
+
+    Defaults are AdaQP's (3 layers, hidden 256, dropout 0.5, LayerNorm, Adam lr 0.01).
+    ``mode`` names the exchange (a key of :data:`commsched.gnn.exchange.modes.MODES`) and
+    ``exchange`` holds its config, the mode's options (default: the mode's defaults; an
+    option set such as :class:`AdaQPOptions`, or another mode's config, gives the fields
+    the mode has; one the mode lacks that declares its refusal, ``--bits``, ``--stale-*``,
+    ``--boundary-rate``, set to other than its default is refused:
+    :func:`commsched.gnn.exchange.modes.mode_config`; a config of a mode no registry holds trains
+    under the name ``mode``). ``adaqp``, ``pipegcn`` and ``bns`` read the
+    option sets back. ``model``: a key of :data:`commsched.gnn.nn.models.LAYERS`.
+    ``dropout_rng="node"`` draws dropout masks per global node id so N-rank training
+    equals single-process training; ``"local"`` is faster but rank-count dependent.
+    ``device``: one of :data:`commsched.dist.DEVICE_CHOICES` (``auto``: CUDA when every
+    local rank has its own GPU); the library default is the CPU, ``--device`` defaults to
+    ``auto``. ``dtype``: see the module doc (``bfloat16``: the mixed-precision baseline of
+    the full-precision modes). The field metadata are the command line's flags
+    (:func:`commsched.configurable.add_arguments`).
+    """
+
+    model: str = option("gcn", "layer kind", choices=LAYERS.names)
+    mode: str = option("vanilla", "exchange mode", choices=MODES.names)
+    layers: int = option(3, "layers")
+    hidden: int = option(256, "hidden width")
+    dropout: float = option(0.5, "dropout probability")
+    layer_norm: bool = option(True, "LayerNorm between layers")
+    lr: float = option(0.01, "Adam learning rate")
+    weight_decay: float = option(0.0, "Adam weight decay")
+    epochs: int = option(100, "training epochs")
+    seed: int = option(0, "parameter init and dropout seed")
+    dtype: str = option("float32", "float32, float64: the dtype of everything; bfloat16 (the "
+                        "full-precision modes): float32 parameters and loss, bf16 autocast "
+                        "compute, bf16 rows on the wire (docs/gnn.md)", choices=tuple(DTYPES))
+    pattern: str = option("direct", "all_to_all pattern of the halo exchange",
+                          choices=("direct", "ring"))
+    dropout_rng: str = option("node", "node: masks keyed by global node id (N ranks == 1 rank); "
+                              "local: faster", choices=("node", "local"))
+    eval_every: int = option(1, "epochs between evaluations")
+    checkpoint_every: int = option(0, "write OUT/checkpoint.pt every K epochs (0: never)")
+    exchange: ExchangeConfig | None = option(None, cli=False)
+    grad_schedule: str = option("flat", "the gradient allreduce: flat (one allreduce after the backward pass) "
+                                "or a gradient schedule launched during it (lina: held behind the "
+                                "backward halo exchanges; fifo: buckets at once; serial: after it)",
+                                choices=GRAD_SCHEDULES)
+    grad_bits: int = option(32, "width of the gradient allreduce's messages: 32 exact; 16 bfloat16; "
+                            "8/4/2 the codec's stochastic row records (docs/gnn.md, \"Compressed "
+                            "gradient allreduce\"); the flat allreduce only", choices=GRAD_BITS)
+    device: str = option("cpu", "auto: CUDA when every local rank has its own GPU, else the CPU",
+                         choices=DEVICE_CHOICES)
+
+    def __post_init__(self) -> None:
+        ex = self.exchange
+        # a mode no registry holds trains from its config (a test's, an experiment's)
+        if self.mode not in MODES and not isinstance(ex, ExchangeConfig):
+            raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        LAYERS[self.model]  # an unknown model names the known ones
+        if ex is not None and not dataclasses.is_dataclass(ex):
+            raise TypeError(f"exchange must be an ExchangeConfig (MODES[{self.mode!r}]) or one of "
+                            f"{', '.join(c.__name__ for c in OPTION_SETS)}, got {type(ex).__name__}")
+        object.__setattr__(self, "exchange", resolve_config(self.mode, ex))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.pattern not in ("direct", "ring"):
+            raise ValueError(f"pattern must be direct or ring, got {self.pattern!r}")
+        self.exchange.check_run(self.mode, pattern=self.pattern, mixed=self.dtype in MIXED_DTYPES)
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
+        if self.epochs < 1 or self.layers < 1 or self.hidden < 1:
+            raise ValueError(f"--epochs, --layers and --hidden must be >= 1, got {self.epochs}, "
+                             f"{self.layers}, {self.hidden}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.eval_every < 1 or self.checkpoint_every < 0:
+            raise ValueError("eval_every must be >= 1 and checkpoint_every >= 0")
+        if self.grad_schedule not in GRAD_SCHEDULES:
+            raise ValueError(f"--grad-schedule must be one of {', '.join(GRAD_SCHEDULES)}, got "
+                             f"{self.grad_schedule!r}")
+        check_grad_bits(self.grad_bits, "--grad-bits")
+        if self.grad_bits != 32 and self.grad_schedule != "flat":
+            raise ValueError(f"--grad-bits {self.grad_bits} compresses the flat allreduce; "
+                             f"--grad-schedule {self.grad_schedule} reduces exact buckets through "
+                             "the gradient scheduler: pick one of the two")
+        if self.dropout_rng not in ("node", "local"):
+            raise ValueError(f"dropout_rng must be node or local, got {self.dropout_rng!r}")
+
+    # -- the option sets of the exchange config, read back ---------------------------------
+    def _view(self, cls):
+        ex = self.exchange
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{f.name: getattr(ex, f.name) for f in dataclasses.fields(ex) if f.name in names})
+
+    @property
+    def adaqp(self) -> AdaQPOptions:
+        """AdaQP's options (of an AdaQP mode; the defaults, ``compile`` aside, otherwise)."""
+        return self._view(AdaQPOptions)
+
+    @property
+    def pipegcn(self) -> PipeGCNOptions:
+        """``--mode pipegcn``'s options (the defaults for another mode)."""
+        return self._view(PipeGCNOptions)
+
+    @property
+    def bns(self) -> BNSOptions:
+        """``--mode bns``'s options (the defaults for another mode)."""
+        return self._view(BNSOptions)
+
+    def record(self) -> dict[str, Any]:
+        """The config as metrics.json and checkpoints record it: every field (the exchange's
+        config nested) and the option sets ``adaqp``, ``pipegcn``, ``bns`` at the top level
+        as well (readers of records with that layout find them)."""
+        out = dataclasses.asdict(self)
+        out.update(adaqp=dataclasses.asdict(self.adaqp), pipegcn=dataclasses.asdict(self.pipegcn),
+                   bns=dataclasses.asdict(self.bns))
+        return out
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype named by ``dtype``."""
+        return DTYPES[self.dtype]
+
+    @property
+    def mixed(self) -> bool:
+        """Mixed precision: float32 parameters, autocast compute, ``torch_dtype`` on the wire."""
+        return self.dtype in MIXED_DTYPES
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype of parameters, features, blocks and optimizer state."""
+        return torch.float32 if self.mixed else DTYPES[self.dtype]
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype exchanged rows cross the wire in, when it is not that of the rows."""
+        return DTYPES[self.dtype] if self.mixed else None
+
+
+def _comparable(cfg: dict) -> dict:
+    """The config entries a resumed run must share with its checkpoint: all but
+    :data:`_RESUMABLE` and ``compile`` (compiled and uncompiled codecs give the same
+    bits)."""
+    out = {k: v for k, v in cfg.items() if k not in _RESUMABLE}
+    for key in ("adaqp", "exchange"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: v for k, v in out[key].items() if k != "compile"}
+    return out
+
+
+def run_device(cfg: TrainConfig, group=None) -> torch.device:
+    """The device of a run with ``cfg`` on ``group``: :func:`commsched.dist.group_device`
+    of ``cfg.device`` (``auto`` stays on the CPU on a group without NCCL)."""
+    return group_device(cfg.device, group)
+
+
+def assigned_epoch_time(assignments: list[dict], epoch_time_s_RE: list[list[float]],
+                        first_epoch: int = 0) -> tuple[int, float] | None:
+    """(the first epoch that ran on an assignment, the median over it and the later timed
+    epochs of the slowest rank's epoch time) of an adaptive exchange's ``assignments``
+    (``applied_epoch``, or AdaQP's ``epoch``); ``epoch_time_s_RE`` per rank, per epoch timed
+    from ``first_epoch``. None before any assignment ran. The epochs before it send what
+    the exchange starts with (signs for ``adaptive``): the plans compare on the rest."""
+    starts = [a.get("applied_epoch", a.get("epoch")) for a in assignments]
+    starts = [int(e) for e in starts if e is not None]
+    if not starts or not epoch_time_s_RE or not epoch_time_s_RE[0]:
+        return None
+    first = min(starts)
+    E = len(epoch_time_s_RE[0])
+    times = [max(r[e] for r in epoch_time_s_RE) for e in range(max(0, first - first_epoch), E)]
+    return (first, float(median(times))) if times else None
+
+
+def bytes_by_class(sent_RES: Sequence[Sequence[Sequence[int]]], hosts_P: Sequence[str]) -> dict[str, float]:
+    """{"intra": bytes, "inter": bytes}: the median over epochs of the bytes all ranks sent
+    to peers on their own host / on another host. ``sent_RES[r][e][p]``: bytes rank r sent
+    to rank p in epoch e; ``hosts_P[r]``: the host of rank r. Only the classes of the
+    layout appear (intra when a host has 2+ ranks, inter when there are 2+ hosts)."""
+    P = len(hosts_P)
+    if len(sent_RES) != P:
+        raise ValueError(f"bytes_by_class: {len(sent_RES)} ranks' bytes for {P} hosts_P entries")
+    E = min((len(r) for r in sent_RES), default=0)
+    out: dict[str, float] = {}
+    for cls, same in (("intra", True), ("inter", False)):
+        pairs = [(a, b) for a in range(P) for b in range(P)
+                 if a != b and (hosts_P[a] == hosts_P[b]) == same]
+        if pairs:
+            out[cls] = float(median([sum(sent_RES[a][e][b] for a, b in pairs) for e in range(E)])) if E else 0.0
+    return out
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class Trainer:
+    """One rank's side of a training run on its :class:`PartData`, on ``device`` (default:
+    :func:`run_device` of ``cfg``; a given ``exchange`` is moved there).
+
+    The run is one stack: the part as a :class:`~commsched.gnn.nn.pyg.DistGraph`
+    (``dgraph``: the mode's exchange, ``halo``; ``graph``: its :class:`LocalGraph`) and the
+    model the layer registry builds over it (:data:`commsched.gnn.nn.models.LAYERS`:
+    commsched's own fast-path layers or PyG layers through ``distributed``)."""
+
+    def __init__(self, cfg: TrainConfig, part: PartData, *, group=None,
+                 exchange: HaloExchange | None = None, device: torch.device | str | None = None):
+        self.cfg = cfg
+        self.part = part
+        self.group = group
+        self.rank, self.world = _world(group)
+        if part.book.num_parts != self.world or part.book.rank != self.rank:
+            raise ValueError(f"rank {self.rank} of {self.world} was given part {part.book.rank} of "
+                             f"{part.book.num_parts}")
+        if int(part.totals.get("train", 0)) < 1:  # global, so every rank stops here alike
+            raise ValueError(f"graph {part.name}: no training nodes (every train mask entry is False); "
+                             "give a graph or split with training nodes")
+        # the ranks must agree before anything is built from the config: a different lr or
+        # dropout would train silently apart, a different hidden/dtype/model fail in gloo
+        check_same_config({**cfg.record(),
+                           "partition": {"fingerprint": part.fingerprint, "num_parts": part.book.num_parts}},
+                          group, what="training configuration")
+        self.device = torch.device(device) if device is not None else run_device(cfg, group)
+        self.clock = Clock(self.device)
+        dev, dt = self.device, cfg.param_dtype
+        # one stack: the part as a DistGraph (its exchange: the mode's config, or the given
+        # one), the model from the layer registry over it (own fast-path layers or PyG ones)
+        self.dgraph = DistGraph(part, mode=cfg.mode, config=cfg.exchange, group=group, device=dev,
+                                dtype=dt, seed=cfg.seed, pattern=cfg.pattern, exchange=exchange,
+                                wire_dtype=cfg.wire_dtype, dropout_rng=cfg.dropout_rng)
+        self.model = LAYERS[cfg.model].build(self.dgraph, part.num_features, cfg.hidden,
+                                             part.num_classes, layers=cfg.layers,
+                                             dropout=cfg.dropout, layer_norm=cfg.layer_norm,
+                                             seed=cfg.seed, dtype=dt).to(dev)
+        # the quantized modes weigh messages by the model's edge normalisation
+        self.halo = self.dgraph.halo
+        self.graph = self.dgraph.local
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.grad_sched = self._grad_scheduler()
+        self.last_schedule: dict | None = None  # the gradient scheduler's timings of the last epoch
+        # the graph's rows on the device (one copy)
+        self.x, self.y, self.masks = self.dgraph.x, self.dgraph.y, self.dgraph.masks
+        self.totals = {k: max(int(part.totals[k]), 1) for k in ("train", "val", "test")}
+        self.epoch = 0  # epochs completed
+        self.history: dict[str, list] = {"loss": [], "epoch_time_s": [], "breakdown_s": [],
+                                         "bytes_sent": [], "bytes_sent_P": [], "eval": []}
+        # the ranks compared the config above; input width per layer
+        self.dgraph.setup(row_numel=part.num_features, check=False,
+                          dims=[part.num_features] + [cfg.hidden] * (cfg.layers - 1))
+        # build the adjacency blocks now, not inside the first timed epoch
+        for conv in self.model.convs:
+            if isinstance(conv, DistMessagePassing):
+                self.graph.blocks(conv.norm)
+        if self.world > 1:
+            # set-up (compiling the codec above all) takes different times on different
+            # ranks; start the first timed epoch together, or its exchanges time the skew
+            barrier("barrier after set-up", self.group)
+
+    # -- one epoch ------------------------------------------------------------------------
+    def _forward(self, ctx: PassContext) -> torch.Tensor:
+        """Logits [n, K] of the owned nodes (float32 under mixed precision)."""
+        if not self.cfg.mixed:
+            return self.model(self.x, self.graph, ctx)
+        with torch.autocast(self.device.type, dtype=self.cfg.torch_dtype):
+            out = self.model(self.x, self.graph, ctx)
+        return out.float()
+
+    def _grad_scheduler(self):
+        """The core's gradient scheduler of ``cfg.grad_schedule`` (None: the flat allreduce,
+        or one rank). Collective: a process group of its own (the halo exchanges keep
+        theirs, so the two never queue on one group in different orders on two ranks)."""
+        if self.cfg.grad_schedule == "flat" or self.world == 1:
+            return None
+        from ...dist import new_group
+        from ...priority.policy import ScheduleConfig
+        from ...priority.runtime.executor import GradScheduler
+
+        ranks = (list(range(self.world)) if self.group is None
+                 else [dist.get_global_rank(self.group, r) for r in range(self.world)])
+        own = new_group(ranks)
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        # a sum, as the flat allreduce's (the loss is divided by the global training count)
+        return GradScheduler([(p, own, 1.0) for _, p in named], ScheduleConfig(self.cfg.grad_schedule),
+                             device=self.device, names=[n for n, _ in named])
+
+    def close(self) -> None:
+        """Stop the gradient scheduler's thread (nothing to do under the flat allreduce)."""
+        if self.grad_sched is not None:
+            self.grad_sched.close()
+            self.grad_sched = None
+
+    def train_epoch(self) -> float:
+        """Run epoch ``self.epoch``; return the global training loss."""
+        sched = self.grad_sched
+        ctx = PassContext(epoch=self.epoch, training=True, timer=Breakdown(self.clock),
+                          stats=CommStats(self.world), events=sched)
+        self.model.train()
+        t0 = self.clock.mark()
+        self.halo.begin_epoch(ctx)
+        self.opt.zero_grad(set_to_none=False)
+        if sched is not None:
+            sched.begin_step()
+        out = self._forward(ctx)
+        m = self.masks["train"]
+        loss = F.cross_entropy(out[m], self.y[m], reduction="sum") / self.totals["train"]
+        # the whole output joins the graph so that every rank runs every backward exchange
+        # (a rank without training nodes still forwards its peers' gradients); exact: + 0
+        loss = loss + out.sum() * 0.0
+        loss.backward()
+        if sched is None:
+            loss_all = self._allreduce_grads(loss.detach(), ctx.timer)
+        else:  # the allreduce ran during the backward pass; what is left is waited for here
+            with ctx.timer.time("reduce"):
+                self.last_schedule = sched.finish()
+                loss_all = self._allreduce_loss(loss.detach())
+        self.opt.step()
+        self.halo.end_epoch(ctx)
+        dt = self.clock.seconds(t0, self.clock.mark())
+        self.history["loss"].append(loss_all)
+        self.history["epoch_time_s"].append(dt)
+        self.history["breakdown_s"].append(ctx.timer.as_dict())
+        self.history["bytes_sent"].append(ctx.stats.total_bytes_sent)
+        self.history["bytes_sent_P"].append(list(ctx.stats.bytes_sent))
+        self.epoch += 1
+        return loss_all
+
+    def _allreduce_grads(self, loss: torch.Tensor, timer: Breakdown) -> float:
+        # the keys of a compressed allreduce: the run's seed, this epoch (ranks mix in theirs)
+        return allreduce_grads(self.model.parameters(), loss, group=self.group, timer=timer,
+                               bits=self.cfg.grad_bits, seed=format_seed(self.cfg.seed, self.epoch, 0x64AD))
+
+    def _allreduce_loss(self, loss: torch.Tensor) -> float:
+        total = loss.reshape(1).clone()
+        with comm_guard("allreduce of the training loss", self.group):
+            dist.all_reduce(total, group=self.group)
+        return float(total)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Accuracy on the train / val / test nodes, and on a two-class graph their ROC AUC
+        (``*_auc``, None for a split without both classes); no dropout, full-precision
+        exchanges, untimed and uncounted traffic; collective."""
+        ctx = PassContext(epoch=self.epoch - 1, training=False, timer=Breakdown(self.clock))
+        self.model.eval()
+        t0 = self.clock.mark()
+        logits = self._forward(ctx)
+        ok = logits.argmax(1) == self.y
+        splits = ("train", "val", "test")
+        # counted on the device, summed across ranks there, read once
+        counts = torch.stack([(ok & self.masks[k]).sum() for k in splits]).double()
+        binary = self.part.num_classes == 2
+        if binary:  # and the ROC AUC histograms, in the same all-reduce
+            hist = auc_histograms(torch.softmax(logits.float(), 1)[:, 1], self.y,
+                                  [self.masks[k] for k in splits])
+            counts = torch.cat([counts, hist.flatten()])
+        if self.world > 1:
+            with comm_guard("allreduce of accuracy counts", self.group):
+                dist.all_reduce(counts, group=self.group)
+        got = counts[:3].tolist()
+        res = {f"{k}_acc": got[i] / self.totals[k] for i, k in enumerate(splits)}
+        if binary:
+            hist = counts[3:].view(len(splits), 2, -1).cpu()
+            for i, k in enumerate(splits):
+                res[f"{k}_auc"] = auc_from_histograms(hist[i, 0], hist[i, 1])
+        res["epoch"] = self.epoch - 1
+        res["eval_time_s"] = self.clock.seconds(t0, self.clock.mark())
+        return res
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"config": self.cfg.record(), "epoch": self.epoch,
+                "world_size": self.world, "fingerprint": self.part.fingerprint,
+                "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                "history": self.history}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = _comparable(self.cfg.record())
+        theirs = _comparable(state["config"])
+        if config_digest(mine) != config_digest(theirs):
+            diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            raise ValueError("--resume: the checkpoint was written by a run with a different "
+                             f"configuration ({', '.join(f'{k}: {theirs.get(k)!r} -> {mine.get(k)!r}' for k in diff)})")
+        if state["fingerprint"] != self.part.fingerprint or state["world_size"] != self.world:
+            raise ValueError("--resume: the checkpoint belongs to another graph or world size")
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.epoch = int(state["epoch"])
+        # loss and accuracy are global and carry over; timings cover this invocation only
+        self.history["loss"] = list(state["history"]["loss"])
+        self.history["eval"] = list(state["history"]["eval"])
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Rank 0 writes (atomically, flushed to the disk); every rank waits so nobody runs
+        ahead of the file, and every rank learns if it could not be written (a full disk:
+        the same one-line :class:`~commsched.results.OutputError` on every rank)."""
+        err = None
+        if self.rank == 0:
+            try:
+                save_torch(self.state_dict(), path, what="checkpoint")
+            except OutputError as e:
+                err = str(e)
+        if self.world > 1:
+            err = all_gather_object(err, "agreeing that the checkpoint was written", self.group)[0]
+        if err is not None:
+            raise OutputError(err if self.rank == 0 else f"rank 0: {err}")
+
+
+# --------------------------------------------------------------------------- a whole run
+def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike | None = None,
+                 resume: bool = False, group=None, progress: bool = False,
+                 dataset: str | None = None, extra: dict | None = None,
+                 on_epoch: Callable[[Trainer], None] | None = None,
+                 exchange: HaloExchange | None = None,
+                 device: torch.device | str | None = None,
+                 hosts_P: Sequence[str] | None = None) -> tuple[dict[str, Any], Trainer]:
+    """Train ``cfg.epochs`` epochs (continuing from ``out_dir/checkpoint.pt`` when
+    ``resume``; with ``cfg.checkpoint_every`` K > 0 it is written every K epochs and after
+    the last one, whatever the epoch count); return (metrics, trainer), metrics being :class:`GNNMetrics` as the dict
+    metrics.json holds. Rank 0 writes ``out_dir/metrics.json``. Collective: every rank of
+    ``group`` calls it. ``device``: where to train (default: :func:`run_device`; the CLI
+    passes the device ``init_distributed`` chose). ``hosts_P`` (the host of every rank)
+    adds ``bytes_per_epoch_by_class``: the median over epochs of the bytes sent between
+    ranks on one host (``intra``) and on different hosts (``inter``), all ranks summed."""
+    t_start = time.perf_counter()
+    tr = Trainer(cfg, part, group=group, exchange=exchange, device=device)
+    try:
+        return _run(tr, cfg, part, out_dir, resume, progress, dataset, extra, on_epoch, hosts_P, t_start)
+    finally:
+        tr.close()
+
+
+def _run(tr: Trainer, cfg: TrainConfig, part: PartData, out_dir, resume: bool, progress: bool,
+         dataset: str | None, extra: dict | None, on_epoch, hosts_P, t_start: float
+         ) -> tuple[dict[str, Any], Trainer]:
+    out = Path(out_dir) if out_dir is not None else None
+    ckpt = out / CHECKPOINT if out is not None else None
+    if out is not None and tr.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    if resume:
+        if ckpt is None or not ckpt.is_file():
+            raise ValueError(f"--resume: no checkpoint at {ckpt} (run with --checkpoint-every K first)")
+        state = load_torch_file(ckpt, "--resume: checkpoint", map_location=tr.device)
+        try:
+            tr.load_state_dict(state)
+        except (KeyError, TypeError, RuntimeError, AttributeError) as e:
+            raise ValueError(f"--resume: checkpoint {ckpt} does not fit this run (another model or "
+                             f"configuration, or a damaged file: {read_error(e)}); start without "
+                             "--resume or use the same options") from None
+    e0 = tr.epoch  # the first epoch this invocation trains (after a resume: not 0)
+    with Progress(cfg.epochs, f"{cfg.mode} {cfg.model}", "epoch", enabled=progress and tr.rank == 0,
+                  initial=min(tr.epoch, cfg.epochs)) as bar:
+        while tr.epoch < cfg.epochs:
+            loss = tr.train_epoch()
+            if tr.epoch % cfg.eval_every == 0 or tr.epoch == cfg.epochs:
+                tr.history["eval"].append(tr.evaluate())
+            # every K epochs, and the final state whatever the epoch count
+            if ckpt is not None and cfg.checkpoint_every and (tr.epoch % cfg.checkpoint_every == 0
+                                                               or tr.epoch == cfg.epochs):
+                tr.save_checkpoint(ckpt)
+            if on_epoch is not None:
+                on_epoch(tr)
+            ev = tr.history["eval"][-1] if tr.history["eval"] else {}
+            bar.postfix(loss=f"{loss:.4f}", val=f"{ev.get('val_acc', 0):.3f}",
+                        s=f"{tr.history['epoch_time_s'][-1]:.2f}")
+            bar.update(1)
+    mine = {k: tr.history[k] for k in ("epoch_time_s", "breakdown_s", "bytes_sent", "bytes_sent_P")}
+    mine["peak_rss_mib"] = peak_rss_mib()
+    mine["book"] = tr.part.book.summary()
+    per_rank = all_gather_object(mine, "gathering per-rank results", tr.group) if tr.world > 1 else [mine]
+    extra = {**(extra or {}), **tr.halo.report(), "device": str(tr.device)}
+    if hosts_P is not None and tr.world > 1:
+        extra["bytes_per_epoch_by_class"] = bytes_by_class(
+            [r["bytes_sent_P"] for r in per_rank], hosts_P)
+    for key in ("adaqp", "adaptive"):  # the re-assignments' cost on the training thread (wall_s)
+        if tr.rank == 0 and isinstance(extra.get(key), dict):
+            wall = time.perf_counter() - t_start
+            done = extra[key].get("assignments", [])
+            steady = assigned_epoch_time(done, [r["epoch_time_s"] for r in per_rank], e0)
+            if steady is not None:
+                extra[key]["first_assigned_epoch"], extra["epoch_time_s_assigned"] = steady
+            assign = sum(a.get("wall_s", 0.0) for a in done)
+            extra[key]["assign_total_s"] = assign
+            extra["assign_share_of_wall"] = assign / wall if wall > 0 else 0.0
+            if key == "adaptive":  # rank 0's solves run in a background thread, overlapping epochs
+                solve = sum(a.get("solve_s", 0.0) for a in done)
+                extra[key]["solve_total_s"] = solve
+                extra["solve_share_of_wall"] = solve / wall if wall > 0 else 0.0
+    metrics: GNNMetrics = summarize(cfg, tr.history["loss"], tr.history["eval"], per_rank,
+                                    world_size=tr.world, wall_s=time.perf_counter() - t_start,
+                                    dataset=dataset or part.name, extra=extra)
+    if out is not None and tr.rank == 0:
+        metrics.write(out / "metrics.json", indent=1)
+    return metrics.to_dict(), tr
+
+
+__all__ = ["CHECKPOINT", "assigned_epoch_time", "DTYPES", "MIXED_DTYPES", "TrainConfig", "Trainer", "allreduce_grads", "bytes_by_class", "peak_rss_mib",
+           "run_device", "run_training"]

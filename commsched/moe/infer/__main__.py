@@ -1,0 +1,5 @@
+"""``python -m commsched.moe.infer``: the command line of :mod:`commsched.moe.infer.cli`."""
+
+from .cli import main
+
+raise SystemExit(main())

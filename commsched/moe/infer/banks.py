@@ -1,0 +1,297 @@
+"""Expert banks of the inference runtime: where a device's experts live and how it runs them.
+
+Legend: E experts of a layer, S slots (experts of one layer a device may hold at once),
+D row width, H expert hidden width, R rows.
+
+An :class:`ExpertBank` holds every expert of every MoE layer in host memory and per
+layer S device slots; :meth:`~ExpertBank.ensure` makes a set of experts resident (the
+"loads" of a placement), :meth:`~ExpertBank.compute` runs resident experts on their
+rows, :meth:`~ExpertBank.reference` runs any expert straight from host memory (the
+single-process twin). Two banks:
+
+* :class:`FFNBank` -- real expert FFNs (:func:`~commsched.moe.model.experts.expert_ffn`, the
+  arithmetic of the training layer), loaded by copying weights into slot tensors on the
+  job's device (on CUDA: pinned host weights, asynchronous copies on a copy stream);
+* :class:`EmulatedBank` -- an emulated accelerator: a per-expert affine map per row (cheap,
+  distinct per expert so routing errors show), a busy time per row on an asynchronous
+  device clock and a sleep per load. It is the CPU model of what :class:`FFNBank` does on a
+  GPU, and refuses any other device.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol, Sequence
+
+import torch
+
+from ...clock import Clock
+from ..model.experts import expert_ffn
+from .placed import AsyncDevice, ExpertCompute
+
+__all__ = ["ExpertBank", "FFNBank", "EmulatedBank"]
+
+
+class ExpertBank(Protocol):
+    """What the runtime needs of the experts (see the module docstring).
+
+    loaded_L: per layer, how many experts were loaded so far; device: the asynchronous
+    device the computations run on (None: ``compute`` is synchronous); measures_row_cost:
+    ``row_cost_s`` times this process (ranks then take turns so that they do not disturb
+    each other) rather than returning a set figure."""
+
+    loaded_L: list[int]
+    measures_row_cost: bool
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def device(self) -> AsyncDevice | None: ...
+
+    def ensure(self, layer: int, held: Sequence[int]) -> int:
+        """Make exactly the experts ``held`` resident in ``layer``'s slots; returns how many
+        were loaded."""
+        ...
+
+    def compute(self, layer: int) -> ExpertCompute:
+        """The device computation of ``layer`` (experts must be resident)."""
+        ...
+
+    def reference(self, layer: int) -> ExpertCompute:
+        """Every expert of ``layer`` straight from host memory (the single-process twin)."""
+        ...
+
+    def row_cost_s(self) -> float:
+        """Seconds per computed row of one expert on a dedicated device."""
+        ...
+
+
+def _grouped(expert_at, experts: Sequence[int], counts: Sequence[int], x_RD: torch.Tensor) -> torch.Tensor:
+    """Rows grouped by expert (``counts[i]`` rows for ``experts[i]``, in order) through
+    :func:`expert_ffn` with the weights ``expert_at(e)`` = (w1_DH, b1_H, w2_HD, b2_D)."""
+    outs, off = [], 0
+    for e, n in zip(experts, counts):
+        outs.append(expert_ffn(x_RD[off:off + n], *expert_at(e)))
+        off += n
+    return torch.cat(outs) if outs else x_RD.new_zeros((0, x_RD.shape[1]))
+
+
+class FFNBank:
+    """Real expert FFNs: every expert's weights in host memory (``w1_EDH`` etc. per
+    layer), and per layer S slots on ``device`` into which the experts a device holds are
+    copied ("loaded") before it computes them.
+
+    On the CPU (the default) a load is a synchronous ``copy_`` into the slot and the host
+    weights are the given tensors. On CUDA the slots live on the GPU, the host weights
+    are pinned copies, and a load is ``slot.copy_(host, non_blocking=True)`` on the bank's
+    own copy stream (the GPU's copy engine, which runs beside the compute kernels): the
+    loading thread only enqueues it, an event recorded after the copies marks the slots
+    ready, and the compute stream waits for that event (on the GPU, not the host) before
+    the first kernel that reads them. A slot is overwritten only after the compute stream
+    has finished its last use of the layer's slots (an event recorded after every
+    computation), so an eviction never races a kernel still reading the expert."""
+
+    measures_row_cost = True
+    device = None  # no AsyncDevice: results are ready in stream order (CUDA) or at return (CPU)
+
+    def __init__(self, weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+                 slots: int, device: torch.device | str = "cpu"):
+        self.on = torch.device(device)  # where the slots live and the experts compute
+        self.cuda = self.on.type == "cuda"
+        if self.on.type not in ("cpu", "cuda"):
+            raise ValueError(f"FFNBank runs on the CPU or a CUDA device, not {self.on}")
+        if self.cuda:  # pinned host copies: the loads are then true asynchronous DMA copies
+            self.host = [tuple(w.detach().to("cpu").pin_memory() for w in ws) for ws in weights]
+        else:
+            self.host = [tuple(w.detach() for w in ws) for ws in weights]  # per layer (w1, b1, w2, b2)
+        self.S = slots
+        self.slot_w = [tuple(torch.empty((slots, *w.shape[1:]), dtype=w.dtype, device=self.on) for w in ws)
+                       for ws in self.host]
+        self.slot_of: list[dict[int, int]] = [{} for _ in self.host]
+        self.loaded_L = [0] * len(self.host)  # per layer: one thread touches a layer at a time
+        # CUDA only: the copy stream, per layer and slot the event after its load, per
+        # layer the event after the compute stream's last use of its slots
+        self.copy_stream = torch.cuda.Stream(self.on) if self.cuda else None
+        self._ready: list[dict[int, object]] = [{} for _ in self.host]
+        self._used: list[object | None] = [None] * len(self.host)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.host)
+
+    def ensure(self, layer: int, held: Sequence[int]) -> int:
+        """Make exactly the experts ``held`` resident in ``layer``'s slots (evicting the
+        others); returns how many were loaded (copied from host memory). On CUDA the
+        copies are enqueued on the copy stream and this returns at once."""
+        want = set(int(e) for e in held)
+        if len(want) > self.S:
+            raise ValueError(f"{len(want)} experts do not fit {self.S} slots")
+        cur = self.slot_of[layer]
+        for e in [e for e in cur if e not in want]:
+            del cur[e]
+        free = sorted(set(range(self.S)) - set(cur.values()))
+        new = [(e, free.pop(0)) for e in sorted(want - set(cur))]
+        if new:
+            self._load(layer, new)
+        self.loaded_L[layer] += len(new)
+        return len(new)
+
+    def _load(self, layer: int, new: list[tuple[int, int]]) -> None:
+        """Copy expert e's host weights into slot s for every (e, s) of ``new``."""
+        dst_w, src_w = self.slot_w[layer], self.host[layer]
+        cur = self.slot_of[layer]
+        if not self.cuda:
+            for e, s in new:
+                for dst, src in zip(dst_w, src_w):
+                    dst[s].copy_(src[e])
+                cur[e] = s
+            return
+        stream = self.copy_stream
+        with torch.cuda.device(self.on), torch.cuda.stream(stream):
+            used = self._used[layer]
+            if used is not None:  # the slots' previous readers are done before they are overwritten
+                stream.wait_event(used)
+            for e, s in new:
+                for dst, src in zip(dst_w, src_w):
+                    dst[s].copy_(src[e], non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        for e, s in new:  # the event first: whoever sees e resident also finds its event
+            self._ready[layer][s] = ready
+            cur[e] = s
+
+    def _before_use(self, layer: int, slots: Sequence[int]) -> None:
+        """CUDA: the current (compute) stream waits for the loads of ``slots``."""
+        stream = torch.cuda.current_stream(self.on)
+        seen: set[int] = set()
+        for s in slots:
+            ev = self._ready[layer].get(s)
+            if ev is not None and id(ev) not in seen:
+                seen.add(id(ev))
+                stream.wait_event(ev)
+
+    def _after_use(self, layer: int) -> None:
+        """CUDA: an event after this layer's last computation so far (loads wait for it)."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.on))
+        self._used[layer] = ev
+
+    def compute(self, layer: int) -> ExpertCompute:
+        slots, slot_of = self.slot_w[layer], self.slot_of[layer]
+
+        def run(experts: Sequence[int], counts: Sequence[int], x: torch.Tensor) -> torch.Tensor:
+            if not self.cuda:
+                return _grouped(lambda e: tuple(w[slot_of[e]] for w in slots), experts, counts, x)
+            at = {e: slot_of[e] for e in experts}
+            self._before_use(layer, list(at.values()))
+            y = _grouped(lambda e: tuple(w[at[e]] for w in slots), experts, counts, x)
+            self._after_use(layer)
+            return y
+
+        return run
+
+    def reference(self, layer: int) -> ExpertCompute:
+        host = self.host[layer]
+
+        def run(experts: Sequence[int], counts: Sequence[int], x: torch.Tensor) -> torch.Tensor:
+            if x.device.type != "cpu":  # the twin on another device: each expert's weights moved there
+                return _grouped(lambda e: tuple(w[e].to(x.device) for w in host), experts, counts, x)
+            return _grouped(lambda e: tuple(w[e] for w in host), experts, counts, x)
+
+        return run
+
+    def row_cost_s(self, rows: int = 512, reps: int = 7) -> float:
+        """Seconds per row of one expert FFN on this process's device, the fastest of
+        ``reps`` timings (the least disturbed by other processes), for the model latency
+        (timed with :class:`~commsched.clock.Clock`: CUDA events on CUDA, after one
+        untimed warm-up run; the host clock on the CPU)."""
+        w = tuple(t[0] for t in self.host[0])
+        clock = Clock(self.on)
+        if self.cuda:
+            w = tuple(t.to(self.on) for t in w)
+        x = torch.randn(rows, w[0].shape[0], device=self.on)
+        if self.cuda:
+            expert_ffn(x, *w)
+        ts = []
+        for _ in range(reps):
+            a = clock.mark()
+            expert_ffn(x, *w)
+            ts.append(clock.seconds(a, clock.mark()))
+        return min(ts) / rows
+
+
+class EmulatedBank:
+    """An emulated accelerator: expert e of a layer maps a row to ``x * scale[e] + shift[e]``
+    (cheap, but distinct per expert, so a row sent to the wrong expert shows), and the
+    device is busy ``us_per_row`` microseconds per computed row; loading one expert takes
+    ``load_ms`` (a sleep of the loading thread).
+
+    The device runs like a GPU stream (:class:`~commsched.moe.infer.placed.AsyncDevice`): a
+    computation returns its rows at once and queues its busy time on the device's clock
+    (it starts when the device is free, or now); ``wait(token)`` sleeps until the clock
+    passes the token, as a host waits for a kernel. A run of back-to-back computations
+    therefore costs exactly their rows' time, whatever the host's wake-up delays."""
+
+    measures_row_cost = False
+
+    def __init__(self, num_layers: int, num_experts: int, d: int, slots: int, us_per_row: float,
+                 load_ms: float, seed: int, device: torch.device | str = "cpu"):
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"the emulated device (--compute emulated) is the CPU model of an accelerator and "
+                             f"runs on the CPU only, not on {torch.device(device)}: use --compute real to run "
+                             "the experts on the GPU, or --device cpu")
+        g = torch.Generator().manual_seed(seed + 7919)
+        self.scale = [1.0 + 0.1 * torch.randn(num_experts, d, generator=g) for _ in range(num_layers)]
+        self.shift = [0.1 * torch.randn(num_experts, d, generator=g) for _ in range(num_layers)]
+        self.S, self.us_per_row, self.load_ms = slots, us_per_row, load_ms
+        self.resident: list[set[int]] = [set() for _ in range(num_layers)]
+        self.loaded_L = [0] * num_layers
+        self._free_at = 0.0  # perf_counter time at which the device finishes its queued work
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.scale)
+
+    @property
+    def device(self) -> AsyncDevice:
+        return self
+
+    def ensure(self, layer: int, held: Sequence[int]) -> int:
+        want = set(int(e) for e in held)
+        if len(want) > self.S:
+            raise ValueError(f"{len(want)} experts do not fit {self.S} slots")
+        n = len(want - self.resident[layer])
+        self.resident[layer] = self.resident[layer] & want  # evicted at once; the new ones are resident once loaded
+        if n and self.load_ms > 0:
+            time.sleep(n * self.load_ms / 1e3)
+        self.resident[layer] = want
+        self.loaded_L[layer] += n
+        return n
+
+    def _apply(self, layer: int, experts, counts, x: torch.Tensor) -> torch.Tensor:
+        idx = torch.repeat_interleave(torch.tensor(list(experts), dtype=torch.int64),
+                                      torch.tensor(list(counts), dtype=torch.int64))
+        return x * self.scale[layer][idx] + self.shift[layer][idx]
+
+    def compute(self, layer: int) -> ExpertCompute:
+        def run(experts, counts, x):
+            assert set(experts) <= self.resident[layer], "expert computed before it was loaded"
+            self._free_at = max(time.perf_counter(), self._free_at) + sum(counts) * self.us_per_row / 1e6
+            return self._apply(layer, experts, counts, x)
+
+        return run
+
+    def issued(self) -> float:
+        return self._free_at
+
+    def wait(self, token: float) -> None:
+        dt = token - time.perf_counter()
+        if dt > 0:
+            time.sleep(dt)
+
+    def reference(self, layer: int) -> ExpertCompute:
+        return lambda experts, counts, x: self._apply(layer, experts, counts, x)
+
+    def row_cost_s(self) -> float:
+        return self.us_per_row / 1e6

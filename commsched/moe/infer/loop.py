@@ -1,0 +1,116 @@
+"""The run loop of an inference run (:mod:`commsched.moe.infer`): build a rank's
+:class:`~commsched.moe.infer.drivers.Setup`, feed the driver's batches through the
+:class:`~commsched.moe.infer.runtime.Runtime` (steps 2-5 of the module docstring of
+:mod:`commsched.moe.infer`), gather every rank's records and summarize them
+(:mod:`~commsched.moe.infer.metrics`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ... import dist as cdist
+from ...clock import Clock
+from ...cluster.topology import Topology
+from ...config import read_env
+from ...dist import check_same_config
+from ...results import Progress
+from .config import InferConfig, job_device
+from .drivers import Setup, build
+from .metrics import summarize
+from .policy import cross_host_weight
+from .runtime import Runtime, row_cost
+
+
+def run(cfg: InferConfig, out: Path | None = None, *, group=None, device: torch.device | None = None,
+        return_outputs: bool = False) -> dict:
+    """Run inference on the initialised process group; every rank returns the metrics
+    (the dict ``metrics.json`` holds). ``device``: where this rank computes (default:
+    :func:`job_device`; the CLI passes the device ``init_distributed`` chose).
+    ``return_outputs`` adds this rank's final outputs per batch under ``"outputs"`` (on
+    the device; tests compare them with the single-process model)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    check_same_config(dataclasses.asdict(cfg), group, what="inference configuration")
+    dev = torch.device(device) if device is not None else job_device(cfg, group)
+    t_wall = time.perf_counter()
+    topo = Topology.from_env(group)  # the hosts of the ranks (one all_gather of host names)
+    host_P = tuple(topo.hosts.index(h) for h in topo.hosts_P)
+    s = build(cfg, rank, world, dev, host_P)
+    bank = s.bank
+    row_cost_s = row_cost(bank, rank, world, group)
+    weight = _cross_weight(cfg, s, topo, row_cost_s)
+    if s.strategy.uses_hosts and weight != s.strategy.cfg.cross_weight:  # the weight needs the row cost
+        st = s.strategy
+        s = dataclasses.replace(s, strategy=type(st)(dataclasses.replace(st.cfg, cross_weight=weight),
+                                                     st.historical_LE))
+    rt = Runtime(s.strategy, bank, s.estimator, path_length=cfg.placement.path_length,
+                 pipelined=cfg.exchange == "pipelined", rank=rank, world=world, group=group, device=dev)
+    clock = Clock(dev)  # batch latency: CUDA events on a GPU, the host clock on the CPU
+    outputs = []
+    bar = Progress(cfg.batches, f"moe-infer {cfg.placement.strategy}", "batch",
+                   enabled=read_env().progress and rank == 0 and out is not None)
+    # no garbage collection inside a timed batch: a collection pass on one rank stalls
+    # every rank at the next exchange; collect between batches instead
+    gc.collect()
+    gc.freeze()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.inference_mode():
+            for b in range(cfg.batches):
+                gc.collect()
+                inputs, T = s.driver.batch(b, rank, dev)
+                rt.begin_batch(b, T)
+                cdist.barrier("aligning ranks before a batch", group)
+                t0 = clock.mark()
+                y = s.driver.forward(inputs, rt.moe)
+                rt.end_batch(clock.seconds(t0, clock.mark()))
+                if return_outputs:
+                    outputs.append(y.clone())
+                bar.update(1)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+        gc.unfreeze()
+        rt.close()
+        bar.close()
+    mine = rt.records if rank == 0 else [{k: v for k, v in r.items() if k != "layers"} for r in rt.records]
+    gathered = cdist.all_gather_object({"records": mine, "loaded": sum(bank.loaded_L)},
+                                       "gathering the inference records", group)
+    metrics = summarize(cfg, s.strategy, gathered, row_cost_s, wall_clock_s=time.perf_counter() - t_wall,
+                        device=dev.type, host_P=host_P)
+    if out is not None and rank == 0:
+        metrics.write(Path(out) / "metrics.json")
+    m = metrics.to_dict()
+    if return_outputs:
+        m["outputs"] = outputs
+    return m
+
+
+def _cross_weight(cfg: InferConfig, s: Setup, topo: Topology, row_cost_s: float) -> float:
+    """The node-aware weight of a run: ``--cross-weight``, else
+    :func:`~commsched.moe.infer.policy.cross_host_weight` of the topology (its inter-host
+    class at ``--inter-rate`` when given), the row size on the wire (float32 rows of the
+    model width) and the compute time per row (``row_cost_s``)."""
+    pc = cfg.placement
+    if pc.cross_weight is not None:
+        return float(pc.cross_weight)
+    if pc.inter_rate is not None and "inter" in topo.links:
+        from ...cluster.costmodel import LinkCost
+        from ...cluster.netem import parse_rate
+
+        links = dict(topo.links)
+        links["inter"] = LinkCost(gamma=links["inter"].gamma, theta=8.0 / parse_rate(pc.inter_rate))
+        topo = Topology(topo.hosts_P, links, source=topo.source)
+    return cross_host_weight(topo, 4.0 * s.driver.row_width, row_cost_s)
+
+
+run_inference = run  # the name exported by commsched.moe
+
+__all__ = ["run", "run_inference"]

@@ -1,0 +1,5 @@
+"""``python -m commsched.moe.train``: the command line of :mod:`commsched.moe.train.cli`."""
+
+from .cli import main
+
+raise SystemExit(main())

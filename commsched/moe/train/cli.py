@@ -1,0 +1,102 @@
+"""The command line of MoE training: ``python -m commsched.moe.train`` (see
+:mod:`commsched.moe.train.trainer`, the library, for what a run does and writes).
+
+    torchrun --nproc_per_node 4 -m commsched.moe.train --impl commsched --schedule lina --out DIR
+
+The flags are generated from the configs (:class:`~commsched.moe.train.training.TrainConfig`, its
+:class:`~commsched.priority.policy.ScheduleConfig`, :class:`~commsched.moe.model.lm.ModelConfig`
+and :class:`~commsched.moe.model.layer.DispatchConfig`: type, default, help and choices, the
+schedules from :data:`~commsched.priority.policy.SCHEDULES`), so no default is typed twice;
+only the run's folder and its handling (``--out``, ``--overwrite``, ``--resume``) are the
+command line's own. The body runs under :func:`commsched.dist.cli_main`: a ValueError or
+CommError is one line (and FAILED in the run folder once there is one), SIGTERM one line,
+FAILED, exit status 143.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ...configurable import add_arguments, from_arguments
+from ...dist import CommError, Stopped, barrier, cli_main, init_distributed
+from ...priority.policy import ScheduleConfig
+from ...results import mark_failed, prepare_out
+from ..model.layer import DispatchConfig
+from ..model.lm import ModelConfig
+from .trainer import train
+from .training import TrainConfig
+
+PROG = "commsched.moe.train"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m commsched.moe.train",
+                                description="Distributed MoE language-model training: expert parallelism + "
+                                            "data parallelism.")
+    add_arguments(p, TrainConfig)
+    add_arguments(p.add_argument_group("gradient schedule (--impl commsched)"), ScheduleConfig)
+    add_arguments(p.add_argument_group("model"), ModelConfig)
+    add_arguments(p.add_argument_group("expert dispatch"), DispatchConfig)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in OUT (else a folder holding metrics.json is refused)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/checkpoint-rank{r}.pt (same ranks and configuration; --steps may grow)")
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> TrainConfig:
+    """The run's config from :func:`build_parser`'s flags (``--warmup`` capped at steps - 1)."""
+    return from_arguments(TrainConfig, a, model=from_arguments(ModelConfig, a),
+                          schedule=from_arguments(ScheduleConfig, a), dispatch=from_arguments(DispatchConfig, a),
+                          warmup=min(a.warmup, a.steps - 1))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    ready: dict[str, Path] = {}  # the run folder, once made (a FAILED marker goes there, not before)
+    try:
+        return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
+    finally:  # after cli_main's line, which names the rank from the group
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(a: argparse.Namespace, ready: dict[str, Path]) -> int:
+    cfg = config_from_args(a)
+    info = init_distributed(device=cfg.device)  # ValueError: --device cuda where it cannot run
+    try:
+        prepare_out(a.out, overwrite=a.overwrite, resume=a.resume)  # made (or refused) before any work
+        ready["out"] = a.out
+        if info.device.type == "cpu":
+            torch.set_num_threads(1)  # ranks share the host's cores
+        m = train(cfg, a.out, device=info.device, resume=a.resume)[0].to_dict()
+        if dist.get_rank() == 0:
+            print(json.dumps({k: m[k] for k in ("impl", "schedule", "world_size", "step_time_s", "a2a_time_s",
+                                                 "allreduce_time_s", "a2a_alone_time_s", "val_loss")}), flush=True)
+        if cfg.impl == "deepspeed":
+            # DeepSpeed's CPU backend now and then aborts in its C++ teardown ("terminate called
+            # without an active exception") after a run that finished and wrote its results;
+            # leave without running those destructors once every rank is done.
+            barrier("finishing the DeepSpeed run")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+    except (ValueError, CommError, Stopped):
+        raise  # cli_main: one line, and FAILED in the run folder once there is one
+    except BaseException as e:  # not one of ours: the traceback stays, the folder says it failed
+        if "out" in ready:
+            mark_failed(a.out, f"{PROG} (rank {info.rank}): {type(e).__name__}: {e}")
+        raise
+    return 0
+
+
+__all__ = ["PROG", "build_parser", "config_from_args", "main"]
