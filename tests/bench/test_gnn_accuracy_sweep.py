@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from commsched.bench import gnn_accuracy as accuracy
-from commsched.bench import gnn_sweep as sweep
+from commsched.bench.gnn import accuracy
+from commsched.bench.gnn import sweep
 
 
 def _run(ds, mode, seed, acc, loss):

@@ -128,7 +128,7 @@ def test_rows_in_roc_auc():
 
 
 def test_bench_variants_and_summary_with_time_to_acc(tmp_path, monkeypatch):
-    from commsched.bench import gnn
+    from commsched.bench.gnn import compare as gnn
 
     p = argparse.ArgumentParser()
     gnn.add_arguments(p)
@@ -198,7 +198,7 @@ def test_split_seed_reads_the_bench_run_names():
 
 
 def test_pool_report_over_separate_invocations(tmp_path, capsys):
-    from commsched.bench import gnn_tta
+    from commsched.bench.gnn import tta as gnn_tta
 
     runs = _runs()
     # seed 0 in one folder, seed 1 in another (written first: the pool orders by seed)
@@ -241,7 +241,7 @@ def test_pool_report_over_separate_invocations(tmp_path, capsys):
 def test_adaptive_bench_names():
     """``adaptive`` is in the time-to-accuracy comparison; ``-ebX`` sets its error budget,
     ``-avg`` its link model; ``-eb`` on another mode is refused."""
-    from commsched.bench import gnn
+    from commsched.bench.gnn import compare as gnn
     from commsched.bench.gnn.compare import mode_args
 
     assert "adaptive" in gnn.TTA_MODES

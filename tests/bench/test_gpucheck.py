@@ -138,8 +138,8 @@ def test_every_frontend_run_parses_its_own_arguments(tmp_path):
     """The argv of each run is accepted by its entry point's own parser and config (audit 2,
     item 3: the inference run without ``--compute real`` exited 2 on cuda; audit 3: the flag
     names of the new runs are the trainer's)."""
-    from commsched.gnn import train as gnn_train
-    from commsched.moe import train as moe_train
+    from commsched.gnn.train import cli as gnn_train
+    from commsched.moe.train import cli as moe_train
     from commsched.moe.infer import InferConfig
     from commsched.moe.infer.cli import build_parser, config_from_args
 

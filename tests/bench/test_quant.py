@@ -39,7 +39,7 @@ def test_bench_fails_loudly_below_half_its_goal(tmp_path, monkeypatch, capsys):
     """The bench's own ratios decide: 0.7x quantize (goal 1.5x, floor 0.75x) is a regression;
     the summary is still written, the command exits 1 naming the width."""
     from commsched import cli
-    from commsched.bench import quant as BQ
+    from commsched.bench.micro import quant as BQ
 
     monkeypatch.setattr(BQ, "measure", _fake_measure(0.7, 1.2))
     rc = cli.main(["bench", "quant", "--widths", "4", "--no-mixed", "--out", str(tmp_path / "bad")])
@@ -56,7 +56,7 @@ def test_bench_fails_loudly_below_half_its_goal(tmp_path, monkeypatch, capsys):
 
 
 def test_bench_floor_is_not_checked_on_tiny_messages(tmp_path, monkeypatch):
-    from commsched.bench import quant as BQ
+    from commsched.bench.micro import quant as BQ
 
     monkeypatch.setattr(BQ, "measure", _fake_measure(0.1, 0.1))
     summary = run_bench("quant", ["--rows", "64", "--dim", "9", "--widths", "2", "--no-mixed",

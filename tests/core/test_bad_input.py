@@ -289,12 +289,12 @@ def test_uncreatable_or_used_out_is_refused_before_any_work(front, tmp_path, mon
     monkeypatch.setenv("COMMSCHED_PROGRESS", "0")
     if front == "gnn":
         from commsched.gnn.train.cli import main
-        _no_work(monkeypatch, "commsched.gnn.train", "obtain_part")
+        _no_work(monkeypatch, "commsched.gnn.train.cli", "obtain_part")
         args = ["--device", "cpu", "--epochs", "1"]
         prog = "commsched.gnn.train"
     elif front == "moe-train":
         from commsched.moe.train.cli import main
-        _no_work(monkeypatch, "commsched.moe.train", "train")
+        _no_work(monkeypatch, "commsched.moe.train.cli", "train")
         args = ["--device", "cpu", "--steps", "1", "--warmup", "0"]
         prog = "commsched.moe.train"
     else:

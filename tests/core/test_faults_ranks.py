@@ -26,7 +26,7 @@ VICTIM = 1
 # the survivors' error comes at most one timeout after the fault, then at most one
 # liveness wait; the rest is slack for a shared, slow CI machine
 BOUND_S = TIMEOUT_S + min(LIVENESS_WAIT_MAX_S, TIMEOUT_S) + 20.0
-CORPUS = Path(__file__).resolve().parents[2] / "commsched" / "moe" / "train.py"
+CORPUS = Path(__file__).resolve().parents[2] / "commsched" / "moe" / "train" / "cli.py"
 
 
 def _fault(how: str, stamp: str) -> None:

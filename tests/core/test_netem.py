@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from commsched import netem
+from commsched.cluster import netem
 from commsched.bench import Variant, Workload, emulation, run_bench
 from commsched.bench.emulation import EmulationUnavailable, bench_context, netem_prefix
 from commsched.cluster.netem import (
@@ -319,7 +319,7 @@ def test_cleanup_never_deletes_a_live_emulation():
 def test_cleanup_asks_ip_whether_a_namespace_is_in_use(monkeypatch):
     import subprocess as sp
 
-    from commsched import netem
+    from commsched.cluster import netem
 
     answers = {"commsched-5-lo": (0, "4242\n"), "commsched-6-lo": (0, ""), "commsched-7-lo": (1, "")}
 
@@ -383,7 +383,7 @@ def _contention_late_stop_case(rank: int, world: int) -> dict:
     import time
     import types
 
-    from commsched.bench import netem_check
+    from commsched.bench.micro import netem_check
 
     class LateStop(threading.Event):
         def set(self) -> None:

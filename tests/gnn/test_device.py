@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from commsched.clock import Clock
-from commsched.gnn import adaqp as adaqp_mod
+from commsched.gnn.exchange import adaqp as adaqp_mod
 from commsched.gnn.context import PassContext
 from commsched.gnn.exchange.adaqp_plan import AdaQPOptions
 from commsched.gnn.exchange.modes import make_exchange
@@ -79,7 +79,7 @@ def test_train_cli_device_cuda_without_cuda_says_so(capsys):
 
 
 def test_bench_passes_device_and_adds_bf16_variants():
-    from commsched.bench import gnn as bench
+    from commsched.bench.gnn import compare as bench
 
     p = argparse.ArgumentParser()
     bench.add_arguments(p)

@@ -34,7 +34,7 @@ from commsched.gnn.train.metrics import (
 from commsched.gnn.train.trainer import TrainConfig
 from commsched.quant.reference import BITS
 
-GNN = Path(__file__).resolve().parents[2] / "commsched" / "gnn"
+GNN = Path(__file__).resolve().parents[2] / "commsched" / "gnn" / "exchange"
 SYN = SyntheticSpec(num_nodes=120, num_edges=500, num_features=6, num_classes=3,
                     communities_per_class=2, seed=1)
 
@@ -114,7 +114,7 @@ def test_import_direction_has_no_cycle():
     halo, adaqp, plan = (_imports(GNN / f) for f in ("halo.py", "adaqp.py", "adaqp_plan.py"))
     assert not {m for m in halo if "adaqp" in m or "modes" in m}, halo
     assert not {m for m in adaqp if m.endswith(("layers", "modes", "trainer"))}, adaqp
-    assert not {m for m in plan if "distributed" in m or m in ("..dist", ".halo", ".adaqp")}, plan
+    assert not {m for m in plan if "distributed" in m or m in ("...dist", ".halo", ".adaqp")}, plan
     assert "adaqp" not in (GNN / "halo.py").read_text()
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from commsched import LinkCost, Topology
-from commsched.gnn import partition as part_mod
+from commsched.gnn.graph import partition as part_mod
 from commsched.gnn.exchange.adaqp_plan import (
     AdaQPOptions,
     link_class_report,

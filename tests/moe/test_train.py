@@ -25,7 +25,7 @@ from tests.priority.test_overlap import overlap_dense_exact
 
 CORPUS = Path(__file__).resolve().parents[3] / "shared" / "data" / "text" / "tinyshakespeare.txt"
 if not CORPUS.exists():  # a checkout outside the shared workspace: any text will do
-    CORPUS = Path(__file__).resolve().parents[2] / "commsched" / "moe" / "train.py"
+    CORPUS = Path(__file__).resolve().parents[2] / "commsched" / "moe" / "train" / "cli.py"
 
 
 def _cfg(world: int, schedule: str, *, chunks: int = 1, pipeline: bool = False, ep: int | None = None,
