@@ -9,8 +9,7 @@ import json
 
 import pytest
 
-from commsched.bench.gnn import accuracy
-from commsched.bench.gnn import sweep
+from commsched.bench.gnn import accuracy, sweep
 
 
 def _run(ds, mode, seed, acc, loss):

@@ -139,9 +139,9 @@ def test_every_frontend_run_parses_its_own_arguments(tmp_path):
     item 3: the inference run without ``--compute real`` exited 2 on cuda; audit 3: the flag
     names of the new runs are the trainer's)."""
     from commsched.gnn.train import cli as gnn_train
-    from commsched.moe.train import cli as moe_train
     from commsched.moe.infer import InferConfig
     from commsched.moe.infer.cli import build_parser, config_from_args
+    from commsched.moe.train import cli as moe_train
 
     for quick in (True, False):
         runs = gpucheck.frontend_runs(torch.device("cuda"), quick, tmp_path)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from commsched.cluster import netem
 from commsched.bench import Variant, Workload, emulation, run_bench
 from commsched.bench.emulation import EmulationUnavailable, bench_context, netem_prefix
+from commsched.cluster import netem
 from commsched.cluster.netem import (
     NetSpec,
     check_requirements,

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from commsched.clock import Clock
-from commsched.gnn.exchange import adaqp as adaqp_mod
 from commsched.gnn.context import PassContext
+from commsched.gnn.exchange import adaqp as adaqp_mod
 from commsched.gnn.exchange.adaqp_plan import AdaQPOptions
 from commsched.gnn.exchange.modes import make_exchange
 from commsched.gnn.graph.data import SyntheticSpec, from_edges, synthetic_graph

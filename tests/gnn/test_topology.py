@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from commsched import LinkCost, Topology
-from commsched.gnn.graph import partition as part_mod
 from commsched.gnn.exchange.adaqp_plan import (
     AdaQPOptions,
     link_class_report,
     peer_costs,
     solve_widths,
 )
+from commsched.gnn.graph import partition as part_mod
 from commsched.gnn.graph.data import Graph, clean_edges
 from commsched.gnn.graph.partition import group_parts, halo_rows, inter_host_rows, partition_nodes
 from commsched.gnn.train.trainer import bytes_by_class
