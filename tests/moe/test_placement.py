@@ -163,6 +163,14 @@ def test_imbalance():
     assert imbalance([0, 0]) == 1.0
 
 
+def test_placement_and_eplb_plan_share_their_load_properties():
+    load = [34.0, 41.0, 32.0, 42.0, 40.0, 39.0, 255.0, 29.0]
+    plan = eplb_placement(load, 4, 4)
+    for r in (plan, plan.shares(load)):
+        assert (r.num_devices, r.max_load, r.mean_load) == (4, max(r.device_load), sum(load) / 4)
+        assert r.imbalance == imbalance(r.device_load) and r.key[0] == r.max_load
+
+
 # --------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("load, match", [
     ([1, -2, 3], r"load_E\[1\] is -2"),

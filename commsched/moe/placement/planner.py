@@ -16,7 +16,7 @@ from .greedy import greedy_placement
 from .node_aware import NODE_CANDIDATES, node_aware_placement, node_inputs
 from .packing import greedy_sequence, lpt_replicas
 from .search import BatchSearch, ShareSearch, count_search, counts_matrix, matrix_replicas
-from .types import Placement, make_placement, matrix_key, placement_key
+from .types import Placement, make_placement, matrix_key
 
 # packings improved by local search besides the greedy's and EPLB's layouts, for up to
 # REFINE_SMALL_SLOTS slots (N*S) and above; at 256 x 64 the extra starts changed the
@@ -93,7 +93,7 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
         totals = list(range(E, top + 1))
     else:
         totals = sorted({int(round(x)) for x in np.linspace(E, top, max_candidates)})
-    # every layout below is a share matrix C [E, N] keyed by placement_key's sums
+    # every layout below is a share matrix C [E, N] keyed by Placement.key's sums
     # (matrix_key); a Placement is built for the winner only
     lo = [float(x) for x in load]
     seq = greedy_sequence(lo, N, top - E)  # the apportionment of every total: a prefix of it
@@ -127,7 +127,7 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
     best = min(starts + packed + improved, key=lambda t: t[0])
     result = make_placement(matrix_replicas(best[1]), load, N, S)
     if count_evals > 0 and N * S <= COUNT_SEARCH_SLOTS:
-        result = min(result, count_search(result, load, count_evals, True), key=placement_key)
+        result = min(result, count_search(result, load, count_evals, True), key=lambda p: p.key)
     return result
 
 __all__ = ["plan_placement", "REFINE_SMALL", "REFINE_LARGE", "REFINE_SMALL_SLOTS", "LARGE_CANDIDATES", "COUNT_SEARCH_SLOTS"]

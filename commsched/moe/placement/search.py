@@ -39,7 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from .packing import lpt_shares
-from .types import Placement, device_loads, make_placement, matrix_key, placement_key
+from .types import Placement, device_loads, make_placement, matrix_key
 
 FAMILIES = (("transfer", "swap", "add", "drop"), ("retarget",))
 # the thorough count search decodes this many neighbours at once (one BatchSearch)
@@ -653,7 +653,7 @@ def count_search(p: Placement, load: np.ndarray, max_evals: int, thorough: bool)
     N, S, E = p.num_devices, p.slots_per_device, p.num_experts
     lo = [float(x) for x in load]
     counts = list(p.replica_counts)
-    best, best_key = p, placement_key(p)
+    best, best_key = p, p.key
     tol = 1e-12 * max(1.0, float(load.sum()))
     evals = 0
 
