@@ -75,7 +75,6 @@ from .infer_config import (
     EmulationConfig,
     InferConfig,
     ModelDriverConfig,
-    PlacementConfig,
     TraceDriverConfig,
     job_device,
 )
@@ -83,7 +82,7 @@ from .infer_drivers import DRIVER_CLASSES, Driver, ModelDriver, Setup, TraceDriv
 from .infer_metrics import InferMetrics, summarize
 from .infer_run import run, run_inference
 
-__all__ = ["InferConfig", "PlacementConfig", "EmulationConfig", "TraceDriverConfig", "ModelDriverConfig",
+__all__ = ["InferConfig", "EmulationConfig", "TraceDriverConfig", "ModelDriverConfig",
            "InferMetrics", "Setup", "Driver", "TraceDriver", "ModelDriver", "DRIVER_CLASSES", "DRIVERS",
            "COMPUTES", "EXCHANGES", "build", "main", "run", "run_inference", "summarize", "job_device"]
 
