@@ -512,6 +512,14 @@ def test_lina_node_strategy_class():
     # 2 exchanges x 256 B x (8e-9 - 1e-10) s/B over 100 us of compute per row
     assert cross_host_weight(t, 256, 100e-6) == pytest.approx(2 * 256 * (8e-9 - 1e-10) / 100e-6)
     assert cross_host_weight(Topology.from_hosts(["a", "a"]), 256, 100e-6) == 0.0
+    # without --cross-weight the strategy's build measures it: the topology (its inter-host
+    # class at --inter-rate when given), the row size and the row cost the run timed
+    t2 = Topology.from_hosts(["a", "b"], intra=LinkCost(0.0, 1e-10), inter=LinkCost(0.0, 8e-9))
+    run = dict(num_experts=4, num_devices=2, num_layers=2, k=1, slots=3, historical_LE=HIST, device_host=hosts,
+               topology=t2, row_bytes=256, row_cost_s=100e-6)
+    assert STRATEGIES["lina-node"]().build(**run).cross_weight == cross_host_weight(t2, 256, 100e-6)
+    assert STRATEGIES["lina-node"](inter_rate="1gbit").build(**run).cross_weight == pytest.approx(
+        2 * 256 * 8e-9 / 100e-6)
 
 
 def test_relabel_stays_within_hosts():
@@ -561,6 +569,10 @@ def test_a_strategy_option_belongs_to_its_strategies_only():
     with pytest.raises(TypeError, match="options of --placement static"):
         InferConfig(placement="static", strategy=STRATEGIES["lina"]())
     assert [f.name for f in dataclasses.fields(STRATEGIES["lina"])] == ["online_planner", "threshold", "path_length"]
+    with pytest.raises(TypeError):  # options and the run's inputs are keyword-only
+        STRATEGIES["lina"](0.5)
+    with pytest.raises(TypeError):
+        STRATEGIES["static"]().build(4, 2, 2, 1, 3)
 
 
 def test_placed_local_twin_is_the_dense_sum():
@@ -762,6 +774,7 @@ def test_bench_variants_summary_and_heatmap(tmp_path):
     assert list(vs) == ["static", "eplb", "lina", "oracle", "lina@0", "lina@0.75"]
     assert vs["lina"][:2] == ("--placement", "lina") and "0.5" in vs["lina"]
     assert vs["lina@0"].count("--threshold") == 1 and vs["lina@0"][-2:] == ("--threshold", "0")
+    assert "--threshold" not in vs["static"] + vs["eplb"] + vs["oracle"]  # each strategy gets its own options
     with pytest.raises(ValueError, match="outside"):
         WORKLOAD.variants(build_parser(WORKLOAD).parse_args(["--lina-thresholds", "2"]))
     h = build_parser(WORKLOAD).parse_args(["--batches", "5"])
@@ -769,6 +782,7 @@ def test_bench_variants_summary_and_heatmap(tmp_path):
     hv = {v.name: v.args for v in WORKLOAD.variants(h)}
     assert list(hv) == ["static", "eplb", "eplb-hier", "lina", "lina-node", "oracle"]
     assert hv["lina-node"][-2:] == ("--inter-rate", "1000000000bit") and "--inter-rate" not in hv["lina"]
+    assert "--inter-rate" not in hv["eplb-hier"]
     runs = {"static": [_metrics(200, 100, 1.6, [190, 200, 210])] * 2,
             "lina": [_metrics(120, 60, 1.1, [110, 120, 125])] * 2,
             "oracle": [_metrics(110, 58, 1.0, [105, 110, 112])] * 2}
