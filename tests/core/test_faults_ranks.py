@@ -107,11 +107,11 @@ def _moe_train_overlap(rank: int, world: int, how: str, stamp: str) -> dict:
 
 
 def _infer_cfg(batches: int, seed: int = 1):
-    from commsched.moe.infer import EmulationConfig, InferConfig, PlacementConfig, TraceDriverConfig
+    from commsched.moe.infer import EmulationConfig, InferConfig, TraceDriverConfig
     from commsched.moe.record.traces import SyntheticTraceConfig
 
     syn = SyntheticTraceConfig(num_experts=6, num_layers=2, k=2, num_tokens=1024, seq_len=16)
-    return InferConfig(placement=PlacementConfig("lina"), compute="emulated", batches=batches, warmup=1,
+    return InferConfig(placement="lina", compute="emulated", batches=batches, warmup=1,
                        emulation=EmulationConfig(us_per_row=0.0, load_ms=0.0),
                        trace=TraceDriverConfig(synthetic=syn, tokens_per_batch=48, d_model=8,
                                                expert_hidden=12), seed=seed)

@@ -22,11 +22,10 @@ from commsched.moe.infer.placed import (
     send_order,
 )
 from commsched.moe.infer.policy import (
-    PolicyConfig,
+    STRATEGIES,
     default_slots,
     placement_digest,
     relabel,
-    strategy_class,
 )
 from commsched.moe.placement import (
     Placement,
@@ -260,7 +259,7 @@ def test_infer_config_from_cli_is_nested():
     cfg = config_from_args(build_parser().parse_args(
         ["--placement", "oracle", "--slots", "5", "--us-per-row", "3", "--tokens-per-batch", "64",
          "--checkpoint", "lm.pt", "--batches", "4", "--warmup", "9", "--out", "x"]))
-    assert (cfg.placement.strategy, cfg.placement.slots, cfg.placement.threshold) == ("oracle", 5, 1.0)
+    assert (cfg.placement, cfg.slots, cfg.strategy) == ("oracle", 5, STRATEGIES["oracle"]())
     assert cfg.emulation.us_per_row == 3.0 and cfg.trace.tokens_per_batch == 64
     assert cfg.model.checkpoint == "lm.pt" and cfg.compute == "emulated" and cfg.warmup == 3
     with pytest.raises(ValueError, match="--profile-fraction"):
@@ -298,10 +297,20 @@ def test_relabel_keeps_experts_where_they_are():
     assert sorted(q2.device_load) == sorted(p2.device_load)
 
 
+def strategy_class(name):
+    return STRATEGIES[name].strategy
+
+
 def _policy(strategy, historical_LE=None, **kw):
-    base = dict(num_experts=4, num_devices=2, num_layers=2, k=1, slots=3, threshold=1.0)
-    base.update(kw)
-    return strategy_class(strategy)(PolicyConfig(**base), historical_LE)
+    """The strategy built from its options in ``kw`` (threshold 1.0 where it has one) and the
+    run's inputs (E=4, N=2, L=2, k=1, S=3 unless ``kw`` says otherwise)."""
+    sizes = dict(num_experts=4, num_devices=2, num_layers=2, k=1, slots=3, device_host=None)
+    cls = STRATEGIES[strategy]
+    own = {f.name for f in dataclasses.fields(cls)}
+    opts = {"threshold": 1.0} if "threshold" in own else {}
+    opts.update({k: v for k, v in kw.items() if k not in sizes})
+    sizes.update({k: v for k, v in kw.items() if k in sizes})
+    return cls(**opts).build(historical_LE=historical_LE, **sizes)
 
 
 HIST = np.array([[4.0, 3.0, 2.0, 1.0], [1.0, 1.0, 1.0, 5.0]])
@@ -353,7 +362,7 @@ def test_lina_keeps_phase1_when_estimate_is_right_and_replans_otherwise():
 
 
 def test_policy_config_errors_speak():
-    with pytest.raises(ValueError, match="strategy must be one of"):
+    with pytest.raises(ValueError, match="--placement round-robin is not known"):
         _policy("round-robin")
     with pytest.raises(ValueError, match="raise --slots"):
         _policy("lina", slots=1)
@@ -424,7 +433,7 @@ def test_oracle_strategy_class():
 
 def test_a_new_strategy_and_planner_are_one_class_one_entry(monkeypatch):
     """Adding a placement strategy or a planner: one class, one registry entry (then
-    PolicyConfig, the strategies and --placement / --planner accept the name)."""
+    the strategy configs and --placement / --planner accept the name)."""
     from commsched.moe.infer.policy import STRATEGIES, LayerDecision, OraclePlacement
     from commsched.moe.placement.registry import PLANNERS, Planner
 
@@ -434,7 +443,7 @@ def test_a_new_strategy_and_planner_are_one_class_one_entry(monkeypatch):
         def decide(self, layer, phase1, actual_E, estimated_E=None, actual_PE=None):
             if layer % 2:
                 return super().decide(layer, phase1, actual_E, estimated_E, actual_PE)
-            p = static_placement(self.cfg.num_experts, self.cfg.num_devices, slots_per_device=self.cfg.slots)
+            p = static_placement(self.num_experts, self.num_devices, slots_per_device=self.slots)
             return LayerDecision(p.with_load(np.asarray(actual_E, float)), False, None, self._commit(layer, p))
 
     class StaticPlanner(Planner):  # the static layout, whatever the load
@@ -444,7 +453,7 @@ def test_a_new_strategy_and_planner_are_one_class_one_entry(monkeypatch):
         def plan(self, load_E, num_devices, slots_per_device, **kw):
             return static_placement(len(load_E), num_devices, slots_per_device=slots_per_device)
 
-    monkeypatch.setitem(STRATEGIES._entries, "half", HalfPlacement)
+    monkeypatch.setitem(STRATEGIES._entries, "half", HalfPlacement.Config)
     monkeypatch.setitem(PLANNERS._entries, "static", StaticPlanner())
     h = _policy("half", online_planner="static")
     assert not h.decide(0, None, [0.0, 0.0, 0.0, 6.0]).replanned
@@ -452,7 +461,7 @@ def test_a_new_strategy_and_planner_are_one_class_one_entry(monkeypatch):
     assert d.replanned and d.placement.replicas == static_placement(4, 2, slots_per_device=3).replicas
     with pytest.raises(ValueError, match="must be 'full' or 'greedy', got 'static'"):
         _policy("lina-node", HIST, online_planner="static")
-    with pytest.raises(ValueError, match="strategy must be one of .*'half'.*got 'nope'"):
+    with pytest.raises(ValueError, match="--placement nope is not known .*half"):
         strategy_class("nope")
 
 
@@ -460,8 +469,8 @@ def test_eplb_hier_strategy_class():
     from commsched.moe.infer.policy import EplbHierPlacement
 
     assert strategy_class("eplb-hier") is EplbHierPlacement
-    assert (EplbHierPlacement.needs_profile, EplbHierPlacement.loads_online, EplbHierPlacement.uses_hosts) == (
-        True, False, False)
+    assert (EplbHierPlacement.needs_profile, EplbHierPlacement.loads_online) == (True, False)
+    assert not [f.name for f in dataclasses.fields(EplbHierPlacement.Config)]  # no options: EPLB on the hosts
     hist = np.array([[8.0, 1.0, 1.0, 6.0], [1.0, 1.0, 1.0, 1.0]])
     ep = _policy("eplb-hier", hist, num_devices=4, slots=2, device_host=(0, 0, 1, 1))
     p0, _ = ep.phase1(0)
@@ -479,7 +488,8 @@ def test_lina_node_strategy_class():
     from commsched.moe.infer.policy import LinaNodePlacement, cross_host_weight
 
     assert strategy_class("lina-node") is LinaNodePlacement
-    assert (LinaNodePlacement.estimates_paths, LinaNodePlacement.uses_hosts) == (True, True)
+    assert LinaNodePlacement.estimates_paths
+    assert _policy("lina-node", HIST, device_host=(0, 1), cross_weight=0.1).cross_weight == 0.1  # node-aware
     hosts = (0, 1)
     pol = _policy("lina-node", HIST, k=1, threshold=0.5, device_host=hosts, cross_weight=0.1)
     p, loads = pol.phase1(0)  # layer 0 (historical 4, 3, 2, 1): expert 0 on both hosts, 5 | 5
@@ -502,6 +512,14 @@ def test_lina_node_strategy_class():
     # 2 exchanges x 256 B x (8e-9 - 1e-10) s/B over 100 us of compute per row
     assert cross_host_weight(t, 256, 100e-6) == pytest.approx(2 * 256 * (8e-9 - 1e-10) / 100e-6)
     assert cross_host_weight(Topology.from_hosts(["a", "a"]), 256, 100e-6) == 0.0
+    # without --cross-weight the strategy's build measures it: the topology (its inter-host
+    # class at --inter-rate when given), the row size and the row cost the run timed
+    t2 = Topology.from_hosts(["a", "b"], intra=LinkCost(0.0, 1e-10), inter=LinkCost(0.0, 8e-9))
+    run = dict(num_experts=4, num_devices=2, num_layers=2, k=1, slots=3, historical_LE=HIST, device_host=hosts,
+               topology=t2, row_bytes=256, row_cost_s=100e-6)
+    assert STRATEGIES["lina-node"]().build(**run).cross_weight == cross_host_weight(t2, 256, 100e-6)
+    assert STRATEGIES["lina-node"](inter_rate="1gbit").build(**run).cross_weight == pytest.approx(
+        2 * 256 * 8e-9 / 100e-6)
 
 
 def test_relabel_stays_within_hosts():
@@ -514,22 +532,47 @@ def test_relabel_stays_within_hosts():
 
 
 def test_strategy_table_is_the_cli_choice_list():
-    from commsched.moe.infer import PlacementConfig
+    from commsched.moe.infer import InferConfig
     from commsched.moe.infer.cli import build_parser
-    from commsched.moe.infer.policy import STRATEGIES
 
     assert list(STRATEGIES) == ["static", "eplb", "lina", "oracle", "eplb-hier", "lina-node"]
-    assert all(c.name == n for n, c in STRATEGIES.items())
+    assert all(c.strategy.name == n for n, c in STRATEGIES.items())
     choices = next(a.choices for a in build_parser()._actions if "--placement" in a.option_strings)
     assert tuple(choices) == tuple(STRATEGIES)
     with pytest.raises(ValueError, match="--placement must be one of"):
-        PlacementConfig("round-robin")
+        InferConfig(placement="round-robin")
     with pytest.raises(ValueError, match="--cross-weight"):
-        PlacementConfig("lina-node", cross_weight=-1.0)
+        STRATEGIES["lina-node"](cross_weight=-1.0)
     with pytest.raises(ValueError, match="rate"):
-        PlacementConfig("lina-node", inter_rate="fast")
+        STRATEGIES["lina-node"](inter_rate="fast")
     with pytest.raises(ValueError, match="device_host"):
-        PolicyConfig(4, 2, 1, 1, 3, device_host=(0, 2))
+        _policy("lina-node", HIST, slots=3, device_host=(0, 2))
+
+
+def test_a_strategy_option_belongs_to_its_strategies_only():
+    """Each strategy's config holds its own options; one given to another strategy is
+    refused naming the strategies that take it (exit 2 on the command line)."""
+    from commsched.moe.infer import InferConfig
+    from commsched.moe.infer.cli import build_parser, config_from_args
+
+    def cfg(*argv):
+        return config_from_args(build_parser().parse_args(["--out", "x", *argv]))
+
+    assert cfg("--placement", "lina", "--threshold", "0.1").strategy == STRATEGIES["lina"](threshold=0.1)
+    assert cfg("--placement", "static").strategy == STRATEGIES["static"]()
+    assert cfg("--placement", "lina-node", "--cross-weight", "2").strategy.cross_weight == 2.0
+    for argv, owners in ((("--placement", "static", "--threshold", "0.1"), "lina, lina-node"),
+                         (("--placement", "lina", "--planner", "full"), "eplb"),
+                         (("--placement", "oracle", "--inter-rate", "1gbit"), "lina-node")):
+        with pytest.raises(ValueError, match=f"is an option of --placement {owners}, not of --placement {argv[1]}"):
+            cfg(*argv)
+    with pytest.raises(TypeError, match="options of --placement static"):
+        InferConfig(placement="static", strategy=STRATEGIES["lina"]())
+    assert [f.name for f in dataclasses.fields(STRATEGIES["lina"])] == ["online_planner", "threshold", "path_length"]
+    with pytest.raises(TypeError):  # options and the run's inputs are keyword-only
+        STRATEGIES["lina"](0.5)
+    with pytest.raises(TypeError):
+        STRATEGIES["static"]().build(4, 2, 2, 1, 3)
 
 
 def test_placed_local_twin_is_the_dense_sum():
@@ -550,11 +593,11 @@ def test_placed_local_twin_is_the_dense_sum():
 
 # --------------------------------------------------------------------------- distributed == local
 def _trace_cfg(placement: str, compute: str, tokens_per_batch: int = 96, exchange: str = "pipelined"):
-    from commsched.moe.infer import EmulationConfig, InferConfig, PlacementConfig, TraceDriverConfig
+    from commsched.moe.infer import EmulationConfig, InferConfig, TraceDriverConfig
     from commsched.moe.record.traces import SyntheticTraceConfig
 
     syn = SyntheticTraceConfig(num_experts=8, num_layers=4, k=2, num_tokens=4096, seq_len=16)
-    return InferConfig(placement=PlacementConfig(placement), compute=compute, batches=3, warmup=1,
+    return InferConfig(placement=placement, compute=compute, batches=3, warmup=1,
                        emulation=EmulationConfig(us_per_row=0.0, load_ms=0.0),
                        trace=TraceDriverConfig(synthetic=syn, tokens_per_batch=tokens_per_batch, d_model=8,
                                                expert_hidden=12), seed=1,
@@ -588,7 +631,7 @@ def _trace_equals_local(rank: int, world: int) -> None:
             exchange = "pipelined"
         cfg = _trace_cfg(placement, compute, tpb, exchange)
         if placement == "lina-node":
-            cfg = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, cross_weight=1.0))
+            cfg = dataclasses.replace(cfg, strategy=STRATEGIES["lina-node"](cross_weight=1.0))
         try:
             m = run(cfg, return_outputs=True)
         finally:
@@ -632,14 +675,14 @@ def _trace_equals_local(rank: int, world: int) -> None:
 
 
 def _model_equals_local(ckpt: str, rank: int, world: int) -> None:
-    from commsched.moe.infer import InferConfig, ModelDriverConfig, PlacementConfig, run
+    from commsched.moe.infer import InferConfig, ModelDriverConfig, run
     from commsched.moe.model.data import load_corpus
     from commsched.moe.record.recorder import load_checkpoint
 
     model, _ = load_checkpoint(ckpt)
     corpus = load_corpus(None)
     for placement in ("lina", "oracle"):
-        cfg = InferConfig(placement=PlacementConfig(placement), driver="model", compute="real", batches=2,
+        cfg = InferConfig(placement=placement, driver="model", compute="real", batches=2,
                           warmup=0, model=ModelDriverConfig(checkpoint=ckpt, batch_size=2, profile_tokens=1024),
                           seed=2)
         m = run(cfg, return_outputs=True)
@@ -731,6 +774,7 @@ def test_bench_variants_summary_and_heatmap(tmp_path):
     assert list(vs) == ["static", "eplb", "lina", "oracle", "lina@0", "lina@0.75"]
     assert vs["lina"][:2] == ("--placement", "lina") and "0.5" in vs["lina"]
     assert vs["lina@0"].count("--threshold") == 1 and vs["lina@0"][-2:] == ("--threshold", "0")
+    assert "--threshold" not in vs["static"] + vs["eplb"] + vs["oracle"]  # each strategy gets its own options
     with pytest.raises(ValueError, match="outside"):
         WORKLOAD.variants(build_parser(WORKLOAD).parse_args(["--lina-thresholds", "2"]))
     h = build_parser(WORKLOAD).parse_args(["--batches", "5"])
@@ -738,6 +782,7 @@ def test_bench_variants_summary_and_heatmap(tmp_path):
     hv = {v.name: v.args for v in WORKLOAD.variants(h)}
     assert list(hv) == ["static", "eplb", "eplb-hier", "lina", "lina-node", "oracle"]
     assert hv["lina-node"][-2:] == ("--inter-rate", "1000000000bit") and "--inter-rate" not in hv["lina"]
+    assert "--inter-rate" not in hv["eplb-hier"]
     runs = {"static": [_metrics(200, 100, 1.6, [190, 200, 210])] * 2,
             "lina": [_metrics(120, 60, 1.1, [110, 120, 125])] * 2,
             "oracle": [_metrics(110, 58, 1.0, [105, 110, 112])] * 2}

@@ -184,11 +184,11 @@ def test_placed_moe_keeps_its_tensors_on_the_rows_device():
 
 # --------------------------------------------------------------------------- processes
 def _cfg(placement: str, compute: str, exchange: str = "pipelined", device: str = "auto"):
-    from commsched.moe.infer import EmulationConfig, InferConfig, PlacementConfig, TraceDriverConfig
+    from commsched.moe.infer import EmulationConfig, InferConfig, TraceDriverConfig
     from commsched.moe.record.traces import SyntheticTraceConfig
 
     syn = SyntheticTraceConfig(num_experts=8, num_layers=3, k=2, num_tokens=4096, seq_len=16)
-    return InferConfig(placement=PlacementConfig(placement), compute=compute, batches=3, warmup=1,
+    return InferConfig(placement=placement, compute=compute, batches=3, warmup=1,
                        emulation=EmulationConfig(us_per_row=0.0, load_ms=0.0), exchange=exchange, device=device,
                        trace=TraceDriverConfig(synthetic=syn, tokens_per_batch=96, d_model=8, expert_hidden=12),
                        seed=1)
@@ -264,7 +264,7 @@ def test_ffn_bank_cuda_loads_overlap_compute_on_the_copy_stream():
 
 
 def _one_rank_cuda_equals_cpu(rank: int, world: int, ckpt: str) -> list[str]:
-    from commsched.moe.infer import InferConfig, ModelDriverConfig, PlacementConfig, job_device, run
+    from commsched.moe.infer import InferConfig, ModelDriverConfig, job_device, run
 
     done = []
     for placement, exchange in [("lina", "pipelined"), ("oracle", "sequential"), ("static", "pipelined")]:
@@ -278,7 +278,7 @@ def _one_rank_cuda_equals_cpu(rank: int, world: int, ckpt: str) -> list[str]:
             assert torch.allclose(y.cpu(), r, rtol=1e-4, atol=1e-4), (placement, (y.cpu() - r).abs().max())
         done.append(placement)
     for dev in ("cpu", "cuda"):
-        cfg = InferConfig(placement=PlacementConfig("lina"), driver="model", compute="real", batches=2, warmup=0,
+        cfg = InferConfig(placement="lina", driver="model", compute="real", batches=2, warmup=0,
                           model=ModelDriverConfig(checkpoint=ckpt, batch_size=2, profile_tokens=1024), seed=2,
                           device=dev)
         done.append(run(cfg, return_outputs=True)["outputs"])

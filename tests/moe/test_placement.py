@@ -22,8 +22,13 @@ from commsched.moe.placement import (
     replica_counts_greedy,
     split_offsets,
     split_tokens,
-    split_tokens_reference,
     static_placement,
+)
+from tests.moe.placement_reference import (
+    cross_rows_reference,
+    host_local_loads_reference,
+    reference_step,
+    split_tokens_reference,
 )
 
 TOL = 1e-9
@@ -161,6 +166,14 @@ def test_with_load_reevaluates_the_layout():
 def test_imbalance():
     assert imbalance([3, 1]) == 1.5
     assert imbalance([0, 0]) == 1.0
+
+
+def test_placement_and_eplb_plan_share_their_load_properties():
+    load = [34.0, 41.0, 32.0, 42.0, 40.0, 39.0, 255.0, 29.0]
+    plan = eplb_placement(load, 4, 4)
+    for r in (plan, plan.shares(load)):
+        assert (r.num_devices, r.max_load, r.mean_load) == (4, max(r.device_load), sum(load) / 4)
+        assert r.imbalance == imbalance(r.device_load) and r.key[0] == r.max_load
 
 
 # --------------------------------------------------------------------------- errors
@@ -302,7 +315,8 @@ def test_count_search_finds_what_single_moves_miss():
 
 
 def test_fast_local_search_step_equals_its_reference():
-    """The O(1)-per-candidate step makes the same moves as the dict-per-candidate twin."""
+    """The vectorised step on a batch of one makes the same moves as the twin that applies
+    each candidate to a copy."""
     from commsched.moe.placement.search import ShareSearch, counts_matrix
 
     rng = np.random.default_rng(5)
@@ -314,20 +328,20 @@ def test_fast_local_search_step_equals_its_reference():
         load = rng.lognormal(0, 1.5, E) * 100 if trial % 2 else rng.integers(0, 50, E).astype(float)
         for start in (greedy_placement(load, N, S), eplb_placement(load, N, S).shares(load)):
             C = counts_matrix(start.replicas, E, N)
-            a, b = ShareSearch(C, load, S), ShareSearch(C, load, S)
+            a, b = ShareSearch([C], load, S), C.copy()
             for _ in range(200):
-                ma, mb = a.step(), b.step_reference()
-                assert ma == mb and (a.C == b.C).all()
+                (ma,), mb = a.step(), reference_step(b, load, S)
+                assert ma == mb and (a.C[0] == b).all()
                 if ma is None:
                     break
                 moves.add(ma[0])
     assert moves >= {"transfer", "swap", "add"}  # the families the twin checked were used
 
 
-def test_batch_search_moves_each_start_as_share_search_does():
-    """BatchSearch runs several starts in lockstep; each ends where ShareSearch alone takes
-    it, after the same number of moves (starts of different lengths stop on their own)."""
-    from commsched.moe.placement.search import BatchSearch, ShareSearch, counts_matrix
+def test_batch_search_moves_each_start_as_a_batch_of_one_does():
+    """ShareSearch runs several starts in lockstep; each ends where a batch of one takes it,
+    after the same number of moves (starts of different lengths stop on their own)."""
+    from commsched.moe.placement.search import ShareSearch, counts_matrix
 
     rng = np.random.default_rng(11)
     for trial in range(25):
@@ -337,14 +351,14 @@ def test_batch_search_moves_each_start_as_share_search_does():
         load = rng.lognormal(0, 1.5, E) * 100 if trial % 2 else rng.integers(0, 50, E).astype(float)
         starts = [greedy_placement(load, N, S), eplb_placement(load, N, S).shares(load)]
         Cs = [counts_matrix(p.replicas, E, N) for p in starts]
-        batch = BatchSearch(Cs, load, S)
+        batch = ShareSearch(Cs, load, S)
         steps = batch.run(200)
         for b, C in enumerate(Cs):
-            one = ShareSearch(C, load, S)
+            one = ShareSearch([C], load, S)
             n = 0
-            while n < 200 and one.step() is not None:
+            while n < 200 and one.step()[0] is not None:
                 n += 1
-            assert steps[b] == n and (batch.C[b] == one.C).all()
+            assert steps[b] == n and (batch.C[b] == one.C[0]).all()
 
 
 def test_lpt_order_and_greedy_sequence_match_their_definitions():
@@ -616,7 +630,6 @@ def test_host_local_split_matches_reference_and_stays_home():
         split_tokens([0], p)
     dl, out_H, in_H = host_local_loads(p.replicas, np.array([[5.0, 1.0], [5.0, 3.0]]), p.device_host)
     assert dl.tolist() == [5.0, 4.0, 5.0, 0.0] and out_H.tolist() == [0.0, 3.0] and in_H.tolist() == [3.0, 0.0]
-    from commsched.moe.placement import host_local_loads_reference
 
     rng = np.random.default_rng(5)
     for _ in range(20):  # the vectorised split equals its loop twin
@@ -635,7 +648,7 @@ def test_cross_rows_equals_its_loop_twin_bit_for_bit():
     """The flat split's host-link rows (vectorised) against the loop they replaced: the same
     floats, not merely close ones, since the node-aware planner compares the flat plan's cost
     with the host-local plans' by ``<`` and a one-ulp change flips a tie."""
-    from commsched.moe.placement import cross_rows, cross_rows_reference
+    from commsched.moe.placement import cross_rows
     from commsched.moe.placement.types import make_placement
 
     rng = np.random.default_rng(11)

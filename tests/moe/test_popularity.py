@@ -343,12 +343,12 @@ def test_max_entries_keeps_the_heaviest_paths():
 
 def test_replan_threshold_default_is_the_named_constant():
     import commsched.moe as moe
-    from commsched.moe.infer import PlacementConfig
-    from commsched.moe.infer.policy import PolicyConfig
+    from commsched.moe.infer import InferConfig
+    from commsched.moe.infer.policy import STRATEGIES
 
     assert moe.DEFAULT_REPLAN_THRESHOLD is DEFAULT_REPLAN_THRESHOLD
-    assert PlacementConfig().threshold == DEFAULT_REPLAN_THRESHOLD
-    assert PolicyConfig(4, 2, 1, 1, 2).threshold == DEFAULT_REPLAN_THRESHOLD
+    assert InferConfig().strategy.threshold == DEFAULT_REPLAN_THRESHOLD
+    assert STRATEGIES["lina-node"]().threshold == DEFAULT_REPLAN_THRESHOLD
     est, half = [10, 9, 8, 7, 1, 1, 1, 1], [10, 9, 0, 0, 8, 7, 0, 0]
     assert phase2_decision(est, half, k=2) == phase2_decision(est, half, 2, DEFAULT_REPLAN_THRESHOLD)
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...configurable import cli_fields
 from ...dist import DEVICE_CHOICES
 from ...moe.infer.policy import STRATEGIES
 from ...results import median
@@ -101,8 +102,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 def _common(a: argparse.Namespace) -> list[str]:
     out: list = ["--driver", a.driver, "--batches", a.batches, "--warmup", a.warmup, "--seed", a.seed,
                  "--device", a.device, "--us-per-row", a.us_per_row, "--load-ms", a.load_ms]
-    opt = {"--compute": a.compute, "--slots": a.slots, "--threshold": a.threshold, "--path-length": a.path_length,
-           "--online-planner": a.online_planner, "--exchange": a.exchange}
+    opt = {"--compute": a.compute, "--slots": a.slots, "--exchange": a.exchange}
     if a.driver == "trace":
         out += ["--tokens-per-batch", a.tokens_per_batch, "--d-model", a.d_model, "--experts", a.experts,
                 "--layers", a.layers, "--k", a.k]
@@ -116,6 +116,14 @@ def _common(a: argparse.Namespace) -> list[str]:
     return [str(x) for x in out]
 
 
+def _strategy_flags(name: str, options: dict) -> tuple[str, ...]:
+    """The flags of the strategy options (field -> value, None: not given) that ``--placement
+    name``'s config has (the command line refuses another strategy's)."""
+    own = {f.name for f in cli_fields(STRATEGIES[name])}
+    return tuple(x for k, v in options.items() if k in own and v is not None
+                 for x in ("--" + k.replace("_", "-"), str(v)))
+
+
 def _variants(a: argparse.Namespace) -> list[Variant]:
     if a.driver == "model" and not a.checkpoint:
         raise ValueError("--driver model needs --checkpoint (python -m commsched.moe.record --train-steps N "
@@ -127,11 +135,10 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
     hosts = getattr(a, "hosts", 1) or 1
     names = HOSTS_ORDER if hosts > 1 else VARIANTS
     rate = getattr(a, "rate_bps", None)
-    node = ["--inter-rate", f"{rate}bit"] if hosts > 1 and rate and a.cross_weight is None else []
-    if a.cross_weight is not None:
-        node = ["--cross-weight", str(a.cross_weight)]
-    out = [Variant(v, "commsched.moe.infer", ("--placement", v, *c, *(node if v in HOST_VARIANTS else ())))
-           for v in names]
+    opts = {"threshold": a.threshold, "path_length": a.path_length, "online_planner": a.online_planner,
+            "inter_rate": f"{rate}bit" if hosts > 1 and rate and a.cross_weight is None else None,
+            "cross_weight": a.cross_weight}
+    out = [Variant(v, "commsched.moe.infer", ("--placement", v, *c, *_strategy_flags(v, opts))) for v in names]
     for t in (x.strip() for x in a.lina_thresholds.split(",") if x.strip()):
         try:
             thr = float(t)
@@ -139,8 +146,8 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
             raise ValueError(f"--lina-thresholds: {t!r} is not a number") from None
         if not 0.0 <= thr <= 1.0:
             raise ValueError(f"--lina-thresholds: {thr} is outside [0, 1]")
-        base = [x for i, x in enumerate(c) if x != "--threshold" and (i == 0 or c[i - 1] != "--threshold")]
-        out.append(Variant(f"lina@{t}", "commsched.moe.infer", ("--placement", "lina", *base, "--threshold", t)))
+        lina = _strategy_flags("lina", {**opts, "threshold": None})
+        out.append(Variant(f"lina@{t}", "commsched.moe.infer", ("--placement", "lina", *c, *lina, "--threshold", t)))
     return out
 
 

@@ -77,7 +77,6 @@ _EXPORTS: dict[str, str] = {
     "EmulationConfig": "config",
     "InferConfig": "config",
     "ModelDriverConfig": "config",
-    "PlacementConfig": "config",
     "TraceDriverConfig": "config",
     "job_device": "config",
     "DRIVER_CLASSES": "drivers",

@@ -3,7 +3,10 @@
 
     torchrun --nproc_per_node 4 -m commsched.moe.infer --placement lina --out DIR
 
-The flags are generated from the configs of :mod:`commsched.moe.infer.config` and the
+The flags are generated from the configs of :mod:`commsched.moe.infer.config`, the
+placement strategies' configs (:data:`~commsched.moe.infer.policy.STRATEGIES`: each
+option belongs to the strategies whose config has it, and one given to another strategy
+exits with status 2 naming them, as ``--placement static --threshold 0.1`` does) and the
 synthetic trace's :class:`~commsched.moe.record.traces.SyntheticTraceConfig` (type, default, help
 and choices; ``--placement``, ``--planner`` and ``--online-planner`` from the strategy and
 planner registries); the command line's own are ``--out`` and ``--overwrite``, and two
@@ -22,7 +25,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ...configurable import add_arguments, from_arguments
+from ...configurable import add_arguments, cli_fields, config_of, from_arguments
 from ...dist import CommError, Stopped, cli_main, init_distributed
 from ...results import mark_failed, prepare_out
 from ..record.traces import SyntheticTraceConfig
@@ -31,10 +34,10 @@ from .config import (
     EmulationConfig,
     InferConfig,
     ModelDriverConfig,
-    PlacementConfig,
     TraceDriverConfig,
 )
 from .loop import run
+from .policy import STRATEGIES
 
 PROG = "commsched.moe.infer"
 
@@ -43,8 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m commsched.moe.infer",
                                 description="Distributed MoE inference with expert placement (Lina's "
                                             "two-phase scheduling).")
-    add_arguments(p, PlacementConfig)
     add_arguments(p, InferConfig, defaults={"compute": None})
+    g = p.add_argument_group("placement strategy options (each belongs to the strategies whose config has it)")
+    seen: set[str] = set()
+    for cls in STRATEGIES.values():
+        add_arguments(g, cls, skip=tuple(seen), only_given=True)
+        seen.update(f.name for f in cli_fields(cls))
     add_arguments(p.add_argument_group("emulated device (--compute emulated)"), EmulationConfig)
     g = p.add_argument_group("trace driver")
     add_arguments(g, TraceDriverConfig)
@@ -59,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(a: argparse.Namespace) -> InferConfig:
     """The run's config from :func:`build_parser`'s flags: ``--compute`` defaults to the
     driver's, ``--trace-tokens`` to enough for ``--batches`` after profiling, ``--warmup`` is
-    capped at batches - 1."""
+    capped at batches - 1; a strategy option given to a strategy whose config lacks it is a
+    ValueError naming the strategies that take it."""
     n_tok = a.num_tokens
     if n_tok is None:  # the held-out part must hold --batches batches of whole sequences
         n_tok = SyntheticTraceConfig().num_tokens
@@ -67,9 +75,11 @@ def config_from_args(a: argparse.Namespace) -> InferConfig:
             need = (a.batches + 1) * (a.tokens_per_batch + a.seq_len) / (1.0 - a.profile_fraction)
             n_tok = max(n_tok, int(need * 1.05))
     syn = from_arguments(SyntheticTraceConfig, a, num_tokens=n_tok)
+    options = {f.name: getattr(a, f.name) for cls in STRATEGIES.values() for f in cli_fields(cls)
+               if hasattr(a, f.name)}  # only the flags given: one of another strategy is refused
     return from_arguments(
         InferConfig, a, compute=a.compute or DRIVER_COMPUTES[a.driver][0], warmup=min(a.warmup, a.batches - 1),
-        placement=from_arguments(PlacementConfig, a), emulation=from_arguments(EmulationConfig, a),
+        strategy=config_of(STRATEGIES, a.placement, options, given=True), emulation=from_arguments(EmulationConfig, a),
         trace=from_arguments(TraceDriverConfig, a, synthetic=syn), model=from_arguments(ModelDriverConfig, a))
 
 

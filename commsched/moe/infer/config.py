@@ -1,21 +1,20 @@
 """The configuration of an inference run (:mod:`commsched.moe.infer`): frozen dataclasses,
-one per concern (placement, the emulated device, each driver), nested in :class:`InferConfig`.
-Each checks its own values; the flags of :mod:`commsched.moe.infer.cli` are generated from
-their fields (help, defaults and choices: the strategies and planners from their registries).
+one per concern (the placement strategy's options, the emulated device, each driver),
+nested in :class:`InferConfig`. Each checks its own values; the flags of
+:mod:`commsched.moe.infer.cli` are generated from their fields (help, defaults and choices:
+the strategies and planners from their registries).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ...configurable import Config, option
 from ...dist import DEVICE_CHOICES, group_device
 from ..record.traces import SyntheticTraceConfig
-from .policy import PLANNERS, STRATEGIES, PlacementStrategy, strategy_class
-from .popularity import DEFAULT_REPLAN_THRESHOLD
+from .policy import STRATEGIES, StrategyConfig
 
 # the expert computes each driver runs, its default (--compute not given) first
 DRIVER_COMPUTES: dict[str, tuple[str, ...]] = {"trace": ("emulated", "real"), "model": ("real",)}
@@ -24,48 +23,7 @@ COMPUTES = ("emulated", "real")
 EXCHANGES = ("pipelined", "sequential")
 
 
-@dataclass(frozen=True)
-class PlacementConfig(Config):
-    """Where experts go: ``strategy`` (a name in
-    :data:`~commsched.moe.infer.policy.STRATEGIES`), ``slots`` S (None: ceil(E/N) +
-    2), the phase-2 ``threshold`` and ``path_length`` of strategies that estimate paths,
-    the planners before (``planner``) and during (``online_planner``) inference, and for
-    the node-aware strategies the weight of a row crossing hosts (``cross_weight``; None:
-    :func:`~commsched.moe.infer.policy.cross_host_weight` of the run's topology, its
-    row size and compute per row) and the inter-host rate that weight assumes
-    (``inter_rate``, tc syntax; None: the topology's placeholder inter-host class)."""
-
-    strategy: str = option("lina", "placement strategy", choices=STRATEGIES, flag="--placement")
-    slots: int | None = option(None, "experts of one layer per device (default ceil(E/N)+2)")
-    threshold: float = option(DEFAULT_REPLAN_THRESHOLD, "lina phase-2 re-plan threshold")
-    path_length: int = option(3, "lina: experts of the path (l)")
-    planner: str = option("full", "planner of the layouts fixed before inference (eplb)", choices=PLANNERS)
-    online_planner: str = option("greedy", "planner during inference (lina phases 1 and 2, oracle)",
-                                 choices=PLANNERS)
-    cross_weight: float | None = option(None, "node-aware strategies (lina-node): weight of a row crossing "
-                                              "hosts, in rows of device compute (default: from the topology's "
-                                              "link classes and the row cost)")
-    inter_rate: str | None = option(None, "inter-host link rate the default --cross-weight assumes (tc syntax, "
-                                          "e.g. 1gbit; default: the topology's placeholder inter-host class)")
-
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"--placement must be one of {tuple(STRATEGIES)}, got {self.strategy!r}")
-        if not 1 <= self.path_length <= 8:
-            raise ValueError(f"--path-length must be in 1..8, got {self.path_length}")
-        if self.cross_weight is not None and not (np.isfinite(self.cross_weight) and self.cross_weight >= 0):
-            raise ValueError(f"--cross-weight must be a finite number >= 0, got {self.cross_weight}")
-        if self.inter_rate is not None:
-            from ...cluster.netem import parse_rate
-
-            parse_rate(self.inter_rate)  # a ValueError that says how to write a rate
-
-    @property
-    def strategy_class(self) -> type[PlacementStrategy]:
-        return strategy_class(self.strategy)
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EmulationConfig(Config):
     """The emulated device (``--compute emulated``): busy ``us_per_row`` microseconds per
     computed row, ``load_ms`` per expert loaded."""
@@ -78,7 +36,7 @@ class EmulationConfig(Config):
             raise ValueError("--us-per-row and --load-ms must be >= 0")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TraceDriverConfig(Config):
     """The trace driver: the trace (``path``, or a synthetic one), its profiling share,
     tokens per batch (all ranks together), and the rows' and (``--compute real``) the
@@ -98,7 +56,7 @@ class TraceDriverConfig(Config):
             raise ValueError("--tokens-per-batch must be >= 1")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelDriverConfig(Config):
     """The model driver: the checkpoint, the text, sequences per rank per batch, and the
     profile (a recorded trace, or ``profile_tokens`` tokens recorded at start-up)."""
@@ -114,11 +72,17 @@ class ModelDriverConfig(Config):
             raise ValueError("--batch-size and --profile-tokens must be >= 1")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class InferConfig(Config):
-    """One inference run: the driver, the expert compute, the exchange, the batches, the
-    device (``--device``: auto, cpu or cuda; see :attr:`device_choice`), and the
-    sub-configs of placement, emulated device and the two drivers."""
+    """One inference run: the placement strategy (``placement``, a name in
+    :data:`~commsched.moe.infer.policy.STRATEGIES`; ``strategy``, its options: the
+    strategy's ``Config``, default its defaults), the slots S per device (None: ceil(E/N) +
+    2), the driver, the expert compute, the exchange, the batches, the device (``--device``:
+    auto, cpu or cuda; see :attr:`device_choice`), and the sub-configs of the emulated device
+    and the two drivers."""
+
+    placement: str = option("lina", "placement strategy", choices=STRATEGIES)
+    slots: int | None = option(None, "experts of one layer per device (default ceil(E/N)+2)")
 
     driver: str = option("trace", "what drives the run: a routing trace or the trained model", choices=DRIVERS)
     compute: str = option("emulated", "expert compute: emulated device or real FFNs (default: emulated for the "
@@ -133,12 +97,19 @@ class InferConfig(Config):
     batches: int = option(30, "batches served")
     warmup: int = option(2, "batches left out of the metrics")
     seed: int = option(0, "seed of the run")
-    placement: PlacementConfig = option(default_factory=PlacementConfig, cli=False)
+    strategy: StrategyConfig | None = option(None, cli=False)
     emulation: EmulationConfig = option(default_factory=EmulationConfig, cli=False)
     trace: TraceDriverConfig = option(default_factory=TraceDriverConfig, cli=False)
     model: ModelDriverConfig = option(default_factory=ModelDriverConfig, cli=False)
 
     def __post_init__(self) -> None:
+        if self.placement not in STRATEGIES:
+            raise ValueError(f"--placement must be one of {tuple(STRATEGIES)}, got {self.placement!r}")
+        st = STRATEGIES[self.placement]() if self.strategy is None else self.strategy
+        if type(st) is not STRATEGIES[self.placement]:
+            raise TypeError(f"strategy must be the options of --placement {self.placement} "
+                            f"({STRATEGIES[self.placement].__qualname__}), got {type(st).__qualname__}")
+        object.__setattr__(self, "strategy", st)
         if self.driver not in DRIVERS:
             raise ValueError(f"--driver must be one of {DRIVERS}, got {self.driver!r}")
         if self.compute not in COMPUTES:
@@ -169,5 +140,5 @@ def job_device(cfg: InferConfig, group=None) -> torch.device:
     return group_device(cfg.device_choice, group)
 
 
-__all__ = ["DRIVERS", "DRIVER_COMPUTES", "COMPUTES", "EXCHANGES", "PlacementConfig", "EmulationConfig",
+__all__ = ["DRIVERS", "DRIVER_COMPUTES", "COMPUTES", "EXCHANGES", "EmulationConfig",
            "TraceDriverConfig", "ModelDriverConfig", "InferConfig", "job_device"]

@@ -23,16 +23,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from ..record.traces import RoutingTrace, load_trace, synthetic_trace
 from .banks import EmulatedBank, ExpertBank, FFNBank
 from .config import InferConfig, ModelDriverConfig, TraceDriverConfig
-from .policy import PlacementStrategy, PolicyConfig, default_slots
-from .popularity import PopularityEstimator
+from .policy import default_slots
 from .runtime import model_forward, model_weights, trace_forward
 
 
@@ -226,38 +224,24 @@ class Setup:
     """What a rank builds before inference, identically on every rank.
 
     driver: the run's :class:`Driver`; model: the language model (model driver, else
-    None); strategy: this run's placement strategy (fresh: no expert resident); estimator:
-    the path estimator of a strategy that estimates paths."""
+    None); bank: the experts, ``slots`` S of each layer resident per device. The placement
+    strategy is built after them, from the row cost the bank measures
+    (:func:`~commsched.moe.infer.loop.run`)."""
 
     driver: Driver
     model: Any
     bank: ExpertBank
-    strategy: PlacementStrategy
-    estimator: PopularityEstimator | None
+    slots: int
 
 
-def build(cfg: InferConfig, rank: int, world: int, device: torch.device | str = "cpu",
-          device_host: Sequence[int] | None = None, cross_weight: float | None = None) -> Setup:
-    """Everything a rank needs (see :class:`Setup`), built identically on every rank; the
-    bank's slots and the model on ``device`` (the expert weights' master copies stay in
-    host memory). ``device_host``: the host of each rank (None: one host);
-    ``cross_weight``: the node-aware strategies' weight (None: ``cfg``'s, else 0)."""
-    pc = cfg.placement
+def build(cfg: InferConfig, rank: int, world: int, device: torch.device | str = "cpu") -> Setup:
+    """Everything a rank needs before the placement strategy (see :class:`Setup`), built
+    identically on every rank; the bank's slots and the model on ``device`` (the expert
+    weights' master copies stay in host memory)."""
     device = torch.device(device)
-    cls = pc.strategy_class
-    drv = DRIVER_CLASSES[cfg.driver].from_config(cfg, world, cls.needs_profile, device)
-    E, L, k, profile = drv.E, drv.L, drv.k, drv.profile
-    S = pc.slots or default_slots(E, world)
-    bank = drv.make_bank(cfg, S, device)
-    w = cross_weight if cross_weight is not None else (pc.cross_weight or 0.0)
-    pcfg = PolicyConfig(E, world, L, k, S, pc.threshold, pc.planner, pc.online_planner,
-                        None if device_host is None else tuple(device_host), float(w))
-    est = hist = None
-    if profile is not None:
-        hist = profile.loads().astype(np.float64) / max(1, profile.num_tokens)
-        if cls.estimates_paths:
-            est = PopularityEstimator.fit(profile, max_path=pc.path_length)
-    return Setup(drv, drv.model, bank, cls(pcfg, hist), est)
+    drv = DRIVER_CLASSES[cfg.driver].from_config(cfg, world, cfg.strategy.strategy.needs_profile, device)
+    S = cfg.slots or default_slots(drv.E, world)
+    return Setup(drv, drv.model, drv.make_bank(cfg, S, device), S)
 
 
 __all__ = ["Driver", "TraceDriver", "ModelDriver", "DRIVER_CLASSES", "Setup", "build"]

@@ -22,9 +22,8 @@ from ...config import read_env
 from ...dist import check_same_config
 from ...results import Progress
 from .config import InferConfig, job_device
-from .drivers import Setup, build
+from .drivers import build
 from .metrics import summarize
-from .policy import cross_host_weight
 from .runtime import Runtime, row_cost
 
 
@@ -41,19 +40,19 @@ def run(cfg: InferConfig, out: Path | None = None, *, group=None, device: torch.
     t_wall = time.perf_counter()
     topo = Topology.from_env(group)  # the hosts of the ranks (one all_gather of host names)
     host_P = tuple(topo.hosts.index(h) for h in topo.hosts_P)
-    s = build(cfg, rank, world, dev, host_P)
-    bank = s.bank
+    s = build(cfg, rank, world, dev)
+    bank, drv = s.bank, s.driver
     row_cost_s = row_cost(bank, rank, world, group)
-    weight = _cross_weight(cfg, s, topo, row_cost_s)
-    if s.strategy.uses_hosts and weight != s.strategy.cfg.cross_weight:  # the weight needs the row cost
-        st = s.strategy
-        s = dataclasses.replace(s, strategy=type(st)(dataclasses.replace(st.cfg, cross_weight=weight),
-                                                     st.historical_LE))
-    rt = Runtime(s.strategy, bank, s.estimator, path_length=cfg.placement.path_length,
-                 pipelined=cfg.exchange == "pipelined", rank=rank, world=world, group=group, device=dev)
+    # the strategy, from the run's sizes, profile and hosts, and what a node-aware weight is
+    # measured from: the topology, the row size on the wire (float32 rows) and the row cost
+    strategy = cfg.strategy.build(num_experts=drv.E, num_devices=world, num_layers=drv.L, k=drv.k, slots=s.slots,
+                                  profile=drv.profile, device_host=host_P, topology=topo,
+                                  row_bytes=4.0 * drv.row_width, row_cost_s=row_cost_s)
+    rt = Runtime(strategy, bank, pipelined=cfg.exchange == "pipelined", rank=rank, world=world, group=group,
+                 device=dev)
     clock = Clock(dev)  # batch latency: CUDA events on a GPU, the host clock on the CPU
     outputs = []
-    bar = Progress(cfg.batches, f"moe-infer {cfg.placement.strategy}", "batch",
+    bar = Progress(cfg.batches, f"moe-infer {cfg.placement}", "batch",
                    enabled=read_env().progress and rank == 0 and out is not None)
     # no garbage collection inside a timed batch: a collection pass on one rank stalls
     # every rank at the next exchange; collect between batches instead
@@ -83,7 +82,7 @@ def run(cfg: InferConfig, out: Path | None = None, *, group=None, device: torch.
     mine = rt.records if rank == 0 else [{k: v for k, v in r.items() if k != "layers"} for r in rt.records]
     gathered = cdist.all_gather_object({"records": mine, "loaded": sum(bank.loaded_L)},
                                        "gathering the inference records", group)
-    metrics = summarize(cfg, s.strategy, gathered, row_cost_s, wall_clock_s=time.perf_counter() - t_wall,
+    metrics = summarize(cfg, strategy, gathered, row_cost_s, wall_clock_s=time.perf_counter() - t_wall,
                         device=dev.type, host_P=host_P)
     if out is not None and rank == 0:
         metrics.write(Path(out) / "metrics.json")
@@ -91,24 +90,6 @@ def run(cfg: InferConfig, out: Path | None = None, *, group=None, device: torch.
     if return_outputs:
         m["outputs"] = outputs
     return m
-
-
-def _cross_weight(cfg: InferConfig, s: Setup, topo: Topology, row_cost_s: float) -> float:
-    """The node-aware weight of a run: ``--cross-weight``, else
-    :func:`~commsched.moe.infer.policy.cross_host_weight` of the topology (its inter-host
-    class at ``--inter-rate`` when given), the row size on the wire (float32 rows of the
-    model width) and the compute time per row (``row_cost_s``)."""
-    pc = cfg.placement
-    if pc.cross_weight is not None:
-        return float(pc.cross_weight)
-    if pc.inter_rate is not None and "inter" in topo.links:
-        from ...cluster.costmodel import LinkCost
-        from ...cluster.netem import parse_rate
-
-        links = dict(topo.links)
-        links["inter"] = LinkCost(gamma=links["inter"].gamma, theta=8.0 / parse_rate(pc.inter_rate))
-        topo = Topology(topo.hosts_P, links, source=topo.source)
-    return cross_host_weight(topo, 4.0 * s.driver.row_width, row_cost_s)
 
 
 run_inference = run  # the name exported by commsched.moe

@@ -60,12 +60,12 @@ def summarize(cfg: InferConfig, strategy: PlacementStrategy, per_rank: list[dict
               *, wall_clock_s: float, device: str = "cpu", host_P: Sequence[int] | None = None) -> InferMetrics:
     """The run's metrics from every rank's records (rank 0's with per-layer detail).
     ``host_P``: the host of each rank, to count the bytes that crossed hosts (default: one)."""
-    pcfg = strategy.cfg
-    N, L, E = pcfg.num_devices, pcfg.num_layers, pcfg.num_experts
+    N, L, E = strategy.num_devices, strategy.num_layers, strategy.num_experts
+    options = dataclasses.asdict(strategy.cfg)  # the strategy's own options (threshold, path_length, ...)
     recs0 = per_rank[0]["records"]
     timed = range(cfg.warmup, len(recs0))
     lat = [1e3 * max(per_rank[r]["records"][b]["latency_s"] for r in range(N)) for b in timed]
-    layers = [[_layer_view(recs0[b]["layers"][j], pcfg.k) for j in range(L)] for b in timed]
+    layers = [[_layer_view(recs0[b]["layers"][j], strategy.k) for j in range(L)] for b in timed]
     imb = np.array([[max(lr["rows"]) / (sum(lr["rows"]) / N) if sum(lr["rows"]) else 1.0 for lr in bl]
                     for bl in layers])  # [batches, L]
     crit_rows = [int(sum(max(lr["rows"]) for lr in bl)) for bl in layers]
@@ -92,7 +92,6 @@ def summarize(cfg: InferConfig, strategy: PlacementStrategy, per_rank: list[dict
     def peer_bytes(b: int, inter: bool) -> int:  # both row exchanges, all ranks, as the exchanges counted
         return int(sum(x for r in range(N) for q, x in enumerate(per_rank[r]["records"][b].get("peer_bytes", []))
                        if cross[r, q] == inter))
-    paths = strategy.estimates_paths
     return InferMetrics(
         placement=strategy.name,
         latency_ms=_pct(lat),
@@ -106,10 +105,10 @@ def summarize(cfg: InferConfig, strategy: PlacementStrategy, per_rank: list[dict
             "world_size": N,
             "num_experts": E,
             "num_layers": L,
-            "k": pcfg.k,
-            "slots_per_device": pcfg.slots,
-            "threshold": pcfg.threshold if paths else None,
-            "path_length": cfg.placement.path_length if paths else None,
+            "k": strategy.k,
+            "slots_per_device": strategy.slots,
+            "threshold": options.get("threshold"),
+            "path_length": options.get("path_length"),
             "batches": len(lat),
             "warmup": cfg.warmup,
             "latency_ms_per_batch": lat,
@@ -144,7 +143,7 @@ def summarize(cfg: InferConfig, strategy: PlacementStrategy, per_rank: list[dict
                                                    for b in timed])),
             "host_of_rank": list(hosts),
             "hosts": len(set(hosts)),
-            "cross_weight": strategy.cfg.cross_weight if strategy.uses_hosts else None,
+            "cross_weight": strategy.cross_weight,
             "inter_host_bytes_per_batch": float(np.mean([peer_bytes(b, True) for b in timed])),
             "intra_host_bytes_per_batch": float(np.mean([peer_bytes(b, False) for b in timed])),
             "expert_load_share": share.tolist(),

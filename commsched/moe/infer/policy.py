@@ -7,31 +7,41 @@ A placement strategy (a :class:`PlacementStrategy` subclass) answers, for each M
 of each batch, *which devices hold which experts*. It has no process group: every rank
 builds the same strategy from the same inputs and calls it with the same global numbers
 (gathered by the runtime), so every rank computes the same placement and no placement
-is ever broadcast. The strategies (``STRATEGIES``, name -> class):
+is ever broadcast. The strategies (``STRATEGIES``, name -> the strategy's ``Config``):
 
 * ``static`` -- DeepSpeed's layout, E/N contiguous experts per device, never changes.
 * ``eplb``   -- ``planner`` (default :func:`~commsched.moe.placement.plan_placement`;
   ``"eplb"``: DeepSeek's algorithm, :func:`eplb_layout`) on the historical mean load of
   the layer (from the profiling trace), fixed for the whole run.
-* ``lina``   -- phase 1: ``plan_placement`` on the layer's load *estimated* from tokens'
-  cross-layer paths, before gating (the runtime computes it while the previous layer is
-  still running); phase 2: after gating, if the estimated and actual top-2k experts
-  overlap by less than ``threshold``, re-plan from the actual load.
-* ``oracle`` -- planned from the actual load after gating, every layer (the bound a
-  runtime can reach; its planning sits on the critical path).
+* ``lina``   -- phase 1: ``online_planner`` on the layer's load *estimated* from tokens'
+  cross-layer paths of ``path_length`` experts, before gating (the runtime computes it
+  while the previous layer is still running); phase 2: after gating, if the estimated and
+  actual top-2k experts overlap by less than ``threshold``, re-plan from the actual load.
+* ``oracle`` -- ``online_planner`` on the actual load after gating, every layer (the bound
+  a runtime can reach; its planning sits on the critical path).
 * ``eplb-hier`` -- ``eplb`` with DeepSeek's hierarchical policy on the run's hosts
   (:func:`eplb_hier_layout`: experts packed onto hosts first, replicated within them).
-* ``lina-node`` -- ``lina`` with the node-aware planner: the host of each device
-  (``PolicyConfig.device_host``) and the weight of a row that crosses hosts
-  (``cross_weight``, :func:`cross_host_weight`) go to the planners, whose placements
+* ``lina-node`` -- ``lina`` with the node-aware planner: the host of each device and the
+  weight of a row that crosses hosts (``cross_weight``; default
+  :func:`cross_host_weight` of the run's topology, its inter-host class at ``inter_rate``,
+  the row size and the measured compute per row) go to the planner, whose placements
   split each expert's tokens over the replicas on the tokens' own host when there are any.
 
-Each class states what the runtime must do for it: ``needs_profile`` (it plans from the
-historical load of a profiling trace), ``loads_online`` (it may plan after gating, so
-experts are loaded during inference), ``estimates_paths`` (its phase 1 is planned one
-layer ahead from the popularity estimator's path estimate and prefetched; the phase-2
-threshold and the path length apply). A new strategy is one subclass registered in
-``STRATEGIES`` (a :class:`~commsched.configurable.Registry`) and one test::
+Each strategy has a nested ``Config`` (a frozen, keyword-only
+:class:`~commsched.configurable.Config`) holding its own options and nothing else; the
+flags of ``python -m commsched.moe.infer`` are generated from them, and an option given to
+a strategy whose config lacks it is refused naming the strategies that take it
+(:func:`~commsched.configurable.config_of`). ``Config.build(...)`` makes the strategy of one
+run from the run's inputs, all keyword-only: the sizes (``num_experts``, ``num_devices``,
+``num_layers``, ``k``, ``slots``), the profile (``profile``, a routing trace, or its mean
+load ``historical_LE``), the hosts (``device_host``) and what the node-aware weight is
+measured from (``topology``, ``row_bytes``, ``row_cost_s``). Each class states what the
+runtime must do for it: ``needs_profile`` (it plans from the historical load of a
+profiling trace), ``loads_online`` (it may plan after gating, so experts are loaded during
+inference), ``estimates_paths`` (its phase 1 is planned one layer ahead from the path
+estimate, :meth:`LinaPlacement.path_estimate`, and prefetched). A new strategy is one
+subclass (its ``Config``: the parent's, unless it declares options of its own) registered
+in ``STRATEGIES`` (a :class:`~commsched.configurable.Registry`) and one test::
 
     class HalfPlacement(OraclePlacement):  # re-planned on odd layers, static on the others
         name = "half"
@@ -39,10 +49,10 @@ threshold and the path length apply). A new strategy is one subclass registered 
         def decide(self, layer, phase1, actual_E, estimated_E=None, actual_PE=None):
             if layer % 2:
                 return super().decide(layer, phase1, actual_E, estimated_E, actual_PE)
-            p = static_placement(self.cfg.num_experts, self.cfg.num_devices, self.cfg.slots)
+            p = static_placement(self.num_experts, self.num_devices, self.slots)
             return LayerDecision(p.with_load(actual_E), False, None, self._commit(layer, p))
 
-    STRATEGIES.register(HalfPlacement.name, HalfPlacement)
+    STRATEGIES.register(HalfPlacement.name, HalfPlacement.Config)
 
 Plans made once before inference (eplb) use ``planner`` (default the full
 ``plan_placement``); plans made during inference (lina's phases, oracle) use
@@ -60,19 +70,23 @@ host-local placement is relabelled within hosts only (a device's host is fixed).
 
 from __future__ import annotations
 
-import functools
 import math
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
-from ...configurable import Config, Registry
+from ...configurable import Config, Registry, check, option
 from ..placement import Placement, device_loads, static_placement
+from ..placement.checks import check_hosts
 from ..placement.registry import PLANNERS, eplb_hier_layout, eplb_layout
-from .popularity import DEFAULT_REPLAN_THRESHOLD, phase2_decision
+from ..record.traces import RoutingTrace
+from .popularity import DEFAULT_REPLAN_THRESHOLD, PopularityEstimator, phase2_decision
+
+# an option given to a strategy whose config lacks it (configurable.config_of)
+_FOREIGN = "{flag} is an option of --placement {owners}, not of --placement {name}"
 
 
 def cross_host_weight(topology, row_bytes: float, row_time_s: float, *, exchanges: int = 2) -> float:
@@ -96,7 +110,7 @@ __all__ = [
     "eplb_layout",
     "eplb_hier_layout",
     "cross_host_weight",
-    "PolicyConfig",
+    "StrategyConfig",
     "LayerDecision",
     "PlacementStrategy",
     "StaticPlacement",
@@ -105,7 +119,6 @@ __all__ = [
     "OraclePlacement",
     "EplbHierPlacement",
     "LinaNodePlacement",
-    "strategy_class",
     "relabel",
     "placement_digest",
     "default_slots",
@@ -115,53 +128,6 @@ __all__ = [
 def default_slots(num_experts: int, num_devices: int) -> int:
     """ceil(E/N) + 2: the static layout plus two spare slots per device for replicas."""
     return math.ceil(num_experts / num_devices) + 2
-
-
-@dataclass(frozen=True)
-class PolicyConfig(Config):
-    """What a placement strategy needs besides the profile.
-
-    slots: S (experts of one layer per device); threshold: phase-2 re-plan threshold on
-    the top-2k overlap (lina); planner / online_planner: names in :data:`PLANNERS`
-    (before / during inference); device_host: the host 0..H-1 of each device (None: one
-    host), used by the strategies that know hosts (``uses_hosts``); cross_weight: the
-    node-aware planner's weight of a row crossing hosts (:func:`cross_host_weight`).
-    """
-
-    num_experts: int
-    num_devices: int
-    num_layers: int
-    k: int
-    slots: int
-    threshold: float = DEFAULT_REPLAN_THRESHOLD
-    planner: str = "full"
-    online_planner: str = "greedy"
-    device_host: tuple[int, ...] | None = None
-    cross_weight: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("num_experts", "num_devices", "num_layers", "k", "slots"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.slots * self.num_devices < self.num_experts:
-            raise ValueError(f"{self.num_devices} devices x {self.slots} slots cannot hold "
-                             f"{self.num_experts} experts: raise --slots to at least "
-                             f"{math.ceil(self.num_experts / self.num_devices)}")
-        if not 0.0 <= self.threshold <= 1.0:
-            raise ValueError(f"threshold is a fraction in [0, 1], got {self.threshold}")
-        for name in ("planner", "online_planner"):
-            if getattr(self, name) not in PLANNERS:
-                raise ValueError(f"{name} must be one of {tuple(PLANNERS)}, got {getattr(self, name)!r}")
-        if self.device_host is not None:
-            hosts = tuple(int(h) for h in self.device_host)
-            if len(hosts) != self.num_devices or set(hosts) != set(range(max(hosts) + 1)):
-                raise ValueError(f"device_host must give each of the {self.num_devices} devices a host "
-                                 f"0..H-1 (every host used), got {list(self.device_host)}")
-            object.__setattr__(self, "device_host", hosts)
-        if not (isinstance(self.cross_weight, (int, float)) and math.isfinite(self.cross_weight)
-                and self.cross_weight >= 0):
-            raise ValueError(f"cross_weight must be a finite number >= 0, got {self.cross_weight!r}")
 
 
 @dataclass(frozen=True)
@@ -217,8 +183,19 @@ def relabel(p: Placement, resident_N: Sequence[set[int] | frozenset[int]],
     return Placement(replicas, tuple(float(x) for x in dl), p.slots_per_device, host)
 
 
-# name -> PlacementStrategy class; the command lines' --placement choices are its names
-STRATEGIES: Registry[type["PlacementStrategy"]] = Registry("placement strategy", flag="--placement")
+# name -> the strategy's Config class; the command lines' --placement choices are its names
+STRATEGIES: Registry[type["StrategyConfig"]] = Registry("placement strategy", flag="--placement")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyConfig(Config):
+    """Base of a strategy's ``Config``: its fields are the strategy's options;
+    ``build(**inputs)`` makes the strategy of one run (:class:`PlacementStrategy`'s inputs)."""
+
+    strategy: ClassVar[type["PlacementStrategy"]]
+
+    def build(self, **inputs: Any) -> "PlacementStrategy":
+        return self.strategy(self, **inputs)
 
 
 class PlacementStrategy(ABC):
@@ -227,44 +204,57 @@ class PlacementStrategy(ABC):
     strategies that plan only after it), then :meth:`decide` after gating. Layers are
     independent: phase 1 of layer j+1 may run while layer j is decided.
 
-    historical_LE: [L, E] mean load per layer from profiling, required when
-    ``needs_profile`` (eplb plans from it; lina uses it for layer 0, which has no path
-    to estimate from), ignored otherwise.
+    Made by ``Config.build`` from the run's inputs (keyword-only): the sizes E, N, L, k,
+    S; ``historical_LE`` [L, E], the mean load per layer from profiling (default: that of
+    ``profile``, a routing trace), required when ``needs_profile`` (eplb plans from it;
+    lina uses it for layer 0, which has no path to estimate from), ignored otherwise;
+    ``device_host`` [N], the host of each device (None: one host); ``topology``,
+    ``row_bytes`` and ``row_cost_s``, what the node-aware weight is measured from.
     """
 
     name: ClassVar[str]
+    Config: ClassVar[type[StrategyConfig]] = StrategyConfig
     needs_profile: ClassVar[bool] = False    # plans from the historical load of a profile
     loads_online: ClassVar[bool] = False     # may plan after gating: loads during inference
     estimates_paths: ClassVar[bool] = False  # phase 1 from the path estimate, one layer ahead
-    uses_hosts: ClassVar[bool] = False       # plans with cfg.device_host (and cross_weight)
+    cross_weight: float | None = None        # the node-aware weight planned with (None: flat plans)
 
-    def __init__(self, cfg: PolicyConfig, historical_LE: np.ndarray | None = None) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "Config" not in cls.__dict__:  # no options of its own: its parent's, building it
+            cls.Config = dataclass(frozen=True, kw_only=True)(type("Config", (cls.Config,), {
+                "__module__": cls.__module__, "__qualname__": f"{cls.__qualname__}.Config"}))
+        cls.Config.strategy = cls
+
+    def __init__(self, cfg: StrategyConfig, *, num_experts: int, num_devices: int, num_layers: int, k: int,
+                 slots: int, historical_LE: np.ndarray | None = None, profile: RoutingTrace | None = None,
+                 device_host: Sequence[int] | None = None, topology: Any = None, row_bytes: float = 0.0,
+                 row_cost_s: float = 0.0) -> None:
         self.cfg = cfg
-        E, N, L = cfg.num_experts, cfg.num_devices, cfg.num_layers
+        for key, v in (("num_experts", num_experts), ("num_devices", num_devices), ("num_layers", num_layers),
+                       ("k", k), ("slots", slots)):
+            check(not isinstance(v, bool) and isinstance(v, int) and v >= 1, f"{key} must be a positive int, got {v!r}")
+        check(slots * num_devices >= num_experts, f"{num_devices} devices x {slots} slots cannot hold {num_experts} "
+                                                  f"experts: raise --slots to at least {math.ceil(num_experts / num_devices)}")
+        self.num_experts, self.num_devices, self.num_layers, self.k, self.slots = (
+            num_experts, num_devices, num_layers, k, slots)
+        self.device_host = None if device_host is None else check_hosts(device_host, num_devices)
+        self.profile = profile
+        if historical_LE is None and profile is not None:
+            historical_LE = profile.loads().astype(np.float64) / max(1, profile.num_tokens)
         self.historical_LE: np.ndarray | None = None
         if self.needs_profile:
             if historical_LE is None:
                 raise ValueError(f"strategy {self.name!r} needs the historical load of a profile")
             hist = np.asarray(historical_LE, dtype=np.float64)
-            if hist.shape != (L, E):
-                raise ValueError(f"historical load must be [L, E] = [{L}, {E}], got {hist.shape}")
+            if hist.shape != (num_layers, num_experts):
+                raise ValueError(f"historical load must be [L, E] = [{num_layers}, {num_experts}], got {hist.shape}")
             self.historical_LE = hist
-        self._plan = PLANNERS[cfg.planner]
-        self._online = PLANNERS[cfg.online_planner]
-        if self.uses_hosts:  # the node-aware planners (eplb_layout has no node-aware form)
-            bad = [n for n in (cfg.planner, cfg.online_planner) if not PLANNERS[n].node_aware]
-            if bad:
-                aware = " or ".join(repr(n) for n, pl in PLANNERS.items() if pl.node_aware)
-                raise ValueError(f"strategy {self.name!r} plans node-aware: planner and online_planner must be "
-                                 f"{aware}, got {bad[0]!r} (use the eplb-hier strategy for EPLB)")
-            kw = {"device_host": cfg.device_host, "cross_weight": cfg.cross_weight}
-            self._plan = functools.partial(self._plan, **kw)
-            self._online = functools.partial(self._online, **kw)
-        self.resident: list[list[frozenset[int]]] = [[frozenset()] * N for _ in range(L)]
+        self.resident: list[list[frozenset[int]]] = [[frozenset()] * num_devices for _ in range(num_layers)]
 
     # ---------------------------------------------------------------- loads
     def _no_loads(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(() for _ in range(self.cfg.num_devices))
+        return tuple(() for _ in range(self.num_devices))
 
     def _commit(self, layer: int, p: Placement) -> tuple[tuple[int, ...], ...]:
         """Make ``p`` the resident layout of ``layer``; return the experts each device loads."""
@@ -273,25 +263,15 @@ class PlacementStrategy(ABC):
         self.resident[layer] = [frozenset(h) for h in held]
         return loads
 
-    def origin(self, by_rank_PE: np.ndarray | None) -> np.ndarray | None:
-        """[H, E] the tokens each host sends each expert, from per-rank figures [N, E]
-        (ranks are devices), for a strategy that plans with hosts; None otherwise."""
-        hosts = self.cfg.device_host
-        if not self.uses_hosts or by_rank_PE is None or hosts is None:
-            return None
-        by_rank = np.asarray(by_rank_PE, dtype=np.float64)
-        out = np.zeros((max(hosts) + 1, by_rank.shape[1]))
-        np.add.at(out, list(hosts), by_rank)
-        return out
+    def _online(self, load_E: np.ndarray, by_rank_PE: np.ndarray | None) -> Placement:
+        """The online planner's plan of ``load_E`` (``by_rank_PE``: the load per rank, when known)."""
+        return PLANNERS[self.cfg.online_planner](load_E, self.num_devices, self.slots)
 
     def _replan(self, layer: int, load_E: np.ndarray, by_rank_PE: np.ndarray | None = None
                 ) -> tuple[Placement, tuple[tuple[int, ...], ...]]:
         """An online plan from ``load_E`` (per rank ``by_rank_PE``, when known: the token
         origin of a node-aware plan), relabelled and made resident, with its loads."""
-        cfg = self.cfg
-        o = self.origin(by_rank_PE)
-        kw = {} if o is None else {"origin_HE": o}
-        p = relabel(self._online(load_E, cfg.num_devices, cfg.slots, **kw), self.resident[layer], load_E)
+        p = relabel(self._online(load_E, by_rank_PE), self.resident[layer], load_E)
         return p, self._commit(layer, p)
 
     # ---------------------------------------------------------------- phases
@@ -317,12 +297,24 @@ class PlacementStrategy(ABC):
         return None
 
 
+@dataclass(frozen=True, kw_only=True)
+class _OnlineConfig(StrategyConfig):
+    """The options of a strategy that plans during inference."""
+
+    online_planner: str = option("greedy", "planner during inference (lina phases 1 and 2, oracle)",
+                                 choices=PLANNERS, foreign=_FOREIGN)
+
+    def __post_init__(self) -> None:
+        check(self.online_planner in PLANNERS,
+              f"--online-planner must be one of {tuple(PLANNERS)}, got {self.online_planner!r}")
+
+
 class _FixedPlacement(PlacementStrategy):
     """A layout per layer made before inference: loaded once, never changed."""
 
-    def __init__(self, cfg: PolicyConfig, historical_LE: np.ndarray | None = None) -> None:
-        super().__init__(cfg, historical_LE)
-        self.fixed: list[Placement] = [self._layout(j) for j in range(cfg.num_layers)]
+    def __init__(self, cfg: StrategyConfig, **inputs: Any) -> None:
+        super().__init__(cfg, **inputs)
+        self.fixed: list[Placement] = [self._layout(j) for j in range(self.num_layers)]
 
     @abstractmethod
     def _layout(self, layer: int) -> Placement:
@@ -344,8 +336,7 @@ class StaticPlacement(_FixedPlacement):
     name = "static"
 
     def _layout(self, layer):
-        cfg = self.cfg
-        return static_placement(cfg.num_experts, cfg.num_devices, slots_per_device=cfg.slots)
+        return static_placement(self.num_experts, self.num_devices, slots_per_device=self.slots)
 
 
 class EplbPlacement(_FixedPlacement):
@@ -354,8 +345,16 @@ class EplbPlacement(_FixedPlacement):
     name = "eplb"
     needs_profile = True
 
+    @dataclass(frozen=True, kw_only=True)
+    class Config(StrategyConfig):
+        planner: str = option("full", "planner of the layouts fixed before inference (eplb)", choices=PLANNERS,
+                              foreign=_FOREIGN)
+
+        def __post_init__(self) -> None:
+            check(self.planner in PLANNERS, f"--planner must be one of {tuple(PLANNERS)}, got {self.planner!r}")
+
     def _layout(self, layer):
-        return self._plan(self.historical_LE[layer], self.cfg.num_devices, self.cfg.slots)
+        return PLANNERS[self.cfg.planner](self.historical_LE[layer], self.num_devices, self.slots)
 
     def planned_from(self, layer, estimated_E):
         return self.historical_LE[layer]
@@ -370,6 +369,29 @@ class LinaPlacement(PlacementStrategy):
     loads_online = True
     estimates_paths = True
 
+    @dataclass(frozen=True, kw_only=True)
+    class Config(_OnlineConfig):
+        threshold: float = option(DEFAULT_REPLAN_THRESHOLD, "lina phase-2 re-plan threshold", foreign=_FOREIGN)
+        path_length: int = option(3, "lina: experts of the path (l)", foreign=_FOREIGN)
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            check(0.0 <= self.threshold <= 1.0, f"--threshold is a fraction in [0, 1], got {self.threshold}")
+            check(1 <= self.path_length <= 8, f"--path-length must be in 1..8, got {self.path_length}")
+
+    def __init__(self, cfg: StrategyConfig, **inputs: Any) -> None:
+        super().__init__(cfg, **inputs)
+        # the path estimator, fitted on the profile (None without one: phase 1 then takes the estimates given)
+        self.estimator = None if self.profile is None else PopularityEstimator.fit(
+            self.profile, max_path=cfg.path_length)
+
+    def path_estimate(self, history_TJ: np.ndarray, layer: int) -> np.ndarray:
+        """[E] the load of ``layer`` the path estimator expects from the tokens' top-1 experts
+        of the layers before it (``history_TJ``, J = ``layer``), paths of ``path_length``."""
+        if self.estimator is None:
+            raise ValueError(f"strategy {self.name!r} estimates paths: build it with a profile")
+        return self.estimator.estimate_load(history_TJ, layer, self.cfg.path_length)
+
     def estimate(self, layer: int, estimated_E=None) -> np.ndarray:
         """The load phase 1 assumes for ``layer``: ``estimated_E``, or when no path
         estimate exists (layer 0) the historical mean (only its shape matters to the
@@ -382,7 +404,7 @@ class LinaPlacement(PlacementStrategy):
     def decide(self, layer, phase1, actual_E, estimated_E=None, actual_PE=None):
         assert phase1 is not None, "lina needs its phase-1 placement"
         actual = np.asarray(actual_E, dtype=np.float64)
-        d = phase2_decision(self.estimate(layer, estimated_E), actual, self.cfg.k, self.cfg.threshold)
+        d = phase2_decision(self.estimate(layer, estimated_E), actual, self.k, self.cfg.threshold)
         if not d.replan:
             return LayerDecision(phase1.with_load(actual), False, d.overlap, self._no_loads())
         p, loads = self._replan(layer, actual, actual_PE)
@@ -398,6 +420,10 @@ class OraclePlacement(PlacementStrategy):
     name = "oracle"
     loads_online = True
 
+    @dataclass(frozen=True, kw_only=True)
+    class Config(_OnlineConfig):
+        """The online planner only."""
+
     def phase1(self, layer, estimated_E=None, estimated_PE=None):
         return None, self._no_loads()
 
@@ -412,30 +438,81 @@ class EplbHierPlacement(EplbPlacement):
 
     name = "eplb-hier"
 
+    @dataclass(frozen=True, kw_only=True)
+    class Config(StrategyConfig):
+        """No options: the layout is EPLB's on the run's hosts."""
+
     def _layout(self, layer):
-        cfg = self.cfg
-        hosts = cfg.device_host or (0,) * cfg.num_devices
-        return eplb_hier_layout(self.historical_LE[layer], cfg.num_devices, cfg.slots, hosts)
+        hosts = self.device_host or (0,) * self.num_devices
+        return eplb_hier_layout(self.historical_LE[layer], self.num_devices, self.slots, hosts)
 
 
 class LinaNodePlacement(LinaPlacement):
-    """``lina`` with the node-aware planner (``device_host``, ``cross_weight``): host-local
+    """``lina`` with the node-aware planner (the run's hosts, ``cross_weight``): host-local
     placements, relabelled within hosts; the token origin of each plan is the per-rank
     estimate (phase 1) or the per-rank counts (phase 2), summed per host; layer 0's phase
     1 (the historical load, no ranks) assumes tokens spread evenly."""
 
     name = "lina-node"
-    uses_hosts = True
+
+    @dataclass(frozen=True, kw_only=True)
+    class Config(LinaPlacement.Config):
+        cross_weight: float | None = option(None, "node-aware strategies (lina-node): weight of a row crossing "
+                                                  "hosts, in rows of device compute (default: from the topology's "
+                                                  "link classes and the row cost)", foreign=_FOREIGN)
+        inter_rate: str | None = option(None, "inter-host link rate the default --cross-weight assumes (tc "
+                                              "syntax, e.g. 1gbit; default: the topology's placeholder "
+                                              "inter-host class)", foreign=_FOREIGN)
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if not PLANNERS[self.online_planner].node_aware:  # eplb_layout has no node-aware form
+                aware = " or ".join(repr(n) for n, pl in PLANNERS.items() if pl.node_aware)
+                raise ValueError(f"strategy 'lina-node' plans node-aware: --online-planner must be {aware}, got "
+                                 f"{self.online_planner!r} (use the eplb-hier strategy for EPLB)")
+            w = self.cross_weight
+            check(w is None or (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0),
+                  f"--cross-weight must be a finite number >= 0, got {w!r}")
+            if self.inter_rate is not None:
+                from ...cluster.netem import parse_rate
+
+                parse_rate(self.inter_rate)  # a ValueError that says how to write a rate
+
+    def __init__(self, cfg: StrategyConfig, *, topology: Any = None, row_bytes: float = 0.0,
+                 row_cost_s: float = 0.0, **inputs: Any) -> None:
+        super().__init__(cfg, **inputs)
+        w = cfg.cross_weight
+        if w is None and topology is not None:  # measured: the topology's links, the row cost
+            if cfg.inter_rate is not None and "inter" in topology.links:
+                from ...cluster.costmodel import LinkCost
+                from ...cluster.netem import parse_rate
+                from ...cluster.topology import Topology
+
+                links = dict(topology.links)
+                links["inter"] = LinkCost(gamma=links["inter"].gamma, theta=8.0 / parse_rate(cfg.inter_rate))
+                topology = Topology(topology.hosts_P, links, source=topology.source)
+            w = cross_host_weight(topology, row_bytes, row_cost_s)
+        self.cross_weight = float(w or 0.0)
+
+    def origin(self, by_rank_PE: np.ndarray | None) -> np.ndarray | None:
+        """[H, E] the tokens each host sends each expert, from per-rank figures [N, E]
+        (ranks are devices); None without them or without hosts."""
+        hosts = self.device_host
+        if by_rank_PE is None or hosts is None:
+            return None
+        by_rank = np.asarray(by_rank_PE, dtype=np.float64)
+        out = np.zeros((max(hosts) + 1, by_rank.shape[1]))
+        np.add.at(out, list(hosts), by_rank)
+        return out
+
+    def _online(self, load_E, by_rank_PE):
+        o = self.origin(by_rank_PE)
+        kw = {} if o is None else {"origin_HE": o}
+        return PLANNERS[self.cfg.online_planner](load_E, self.num_devices, self.slots, device_host=self.device_host,
+                                                 cross_weight=self.cross_weight, **kw)
 
 
 for _cls in (StaticPlacement, EplbPlacement, LinaPlacement, OraclePlacement, EplbHierPlacement,
              LinaNodePlacement):
-    STRATEGIES.register(_cls.name, _cls)
+    STRATEGIES.register(_cls.name, _cls.Config)
 del _cls
-
-
-def strategy_class(name: str) -> type[PlacementStrategy]:
-    """The strategy called ``name`` in :data:`STRATEGIES` (a ValueError naming the known ones)."""
-    if name not in STRATEGIES:
-        raise ValueError(f"placement strategy must be one of {STRATEGIES.names}, got {name!r}")
-    return STRATEGIES[name]

@@ -34,7 +34,6 @@ from ..placement import Placement
 from .banks import ExpertBank
 from .placed import PlacedTimes, placed_moe
 from .policy import LayerDecision, PlacementStrategy, placement_digest
-from .popularity import PopularityEstimator
 
 __all__ = ["trace_forward", "model_forward", "model_weights", "BatchTimes", "Runtime",
            "row_cost"]
@@ -104,24 +103,20 @@ class BatchTimes:
 class Runtime:
     """Per-rank state of one run: strategy, bank, estimator, background loader, records.
 
-    estimator: the path estimator (required when ``strategy.estimates_paths``);
-    path_length: experts of the path it estimates from; pipelined: the pipelined
-    exchange (else the sequential twin); device: the job's device, where the metadata
-    rows are exchanged (NCCL carries CUDA tensors only) and the layers' tensors live."""
+    strategy: the run's placement strategy (one that estimates paths estimates the next
+    layer's load, :meth:`~commsched.moe.infer.policy.LinaPlacement.path_estimate`);
+    pipelined: the pipelined exchange (else the sequential twin); device: the job's
+    device, where the metadata rows are exchanged (NCCL carries CUDA tensors only) and the
+    layers' tensors live."""
 
     META_EXTRA = 5  # digest of the previous placement, batch, layer, tokens, wall time sent
 
-    def __init__(self, strategy: PlacementStrategy, bank: ExpertBank, estimator: PopularityEstimator | None, *,
-                 path_length: int, pipelined: bool, rank: int, world: int, group=None,
-                 device: torch.device | str = "cpu"):
-        if strategy.estimates_paths and estimator is None:
-            raise ValueError(f"strategy {strategy.name!r} estimates paths: it needs a popularity estimator")
-        self.strategy, self.bank, self.est = strategy, bank, estimator
-        self.path_length, self.pipelined = path_length, pipelined
+    def __init__(self, strategy: PlacementStrategy, bank: ExpertBank, *, pipelined: bool, rank: int, world: int,
+                 group=None, device: torch.device | str = "cpu"):
+        self.strategy, self.bank, self.pipelined = strategy, bank, pipelined
         self.rank, self.world, self.group = rank, world, group
         self.device = torch.device(device)
-        pcfg = strategy.cfg
-        self.E, self.L, self.k = pcfg.num_experts, pcfg.num_layers, pcfg.k
+        self.E, self.L, self.k = strategy.num_experts, strategy.num_layers, strategy.k
         # one loader thread, first in first out: phase-1 prefetches (path estimates), and
         # (pipelined) the loads of a plan made after gating, which then overlap the exchanges
         loads_in_background = strategy.estimates_paths or (pipelined and strategy.loads_online)
@@ -211,7 +206,7 @@ class Runtime:
         counts = np.bincount(ex.reshape(-1), minlength=E)
         est_local = np.zeros(E)
         if ahead_planned and j + 1 < self.L and self._T:
-            est_local = self.est.estimate_load(self._hist_T[:, :j + 1], j + 1, self.path_length)
+            est_local = self.strategy.path_estimate(self._hist_T[:, :j + 1], j + 1)
         t0 = time.perf_counter()
         M = self._gather_meta(j, counts, est_local)
         t1 = time.perf_counter()

@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from .checks import check_load, check_positive_int, check_sizes
-from .types import Placement, imbalance, make_placement
+from .types import DeviceLoads, Placement, make_placement
 
 
 def balanced_packing(weight_X: Sequence[float] | np.ndarray, num_packs: int
@@ -42,7 +42,7 @@ def balanced_packing(weight_X: Sequence[float] | np.ndarray, num_packs: int
 
 
 @dataclass(frozen=True)
-class EplbPlan:
+class EplbPlan(DeviceLoads):
     """DeepSeek EPLB's layout of one layer: N devices x S physical expert slots, every slot
     filled, an expert's tokens split evenly over its *physical* replicas -- two replicas
     of one expert may share a device, which then carries two shares.
@@ -57,20 +57,8 @@ class EplbPlan:
     device_load: tuple[float, ...]
 
     @property
-    def max_load(self) -> float:
-        return max(self.device_load)
-
-    @property
-    def imbalance(self) -> float:
-        return imbalance(self.device_load)
-
-    @property
     def num_experts(self) -> int:
         return len(self.replica_counts)
-
-    @property
-    def num_devices(self) -> int:
-        return len(self.slots)
 
     @property
     def slots_per_device(self) -> int:

@@ -37,7 +37,7 @@ def host_local_loads(replicas: Sequence[Sequence[int]], origin_HE: np.ndarray, d
     host h's tokens of e go evenly to e's replicas on h when there are any (they cross no
     host), else evenly to all of e's replicas (they all cross). Returns ([N] device loads,
     [H] rows leaving each host, [H] rows entering each host).
-    :func:`host_local_loads_reference` is the loop-per-token-group twin."""
+    The tests hold its loop-per-token-group twin."""
     o = np.asarray(origin_HE, dtype=np.float64).T  # [E, H]
     host = np.asarray(device_host, dtype=np.int64)
     H = o.shape[1]
@@ -51,30 +51,4 @@ def host_local_loads(replicas: Sequence[Sequence[int]], origin_HE: np.ndarray, d
     return dl, away.sum(axis=0), spread @ r_EH
 
 
-def host_local_loads_reference(replicas: Sequence[Sequence[int]], origin_HE: np.ndarray,
-                                device_host: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Slow twin of :func:`host_local_loads`: one host's tokens of one expert at a time."""
-    o = np.asarray(origin_HE, dtype=np.float64)
-    host = list(device_host)
-    N, H = len(host), o.shape[0]
-    dl = np.zeros(N)
-    out_H, in_H = np.zeros(H), np.zeros(H)
-    for e, devs in enumerate(replicas):
-        for h in range(H):
-            t = float(o[h, e])
-            if t == 0.0:
-                continue
-            local = [d for d in devs if host[d] == h]
-            cand = local or list(devs)
-            share = t / len(cand)
-            for d in cand:
-                dl[d] += share
-            if not local:
-                out_H[h] += t
-                for d in cand:
-                    in_H[host[d]] += share
-    return dl, out_H, in_H
-
-
-
-__all__ = ["even_origin", "replica_matrix", "host_local_loads", "host_local_loads_reference"]
+__all__ = ["even_origin", "replica_matrix", "host_local_loads"]

@@ -61,8 +61,8 @@ def cross_rows(p: Placement, load_E: Sequence[float] | np.ndarray, device_host: 
         raise ValueError(f"origin_HE must be [H, E] = [{H}, {p.num_experts}], got {o.shape}")
     if p.device_host is not None:
         return host_local_loads(p.replicas, o, hosts)[1:]
-    # every (expert e, host h, replica d of e off h) in the loop order of
-    # cross_rows_reference, accumulated in that order by np.add.at: the same sums, bit for bit
+    # every (expert e, host h, replica d of e off h) in the order of the loop twin in the
+    # tests, accumulated in that order by np.add.at: the same sums, bit for bit
     host = np.asarray(hosts, dtype=np.int64)
     lens = np.fromiter((len(r) for r in p.replicas), dtype=np.int64, count=p.num_experts)
     e_j = np.repeat(np.arange(p.num_experts), lens)
@@ -76,25 +76,6 @@ def cross_rows(p: Placement, load_E: Sequence[float] | np.ndarray, device_host: 
     out_H, in_H = np.zeros(H), np.zeros(H)
     np.add.at(out_H, h, x)
     np.add.at(in_H, host[d_j[j]], x)
-    return out_H, in_H
-
-
-def cross_rows_reference(p: Placement, load_E: Sequence[float] | np.ndarray, device_host: Sequence[int],
-                         origin_HE: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Slow twin of :func:`cross_rows` for a flat placement: one host's tokens of one expert
-    on one replica at a time."""
-    hosts = list(device_host)
-    load = check_load(load_E)
-    o = even_origin(load, hosts) if origin_HE is None else np.asarray(origin_HE, dtype=np.float64)
-    H = max(hosts) + 1
-    out_H, in_H = np.zeros(H), np.zeros(H)
-    for e, devs in enumerate(p.replicas):
-        for h in range(H):
-            for d in devs:
-                if hosts[d] != h:
-                    x = o[h, e] / len(devs)
-                    out_H[h] += x
-                    in_H[hosts[d]] += x
     return out_H, in_H
 
 
@@ -261,5 +242,5 @@ def node_inputs(load: np.ndarray, N: int, device_host, cross_weight: float, orig
 
 
 
-__all__ = ["NODE_CANDIDATES", "NODE_REFINE", "cross_rows", "cross_rows_reference", "node_cost",
+__all__ = ["NODE_CANDIDATES", "NODE_REFINE", "cross_rows", "node_cost",
            "node_aware_placement", "node_inputs"]

@@ -15,8 +15,8 @@ from .eplb import eplb_placement
 from .greedy import greedy_placement
 from .node_aware import NODE_CANDIDATES, node_aware_placement, node_inputs
 from .packing import greedy_sequence, lpt_replicas
-from .search import BatchSearch, ShareSearch, count_search, counts_matrix, matrix_replicas
-from .types import Placement, make_placement, matrix_key, placement_key
+from .search import ShareSearch, count_search, counts_matrix, matrix_replicas
+from .types import Placement, make_placement, matrix_key
 
 # packings improved by local search besides the greedy's and EPLB's layouts, for up to
 # REFINE_SMALL_SLOTS slots (N*S) and above; at 256 x 64 the extra starts changed the
@@ -93,7 +93,7 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
         totals = list(range(E, top + 1))
     else:
         totals = sorted({int(round(x)) for x in np.linspace(E, top, max_candidates)})
-    # every layout below is a share matrix C [E, N] keyed by placement_key's sums
+    # every layout below is a share matrix C [E, N] keyed by Placement.key's sums
     # (matrix_key); a Placement is built for the winner only
     lo = [float(x) for x in load]
     seq = greedy_sequence(lo, N, top - E)  # the apportionment of every total: a prefix of it
@@ -113,21 +113,19 @@ def plan_placement(load_E: Sequence[float] | np.ndarray, num_devices: int,
     for p in [greedy, eplb] + packed[:max(0, refine)]:
         if all((p[1] != q[1]).any() for q in starts):  # the greedy is often packed[0]
             starts.append(p)
-    if N * S <= REFINE_SMALL_SLOTS:  # small: numpy's per-call cost dominates, so all starts in lockstep
-        batch = BatchSearch([C for _, C in starts], load, S)
-        batch.run(steps)
-        finals = list(batch.C)
-    else:  # large: BatchSearch's retarget tier would hold [starts, S, E, N]
-        finals = []
-        for _, C in starts:
-            search = ShareSearch(C, load, S)
-            search.run(steps)
-            finals.append(search.C)
+    # small: numpy's per-call cost dominates, so all starts in lockstep; large: one at a time
+    # (the retarget tier would hold [starts, S, E, N])
+    batches = [starts] if N * S <= REFINE_SMALL_SLOTS else [[p] for p in starts]
+    finals = []
+    for batch in batches:
+        search = ShareSearch([C for _, C in batch], load, S)
+        search.run(steps)
+        finals += list(search.C)
     improved = [(matrix_key(C, load), C) for C in finals]
     best = min(starts + packed + improved, key=lambda t: t[0])
     result = make_placement(matrix_replicas(best[1]), load, N, S)
     if count_evals > 0 and N * S <= COUNT_SEARCH_SLOTS:
-        result = min(result, count_search(result, load, count_evals, True), key=placement_key)
+        result = min(result, count_search(result, load, count_evals, True), key=lambda p: p.key)
     return result
 
 __all__ = ["plan_placement", "REFINE_SMALL", "REFINE_LARGE", "REFINE_SMALL_SLOTS", "LARGE_CANDIDATES", "COUNT_SEARCH_SLOTS"]

@@ -1,5 +1,5 @@
 """The planner registry: the placement planners (:class:`Planner` classes) the strategies of
-the inference runtime may name (``PolicyConfig.planner`` / ``online_planner``, ``--planner`` / ``--online-planner``),
+the inference runtime may name (a strategy's ``planner`` / ``online_planner``, ``--planner`` / ``--online-planner``),
 and DeepSeek's EPLB as a :class:`~.types.Placement` (global and hierarchical policy).
 
 Legend: E experts, N devices, S slots per device, H hosts.

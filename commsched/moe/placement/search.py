@@ -23,12 +23,12 @@ The step applies the best improving move: lowest maximum device load, then lowes
 squared loads (each within 1e-12 of the total load, or of its square: sums that differ only
 in their last bits tie), then the first in the order above (families in
 that order; within a family e ascending, then d2 or the share (f, d2) in C's row-major
-order). :meth:`ShareSearch.step` scores a family in O(candidates) with the top three device
-loads (moves that change two devices) or per-row top two (moves that change all of an
-expert's devices); :meth:`ShareSearch.step_reference` applies each candidate to a copy
-and recomputes every load: its slow twin.
+order). :meth:`ShareSearch.step` scores a family of every start at once from the top three
+device loads (moves that change two devices) or per-row top two (moves that change all of
+an expert's devices); the tests hold its slow twin, which applies each candidate to a copy
+and recomputes every load.
 
-Legend: E experts, N devices, S slots per device, K candidates of a family, F experts.
+Legend: E experts, N devices, S slots per device.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from typing import Sequence
 import numpy as np
 
 from .packing import lpt_shares
-from .types import Placement, device_loads, make_placement, matrix_key, placement_key
+from .types import Placement, device_loads, make_placement, matrix_key
 
 FAMILIES = (("transfer", "swap", "add", "drop"), ("retarget",))
-# the thorough count search decodes this many neighbours at once (one BatchSearch)
+# the thorough count search decodes this many neighbours at once (one ShareSearch batch)
 COUNT_CHUNK = 32
 
 
@@ -105,360 +105,12 @@ def apply_move(C: np.ndarray, kind: str, a, d: int) -> None:
 
 
 class ShareSearch:
-    """Mutable layout ``C`` [E, N] under local search (see the module docstring)."""
-
-    def __init__(self, C_EN: np.ndarray, load_E: np.ndarray, slots_per_device: int) -> None:
-        self.C = np.array(C_EN, dtype=np.int64)
-        self.load = np.asarray(load_E, dtype=np.float64)
-        self.E, self.N = self.C.shape
-        self.S = int(slots_per_device)
-        scale = max(1.0, float(self.load.sum()))
-        self.eps = 1e-12 * scale
-        self.eps2 = 1e-12 * scale * scale
-        assert (self.C.sum(axis=1) >= 1).all() and ((self.C > 0).sum(axis=0) <= self.S).all()
-        self._sync()
-
-    def _sync(self) -> None:
-        """Rebuild the caches of the grid step from ``C``: [E] shares per expert, [E, N] C > 0
-        and C as float64, [N] distinct experts per device (kept exact by :meth:`_apply`)."""
-        self.cnt = self.C.sum(axis=1)
-        self.pos = self.C > 0
-        self.held = self.pos.sum(axis=0)
-        self.Cf = self.C.astype(np.float64)
-
-    def _apply(self, kind: str, a, d: int) -> None:
-        """Apply a move to ``C`` and update the caches of the cells it touched."""
-        apply_move(self.C, kind, a, d)
-        a = [int(x) for x in a]
-        if kind == "transfer":
-            cells = ((a[0], d), (a[0], a[1]))
-        elif kind == "swap":
-            cells = ((a[0], d), (a[1], a[2]), (a[0], a[2]), (a[1], d))
-        elif kind == "add":
-            cells = ((a[0], a[1]),)
-            self.cnt[a[0]] += 1
-        elif kind == "drop":
-            cells = ((a[0], d),)
-            self.cnt[a[0]] -= 1
-        else:  # retarget
-            cells = ((a[1], a[2]), (a[0], a[2]))
-            self.cnt[a[0]] += 1
-            self.cnt[a[1]] -= 1
-        C, pos, Cf, held = self.C, self.pos, self.Cf, self.held
-        for e, dv in cells:
-            c = C.item(e, dv)
-            Cf[e, dv] = c
-            if pos.item(e, dv) != (c > 0):
-                pos[e, dv] = c > 0
-                held[dv] += 1 if c > 0 else -1
-
-    # ------------------------------------------------------------------ state
-    def loads(self, C: np.ndarray | None = None) -> np.ndarray:
-        C = self.C if C is None else C
-        return (self.load / C.sum(axis=1)) @ C
-
-    def _state(self):
-        C = self.C
-        cnt = C.sum(axis=1)
-        per = self.load / cnt
-        dl = per @ C
-        order = np.argsort(-dl, kind="stable")
-        return C, cnt, per, dl, order, (C > 0).sum(axis=0)
-
-    # ------------------------------------------------------------------ candidates
-    def candidates(self, tier: int, state=None) -> dict[str, np.ndarray]:
-        """The feasible moves of ``tier`` (0 or 1), family -> [K, args] int64, in the order
-        of the module docstring."""
-        C, cnt, per, dl, order, held = self._state() if state is None else state
-        d, N, S = int(order[0]), self.N, self.S
-        es = np.flatnonzero(C[:, d])
-        ar = np.arange(N)
-        fs, ds = np.nonzero(C)
-        keep = ds != d
-        fs, ds = fs[keep], ds[keep]
-        out: dict[str, np.ndarray] = {}
-        if tier == 0:
-            E2, D2 = np.meshgrid(es, ar, indexing="ij")
-            ok = (D2 != d) & ((C[E2, D2] > 0) | (held[D2] < S))
-            pair = np.stack([E2[ok], D2[ok]], axis=1)
-            out["transfer"] = pair
-            Ei = np.repeat(es, fs.size)
-            Fi, Di = np.tile(fs, es.size), np.tile(ds, es.size)
-            ok = ((Fi != Ei) & (per[Fi] < per[Ei])
-                  & (held[Di] + (C[Ei, Di] == 0) - (C[Fi, Di] == 1) <= S)
-                  & (held[d] + (C[Fi, d] == 0) - (C[Ei, d] == 1) <= S))
-            out["swap"] = np.stack([Ei[ok], Fi[ok], Di[ok]], axis=1)
-            out["add"] = pair
-            out["drop"] = es[cnt[es] >= 2][:, None]
-        else:
-            Ei = np.repeat(es, fs.size)
-            Fi, Di = np.tile(fs, es.size), np.tile(ds, es.size)
-            ok = (Fi != Ei) & (cnt[Fi] >= 2) & (held[Di] + (C[Ei, Di] == 0) - (C[Fi, Di] == 1) <= S)
-            out["retarget"] = np.stack([Ei[ok], Fi[ok], Di[ok]], axis=1)
-        return out
-
-    def _apply_to(self, C: np.ndarray, kind: str, a, d: int) -> None:
-        apply_move(C, kind, a, d)
-
-    # ------------------------------------------------------------------ scoring
-    def _score(self, kind: str, a: np.ndarray, state):
-        """([K] maximum load, [K] sum of squares) of each candidate, from the top loads."""
-        C, cnt, per, dl, order, _ = state
-        d = int(order[0])
-        ss0 = float(dl @ dl)
-        N = self.N
-        t1 = int(order[1]) if N > 1 else -1
-        u1 = dl[t1] if N > 1 else -np.inf
-        u2 = dl[order[2]] if N > 2 else -np.inf
-        if kind in ("transfer", "swap"):
-            e, d2 = a[:, 0], a[:, -1]
-            delta = per[e] if kind == "transfer" else per[e] - per[a[:, 1]]
-            x, y = dl[d] - delta, dl[d2] + delta
-            rest = np.where(d2 == t1, u2, u1)  # busiest device outside {d, d2}
-            m = np.maximum(np.maximum(x, y), rest)
-            return m, ss0 + x * x - dl[d] ** 2 + y * y - dl[d2] ** 2
-        e = a[:, 0]
-        p_add = self.load / (cnt + 1)
-        if kind == "drop":
-            p_drop = self.load[e] / (cnt[e] - 1)
-            V = dl[None, :] + (p_drop - per[e])[:, None] * C[e]
-            V[:, d] -= p_drop
-            return V.max(axis=1), (V * V).sum(axis=1)
-        ue, inv = np.unique(e, return_inverse=True)
-        base = dl[None, :] + ((p_add - per)[ue])[:, None] * C[ue]  # [U, N] e's shares shrink
-        if kind == "add":
-            d2 = a[:, 1]
-            top, arg, sec = _top2(base)
-            v = base[inv, d2]
-            w = v + p_add[e]
-            m = np.maximum(np.where(arg[inv] == d2, sec[inv], top[inv]), w)
-            return m, (base * base).sum(axis=1)[inv] + w * w - v * v
-        # retarget: base of e plus f's shares growing, then d2 trades f's share for e's
-        f, d2 = a[:, 1], a[:, 2]
-        uf, finv = np.unique(f, return_inverse=True)
-        p_drop = self.load / np.maximum(cnt - 1, 1)
-        V = base[:, None, :] + ((p_drop - per)[uf])[None, :, None] * C[uf][None, :, :]  # [U, F, N]
-        top, arg, sec = _top2(V)
-        sq = (V * V).sum(axis=2)
-        v = V[inv, finv, d2]
-        w = v + p_add[e] - p_drop[f]
-        m = np.maximum(np.where(arg[inv, finv] == d2, sec[inv, finv], top[inv, finv]), w)
-        return m, sq[inv, finv] + w * w - v * v
-
-    def _score_reference(self, kind: str, a: np.ndarray, state):
-        d = int(state[4][0])
-        m, ss = np.empty(len(a)), np.empty(len(a))
-        for i, row in enumerate(a):
-            C = self.C.copy()
-            self._apply_to(C, kind, row, d)
-            assert C.min() >= 0 and (C.sum(axis=1) >= 1).all() and ((C > 0).sum(axis=0) <= self.S).all()
-            v = self.loads(C)
-            m[i], ss[i] = v.max(), v @ v
-        return m, ss
-
-    # ------------------------------------------------------------------ fast step
-    def _fast_step(self) -> tuple | None:
-        """:meth:`step` on grids: the moves of a family scored as one [k, N] (transfer, add),
-        [k, P] (swap, retarget: P the shares (f, d2) off the busiest device) or [k] (drop)
-        array, k the experts on the busiest device, infeasible entries at +inf; the same
-        formulas, candidate order and choice rule as :meth:`_step` with :meth:`_score`."""
-        C, load, N, S = self.C, self.load, self.N, self.S
-        cnt, held = self.cnt, self.held
-        per = load / cnt
-        dl = per @ self.Cf
-        order = np.argsort(-dl, kind="stable")
-        d = int(order[0])
-        cur_m, cur_ss = float(dl[d]), float(dl @ dl)
-        t1 = int(order[1]) if N > 1 else -1
-        u1 = dl[t1] if N > 1 else -np.inf
-        u2 = dl[order[2]] if N > 2 else -np.inf
-        ss0 = cur_ss
-        es = np.flatnonzero(self.pos[:, d])
-        G = C[es]                                    # [k, N]
-        pe = per[es]
-        ar = np.arange(N)
-        nz = np.flatnonzero(self.pos.ravel())
-        fs, ds = np.divmod(nz, N)
-        keep = ds != d
-        fs, ds = fs[keep], ds[keep]                  # [P] shares off the busiest device
-
-        def slot_ok_d2(fs, ds):
-            """[k, P] whether d2 keeps <= S experts when one of f's shares there becomes e's."""
-            return held[ds][None, :] + (G[:, ds] == 0) - (C[fs, ds] == 1)[None, :] <= S
-
-        p_add = load / (cnt + 1)
-        base = dl[None, :] + (p_add - per)[es][:, None] * G   # [k, N]: e's shares shrink
-        inf = np.inf
-
-        def pick(fams):
-            ms = [m.ravel() for _, m, _ in fams]
-            sss = [ss.ravel() for _, _, ss in fams]
-            m, ss = np.concatenate(ms), np.concatenate(sss)
-            better = (m < cur_m - self.eps) | ((m <= cur_m + self.eps) & (ss < cur_ss - self.eps2))
-            if not better.any():
-                return None
-            m0 = m[better].min()
-            pool = better & (m <= m0 + self.eps)
-            j = int(_first_least(pool, ss, self.eps2))
-            for (kind, mk, _), mf in zip(fams, ms):
-                if j < mf.size:
-                    return kind, np.unravel_index(j, mk.shape)
-                j -= mf.size
-            raise AssertionError(j)  # pragma: no cover - internal
-
-        # tier 1: transfer, swap, add, drop. A family whose every move leaves some device
-        # above cur_m + eps (a bound on its maximum load) cannot improve: it is skipped.
-        lim = cur_m + self.eps
-        fams = []
-        pair_ok = (ar != d)[None, :] & ((G > 0) | (held < S)[None, :])
-        x = dl[d] - pe
-        y = dl[None, :] + pe[:, None]                # the target device after a transfer
-        if y.size and y.min() <= lim:
-            rest = np.where(ar == t1, u2, u1)
-            m_t = np.where(pair_ok, np.maximum(np.maximum(x[:, None], y), rest[None, :]), inf)
-            ss_t = ss0 + (x * x)[:, None] - dl[d] ** 2 + y * y - (dl * dl)[None, :]
-            fams.append(("transfer", m_t, ss_t))
-        # swaps: only the shares (f, d2) where d2 ends at or below cur_m + eps for the
-        # smallest share on d (d2's load after any swap with f is at least that)
-        per_f = per[fs]
-        dl_ds = dl[ds]
-        cs = np.flatnonzero(dl_ds + (pe.min() - per_f) <= lim) if fs.size else fs
-        fs_s, ds_s, per_f, dl_ds = fs[cs], ds[cs], per_f[cs], dl_ds[cs]
-        ok = ((fs_s[None, :] != es[:, None]) & (per_f[None, :] < pe[:, None]) & slot_ok_d2(fs_s, ds_s)
-              & (held[d] + (C[fs_s, d] == 0)[None, :] - (C[es, d] == 1)[:, None] <= S))
-        delta = pe[:, None] - per_f[None, :]
-        xs, ys = dl[d] - delta, dl_ds[None, :] + delta
-        rest_s = np.where(ds_s == t1, u2, u1)
-        m_s = np.where(ok, np.maximum(np.maximum(xs, ys), rest_s[None, :]), inf)
-        ss_s = ss0 + xs * xs - dl[d] ** 2 + ys * ys - (dl_ds ** 2)[None, :]
-        fams.append(("swap", m_s, ss_s))
-        w = base + p_add[es][:, None]                # the device gaining the share, after an add
-        if w.size and w.min() <= lim:
-            top, arg, sec = _top2(base)
-            m_a = np.where(pair_ok, np.maximum(np.where(arg[:, None] == ar[None, :], sec[:, None], top[:, None]), w),
-                           inf)
-            ss_a = (base * base).sum(axis=1)[:, None] + w * w - base * base
-            fams.append(("add", m_a, ss_a))
-        two = cnt[es] >= 2
-        if two.any():
-            p_drop_e = load[es] / np.maximum(cnt[es] - 1, 1)
-            V = dl[None, :] + (p_drop_e - pe)[:, None] * G
-            V[:, d] -= p_drop_e
-            m_d = np.where(two, V.max(axis=1), inf)
-            ss_d = (V * V).sum(axis=1)
-            fams.append(("drop", m_d, ss_d))
-        got = pick(fams)
-        if got is None:
-            move = self._tier2(C, cnt, per, d, es, fs, ds, slot_ok_d2, base, p_add, pick, cur_m)
-            if move is None:
-                return None
-            kind = move[0]
-        else:
-            kind, idx = got
-            i = int(idx[0])
-            if kind == "drop":
-                move = (kind, int(es[i]))
-            elif kind == "swap":
-                move = (kind, int(es[i]), int(fs_s[idx[1]]), int(ds_s[idx[1]]))
-            else:
-                move = (kind, int(es[i]), int(idx[1]))
-        self._apply(kind, move[1:], d)
-        return move
-
-    def _tier2(self, C, cnt, per, d, es, fs, ds, slot_ok_d2, base, p_add, pick, cur_m) -> tuple | None:
-        """The best improving retarget (e, f, d2) of the grid step, or None (not applied)."""
-        load = self.load
-        inf = np.inf
-        ok = (fs[None, :] != es[:, None]) & (cnt[fs] >= 2)[None, :] & slot_ok_d2(fs, ds)
-        cols = np.flatnonzero(ok.any(axis=0))
-        if cols.size == 0:
-            return None
-        fs2, ds2, ok = fs[cols], ds[cols], ok[:, cols]
-        p_drop = load / np.maximum(cnt - 1, 1)
-        # d2's load after the retarget (the same sums as V's below); none can improve when
-        # every one of them is above cur_m + eps
-        v = base[:, ds2] + ((p_drop - per)[fs2] * C[fs2, ds2])[None, :]   # [k, P']
-        w = v + p_add[es][:, None] - p_drop[fs2][None, :]
-        if np.where(ok, w, inf).min() > cur_m + self.eps:
-            return None
-        uf, finv = np.unique(fs2, return_inverse=True)
-        V = base[:, None, :] + ((p_drop - per)[uf])[None, :, None] * C[uf][None, :, :]  # [k, F, N]
-        top, arg, sec = _top2(V)
-        sq = (V * V).sum(axis=2)
-        m_r = np.where(ok, np.maximum(np.where(arg[:, finv] == ds2[None, :], sec[:, finv], top[:, finv]), w), inf)
-        ss_r = sq[:, finv] + w * w - v * v
-        got = pick([("retarget", m_r, ss_r)])
-        if got is None:
-            return None
-        kind, (i, j) = got
-        return (kind, int(es[i]), int(fs2[j]), int(ds2[j]))
-
-    # ------------------------------------------------------------------ step
-    def _step(self, score) -> tuple | None:
-        state = self._state()
-        dl = state[3]
-        cur_m, cur_ss = float(dl.max()), float(dl @ dl)
-        d = int(state[4][0])
-        for tier in range(len(FAMILIES)):
-            cands = self.candidates(tier, state)
-            ms, sss, who = [], [], []
-            for kind in FAMILIES[tier]:
-                a = cands[kind]
-                if len(a) == 0:
-                    continue
-                m, ss = score(kind, a, state)
-                ms.append(m)
-                sss.append(ss)
-                who.append((kind, len(a)))
-            if not ms:
-                continue
-            m, ss = np.concatenate(ms), np.concatenate(sss)
-            better = (m < cur_m - self.eps) | ((m <= cur_m + self.eps) & (ss < cur_ss - self.eps2))
-            if not better.any():
-                continue
-            m0 = m[better].min()
-            pool = better & (m <= m0 + self.eps)
-            j = int(_first_least(pool, ss, self.eps2))
-            for kind, k in who:
-                if j < k:
-                    move = (kind, *(int(x) for x in cands[kind][j]))
-                    self._apply(kind, move[1:], d)
-                    return move
-                j -= k
-        return None
-
-    def step(self) -> tuple | None:
-        """Apply the best improving move (module docstring) and return it as (family,
-        *args); None at a local optimum."""
-        return self._fast_step()
-
-    def step_scored(self) -> tuple | None:
-        """:meth:`step` through :meth:`candidates` and the per-family scores (the layout
-        before the grid step; kept as a second twin)."""
-        return self._step(self._score)
-
-    def step_reference(self) -> tuple | None:
-        """Slow twin of :meth:`step`: each candidate applied to a copy, loads recomputed."""
-        return self._step(self._score_reference)
-
-    def run(self, max_steps: int) -> int:
-        for i in range(max_steps):
-            if self.step() is None:
-                return i
-        return max_steps
-
-    def result(self) -> Placement:
-        return make_placement(matrix_replicas(self.C), self.load, self.N, self.S)
-
-
-class BatchSearch:
-    """Several starts of :class:`ShareSearch` in lockstep: layouts ``C`` [B, E, N], one numpy
-    call per formula for all of them (on small instances the per-call overhead, not the
-    arithmetic, is the step's cost; the count search decodes its neighbours with it). The
-    retarget tier holds a [R, S, E, N] array: small instances only. Each start makes exactly the moves :meth:`ShareSearch.step`
-    makes from it (same formulas, candidate order and choice rule; a test checks); a start
-    at its local optimum stops, the others go on. Legend adds B starts, A the starts still
-    moving, P the shares off a start's busiest device (padded to the most of any start)."""
+    """Local search on B layouts ``C`` [B, E, N] in lockstep (see the module docstring), one
+    numpy call per formula for all of them (on small instances the per-call overhead, not
+    the arithmetic, is the step's cost); one layout is a batch of one. A start at its local
+    optimum stops, the others go on. The retarget tier holds a [R, S, E, N] array (R the
+    starts without a tier-1 move). Legend adds B starts, A the starts still moving, P the
+    shares off a start's busiest device (padded to the most of any start)."""
 
     def __init__(self, Cs_BEN: Sequence[np.ndarray], load_E: np.ndarray, slots_per_device: int) -> None:
         self.C = np.array(np.stack(Cs_BEN), dtype=np.int64)
@@ -476,13 +128,16 @@ class BatchSearch:
         for _ in range(max_steps):
             if active.size == 0:
                 break
-            moved = self._step(active)
+            moved = np.array([m is not None for m in self.step(active)], dtype=bool)
             self.steps[active[moved]] += 1
             active = active[moved]
         return self.steps
 
-    def _step(self, act: np.ndarray) -> np.ndarray:
-        """One move for each start in ``act``; returns [A] bool, whether it moved."""
+    def step(self, act: np.ndarray | None = None) -> list[tuple | None]:
+        """Apply the best improving move (module docstring) to each start in ``act``
+        (default all); returns per start the move as (family, *args), None at a local
+        optimum."""
+        act = np.arange(self.B) if act is None else act
         load, N, S = self.load, self.N, self.S
         C = self.C[act]                                       # [A, E, N]
         A = act.size
@@ -490,7 +145,7 @@ class BatchSearch:
         ac = ai[:, None]
         cnt = C.sum(axis=2)                                   # [A, E]
         per = load[None, :] / cnt
-        dl = np.stack([per[i] @ C[i] for i in range(A)])      # [A, N] as ShareSearch sums it
+        dl = np.stack([per[i] @ C[i] for i in range(A)])      # [A, N], per start (the same sums alone or batched)
         order = np.argsort(-dl, axis=1, kind="stable")
         pos = C > 0
         held = pos.sum(axis=1)                                # [A, N]
@@ -575,7 +230,7 @@ class BatchSearch:
         pool = better & (m <= m0[:, None] + self.eps)
         jj = _first_least(pool, ss, self.eps2)
         sizes = [f[1][0].size for f in fams]
-        moved = has.copy()
+        moves: list[tuple | None] = [None] * A
         for i in np.flatnonzero(has).tolist():
             j = int(jj[i])
             for (kind, mk, _), k in zip(fams, sizes):
@@ -589,11 +244,12 @@ class BatchSearch:
                     else:
                         a = (e, int(idx[1]))
                     apply_move(self.C[act[i]], kind, a, int(d[i]))
+                    moves[i] = (kind, *a)
                     break
                 j -= k
         r = np.flatnonzero(~has)
         if r.size == 0 or P == 0:  # P == 0: no share off the busiest device to retarget
-            return moved
+            return moves
         # tier 2 (retarget) for the starts without a tier-1 move: [R, S, E, N] at once
         ri = np.arange(r.size)
         rc = ri[:, None]
@@ -624,19 +280,10 @@ class BatchSearch:
         for q in np.flatnonzero(has2).tolist():
             i = int(r[q])
             s_, p_ = divmod(int(jj[q]), P)
-            apply_move(self.C[act[i]], "retarget", (int(es[i, s_]), int(fs[i, p_]), int(ds[i, p_])), int(d[i]))
-        moved[r] = has2
-        return moved
-
-    def results(self) -> list[np.ndarray]:
-        return list(self.C)
-
-
-def improve(p: Placement, load: np.ndarray, max_steps: int) -> Placement:
-    """``p`` improved by :class:`ShareSearch` (at most ``max_steps`` moves)."""
-    s = ShareSearch(counts_matrix(p.replicas, p.num_experts, p.num_devices), load, p.slots_per_device)
-    s.run(max_steps)
-    return s.result()
+            a = (int(es[i, s_]), int(fs[i, p_]), int(ds[i, p_]))
+            apply_move(self.C[act[i]], "retarget", a, int(d[i]))
+            moves[i] = ("retarget", *a)
+        return moves
 
 
 def count_search(p: Placement, load: np.ndarray, max_evals: int, thorough: bool) -> Placement:
@@ -653,7 +300,7 @@ def count_search(p: Placement, load: np.ndarray, max_evals: int, thorough: bool)
     N, S, E = p.num_devices, p.slots_per_device, p.num_experts
     lo = [float(x) for x in load]
     counts = list(p.replica_counts)
-    best, best_key = p, placement_key(p)
+    best, best_key = p, p.key
     tol = 1e-12 * max(1.0, float(load.sum()))
     evals = 0
 
@@ -688,7 +335,7 @@ def count_search(p: Placement, load: np.ndarray, max_evals: int, thorough: bool)
                 trials.append(trial)
             reps = [lpt_shares(lo, t, N, S) for t in trials]
             if thorough:  # each improved by local search, all of the chunk in lockstep; keyed on the share matrix
-                srch = BatchSearch([counts_matrix(r, E, N) for r in reps], load, S)
+                srch = ShareSearch([counts_matrix(r, E, N) for r in reps], load, S)
                 srch.run(20 * N * S)
                 keys = [matrix_key(C, load) for C in srch.C]
             else:  # scored without building the Placement (the same sums as make_placement's), built if taken
@@ -713,4 +360,4 @@ def count_search(p: Placement, load: np.ndarray, max_evals: int, thorough: bool)
     return best
 
 
-__all__ = ["FAMILIES", "ShareSearch", "BatchSearch", "apply_move", "counts_matrix", "matrix_replicas", "improve", "count_search"]
+__all__ = ["FAMILIES", "ShareSearch", "apply_move", "counts_matrix", "matrix_replicas", "count_search"]

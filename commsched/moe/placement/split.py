@@ -82,8 +82,8 @@ def split_tokens(expert_T: np.ndarray | Sequence[int], placement: Placement,
     offset_E: [E] starting position of each expert's round robin (default zeros; see
     :func:`split_offsets` to balance across source ranks).
     source: the rank whose tokens these are (required for a host-local placement).
-    Returns an int64 array of the same shape. :func:`split_tokens_reference` is the
-    one-token-at-a-time twin."""
+    Returns an int64 array of the same shape. The tests hold its one-token-at-a-time twin
+    (a plain loop with one counter per expert)."""
     ex, off = _check_split_inputs(expert_T, placement, offset_E, source)
     flat = ex.reshape(-1)
     E = placement.num_experts
@@ -102,18 +102,4 @@ def split_tokens(expert_T: np.ndarray | Sequence[int], placement: Placement,
     return table[flat, slot].reshape(ex.shape)
 
 
-def split_tokens_reference(expert_T: np.ndarray | Sequence[int], placement: Placement,
-                           offset_E: np.ndarray | Sequence[int] | None = None,
-                           source: int | None = None) -> np.ndarray:
-    """Slow twin of :func:`split_tokens`: a plain loop with one counter per expert."""
-    ex, off = _check_split_inputs(expert_T, placement, offset_E, source)
-    seen = [int(x) for x in off]
-    out = []
-    for e in ex.reshape(-1).tolist():
-        devs = placement.candidates(e, source) if placement.device_host is not None else placement.replicas[e]
-        out.append(devs[seen[e] % len(devs)])
-        seen[e] += 1
-    return np.asarray(out, dtype=np.int64).reshape(ex.shape)
-
-
-__all__ = ["split_offsets", "split_tokens", "split_tokens_reference"]
+__all__ = ["split_offsets", "split_tokens"]

@@ -16,8 +16,38 @@ from .checks import check_hosts, check_load
 from .hosts import even_origin, host_local_loads
 
 
+class DeviceLoads:
+    """The load properties of a layout record with ``device_load`` [N] (the load each
+    device computes): :class:`Placement` and :class:`~.eplb.EplbPlan` share them."""
+
+    device_load: tuple[float, ...]
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.device_load)
+
+    @property
+    def max_load(self) -> float:
+        return max(self.device_load)
+
+    @property
+    def mean_load(self) -> float:
+        return sum(self.device_load) / len(self.device_load)
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean device load (1.0 when all loads are zero)."""
+        return imbalance(self.device_load)
+
+    @property
+    def key(self) -> tuple[float, float]:
+        """Lexicographic quality: maximum device load, then sum of squared device loads."""
+        dl = np.asarray(self.device_load)
+        return (self.max_load, float(dl @ dl))
+
+
 @dataclass(frozen=True)
-class Placement:
+class Placement(DeviceLoads):
     """Which devices hold each expert, and the device loads that result.
 
     replicas[e]     -- ascending tuple of the devices holding a share of expert e (>= 1
@@ -65,10 +95,6 @@ class Placement:
         return len(self.replicas)
 
     @property
-    def num_devices(self) -> int:
-        return len(self.device_load)
-
-    @property
     def replica_counts(self) -> tuple[int, ...]:
         """[E] number of shares (replicas) of each expert, repeats on one device counted."""
         return tuple(len(r) for r in self.replicas)
@@ -87,15 +113,6 @@ class Placement:
             for d in sorted(set(devs)):
                 out[d].append(e)
         return tuple(tuple(x) for x in out)
-
-    @property
-    def max_load(self) -> float:
-        return max(self.device_load)
-
-    @property
-    def imbalance(self) -> float:
-        """max / mean device load (1.0 when all loads are zero)."""
-        return imbalance(self.device_load)
 
     def with_load(self, load_E: Sequence[float] | np.ndarray) -> Placement:
         """The same layout with device loads recomputed for another load (e.g. the actual
@@ -162,17 +179,9 @@ def matrix_loads(C_EN: np.ndarray, load: np.ndarray) -> np.ndarray:
 
 
 def matrix_key(C_EN: np.ndarray, load: np.ndarray) -> tuple[float, float]:
-    """:func:`placement_key` of the layout of a share matrix, without building it."""
+    """:attr:`DeviceLoads.key` of the layout of a share matrix, without building it."""
     dl = matrix_loads(C_EN, load)
     return (float(dl.max()), float(dl @ dl))
 
 
-def placement_key(p: Placement) -> tuple[float, float]:
-    """Lexicographic quality: maximum device load, then sum of squared device loads."""
-    dl = np.asarray(p.device_load)
-    return (p.max_load, float(dl @ dl))
-
-
-
-__all__ = ["Placement", "imbalance", "device_loads", "make_placement", "matrix_loads", "matrix_key",
-           "placement_key"]
+__all__ = ["DeviceLoads", "Placement", "imbalance", "device_loads", "make_placement", "matrix_loads", "matrix_key"]
