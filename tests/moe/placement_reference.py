@@ -12,9 +12,9 @@ import numpy as np
 
 from commsched.moe.placement import Placement
 from commsched.moe.placement.checks import check_load
-from commsched.moe.placement.hosts import even_origin
 from commsched.moe.placement.search import FAMILIES, _first_least, apply_move
 from commsched.moe.placement.split import _check_split_inputs
+from commsched.moe.placement.types import even_origin
 
 
 # --------------------------------------------------------------------------- local search

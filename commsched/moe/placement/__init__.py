@@ -56,8 +56,8 @@ Rooms (all pure: numpy only, no torch, no process group):
 * :mod:`.eplb` -- :func:`eplb_placement`, :class:`EplbPlan`, :func:`balanced_packing`
 * :mod:`.search` -- local search on the busiest device, the search over replica counts
 * :mod:`.planner` -- :func:`plan_placement`
-* :mod:`.hosts`, :mod:`.node_aware` -- the host-local split, :func:`node_cost`, the
-  node-aware planner
+* :mod:`.node_aware` -- :func:`node_cost`, the node-aware planner (the host-local split
+  lives in :mod:`.types`)
 * :mod:`.split` -- :func:`split_tokens`, :func:`split_offsets`
 * :mod:`.registry` -- :data:`PLANNERS` (name -> planner), EPLB as a :class:`Placement`
 
@@ -84,8 +84,8 @@ _EXPORTS: dict[str, str] = {
     "pack_lpt": "packing",
     "split_tokens": "split",
     "split_offsets": "split",
-    "even_origin": "hosts",
-    "host_local_loads": "hosts",
+    "even_origin": "types",
+    "host_local_loads": "types",
     "cross_rows": "node_aware",
     "node_cost": "node_aware",
     "PLANNERS": "registry",

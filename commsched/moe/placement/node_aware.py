@@ -32,9 +32,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .checks import check_hosts, check_load
-from .hosts import even_origin, host_local_loads
 from .packing import greedy_counts, greedy_replicas, lpt_replicas
-from .types import Placement, device_loads, make_placement
+from .types import Placement, device_loads, even_origin, host_local_loads, make_placement
 
 # node-aware placement: how many counts k of experts kept on every host are tried (each
 # plans every host with the greedy; the best k is then planned with the full planner)
