@@ -3,24 +3,16 @@
 :mod:`commsched.all2all` calls these with its ``plan`` (an :class:`~commsched.all2all.A2APlan`)
 and ``stats`` (a :class:`~commsched.all2all.CommStats` or None).
 
-Transport (``transport=``, :data:`TRANSPORTS`): on gloo with CPU rows (``"auto"`` picks it
-there) both patterns run as point-to-point messages on two connections per rank pair
-(``"duplex"``): sends from a lower to a higher rank go on the group itself, sends from a
-higher to a lower rank on a second gloo group of the same ranks, the group's *reverse*.
-Gloo moves a pair's two directions on one connection at about half the rate each (measured
-0.45-0.57 of an emulated link per direction at 8 MiB, against 0.95 on two connections;
-docs/netem.md), so an exchange where every pair sends both ways would otherwise run at half
-speed. ``"single"`` is the one-connection transport (direct: one ``all_to_all_single``;
-ring: each round's send and receive in one ``batch_isend_irecv`` on the group, never a
-lone ``isend``/``irecv``, which deadlocks NCCL at 3+ ranks), the only one on NCCL, which drives both directions
-of a communicator at once (one NVLink / NIC queue per direction), so a second communicator
-would buy nothing but memory. The reverse group is made once per group, at the first duplex
-exchange on it, by the caller's thread (never the ring's background thread): that exchange
-is collective over the group, so every member makes it at the same point and only members
-take part (a sub-group such as an expert group needs nothing from the other ranks). It
-connects through the group's own store under a fixed prefix, with the group's timeout, and
-is kept in a small per-process table until the group is destroyed (the one piece of
-module state here: open connections, like torch's own table of groups).
+Transports (:data:`TRANSPORTS`; why two: docs/design.md, "Transport"): ``"duplex"`` (gloo, CPU
+rows; what ``"auto"`` picks there) sends lower to higher rank on the group itself and higher
+to lower on the group's *reverse*, a second gloo group of the same ranks; ``"single"`` (the
+only one on NCCL) uses the group alone: direct, one ``all_to_all_single``; ring, each round's
+send and receive in one ``batch_isend_irecv``, never a lone ``isend``/``irecv``, which
+deadlocks NCCL at 3+ ranks. The reverse group is made at the first duplex exchange on a
+group, by the caller's thread (never the ring's background thread): that is collective over
+the group's members only. It connects through the group's store under a fixed prefix, with
+the group's timeout, and stays in a small per-process table until the group is destroyed
+(the one piece of module state here: open connections, like torch's own table of groups).
 """
 
 from __future__ import annotations
