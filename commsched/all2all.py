@@ -13,32 +13,12 @@ to rank p. The result holds the rows received from rank 0, then rank 1, and so o
 Both give identical results. The exchange is differentiable: the backward pass is the
 same exchange with send and receive counts swapped.
 
-Transport (``transport=``, :data:`TRANSPORTS`): on gloo with CPU rows (``"auto"`` picks it
-there) both patterns run as point-to-point messages on two connections per rank pair
-(``"duplex"``): sends from a lower to a higher rank go on the group itself, sends from a
-higher to a lower rank on a second gloo group of the same ranks, the group's *reverse*.
-Gloo moves a pair's two directions on one connection at about half the rate each (measured
-0.45-0.57 of an emulated link per direction at 8 MiB, against 0.95 on two connections;
-docs/netem.md), so an exchange where every pair sends both ways would otherwise run at half
-speed. ``"single"`` is the one-connection transport (direct: one ``all_to_all_single``;
-ring: each round's send and receive in one ``batch_isend_irecv`` on the group, never a
-lone ``isend``/``irecv``, which deadlocks NCCL at 3+ ranks), the only one on NCCL, which drives both directions
-of a communicator at once (one NVLink / NIC queue per direction), so a second communicator
-would buy nothing but memory. The reverse group is made once per group, at the first duplex
-exchange on it, by the caller's thread (never the ring's background thread): that exchange
-is collective over the group, so every member makes it at the same point and only members
-take part (a sub-group such as an expert group needs nothing from the other ranks). It
-connects through the group's own store under a fixed prefix, with the group's timeout, and
-is kept in a small per-process table until the group is destroyed (the one piece of
-module state here: open connections, like torch's own table of groups).
+Transport (``transport=``, :data:`TRANSPORTS`): how the messages travel, one connection per
+rank pair or two (:mod:`commsched.transport`); ``"auto"`` picks the fast one.
 
-``observer`` (an :class:`~commsched.observe.A2AObserver`, for example the gradient
-scheduler of :mod:`commsched.priority.runtime.executor`) is told when the exchange starts and ends
-(``a2a_begin(bytes sent to peers)`` / ``a2a_end``) and how long the caller was blocked in it,
-in the forward pass and again for the reverse exchange autograd runs in the backward pass.
-``backward_block`` marks the expert block of an MoE layer in the backward pass: the
-combine exchange's backward opens it (``"begin"``: ``block_begin`` before its reverse
-exchange), the dispatch exchange's backward closes it (``"end"``: ``block_end`` after).
+``observer`` (an :class:`~commsched.observe.A2AObserver`) is told when the exchange starts and
+ends, forward and backward; ``backward_block`` (``"begin"`` / ``"end"``) makes the backward
+exchange open / close an MoE layer's expert block (docs/design.md, "Observers of the exchange").
 
 ``wire`` (a :class:`Wire`) sends the rows in a shorter form: ``wire.forward`` (a
 :class:`RowFormat`) encodes the rows before the exchange and decodes them after it,
@@ -54,7 +34,6 @@ the bytes reported are those on the wire, and a shorter exchange is measured as 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import threading
 from dataclasses import dataclass, field
@@ -64,11 +43,20 @@ import torch
 import torch.distributed as dist
 
 from .clock import Clock
-from .dist import CommError, comm_guard, control_device, gloo_devices
+from .dist import CommError, comm_guard, control_device
 from .observe import A2AObserver, A2AReport, check_observer
+from .transport import (
+    TRANSPORTS,
+    _RawHandle,
+    check_ring_device,
+    p2p_direct,
+    resolve_transport,
+    reverse_group,
+    ring,
+    ring_post_all,
+)
 
 PATTERNS = ("direct", "ring")
-TRANSPORTS = ("auto", "single", "duplex")  # module docstring
 
 # dtype codes carried in the plan header so that ranks can check they agree
 _DTYPE_CODES = {
@@ -266,6 +254,11 @@ def _check_wire(wire) -> "Wire | None":
     return None if wire.plain else wire
 
 
+def _fmt(wire: "Wire | None", direction: str) -> "RowFormat | None":
+    """``wire``'s format of ``direction`` ("forward" or "backward"); None without a wire."""
+    return None if wire is None else getattr(wire, direction)
+
+
 def encode_rows(x: torch.Tensor, fmt: RowFormat | None) -> torch.Tensor:
     """``x`` encoded by ``fmt`` (unchanged for None), without autograd: the rows to exchange."""
     if fmt is None:
@@ -359,10 +352,6 @@ def _record_bytes(stats: CommStats | None, plan: A2APlan, row_bytes: int) -> Non
 
 
 # --------------------------------------------------------------------------- exchange
-def _global(group, r: int) -> int:
-    return r if group is None else dist.get_global_rank(group, r)
-
-
 def _row_numel(x: torch.Tensor) -> int:
     return int(torch.Size(x.shape[1:]).numel())
 
@@ -375,176 +364,6 @@ def _check_x(x: torch.Tensor, plan: A2APlan) -> None:
     if x.shape[0] != plan.total_send:
         raise ValueError(f"all_to_all: tensor has {x.shape[0]} rows but the send counts "
                          f"{plan.send_counts} sum to {plan.total_send}")
-
-
-_REVERSE_PREFIX = "commsched-a2a-reverse/"  # store prefix of a group's reverse connections
-_reverse_lock = threading.Lock()
-_reverse_groups: dict = {}  # group -> its reverse gloo backend (module docstring)
-
-
-def _gloo_backend(group, device: torch.device):
-    """The group's gloo backend for ``device``, or None (another backend, or none)."""
-    from torch.distributed import ProcessGroupGloo
-
-    if not dist.is_initialized():  # no process group: a one-rank exchange, no transport
-        return None
-    pg = group if group is not None else dist.group.WORLD
-    try:
-        be = pg._get_backend(device)
-    except (RuntimeError, ValueError):  # the group has no backend for this device
-        return None
-    return be if isinstance(be, ProcessGroupGloo) else None
-
-
-def _backend_name(group) -> str:
-    return f"a {dist.get_backend(group)} group" if dist.is_initialized() else "no process group"
-
-
-def _resolve_transport(transport: str, group, device: torch.device) -> str:
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    duplex_ok = device.type == "cpu" and _gloo_backend(group, device) is not None
-    if transport == "duplex" and not duplex_ok:
-        raise ValueError("transport='duplex' needs a gloo group and CPU rows (got rows on "
-                         f"{device} and {_backend_name(group)}); use 'auto' or 'single'")
-    if transport == "auto":
-        return "duplex" if duplex_ok else "single"
-    return transport
-
-
-def _reverse_group(group):
-    """The gloo backend that carries the group's higher-to-lower-rank sends, made at the first
-    call on each member (collective over the group's members only; module docstring)."""
-    import torch.distributed.distributed_c10d as c10d
-    from torch.distributed import PrefixStore, ProcessGroupGloo
-
-    pg = group if group is not None else dist.group.WORLD
-    with _reverse_lock:
-        rev = _reverse_groups.get(pg)
-        if rev is not None:
-            return rev
-        for old in [g for g in _reverse_groups if g not in c10d._world.pg_map]:
-            del _reverse_groups[old]  # groups destroyed since: drop their connections
-    opts = ProcessGroupGloo._Options()
-    opts._devices = gloo_devices()
-    opts._timeout = _gloo_backend(pg, torch.device("cpu")).options._timeout
-    store = PrefixStore(_REVERSE_PREFIX, c10d._get_process_group_store(pg))
-    # connected outside the lock: another thread's first exchange on another group must not
-    # wait for this one's peers (two threads on one group at once is not allowed anyway)
-    with comm_guard("connecting the all_to_all reverse group (every rank of the group "
-                    "must reach its first exchange)", group):
-        rev = ProcessGroupGloo(store, dist.get_rank(pg), dist.get_world_size(pg), opts)
-    with _reverse_lock:
-        if not _reverse_groups:
-            atexit.register(close_reverse_groups)  # idempotent: registered when the table fills
-        return _reverse_groups.setdefault(pg, rev)
-
-
-def close_reverse_groups() -> None:
-    """Shut down every reverse connection group the duplex transport made and forget them.
-
-    They are not in torch's group registry, so ``destroy_process_group`` does not reach
-    them; left to the interpreter's final clean-up, a gloo backend's worker threads can be
-    destroyed while still joinable, which aborts the process at exit ("terminate called
-    without an active exception") after the job's work is done. This runs at exit
-    (``atexit``) and may be called after ``destroy_process_group``; a later duplex exchange
-    connects afresh.
-    """
-    with _reverse_lock:
-        revs = list(_reverse_groups.values())
-        _reverse_groups.clear()
-    for rev in revs:
-        try:
-            rev.shutdown()
-        except Exception:  # already closed, or a backend without shutdown: dropping it is enough
-            pass
-    del revs
-
-
-def _post_pair(x_out, peer: int, send: bool, plan: A2APlan, group, reverse):
-    """Post one message to / from ``peer`` (a rank of ``group``): on the group itself when it
-    goes from a lower to a higher rank, else on ``reverse``; with ``reverse`` None, on the
-    group (the single transport)."""
-    me = plan.rank
-    lower_to_higher = me < peer if send else peer < me
-    if reverse is None or lower_to_higher:
-        op = dist.isend if send else dist.irecv
-        return op(x_out, _global(group, peer), group=group)
-    return reverse.send([x_out], peer, 0) if send else reverse.recv([x_out], peer, 0)
-
-
-def _p2p_direct(x: torch.Tensor, out: torch.Tensor, plan: A2APlan, group, reverse) -> list:
-    """Post every peer's send and receive at once (the duplex direct pattern); returns the
-    works. The rows this rank keeps are copied here."""
-    so, ro, me = plan.send_offsets, plan.recv_offsets, plan.rank
-    out[ro[me]:ro[me + 1]].copy_(x[so[me]:so[me + 1]])
-    works = []
-    with comm_guard("all_to_all (direct, duplex)", group):
-        for dst, src in plan.ring_rounds():
-            if plan.send_counts[dst] > 0:
-                works.append(_post_pair(x[so[dst]:so[dst + 1]], dst, True, plan, group, reverse))
-            if plan.recv_counts[src] > 0:
-                works.append(_post_pair(out[ro[src]:ro[src + 1]], src, False, plan, group, reverse))
-    return works
-
-
-def _round_ops(x: torch.Tensor, out: torch.Tensor, plan: A2APlan, group, dst: int, src: int) -> list:
-    """The P2P ops of one ring round on the single transport (send to ``dst``, receive from
-    ``src``; none for an empty message), to post together with ``dist.batch_isend_irecv``."""
-    so, ro = plan.send_offsets, plan.recv_offsets
-    ops = []
-    if plan.send_counts[dst] > 0:
-        ops.append(dist.P2POp(dist.isend, x[so[dst]:so[dst + 1]], _global(group, dst), group))
-    if plan.recv_counts[src] > 0:
-        ops.append(dist.P2POp(dist.irecv, out[ro[src]:ro[src + 1]], _global(group, src), group))
-    return ops
-
-
-def _ring(x: torch.Tensor, out: torch.Tensor, plan: A2APlan, group, stats: CommStats | None,
-          reverse=None) -> None:
-    """The ring pattern, round after round (each round waited for before the next). On the
-    single transport each round's send and receive are posted together in one
-    ``dist.batch_isend_irecv``: NCCL gives a lone ``isend``/``irecv`` a lazy two-rank
-    communicator, and with 3+ ranks each rank's first one waits for the next rank's in a
-    cycle (a deadlock). On the duplex transport (gloo only, two groups) they go one by one."""
-    so, ro, me = plan.send_offsets, plan.recv_offsets, plan.rank
-    clock = Clock(x.device)
-    t0 = clock.mark()
-    out[ro[me]:ro[me + 1]].copy_(x[so[me]:so[me + 1]])
-    if stats is not None:
-        stats.add_time(0, t0, clock.mark())
-    for i, (dst, src) in enumerate(plan.ring_rounds(), start=1):
-        t = clock.mark()
-        with comm_guard(f"all_to_all ring round {i} (send to rank {dst}, receive from rank {src})", group):
-            if reverse is None:
-                ops = _round_ops(x, out, plan, group, dst, src)
-                reqs = dist.batch_isend_irecv(ops) if ops else []
-            else:
-                reqs = []
-                if plan.send_counts[dst] > 0:
-                    reqs.append(_post_pair(x[so[dst]:so[dst + 1]], dst, True, plan, group, reverse))
-                if plan.recv_counts[src] > 0:
-                    reqs.append(_post_pair(out[ro[src]:ro[src + 1]], src, False, plan, group, reverse))
-            for r in reqs:
-                r.wait()
-        if stats is not None:
-            stats.add_time(i, t, clock.mark())
-
-
-def _ring_post_all(x: torch.Tensor, out: torch.Tensor, plan: A2APlan, group) -> list:
-    """The ring pattern on a device backend (NCCL), posted at once from the caller's thread:
-    one ``batch_isend_irecv`` per round, in round order; the backend runs a communicator's
-    operations in the order they were posted, so the rounds stay in sequence with no host
-    wait. Returns the works. The rows this rank keeps are copied here."""
-    so, ro, me = plan.send_offsets, plan.recv_offsets, plan.rank
-    out[ro[me]:ro[me + 1]].copy_(x[so[me]:so[me + 1]])
-    works: list = []
-    with comm_guard("all_to_all (ring)", group):
-        for dst, src in plan.ring_rounds():
-            ops = _round_ops(x, out, plan, group, dst, src)
-            if ops:
-                works.extend(dist.batch_isend_irecv(ops))
-    return works
 
 
 def _peer_bytes(x: torch.Tensor, plan: A2APlan) -> int:
@@ -568,7 +387,7 @@ def _backward(ctx, g: torch.Tensor) -> torch.Tensor:
     obs, block = ctx.observer, ctx.block
     if obs is not None and block == "begin":
         obs.block_begin()
-    fmt = ctx.wire.backward if ctx.wire is not None else None
+    fmt = _fmt(ctx.wire, "backward")
     g = g.contiguous()
     w = _exchange(encode_rows(g, fmt), ctx.plan.reversed(), ctx.group, ctx.pattern, ctx.stats, obs,
                   ctx.transport)
@@ -576,54 +395,6 @@ def _backward(ctx, g: torch.Tensor) -> torch.Tensor:
     if obs is not None and block == "end":
         obs.block_end()
     return out
-
-
-class _RawHandle:
-    """An exchange in flight; ``_finish`` blocks until the received tensor is complete."""
-
-    def __init__(self, out: torch.Tensor, plan: A2APlan, stats: CommStats | None, t0,
-                 works: Sequence = (), thread: threading.Thread | None = None,
-                 err: list | None = None, what: str = "all_to_all", stream=None):
-        self.out, self.plan, self.stats, self.t0 = out, plan, stats, t0
-        self._works, self._thread, self._err, self._what = list(works), thread, err, what
-        self._stream = stream  # CUDA: the side stream the exchange was posted on, or None
-        self._done = False
-
-    def _finish(self) -> torch.Tensor:
-        if not self._done:
-            if self._works:
-                with comm_guard(self._what):
-                    for w in self._works:
-                        w.wait()
-            if self._stream is not None:  # the local rows' copy ran there too
-                torch.cuda.current_stream(self.out.device).wait_stream(self._stream)
-            if self._thread is not None:
-                self._thread.join()
-                if self._err:
-                    raise self._err[0]
-            if self.stats is not None:
-                end = Clock(self.out.device).mark()
-                self.stats.add_time(None, self.t0, end)
-                if self._works:
-                    self.stats.add_time(0, self.t0, end)
-            self._done = True
-        return self.out
-
-    def is_completed(self) -> bool:
-        if self._done:
-            return True
-        if self._works:
-            return all(bool(w.is_completed()) for w in self._works)
-        return self._thread is None or not self._thread.is_alive()
-
-
-def _check_ring_device(pattern: str, device: torch.device, group) -> None:
-    """A ValueError for the ring pattern with device (CUDA) rows on a gloo group: gloo's
-    send/recv would be handed raw device pointers."""
-    if pattern == "ring" and device.type != "cpu" and _gloo_backend(group, device) is not None:
-        raise ValueError(f"all_to_all: the ring pattern cannot carry rows on {device} over gloo "
-                         "(gloo's send/recv take host memory, not device pointers); use "
-                         "pattern='direct', CPU rows, or a NCCL group (init_distributed(device='cuda'))")
 
 
 def _posts_all_rounds(device: torch.device) -> bool:
@@ -638,8 +409,8 @@ def _start(x: torch.Tensor, plan: A2APlan, group, pattern: str, stats: CommStats
     if pattern not in PATTERNS:
         raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
     _check_x(x, plan)
-    _check_ring_device(pattern, x.device, group)
-    duplex = _resolve_transport(transport, group, x.device) == "duplex"
+    check_ring_device(pattern, x.device, group)
+    duplex = resolve_transport(transport, group, x.device) == "duplex"
     x = x.contiguous()
     out = x.new_empty((plan.total_recv, *x.shape[1:]))
     row_bytes = _row_numel(x) * x.element_size()
@@ -648,9 +419,9 @@ def _start(x: torch.Tensor, plan: A2APlan, group, pattern: str, stats: CommStats
     if plan.world_size == 1:
         out.copy_(x)
         return _RawHandle(out, plan, stats, t0)
-    reverse = _reverse_group(group) if duplex else None  # here: never on the ring's thread
+    reverse = reverse_group(group) if duplex else None  # here: never on the ring's thread
     if pattern == "direct" and duplex:
-        works = _p2p_direct(x, out, plan, group, reverse)
+        works = p2p_direct(x, out, plan, group, reverse)
         return _RawHandle(out, plan, stats, t0, works=works, what="all_to_all (direct, duplex)")
     if pattern == "direct":
         with comm_guard("all_to_all (direct)", group):
@@ -658,7 +429,7 @@ def _start(x: torch.Tensor, plan: A2APlan, group, pattern: str, stats: CommStats
                                           group=group, async_op=True)
         return _RawHandle(out, plan, stats, t0, works=[work], what="all_to_all (direct)")
     if not background:
-        _ring(x, out, plan, group, stats, reverse)
+        ring(x, out, plan, group, stats, reverse)
         return _RawHandle(out, plan, stats, t0)
     if _posts_all_rounds(x.device) and reverse is None:
         # a device backend: every round posted now, from this thread, on a stream of its own
@@ -669,7 +440,7 @@ def _start(x: torch.Tensor, plan: A2APlan, group, pattern: str, stats: CommStats
             side = torch.cuda.Stream(x.device)
             side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            works = _ring_post_all(x, out, plan, group)
+            works = ring_post_all(x, out, plan, group)
         if side is not None:  # the allocator must not reuse them before the side stream is done
             x.record_stream(side)
             out.record_stream(side)
@@ -678,7 +449,7 @@ def _start(x: torch.Tensor, plan: A2APlan, group, pattern: str, stats: CommStats
 
     def run() -> None:
         try:
-            _ring(x, out, plan, group, stats, reverse)
+            ring(x, out, plan, group, stats, reverse)
         except BaseException as e:  # re-raised in the caller's thread by wait()
             err.append(e)
 
@@ -696,7 +467,7 @@ class _A2AFn(torch.autograd.Function):
         ctx.plan, ctx.group, ctx.pattern, ctx.stats = plan, group, pattern, stats
         ctx.observer, ctx.block, ctx.transport, ctx.wire = observer, block, transport, wire
         out = _exchange(w, plan, group, pattern, stats, observer, transport)
-        return decode_rows(out, wire.forward if wire is not None else None, x.shape[1:], x.dtype)
+        return decode_rows(out, _fmt(wire, "forward"), x.shape[1:], x.dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -711,24 +482,30 @@ class _WaitFn(torch.autograd.Function):
     def forward(ctx, x, handle, group, pattern, observer, block, transport, wire):
         ctx.plan, ctx.group, ctx.pattern, ctx.stats = handle.plan, group, pattern, handle.stats
         ctx.observer, ctx.block, ctx.transport, ctx.wire = observer, block, transport, wire
-        return decode_rows(handle._finish(), wire.forward if wire is not None else None, x.shape[1:], x.dtype)
+        return decode_rows(handle._finish(), _fmt(wire, "forward"), x.shape[1:], x.dtype)
 
     @staticmethod
     def backward(ctx, g):
         return _backward(ctx, g), None, None, None, None, None, None, None
 
 
-def _resolve_plan(x: torch.Tensor, send_counts, group) -> A2APlan:
-    if isinstance(send_counts, A2APlan):
-        return send_counts
+def _prepare(x: torch.Tensor, send_counts, group, observer, block, wire):
+    """The checks and the set-up both entry points share: (the checked wire, the rows to
+    exchange, encoded by ``wire.forward``, and the plan, made from a list of counts once)."""
+    check_observer(observer, block)
+    wire = _check_wire(wire)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"all_to_all expects a tensor, got {type(x).__name__}")
-    if x.dtype not in _DTYPE_CODES:
-        raise TypeError(f"all_to_all: unsupported dtype {x.dtype}")
-    if x.dim() < 1:
+    if isinstance(send_counts, A2APlan):
+        _check_x(x, send_counts)
+        return wire, encode_rows(x, _fmt(wire, "forward")), send_counts
+    w = encode_rows(x, _fmt(wire, "forward"))
+    if w.dtype not in _DTYPE_CODES:
+        raise TypeError(f"all_to_all: unsupported dtype {w.dtype}")
+    if w.dim() < 1:
         raise ValueError("all_to_all expects a tensor of at least one dimension (rows first)")
-    return make_plan(send_counts, group=group, rows=x.shape[0], dtype=x.dtype,
-                     row_numel=_row_numel(x))
+    return wire, w, make_plan(send_counts, group=group, rows=w.shape[0], dtype=w.dtype,
+                              row_numel=_row_numel(w))
 
 
 def all_to_all(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *, group=None,
@@ -748,19 +525,11 @@ def all_to_all(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *, grou
     result has ``x_RD``'s dtype and shape either way. With a list ``send_counts`` the count
     exchange checks the encoded rows, so ranks whose wires differ get the same ValueError.
     """
-    check_observer(observer, backward_block)
-    wire = _check_wire(wire)
-    if not isinstance(x_RD, torch.Tensor):
-        raise TypeError(f"all_to_all expects a tensor, got {type(x_RD).__name__}")
-    fmt = wire.forward if wire is not None else None
-    if isinstance(send_counts, A2APlan):
-        _check_x(x_RD, send_counts)
-    w = encode_rows(x_RD, fmt)
-    plan = _resolve_plan(w, send_counts, group)
+    wire, w, plan = _prepare(x_RD, send_counts, group, observer, backward_block, wire)
     if x_RD.requires_grad and torch.is_grad_enabled():
         return _A2AFn.apply(x_RD, w, plan, group, pattern, stats, observer, backward_block, transport, wire)
     out = _exchange(w, plan, group, pattern, stats, observer, transport)
-    return decode_rows(out, fmt, x_RD.shape[1:], x_RD.dtype)
+    return decode_rows(out, _fmt(wire, "forward"), x_RD.shape[1:], x_RD.dtype)
 
 
 class A2AHandle:
@@ -789,8 +558,8 @@ class A2AHandle:
                 if self._x.requires_grad and torch.is_grad_enabled():
                     return _WaitFn.apply(self._x, self._raw, self._group, self._pattern, obs,
                                          self._block, self._transport, self._wire)
-                fmt = self._wire.forward if self._wire is not None else None
-                return decode_rows(self._raw._finish(), fmt, self._x.shape[1:], self._x.dtype)
+                return decode_rows(self._raw._finish(), _fmt(self._wire, "forward"), self._x.shape[1:],
+                                   self._x.dtype)
 
             out = self._report.finish(join) if self._report is not None else join()
             self._result = self._post(out) if self._post is not None else out
@@ -814,14 +583,7 @@ def all_to_all_async(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *
     :func:`all_to_all`'s, with ``backward_block``. ``wire``: as :func:`all_to_all`'s (the
     rows are encoded now, decoded by ``wait()``).
     """
-    check_observer(observer, backward_block)
-    wire = _check_wire(wire)
-    if not isinstance(x_RD, torch.Tensor):
-        raise TypeError(f"all_to_all expects a tensor, got {type(x_RD).__name__}")
-    if isinstance(send_counts, A2APlan):
-        _check_x(x_RD, send_counts)
-    w = encode_rows(x_RD, wire.forward if wire is not None else None)
-    plan = _resolve_plan(w, send_counts, group)
+    wire, w, plan = _prepare(x_RD, send_counts, group, observer, backward_block, wire)
     _check_x(w, plan)
     report = A2AReport(observer, _peer_bytes(w, plan), w.device)
     try:

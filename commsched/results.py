@@ -261,10 +261,11 @@ class Progress:
             self._shown = initial
             self._line()
 
-    def _line(self) -> None:
+    def _line(self, final: bool = False) -> None:
         el = time.monotonic() - self._t0
         post = f", {self._post}" if self._post else ""
-        self.say(f"{self._desc}: {self._n}/{self._total} {self._unit}s ({el:.0f} s{post})")
+        when = f", done in {el:.0f} s{post}" if final else f" ({el:.0f} s{post})"
+        self.say(f"{self._desc}: {self._n}/{self._total} {self._unit}s{when}")
         self._last, self._shown = time.monotonic(), self._n
 
     @property
@@ -303,12 +304,7 @@ class Progress:
             self.bar = None
         elif self._lines:
             self._lines = False
-            self._line_final()
-
-    def _line_final(self) -> None:
-        el = time.monotonic() - self._t0
-        post = f", {self._post}" if self._post else ""
-        self.say(f"{self._desc}: {self._n}/{self._total} {self._unit}s, done in {el:.0f} s{post}")
+            self._line(final=True)
 
     def __enter__(self) -> "Progress":
         return self

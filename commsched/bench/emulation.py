@@ -112,22 +112,8 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
     """
     wl = workload
     name = wl.name if wl is not None else "WORKLOAD"
-    p = argparse.ArgumentParser(prog=f"commsched bench {name}", add_help=False, allow_abbrev=False)
-    p.add_argument("--bandwidth", default=None)
-    p.add_argument("--hosts", type=int, default=None)
-    p.add_argument("--delay", type=float, default=None)
-    p.add_argument("--host-rate", default=None)
-    p.add_argument("--link-model", default=None)
-    ns, rest = p.parse_known_args(list(argv))
-    if ns.link_model is not None and ns.link_model not in LINK_MODELS:
-        raise ValueError(f"--link-model must be one of {', '.join(LINK_MODELS)}, got {ns.link_model!r}")
-    # the workload's own --device, read but left in place: tc shapes gloo's TCP only
-    peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    peek.add_argument("--device", default="auto")
-    peek.add_argument("--nproc", type=int, default=1)
-    seen = peek.parse_known_args(rest)[0]
-    device = seen.device
-    nccl = nccl_possible(device, _torch_gpus() if gpus is None else gpus, seen.nproc)
+    ns, rest, device, nproc = _emulation_options(argv, name)
+    nccl = nccl_possible(device, _torch_gpus() if gpus is None else gpus, nproc)
     flags = tuple(a for k, v in (("--bandwidth", ns.bandwidth), ("--hosts", ns.hosts), ("--delay", ns.delay),
                                  ("--host-rate", ns.host_rate), ("--link-model", ns.link_model))
                   if v is not None for a in (k, str(v)))
@@ -145,37 +131,14 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
     inline = wl is not None and wl.inline is not None
     notes = []
     if ns.bandwidth is None and wl is not None and wl.default_bandwidth:
-        if nccl:
-            notes.append(f"the workload's default regime ({wl.default_bandwidth}) does not apply: "
-                         f"--device {device} may run NCCL, which the emulator cannot shape")
-        elif inline:
-            notes.append(f"the workload's default regime ({wl.default_bandwidth}) does not apply: "
-                         "it runs inline in this process")
-        elif problem is None:
-            rate = parse_rate(wl.default_bandwidth)
-            notes.append(f"rate {wl.default_bandwidth} is this workload's default regime "
-                         "(--bandwidth none runs unshaped)")
-        else:
-            notes.append(f"the workload's default regime ({wl.default_bandwidth}) was NOT emulated "
-                         f"({problem}); this run is unshaped")
+        rate, note = _default_regime(wl.default_bandwidth, device, nccl=nccl, inline=inline, problem=problem)
+        notes.append(note)
     wanted = rate is not None or hosts > 1 or bool(ns.delay)
     link_model = _link_model(ns.link_model, wl, rate, hosts, ns.delay, notes)
     if not wanted:
         return RunContext(note="; ".join(notes), flags=flags), rest
-    if inline:
-        raise ValueError(f"workload {name!r} runs inline in this process; --bandwidth, --hosts and "
-                         "--delay apply only to workloads whose variants run under torchrun")
-    if nccl:
-        raise EmulationUnavailable(
-            f"bandwidth emulation shapes gloo's TCP traffic only, and --device {device} may run "
-            "NCCL (NVLink, shared memory or InfiniBand, which tc cannot shape): add --device cpu "
-            "to emulate a link, or drop --bandwidth/--hosts/--delay")
-    if problem:
-        raise EmulationUnavailable(f"{problem}. commsched bench refuses --bandwidth/--hosts/--delay "
-                                   "rather than run unshaped; drop them for an unshaped run")
-    if ns.delay and not (probe_delay or delay_supported)():
-        raise EmulationUnavailable("--delay is not supported on this machine: the kernel has no "
-                                   "netem qdisc (sch_netem); run without --delay")
+    _check_can_emulate(name, device, inline=inline, nccl=nccl, problem=problem,
+                       delay_probe=(probe_delay or delay_supported) if ns.delay else None)
     per_collective = link_model == "collective"
     classes = (REDUCE_CLASS_ADDRESS,) if per_collective and hosts == 1 else ()
     host_classes = 1 if per_collective and hosts > 1 else 0
@@ -185,18 +148,7 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
             "link_classes": list(classes) or ([REDUCE_CLASS_PLACEHOLDER] if host_classes else []),
             "rate_bps": rate, "delay_ms": ns.delay, "host_rate_bps": host_rate,
             "nproc_meaning": "processes per host" if hosts > 1 else "processes (ranks)",
-            "layout": (f"{hosts} host namespaces on a bridge, each link limited to the rate in both "
-                       "directions"
-                       + (", in equal-weight htb classes: the gradient reduction (bound to each host's "
-                          "address in 10.213.1.0/24) and everything else (link model 'collective')"
-                          if host_classes else ", shared per TCP flow (link model 'flow')" if link_model else "")
-                       + "; between ranks of one host "
-                       + (f"{format_rate(host_rate)}, shared" if host_rate else "unlimited")
-                       if hosts > 1 else
-                       "one namespace; all ranks share one loopback limited to the rate"
-                       + (f", in equal-weight htb classes: the gradient reduction (bound to {classes[0]}) "
-                          "and everything else (link model 'collective')" if classes else
-                          ", shared per TCP flow (link model 'flow')"))}
+            "layout": _layout_text(hosts, host_rate, classes, host_classes, link_model)}
     if hosts == 1:
         return RunContext(wrap=lambda cmd: prefix + list(cmd), bandwidth=format_rate(rate) if rate else None,
                           note="; ".join(notes), hosts=1, delay_ms=ns.delay, rate_bps=rate,
@@ -212,6 +164,74 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
                       delay_ms=ns.delay, rate_bps=rate, launch=launch, info=info, flags=flags,
                       link_model=link_model,
                       reduce_address=REDUCE_CLASS_PLACEHOLDER if host_classes else None), rest
+
+
+def _check_can_emulate(name: str, device: str, *, inline: bool, nccl: bool, problem: str | None,
+                       delay_probe: Callable[[], bool] | None) -> None:
+    """Refuse an emulation asked for that cannot run (``delay_probe``: whether the kernel can
+    delay, asked last, only when a delay is asked for)."""
+    if inline:
+        raise ValueError(f"workload {name!r} runs inline in this process; --bandwidth, --hosts and "
+                         "--delay apply only to workloads whose variants run under torchrun")
+    if nccl:
+        raise EmulationUnavailable(
+            f"bandwidth emulation shapes gloo's TCP traffic only, and --device {device} may run "
+            "NCCL (NVLink, shared memory or InfiniBand, which tc cannot shape): add --device cpu "
+            "to emulate a link, or drop --bandwidth/--hosts/--delay")
+    if problem:
+        raise EmulationUnavailable(f"{problem}. commsched bench refuses --bandwidth/--hosts/--delay "
+                                   "rather than run unshaped; drop them for an unshaped run")
+    if delay_probe is not None and not delay_probe():
+        raise EmulationUnavailable("--delay is not supported on this machine: the kernel has no "
+                                   "netem qdisc (sch_netem); run without --delay")
+
+
+def _emulation_options(argv: Sequence[str], name: str) -> tuple[argparse.Namespace, list[str], str, int]:
+    """(the emulation options taken out of a bench command line, the rest of it, the workload's
+    own ``--device`` and ``--nproc``, read but left in place: tc shapes gloo's TCP only)."""
+    p = argparse.ArgumentParser(prog=f"commsched bench {name}", add_help=False, allow_abbrev=False)
+    p.add_argument("--bandwidth", default=None)
+    p.add_argument("--hosts", type=int, default=None)
+    p.add_argument("--delay", type=float, default=None)
+    p.add_argument("--host-rate", default=None)
+    p.add_argument("--link-model", default=None)
+    ns, rest = p.parse_known_args(list(argv))
+    if ns.link_model is not None and ns.link_model not in LINK_MODELS:
+        raise ValueError(f"--link-model must be one of {', '.join(LINK_MODELS)}, got {ns.link_model!r}")
+    peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    peek.add_argument("--device", default="auto")
+    peek.add_argument("--nproc", type=int, default=1)
+    seen = peek.parse_known_args(rest)[0]
+    return ns, rest, seen.device, seen.nproc
+
+
+def _default_regime(bandwidth: str, device: str, *, nccl: bool, inline: bool,
+                    problem: str | None) -> tuple[int | None, str]:
+    """The rate of a workload's default regime ``bandwidth`` where it applies here (else None)
+    and the note that says so."""
+    if nccl:
+        return None, (f"the workload's default regime ({bandwidth}) does not apply: "
+                      f"--device {device} may run NCCL, which the emulator cannot shape")
+    if inline:
+        return None, f"the workload's default regime ({bandwidth}) does not apply: it runs inline in this process"
+    if problem is None:
+        return parse_rate(bandwidth), (f"rate {bandwidth} is this workload's default regime "
+                                       "(--bandwidth none runs unshaped)")
+    return None, f"the workload's default regime ({bandwidth}) was NOT emulated ({problem}); this run is unshaped"
+
+
+def _layout_text(hosts: int, host_rate: int | None, classes: tuple[str, ...], host_classes: int,
+                 link_model: str | None) -> str:
+    """The emulated layout in words (the run's ``info["layout"]``)."""
+    collective = ", in equal-weight htb classes: the gradient reduction (bound to {}) and everything else " \
+                 "(link model 'collective')"
+    flow = ", shared per TCP flow (link model 'flow')"
+    if hosts == 1:
+        return ("one namespace; all ranks share one loopback limited to the rate"
+                + (collective.format(classes[0]) if classes else flow))
+    share = collective.format("each host's address in 10.213.1.0/24") if host_classes else flow if link_model else ""
+    return (f"{hosts} host namespaces on a bridge, each link limited to the rate in both directions{share}"
+            "; between ranks of one host " + (f"{format_rate(host_rate)}, shared" if host_rate else "unlimited"))
 
 
 def _link_model(asked: str | None, wl: Workload | None, rate: int | None, hosts: int, delay: float | None,

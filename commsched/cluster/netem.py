@@ -1,49 +1,25 @@
 """Bandwidth emulation: run commands behind rate-limited links inside network namespaces.
 
-Two layouts, both built from scratch for one command and removed after it:
-
-* **loopback** (default, ``--hosts 1``): one fresh network namespace whose loopback is
-  up and limited by a ``tbf`` (token bucket) qdisc. Every byte that any process in the
-  namespace sends to any other crosses that one qdisc once, so all ranks *share* RATE.
-* **hosts** (``--hosts K``, K >= 2): K host namespaces and one bridge namespace. Host i
-  has one veth link ``cs0`` with address ``10.213.0.(i+1)/24`` whose other end sits on
-  a bridge in the bridge namespace. Both ends of every link carry a ``tbf``, so each host
-  sends at most RATE and receives at most RATE, like a machine on a switch. The command
-  runs once per host, with placeholders filled in (see :data:`PLACEHOLDERS`). Traffic
-  between processes of one host uses that host's loopback: unlimited, or limited to
-  ``--host-rate`` (one ``tbf`` on the host's ``lo``, shared by all its processes, as a
-  host's fabric is shared), which sets the intra/inter ratio (NVLink vs NIC: 10-20x).
-
-Nothing is added to the root namespace: the addresses exist only inside the namespaces
-created here, which have no route anywhere else. The namespaces are deleted when the
-command ends, fails, or this process receives SIGINT, SIGTERM or SIGHUP.
-
-**Link classes** (``--classes ADDR[,ADDR...]``, loopback layout; ``--host-classes N``,
-hosts layout): instead of one ``tbf``
-whose TCP flows share the rate flow by flow, the loopback gets an ``htb`` qdisc with one
-class per listed address (every packet from or to it) and one class for all other
-traffic, each guaranteed an equal share of RATE and allowed to borrow up to all of it
-when the others are idle. A program that binds each kind of collective to its own
-address (commsched's gradient reduction: ``ScheduleConfig.reduce_address``) then sees
-concurrent collectives share the link per collective, as NCCL's channels of two
-communicators do on a GPU cluster, rather than per TCP connection (an all-to-all of P
-ranks opens P (P - 1) flows, a ring allreduce P). It models only the link's share; not the
-SM contention of two NCCL kernels, nor NVLink inside a node. On emulated hosts, class C
-(1..N) is a subnet of its own, ``10.213.C.0/24``: host i's link gets a second address
-``10.213.C.(i+1)`` in it (``{caddrC}`` in the command), and both ends of every host link
-carry the ``htb`` with one class per subnet and one for the rest, so each host's NIC is
-shared per collective in both directions.
-
-``--delay MS`` needs the ``netem`` qdisc (``sch_netem``); kernels without it are told so
-with a non-zero exit rather than running without the delay.
+Two layouts, both built from scratch for one command and removed after it (docs/netem.md):
+a **loopback** (``--hosts 1``), one namespace whose loopback all ranks share at RATE, and
+**hosts** (``--hosts K``), K host namespaces on a bridge, each host's link limited to RATE
+both ways, the command run once per host (:data:`PLACEHOLDERS`). ``--classes`` /
+``--host-classes`` give the traffic of listed addresses (subnets) equal shares of the link
+(``htb``) instead of one ``tbf`` shared per TCP flow; ``--delay`` adds a one-way delay
+(``sch_netem``; refused where the kernel lacks it). Nothing is added to the root namespace,
+and the namespaces are deleted when the command ends, fails, or this process receives
+SIGINT, SIGTERM or SIGHUP.
 
 The pure helpers (rate parsing, tbf sizing, command building, requirement checks) have
-no side effects and are tested without root; :func:`main` and :class:`Emulation` act.
+no side effects and are tested without root; :func:`main` and :class:`Emulation` act. The
+file imports nothing of commsched: the bench runner runs it as a file of its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import ipaddress
 import os
 import re
@@ -51,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -88,12 +65,10 @@ PLACEHOLDERS = {
 
 _RATE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)\s*$")
 # tc(8) rate units, to bits per second; SI prefixes are powers of 1000, IEC of 1024
-_RATE_UNITS: dict[str, float] = {
-    "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-    "kibit": 1024, "mibit": 1024**2, "gibit": 1024**3, "tibit": 1024**4,
-    "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
-    "kibps": 8 * 1024, "mibps": 8 * 1024**2, "gibps": 8 * 1024**3, "tibps": 8 * 1024**4,
-}
+_RATE_UNITS: dict[str, float] = {  # bit, kbit, ..., tibit, then bps, kbps, ..., tibps
+    f"{prefix}{unit}": per * scale for unit, per in (("bit", 1), ("bps", 8))
+    for prefix, scale in (("", 1), ("k", 1e3), ("m", 1e6), ("g", 1e9), ("t", 1e12),
+                          ("ki", 1024), ("mi", 1024**2), ("gi", 1024**3), ("ti", 1024**4))}
 _UNSHAPED = ("none", "off", "unlimited")
 
 
@@ -137,13 +112,9 @@ def format_rate(bps: int | None) -> str:
     """Bits per second as a short tc rate: 1000000000 -> '1gbit', 2.5e8 -> '250mbit'."""
     if bps is None:
         return "unshaped"
-    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
-        if bps >= scale and bps % scale == 0:
-            return f"{bps // scale}{unit}"
-    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
-        if bps >= scale:
-            return f"{bps / scale:.6g}{unit}"
-    return f"{bps}bit"
+    units = (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3))  # whole units first, else 6 digits
+    exact = next((f"{bps // scale}{unit}" for unit, scale in units if bps >= scale and bps % scale == 0), None)
+    return exact or next((f"{bps / scale:.6g}{unit}" for unit, scale in units if bps >= scale), f"{bps}bit")
 
 
 @dataclass(frozen=True)
@@ -157,16 +128,10 @@ class TbfParams:
 
 
 def tbf_params(rate_bps: int, mtu: int) -> TbfParams:
-    """Size a tbf for ``rate_bps`` on a device of this MTU.
-
-    The bucket is :data:`BURST_TIME_S` of traffic, or one whole packet if that is more
-    (tbf drops packets larger than its bucket). After an idle spell a full bucket passes
-    at line speed, so an exchange of X bytes can beat the rate by up to bucket / X; a
-    smaller bucket is more faithful but, woken by timers on a busy machine, tbf then falls
-    short of the rate (measured here: a 10 KB bucket held 1 Gbit/s to 82%). The queue
-    holds :data:`QUEUE_TIME_S` more, enough that TCP is not starved by drops, short enough
-    to keep the added latency small.
-    """
+    """Size a tbf for ``rate_bps`` on a device of this MTU: a bucket of :data:`BURST_TIME_S`
+    of traffic or one whole packet, whichever is more, and a queue of :data:`QUEUE_TIME_S`
+    more (the trade-off: docs/netem.md, "Sizing the token bucket"; a 10 KB bucket held
+    1 Gbit/s to 82% here)."""
     if rate_bps <= 0:
         raise ValueError(f"rate must be > 0 bits/s, got {rate_bps}")
     if mtu < 68:
@@ -249,12 +214,9 @@ def parse_class_addresses(text: str | Sequence[str] | None) -> tuple[str, ...]:
 def class_shaping_commands(ns: str, dev: str, rate_bps: int, mtu: int,
                            addresses: Sequence[str]) -> list[list[str]]:
     """tc commands (run in ``ns``) giving ``dev`` an ``htb`` of ``rate_bps`` with one class
-    per address in ``addresses`` (packets from or to it; ``A.B.C.D/L``: from or to that
-    subnet) and a default class for the rest:
-    each is guaranteed ``rate_bps / (len(addresses) + 1)`` and may borrow up to
-    ``rate_bps`` (ceil), equal quanta, so backlogged classes share equally whatever their
-    number of TCP flows. Each class queues in a ``bfifo`` as deep as :func:`tbf_params`'s
-    queue; bursts are the tbf bucket (:data:`BURST_TIME_S`)."""
+    per address in ``addresses`` (packets from or to it; ``A.B.C.D/L``: that subnet) and a
+    default class for the rest, each guaranteed an equal share and allowed to borrow all of
+    it; each queues in a ``bfifo`` as deep as :func:`tbf_params`'s queue."""
     if not addresses:
         raise ValueError("class shaping needs at least one address")
     p = tbf_params(rate_bps, mtu)
@@ -281,15 +243,9 @@ def class_shaping_commands(ns: str, dev: str, rate_bps: int, mtu: int,
 
 @dataclass(frozen=True)
 class NetSpec:
-    """What to emulate. ``rate_bps`` None: links are not limited (hosts still emulated).
-    ``hosts`` 1: a shaped loopback; K >= 2: K hosts on a bridge. ``delay_ms``: one-way
-    delay added to every packet (needs sch_netem). ``tag`` makes the names unique.
-    ``host_rate_bps`` (hosts mode only): the limit of each host's own loopback, which
-    carries the traffic between the processes of that host (None: unlimited).
-    ``classes`` (loopback layout, with a rate, no delay): addresses whose traffic gets its
-    own equal share of the link (:func:`class_shaping_commands`); () keeps one ``tbf``
-    shared per TCP flow. ``host_classes`` (hosts layout, with a rate, no delay): the number
-    of link classes of every host link, each a subnet (:func:`class_address`)."""
+    """What to emulate: the fields are ``commsched netem``'s options (``--rate``, ``--hosts``,
+    ``--delay``, ``--host-rate``, ``--classes``, ``--host-classes``; None: not limited);
+    ``tag`` makes the names unique. The combinations the options refuse are refused here."""
 
     rate_bps: int | None
     hosts: int = 1
@@ -366,17 +322,21 @@ def class_address(i: int, c: int) -> str:
     return host_address(i).rsplit(".", 2)[0] + f".{c}.{i + 1}"
 
 
+def _loopback_commands(ns: str, rate_bps: int | None) -> tuple[list[list[str]], int]:
+    """Bring up the loopback of ``ns`` (its MTU lowered to fit the rate's bucket); its MTU."""
+    mtu = loopback_mtu(rate_bps)
+    lower = [netns_cmd(ns, ["ip", "link", "set", "dev", "lo", "mtu", str(mtu)])] if mtu != LOOPBACK_MTU else []
+    return lower + [netns_cmd(ns, ["ip", "link", "set", "dev", "lo", "up"])], mtu
+
+
 def plan_network(spec: NetSpec) -> NetPlan:
     """Names and set-up commands for ``spec`` (nothing is run here)."""
     base = f"{NETNS_PREFIX}-{spec.tag}" if spec.tag else NETNS_PREFIX
     cmds: list[list[str]] = []
     if spec.hosts == 1:
         ns = f"{base}-lo"
-        mtu = loopback_mtu(spec.rate_bps)
-        cmds.append(["ip", "netns", "add", ns])
-        if mtu != LOOPBACK_MTU:
-            cmds.append(netns_cmd(ns, ["ip", "link", "set", "dev", "lo", "mtu", str(mtu)]))
-        cmds.append(netns_cmd(ns, ["ip", "link", "set", "dev", "lo", "up"]))
+        lo, mtu = _loopback_commands(ns, spec.rate_bps)
+        cmds += [["ip", "netns", "add", ns], *lo]
         if spec.classes:
             assert spec.rate_bps is not None  # NetSpec checked
             cmds += class_shaping_commands(ns, "lo", spec.rate_bps, mtu, spec.classes)
@@ -397,11 +357,8 @@ def plan_network(spec: NetSpec) -> NetPlan:
                                    "peer", "name", HOST_IFNAME, "mtu", str(mtu), "netns", h]))
         cmds.append(netns_cmd(br, ["ip", "link", "set", "dev", port, "master", BRIDGE_IFNAME]))
         cmds.append(netns_cmd(br, ["ip", "link", "set", "dev", port, "up"]))
-        lo_mtu = loopback_mtu(spec.host_rate_bps)
-        if lo_mtu != LOOPBACK_MTU:
-            cmds.append(netns_cmd(h, ["ip", "link", "set", "dev", "lo", "mtu", str(lo_mtu)]))
-        cmds.append(netns_cmd(h, ["ip", "link", "set", "dev", "lo", "up"]))
-        cmds += shaping_commands(h, "lo", spec.host_rate_bps, lo_mtu)
+        lo, lo_mtu = _loopback_commands(h, spec.host_rate_bps)
+        cmds += lo + shaping_commands(h, "lo", spec.host_rate_bps, lo_mtu)
         cmds.append(netns_cmd(h, ["ip", "addr", "add", f"{a}/{SUBNET_BITS}", "dev", HOST_IFNAME]))
         # the class addresses after the primary one, which stays the interface's first
         # (gloo binds to the first address of GLOO_SOCKET_IFNAME)
@@ -436,12 +393,7 @@ def fill_placeholders(argv: Sequence[str], host: int, addresses: Sequence[str],
               "{addr0}": addresses[0], "{is_host0}": "1" if host == 0 else "0"}
     if class_addresses:
         values.update({f"{{caddr{c + 1}}}": a for c, a in enumerate(class_addresses[host])})
-    out = []
-    for a in argv:
-        for k, v in values.items():
-            a = a.replace(k, v)
-        out.append(a)
-    return out
+    return [functools.reduce(lambda a, kv: a.replace(*kv), values.items(), arg) for arg in argv]
 
 
 def child_env(plan: NetPlan, base: dict[str, str]) -> dict[str, str]:
@@ -463,9 +415,7 @@ def check_requirements(euid: int, which: Callable[[str], str | None] = shutil.wh
     if missing:
         problems.append(f"the {' and '.join(repr(t) for t in missing)} command{'s are' if len(missing) > 1 else ' is'} "
                         "missing; install iproute2 (e.g. apt-get install iproute2)")
-    if not problems:
-        return None
-    return "bandwidth emulation is unavailable: " + "; ".join(problems)
+    return "bandwidth emulation is unavailable: " + "; ".join(problems) if problems else None
 
 
 def exit_code(returncodes: Sequence[int | None]) -> int:
@@ -489,17 +439,18 @@ def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
     return p
 
 
+_MISSING_QDISC = {  # a qdisc tc calls unknown -> what the user is told
+    "netem": "--delay is not supported on this machine: the kernel has no netem qdisc (sch_netem), "
+             "which adding a delay needs. Run without --delay.",
+    "htb": "the kernel has no htb qdisc (sch_htb), which link classes (--classes) need; run without --classes",
+    "tbf": "the kernel has no tbf qdisc (sch_tbf), which rate limiting needs",
+}
+
+
 def _explain_setup_failure(err: NetemError, spec: NetSpec) -> NetemError:
     text = str(err)
-    if "netem" in text and "unknown" in text.lower():
-        return NetemError(f"--delay is not supported on this machine: the kernel has no netem "
-                          f"qdisc (sch_netem), which adding a delay needs. Run without --delay. ({text})")
-    if "htb" in text and "unknown" in text.lower():
-        return NetemError(f"the kernel has no htb qdisc (sch_htb), which link classes (--classes) need; "
-                          f"run without --classes ({text})")
-    if "tbf" in text and "unknown" in text.lower():
-        return NetemError(f"the kernel has no tbf qdisc (sch_tbf), which rate limiting needs ({text})")
-    return err
+    qdisc = next((q for q in _MISSING_QDISC if q in text and "unknown" in text.lower()), None)
+    return err if qdisc is None else NetemError(f"{_MISSING_QDISC[qdisc]} ({text})")
 
 
 def list_namespaces() -> list[str]:
@@ -519,14 +470,13 @@ class Emulation:
     def __enter__(self) -> "Emulation":
         try:
             for cmd in self.plan.setup:
-                if cmd[:3] == ("ip", "netns", "add"):
-                    if cmd[3] in list_namespaces():
-                        raise NetemError(f"network namespace {cmd[3]} already exists; "
-                                         f"remove it with `ip netns delete {cmd[3]}`")
-                    _run(cmd)
+                adds = cmd[:3] == ("ip", "netns", "add")
+                if adds and cmd[3] in list_namespaces():
+                    raise NetemError(f"network namespace {cmd[3]} already exists; "
+                                     f"remove it with `ip netns delete {cmd[3]}`")
+                _run(cmd)
+                if adds:
                     self.created.append(cmd[3])
-                else:
-                    _run(cmd)
         except BaseException as e:
             self.close()
             if isinstance(e, NetemError):
@@ -536,10 +486,7 @@ class Emulation:
 
     def close(self) -> list[str]:
         """Delete the namespaces created; return the ones that could not be deleted."""
-        left = []
-        for ns in reversed(self.created):
-            if _run(["ip", "netns", "delete", ns], check=False).returncode != 0:
-                left.append(ns)
+        left = [ns for ns in reversed(self.created) if _run(["ip", "netns", "delete", ns], check=False).returncode]
         self.created = []
         return left
 
@@ -557,10 +504,8 @@ class _Stop(Exception):
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(p.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _stop_all(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
@@ -569,26 +514,19 @@ def _stop_all(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
             _signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in procs:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
     for p in procs:  # the group may hold children that outlive the leader
         _signal_group(p, signal.SIGKILL)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def run_emulated(spec: NetSpec, argv: Sequence[str], env: dict[str, str] | None = None,
                  grace_s: float = STOP_GRACE_S) -> int:
     """Run ``argv`` inside the emulation (once per host in hosts mode); return its status.
-
-    SIGINT/SIGTERM/SIGHUP stop the command (SIGTERM to its process group, SIGKILL after
-    ``grace_s``) and the namespaces are deleted before returning 128+signal. When one
-    host's command fails, the others are stopped.
-    """
+    SIGINT/SIGTERM/SIGHUP stop it (SIGKILL after ``grace_s``), 128+signal once the namespaces
+    are deleted; a failing host stops the others (docs/netem.md, "Clean-up guarantees")."""
     if not argv:
         raise ValueError("no command given; put it after --, e.g. commsched netem --rate 1gbit -- python x.py")
     state = {"armed": True}
@@ -600,7 +538,7 @@ def run_emulated(spec: NetSpec, argv: Sequence[str], env: dict[str, str] | None 
             raise _Stop(signum)
 
     try:
-        if _is_main_thread():
+        if threading.current_thread() is threading.main_thread():
             for s in STOP_SIGNALS:
                 old[s] = signal.signal(s, on_signal)
         with Emulation(spec) as em:
@@ -632,12 +570,6 @@ def run_emulated(spec: NetSpec, argv: Sequence[str], env: dict[str, str] | None 
             signal.signal(s, h)
 
 
-def _is_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
 def delay_supported() -> bool:
     """Whether this kernel has the netem qdisc (probed in a throwaway namespace; root)."""
     spec = NetSpec(rate_bps=None, hosts=1, delay_ms=1.0, tag=f"probe{os.getpid()}")
@@ -665,25 +597,17 @@ def namespace_owner(name: str) -> tuple[str, int] | None:
 
 def stale_namespaces(names: Sequence[str], alive: Callable[[int], bool],
                      occupied: Callable[[str], bool] = lambda ns: False) -> list[str]:
-    """Our namespaces (``commsched-<pid>...``, see :func:`namespace_owner`) left behind by
-    an emulation that is over: its creating process ``alive`` says is gone, and no
-    namespace of that emulation is ``occupied`` (still holds a process: a command that
-    outlived a killed emulator, or an emulator whose pid this process cannot see, as from
-    another pid namespace). An emulation's namespaces are judged together, so the bridge
-    of hosts whose commands still run is kept too. Pure: both tests are passed in."""
-    groups: dict[str, list[str]] = {}
-    pids: dict[str, int] = {}
+    """Our namespaces (:func:`namespace_owner`) left behind by an emulation that is over: its
+    process not ``alive`` and none of its namespaces ``occupied`` (judged together; docs/netem.md,
+    "Clean-up guarantees"). Pure: both tests are passed in."""
+    groups: dict[tuple[str, int], list[str]] = {}
     for n in names:
         owner = namespace_owner(n)
         if owner is not None:
-            groups.setdefault(owner[0], []).append(n)
-            pids[owner[0]] = owner[1]
-    out = []
-    for base, members in groups.items():
-        if alive(pids[base]) or any(occupied(n) for n in members):
-            continue
-        out += members
-    return [n for n in names if n in set(out)]
+            groups.setdefault(owner, []).append(n)
+    out = {n for (_, pid), members in groups.items()
+           if not alive(pid) and not any(occupied(m) for m in members) for n in members}
+    return [n for n in names if n in out]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -691,8 +615,8 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 

@@ -368,6 +368,13 @@ class GroupLayout:
     def groups(self) -> int:
         return len(self.counts)
 
+    def spans(self):
+        """(rows n, bits, first row, first byte, payload bytes B of a row) of each non-empty group,
+        in order: its meta is bytes ``[b0, b0 + n * META_BYTES)``, its payload the ``n * B`` after."""
+        for n, bits, r0, b0 in zip(self.counts, self.bits, self.row_offsets, self.byte_offsets):
+            if n:
+                yield n, bits, r0, b0, payload_bytes(self.dim, bits)
+
     @property
     def rows(self) -> int:
         """R, the rows of the whole message."""
@@ -420,12 +427,7 @@ def pack_groups(x_RD: torch.Tensor, layout: GroupLayout, *,
           or out.numel() != layout.nbytes or out.device != x.device):
         raise ValueError(f"out must be a 1-D uint8 tensor of {layout.nbytes} bytes on {x.device}")
     ok = None
-    for g in range(layout.groups):
-        n, bits = layout.counts[g], layout.bits[g]
-        if n == 0:
-            continue
-        r0, b0 = layout.row_offsets[g], layout.byte_offsets[g]
-        B = payload_bytes(layout.dim, bits)
+    for n, bits, r0, b0, B in layout.spans():
         xg = x[r0:r0 + n]
         payload_view = out[b0 + n * META_BYTES:b0 + n * (META_BYTES + B)].view(n, B)
         _, meta = quantize_rows(xg, bits, key, r0, impl, out_NB=payload_view)
@@ -459,12 +461,7 @@ def unpack_groups(buf_B: torch.Tensor, layout: GroupLayout, *, out: torch.Tensor
         out = _empty_like_rows(shape, torch.float32, buf_B.device)
     else:
         _check_out(out, shape, buf_B.device)
-    for g in range(layout.groups):
-        n, bits = layout.counts[g], layout.bits[g]
-        if n == 0:
-            continue
-        r0, b0 = layout.row_offsets[g], layout.byte_offsets[g]
-        B = payload_bytes(layout.dim, bits)
+    for n, bits, r0, b0, B in layout.spans():
         meta = _meta_from_bytes(buf_B[b0:b0 + n * META_BYTES], n)
         payload = buf_B[b0 + n * META_BYTES:b0 + n * (META_BYTES + B)].view(n, B)
         dequantize_rows(payload, meta, bits, layout.dim, impl, out_ND=out[r0:r0 + n])

@@ -188,12 +188,12 @@ def _case_bad_dtype_shape(rank: int, world: int) -> None:
 def _case_ring_refuses_device_rows_on_gloo(rank: int, world: int) -> None:
     """Audit 2, item 14: CUDA rows over gloo's send/recv are refused (CUDA itself is not needed
     to check the rule, only the device of the rows)."""
-    from commsched.all2all import _check_ring_device
+    from commsched.transport import check_ring_device
 
     with pytest.raises(ValueError, match="ring pattern cannot carry rows on cuda"):
-        _check_ring_device("ring", torch.device("cuda", 0), None)
-    _check_ring_device("direct", torch.device("cuda", 0), None)  # gloo's all_to_all_single takes them
-    _check_ring_device("ring", torch.device("cpu"), None)
+        check_ring_device("ring", torch.device("cuda", 0), None)
+    check_ring_device("direct", torch.device("cuda", 0), None)  # gloo's all_to_all_single takes them
+    check_ring_device("ring", torch.device("cpu"), None)
 
 
 CASES = [("exchange", _case_exchange), ("ring_refuses_device_rows_on_gloo", _case_ring_refuses_device_rows_on_gloo), ("backward", _case_backward),

@@ -348,6 +348,18 @@ def test_duplex_probe_listens_on_loopback_unless_inside_emulated_hosts():
     assert probe_bind_address(lan, (), asked="192.168.1.7") == "192.168.1.7"    # asked for
 
 
+def test_tcp_stream_receives_exactly_what_was_sent():
+    import socket
+
+    from commsched.bench.micro.netem_check import tcp_stream
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    got, seconds = tcp_stream(srv, srv.getsockname(), 3_000_001, 65536)  # a partial last chunk
+    assert got == 3_000_001 and seconds > 0
+
+
 def _socket_probe_case(rank: int, world: int) -> float:
     from commsched.bench.micro.netem_check import socket_duplex_probe
 

@@ -464,6 +464,11 @@ def test_single_group_pack_equals_single_width_message():
     assert unpack_groups(torch.empty(0, dtype=torch.uint8), GroupLayout(50, (0, 0), (2, 8))).shape == (0, 50)
 
 
+def test_layout_spans_skip_empty_groups():
+    # (rows, bits, first row, first byte, payload bytes of a row): 10 values at 2 bits = 3 bytes
+    assert list(GroupLayout(10, (2, 0, 3), (2, 4, 8)).spans()) == [(2, 2, 0, 0, 3), (3, 8, 2, 22, 10)]
+
+
 # --------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("bits", [0, 1, 3, 16, 4.0, True, "4", None])
 def test_bad_bits(bits):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -43,6 +42,7 @@ from ...dist import (
 )
 from ...results import write_json
 from ..runner import Variant, Workload, median_of
+from .netem_check import tcp_stream
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
 
@@ -52,32 +52,7 @@ def loopback_socket_MBps(nbytes: int = 256 << 20, chunk: int = 1 << 20, host: st
     srv = socket.socket()
     srv.bind((host, 0))
     srv.listen(1)
-    port = srv.getsockname()[1]
-    payload = b"\0" * chunk
-
-    def sender() -> None:
-        with socket.create_connection((host, port)) as c:
-            sent = 0
-            while sent < nbytes:
-                c.sendall(payload)
-                sent += chunk
-
-    th = threading.Thread(target=sender, daemon=True)
-    th.start()
-    conn, _ = srv.accept()
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    got = 0
-    t0 = time.perf_counter()
-    while got < nbytes:
-        n = conn.recv_into(view)
-        if n == 0:
-            break
-        got += n
-    dt = time.perf_counter() - t0
-    th.join()
-    conn.close()
-    srv.close()
+    got, dt = tcp_stream(srv, (host, srv.getsockname()[1]), nbytes, chunk)
     return got / dt / 1e6
 
 

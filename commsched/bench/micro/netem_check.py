@@ -123,6 +123,38 @@ def duplex_probe(nbytes: int, repeats: int = 2) -> dict[str, float]:
     return {k: sorted(v)[len(v) // 2] for k, v in rates.items()}
 
 
+def tcp_stream(srv: socket.socket, peer: tuple[str, int], nbytes: int, chunk: int = 1 << 20, *,
+               from_first_byte: bool = False) -> tuple[int, float]:
+    """Send ``nbytes`` to ``peer`` from a thread while receiving on ``srv``'s first connection
+    (``nbytes`` at most); (bytes received, seconds from the accept, or from the first bytes'
+    arrival with ``from_first_byte``). Closes ``srv``."""
+    payload = b"\0" * chunk
+
+    def send() -> None:
+        with socket.create_connection(peer) as c:
+            left = nbytes
+            while left > 0:
+                c.sendall(payload[:min(left, chunk)])
+                left -= min(left, chunk)
+
+    th = threading.Thread(target=send, daemon=True)
+    th.start()
+    conn, _ = srv.accept()
+    view = memoryview(bytearray(chunk))
+    got = conn.recv_into(view) if from_first_byte else 0
+    t0 = time.perf_counter()
+    while got < nbytes:
+        n = conn.recv_into(view)
+        if n == 0:
+            break
+        got += n
+    dt = time.perf_counter() - t0
+    th.join()
+    conn.close()
+    srv.close()
+    return got, dt
+
+
 def socket_duplex_probe(nbytes: int, host: str = "127.0.0.1") -> float:
     """Two ranks, plain TCP beside gloo: each listens on ``host`` (see
     :func:`probe_bind_address`), connects to the other's and sends ``nbytes`` while
@@ -132,33 +164,9 @@ def socket_duplex_probe(nbytes: int, host: str = "127.0.0.1") -> float:
     srv.bind((host, 0))
     srv.listen(1)
     where = all_gather_object((host, srv.getsockname()[1]), "exchanging TCP probe addresses")
-    peer = where[1 - dist.get_rank()]
-    payload = b"\0" * (1 << 20)
-
-    def send() -> None:
-        with socket.create_connection(peer) as c:
-            left = nbytes
-            while left > 0:
-                c.sendall(payload[:min(left, len(payload))])
-                left -= min(left, len(payload))
-
     barrier("starting the TCP probe")
-    th = threading.Thread(target=send, daemon=True)
-    th.start()
-    conn, _ = srv.accept()
-    buf = bytearray(1 << 20)
-    got = conn.recv_into(buf)
-    t = time.monotonic()
-    while got < nbytes:
-        k = conn.recv_into(buf)
-        if k == 0:
-            break
-        got += k
-    rate = got * 8 / (time.monotonic() - t)
-    th.join()
-    conn.close()
-    srv.close()
-    return rate
+    got, dt = tcp_stream(srv, where[1 - dist.get_rank()], nbytes, from_first_byte=True)
+    return got * 8 / dt
 
 
 def contention_probe(nbytes: int, *, reduce_address: str | None, repeats: int = 5, microop_bytes: int = 256 << 10,
