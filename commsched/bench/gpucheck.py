@@ -331,7 +331,7 @@ def _shared_worker(rank: int, world: int, init_file: str, device_name: str, q) -
     try:
         import torch.distributed as dist
 
-        from ..all2all import SegmentLayout, all_to_all, exchange_segments
+        from ..comm.all2all import SegmentLayout, all_to_all, exchange_segments
         from ..dist import prepare_process_group_import
 
         prepare_process_group_import()

@@ -248,7 +248,7 @@ def _path_a2a_q8(dev: torch.device, ref_pg, quick: bool) -> dict:
     towards the experts, bfloat16 back; the backward pass the other way round), forward and
     backward on the one-rank group (it encodes and decodes before the one-rank copy): equal
     to the torch reference's encode / decode with the same keys."""
-    from ..all2all import all_to_all
+    from ..comm.all2all import all_to_all
     from ..moe.model.dispatch import moe_wires
     from ..quant.rowwire import QuantRows
 

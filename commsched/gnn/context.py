@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..all2all import CommStats
+from ..comm.all2all import CommStats
 from .timing import Breakdown
 
 
@@ -26,7 +26,7 @@ class PassContext:
     (no dropout, full-precision exchanges). timer: where the pass's seconds go, by
     :data:`~commsched.gnn.timing.BREAKDOWN_KEYS` (the timer accumulates; the context only
     names it). stats: the halo exchanges' byte counters, or None for traffic that is not
-    counted (evaluation). events: an :class:`~commsched.observe.A2AObserver` told of every
+    counted (evaluation). events: an :class:`~commsched.comm.observe.A2AObserver` told of every
     backward halo exchange (launch to arrival), so a gradient scheduler holds the
     allreduce behind them (``TrainConfig.grad_schedule``); None: nobody is told.
 

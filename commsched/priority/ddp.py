@@ -19,7 +19,7 @@ futures only at the end of the backward pass. :func:`lina_hook` reports the buck
 gradients (views of its buffer) to one :class:`~commsched.priority.runtime.executor.GradScheduler`,
 which cuts them into micro-ops and launches them when the policy allows -- after the
 all-to-all that the MoE layers report to the same state (it is an
-:class:`~commsched.observe.A2AObserver`: register it with the layers' ``A2AEvents``) --
+:class:`~commsched.comm.observe.A2AObserver`: register it with the layers' ``A2AEvents``) --
 and returns a future completed when the bucket's last micro-op is done. The micro-ops go
 over a process group of their own (DDP's ranks; made by the state, or ``group=``), never
 DDP's group itself: the all-to-all often uses that one (an expert group of all ranks is
@@ -72,8 +72,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..comm.observe import A2AEvents
 from ..dist import new_group
-from ..observe import A2AEvents
 from .policy import ScheduleConfig
 from .runtime.executor import GradScheduler, group_size
 

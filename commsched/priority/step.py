@@ -69,7 +69,7 @@ class GradStep:
     # ------------------------------------------------------------------ life
     @property
     def scheduler(self) -> GradScheduler:
-        """The open scheduler (an :class:`~commsched.observe.A2AObserver`: register it with
+        """The open scheduler (an :class:`~commsched.comm.observe.A2AObserver`: register it with
         the MoE layers' events)."""
         if self._sched is None:
             raise RuntimeError("GradStep is not open: `with make_grad_step(...) as gs:`")

@@ -18,8 +18,8 @@ it is specific to MoE:
   launched per gap). So an urgent operation never waits behind more than the credit.
 
 :func:`urgent` (also ``GradScheduler.urgent``) is the one entry point: it tells the
-scheduler -- or any :class:`~commsched.observe.A2AObserver`, an
-:class:`~commsched.observe.A2AEvents` included -- that an urgent operation begins, starts
+scheduler -- or any :class:`~commsched.comm.observe.A2AObserver`, an
+:class:`~commsched.comm.observe.A2AEvents` included -- that an urgent operation begins, starts
 it, and reports its end when :meth:`UrgentOp.wait` returns::
 
     with GradScheduler(params, ScheduleConfig("lina")) as sched:
@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..observe import A2AObserver, A2AReport, check_observer
+from ..comm.observe import A2AObserver, A2AReport, check_observer
 
 
 def _wait_all(started: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Quantized rows on an all-to-all: the shared codec as a :class:`commsched.all2all.RowFormat`.
+"""Quantized rows on an all-to-all: the shared codec as a :class:`commsched.comm.all2all.RowFormat`.
 
 Legend: R rows, F values per row (the product of the trailing dimensions), W bytes of
 one row record.

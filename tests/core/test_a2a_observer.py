@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import commsched
-from commsched.all2all import A2APlan
-from commsched.observe import A2AEvents
+from commsched.comm.all2all import A2APlan
+from commsched.comm.observe import A2AEvents
 from commsched.priority import LOCAL, GradScheduler, ScheduleConfig
 from tests.mp import assert_case, run_cases
 

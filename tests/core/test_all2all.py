@@ -19,7 +19,7 @@ from commsched import (
     all_to_all_async,
     exchange_segments,
 )
-from commsched.all2all import TRANSPORTS
+from commsched.comm.all2all import TRANSPORTS
 from tests.mp import assert_case, run_cases, run_ranks
 
 DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
@@ -188,7 +188,7 @@ def _case_bad_dtype_shape(rank: int, world: int) -> None:
 def _case_ring_refuses_device_rows_on_gloo(rank: int, world: int) -> None:
     """Audit 2, item 14: CUDA rows over gloo's send/recv are refused (CUDA itself is not needed
     to check the rule, only the device of the rows)."""
-    from commsched.transport import check_ring_device
+    from commsched.comm.transport import check_ring_device
 
     with pytest.raises(ValueError, match="ring pattern cannot carry rows on cuda"):
         check_ring_device("ring", torch.device("cuda", 0), None)
@@ -263,7 +263,7 @@ def test_segment_layout_validation():
 
 
 def test_commstats_defers_device_intervals_until_settled():
-    from commsched.all2all import CommStats
+    from commsched.comm.all2all import CommStats
 
     class FakeEvent:  # the part of torch.cuda.Event that CommStats uses
         def __init__(self, ms):

@@ -64,7 +64,7 @@ def test_compute_lane_errors_also_reach_the_waiter_not_the_submitter():
 
 
 def test_tensors_in_finds_nested_tensors():
-    from commsched.lanes import tensors_in
+    from commsched.comm.lanes import tensors_in
 
     a, b, c = torch.ones(1), torch.zeros(2), torch.ones(3)
     found = tensors_in(((a, [b, 7]), {"k": c, "s": "x"}))

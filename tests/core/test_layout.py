@@ -26,7 +26,7 @@ def test_graph_sees_the_package():
     # the walk finds the rooms and real edges (a broken walk would pass every rule below)
     rooms = {_room(m) for m in GRAPH}
     assert rooms == {"core", "quant", "priority", "gnn", "moe", "bench", "kernels"}
-    assert "commsched.all2all" in GRAPH["commsched.moe.model.dispatch"]
+    assert "commsched.comm.all2all" in GRAPH["commsched.moe.model.dispatch"]
     assert "commsched.kernels.quant" in GRAPH["commsched.quant.codec"]
     assert "commsched.bench.runner" in GRAPH["commsched.bench.workloads"]
 

@@ -79,7 +79,7 @@ def _case_ring_pattern(rank: int, world: int) -> None:
 def _case_ring_posted_at_once(rank: int, world: int) -> None:
     """The device path of the async ring (every round posted from the caller's thread, item 8),
     forced on the CPU."""
-    import commsched.all2all as a2a
+    import commsched.comm.all2all as a2a
 
     C = _counts(world)
     x, want = _rows(rank, sum(C[rank])), _expected(rank, world, C)

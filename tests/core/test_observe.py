@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from commsched.observe import A2AEvents, A2ATimer
+from commsched.comm.observe import A2AEvents, A2ATimer
 
 
 class _Log:
@@ -87,7 +87,7 @@ class _EventClock:
 def test_an_observed_exchange_never_waits_for_its_events(monkeypatch):
     """Audit 2, item 5: A2AReport hands the blocked interval over as events; the observer
     resolves them when it reports (one wait each at settle), none at the exchange."""
-    import commsched.observe as obs
+    import commsched.comm.observe as obs
 
     monkeypatch.setattr(obs, "Clock", _EventClock)
     _Event.waits = 0

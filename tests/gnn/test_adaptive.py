@@ -73,7 +73,7 @@ def test_warmup_and_offered_techniques():
 
 
 def three_rank_cases(rank: int, world: int) -> dict:
-    from commsched.all2all import CommStats
+    from commsched.comm.all2all import CommStats
     from commsched.gnn.context import PassContext
     from commsched.gnn.exchange.adaptive import AdaptiveExchange
     from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph

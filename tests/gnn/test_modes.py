@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from commsched.all2all import CommStats
+from commsched.comm.all2all import CommStats
 from commsched.gnn.context import PassContext
 from commsched.gnn.exchange.adaqp import AdaQPExchange
 from commsched.gnn.exchange.adaqp_plan import AdaQPOptions, build_problems

@@ -124,7 +124,7 @@ def test_one_rank_trains_as_vanilla():
 
 def three_rank_cases(rank: int, world: int) -> dict:
     """The 3-rank cases; :func:`check_three_rank` asserts on their per-rank results."""
-    from commsched.all2all import CommStats
+    from commsched.comm.all2all import CommStats
     from commsched.gnn.context import PassContext
     from commsched.gnn.exchange.onebit import OneBitExchange
     from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from commsched.all2all import BF16, A2APlan, CommStats, Wire, all_to_all, all_to_all_async
+from commsched.comm.all2all import BF16, A2APlan, CommStats, Wire, all_to_all, all_to_all_async
+from commsched.comm.observe import A2ATimer
 from commsched.moe.model.dispatch import A2A_BITS, ExpertGroup, moe_wires
 from commsched.moe.model.layer import DispatchConfig, MoELayer
 from commsched.moe.model.router import RouterConfig
 from commsched.moe.train.training import TrainConfig, a2a_payload_bytes, a2a_row_bytes
-from commsched.observe import A2ATimer
 from commsched.quant import reference as ref
 from commsched.quant.codec import decode_records, encode_records
 from commsched.quant.rowwire import QuantRows, format_seed

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from commsched.comm.observe import A2ATimer
 from commsched.moe.model.dispatch import ExpertGroup, sort_assignments
 from commsched.moe.model.layer import DispatchConfig, MoELayer
 from commsched.moe.model.router import RouterConfig, capacity_keep, load_balancing_loss, route_top_k
-from commsched.observe import A2ATimer
 from tests.mp import assert_case, run_cases
 
 
@@ -220,7 +220,7 @@ def test_capacity_matches_formula():
 def _recording_exchange(monkeypatch) -> list:
     """Log what every exchange sends (forward and backward, one rank: the real exchange is
     a local copy), at the one place every pattern and direction starts an exchange."""
-    import commsched.all2all as a2a
+    import commsched.comm.all2all as a2a
 
     sent: list = []
     start = a2a._start

@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from commsched.comm.observe import A2AEvents
 from commsched.moe.model.experts import is_expert_param
 from commsched.moe.model.layer import DispatchConfig
 from commsched.moe.model.lm import ModelConfig
 from commsched.moe.train.trainer import TrainConfig, build_commsched, make_groups, train
-from commsched.observe import A2AEvents
 from commsched.priority.policy import ScheduleConfig
 from commsched.priority.runtime.executor import GradScheduler
 from tests.mp import assert_case, run_cases

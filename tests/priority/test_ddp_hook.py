@@ -24,10 +24,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from commsched.comm.observe import A2AEvents
 from commsched.dist import new_group
 from commsched.moe.model.dispatch import ExpertGroup
 from commsched.moe.model.lm import ModelConfig, MoETransformerLM
-from commsched.observe import A2AEvents
 from commsched.priority import (
     GradScheduler,
     LinaDDP,

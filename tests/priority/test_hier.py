@@ -124,8 +124,8 @@ def _training_matches_flat(rank: int, world: int) -> None:
     than 1e-6, at most 3.8e-4; flat fifo's own reordering against flat lina: 0.18%, 3.3e-4),
     the rest agree to 1e-6, and so do the losses (measured 2.4e-7)."""
     from commsched.cluster.topology import Topology
+    from commsched.comm.observe import A2AEvents
     from commsched.moe.train.trainer import build_commsched, make_groups, train
-    from commsched.observe import A2AEvents
     from commsched.priority.runtime.executor import GradScheduler
     from tests.moe.test_train import _cfg
 

@@ -11,7 +11,7 @@ cross-rank byte passes the one limit, so ``ratio_to_rate`` = throughput / RATE. 
 on each link from :func:`commsched.predict_exchange`; ``uplink_MBps`` is the busiest host's
 outgoing link and ``ratio_to_rate`` = uplink / RATE (traffic between ranks of one host
 stays on that host's unshaped loopback). ``--transport`` picks the all-to-all transport
-(``commsched.all2all.TRANSPORTS``); the bench's ``--transports single,auto`` runs both
+(``commsched.comm.all2all.TRANSPORTS``); the bench's ``--transports single,auto`` runs both
 side by side (variants ``direct-single``, ``ring-single`` beside ``direct``, ``ring``).
 
     torchrun --standalone --nproc_per_node 4 -m commsched.bench.micro.all2all --out DIR
@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ...all2all import TRANSPORTS, A2APlan, all_to_all
 from ...clock import Clock
 from ...cluster.topology import SWITCH, Topology, predict_exchange
+from ...comm.all2all import TRANSPORTS, A2APlan, all_to_all
 from ...dist import (
     DEVICE_CHOICES,
     barrier,

@@ -33,8 +33,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ...all2all import A2APlan, all_to_all
 from ...cluster.netem import HOST_IFNAME, SUBNET_PREFIX
+from ...comm.all2all import A2APlan, all_to_all
 from ...config import read_env
 from ...dist import CommError, all_gather_object, barrier, comm_guard, init_distributed
 from ...results import write_json

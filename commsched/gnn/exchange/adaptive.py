@@ -48,7 +48,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ...all2all import exchange_segments
+from ...comm.all2all import exchange_segments
 from ...dist import all_gather_object, broadcast_object
 from ...quant.codec import decode_signs, dequantize_rows, encode_signs, payload_bytes, quantize_rows
 from ...quant.fast import say_stderr, warm_sign_codec

@@ -78,8 +78,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ...all2all import all_to_all, exchange_segments
 from ...clock import Clock, Mark
+from ...comm.all2all import all_to_all, exchange_segments
 from ...dist import all_gather_object, broadcast_object
 from ...quant.codec import dequantize_rows, payload_bytes, quantize_rows
 from ...quant.fast import compile_enabled, say_stderr, warm_codec, warm_native

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...all2all import SegmentLayout
 from ...cluster.topology import INTER, INTRA, Topology
+from ...comm.all2all import SegmentLayout
 from ...configurable import option
 from ...quant.codec import META_BYTES, payload_bytes
 from ...quant.reference import BITS

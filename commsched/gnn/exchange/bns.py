@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...all2all import A2APlan
+from ...comm.all2all import A2APlan
 from ...configurable import option
 from ..context import PassContext
 from ..graph.book import PartitionBook

@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from ...all2all import A2APlan, all_to_all, all_to_all_async, make_plan
+from ...comm.all2all import A2APlan, all_to_all, all_to_all_async, make_plan
 from ..context import PassContext
 from ..graph.book import PartitionBook
 

@@ -46,7 +46,7 @@ from typing import Callable
 
 import torch
 
-from ...all2all import all_to_all, all_to_all_async
+from ...comm.all2all import all_to_all, all_to_all_async
 from ...quant.codec import decode_signs, encode_signs
 from ...quant.fast import compile_enabled, say_stderr, warm_sign_codec
 from ..context import PassContext

@@ -58,8 +58,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...all2all import CommStats
 from ...clock import Clock
+from ...comm.all2all import CommStats
 from ...dist import check_same_config, comm_guard
 from ...quant.allreduce import check_grad_bits, quantized_all_reduce
 from ..context import PassContext

@@ -57,8 +57,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...all2all import CommStats
 from ...clock import Clock
+from ...comm.all2all import CommStats
 from ...configurable import option
 from ...dist import (
     DEVICE_CHOICES,

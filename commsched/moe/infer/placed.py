@@ -43,8 +43,8 @@ from typing import Callable, Collection, Protocol, Sequence
 import numpy as np
 import torch
 
-from ...all2all import A2APlan, CommStats, all_to_all, all_to_all_async
 from ...clock import Clock, interval_s
+from ...comm.all2all import A2APlan, CommStats, all_to_all, all_to_all_async
 from ..placement import Placement, split_offsets, split_tokens
 
 # compute(experts_M, counts_M, x_RD) -> y_RD: rows grouped by expert (ascending ids, counts_M

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ... import dist as cdist
-from ...all2all import A2APlan, CommStats, all_to_all
+from ...comm.all2all import A2APlan, CommStats, all_to_all
 from ...dist import comm_guard
 from ...results import median
 from ..placement import Placement

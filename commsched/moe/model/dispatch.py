@@ -30,17 +30,17 @@ Rows sent by a rank are ordered by (chunk, expert); chunk c holds the tokens
 counts per layer call tells every rank how many rows of each chunk and local expert it
 will receive from each peer.
 
-An :class:`~commsched.observe.A2AObserver` (the priority scheduler, an
-:class:`~commsched.observe.A2ATimer`, or an :class:`~commsched.observe.A2AEvents` passing
+An :class:`~commsched.comm.observe.A2AObserver` (the priority scheduler, an
+:class:`~commsched.comm.observe.A2ATimer`, or an :class:`~commsched.comm.observe.A2AEvents` passing
 the reports on) is told when each exchange starts and ends and when the expert block of a
 backward pass starts and ends: the plain path passes it to ``commsched.all_to_all``
 (``observer=``, ``backward_block=``), which reports the forward and the backward exchanges;
 the pipelined path, whose autograd function runs its own backward, reports through
-:class:`~commsched.observe.A2AReport`.
+:class:`~commsched.comm.observe.A2AReport`.
 
 Wire formats (``wires=``, a :class:`MoEWires`, made by :func:`moe_wires` from the
 ``--a2a-bits`` of :class:`~commsched.moe.model.layer.DispatchConfig`): the dispatch exchange and
-the combine exchange each carry a :class:`commsched.all2all.Wire` (a row format for the
+the combine exchange each carry a :class:`commsched.comm.all2all.Wire` (a row format for the
 forward rows and one for the backward pass's gradients). At 8 bits the rows that travel
 *to* the experts (the dispatched tokens, and in the backward pass the gradients of the
 expert outputs) are 8-bit row records of the shared codec
@@ -64,7 +64,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ...all2all import (
+from ...comm.all2all import (
     BF16,
     A2APlan,
     RowFormat,
@@ -75,9 +75,9 @@ from ...all2all import (
     encode_rows,
     make_plan,
 )
+from ...comm.lanes import Lanes
+from ...comm.observe import A2AObserver, A2AReport
 from ...dist import check_same_config
-from ...lanes import Lanes
-from ...observe import A2AObserver, A2AReport
 from ...quant.rowwire import QuantRows, format_seed
 from .experts import ExpertFFN, expert_apply
 from .router import Routing
@@ -298,7 +298,7 @@ def _plain_chunks(x_send: torch.Tensor, plans: Sequence[ChunkPlan], experts: Exp
 class _Pipeline:
     """What the pipelined function needs besides tensors (plans, group, observer, lanes).
 
-    With ``lanes`` (a :class:`~commsched.lanes.Lanes` with a ``comm`` lane) the exchanges
+    With ``lanes`` (a :class:`~commsched.comm.lanes.Lanes` with a ``comm`` lane) the exchanges
     run one after another on the comm lane, in submission order, so each has the link to
     itself while the compute thread works on chunks that have landed; without, they are
     started at once with the backend's asynchronous all_to_all and share the link.

@@ -6,7 +6,7 @@ Legend: B batch, S sequence, D model width, T = B*S tokens, E experts.
 (the reference). Pass ``expert_group=ExpertGroup(E, P, rank, group)`` to hold only this
 rank's block of E / P experts and exchange tokens over that process group; ``chunks`` and
 ``pipeline`` select the pipelined exchange (see :mod:`commsched.moe.model.dispatch`);
-``observer`` (an :class:`~commsched.observe.A2AObserver`, given at construction) is told
+``observer`` (an :class:`~commsched.comm.observe.A2AObserver`, given at construction) is told
 about its exchanges.
 
 Data parallelism. With an expert group of more than one rank each rank holds different
@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ...comm.lanes import Lanes
+from ...comm.observe import A2AObserver
 from ...configurable import Config, option
-from ...lanes import Lanes
-from ...observe import A2AObserver
 from ...priority.ddp import check_ddp, set_grad_group
 from ...priority.runtime.executor import LOCAL
 from .dispatch import A2A_BITS, ExpertGroup, MoEWires, ep_moe, format_seed, local_moe, moe_wires

@@ -30,8 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...comm.observe import A2AObserver
 from ...configurable import Config, option
-from ...observe import A2AObserver
 from .dispatch import ExpertGroup
 from .layer import DispatchConfig, MoELayer
 from .router import RouterConfig

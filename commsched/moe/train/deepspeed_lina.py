@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from ...all2all import A2APlan, all_to_all
-from ...observe import A2AObserver
+from ...comm.all2all import A2APlan, all_to_all
+from ...comm.observe import A2AObserver
 from ...priority.policy import ScheduleConfig
 from ...priority.runtime.executor import LOCAL, GradScheduler
 

@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from ...clock import Clock
+from ...comm.observe import A2AEvents, A2AObserver
 from ...config import read_env
 from ...dist import (
     all_gather_object,
@@ -73,7 +74,6 @@ from ...dist import (
     group_device,
 )
 from ...dist import new_group as cs_new_group
-from ...observe import A2AEvents, A2AObserver
 from ...priority.hier import HierGroups, make_hier
 from ...priority.runtime.executor import LOCAL, GradScheduler
 from ...priority.step import make_grad_step

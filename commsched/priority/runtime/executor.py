@@ -125,8 +125,8 @@ class GradScheduler(CompletionMixin, RecordsMixin):
     is a process group (None: the default group) or :data:`LOCAL` for a gradient that is
     only scaled, never communicated. The gradient is multiplied by ``scale`` (default
     1 / group size: a plain average) when it is ready, then summed over the group. The
-    scheduler is an :class:`~commsched.observe.A2AObserver`: register it with the
-    :class:`~commsched.observe.A2AEvents` the MoE layers were built with. ``timeout_s``:
+    scheduler is an :class:`~commsched.comm.observe.A2AObserver`: register it with the
+    :class:`~commsched.comm.observe.A2AEvents` the MoE layers were built with. ``timeout_s``:
     how long :meth:`finish` waits for the allreduce (default: ``COMMSCHED_TIMEOUT_S``, see
     :func:`commsched.config.read_env`). ``device``: where the gradients live (default: the
     first parameter's device); it picks the completion tracking and the timing (module

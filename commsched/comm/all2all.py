@@ -14,9 +14,9 @@ Both give identical results. The exchange is differentiable: the backward pass i
 same exchange with send and receive counts swapped.
 
 Transport (``transport=``, :data:`TRANSPORTS`): how the messages travel, one connection per
-rank pair or two (:mod:`commsched.transport`); ``"auto"`` picks the fast one.
+rank pair or two (:mod:`commsched.comm.transport`); ``"auto"`` picks the fast one.
 
-``observer`` (an :class:`~commsched.observe.A2AObserver`) is told when the exchange starts and
+``observer`` (an :class:`~commsched.comm.observe.A2AObserver`) is told when the exchange starts and
 ends, forward and backward; ``backward_block`` (``"begin"`` / ``"end"``) makes the backward
 exchange open / close an MoE layer's expert block (docs/design.md, "Observers of the exchange").
 
@@ -42,8 +42,8 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from .clock import Clock
-from .dist import CommError, comm_guard, control_device
+from ..clock import Clock
+from ..dist import CommError, comm_guard, control_device
 from .observe import A2AObserver, A2AReport, check_observer
 from .transport import (
     TRANSPORTS,
@@ -250,7 +250,7 @@ def _check_wire(wire) -> "Wire | None":
     if wire is None:
         return None
     if not isinstance(wire, Wire):
-        raise TypeError(f"wire must be a commsched.all2all.Wire or None, got {type(wire).__name__}")
+        raise TypeError(f"wire must be a commsched.comm.all2all.Wire or None, got {type(wire).__name__}")
     return None if wire.plain else wire
 
 

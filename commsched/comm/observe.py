@@ -29,8 +29,8 @@ from typing import Callable, Protocol, TypeVar
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .clock import Clock
-from .clock import interval_s as _seconds
+from ..clock import Clock
+from ..clock import interval_s as _seconds
 
 T = TypeVar("T")
 
@@ -128,7 +128,7 @@ def check_observer(observer: object, backward_block: str | None = None) -> None:
     if missing:
         raise TypeError(f"observer {type(observer).__name__} lacks {', '.join(missing)}: an all-to-all "
                         "observer needs a2a_begin(nbytes) -> token and a2a_end(token) (see "
-                        "commsched.observe.A2AObserver)")
+                        "commsched.comm.observe.A2AObserver)")
 
 
 def report_blocked(observer: object, a, b) -> None:
@@ -151,7 +151,7 @@ class A2AReport:
 
     The blocked time is the host clock on the CPU and CUDA events on the current stream of
     ``device`` on CUDA, handed over as marks (:func:`report_blocked`): an observer with
-    ``a2a_blocked_interval`` resolves them later, as :class:`~commsched.all2all.CommStats`
+    ``a2a_blocked_interval`` resolves them later, as :class:`~commsched.comm.all2all.CommStats`
     settles its intervals, so an observed exchange never synchronises the device.
     ``finish`` reports once, however often it is called.
     """

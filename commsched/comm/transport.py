@@ -1,7 +1,7 @@
 """How the messages of an all-to-all travel: the transports, the ring's rounds, the reverse group.
 
-:mod:`commsched.all2all` calls these with its ``plan`` (an :class:`~commsched.all2all.A2APlan`)
-and ``stats`` (a :class:`~commsched.all2all.CommStats` or None).
+:mod:`commsched.comm.all2all` calls these with its ``plan`` (an :class:`~commsched.comm.all2all.A2APlan`)
+and ``stats`` (a :class:`~commsched.comm.all2all.CommStats` or None).
 
 Transports (:data:`TRANSPORTS`; why two: docs/design.md, "Transport"): ``"duplex"`` (gloo, CPU
 rows; what ``"auto"`` picks there) sends lower to higher rank on the group itself and higher
@@ -24,8 +24,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .clock import Clock
-from .dist import comm_guard, gloo_devices
+from ..clock import Clock
+from ..dist import comm_guard, gloo_devices
 
 TRANSPORTS = ("auto", "single", "duplex")  # module docstring
 
