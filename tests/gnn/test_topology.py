@@ -12,8 +12,9 @@ import torch
 
 from commsched import LinkCost, Topology
 from commsched.gnn import partition as part_mod
-from commsched.gnn.adaqp_plan import AdaQPOptions, link_class_report, peer_costs, solve_widths
+from commsched.gnn.adaqp_plan import link_class_report, peer_costs, solve_widths
 from commsched.gnn.data import Graph, clean_edges
+from commsched.gnn.modes import AdaQPConfig
 from commsched.gnn.partition import group_parts, halo_rows, inter_host_rows, partition_nodes
 from commsched.gnn.trainer import bytes_by_class
 from commsched.quant.codec import META_BYTES, payload_bytes
@@ -43,7 +44,7 @@ def test_peer_costs_topology_and_averaged_by_hand():
     with pytest.raises(ValueError, match="'topology' or 'averaged'"):
         peer_costs(t, 0, "ring")
     with pytest.raises(ValueError, match="--link-costs must be one of ring, topology, averaged"):
-        AdaQPOptions(link_costs="measured")
+        AdaQPConfig(link_costs="measured")
 
 
 def _reports(costs_of, n: int = 200, dim: int = 64) -> list[dict]:
@@ -104,7 +105,7 @@ def test_topology_costs_give_inter_host_channels_fewer_bits_cpsat():
     with pytest.raises(ValueError, match="equal_variance needs every rank's ref_costs"):
         solve_widths(_reports(lambda r: peer_costs(t, r, "topology")), equal_variance=True, **kw)
     with pytest.raises(ValueError, match="--equal-variance .* needs --link-costs topology"):
-        AdaQPOptions(link_costs="averaged", equal_variance=True)
+        AdaQPConfig(link_costs="averaged", equal_variance=True)
 
 
 def test_link_class_report_by_hand():
@@ -252,7 +253,7 @@ def test_assigned_epoch_time_and_the_bench_compares_plans_on_it(tmp_path):
     import argparse
 
     from commsched.bench.gnn import summarize as bench_summarize
-    from commsched.gnn.trainer import assigned_epoch_time
+    from commsched.gnn.adaqp_plan import assigned_epoch_time
 
     per_rank = [[1.0, 1.0, 0.2, 0.3, 0.4], [0.9, 1.1, 0.25, 0.2, 0.1]]
     assert assigned_epoch_time([{"applied_epoch": 2}, {"applied_epoch": 4}], per_rank) == (2, 0.3)
