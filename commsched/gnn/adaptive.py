@@ -156,7 +156,6 @@ class AdaptiveExchange(AdaQPExchange):
         assert w.size == n, (w.size, n)
         return w
 
-    # ---- the transfer ------------------------------------------------------------------------
     # ---- the skeleton's hooks (AdaQPExchange._quantized): one technique per width -----------
     def _begin_encode(self, call) -> None:
         key = (call.layer, call.direction)

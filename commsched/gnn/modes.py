@@ -125,7 +125,7 @@ class VanillaConfig(ExchangeConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class AsyncVanillaConfig(VanillaConfig):
-    """``adaqp-p``: full precision in the background, overlapped (equals vanilla)."""
+    """``adaqp-p``: full precision in the background, with overlap (equals vanilla)."""
 
     asynchronous: ClassVar[bool] = True
 
@@ -450,10 +450,11 @@ def recorded_options(cfg: ExchangeConfig) -> dict[str, dict[str, Any]]:
     :class:`ExchangeConfig`'s), from ``cfg`` where it has them, the group's defaults
     otherwise."""
     base = {f.name for f in dataclasses.fields(ExchangeConfig)}
+    have = {f.name for f in dataclasses.fields(cfg)}
     out = {}
     for name, cls in RECORDED.items():
         own = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in base]
-        view = cls(**{k: getattr(cfg, k) for k in own if hasattr(cfg, k)})
+        view = cls(**{k: getattr(cfg, k) for k in own if k in have})
         out[name] = {k: getattr(view, k) for k in own}
     return out
 
