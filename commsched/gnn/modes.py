@@ -446,14 +446,14 @@ RECORDED = {"adaqp": AdaQPConfig, "pipegcn": PipeGCNConfig, "bns": BNSConfig}
 
 
 def recorded_options(cfg: ExchangeConfig) -> dict[str, dict[str, Any]]:
-    """{group: {field: value}} of :data:`RECORDED`: each group's own fields (those beside
-    :class:`ExchangeConfig`'s), from ``cfg`` where it has them, the group's defaults
-    otherwise."""
+    """{group: {field: value}} of :data:`RECORDED`: each group's own fields (and
+    ``compile`` for a quantizing one), from ``cfg`` where it has them, the group's
+    defaults otherwise."""
     base = {f.name for f in dataclasses.fields(ExchangeConfig)}
     have = {f.name for f in dataclasses.fields(cfg)}
     out = {}
     for name, cls in RECORDED.items():
-        own = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in base]
+        own = [f.name for f in dataclasses.fields(cls) if f.init and (cls.quantized or f.name not in base)]
         view = cls(**{k: getattr(cfg, k) for k in own if k in have})
         out[name] = {k: getattr(view, k) for k in own}
     return out
