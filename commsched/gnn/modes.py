@@ -76,8 +76,9 @@ from .stale import PipeGCNExchange, check_pattern
 
 @dataclass(frozen=True, kw_only=True)
 class ExchangeConfig(Config):
-    """Base of a mode's config: its fields are the mode's options; ``build`` makes its
-    :class:`HaloExchange` for one rank's book.
+    """Base of a mode's config: its fields are the mode's options (whoever needs them reads
+    them here or on the exchange built); ``build(ctx)`` makes its :class:`HaloExchange`
+    from one rank's :class:`~commsched.gnn.context.ExchangeContext`.
 
     Class attributes: ``timing_only`` (the model trained is wrong on purpose), ``quantized``
     (it quantizes float32 rows itself: no wire dtype, no ``--dtype bfloat16``)."""
