@@ -5,7 +5,7 @@
 | COMMSCHED_TIMEOUT_S     | timeout of every collective, seconds                | 120     |
 | COMMSCHED_BACKEND       | force a torch.distributed backend (gloo, nccl)      | auto    |
 | COMMSCHED_PROGRESS      | 0 disables progress bars                            | 1       |
-| COMMSCHED_COMPILE       | 0: the quantization codec never calls torch.compile (its eager twin runs: same bits, slower; also `AdaQPOptions(compile=False)`, `--no-compile`) | 1 |
+| COMMSCHED_COMPILE       | 0: the quantization codec never calls torch.compile (its eager twin runs: same bits, slower; also `AdaQPConfig(compile=False)`, `--no-compile`) | 1 |
 | COMMSCHED_CACHE_DIR     | where the native CPU codec kernel is built and kept (once per machine) | `$XDG_CACHE_HOME/commsched` or `~/.cache/commsched` |
 | COMMSCHED_DATA          | the default `--data-root`: where named data sets are looked for and downloaded to | `$XDG_CACHE_HOME/commsched/data` or `~/.cache/commsched/data` |
 | CC                      | the C compiler that builds the native CPU codec kernel (a name on PATH or a path) | `cc`, `gcc` or `clang`, the first found |

@@ -1,4 +1,8 @@
-"""The per-pass context: what one forward (and its backward) pass needs to know.
+"""The contexts an exchange is given: what it is built for, and what one pass needs to know.
+
+:class:`ExchangeContext` is what every mode's exchange is built from, once
+(``MODES[mode](...).build(ctx)``): the rank's book, the process group, the pattern, the
+run's seed, the model's edge normalisation, the device and the wire dtype.
 
 The trainer builds one :class:`PassContext` for every training epoch and every
 evaluation pass and hands it to the model, which hands it to each layer and to the halo
@@ -10,10 +14,36 @@ can serve any number of passes without being rewired.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from ..comm.all2all import CommStats
 from .timing import Breakdown
+
+if TYPE_CHECKING:
+    from .graph.book import PartitionBook
+
+
+@dataclass(frozen=True)
+class ExchangeContext:
+    """What a halo exchange is built for (the same for every mode).
+
+    book: this rank's :class:`~commsched.gnn.graph.book.PartitionBook`; group: the process group
+    (None: the default one); pattern: ``direct`` or ``ring``; seed: the run's (AdaQP's
+    widths and rounding, BNS's samples); norm: the model's edge normalisation, by which the
+    quantized modes weigh their messages (None: not known; those modes refuse it); device:
+    where the exchange's indices live (None: the CPU); wire_dtype: the dtype full-precision
+    rows cross the wire in (None: the rows' own; only the full-precision modes take one).
+    """
+
+    book: PartitionBook
+    group: Any = None
+    pattern: str = "direct"
+    seed: int = 0
+    norm: str | None = None
+    device: torch.device | str | None = None
+    wire_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,4 +71,4 @@ class PassContext:
     events: Any = None
 
 
-__all__ = ["PassContext"]
+__all__ = ["ExchangeContext", "PassContext"]

@@ -30,7 +30,7 @@ Compiling takes seconds per kernel (a minute or more for a run's set on a fresh 
 Inductor caches the results on disk, so later runs are faster). It never happens
 silently: the first call of a kernel prints one line on stderr before it compiles and one
 with the time it took after (:func:`warm_codec` compiles a whole set under a single pair
-of lines). ``COMMSCHED_COMPILE=0`` (:mod:`commsched.config`; ``AdaQPOptions(compile=False)``
+of lines). ``COMMSCHED_COMPILE=0`` (:mod:`commsched.config`; ``AdaQPConfig(compile=False)``
 and ``--no-compile`` for the AdaQP exchange) runs the eager twin and never compiles:
 the same bits, more time per message.
 

@@ -153,7 +153,7 @@ def test_a_stopped_rank_ends_the_job_and_is_named(job, how, tmp_path):
 
 # --------------------------------------------------------------------------- config agreement
 def test_config_differences_name_nested_keys():
-    from commsched.gnn.exchange.adaqp_plan import AdaQPOptions
+    from commsched.gnn.exchange.modes import AdaQPConfig
     from commsched.gnn.train.trainer import TrainConfig
 
     a = TrainConfig(mode="adaqp")
@@ -161,7 +161,7 @@ def test_config_differences_name_nested_keys():
     assert [k for k, _, _ in config_differences(a, b)] == ["exchange.lam", "lr"]
     assert config_differences(a, a) == []
     assert config_differences({"x": 1}, {"y": 1}) == [("x", 1, "<missing>"), ("y", "<missing>", 1)]
-    assert isinstance(a.adaqp, AdaQPOptions)
+    assert isinstance(a.exchange, AdaQPConfig)
 
 
 def _gnn_part(rank: int, world: int):
@@ -192,11 +192,11 @@ def _case_gnn_lr(rank, world):
 
 
 def _case_gnn_nested(rank, world):
-    from commsched.gnn.exchange.adaqp_plan import AdaQPOptions
+    from commsched.gnn.exchange.modes import AdaQPConfig
     from commsched.gnn.train.trainer import TrainConfig, run_training
 
     cfg = TrainConfig(mode="adaqp", layers=2, hidden=8, epochs=2,
-                      exchange=AdaQPOptions(lam=0.25 if rank == 1 else 0.5))
+                      exchange=AdaQPConfig(lam=0.25 if rank == 1 else 0.5))
     _expect_value_error(lambda: run_training(cfg, _gnn_part(rank, world)), "ranks [1]", "adaqp.lam")
 
 

@@ -74,8 +74,8 @@ def test_warmup_and_offered_techniques():
 
 def three_rank_cases(rank: int, world: int) -> dict:
     from commsched.comm.all2all import CommStats
-    from commsched.gnn.context import PassContext
-    from commsched.gnn.exchange.adaptive import AdaptiveExchange
+    from commsched.gnn.context import ExchangeContext, PassContext
+    from commsched.gnn.exchange.modes import AdaptiveConfig
     from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
     from commsched.gnn.graph.partition import make_parts, partition_nodes
     from commsched.gnn.train.trainer import TrainConfig, run_training
@@ -87,7 +87,7 @@ def three_rank_cases(rank: int, world: int) -> dict:
     book, x = part.book, part.x_nF
     D = x.shape[1]
     ref_R = g.x_NF[torch.from_numpy(book.remote_ids)]
-    ex = AdaptiveExchange(book, norm="gcn")
+    ex = AdaptiveConfig().build(ExchangeContext(book, norm="gcn"))
     # techniques set by hand on both ends of every channel (as a broadcast table would)
     ex.assigned = {(0, "forward"): {(s, d): _tech(s, d, n) for s in range(world) for d in range(world)
                                     for n in [int(book.send_counts[d]) if s == rank else

@@ -9,12 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from commsched.gnn.exchange.adaqp_plan import (
-    AdaQPOptions,
-    random_widths,
-    solve_widths,
-    width_layout,
-)
+from commsched.gnn.context import ExchangeContext
+from commsched.gnn.exchange.adaqp_plan import random_widths, solve_widths, width_layout
+from commsched.gnn.exchange.modes import AdaQPConfig, UniformConfig
 from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
 from commsched.gnn.graph.partition import make_parts, partition_nodes
 from commsched.gnn.train.trainer import TrainConfig, run_training
@@ -112,7 +109,6 @@ def test_codec_compiling_says_what_and_how_long(fake_compile):
 
 
 def test_adaqp_prepare_speaks_on_rank_0_and_not_without_compiling(fake_compile):
-    from commsched.gnn.exchange.adaqp import AdaQPExchange
     from commsched.gnn.graph.book import build_books
 
     # node i of part 0 joined to node 40 + i of part 1: 40 rows each way, 40 * 4099
@@ -125,12 +121,11 @@ def test_adaqp_prepare_speaks_on_rank_0_and_not_without_compiling(fake_compile):
     said = {0: [], 1: []}
     for r in (1, 0):  # (ranks are processes: each compiles its own kernels)
         fake_compile._compiled.cache_clear()
-        ex = AdaQPExchange(books[r], scheme="uniform", overlap=True, norm="sum")
+        ex = UniformConfig().build(ExchangeContext(books[r], norm="sum"))
         assert ex.compiles
         ex.prepare([_ODD_D], say=said[r].append)
     assert said[1] == [] and len(said[0]) == 2 and "compiled in" in said[0][1]
-    quiet = AdaQPExchange(books[0], scheme="uniform", overlap=True, norm="sum",
-                          options=AdaQPOptions(compile=False))
+    quiet = UniformConfig(compile=False).build(ExchangeContext(books[0], norm="sum"))
     fake_compile._compiled.cache_clear()
     quiet.prepare([_ODD_D], say=said[0].append)
     assert not quiet.compiles and len(said[0]) == 2 and not quiet._compiled_dims
@@ -141,7 +136,6 @@ def test_adaqp_prepare_with_the_native_kernel_says_once_and_compiles_nothing(mon
     in one line) and no torch.compile kernel is made for any row width."""
     from commsched.kernels import cpu as C
 
-    from commsched.gnn.exchange.adaqp import AdaQPExchange
     from commsched.gnn.graph.book import build_books
     from commsched.quant import fast
 
@@ -155,17 +149,16 @@ def test_adaqp_prepare_with_the_native_kernel_says_once_and_compiles_nothing(mon
     dst = np.array([b for a, b in pairs] + [a for a, b in pairs])
     books = build_books(src, dst, (np.arange(80) >= 40).astype(np.int64), 2)
     said: list[str] = []
-    ex = AdaQPExchange(books[0], scheme="uniform", overlap=True, norm="sum")
+    ex = UniformConfig().build(ExchangeContext(books[0], norm="sum"))
     ex.prepare([_ODD_D, 64], say=said.append)
     assert len(said) == 1 and "native CPU codec kernel" in said[0] and "cache" in said[0]
     assert not ex._compiled_dims
-    AdaQPExchange(books[1], scheme="uniform", overlap=True, norm="sum").prepare([_ODD_D], say=said.append)
+    UniformConfig().build(ExchangeContext(books[1], norm="sum")).prepare([_ODD_D], say=said.append)
     assert len(said) == 1  # rank 1 is quiet, and a second load says nothing
 
 
 def test_compile_off_by_environment_never_calls_torch_compile(monkeypatch):
     from commsched.config import read_env
-    from commsched.gnn.exchange.adaqp import AdaQPExchange
     from commsched.gnn.graph.book import build_books
     from commsched.quant import fast
 
@@ -180,7 +173,7 @@ def test_compile_off_by_environment_never_calls_torch_compile(monkeypatch):
     assert torch.equal(p, fast.quantize_cpu(x, 2, 3, compile=False)[0])
     assert fast.warm_codec([33], say=lambda s: pytest.fail(f"said {s!r}")) == 0.0
     b = build_books(np.array([0, 1]), np.array([1, 0]), np.array([0, 1]), 2)[0]
-    assert not AdaQPExchange(b, scheme="uniform", overlap=False, norm="gcn").compiles
+    assert not UniformConfig().build(ExchangeContext(b, norm="gcn")).compiles
 
 
 @pytest.mark.parametrize("P", [2, 3])
@@ -241,7 +234,7 @@ def _overlap_case(part, grp) -> tuple[bool, bool]:
     for asynchronous in (True, False):
         torch.manual_seed(0)
         conv = GCNConv(part.x_nF.shape[1], 4).double()
-        ex = LogExchange(part.book, group=grp, asynchronous=asynchronous)
+        ex = LogExchange(ExchangeContext(part.book, group=grp), asynchronous=asynchronous)
         g = LocalGraph(part.book, ex, dtype=torch.float64)
         h = part.x_nF.double().clone().requires_grad_(True)
         out = conv(h, g, 1, PassContext(timer=LogTimer()))
@@ -266,8 +259,8 @@ def _topology_case(part, rank: int) -> dict:
     try:
         hosts = Topology.from_env().hosts_P
         cfg = TrainConfig(mode="adaqp", model="sage", layers=2, hidden=16, epochs=3, seed=1,
-                          exchange=AdaQPOptions(period=2, group_size=10, link_costs="topology",
-                                             equal_variance=True, probe_repeats=1))
+                          exchange=AdaQPConfig(period=2, group_size=10, link_costs="topology",
+                                            equal_variance=True, probe_repeats=1))
         m, tr = run_training(cfg, part, hosts_P=hosts)
     finally:
         if saved is None:
@@ -310,7 +303,7 @@ def _cases(rank: int, world: int) -> dict:
         x = part.x_nF
         ref_R = g.x_NF[torch.from_numpy(part.book.remote_ids)]
         for mode, bits in (("uniform", 8), ("uniform", 2), ("random", 8)):
-            cfg = TrainConfig(mode=mode, exchange=AdaQPOptions(bits=bits), seed=5)
+            cfg = TrainConfig(mode=mode, exchange=AdaQPConfig(bits=bits), seed=5)
             ex = make_exchange(mode, part.book, group=grp, config=cfg.exchange, seed=cfg.seed,
                                norm="gcn")
             ex.validate()
@@ -335,7 +328,7 @@ def _cases(rank: int, world: int) -> dict:
         # 3. the quantized modes train; adaptive re-assigns and the widths agree between ends
         for mode in ("adaqp", "adaqp-q", "random", "uniform", "nocomm"):
             cfg = TrainConfig(mode=mode, model="sage", layers=3, hidden=16, epochs=5,
-                              exchange=AdaQPOptions(period=2, group_size=10, bits=8), seed=1)
+                              exchange=AdaQPConfig(period=2, group_size=10, bits=8), seed=1)
             m, tr = run_training(cfg, part, group=grp)
             out[f"finite_{mode}_{P}"] = bool(np.isfinite(m["loss"]).all())
             out[f"bytes_{mode}_{P}"] = m["bytes_sent_per_epoch"]

@@ -226,3 +226,21 @@ def test_from_pyg_says_once_when_it_makes_a_directed_graph_undirected():
         assert from_pyg(d, directed=True).edge_index_2E.shape[1] == 5  # kept as given
         sym = Data(**{**d.to_dict(), "edge_index": g.edge_index_2E})
         assert from_pyg(sym).edge_index_2E.shape[1] == 10  # already symmetric: nothing said
+
+
+def test_graph_flags_are_the_synthetic_specs_fields():
+    import argparse
+
+    from commsched.configurable import cli_fields
+    from commsched.gnn.graph.flags import add_graph_args, graph_args_given, source_from_args
+
+    p = argparse.ArgumentParser()
+    add_graph_args(p)
+    flags = {o for a in p._actions for o in a.option_strings}
+    want = {f.metadata["flag"] or "--syn-" + f.name.replace("_", "-") for f in cli_fields(SyntheticSpec)}
+    assert "--syn-degree-exponent" in want and want <= flags and "--syn-train-frac" not in flags
+    a = p.parse_args([])
+    assert not graph_args_given(a) and source_from_args(a).synthetic == SyntheticSpec()
+    a = p.parse_args(["--syn-nodes", "300", "--syn-edges", "900", "--syn-homophily", "0.5"])
+    assert graph_args_given(a)
+    assert source_from_args(a).synthetic == SyntheticSpec(num_nodes=300, num_edges=900, homophily=0.5)

@@ -19,8 +19,7 @@ import torch
 from commsched.clock import Clock
 from commsched.gnn.context import PassContext
 from commsched.gnn.exchange import adaqp as adaqp_mod
-from commsched.gnn.exchange.adaqp_plan import AdaQPOptions
-from commsched.gnn.exchange.modes import make_exchange
+from commsched.gnn.exchange.modes import AdaQPConfig, make_exchange
 from commsched.gnn.graph.data import SyntheticSpec, from_edges, synthetic_graph
 from commsched.gnn.graph.partition import make_parts, partition_nodes
 from commsched.gnn.nn.layers import LocalGraph
@@ -212,7 +211,7 @@ def _loopback_round_trip(device: str, bits: int, monkeypatch):
     part = _ring_part()
     loop = _Loopback()
     monkeypatch.setattr(adaqp_mod, "exchange_segments", loop)
-    ex = make_exchange("uniform", part.book, config=AdaQPOptions(bits=bits), seed=4, norm="gcn",
+    ex = make_exchange("uniform", part.book, config=AdaQPConfig(bits=bits), seed=4, norm="gcn",
                        device=device)
     assert ex.device.type == device and ex.send_idx.device.type == device
     lg = LocalGraph(part.book, ex)  # the graph follows its exchange's device by default

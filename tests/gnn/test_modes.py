@@ -12,12 +12,23 @@ import pytest
 import torch
 
 from commsched.comm.all2all import CommStats
-from commsched.gnn.context import PassContext
+from commsched.gnn.context import ExchangeContext, PassContext
 from commsched.gnn.exchange.adaqp import AdaQPExchange
-from commsched.gnn.exchange.adaqp_plan import AdaQPOptions, build_problems
+from commsched.gnn.exchange.adaqp_plan import build_problems
 from commsched.gnn.exchange.bns import BNSExchange
 from commsched.gnn.exchange.halo import VanillaExchange, ZeroExchange
-from commsched.gnn.exchange.modes import MODE_NAMES, MODES, make_exchange, mode_spec
+from commsched.gnn.exchange.modes import (
+    MODE_NAMES,
+    MODES,
+    AdaQPConfig,
+    AdaQPQConfig,
+    RandomConfig,
+    UniformConfig,
+    VanillaConfig,
+    make_exchange,
+    mode_spec,
+    recorded_options,
+)
 from commsched.gnn.exchange.onebit import OneBitExchange
 from commsched.gnn.exchange.stale import PipeGCNExchange
 from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
@@ -54,7 +65,7 @@ def test_mode_table_builds_each_modes_exchange(parts):
     want = {"vanilla": (VanillaExchange, False), "adaqp-p": (VanillaExchange, True),
             "pipegcn": (PipeGCNExchange, True), "bns": (BNSExchange, False)}
     for mode in MODE_NAMES:
-        ex = make_exchange(mode, book, config=AdaQPOptions(bits=4), seed=3, norm="mean")
+        ex = make_exchange(mode, book, config=AdaQPConfig(bits=4), seed=3, norm="mean")
         if mode in want:
             cls, asynchronous = want[mode]
             assert type(ex) is cls and ex.asynchronous is asynchronous, mode
@@ -63,7 +74,7 @@ def test_mode_table_builds_each_modes_exchange(parts):
         elif mode == "onebit":
             assert type(ex) is OneBitExchange and ex.error_feedback and MODES[mode].quantized
         elif mode == "adaptive":
-            # the AdaQPOptions given carry their own link_costs ("ring") over the mode's default
+            # the AdaQPConfig given carries their own link_costs ("ring") over the mode's default
             assert type(ex).__name__ == "AdaptiveExchange" and ex.opt.link_costs == "ring"
             assert ex.norm == "mean" and ex.overlap and MODES[mode].quantized
         else:
@@ -93,10 +104,10 @@ def test_train_cli_modes_and_adaqp_flags_come_from_the_table():
     assert tuple(mode_action.choices) == MODE_NAMES
     cfg = config_from_args(p.parse_args(["--mode", "uniform", "--bits", "2", "--period", "7",
                                          "--group-size", "9", "--lam", "0.25"]))
-    assert cfg.adaqp == AdaQPOptions(bits=2, period=7, group_size=9, lam=0.25)
-    assert config_from_args(p.parse_args([])).adaqp == AdaQPOptions()
-    assert AdaQPOptions().compile
-    assert config_from_args(p.parse_args(["--no-compile"])).adaqp == AdaQPOptions(compile=False)
+    assert cfg.exchange == UniformConfig(bits=2, period=7, group_size=9, lam=0.25)
+    assert config_from_args(p.parse_args([])).record()["adaqp"] == recorded_options(AdaQPConfig())["adaqp"]
+    assert AdaQPConfig().compile
+    assert config_from_args(p.parse_args(["--no-compile"])).exchange == VanillaConfig(compile=False)
 
 
 def _imports(path: Path) -> set[str]:
@@ -133,10 +144,25 @@ def test_zero_exchange_sends_nothing_and_gives_zeros(parts):
     assert stats.total_bytes_sent == 0 and stats.calls == 0
 
 
+def test_one_exchange_context_builds_every_mode_and_one_skeleton_quantizes(parts):
+    from commsched.gnn.exchange.adaptive import AdaptiveExchange
+
+    _, ps = parts
+    ctx = ExchangeContext(ps[0].book, seed=3, norm="gcn")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.seed = 4  # type: ignore[misc]
+    for mode in MODE_NAMES:  # every mode's config builds from the one context
+        ex = MODES[mode]().build(ctx)
+        assert ex.ctx is ctx and ex.book is ctx.book and ex.device == torch.device("cpu"), mode
+    bare = ZeroExchange(ps[0].book).ctx  # a bare book: the default context around it
+    assert bare.book is ps[0].book and (bare.pattern, bare.seed, bare.norm) == ("direct", 0, None)
+    # AdaQP's exchange skeleton serves adaptive's; only the technique hooks are its own
+    assert "_quantized" not in vars(AdaptiveExchange) and "_encode" in vars(AdaptiveExchange)
+
+
 def test_random_widths_follow_the_passs_period(parts):
     _, ps = parts
-    ex = AdaQPExchange(ps[0].book, scheme="random", overlap=True, norm="gcn",
-                       options=AdaQPOptions(period=2), seed=4)
+    ex = RandomConfig(period=2).build(ExchangeContext(ps[0].book, norm="gcn", seed=4))
     first = ex.layouts(0, "forward", 8)[0].rows_per_width()
     ex.begin_epoch(PassContext(epoch=1))
     assert ex.layouts(0, "forward", 8)[0].rows_per_width() == first  # same period
@@ -144,11 +170,11 @@ def test_random_widths_follow_the_passs_period(parts):
     assert ex.period_index == 2
     w = ex.channel_widths(0, 1, 40, 0, "forward")
     assert set(w.tolist()) <= set(BITS)
-    ex0 = AdaQPExchange(ps[0].book, scheme="random", overlap=True, norm="gcn",
-                        options=AdaQPOptions(period=2), seed=4)
+    ex0 = RandomConfig(period=2).build(ExchangeContext(ps[0].book, norm="gcn", seed=4))
     assert not np.array_equal(w, ex0.channel_widths(0, 1, 40, 0, "forward"))
     # adaptive before its first assignment: the widest width
-    ad = AdaQPExchange(ps[0].book, scheme="adaptive", overlap=False, norm="gcn")
+    ad = AdaQPQConfig().build(ExchangeContext(ps[0].book, norm="gcn"))
+    assert (ad.scheme, ad.overlap) == ("adaptive", False)
     assert set(ad.channel_widths(0, 1, 5, 1, "backward").tolist()) == {max(BITS)}
 
 
@@ -180,16 +206,17 @@ def test_pass_context_is_frozen_and_carries_the_pass(parts):
 
 # --------------------------------------------------------------------------- options
 def test_adaqp_options_nest_in_train_config_and_validate():
-    cfg = TrainConfig(mode="uniform", exchange=AdaQPOptions(bits=2))
-    assert cfg.adaqp.bits == 2 and TrainConfig().adaqp == AdaQPOptions()
+    cfg = TrainConfig(mode="uniform", exchange=AdaQPConfig(bits=2))
+    assert cfg.exchange.bits == 2
+    assert TrainConfig().record()["adaqp"] == recorded_options(AdaQPConfig())["adaqp"]
     assert cfg.record()["adaqp"]["bits"] == 2  # recorded nested in metrics' config
-    assert AdaQPOptions().bits == max(BITS)
+    assert AdaQPConfig().bits == max(BITS)
     for kw, msg in (({"bits": 3}, "--bits must be one of 2, 4, 8"), ({"period": 0}, "--period"),
                     ({"group_size": 0}, "--group-size"), ({"lam": 1.5}, "--lam must lie"),
                     ({"probe_repeats": 0}, "probe_repeats")):
         with pytest.raises(ValueError, match=msg):
-            AdaQPOptions(**kw)
-    with pytest.raises(TypeError, match="AdaQPOptions"):
+            AdaQPConfig(**kw)
+    with pytest.raises(TypeError, match="ExchangeConfig"):
         TrainConfig(exchange={"bits": 4})  # type: ignore[arg-type]
 
 
@@ -294,10 +321,10 @@ def test_bits_is_refused_where_no_mode_uses_it():
     the default)."""
     for mode in ("onebit", "vanilla", "adaqp-p", "nocomm", "pipegcn", "bns"):
         with pytest.raises(ValueError, match=f"--bits is the width of --mode uniform.*--mode {mode}"):
-            TrainConfig(mode=mode, exchange=AdaQPOptions(bits=4))
+            TrainConfig(mode=mode, exchange=AdaQPConfig(bits=4))
         TrainConfig(mode=mode)  # the default width is no request
     for mode in ("uniform", "random", "adaqp"):
-        assert TrainConfig(mode=mode, exchange=AdaQPOptions(bits=2)).adaqp.bits == 2
+        assert TrainConfig(mode=mode, exchange=AdaQPConfig(bits=2)).exchange.bits == 2
 
 
 def test_bench_passes_bits_only_to_the_adaqp_exchange_modes():

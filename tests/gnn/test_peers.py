@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from commsched.gnn.context import PassContext
+from commsched.gnn.context import ExchangeContext, PassContext
 from commsched.gnn.exchange.bns import (
     BNSExchange,
-    BNSOptions,
     boundary_sample,
     kept_count,
     sample_epoch,
 )
-from commsched.gnn.exchange.stale import PipeGCNExchange, PipeGCNOptions
+from commsched.gnn.exchange.modes import BNSConfig, PipeGCNConfig
+from commsched.gnn.exchange.stale import PipeGCNExchange
 from commsched.gnn.graph.data import SyntheticSpec, synthetic_graph
 from commsched.gnn.graph.partition import make_parts, partition_nodes
 from commsched.gnn.train.trainer import TrainConfig, run_training
@@ -89,32 +89,32 @@ def test_peer_mode_options_and_errors():
 
     for bad in (0, 0.0, -0.5, 1.5, float("nan"), True, "0.5"):
         with pytest.raises(ValueError, match=r"--boundary-rate must be a fraction in \(0, 1\]"):
-            BNSOptions(rate=bad)
+            BNSConfig(rate=bad)
     for kw, msg in (({"delay": 2}, "--stale-delay must be 0"), ({"smoothing": 1.0}, r"in \[0, 1\)"),
                     ({"smoothing": -0.1}, r"in \[0, 1\)"), ({"delay": 0, "smoothing": 0.5}, "needs stale rows")):
         with pytest.raises(ValueError, match=msg):
-            PipeGCNOptions(**kw)
+            PipeGCNConfig(**kw)
     with pytest.raises(ValueError, match="--boundary-rate is an option of --mode bns"):
-        TrainConfig(mode="vanilla", exchange=BNSOptions(0.5))
+        TrainConfig(mode="vanilla", exchange=BNSConfig(rate=0.5))
     with pytest.raises(ValueError, match="options of --mode pipegcn"):
-        TrainConfig(mode="bns", exchange=PipeGCNOptions(smoothing=0.2))
+        TrainConfig(mode="bns", exchange=PipeGCNConfig(smoothing=0.2))
     with pytest.raises(ValueError, match="needs --pattern direct"):
         TrainConfig(mode="pipegcn", pattern="ring")
-    cfg = TrainConfig(mode="bns", exchange=BNSOptions(0.5), dtype="bfloat16")  # bf16 wire allowed
+    cfg = TrainConfig(mode="bns", exchange=BNSConfig(rate=0.5), dtype="bfloat16")  # bf16 wire allowed
     assert cfg.record()["bns"] == {"rate": 0.5}
     p = build_parser()
     a = config_from_args(p.parse_args(["--mode", "pipegcn", "--stale-smoothing", "0.3"]))
-    assert a.pipegcn == PipeGCNOptions(delay=1, smoothing=0.3) and a.bns == BNSOptions()
-    assert config_from_args(p.parse_args(["--mode", "bns", "--boundary-rate", "0.5"])).bns.rate == 0.5
+    assert a.exchange == PipeGCNConfig(delay=1, smoothing=0.3) and a.record()["bns"] == {"rate": BNSConfig().rate}
+    assert config_from_args(p.parse_args(["--mode", "bns", "--boundary-rate", "0.5"])).exchange.rate == 0.5
     for argv, msg in ((["--mode", "vanilla", "--boundary-rate", "0.1"], "option of --mode bns"),
                       (["--mode", "adaqp", "--stale-delay", "0"], "options of --mode pipegcn"),
                       (["--mode", "bns", "--boundary-rate", "0"], "must be a fraction")):
         with pytest.raises(ValueError, match=msg):
             config_from_args(p.parse_args(argv))
     _, parts = _parts(2)
-    ex = make_exchange("bns", parts[0].book, seed=4, config=BNSOptions(0.25), wire_dtype=torch.bfloat16)
+    ex = make_exchange("bns", parts[0].book, seed=4, config=BNSConfig(rate=0.25), wire_dtype=torch.bfloat16)
     assert type(ex) is BNSExchange and ex.options.rate == 0.25 and ex.seed == 4 and not ex.asynchronous
-    ex = make_exchange("pipegcn", parts[0].book, config=PipeGCNOptions(smoothing=0.5))
+    ex = make_exchange("pipegcn", parts[0].book, config=PipeGCNConfig(smoothing=0.5))
     assert type(ex) is PipeGCNExchange and ex.overlaps and ex.options.smoothing == 0.5
     with pytest.raises(ValueError, match="needs --pattern direct"):
         make_exchange("pipegcn", parts[0].book, pattern="ring")
@@ -125,8 +125,8 @@ def test_one_rank_peer_modes_equal_vanilla():
     part = make_parts(g, np.zeros(g.num_nodes, np.int64), 1)[0]
     ref, _ = run_training(BASE, part)
     for cfg in (dataclasses.replace(BASE, mode="pipegcn"),
-                dataclasses.replace(BASE, mode="pipegcn", exchange=PipeGCNOptions(delay=0)),
-                dataclasses.replace(BASE, mode="bns", exchange=BNSOptions(0.3))):
+                dataclasses.replace(BASE, mode="pipegcn", exchange=PipeGCNConfig(delay=0)),
+                dataclasses.replace(BASE, mode="bns", exchange=BNSConfig(rate=0.3))):
         m, _ = run_training(cfg, part)
         assert m["loss"] == ref["loss"] and m["test_acc"] == ref["test_acc"], cfg.mode
 
@@ -182,9 +182,9 @@ def _equal_runs(a, b) -> bool:
 def case_twins_equal_vanilla(rank: int, world: int) -> None:
     part = _part3(rank)
     ref = run_training(BASE, part)
-    zero = run_training(dataclasses.replace(BASE, mode="pipegcn", exchange=PipeGCNOptions(delay=0)), part)
+    zero = run_training(dataclasses.replace(BASE, mode="pipegcn", exchange=PipeGCNConfig(delay=0)), part)
     assert _equal_runs(ref, zero), "pipegcn --stale-delay 0 differs from vanilla"
-    full = run_training(dataclasses.replace(BASE, mode="bns", exchange=BNSOptions(1.0)), part)
+    full = run_training(dataclasses.replace(BASE, mode="bns", exchange=BNSConfig(rate=1.0)), part)
     assert _equal_runs(ref, full), "bns --boundary-rate 1 differs from vanilla"
     assert full[0]["bytes_sent_per_epoch"] == ref[0]["bytes_sent_per_epoch"] > 0
 
@@ -212,8 +212,8 @@ def _stale_run(rank: int, world: int, smoothing: float):
     import torch.distributed as dist
 
     part = _part3(rank)
-    cfg = dataclasses.replace(BASE, mode="pipegcn", epochs=4, exchange=PipeGCNOptions(smoothing=smoothing))
-    ex = _Recording(part.book, options=cfg.pipegcn)
+    cfg = dataclasses.replace(BASE, mode="pipegcn", epochs=4, exchange=PipeGCNConfig(smoothing=smoothing))
+    ex = _Recording(ExchangeContext(part.book), cfg.exchange)
     m, _ = run_training(cfg, part, exchange=ex)
     # the kept rows join no graph (else each epoch's graph would hold the one before)
     assert ex._stale and not any(v.requires_grad for v in ex._stale.values())
@@ -258,7 +258,7 @@ def case_bns_sends_the_kept_rows_rescaled(rank: int, world: int) -> None:
     part = parts[rank]
     book = part.book
     rate = 0.5
-    ex = BNSExchange(book, options=BNSOptions(rate), seed=11)
+    ex = BNSConfig(rate=rate).build(ExchangeContext(book, seed=11))
     x = part.x_nF
     ref_R = g.x_NF[torch.from_numpy(book.remote_ids)]
     for epoch in (0, 1):
@@ -287,7 +287,7 @@ def case_bns_sends_the_kept_rows_rescaled(rank: int, world: int) -> None:
         torch.testing.assert_close(gsum, want_g, rtol=1e-6, atol=1e-6)
         assert sorted(set(s.send_pos.tolist())) == s.send_pos.tolist()
     # training sends exactly the kept share of vanilla's bytes, and learns
-    cfg = dataclasses.replace(BASE, mode="bns", exchange=BNSOptions(rate), epochs=4)
+    cfg = dataclasses.replace(BASE, mode="bns", exchange=BNSConfig(rate=rate), epochs=4)
     m, tr = run_training(cfg, part)
     v, _ = run_training(BASE, part)
     import torch.distributed as dist

@@ -15,7 +15,7 @@ from torch import nn
 from torch_geometric.nn import ChebConv, GATConv, GCNConv, GINConv, SAGEConv
 
 from commsched.gnn import SyntheticSpec, synthetic_graph
-from commsched.gnn.exchange.adaqp_plan import AdaQPOptions
+from commsched.gnn.exchange.modes import AdaQPConfig
 from commsched.gnn.nn.layers import DistMessagePassing
 from commsched.gnn.nn.pyg import DistGraph, LayerKind, distributed, layer_kind
 from tests.mp import assert_case, run_cases
@@ -24,8 +24,8 @@ SYN = SyntheticSpec(num_nodes=300, num_edges=1500, num_features=12, num_classes=
                     communities_per_class=2, seed=5)
 LAYERS = ("GCNConv", "SAGEConv", "GINConv", "GATConv")
 # re-assignment every 2 epochs, small link probes: AdaQP's machinery in a few epochs
-OPTS = AdaQPOptions(period=2, group_size=20, assign_time_limit_s=1.0,
-                    probe_sizes=(1 << 10, 1 << 14), probe_repeats=1)
+OPTS = AdaQPConfig(period=2, group_size=20, assign_time_limit_s=1.0,
+                   probe_sizes=(1 << 10, 1 << 14), probe_repeats=1)
 EXACT = 1e-10  # float64, relative to the largest entry: only the order of the sums differs
 
 
@@ -149,7 +149,7 @@ def case_vanilla_and_overlap_exact(rank, world):
 
 def _train(name: str, mode: str, g, epochs: int) -> list[float]:
     """The documented loop: own model of distributed PyG layers, Adam, own loss."""
-    dg = DistGraph.from_graph(g, mode=mode, options=OPTS)
+    dg = DistGraph.from_graph(g, mode=mode, config=OPTS)
     model = _Two(name, g.num_features, 16, g.num_classes, wrap=lambda c: distributed(c, dg))
     opt = torch.optim.Adam(model.parameters(), lr=0.02)
     losses = []

@@ -38,8 +38,8 @@ class CountingExchange(VanillaExchange):
 
     name = "counting"
 
-    def __init__(self, book, *, every: int, **kw):
-        super().__init__(book, **kw)
+    def __init__(self, ctx, *, every: int):
+        super().__init__(ctx)
         self.every, self.calls = every, 0
 
     def start(self, h, layer, ctx=None):
@@ -59,10 +59,8 @@ class CountingConfig(ExchangeConfig):
         if self.every < 1:
             raise ValueError(f"--count-every must be >= 1, got {self.every}")
 
-    def build(self, book, *, group=None, pattern="direct", seed=0, norm=None, device=None,
-              wire_dtype=None):
-        return CountingExchange(book, every=self.every, group=group, pattern=pattern,
-                                wire_dtype=wire_dtype, device=device)
+    def build(self, ctx):
+        return CountingExchange(ctx, every=self.every)
 
 
 def test_a_new_mode_is_one_class_one_entry_and_trains_from_the_cli():

@@ -11,12 +11,8 @@ import pytest
 import torch
 
 from commsched import LinkCost, Topology
-from commsched.gnn.exchange.adaqp_plan import (
-    AdaQPOptions,
-    link_class_report,
-    peer_costs,
-    solve_widths,
-)
+from commsched.gnn.exchange.adaqp_plan import link_class_report, peer_costs, solve_widths
+from commsched.gnn.exchange.modes import AdaQPConfig
 from commsched.gnn.graph import partition as part_mod
 from commsched.gnn.graph.data import Graph, clean_edges
 from commsched.gnn.graph.partition import group_parts, halo_rows, inter_host_rows, partition_nodes
@@ -48,7 +44,7 @@ def test_peer_costs_topology_and_averaged_by_hand():
     with pytest.raises(ValueError, match="'topology' or 'averaged'"):
         peer_costs(t, 0, "ring")
     with pytest.raises(ValueError, match="--link-costs must be one of ring, topology, averaged"):
-        AdaQPOptions(link_costs="measured")
+        AdaQPConfig(link_costs="measured")
 
 
 def _reports(costs_of, n: int = 200, dim: int = 64) -> list[dict]:
@@ -109,7 +105,7 @@ def test_topology_costs_give_inter_host_channels_fewer_bits_cpsat():
     with pytest.raises(ValueError, match="equal_variance needs every rank's ref_costs"):
         solve_widths(_reports(lambda r: peer_costs(t, r, "topology")), equal_variance=True, **kw)
     with pytest.raises(ValueError, match="--equal-variance .* needs --link-costs topology"):
-        AdaQPOptions(link_costs="averaged", equal_variance=True)
+        AdaQPConfig(link_costs="averaged", equal_variance=True)
 
 
 def test_link_class_report_by_hand():
@@ -263,7 +259,7 @@ def test_assigned_epoch_time_and_the_bench_compares_plans_on_it(tmp_path):
     import argparse
 
     from commsched.bench.gnn.compare import summarize as bench_summarize
-    from commsched.gnn.train.trainer import assigned_epoch_time
+    from commsched.gnn.exchange.adaqp_plan import assigned_epoch_time
 
     per_rank = [[1.0, 1.0, 0.2, 0.3, 0.4], [0.9, 1.1, 0.25, 0.2, 0.1]]
     assert assigned_epoch_time([{"applied_epoch": 2}, {"applied_epoch": 4}], per_rank) == (2, 0.3)

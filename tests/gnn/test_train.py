@@ -193,11 +193,12 @@ def _two_rank_cases(rank: int, world: int, tmp: str, group) -> dict:
     out["halo_ok"] = torch.equal(got, g.x_NF[torch.from_numpy(part.book.remote_ids)])
     # 3. the forward exchange in the background (central aggregation overlapping it, as
     #    AdaQP-p will) gives bit-identical training
+    from commsched.gnn.context import ExchangeContext
     from commsched.gnn.exchange.halo import VanillaExchange
 
     c3 = TrainConfig(model="gcn", layers=3, hidden=8, epochs=3, seed=9)
     m_sync, _ = run_training(c3, part, group=group)
-    bg = VanillaExchange(part.book, group=group, asynchronous=True)
+    bg = VanillaExchange(ExchangeContext(part.book, group=group), asynchronous=True)
     m_bg, _ = run_training(c3, part, group=group, exchange=bg)
     out["async_equal"] = m_sync["loss"] == m_bg["loss"] and m_sync["test_acc"] == m_bg["test_acc"]
     # 4. checkpoint / resume: an interrupted run continued with --resume ends identical

@@ -48,9 +48,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ...comm.all2all import exchange_segments
 from ...dist import all_gather_object, broadcast_object
-from ...quant.codec import decode_signs, dequantize_rows, encode_signs, payload_bytes, quantize_rows
+from ...quant.codec import decode_signs, encode_signs
 from ...quant.fast import say_stderr, warm_sign_codec
 from ...quant.widths.joint import (
     DROP,
@@ -61,43 +60,34 @@ from ...quant.widths.joint import (
     parse_techniques,
 )
 from ...results import median
-from ..context import PassContext
-from ..graph.book import PartitionBook
+from ..context import ExchangeContext, PassContext
 from .adaptive_plan import link_model, sender_report, solve_budget, solve_period, technique_segments
-from .adaqp import EXCHANGE_COMPILE_MIN_ELEMENTS, AdaQPExchange, _mix_key
-from .adaqp_plan import AdaQPOptions, WidthLayout, width_layout
-from .halo import Pending
+from .adaqp import EXCHANGE_COMPILE_MIN_ELEMENTS, AdaQPExchange
 
 
 class AdaptiveExchange(AdaQPExchange):
     """The ``adaptive`` mode's exchange; see the module doc.
 
-    error_budget: each exchange's modelled error at most this share of its rows' weighted
-    energy; techniques: the ones offered (float32 always is; ``parse_techniques``);
-    warmup: the technique of the first period's rows (``2``: 2-bit stochastic; where not
-    offered, the narrowest offered width); solver: ``cp-sat`` (hinted by the greedy
-    answer, never worse) or ``greedy``; the rest as :class:`~commsched.gnn.exchange.adaqp.AdaQPExchange` (``options.link_costs``: the
-    link model, ``options.period``, ``options.group_size``, ``options.assign_time_limit_s``:
-    CP-SAT's limit)."""
+    options: the mode's config (:class:`~commsched.gnn.exchange.modes.AdaptiveConfig`):
+    ``error_budget``, each exchange's modelled error at most this share of its rows'
+    weighted energy; ``techniques``, the ones offered (float32 always is;
+    ``parse_techniques``); ``warmup``, the technique of the first period's rows (``2``:
+    2-bit stochastic; where not offered, the narrowest offered width); ``joint_solver``,
+    ``cp-sat`` (hinted by the greedy answer, never worse) or ``greedy``; the rest as
+    :class:`~commsched.gnn.exchange.adaqp.AdaQPExchange`'s (``link_costs``: the link model,
+    ``period``, ``group_size``, ``assign_time_limit_s``: CP-SAT's limit). Only the
+    technique hooks of AdaQP's exchange skeleton are its own."""
 
     name = "adaptive"
+    _layout_kw = {"widths": TECHNIQUES, "row_segments": technique_segments}
 
-    def __init__(self, book: PartitionBook, *, norm: str, options: AdaQPOptions | None = None,
-                 error_budget: float = 2.0, solver: str = "cp-sat", seed: int = 0, group=None,
-                 pattern: str = "direct", device: torch.device | str | None = None,
-                 techniques=TECHNIQUES, warmup: str | int = "2"):
-        if not 0.0 <= error_budget:
-            raise ValueError(f"--error-budget must be >= 0 (a share of each exchange's energy), "
-                             f"got {error_budget}")
-        if solver not in ("cp-sat", "greedy"):
-            raise ValueError(f"the adaptive solver must be 'cp-sat' or 'greedy', got {solver!r}")
-        super().__init__(book, scheme="adaptive", overlap=True, norm=norm, options=options,
-                         seed=seed, group=group, pattern=pattern, device=device)
-        self.error_budget, self.solver = float(error_budget), solver
-        self.techniques = parse_techniques(techniques)
+    def __init__(self, ctx: ExchangeContext, options):
+        super().__init__(ctx, options)
+        self.error_budget, self.solver = float(options.error_budget), options.joint_solver
+        self.techniques = parse_techniques(options.techniques)
         # until the first assignment: ``warmup`` where offered, else the narrowest offered
         # technique that sends something
-        w = parse_techniques(str(warmup))[0]  # the one named (fp32 sorts last)
+        w = parse_techniques(str(options.warmup))[0]  # the one named (fp32 sorts last)
         self.warmup = w if w in self.techniques and w != DROP else next(
             t for t in self.techniques if t != DROP)
         # (layer, direction) -> (positions, error-feedback residual [n, D]) of the rows sent as
@@ -166,125 +156,49 @@ class AdaptiveExchange(AdaQPExchange):
         assert w.size == n, (w.size, n)
         return w
 
-    def layouts(self, layer: int, direction: str, dim: int) -> tuple[WidthLayout, WidthLayout]:
-        key = (layer, direction, dim)
-        if key not in self._layouts:
-            out_c, in_c = self._counts(direction)
-            P, me = self.world_size, self.rank
-            mk = lambda ws: width_layout(ws, dim, widths=TECHNIQUES,  # noqa: E731
-                                         row_segments=technique_segments)
-            send = mk([self.channel_widths(me, p, out_c[p], layer, direction) for p in range(P)])
-            recv = mk([self.channel_widths(p, me, in_c[p], layer, direction) for p in range(P)])
-            self._layouts[key] = (send.to(self.device), recv.to(self.device))
-        return self._layouts[key]
+    # ---- the skeleton's hooks (AdaQPExchange._quantized): one technique per width -----------
+    def _begin_encode(self, call) -> None:
+        key = (call.layer, call.direction)
+        # the last sign rows' (positions, residual rows), this call's, its traced 1-bit errors
+        call.state = {"old": self.errors.get(key), "new": None, "sign_sq": None,
+                      "sign_compiled": int(call.x.shape[1]) in self._sign_compiled}
 
-    # ---- the transfer ------------------------------------------------------------------------
-    def _quantized(self, rows: torch.Tensor, layer: int, direction: str, ctx: PassContext,
-                   background: bool) -> Pending:
-        D = int(rows.shape[1])
-        send, recv = self.layouts(layer, direction, D)
-        out_c, in_c = self._counts(direction)
-        P = self.world_size
-        timer = ctx.timer
-        if not self.compiles:
-            impl = "eager" if rows.device.type == "cpu" else "reference"
-        else:
-            impl = "compiled" if D in self._compiled_dims and rows.device.type == "cpu" else "auto"
-        sign_compiled = D in self._sign_compiled
-        t0 = timer.mark()
-        x = rows.to(torch.float32).contiguous()
-        Tn = int(x.shape[0])
-        self._calls += 1
-        rkey = _mix_key(self.seed, self.rank, self._calls)
-        key = (layer, direction)
-        old_err = self.errors.get(key)  # (positions, residual rows) of the last sign rows
-        new_err = None
-        tracing = self._tracing and Tn > 0
-        sign_sq = None
-        segs: list[list[torch.Tensor]] = [[] for _ in range(P)]
-        row0 = 0
-        for w, t in enumerate(TECHNIQUES):
-            nseg = len(send.seg_of[w])
-            if nseg == 0:  # dropped rows: nothing on the wire
-                continue
-            pos, per_peer = send.pos[w], send.peer_rows[w]
-            n = int(pos.numel())
-            if n == 0:
-                for p in range(P):
-                    segs[p] += [self._empty] * nseg
-                continue
-            sel = x if n == Tn else x.index_select(0, pos)
-            if t == SIGN:
-                e = self._residual(old_err, pos, sel, Tn)
-                finite = None  # off the CPU the finite check is one flag read an epoch
-                if x.device.type != "cpu":
-                    if self._finite is None:
-                        self._finite = torch.ones((), dtype=torch.bool, device=x.device)
-                    finite = self._finite
-                rec, ne = encode_signs(sel, error=e, compile=sign_compiled, finite=finite)
-                new_err = (pos, ne)
-                if tracing:
-                    sign_sq = (pos, (ne * ne).sum(1))
-                pieces = [rec]
-            elif t in STOCHASTIC:
-                pay, meta = quantize_rows(sel, t, rkey, row0, impl)
-                row0 += n
-                pieces = [pay, meta.contiguous().view(torch.uint8)]
-            else:  # RAW
-                pieces = [sel.view(torch.uint8)]
-            for piece in pieces:
-                o = 0
-                for p in range(P):
-                    k = per_peer[p]
-                    segs[p].append(piece[o:o + k].reshape(-1))
-                    o += k
-        if new_err is None:
+    def _encode(self, call, t: int, sel: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:
+        st, x = call.state, call.x
+        if t == SIGN:
+            e = self._residual(st["old"], pos, sel, int(x.shape[0]))
+            finite = None  # off the CPU the finite check is one flag read an epoch
+            if x.device.type != "cpu":
+                if self._finite is None:
+                    self._finite = torch.ones((), dtype=torch.bool, device=x.device)
+                finite = self._finite
+            rec, ne = encode_signs(sel, error=e, compile=st["sign_compiled"], finite=finite)
+            st["new"] = (pos, ne)
+            if self._tracing:
+                st["sign_sq"] = (pos, (ne * ne).sum(1))
+            return [rec]
+        if t in STOCHASTIC:
+            pay, meta = self._stochastic(call, t, sel)
+            return [pay, meta.contiguous().view(torch.uint8)]
+        return [sel.view(torch.uint8)]  # RAW
+
+    def _end_encode(self, call) -> None:
+        key, st = (call.layer, call.direction), call.state
+        if st["new"] is None:
             self.errors.pop(key, None)
         else:
-            self.errors[key] = new_err
-        if tracing:
-            self._trace(key, x, sign_sq, direction, layer)
-        self.dims[key] = D
-        t1 = timer.mark()
-        timer.add_span("quant", t0, t1)
-        timer.add_span("comm", t0, t1, -1.0)
-        t_wire = timer.mark()
-        h = exchange_segments(segs, recv.segments, group=self.group, pattern=self.pattern,
-                              stats=ctx.stats, async_op=True, device=self.device)
-        predicted = self._predict(send)
+            self.errors[key] = st["new"]
+        if self._tracing and call.x.shape[0]:
+            self._trace(key, call.x, st["sign_sq"], call.direction, call.layer)
 
-        def finish() -> torch.Tensor:
-            got = h.wait()
-            t_got = timer.mark()
-            if predicted > 0:
-                self._measured.append((predicted, timer.clock, t_wire, t_got))
-            out = torch.zeros((sum(in_c), D), dtype=torch.float32, device=rows.device)
-            for w, t in enumerate(TECHNIQUES):
-                pos = recv.pos[w]
-                n = int(pos.numel())
-                if n == 0 or t == DROP:
-                    continue
-                parts = [p for p in range(P) if recv.peer_rows[w][p]]
-                s = recv.seg_of[w]
-                first = torch.cat([got[p][s[0]] for p in parts])
-                if t == SIGN:
-                    val = decode_signs(first.view(n, -1), D, compile=sign_compiled)
-                elif t in STOCHASTIC:
-                    meta = torch.cat([got[p][s[1]] for p in parts]).view(torch.float32).view(n, 2)
-                    val = dequantize_rows(first.view(n, payload_bytes(D, t)), meta, t, D, impl)
-                else:
-                    val = first.view(torch.float32).view(n, D)
-                if n == out.shape[0]:
-                    out.copy_(val)
-                else:
-                    out.index_copy_(0, pos, val)
-            res = out.to(rows.dtype)
-            t_done = timer.mark()
-            timer.add_span("quant", t_got, t_done)
-            timer.add_span("comm", t_got, t_done, -1.0)
-            return res
-
-        return Pending(finish) if background else Pending.ready(finish())
+    def _decode(self, call, t: int, pieces: list[torch.Tensor], n: int,
+                out: torch.Tensor | None) -> torch.Tensor:
+        D = int(call.x.shape[1])
+        if t == SIGN:
+            return decode_signs(pieces[0].view(n, -1), D, compile=call.state["sign_compiled"])
+        if t in STOCHASTIC:
+            return super()._decode(call, t, pieces, n, None)
+        return pieces[0].view(torch.float32).view(n, D)
 
     @staticmethod
     def _residual(old, pos: torch.Tensor, sel: torch.Tensor, T: int) -> torch.Tensor:
@@ -420,6 +334,18 @@ class AdaptiveExchange(AdaQPExchange):
         self._layouts.clear()
         self.assignments.append(dict(info, epoch=pend["epoch"], applied_epoch=epoch,
                                      wall_s=pend["gather_s"] + time.perf_counter() - t0))
+
+    def run_report(self, *, wall_s: float, epoch_time_s_RE: list[list[float]],
+                   first_epoch: int = 0) -> dict:
+        """AdaQP's, and rank 0's background solves (``solve_total_s``,
+        ``solve_share_of_wall``: they overlap epochs)."""
+        out = super().run_report(wall_s=wall_s, epoch_time_s_RE=epoch_time_s_RE,
+                                 first_epoch=first_epoch)
+        if self.rank == 0:
+            out["adaptive"]["solve_total_s"] = solve = sum(
+                a.get("solve_s", 0.0) for a in out["adaptive"]["assignments"])
+            out["solve_share_of_wall"] = solve / wall_s if wall_s > 0 else 0.0
+        return out
 
     def report(self) -> dict:
         out = {"adaptive": {"period": self.opt.period, "group_size": self.opt.group_size,

@@ -38,7 +38,7 @@ quantization metadata and c_k is the sum of squared aggregation coefficients of 
 receivers (``PartitionBook.send_coef_sq``) forward, and 1 backward (a gradient row is
 added into its owner's gradient with weight 1). Link costs (theta, gamma per peer) are
 probed at start-up and refined by scaling theta with the ratio of measured to predicted
-exchange times. ``AdaQPOptions.link_costs`` (``--link-costs``) picks the probe: ``ring``
+exchange times. ``AdaQPConfig.link_costs`` (``--link-costs``) picks the probe: ``ring``
 (``commsched.cluster.costmodel.probe_link_costs``, the default), ``topology`` (``Topology.probe``:
 every ordered pair timed alone, each peer its own measured cost, so a channel that
 crosses the slow inter-host link costs more than one inside a host) or ``averaged`` (the
@@ -73,7 +73,8 @@ pass timer's clock: CUDA events on CUDA, ``perf_counter`` on the CPU.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 import torch
@@ -85,13 +86,13 @@ from ...quant.codec import dequantize_rows, payload_bytes, quantize_rows
 from ...quant.fast import compile_enabled, say_stderr, warm_codec, warm_native
 from ...quant.reference import BITS
 from ...results import median
-from ..context import PassContext
+from ..context import ExchangeContext, PassContext
 from ..graph.book import NORMS, PartitionBook
 from .adaqp_plan import (
     SCHEMES,
     TOPOLOGY_PROBE_SIZES,
-    AdaQPOptions,
     WidthLayout,
+    assigned_epoch_time,
     peer_costs,
     random_widths,
     solve_widths,
@@ -128,38 +129,56 @@ def _check_norm(book: PartitionBook, norm: str) -> None:
                          "written by an older commsched; make the partition folder again")
 
 
+@dataclass(eq=False)
+class _Call:
+    """One quantized exchange as its hooks see it: the rows [T, D] (float32), the rounding
+    key of the call, the codec implementation, the stochastic rows encoded so far (their
+    counters) and the technique's own state."""
+
+    layer: int
+    direction: str
+    x: torch.Tensor
+    key: int
+    impl: str
+    row0: int = 0
+    state: Any = None
+
+
 # --------------------------------------------------------------------------- exchange
 class AdaQPExchange(HaloExchange):
     """The quantized exchange; see the module doc.
 
-    scheme: one of :data:`~commsched.gnn.exchange.adaqp_plan.SCHEMES`; overlap: launch the
-    exchange in the background (the central aggregation runs meanwhile) or finish it
-    inside ``start``; options: the run's :class:`AdaQPOptions` (default: the defaults); norm: the model's edge
-    normalisation ("gcn", "mean" or "sum": ``PartitionBook.send_coef_sq`` key) that weighs
-    each forward message's variance; seed: of the random widths and the rounding keys.
+    ctx: what it is built for; its ``norm`` is the model's edge normalisation ("gcn",
+    "mean" or "sum": ``PartitionBook.send_coef_sq`` key) that weighs each forward
+    message's variance, its ``seed`` that of the random widths and the rounding keys.
+    options: the mode's config (:class:`~commsched.gnn.exchange.modes.AdaQPConfig` and its
+    subclasses): its ``scheme`` (one of :data:`~commsched.gnn.exchange.adaqp_plan.SCHEMES`), its
+    ``overlap`` (launch the exchange in the background, the central aggregation running
+    meanwhile, or finish it inside ``start``) and its fields (``period``, ``bits``, ...).
     """
 
     name = "adaqp"
+    _layout_kw: ClassVar[dict] = {}  # width_layout's widths and segments (AdaQP's: BITS)
 
-    def __init__(self, book: PartitionBook, *, scheme: str, overlap: bool, norm: str,
-                 options: AdaQPOptions | None = None, seed: int = 0, group=None,
-                 pattern: str = "direct", device: torch.device | str | None = None):
-        super().__init__(book, group=group, pattern=pattern)
-        if scheme not in SCHEMES:
-            raise ValueError(f"AdaQP scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
-        _check_norm(book, norm)
-        self.scheme, self.overlap, self.norm, self.seed = scheme, overlap, norm, seed
+    def __init__(self, ctx: ExchangeContext, options):
+        self._layouts: dict[tuple, tuple[WidthLayout, WidthLayout]] = {}
+        self._empty = torch.empty(0, dtype=torch.uint8)  # an empty segment, on the device
+        super().__init__(ctx)
+        if options.scheme not in SCHEMES:
+            raise ValueError(f"AdaQP scheme must be one of {', '.join(SCHEMES)}, got {options.scheme!r}")
+        _check_norm(self.book, self.ctx.norm)
+        self.scheme, self.overlap = options.scheme, options.overlap
+        self.norm, self.seed = self.ctx.norm, self.ctx.seed
         # layer -> its own edge normalisation, where it differs from ``norm`` (set_layer_norm)
         self.layer_norms: dict[int, str] = {}
-        self.opt = options if options is not None else AdaQPOptions()
+        self.opt = options
         self._compiles = self.opt.compile and compile_enabled()
-        self.rank = book.rank
+        self.rank = self.book.rank
         self._calls = 0
         # the period whose random draws are in force
         self.period_index = 0
         # (layer, direction) -> {(src, dst): widths [n]} for the channels touching this rank
         self.assigned: dict[tuple[int, str], dict[tuple[int, int], np.ndarray]] = {}
-        self._layouts: dict[tuple, tuple[WidthLayout, WidthLayout]] = {}
         # (layer, direction) -> the last training exchange's per-row (max - min) [T] float64,
         # on the device; :attr:`trace` turns it into betas per peer when asked (once a period)
         self._ranges: dict[tuple[int, str], torch.Tensor] = {}
@@ -173,9 +192,6 @@ class AdaQPExchange(HaloExchange):
         self._measured: list[tuple[float, Clock, Mark, Mark]] = []
         self.assignments: list[dict] = []  # what each re-assignment did (rank 0 fills details)
         self._compiled_dims: set[int] = set()  # row widths whose exchanges use the compiled codec
-        self._empty = torch.empty(0, dtype=torch.uint8)  # an empty segment, on the device
-        if device is not None:
-            self.to(device)
 
     def to(self, device: torch.device | str) -> "AdaQPExchange":
         device = torch.device(device)
@@ -315,9 +331,9 @@ class AdaQPExchange(HaloExchange):
             out_c, in_c = self._counts(direction)
             P, me = self.world_size, self.rank
             send = width_layout([self.channel_widths(me, p, out_c[p], layer, direction)
-                                 for p in range(P)], dim)
+                                 for p in range(P)], dim, **self._layout_kw)
             recv = width_layout([self.channel_widths(p, me, in_c[p], layer, direction)
-                                 for p in range(P)], dim)
+                                 for p in range(P)], dim, **self._layout_kw)
             self._layouts[key] = (send.to(self.device), recv.to(self.device))
         return self._layouts[key]
 
@@ -332,46 +348,44 @@ class AdaQPExchange(HaloExchange):
 
     def _quantized(self, rows: torch.Tensor, layer: int, direction: str, ctx: PassContext,
                    background: bool) -> Pending:
-        """Quantize every width group of the exchange in one codec call (the groups' rows
-        ordered peer by peer, so each peer's part is a contiguous slice), send, and on
-        ``wait`` dequantize each width group in one call and scatter the rows back."""
+        """The skeleton of every quantized exchange: encode each width group of the exchange
+        in one call (:meth:`_encode`; the groups' rows ordered peer by peer, so each peer's
+        part of a segment is a contiguous slice), send, and on ``wait`` decode each group
+        in one call (:meth:`_decode`) and scatter the rows back. What a width is (a bit
+        width here; a technique in :class:`~commsched.gnn.exchange.adaptive.AdaptiveExchange`) is
+        the hooks' business alone."""
         D = int(rows.shape[1])
         send, recv = self.layouts(layer, direction, D)
-        out_c, in_c = self._counts(direction)
-        P = self.world_size
-        timer = ctx.timer
+        P, timer = self.world_size, ctx.timer
+        t0 = timer.mark()
+        x = rows.to(torch.float32).contiguous()
+        self._calls += 1
         # the compiled CPU fast path is for CPU rows; CUDA rows go to Triton ("auto"); without
         # compiling, the CPU's eager twin or the torch reference elsewhere
         if not self.compiles:
             impl = "eager" if rows.device.type == "cpu" else "reference"
         else:
             impl = "compiled" if D in self._compiled_dims and rows.device.type == "cpu" else "auto"
-        t0 = timer.mark()
-        x = rows.to(torch.float32).contiguous()
-        self._calls += 1
-        key = _mix_key(self.seed, self.rank, self._calls)
+        call = _Call(layer, direction, x, _mix_key(self.seed, self.rank, self._calls), impl)
+        self._begin_encode(call)
         segs: list[list[torch.Tensor]] = [[] for _ in range(P)]
-        rng_T = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)  # each sent row's (max - min)
-        row0 = 0
-        for w, b in enumerate(BITS):
+        for w, t in enumerate(send.widths):
+            nseg = len(send.seg_of[w])
+            if nseg == 0:  # rows that send nothing (adaptive's dropped rows)
+                continue
             pos, per_peer = send.pos[w], send.peer_rows[w]
             n = int(pos.numel())
             if n == 0:
                 for p in range(P):
-                    segs[p] += [self._empty, self._empty]
+                    segs[p] += [self._empty] * nseg
                 continue
             sel = x if n == x.shape[0] else x.index_select(0, pos)
-            pay, meta = quantize_rows(sel, b, key, row0, impl)  # distinct counters per row
-            row0 += n
-            rng_T.index_copy_(0, pos, meta[:, 0].double() * ((1 << b) - 1))
-            meta_bytes = meta.contiguous().view(torch.uint8)
-            o = 0
-            for p in range(P):
-                k = per_peer[p]
-                segs[p] += [pay[o:o + k].reshape(-1), meta_bytes[o:o + k].reshape(-1)]
-                o += k
-        if x.shape[0]:
-            self._ranges[(layer, direction)] = rng_T  # betas are derived once a period (trace)
+            for piece in self._encode(call, t, sel, pos):
+                o = 0
+                for p in range(P):
+                    segs[p].append(piece[o:o + per_peer[p]].reshape(-1))
+                    o += per_peer[p]
+        self._end_encode(call)
         self.dims[(layer, direction)] = D
         t1 = timer.mark()
         timer.add_span("quant", t0, t1)
@@ -386,20 +400,23 @@ class AdaQPExchange(HaloExchange):
             t_got = timer.mark()
             if predicted > 0:
                 self._measured.append((predicted, timer.clock, t_wire, t_got))
-            out = torch.empty((sum(in_c), D), dtype=torch.float32, device=rows.device)
-            for w, b in enumerate(BITS):
+            # rows of a width without segments arrive as zeros; otherwise every row is written
+            new = torch.zeros if any(not s for s in recv.seg_of) else torch.empty
+            out = new((sum(recv.counts), D), dtype=torch.float32, device=rows.device)
+            for w, t in enumerate(recv.widths):
                 pos = recv.pos[w]
                 n = int(pos.numel())
-                if n == 0:
+                if n == 0 or not recv.seg_of[w]:
                     continue
                 parts = [p for p in range(P) if recv.peer_rows[w][p]]
-                # one aligned buffer per width (the received views start at arbitrary bytes)
-                pay = torch.cat([got[p][2 * w] for p in parts]).view(n, payload_bytes(D, b))
-                meta = torch.cat([got[p][2 * w + 1] for p in parts]).view(torch.float32).view(n, 2)
+                # one aligned buffer per segment (the received views start at arbitrary bytes)
+                pieces = [torch.cat([got[p][s] for p in parts]) for s in recv.seg_of[w]]
                 if n == out.shape[0]:
-                    dequantize_rows(pay, meta, b, D, impl, out_ND=out)
+                    val = self._decode(call, t, pieces, n, out)
+                    if val is not out:
+                        out.copy_(val)
                 else:
-                    out.index_copy_(0, pos, dequantize_rows(pay, meta, b, D, impl))
+                    out.index_copy_(0, pos, self._decode(call, t, pieces, n, None))
             res = out.to(rows.dtype)
             t_done = timer.mark()
             timer.add_span("quant", t_got, t_done)
@@ -407,6 +424,40 @@ class AdaQPExchange(HaloExchange):
             return res
 
         return Pending(finish) if background else Pending.ready(finish())
+
+    # ---- the per-technique hooks of the skeleton (AdaQP's: stochastic bit widths) -------------
+    def _begin_encode(self, call: "_Call") -> None:
+        """Before the first group: each sent row's (max - min), filled by :meth:`_encode`."""
+        call.state = torch.zeros(call.x.shape[0], dtype=torch.float64, device=call.x.device)
+
+    def _encode(self, call: "_Call", b: int, sel: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:
+        """The segments of the rows ``sel`` [n, D] (at ``pos`` among the sent rows) at width
+        ``b``, each with the rows' parts in order: here (payload, metadata bytes)."""
+        pay, meta = self._stochastic(call, b, sel)
+        call.state.index_copy_(0, pos, meta[:, 0].double() * ((1 << b) - 1))
+        return [pay, meta.contiguous().view(torch.uint8)]
+
+    @staticmethod
+    def _stochastic(call: "_Call", b: int, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(payload, metadata) of ``sel`` at ``b`` bits, keyed by the call; each row its own
+        counter."""
+        pay, meta = quantize_rows(sel, b, call.key, call.row0, call.impl)
+        call.row0 += int(sel.shape[0])
+        return pay, meta
+
+    def _end_encode(self, call: "_Call") -> None:
+        """After the last group: keep the ranges (betas are derived once a period: trace)."""
+        if call.x.shape[0]:
+            self._ranges[(call.layer, call.direction)] = call.state
+
+    def _decode(self, call: "_Call", b: int, pieces: list[torch.Tensor], n: int,
+                out: torch.Tensor | None) -> torch.Tensor:
+        """float32 [n, D] of the ``n`` received rows at width ``b`` from their segments
+        (written into ``out`` when given, where the codec can)."""
+        D = int(call.x.shape[1])
+        pay, meta = pieces
+        return dequantize_rows(pay.view(n, payload_bytes(D, b)), meta.view(torch.float32).view(n, 2),
+                               b, D, call.impl, out_ND=out)
 
     # ---- link model and re-assignment ---------------------------------------------------------
     def _predict(self, send: WidthLayout) -> float:
@@ -449,6 +500,23 @@ class AdaQPExchange(HaloExchange):
         self._measured.clear()
         info = dict(info, epoch=epoch)
         self.assignments.append(info)
+
+    def run_report(self, *, wall_s: float, epoch_time_s_RE: list[list[float]],
+                   first_epoch: int = 0) -> dict:
+        """:meth:`report` and, on rank 0, what the re-assignments cost: their time on the
+        training thread (``assign_total_s``, ``assign_share_of_wall`` of ``wall_s``) and the
+        median epoch from the first one applied on (``epoch_time_s_assigned``)."""
+        out = self.report()
+        if self.rank != 0:
+            return out
+        mine = out[self.name]
+        done = mine.get("assignments", [])
+        steady = assigned_epoch_time(done, epoch_time_s_RE, first_epoch)
+        if steady is not None:
+            mine["first_assigned_epoch"], out["epoch_time_s_assigned"] = steady
+        mine["assign_total_s"] = assign = sum(a.get("wall_s", 0.0) for a in done)
+        out["assign_share_of_wall"] = assign / wall_s if wall_s > 0 else 0.0
+        return out
 
     def report(self) -> dict:
         """What goes into metrics.json beside the standard keys."""

@@ -1,4 +1,4 @@
-"""AdaQP's pure planning: options, width layouts, random widths, the rank-0 solve.
+"""AdaQP's pure planning: width layouts, random widths, the rank-0 solve.
 
 Legend: P ranks, n_p messages (rows) exchanged with peer p, D row width, b bits.
 
@@ -6,7 +6,6 @@ No process group here (DESIGN.md rule 1): every function maps plain data to plai
 and is tested in milliseconds on hand-worked examples. :mod:`commsched.gnn.exchange.adaqp` runs
 the exchange that uses them.
 
-* :class:`AdaQPOptions`: the AdaQP knobs of a run (nested in ``TrainConfig.adaqp``).
 * :func:`width_layout`: where each width's rows sit in every peer's message and how many
   bytes each segment has; sender and receiver derive it from the same width vectors, so
   no sizes are exchanged.
@@ -31,10 +30,10 @@ import torch
 
 from ...cluster.topology import INTER, INTRA, Topology
 from ...comm.all2all import SegmentLayout
-from ...configurable import option
 from ...quant.codec import META_BYTES, payload_bytes
 from ...quant.reference import BITS
 from ...quant.widths.problem import Channel, expand_group_bits, group_messages
+from ...results import median
 
 # width schemes of the quantized exchange
 SCHEMES = ("adaptive", "uniform", "random")
@@ -47,63 +46,6 @@ LINK_COST_SOURCES = ("ring", "topology", "averaged")
 # emulated link's token bucket (docs/topology.md, "Known limits")
 TOPOLOGY_PROBE_SIZES = (1 << 12, 1 << 20, 1 << 22)
 _DIRS = {"forward": 0, "backward": 1}
-
-
-# --------------------------------------------------------------------------- options
-@dataclass(frozen=True)
-class AdaQPOptions:
-    """Knobs of the AdaQP exchanges (``TrainConfig.adaqp``; the CLI's ``--bits``,
-    ``--period``, ``--group-size`` and ``--lam``). Recorded but unused by the modes that do
-    not quantize.
-
-    bits: the width of ``uniform``; period: epochs between re-assignments (adaptive) or
-    redraws (random); group_size, lam: the assignment problem's (messages per group, the
-    variance/time trade-off); assign_time_limit_s: CP-SAT's limit per problem;
-    probe_sizes, probe_repeats: the start-up link probe's message sizes (bytes) and repeats;
-    compile (``--no-compile`` sets False): compile the codec at set-up (torch.compile on the
-    CPU, the Triton kernels on CUDA); False runs the uncompiled codec (the CPU's eager twin,
-    the torch reference on CUDA: the same bits, slower), as ``COMMSCHED_COMPILE=0`` does;
-    link_costs (``--link-costs``, one of :data:`LINK_COST_SOURCES`): where the assigner's
-    per-peer costs come from (``topology``/``averaged`` probe with
-    :data:`TOPOLOGY_PROBE_SIZES` and ``probe_repeats``); equal_variance
-    (``--equal-variance``, needs ``topology``): widths as fast as the per-pair costs allow
-    at no more variance than the averaged-cost assignment (:func:`solve_widths`).
-    """
-
-    bits: int = option(max(BITS), "the width of --mode uniform", foreign=(
-        "--bits is the width of --mode uniform (AdaQP's exchange); --mode {mode} does not "
-        "quantize to a chosen width and would ignore --bits {value}: drop it"))
-    period: int = option(50, "AdaQP re-assignment period (epochs)")
-    group_size: int = option(100, "AdaQP message group size")
-    lam: float = option(0.5, "AdaQP variance/time trade-off")
-    assign_time_limit_s: float = option(2.0, cli=False)
-    probe_sizes: tuple[int, ...] = option((1 << 12, 1 << 16, 1 << 19), cli=False)
-    probe_repeats: int = option(2, cli=False)
-    compile: bool = option(True, "compile the quantization codec at start-up")
-    link_costs: str = option("ring", "AdaQP's link costs: ring (probe_link_costs), topology (every "
-                             "pair timed alone, its own cost) or averaged (that probe, one mean "
-                             "cost for every pair)", choices=LINK_COST_SOURCES)
-    equal_variance: bool = option(False, "with --link-costs topology: the fastest widths at no "
-                                  "more variance than the averaged-cost assignment")
-
-    def __post_init__(self) -> None:
-        if self.link_costs not in LINK_COST_SOURCES:
-            raise ValueError(f"--link-costs must be one of {', '.join(LINK_COST_SOURCES)}, "
-                             f"got {self.link_costs!r}")
-        if self.equal_variance and self.link_costs != "topology":
-            raise ValueError("--equal-variance caps the variance of topology-aware widths at that "
-                             "of the averaged-cost ones: it needs --link-costs topology, got "
-                             f"--link-costs {self.link_costs}")
-        if self.bits not in BITS:
-            raise ValueError(f"--bits must be one of {', '.join(map(str, BITS))}, got {self.bits}")
-        if self.period < 1 or self.group_size < 1:
-            raise ValueError("--period and --group-size must be >= 1")
-        if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"--lam must lie in [0, 1], got {self.lam}")
-        if self.assign_time_limit_s <= 0 or self.probe_repeats < 1 or not self.probe_sizes:
-            raise ValueError("assign_time_limit_s must be > 0, probe_repeats >= 1 and "
-                             "probe_sizes non-empty")
-        object.__setattr__(self, "probe_sizes", tuple(int(s) for s in self.probe_sizes))
 
 
 # --------------------------------------------------------------------------- layouts
@@ -335,6 +277,24 @@ def solve_widths(per_rank: list[dict], *, group_size: int, lam: float, time_limi
     return table, info
 
 
-__all__ = ["AdaQPOptions", "LINK_COST_SOURCES", "SCHEMES", "TOPOLOGY_PROBE_SIZES",
+# --------------------------------------------------------------------------- the run's figures
+def assigned_epoch_time(assignments: list[dict], epoch_time_s_RE: list[list[float]],
+                        first_epoch: int = 0) -> tuple[int, float] | None:
+    """(the first epoch that ran on an assignment, the median over it and the later timed
+    epochs of the slowest rank's epoch time) of an adaptive exchange's ``assignments``
+    (``applied_epoch``, or AdaQP's ``epoch``); ``epoch_time_s_RE`` per rank, per epoch timed
+    from ``first_epoch``. None before any assignment ran. The epochs before it send what
+    the exchange starts with (signs for ``adaptive``): the plans compare on the rest."""
+    starts = [a.get("applied_epoch", a.get("epoch")) for a in assignments]
+    starts = [int(e) for e in starts if e is not None]
+    if not starts or not epoch_time_s_RE or not epoch_time_s_RE[0]:
+        return None
+    first = min(starts)
+    E = len(epoch_time_s_RE[0])
+    times = [max(r[e] for r in epoch_time_s_RE) for e in range(max(0, first - first_epoch), E)]
+    return (first, float(median(times))) if times else None
+
+
+__all__ = ["LINK_COST_SOURCES", "assigned_epoch_time", "SCHEMES", "TOPOLOGY_PROBE_SIZES",
            "link_class_report", "peer_costs", "WidthLayout", "WidthProblems", "build_problems",
            "quantized_segments", "random_widths", "solve_widths", "width_layout"]

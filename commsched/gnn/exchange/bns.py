@@ -36,27 +36,11 @@ import numpy as np
 import torch
 
 from ...comm.all2all import A2APlan
-from ...configurable import option
-from ..context import PassContext
+from ..context import ExchangeContext, PassContext
 from ..graph.book import PartitionBook
 from .halo import Pending, VanillaExchange
 
 DEFAULT_BOUNDARY_RATE = 0.1  # BNS-GCN's recommended rate
-
-
-@dataclass(frozen=True)
-class BNSOptions:
-    """``--boundary-rate``: the fraction P in (0, 1] of boundary rows kept per epoch."""
-
-    rate: float = option(DEFAULT_BOUNDARY_RATE, "--mode bns: fraction in (0, 1] of each part's "
-                         "boundary nodes kept per epoch (1 equals vanilla)", flag="--boundary-rate",
-                         foreign="--boundary-rate is an option of --mode bns, not of --mode {mode}")
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.rate, (int, float)) and not isinstance(self.rate, bool)
-                and math.isfinite(self.rate) and 0.0 < self.rate <= 1.0):
-            raise ValueError(f"--boundary-rate must be a fraction in (0, 1] (1 keeps every boundary "
-                             f"node), got {self.rate!r}")
 
 
 def kept_count(count: int, rate: float) -> int:
@@ -118,18 +102,16 @@ def sample_epoch(book: PartitionBook, rate: float, *, seed: int, epoch: int,
 
 class BNSExchange(VanillaExchange):
     """Vanilla rows of a random fraction ``options.rate`` of the boundary nodes in training
-    passes (see the module doc); every row in evaluation passes. ``seed``: the run's seed
+    passes (see the module doc); every row in evaluation passes. ``options``: the mode's
+    config (:class:`~commsched.gnn.exchange.modes.BNSConfig`); the context's ``seed``: the run's
     (the sample of epoch e is that of (seed, e) on every rank)."""
 
     name = "bns"
 
-    def __init__(self, book: PartitionBook, *, options: BNSOptions | None = None, seed: int = 0,
-                 group=None, pattern: str = "direct", asynchronous: bool = False,
-                 wire_dtype: torch.dtype | None = None, device: torch.device | str | None = None):
-        super().__init__(book, group=group, pattern=pattern, asynchronous=asynchronous,
-                         wire_dtype=wire_dtype, device=device)
-        self.options = options if options is not None else BNSOptions()
-        self.seed = int(seed)
+    def __init__(self, ctx: ExchangeContext, options):
+        super().__init__(ctx)
+        self.options = options
+        self.seed = int(self.ctx.seed)
         self._sample: tuple[int, BoundarySample] | None = None
 
     def sample(self, epoch: int) -> BoundarySample:
@@ -169,5 +151,5 @@ class BNSExchange(VanillaExchange):
                         "kept_share": kept / full if full else 1.0}}
 
 
-__all__ = ["BNSExchange", "BNSOptions", "BoundarySample", "DEFAULT_BOUNDARY_RATE",
+__all__ = ["BNSExchange", "BoundarySample", "DEFAULT_BOUNDARY_RATE",
            "boundary_sample", "kept_count", "sample_epoch"]

@@ -28,7 +28,10 @@ Per-pass state -- epoch, training or evaluation, the timer, the byte counters --
 with every call in a :class:`~commsched.gnn.context.PassContext`; an exchange holds only
 what its book and its own schedule determine.
 
-**Device.** An exchange lives on one device (``device=``, or :meth:`HaloExchange.to`):
+**Context.** An exchange is built from one :class:`~commsched.gnn.context.ExchangeContext`
+(book, group, pattern, seed, norm, device, wire dtype), the same for every mode.
+
+**Device.** An exchange lives on one device (the context's, or :meth:`HaloExchange.to`):
 its index tensors (``send_idx``) are moved there once, and the rows it is given are on
 it. "comm" is timed with the pass timer's clock (CUDA events on CUDA, where a host clock
 would only see the enqueue of an NCCL collective).
@@ -41,7 +44,7 @@ from typing import Callable
 import torch
 
 from ...comm.all2all import A2APlan, all_to_all, all_to_all_async, make_plan
-from ..context import PassContext
+from ..context import ExchangeContext, PassContext
 from ..graph.book import PartitionBook
 
 DIRECTIONS = ("forward", "backward")
@@ -76,16 +79,15 @@ class HaloExchange:
 
     name = "base"
 
-    def __init__(self, book: PartitionBook, *, group=None, pattern: str = "direct",
-                 device: torch.device | str | None = None):
-        self.book = book
-        self.group = group
-        self.pattern = pattern
-        self.plan = A2APlan(book.send_counts, book.recv_counts, book.rank)
+    def __init__(self, ctx: ExchangeContext | PartitionBook):
+        """``ctx``: what the exchange is built for (a bare book: the defaults around it)."""
+        self.ctx = ctx = ctx if isinstance(ctx, ExchangeContext) else ExchangeContext(ctx)
+        self.book, self.group, self.pattern = ctx.book, ctx.group, ctx.pattern
+        self.plan = A2APlan(self.book.send_counts, self.book.recv_counts, self.book.rank)
         self.device = torch.device("cpu")
-        self.send_idx = torch.from_numpy(book.send_idx)
-        if device is not None:
-            self.to(device)
+        self.send_idx = torch.from_numpy(self.book.send_idx)
+        if ctx.device is not None:
+            self.to(ctx.device)
 
     def to(self, device: torch.device | str) -> "HaloExchange":
         """Move the exchange's index tensors to ``device`` (once, at set-up); returns self.
@@ -121,6 +123,10 @@ class HaloExchange:
         """Set-up before the first epoch (untimed); ``dims`` is the input row width of each
         layer. A place to warm caches or compile kernels; nothing by default."""
 
+    def set_layer_norm(self, layer: int, norm: str) -> None:
+        """``layer`` normalises its edges by ``norm``, not the context's (an exchange that
+        weighs its messages by it takes note; nothing by default)."""
+
     def begin_epoch(self, ctx: PassContext) -> None:
         """Called at the start of every training epoch (``ctx`` is its pass), inside its
         timed region: the place for periodic work such as bit-width re-assignment (time it
@@ -132,6 +138,13 @@ class HaloExchange:
     def report(self) -> dict:
         """Extra entries for metrics.json (rank 0's view); none by default."""
         return {}
+
+    def run_report(self, *, wall_s: float, epoch_time_s_RE: list[list[float]],
+                   first_epoch: int = 0) -> dict:
+        """:meth:`report` at the end of a run of ``wall_s`` seconds whose epochs from
+        ``first_epoch`` on took ``epoch_time_s_RE[r][e]`` on rank r (an exchange with
+        periodic work adds what it cost); collective-free."""
+        return self.report()
 
     def transfer(self, rows: torch.Tensor, layer: int, direction: str, ctx: PassContext) -> Pending:
         """Move ``rows`` for ``layer`` in ``direction`` during the pass ``ctx``.
@@ -280,18 +293,16 @@ class VanillaExchange(HaloExchange):
     backward, overlaps the wire). Both orders compute the same sums, so they train
     bit-identically.
 
-    ``wire_dtype`` (``torch.bfloat16`` for ``--dtype bfloat16``): rows cross the wire in
-    that dtype, both directions, and are cast back to the rows' dtype on arrival (a bf16
-    Vanilla sends half the bytes of an fp32 one); None (default): the rows as they are."""
+    The context's ``wire_dtype`` (``torch.bfloat16`` for ``--dtype bfloat16``): rows cross
+    the wire in that dtype, both directions, and are cast back to the rows' dtype on arrival
+    (a bf16 Vanilla sends half the bytes of an fp32 one); None (default): the rows as they are."""
 
     name = "vanilla"
 
-    def __init__(self, book: PartitionBook, *, group=None, pattern: str = "direct",
-                 asynchronous: bool = False, wire_dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
-        super().__init__(book, group=group, pattern=pattern, device=device)
+    def __init__(self, ctx: ExchangeContext | PartitionBook, *, asynchronous: bool = False):
+        super().__init__(ctx)
         self.asynchronous = asynchronous
-        self.wire_dtype = wire_dtype
+        self.wire_dtype = self.ctx.wire_dtype
 
     @property
     def overlaps(self) -> bool:

@@ -26,14 +26,16 @@ mode's options (the command line's flags are generated from them, docs/design.md
 class attributes say what the mode is (``timing_only``, ``quantized``: it quantizes
 float32 rows itself, so it takes no wire dtype); its ``check_run`` / ``check_layers`` hold
 the checks that involve the rest of the run (``--pattern``, ``--dtype``, the layers), once;
-``build(book, ...)`` makes the exchange. Adding a mode::
+``build(ctx)`` makes the exchange from the run's
+:class:`~commsched.gnn.context.ExchangeContext` (book, group, pattern, seed, norm, device,
+wire dtype: the same for every mode). Adding a mode::
 
     @dataclass(frozen=True, kw_only=True)
     class HalfConfig(ExchangeConfig):
         rate: float = option(0.5, "share of rows sent", flag="--half-rate")
 
-        def build(self, book, *, group=None, pattern="direct", device=None, **_):
-            return HalfExchange(book, rate=self.rate, group=group, pattern=pattern, device=device)
+        def build(self, ctx):
+            return HalfExchange(ctx, rate=self.rate)
 
     MODES.register("half", HalfConfig)
 
@@ -54,30 +56,29 @@ Sylvie's bounded staleness (docs/gnn.md, "onebit").
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
-import torch
-
 from ...configurable import Config, Registry, check, option
+from ...quant.reference import BITS
 from ...quant.widths.joint import parse_techniques
+from ..context import ExchangeContext
 from ..graph.book import PartitionBook
 from .adaptive import AdaptiveExchange
 from .adaqp import AdaQPExchange
-from .adaqp_plan import LINK_COST_SOURCES, AdaQPOptions
-from .bns import BNSExchange, BNSOptions
+from .adaqp_plan import LINK_COST_SOURCES
+from .bns import DEFAULT_BOUNDARY_RATE, BNSExchange
 from .halo import HaloExchange, VanillaExchange, ZeroExchange
 from .onebit import OneBitExchange
-from .stale import PipeGCNExchange, PipeGCNOptions, check_pattern
-
-# the option sets a config may be given as (TrainConfig(exchange=AdaQPOptions(...)))
-OPTION_SETS = (AdaQPOptions, PipeGCNOptions, BNSOptions)
+from .stale import PipeGCNExchange, check_pattern
 
 
 @dataclass(frozen=True, kw_only=True)
 class ExchangeConfig(Config):
-    """Base of a mode's config: its fields are the mode's options; ``build`` makes its
-    :class:`HaloExchange` for one rank's book.
+    """Base of a mode's config: its fields are the mode's options (whoever needs them reads
+    them here or on the exchange built); ``build(ctx)`` makes its :class:`HaloExchange`
+    from one rank's :class:`~commsched.gnn.context.ExchangeContext`.
 
     Class attributes: ``timing_only`` (the model trained is wrong on purpose), ``quantized``
     (it quantizes float32 rows itself: no wire dtype, no ``--dtype bfloat16``)."""
@@ -98,15 +99,19 @@ class ExchangeConfig(Config):
     def check_layers(self, mode: str, layer_names: Sequence[str]) -> None:
         """The checks that involve the layers the exchange serves (class names)."""
 
-    def build(self, book: PartitionBook, *, group=None, pattern: str = "direct", seed: int = 0,
-              norm: str | None = None, device: torch.device | str | None = None,
-              wire_dtype: torch.dtype | None = None) -> HaloExchange:
+    def build(self, ctx: ExchangeContext) -> HaloExchange:
+        """The mode's exchange for the run's ``ctx``."""
         raise NotImplementedError(f"{type(self).__name__} builds no exchange")
 
-
-def _no_wire(mode: str, cfg: ExchangeConfig, wire_dtype) -> None:
-    check(wire_dtype is None, f"--mode {mode} quantizes its rows: it takes no wire dtype (the "
-          "bfloat16 wire is an option of vanilla and adaqp-p)")
+    def _quantizing(self, ctx: ExchangeContext, *, norm: bool = True) -> ExchangeContext:
+        """``ctx``, checked for a mode that quantizes float32 rows itself (no wire dtype;
+        ``norm``: it weighs its messages by the model's edge normalisation)."""
+        mode = mode_name(self)
+        check(ctx.wire_dtype is None, f"--mode {mode} quantizes its rows: it takes no wire dtype "
+              "(the bfloat16 wire is an option of vanilla and adaqp-p)")
+        check(not norm or ctx.norm is not None, f"--mode {mode} weighs its messages by the model's "
+              "edge normalisation: pass norm= (the layer's norm, e.g. \"gcn\" or \"mean\")")
+        return ctx
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,15 +120,13 @@ class VanillaConfig(ExchangeConfig):
 
     asynchronous: ClassVar[bool] = False
 
-    def build(self, book, *, group=None, pattern="direct", seed=0, norm=None, device=None,
-              wire_dtype=None) -> HaloExchange:
-        return VanillaExchange(book, group=group, pattern=pattern, asynchronous=self.asynchronous,
-                               wire_dtype=wire_dtype, device=device)
+    def build(self, ctx) -> HaloExchange:
+        return VanillaExchange(ctx, asynchronous=self.asynchronous)
 
 
 @dataclass(frozen=True, kw_only=True)
 class AsyncVanillaConfig(VanillaConfig):
-    """``adaqp-p``: full precision in the background, overlapped (equals vanilla)."""
+    """``adaqp-p``: full precision in the background, with overlap (equals vanilla)."""
 
     asynchronous: ClassVar[bool] = True
 
@@ -134,33 +137,60 @@ class ZeroConfig(ExchangeConfig):
 
     timing_only: ClassVar[bool] = True
 
-    def build(self, book, *, group=None, pattern="direct", seed=0, norm=None, device=None,
-              wire_dtype=None) -> HaloExchange:
-        return ZeroExchange(book, group=group, pattern=pattern, device=device)
+    def build(self, ctx) -> HaloExchange:
+        return ZeroExchange(ctx)
 
 
 @dataclass(frozen=True, kw_only=True)
-class AdaQPConfig(ExchangeConfig, AdaQPOptions):
-    """``adaqp``: AdaQP's exchange (the fields: :class:`AdaQPOptions`); ``scheme`` and
-    ``overlap`` (class attributes) tell its modes apart."""
+class AdaQPConfig(ExchangeConfig):
+    """``adaqp``: AdaQP's exchange (:class:`~commsched.gnn.exchange.adaqp.AdaQPExchange`);
+    ``scheme`` and ``overlap`` (class attributes) tell its modes apart.
+
+    bits: the width of ``uniform``; period: epochs between re-assignments (adaptive) or
+    redraws (random); group_size, lam: the assignment problem's (messages per group, the
+    variance/time trade-off); assign_time_limit_s: CP-SAT's limit per problem;
+    probe_sizes, probe_repeats: the start-up link probe's message sizes (bytes) and repeats;
+    link_costs (``--link-costs``, one of :data:`~commsched.gnn.exchange.adaqp_plan.LINK_COST_SOURCES`):
+    where the assigner's per-peer costs come from (``topology``/``averaged`` probe with
+    ``TOPOLOGY_PROBE_SIZES`` and ``probe_repeats``); equal_variance (``--equal-variance``,
+    needs ``topology``): widths as fast as the per-pair costs allow at no more variance
+    than the averaged-cost assignment (``adaqp_plan.solve_widths``).
+    """
+
+    bits: int = option(max(BITS), "the width of --mode uniform", foreign=(
+        "--bits is the width of --mode uniform (AdaQP's exchange); --mode {mode} does not "
+        "quantize to a chosen width and would ignore --bits {value}: drop it"))
+    period: int = option(50, "AdaQP re-assignment period (epochs)")
+    group_size: int = option(100, "AdaQP message group size")
+    lam: float = option(0.5, "AdaQP variance/time trade-off")
+    assign_time_limit_s: float = option(2.0, cli=False)
+    probe_sizes: tuple[int, ...] = option((1 << 12, 1 << 16, 1 << 19), cli=False)
+    probe_repeats: int = option(2, cli=False)
+    link_costs: str = option("ring", "AdaQP's link costs: ring (probe_link_costs), topology (every "
+                             "pair timed alone, its own cost) or averaged (that probe, one mean "
+                             "cost for every pair)", choices=LINK_COST_SOURCES)
+    equal_variance: bool = option(False, "with --link-costs topology: the fastest widths at no "
+                                  "more variance than the averaged-cost assignment")
 
     quantized: ClassVar[bool] = True
     scheme: ClassVar[str] = "adaptive"
     overlap: ClassVar[bool] = True
 
-    @property
-    def options(self) -> AdaQPOptions:
-        """The plain :class:`AdaQPOptions` of these fields."""
-        return AdaQPOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(AdaQPOptions)})
+    def __post_init__(self) -> None:
+        check(self.link_costs in LINK_COST_SOURCES, f"--link-costs must be one of "
+              f"{', '.join(LINK_COST_SOURCES)}, got {self.link_costs!r}")
+        check(not self.equal_variance or self.link_costs == "topology",
+              "--equal-variance caps the variance of topology-aware widths at that of the "
+              f"averaged-cost ones: it needs --link-costs topology, got --link-costs {self.link_costs}")
+        check(self.bits in BITS, f"--bits must be one of {', '.join(map(str, BITS))}, got {self.bits}")
+        check(self.period >= 1 and self.group_size >= 1, "--period and --group-size must be >= 1")
+        check(0.0 <= self.lam <= 1.0, f"--lam must lie in [0, 1], got {self.lam}")
+        check(self.assign_time_limit_s > 0 and self.probe_repeats >= 1 and bool(self.probe_sizes),
+              "assign_time_limit_s must be > 0, probe_repeats >= 1 and probe_sizes non-empty")
+        object.__setattr__(self, "probe_sizes", tuple(int(s) for s in self.probe_sizes))
 
-    def build(self, book, *, group=None, pattern="direct", seed=0, norm=None, device=None,
-              wire_dtype=None) -> HaloExchange:
-        _no_wire(mode_name(self), self, wire_dtype)
-        check(norm is not None, f"--mode {mode_name(self)} weighs its messages by the model's edge "
-              "normalisation: pass norm= (the layer's norm, e.g. \"gcn\" or \"mean\")")
-        return AdaQPExchange(book, scheme=self.scheme, overlap=self.overlap, norm=norm,
-                             options=self.options, seed=seed, group=group, pattern=pattern,
-                             device=device)
+    def build(self, ctx) -> HaloExchange:
+        return AdaQPExchange(self._quantizing(ctx), self)
 
 
 WARMUPS = ("sign", "2", "4", "8", "fp32")  # adaptive's --warmup
@@ -201,15 +231,8 @@ class AdaptiveConfig(AdaQPConfig):
         check(self.joint_solver in ("cp-sat", "greedy"),
               f"joint_solver must be 'cp-sat' or 'greedy', got {self.joint_solver!r}")
 
-    def build(self, book, *, group=None, pattern="direct", seed=0, norm=None, device=None,
-              wire_dtype=None) -> HaloExchange:
-        _no_wire(mode_name(self), self, wire_dtype)
-        check(norm is not None, f"--mode {mode_name(self)} weighs its messages by the model's edge "
-              "normalisation: pass norm= (the layer's norm, e.g. \"gcn\" or \"mean\")")
-        return AdaptiveExchange(book, norm=norm, options=self.options,
-                                error_budget=self.error_budget, solver=self.joint_solver,
-                                techniques=self.techniques, warmup=self.warmup,
-                                seed=seed, group=group, pattern=pattern, device=device)
+    def build(self, ctx) -> HaloExchange:
+        return AdaptiveExchange(self._quantizing(ctx), self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,32 +263,58 @@ class OneBitConfig(ExchangeConfig):
     quantized: ClassVar[bool] = True
     overlap: ClassVar[bool] = True
 
-    def build(self, book, *, group=None, pattern="direct", seed=0, norm=None, device=None,
-              wire_dtype=None) -> HaloExchange:
-        _no_wire("onebit", self, wire_dtype)
-        return OneBitExchange(book, overlap=self.overlap, group=group, pattern=pattern,
-                              device=device, compile=self.compile)
+    def build(self, ctx) -> HaloExchange:
+        return OneBitExchange(self._quantizing(ctx, norm=False), overlap=self.overlap,
+                              compile=self.compile)
+
+
+_STALE = "--stale-delay and --stale-smoothing are options of --mode pipegcn, not of --mode {mode}"
 
 
 @dataclass(frozen=True, kw_only=True)
-class PipeGCNConfig(ExchangeConfig, PipeGCNOptions):
-    """``pipegcn``: stale full-precision rows (the fields: :class:`PipeGCNOptions`)."""
+class PipeGCNConfig(ExchangeConfig):
+    """``pipegcn``: stale full-precision rows (:class:`~commsched.gnn.exchange.stale.PipeGCNExchange`).
+    ``delay`` (``--stale-delay``; 1: PipeGCN, one epoch stale; 0: every epoch's own rows,
+    equal to vanilla) and ``smoothing`` (``--stale-smoothing``; gamma in [0, 1) of the
+    moving average of stale rows and gradients; 0: off)."""
+
+    delay: int = option(1, "--mode pipegcn: 1 uses the previous epoch's halo rows and gradients; "
+                        "0 this epoch's (exact, equal to vanilla)", flag="--stale-delay", foreign=_STALE)
+    smoothing: float = option(0.0, "--mode pipegcn: moving average of the stale rows and gradients, "
+                              "s = GAMMA s + (1 - GAMMA) received, GAMMA in [0, 1) (0: off)",
+                              flag="--stale-smoothing", foreign=_STALE)
+
+    def __post_init__(self) -> None:
+        check(not isinstance(self.delay, bool) and self.delay in (0, 1),
+              f"--stale-delay must be 0 (exact) or 1 (one epoch stale), got {self.delay!r}")
+        check(isinstance(self.smoothing, (int, float)) and math.isfinite(self.smoothing)
+              and 0.0 <= self.smoothing < 1.0,
+              f"--stale-smoothing must be a number in [0, 1) (0: off), got {self.smoothing!r}")
+        check(not (self.delay == 0 and self.smoothing > 0), "--stale-smoothing needs stale rows "
+              "to smooth: it is an option of --stale-delay 1, not of the exact --stale-delay 0")
 
     def check_run(self, mode, *, pattern="direct", mixed=False) -> None:
         super().check_run(mode, pattern=pattern, mixed=mixed)
         check_pattern(pattern, mode)
 
-    def build(self, book, *, group=None, pattern="direct", seed=0, norm=None, device=None,
-              wire_dtype=None) -> HaloExchange:
-        opts = PipeGCNOptions(delay=self.delay, smoothing=self.smoothing)
-        return PipeGCNExchange(book, options=opts, group=group, pattern=pattern,
-                               wire_dtype=wire_dtype, device=device)
+    def build(self, ctx) -> HaloExchange:
+        return PipeGCNExchange(ctx, self)
 
 
 @dataclass(frozen=True, kw_only=True)
-class BNSConfig(ExchangeConfig, BNSOptions):
-    """``bns``: a random ``--boundary-rate`` share of the boundary rows (the fields:
-    :class:`BNSOptions`), drawn from the run's seed."""
+class BNSConfig(ExchangeConfig):
+    """``bns``: a random ``--boundary-rate`` share (``rate``, in (0, 1]) of the boundary rows
+    per epoch (:class:`~commsched.gnn.exchange.bns.BNSExchange`), drawn from the run's seed."""
+
+    rate: float = option(DEFAULT_BOUNDARY_RATE, "--mode bns: fraction in (0, 1] of each part's "
+                         "boundary nodes kept per epoch (1 equals vanilla)", flag="--boundary-rate",
+                         foreign="--boundary-rate is an option of --mode bns, not of --mode {mode}")
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.rate, (int, float)) and not isinstance(self.rate, bool)
+              and math.isfinite(self.rate) and 0.0 < self.rate <= 1.0,
+              f"--boundary-rate must be a fraction in (0, 1] (1 keeps every boundary node), "
+              f"got {self.rate!r}")
 
     def check_layers(self, mode, layer_names) -> None:
         attention = [n for n in layer_names if n in ("GATConv", "GATv2Conv")]
@@ -274,10 +323,8 @@ class BNSConfig(ExchangeConfig, BNSOptions):
               f"{attention[0] if attention else ''}'s attention does not: use bns with GCNConv, "
               "SAGEConv, GINConv or GraphConv")
 
-    def build(self, book, *, group=None, pattern="direct", seed=0, norm=None, device=None,
-              wire_dtype=None) -> HaloExchange:
-        return BNSExchange(book, options=BNSOptions(rate=self.rate), seed=seed, group=group,
-                           pattern=pattern, wire_dtype=wire_dtype, device=device)
+    def build(self, ctx) -> HaloExchange:
+        return BNSExchange(ctx, self)
 
 
 def _registry() -> Registry[type[ExchangeConfig]]:
@@ -335,8 +382,8 @@ def _field_of(name: str, modes: Registry) -> dataclasses.Field | None:
 
 def mode_config(mode: str, options: Any = None, *, strict: bool = True, given: bool = False,
                 modes: Registry | None = None, **values: Any) -> ExchangeConfig:
-    """The config of ``mode`` made from ``options`` (another mode's config or an option set
-    such as :class:`AdaQPOptions`: the fields the mode has carry over) and ``values``
+    """The config of ``mode`` made from ``options`` (another mode's config: the fields the
+    mode has carry over) and ``values``
     (field name -> value). A field the mode does not have is dropped, unless it declares
     its refusal (``option(..., foreign=...)``: ``--bits``, ``--stale-*``,
     ``--boundary-rate``) and ``strict`` and its value differs from the field's default
@@ -349,8 +396,8 @@ def mode_config(mode: str, options: Any = None, *, strict: bool = True, given: b
     vals: dict[str, Any] = {}
     if options is not None:
         if not dataclasses.is_dataclass(options) or isinstance(options, type):
-            raise TypeError(f"exchange options must be an ExchangeConfig (MODES[{mode!r}]) or one of "
-                            f"{', '.join(c.__name__ for c in OPTION_SETS)}, got {type(options).__name__}")
+            raise TypeError(f"exchange options must be an ExchangeConfig (MODES[{mode!r}]), got "
+                            f"{type(options).__name__}")
         vals.update({f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
     vals.update(values)
     own = {f.name for f in dataclasses.fields(cls) if f.init}
@@ -384,25 +431,36 @@ def resolve_config(mode: str, config: Any = None, *, strict: bool = True,
     return mode_config(mode, config, strict=strict, modes=modes)
 
 
-def make_exchange(mode: str, book: PartitionBook, *, config: Any = None, group=None,
-                  pattern: str = "direct", seed: int = 0, norm: str | None = None,
-                  device: torch.device | str | None = None, wire_dtype: torch.dtype | None = None,
-                  modes: Registry | None = None) -> HaloExchange:
-    """The exchange of ``mode`` for one rank's ``book``, on ``device`` (default: the CPU):
-    the mode's config (:func:`resolve_config` of ``config``: the mode's own config, or an
-    option set such as :class:`AdaQPOptions` whose fields the mode has carry over, the
-    others ignored; default the mode's defaults) ``.build(book, ...)``; ``modes``: the
-    registry (default :data:`MODES`).
-
-    seed: the run's (AdaQP's widths and rounding, BNS's samples); norm: the model's edge
-    normalisation, which the quantized modes need to weigh their messages; wire_dtype: the
-    dtype full-precision rows cross the wire in (only the full-precision exchanges take one)."""
-    cfg = resolve_config(mode, config, strict=False, modes=modes)
-    return cfg.build(book, group=group, pattern=pattern, seed=seed, norm=norm, device=device,
-                     wire_dtype=wire_dtype)
+def make_exchange(mode: str, book: PartitionBook, *, config: Any = None,
+                  modes: Registry | None = None, **context: Any) -> HaloExchange:
+    """The exchange of ``mode`` for one rank's ``book``: the mode's config
+    (:func:`resolve_config` of ``config``: the mode's own config, or another mode's whose
+    fields the mode has carry over, the others ignored; default the mode's defaults)
+    ``.build(ExchangeContext(book, **context))``; ``context``: the other fields of
+    :class:`~commsched.gnn.context.ExchangeContext` (group, pattern, seed, norm, device,
+    wire_dtype; default the CPU and no norm); ``modes``: the registry (default :data:`MODES`)."""
+    return resolve_config(mode, config, strict=False, modes=modes).build(ExchangeContext(book, **context))
 
 
-__all__ = ["MODES", "MODE_NAMES", "OPTION_SETS", "AdaQPConfig", "AdaQPQConfig", "AdaptiveConfig", "AsyncVanillaConfig",
+# the option groups a run's record also lists at its top level (metrics.json's config.adaqp, ...)
+RECORDED = {"adaqp": AdaQPConfig, "pipegcn": PipeGCNConfig, "bns": BNSConfig}
+
+
+def recorded_options(cfg: ExchangeConfig) -> dict[str, dict[str, Any]]:
+    """{group: {field: value}} of :data:`RECORDED`: each group's own fields (and
+    ``compile`` for a quantizing one), from ``cfg`` where it has them, the group's
+    defaults otherwise."""
+    base = {f.name for f in dataclasses.fields(ExchangeConfig)}
+    have = {f.name for f in dataclasses.fields(cfg)}
+    out = {}
+    for name, cls in RECORDED.items():
+        own = [f.name for f in dataclasses.fields(cls) if f.init and (cls.quantized or f.name not in base)]
+        view = cls(**{k: getattr(cfg, k) for k in own if k in have})
+        out[name] = {k: getattr(view, k) for k in own}
+    return out
+
+
+__all__ = ["MODES", "MODE_NAMES", "RECORDED", "AdaQPConfig", "AdaQPQConfig", "AdaptiveConfig", "AsyncVanillaConfig",
            "BNSConfig", "ExchangeConfig", "OneBitConfig", "PipeGCNConfig", "RandomConfig",
            "UniformConfig", "VanillaConfig", "ZeroConfig", "full_precision_modes", "make_exchange",
-           "mode_config", "mode_name", "mode_spec", "modes_copy", "option_owners", "resolve_config"]
+           "mode_config", "mode_name", "mode_spec", "modes_copy", "option_owners", "recorded_options", "resolve_config"]

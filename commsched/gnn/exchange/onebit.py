@@ -49,7 +49,7 @@ import torch
 from ...comm.all2all import all_to_all, all_to_all_async
 from ...quant.codec import decode_signs, encode_signs
 from ...quant.fast import compile_enabled, say_stderr, warm_sign_codec
-from ..context import PassContext
+from ..context import ExchangeContext, PassContext
 from ..graph.book import PartitionBook
 from .adaqp import EXCHANGE_COMPILE_MIN_ELEMENTS
 from .halo import HaloExchange, Pending
@@ -65,10 +65,9 @@ class OneBitExchange(HaloExchange):
 
     name = "onebit"
 
-    def __init__(self, book: PartitionBook, *, error_feedback: bool = True, overlap: bool = True,
-                 compile: bool = True, group=None, pattern: str = "direct",
-                 device: torch.device | str | None = None):
-        super().__init__(book, group=group, pattern=pattern, device=device)
+    def __init__(self, ctx: ExchangeContext | PartitionBook, *, error_feedback: bool = True,
+                 overlap: bool = True, compile: bool = True):
+        super().__init__(ctx)
         self.error_feedback = error_feedback
         self.overlap = overlap
         self.compile = compile and compile_enabled()

@@ -30,40 +30,10 @@ is refused.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from ...configurable import option
-from ..context import PassContext
-from ..graph.book import PartitionBook
+from ..context import ExchangeContext, PassContext
 from .halo import Pending, VanillaExchange
-
-_FOREIGN = "--stale-delay and --stale-smoothing are options of --mode pipegcn, not of --mode {mode}"
-
-
-@dataclass(frozen=True)
-class PipeGCNOptions:
-    """``--stale-delay`` (1: PipeGCN, one epoch stale; 0: every epoch's own rows, equal to
-    vanilla) and ``--stale-smoothing`` (gamma in [0, 1) of the moving average of stale
-    rows and gradients; 0: off)."""
-
-    delay: int = option(1, "--mode pipegcn: 1 uses the previous epoch's halo rows and gradients; "
-                        "0 this epoch's (exact, equal to vanilla)", flag="--stale-delay", foreign=_FOREIGN)
-    smoothing: float = option(0.0, "--mode pipegcn: moving average of the stale rows and gradients, "
-                              "s = GAMMA s + (1 - GAMMA) received, GAMMA in [0, 1) (0: off)",
-                              flag="--stale-smoothing", foreign=_FOREIGN)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.delay, bool) or self.delay not in (0, 1):
-            raise ValueError(f"--stale-delay must be 0 (exact) or 1 (one epoch stale), got {self.delay!r}")
-        if not (isinstance(self.smoothing, (int, float)) and math.isfinite(self.smoothing)
-                and 0.0 <= self.smoothing < 1.0):
-            raise ValueError(f"--stale-smoothing must be a number in [0, 1) (0: off), got {self.smoothing!r}")
-        if self.delay == 0 and self.smoothing > 0:
-            raise ValueError("--stale-smoothing needs stale rows to smooth: it is an option of "
-                             "--stale-delay 1, not of the exact --stale-delay 0")
 
 
 def check_pattern(pattern: str, mode: str = "pipegcn") -> None:
@@ -76,17 +46,16 @@ def check_pattern(pattern: str, mode: str = "pipegcn") -> None:
 
 class PipeGCNExchange(VanillaExchange):
     """Full-precision rows in the background; training passes use the rows and gradients of
-    the previous epoch (see the module doc). ``wire_dtype`` as in :class:`VanillaExchange`."""
+    the previous epoch (see the module doc). ``options``: the mode's config
+    (:class:`~commsched.gnn.exchange.modes.PipeGCNConfig`: ``delay``, ``smoothing``); the context's
+    ``wire_dtype`` as in :class:`VanillaExchange`."""
 
     name = "pipegcn"
 
-    def __init__(self, book: PartitionBook, *, options: PipeGCNOptions | None = None, group=None,
-                 pattern: str = "direct", wire_dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
-        check_pattern(pattern)  # also a config check (PipeGCNConfig.check_run), for direct use
-        super().__init__(book, group=group, pattern=pattern, asynchronous=True,
-                         wire_dtype=wire_dtype, device=device)
-        self.options = options if options is not None else PipeGCNOptions()
+    def __init__(self, ctx: ExchangeContext, options):
+        super().__init__(ctx, asynchronous=True)
+        check_pattern(self.pattern)  # also a config check (PipeGCNConfig.check_run), for direct use
+        self.options = options
         self._stale: dict[tuple[int, str], torch.Tensor] = {}    # what the next epoch uses
         self._inflight: dict[tuple[int, str], Pending] = {}     # this epoch's exchanges
 
@@ -127,4 +96,4 @@ class PipeGCNExchange(VanillaExchange):
         return {"pipegcn": {"delay": self.options.delay, "smoothing": self.options.smoothing}}
 
 
-__all__ = ["PipeGCNExchange", "PipeGCNOptions"]
+__all__ = ["PipeGCNExchange", "check_pattern"]

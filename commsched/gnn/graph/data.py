@@ -31,6 +31,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from ...configurable import option
 from ...results import read_error
 
 GRAPH_KEYS = ("node_features", "node_labels", "edges", "train_masks", "val_masks", "test_masks")
@@ -338,17 +339,18 @@ class SyntheticSpec:
     class means against unit feature noise.
     """
 
-    num_nodes: int = 100_000
-    num_edges: int = 1_000_000
-    num_features: int = 64
-    num_classes: int = 10
-    communities_per_class: int = 4
-    homophily: float = 0.8
-    degree_exponent: float = 1.6
-    signal: float = 0.05
-    train_frac: float = 0.3
-    val_frac: float = 0.2
-    seed: int = 0
+    # the fields are the command line's --syn-* flags (commsched.gnn.graph.flags)
+    num_nodes: int = option(100_000, "nodes", flag="--syn-nodes")
+    num_edges: int = option(1_000_000, "undirected edge pairs", flag="--syn-edges")
+    num_features: int = option(64, "feature width", flag="--syn-features")
+    num_classes: int = option(10, "classes", flag="--syn-classes")
+    communities_per_class: int = option(4, "communities per class", flag="--syn-communities")
+    homophily: float = option(0.8, "share of edges inside the source's community")
+    degree_exponent: float = option(1.6, "Pareto tail exponent of the node weights (smaller: more skewed)")
+    signal: float = option(0.05, "class means against unit feature noise")
+    train_frac: float = option(0.3, cli=False)
+    val_frac: float = option(0.2, cli=False)
+    seed: int = option(0, "generator seed")
 
     def __post_init__(self) -> None:
         if self.num_nodes < 2:

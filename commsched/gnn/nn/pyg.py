@@ -62,8 +62,7 @@ from ...clock import Clock
 from ...comm.all2all import CommStats
 from ...dist import check_same_config, comm_guard
 from ...quant.allreduce import check_grad_bits, quantized_all_reduce
-from ..context import PassContext
-from ..exchange.adaqp_plan import AdaQPOptions
+from ..context import ExchangeContext, PassContext
 from ..exchange.halo import HaloExchange
 from ..exchange.modes import ExchangeConfig, resolve_config
 from ..graph.book import NORMS, edge_weights
@@ -273,8 +272,8 @@ class DistGraph:
 
     part: this rank's :class:`PartData` (:func:`commsched.gnn.load_part`, a scatter, or
     :meth:`from_graph`); mode: a ``--mode`` (:data:`commsched.gnn.MODES`); config: the
-    mode's :class:`~commsched.gnn.exchange.modes.ExchangeConfig` (default: its defaults; ``options``,
-    an :class:`AdaQPOptions`, gives the fields it shares); seed: of AdaQP's random widths
+    mode's :class:`~commsched.gnn.exchange.modes.ExchangeConfig` (default: its defaults; another
+    mode's config gives the fields it shares); seed: of AdaQP's random widths
     and rounding and BNS's samples; group: the process group (None: the default group, or
     one process without any); device: where rows, edges and the exchange live (default:
     the CPU); dtype: of the features and the edge weights; wire_dtype: the dtype
@@ -291,7 +290,7 @@ class DistGraph:
 
     def __init__(self, part: PartData, *, mode: str = "vanilla", group=None,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
-                 options: AdaQPOptions | None = None, seed: int = 0, pattern: str = "direct",
+                 seed: int = 0, pattern: str = "direct",
                  exchange: HaloExchange | None = None, config: ExchangeConfig | None = None,
                  wire_dtype: torch.dtype | None = None, dropout_rng: str = "node"):
         if not isinstance(part, PartData):
@@ -302,7 +301,7 @@ class DistGraph:
             raise ValueError(f"rank {rank} of {world} was given part {part.book.rank} of "
                              f"{part.book.num_parts}")
         # an unknown mode fails here, naming the known ones; options another mode's
-        self.config = resolve_config(mode, config if config is not None else options, strict=False)
+        self.config = resolve_config(mode, config, strict=False)
         self.part, self.book, self.mode, self.group = part, part.book, mode, group
         self.rank, self.world = rank, world
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -346,13 +345,12 @@ class DistGraph:
         registered layer's norm)."""
         if self._halo is None:
             norm = self._layers[0].kind.norm if self._layers else (self._norm or "gcn")
-            self._halo = self.config.build(self.book, group=self.group, pattern=self.pattern,
-                                           seed=self.seed, norm=norm, device=self.device,
-                                           wire_dtype=self.wire_dtype)
-            if hasattr(self._halo, "set_layer_norm"):
-                for lay in self._layers:
-                    if lay.kind.norm != norm:
-                        self._halo.set_layer_norm(lay.layer, lay.kind.norm)
+            self._halo = self.config.build(ExchangeContext(
+                self.book, group=self.group, pattern=self.pattern, seed=self.seed, norm=norm,
+                device=self.device, wire_dtype=self.wire_dtype))
+            for lay in self._layers:
+                if lay.kind.norm != norm:
+                    self._halo.set_layer_norm(lay.layer, lay.kind.norm)
         return self._halo
 
     @functools.cached_property
@@ -367,12 +365,6 @@ class DistGraph:
         registered (commsched's own layers: their ``norm``); before the first use of
         :attr:`halo` (which builds the exchange)."""
         self._norm = norm  # (a given exchange was built with its own)
-
-    @property
-    def options(self) -> AdaQPOptions:
-        """AdaQP's options of the config (the defaults for a mode without them)."""
-        cfg = self.config
-        return cfg.options if hasattr(cfg, "options") else AdaQPOptions(compile=cfg.compile)
 
     def register(self, layer: "DistributedLayer") -> int:
         """Give ``layer`` the next layer index (its key in the exchange); returns it."""

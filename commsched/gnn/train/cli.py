@@ -50,7 +50,7 @@ def build_parser(modes: Registry | None = None) -> argparse.ArgumentParser:
     modes = modes if modes is not None else MODES
     p = argparse.ArgumentParser(prog="python -m commsched.gnn.train",
                                 description="Distributed full-graph GNN training: Vanilla (exact) or AdaQP's "
-                                            "quantized/overlapped exchanges (see docs/adaqp.md).")
+                                            "quantized exchanges with overlap (see docs/adaqp.md).")
     add_graph_args(p)
     p.add_argument("--partition-dir", metavar="DIR",
                    help="a folder written by `commsched partition` (each rank loads its part)")

@@ -73,11 +73,8 @@ from ...quant.allreduce import GRAD_BITS, check_grad_bits
 from ...quant.rowwire import format_seed
 from ...results import OutputError, Progress, load_torch_file, median, read_error, save_torch
 from ..context import PassContext
-from ..exchange.adaqp_plan import AdaQPOptions
-from ..exchange.bns import BNSOptions
 from ..exchange.halo import HaloExchange
-from ..exchange.modes import MODES, OPTION_SETS, ExchangeConfig, resolve_config
-from ..exchange.stale import PipeGCNOptions
+from ..exchange.modes import MODES, ExchangeConfig, recorded_options, resolve_config
 from ..graph.partition import PartData
 from ..nn.layers import DistMessagePassing
 from ..nn.models import LAYERS
@@ -103,13 +100,12 @@ class TrainConfig:
 
     Defaults are AdaQP's (3 layers, hidden 256, dropout 0.5, LayerNorm, Adam lr 0.01).
     ``mode`` names the exchange (a key of :data:`commsched.gnn.exchange.modes.MODES`) and
-    ``exchange`` holds its config, the mode's options (default: the mode's defaults; an
-    option set such as :class:`AdaQPOptions`, or another mode's config, gives the fields
-    the mode has; one the mode lacks that declares its refusal, ``--bits``, ``--stale-*``,
-    ``--boundary-rate``, set to other than its default is refused:
-    :func:`commsched.gnn.exchange.modes.mode_config`; a config of a mode no registry holds trains
-    under the name ``mode``). ``adaqp``, ``pipegcn`` and ``bns`` read the
-    option sets back. ``model``: a key of :data:`commsched.gnn.nn.models.LAYERS`.
+    ``exchange`` holds its config, the mode's options (default: the mode's defaults;
+    another mode's config gives the fields the mode has; one the mode lacks that declares
+    its refusal, ``--bits``, ``--stale-*``, ``--boundary-rate``, set to other than its
+    default is refused: :func:`commsched.gnn.exchange.modes.mode_config`; a config of a mode no
+    registry holds trains under the name ``mode``). ``model``: a key of
+    :data:`commsched.gnn.nn.models.LAYERS`.
     ``dropout_rng="node"`` draws dropout masks per global node id so N-rank training
     equals single-process training; ``"local"`` is faster but rank-count dependent.
     ``device``: one of :data:`commsched.dist.DEVICE_CHOICES` (``auto``: CUDA when every
@@ -156,8 +152,8 @@ class TrainConfig:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         LAYERS[self.model]  # an unknown model names the known ones
         if ex is not None and not dataclasses.is_dataclass(ex):
-            raise TypeError(f"exchange must be an ExchangeConfig (MODES[{self.mode!r}]) or one of "
-                            f"{', '.join(c.__name__ for c in OPTION_SETS)}, got {type(ex).__name__}")
+            raise TypeError(f"exchange must be an ExchangeConfig (MODES[{self.mode!r}]), got "
+                            f"{type(ex).__name__}")
         object.__setattr__(self, "exchange", resolve_config(self.mode, ex))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
@@ -188,35 +184,12 @@ class TrainConfig:
         if self.dropout_rng not in ("node", "local"):
             raise ValueError(f"dropout_rng must be node or local, got {self.dropout_rng!r}")
 
-    # -- the option sets of the exchange config, read back ---------------------------------
-    def _view(self, cls):
-        ex = self.exchange
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{f.name: getattr(ex, f.name) for f in dataclasses.fields(ex) if f.name in names})
-
-    @property
-    def adaqp(self) -> AdaQPOptions:
-        """AdaQP's options (of an AdaQP mode; the defaults, ``compile`` aside, otherwise)."""
-        return self._view(AdaQPOptions)
-
-    @property
-    def pipegcn(self) -> PipeGCNOptions:
-        """``--mode pipegcn``'s options (the defaults for another mode)."""
-        return self._view(PipeGCNOptions)
-
-    @property
-    def bns(self) -> BNSOptions:
-        """``--mode bns``'s options (the defaults for another mode)."""
-        return self._view(BNSOptions)
-
     def record(self) -> dict[str, Any]:
         """The config as metrics.json and checkpoints record it: every field (the exchange's
-        config nested) and the option sets ``adaqp``, ``pipegcn``, ``bns`` at the top level
-        as well (readers of records with that layout find them)."""
-        out = dataclasses.asdict(self)
-        out.update(adaqp=dataclasses.asdict(self.adaqp), pipegcn=dataclasses.asdict(self.pipegcn),
-                   bns=dataclasses.asdict(self.bns))
-        return out
+        config nested) and the option groups ``adaqp``, ``pipegcn``, ``bns`` at the top level
+        as well (:func:`commsched.gnn.exchange.modes.recorded_options`: readers of records with that
+        layout find them)."""
+        return {**dataclasses.asdict(self), **recorded_options(self.exchange)}
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -254,23 +227,6 @@ def run_device(cfg: TrainConfig, group=None) -> torch.device:
     """The device of a run with ``cfg`` on ``group``: :func:`commsched.dist.group_device`
     of ``cfg.device`` (``auto`` stays on the CPU on a group without NCCL)."""
     return group_device(cfg.device, group)
-
-
-def assigned_epoch_time(assignments: list[dict], epoch_time_s_RE: list[list[float]],
-                        first_epoch: int = 0) -> tuple[int, float] | None:
-    """(the first epoch that ran on an assignment, the median over it and the later timed
-    epochs of the slowest rank's epoch time) of an adaptive exchange's ``assignments``
-    (``applied_epoch``, or AdaQP's ``epoch``); ``epoch_time_s_RE`` per rank, per epoch timed
-    from ``first_epoch``. None before any assignment ran. The epochs before it send what
-    the exchange starts with (signs for ``adaptive``): the plans compare on the rest."""
-    starts = [a.get("applied_epoch", a.get("epoch")) for a in assignments]
-    starts = [int(e) for e in starts if e is not None]
-    if not starts or not epoch_time_s_RE or not epoch_time_s_RE[0]:
-        return None
-    first = min(starts)
-    E = len(epoch_time_s_RE[0])
-    times = [max(r[e] for r in epoch_time_s_RE) for e in range(max(0, first - first_epoch), E)]
-    return (first, float(median(times))) if times else None
 
 
 def bytes_by_class(sent_RES: Sequence[Sequence[Sequence[int]]], hosts_P: Sequence[str]) -> dict[str, float]:
@@ -569,24 +525,13 @@ def _run(tr: Trainer, cfg: TrainConfig, part: PartData, out_dir, resume: bool, p
     mine["peak_rss_mib"] = peak_rss_mib()
     mine["book"] = tr.part.book.summary()
     per_rank = all_gather_object(mine, "gathering per-rank results", tr.group) if tr.world > 1 else [mine]
-    extra = {**(extra or {}), **tr.halo.report(), "device": str(tr.device)}
+    # the exchange's entries, with what its work cost over this invocation (rank 0's wall clock)
+    run = tr.halo.run_report(wall_s=time.perf_counter() - t_start, first_epoch=e0,
+                             epoch_time_s_RE=[r["epoch_time_s"] for r in per_rank])
+    extra = {**(extra or {}), **run, "device": str(tr.device)}
     if hosts_P is not None and tr.world > 1:
         extra["bytes_per_epoch_by_class"] = bytes_by_class(
             [r["bytes_sent_P"] for r in per_rank], hosts_P)
-    for key in ("adaqp", "adaptive"):  # the re-assignments' cost on the training thread (wall_s)
-        if tr.rank == 0 and isinstance(extra.get(key), dict):
-            wall = time.perf_counter() - t_start
-            done = extra[key].get("assignments", [])
-            steady = assigned_epoch_time(done, [r["epoch_time_s"] for r in per_rank], e0)
-            if steady is not None:
-                extra[key]["first_assigned_epoch"], extra["epoch_time_s_assigned"] = steady
-            assign = sum(a.get("wall_s", 0.0) for a in done)
-            extra[key]["assign_total_s"] = assign
-            extra["assign_share_of_wall"] = assign / wall if wall > 0 else 0.0
-            if key == "adaptive":  # rank 0's solves run in a background thread, overlapping epochs
-                solve = sum(a.get("solve_s", 0.0) for a in done)
-                extra[key]["solve_total_s"] = solve
-                extra["solve_share_of_wall"] = solve / wall if wall > 0 else 0.0
     metrics: GNNMetrics = summarize(cfg, tr.history["loss"], tr.history["eval"], per_rank,
                                     world_size=tr.world, wall_s=time.perf_counter() - t_start,
                                     dataset=dataset or part.name, extra=extra)
@@ -595,5 +540,5 @@ def _run(tr: Trainer, cfg: TrainConfig, part: PartData, out_dir, resume: bool, p
     return metrics.to_dict(), tr
 
 
-__all__ = ["CHECKPOINT", "assigned_epoch_time", "DTYPES", "MIXED_DTYPES", "TrainConfig", "Trainer", "allreduce_grads", "bytes_by_class", "peak_rss_mib",
+__all__ = ["CHECKPOINT", "DTYPES", "MIXED_DTYPES", "TrainConfig", "Trainer", "allreduce_grads", "bytes_by_class", "peak_rss_mib",
            "run_device", "run_training"]
