@@ -375,14 +375,14 @@ class Trainer:
             return None
         from ..dist import new_group
         from ..priority.executor import GradScheduler
-        from ..priority.policy import ScheduleConfig
+        from ..priority.policy import SCHEDULES
 
         ranks = (list(range(self.world)) if self.group is None
                  else [dist.get_global_rank(self.group, r) for r in range(self.world)])
         own = new_group(ranks)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         # a sum, as the flat allreduce's (the loss is divided by the global training count)
-        return GradScheduler([(p, own, 1.0) for _, p in named], ScheduleConfig(self.cfg.grad_schedule),
+        return GradScheduler([(p, own, 1.0) for _, p in named], SCHEDULES[self.cfg.grad_schedule](),
                              device=self.device, names=[n for n, _ in named])
 
     def close(self) -> None:
