@@ -27,7 +27,7 @@ def test_workload_variants_parse_as_training_configs(tmp_path):
     assert cfgs["fifo"].schedule.policy == "fifo" and not cfgs["fifo"].dispatch.pipeline
     assert cfgs["lina"].schedule.policy == "lina" and cfgs["lina"].dispatch.pipeline and cfgs["lina"].dispatch.chunks == 3
     ov = cfgs["lina-overlap"]
-    assert ov.schedule.overlapped and ov.dispatch == cfgs["lina"].dispatch
+    assert ov.schedule.policy == "lina-overlap" and ov.dispatch == cfgs["lina"].dispatch
     assert ov.schedule.hold_in_block == cfgs["lina"].schedule.hold_in_block
     # the same model, data and seed in every variant
     assert len({(c.model, c.steps, c.seed, c.batch_size) for c in cfgs.values()}) == 1
