@@ -27,6 +27,7 @@ from ..dist import (
     init_distributed,
     scatter_object,
 )
+from ..priority.policy import SCHEDULES, schedule_config
 from ..results import mark_failed, prepare_out
 from ..topology import Topology
 from .cliargs import add_graph_args, graph_args_given, source_from_args
@@ -68,6 +69,15 @@ def build_parser(modes: Registry | None = None) -> argparse.ArgumentParser:
     for cls in _mode_classes(modes):
         add_arguments(m, cls, skip=tuple(seen), only_given=True)
         seen.update(f.name for f in cli_fields(cls))
+    g = p.add_argument_group("gradient schedule (each option belongs to the schedules whose config has it)")
+    g.add_argument("--grad-schedule", default="flat", choices=SCHEDULES.names,
+                   help="the gradient reduction: a schedule of commsched.priority (default flat: one allreduce "
+                        "after the backward pass; lina: held behind the backward halo exchanges; fifo: buckets "
+                        "at once; serial: micro-ops after it; lina-overlap: lina, the tail in the next forward)")
+    seen = set()
+    for cls in dict.fromkeys(SCHEDULES.values()):
+        add_arguments(g, cls, skip=tuple(seen), only_given=True)
+        seen.update(f.name for f in cli_fields(cls))
     r = p.add_argument_group("run")
     r.add_argument("--out", default="runs/gnn", metavar="DIR", help="where metrics.json goes")
     add_arguments(r, TrainConfig, skip=tuple(f.name for f in cli_fields(TrainConfig)
@@ -85,13 +95,15 @@ def _mode_classes(modes: Registry) -> list[type]:
 
 def config_from_args(a: argparse.Namespace, modes: Registry | None = None) -> TrainConfig:
     """The TrainConfig of the parsed flags (``modes``: the registry :func:`build_parser`
-    was given); a mode option given to a mode whose config lacks it is refused, naming
-    the modes that take it (:func:`commsched.gnn.modes.mode_config`)."""
+    was given); a mode (or schedule) option given to a mode (or schedule) whose config lacks it
+    is refused, naming those that take it (:func:`commsched.gnn.modes.mode_config`,
+    :func:`commsched.priority.policy.schedule_config`)."""
     modes = modes if modes is not None else MODES
     values = {f.name: getattr(a, f.name) for cls in _mode_classes(modes) for f in cli_fields(cls)
               if hasattr(a, f.name)}
-    return from_arguments(TrainConfig, a, exchange=mode_config(a.mode, given=True, modes=modes,
-                                                               **values))
+    sched = {f.name: getattr(a, f.name) for cls in SCHEDULES.values() for f in cli_fields(cls) if hasattr(a, f.name)}
+    return from_arguments(TrainConfig, a, exchange=mode_config(a.mode, given=True, modes=modes, **values),
+                          schedule=schedule_config(a.grad_schedule, given=True, selector="--grad-schedule", **sched))
 
 
 def obtain_part(src: GraphSource | None, rank: int, world: int, *, partition_dir: str | None,

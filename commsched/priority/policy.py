@@ -340,7 +340,7 @@ class OverlapPolicy(Policy):
 SCHEDULES: Registry[type["ScheduleConfig"]] = Registry("schedule", flag="--schedule")
 
 # the refusal of one schedule's option given to another (commsched.configurable.config_of)
-_FOREIGN = "{flag} belongs to --schedule {owners}, not to --schedule {name}"
+_FOREIGN = "{flag} belongs to {selector} {owners}, not to {selector} {name}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -546,12 +546,12 @@ def make_policy(cfg: ScheduleConfig, device_type: str | None = None) -> Policy:
     return cfg.make_policy(cfg.launch_rule(device_type or "cpu"))
 
 
-def schedule_config(name: str, *, given: bool = False, **values) -> ScheduleConfig:
+def schedule_config(name: str, *, given: bool = False, selector: str = "--schedule", **values) -> ScheduleConfig:
     """The config of schedule ``name`` from ``values`` (field name -> value): an option of
     another schedule is refused naming the schedules it belongs to (``given``: any value, as
-    on the command line; else one other than its default):
-    :func:`commsched.configurable.config_of`."""
-    return config_of(SCHEDULES, name, values, given=given)
+    on the command line; else one other than its default; ``selector``: the flag that names
+    the schedule there): :func:`commsched.configurable.config_of`."""
+    return config_of(SCHEDULES, name, values, given=given, selector=selector)
 
 
 __all__ = ["DEFAULT_CREDIT_MICROOPS", "FifoConfig", "FlatConfig", "HIER_MIN_BYTES", "LAUNCH_RULES", "Launch",
