@@ -124,8 +124,6 @@ def _common(a: argparse.Namespace) -> list[str]:
            "--allreduce-threads", a.allreduce_threads, "--device", a.device, "--dtype", a.dtype]
     if a.corpus:
         out += ["--corpus", a.corpus]
-    if getattr(a, "reduce_address", None):  # link model 'collective': the reduction's own link class
-        out += ["--reduce-address", a.reduce_address]
     return [str(x) for x in out]
 
 
@@ -133,12 +131,14 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
     mod = "commsched.moe.train"
     c = _common(a)
     credit = ("--credit-bytes", str(a.credit_bytes)) if a.credit_bytes is not None else ()
+    if getattr(a, "reduce_address", None):  # link model 'collective': commsched's reduction's own link class
+        c += ["--reduce-address", a.reduce_address]
     lina = ("--impl", "commsched", "--schedule", "lina", "--chunks", str(a.chunks), "--pipeline",
             "--hold-in-block" if a.hold_in_block else "--no-hold-in-block", *c,
             "--microop-bytes", str(a.microop_bytes), *credit,
             "--fallback-exchange" if getattr(a, "fallback_exchange", True) else "--no-fallback-exchange")
     out = [
-        Variant("deepspeed", mod, ("--impl", "deepspeed", *c, "--bucket-bytes", str(a.bucket_bytes), "--ds-stage",
+        Variant("deepspeed", mod, ("--impl", "deepspeed", *_common(a), "--bucket-bytes", str(a.bucket_bytes), "--ds-stage",
                                    str(a.ds_stage))),
         Variant("fifo", mod, ("--impl", "commsched", "--schedule", "fifo", "--chunks", "1", "--no-pipeline", *c,
                               "--bucket-bytes", str(a.bucket_bytes))),

@@ -469,7 +469,7 @@ class Trainer:
         return {"config": self.cfg.record(), "epoch": self.epoch,
                 "world_size": self.world, "fingerprint": self.part.fingerprint,
                 "model": self.model.state_dict(), "optimizer": self.grad_step.state_dict(),
-                "history": self.history}
+                "history": self.history, **({"grad_keys": self._launcher.state_dict()} if self._launcher else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = _comparable(self.cfg.record())
@@ -482,6 +482,8 @@ class Trainer:
             raise ValueError("--resume: the checkpoint belongs to another graph or world size")
         self.model.load_state_dict(state["model"])
         self.grad_step.load_state_dict(state["optimizer"])
+        if self._launcher is not None:  # the compressed sums' rounding keys go on from the checkpoint's
+            self._launcher.load_state_dict(state["grad_keys"])
         self.epoch = int(state["epoch"])
         # loss and accuracy are global and carry over; timings cover this invocation only
         self.history["loss"] = list(state["history"]["loss"])
