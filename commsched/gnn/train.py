@@ -18,7 +18,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from ..config import read_env
-from ..configurable import Registry, add_arguments, cli_fields, from_arguments
+from ..configurable import Registry, add_arguments, cli_fields, config_of, from_arguments
 from ..dist import (
     CommError,
     Stopped,
@@ -27,7 +27,7 @@ from ..dist import (
     init_distributed,
     scatter_object,
 )
-from ..priority.policy import SCHEDULES, schedule_config
+from ..priority.policy import SCHEDULES
 from ..results import mark_failed, prepare_out
 from ..topology import Topology
 from .cliargs import add_graph_args, graph_args_given, source_from_args
@@ -96,14 +96,13 @@ def _mode_classes(modes: Registry) -> list[type]:
 def config_from_args(a: argparse.Namespace, modes: Registry | None = None) -> TrainConfig:
     """The TrainConfig of the parsed flags (``modes``: the registry :func:`build_parser`
     was given); a mode (or schedule) option given to a mode (or schedule) whose config lacks it
-    is refused, naming those that take it (:func:`commsched.gnn.modes.mode_config`,
-    :func:`commsched.priority.policy.schedule_config`)."""
+    is refused, naming those that take it (:func:`commsched.configurable.config_of`)."""
     modes = modes if modes is not None else MODES
     values = {f.name: getattr(a, f.name) for cls in _mode_classes(modes) for f in cli_fields(cls)
               if hasattr(a, f.name)}
     sched = {f.name: getattr(a, f.name) for cls in SCHEDULES.values() for f in cli_fields(cls) if hasattr(a, f.name)}
     return from_arguments(TrainConfig, a, exchange=mode_config(a.mode, given=True, modes=modes, **values),
-                          schedule=schedule_config(a.grad_schedule, given=True, selector="--grad-schedule", **sched))
+                          schedule=config_of(SCHEDULES, a.grad_schedule, sched, given=True, selector="--grad-schedule"))
 
 
 def obtain_part(src: GraphSource | None, rank: int, world: int, *, partition_dir: str | None,

@@ -8,8 +8,7 @@ config of every schedule of :data:`~commsched.priority.policy.SCHEDULES` (``--sc
 choices), :class:`~commsched.moe.training.DeepSpeedConfig`,
 :class:`~commsched.moe.model.ModelConfig` and :class:`~commsched.moe.layer.DispatchConfig`:
 type, default, help and choices), so no default is typed twice; an option of another
-schedule (``--schedule fifo --credit-bytes 1``) or of the other runtime (``--impl deepspeed
---microop-bytes 1``, ``--impl commsched --ds-stage 1``) exits 2 naming the one it belongs to;
+schedule or runtime (``--schedule fifo --credit-bytes 1``) exits 2 naming its owner;
 only the run's folder and its handling (``--out``, ``--overwrite``, ``--resume``) are the
 command line's own. The body runs under :func:`commsched.dist.cli_main`: a ValueError or
 CommError is one line (and FAILED in the run folder once there is one), SIGTERM one line,
@@ -28,9 +27,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..configurable import add_arguments, cli_fields, from_arguments
+from ..configurable import add_arguments, cli_fields, config_of, from_arguments
 from ..dist import CommError, Stopped, barrier, cli_main, init_distributed
-from ..priority.policy import SCHEDULES, ScheduleConfig, schedule_config
+from ..priority.policy import SCHEDULES, ScheduleConfig
 from ..results import mark_failed, prepare_out
 from .layer import DispatchConfig
 from .model import ModelConfig
@@ -73,19 +72,16 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
 
 def _runtime(a: argparse.Namespace) -> tuple[ScheduleConfig, DeepSpeedConfig]:
     """The schedule's config and DeepSpeed's from the options given (the other runtime's refused)."""
-    fields = {f.name: f for cls in (*SCHEDULES.values(), DeepSpeedConfig) for f in cli_fields(cls)}
-    given = {k: getattr(a, k) for k in fields if hasattr(a, k)}
-    own = {f.name for f in cli_fields(DeepSpeedConfig)}
-    if a.impl == "commsched":  # a DeepSpeed option no schedule has is refused, the rest is the schedule's
-        own = {k for k in own if not any(k in {f.name for f in cli_fields(c)} for c in SCHEDULES.values())}
-    other = next((k for k in given if (k in own) != (a.impl == "deepspeed")), None)
-    if other is not None:
-        f = fields[other]
-        raise ValueError(FOREIGN_IMPL.format(flag=f.metadata.get("flag") or "--" + other.replace("_", "-"),
-                                             owners="deepspeed" if other in own else "commsched", name=a.impl))
+    runtimes = {r: {f.name: f for c in cs for f in cli_fields(c)}
+                for r, cs in (("commsched", SCHEDULES.values()), ("deepspeed", (DeepSpeedConfig,)))}
+    given = {k: getattr(a, k) for fs in runtimes.values() for k in fs if hasattr(a, k)}
+    for k in given.keys() - runtimes[a.impl].keys():
+        f, other = next((fs[k], r) for r, fs in runtimes.items() if k in fs)
+        raise ValueError(FOREIGN_IMPL.format(flag=f.metadata.get("flag") or "--" + k.replace("_", "-"),
+                                             owners=other, name=a.impl))
     if a.impl == "deepspeed":
         return SCHEDULES[a.schedule](), DeepSpeedConfig(**given)
-    return schedule_config(a.schedule, given=True, **given), DeepSpeedConfig()
+    return config_of(SCHEDULES, a.schedule, given, given=True), DeepSpeedConfig()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

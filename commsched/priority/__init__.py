@@ -23,7 +23,6 @@ _EXPORTS: dict[str, str] = {
     "FifoConfig": "policy",
     "SerialConfig": "policy",
     "FlatConfig": "policy",
-    "schedule_config": "policy",
     "Launch": "policy",
     "Policy": "policy",
     "make_policy": "policy",

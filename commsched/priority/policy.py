@@ -67,7 +67,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import ClassVar, Hashable, Sequence
 
-from ..configurable import Config, Registry, check, config_of, option
+from ..configurable import Config, Registry, check, option
 from .microops import CommOp, bucket, partition
 
 # Default credit of ``lina``, in micro-ops. A micro-op's collective takes far longer than its
@@ -345,33 +345,16 @@ _FOREIGN = "{flag} belongs to {selector} {owners}, not to {selector} {name}"
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleConfig(Config):
-    """A gradient schedule: its options (the fields; these are every schedule's, a subclass adds
-    its own) and what it does: the :class:`Policy` of a step (:meth:`make_policy`), the
-    allreduce operations it cuts gradients into (:meth:`allreduce_ops`) and how many probe
-    pairs it runs against fifo's launching (:attr:`probes`, :mod:`commsched.priority.fallback`).
-    The policy, the simulator, the executor and :func:`~commsched.priority.step.make_grad_step`
-    all take this one object (``lina-overlap``'s :class:`OverlapPolicy` is what makes the step
-    run the reduction into the next forward pass). A new schedule is one subclass registered in
-    :data:`SCHEDULES` and one test; the simulator, the executor and both training command
-    lines' ``--schedule`` take it from there::
-
-        @SCHEDULES.register("eager")
-        @dataclass(frozen=True, kw_only=True)
-        class EagerConfig(MicroOpConfig):
-            \"\"\"Micro-ops as soon as ready, never held for an all-to-all.\"\"\"
-            name = "eager"
-
-            def make_policy(self, rule):
-                return Policy(self.name, credit_bytes=None, hold_for_a2a=False, hold_in_block=False)
-
-    ``launch``: a name of :data:`LAUNCH_RULES`, or None for the device's default
-    (:meth:`launch_rule`); ``hier_reduce``: reduce operations over all ranks hierarchically
-    (inside each host, across hosts, inside again; :mod:`commsched.priority.hier`), the
-    policy gating the phase across hosts; the executor only (the simulator models one link);
-    ``hier_min_bytes``: operations smaller than this stay flat under ``hier_reduce``;
-    ``reduce_address``: the local address the reduction's gloo groups bind to (None: the
-    default device; :mod:`commsched.priority.bind`). The command-line flags of both training
-    front-ends are generated from the fields of the registered configs."""
+    """A gradient schedule (one subclass per :data:`SCHEDULES` entry): its options, the fields
+    (these are every schedule's: ``launch``, a name of :data:`LAUNCH_RULES` or None for the
+    device's default; ``hier_reduce``, reduce over all ranks hierarchically,
+    :mod:`commsched.priority.hier`, under ``hier_min_bytes`` flat; ``reduce_address``, the
+    local address the reduction's gloo groups bind to, :mod:`commsched.priority.bind`), and
+    what it does: its :class:`Policy` (:meth:`make_policy`; an :class:`OverlapPolicy` makes
+    the step run the reduction into the next forward pass), the operations it cuts gradients
+    into (:meth:`allreduce_ops`) and its probe pairs against fifo's launching (:attr:`probes`).
+    The simulator, the executor, :func:`~commsched.priority.step.make_grad_step` and both
+    training command lines (the flags: the fields) take it from there."""
 
     name: ClassVar[str]
 
@@ -546,14 +529,6 @@ def make_policy(cfg: ScheduleConfig, device_type: str | None = None) -> Policy:
     return cfg.make_policy(cfg.launch_rule(device_type or "cpu"))
 
 
-def schedule_config(name: str, *, given: bool = False, selector: str = "--schedule", **values) -> ScheduleConfig:
-    """The config of schedule ``name`` from ``values`` (field name -> value): an option of
-    another schedule is refused naming the schedules it belongs to (``given``: any value, as
-    on the command line; else one other than its default; ``selector``: the flag that names
-    the schedule there): :func:`commsched.configurable.config_of`."""
-    return config_of(SCHEDULES, name, values, given=given, selector=selector)
-
-
 __all__ = ["DEFAULT_CREDIT_MICROOPS", "FifoConfig", "FlatConfig", "HIER_MIN_BYTES", "LAUNCH_RULES", "Launch",
            "LinaConfig", "LinaOverlapConfig", "MicroOpConfig", "OverlapPolicy", "Policy", "SCHEDULES",
-           "ScheduleConfig", "SerialConfig", "make_policy", "schedule_config"]
+           "ScheduleConfig", "SerialConfig", "make_policy"]

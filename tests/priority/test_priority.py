@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 
+from commsched.configurable import config_of
 from commsched.priority.microops import bucket, partition, split_equal
 from commsched.priority.policy import (
     DEFAULT_CREDIT_MICROOPS,
@@ -19,7 +19,6 @@ from commsched.priority.policy import (
     Policy,
     SerialConfig,
     make_policy,
-    schedule_config,
 )
 from commsched.priority.sim import (
     AllToAll,
@@ -115,7 +114,7 @@ def test_fifo_and_serial_policies():
 
 def test_policy_errors_speak():
     with pytest.raises(ValueError, match="--schedule lifo is not known"):
-        make_policy(schedule_config("lifo"))
+        make_policy(SCHEDULES["lifo"]())
     p = Policy(credit_bytes=10)
     p.begin_step(1)
     with pytest.raises(ValueError, match="outside"):
@@ -256,25 +255,18 @@ def test_a_new_schedule_is_one_class_one_entry():
     """Adding a gradient schedule: one config class, one SCHEDULES entry; then the
     simulator, the training CLI's --schedule and the option rule take the name."""
     from commsched.moe.train import build_parser
-
-    @dataclass(frozen=True, kw_only=True)
-    class EagerConfig(MicroOpConfig):
-        """Micro-ops as soon as they are ready, never held for an all-to-all."""
-        name = "eager"
-
-        def make_policy(self, rule):
-            return Policy(self.name, credit_bytes=None, hold_for_a2a=False, hold_in_block=False)
+    from tests.priority.test_new_schedule import EagerConfig  # both training CLIs run it there
 
     script = _scenario()
     with SCHEDULES.registered("eager", EagerConfig):
-        cfg = schedule_config("eager", microop_bytes=500)
+        cfg = config_of(SCHEDULES, "eager", {"microop_bytes": 500})
         assert type(cfg) is EagerConfig and cfg.policy == "eager" and not isinstance(cfg.build(), OverlapPolicy)
         assert cfg.build().name == "eager" and not make_policy(cfg).hold_for_a2a
         with pytest.raises(ValueError, match="--schedule nope is not known .*eager"):
-            schedule_config("nope")
+            SCHEDULES["nope"]
         with pytest.raises(ValueError, match="--credit-bytes belongs to --schedule lina, lina-overlap, not to "
                                              "--schedule eager"):
-            schedule_config("eager", credit_bytes=1)
+            config_of(SCHEDULES, "eager", {"credit_bytes": 1})
         eager = simulate(script, LINK, cfg)
         assert eager.schedule == "eager"
         assert build_parser().parse_args(["--schedule", "eager", "--out", "o"]).schedule == "eager"
@@ -285,7 +277,7 @@ def test_a_new_schedule_is_one_class_one_entry():
     assert eager.a2a_time_s > lina.a2a_time_s
     assert "eager" not in SCHEDULES and [SCHEDULES[n].name for n in SCHEDULES] == list(SCHEDULES)
     with pytest.raises(ValueError, match="--schedule eager is not known"):
-        schedule_config("eager")
+        SCHEDULES["eager"]
 
 
 def _block_windows(script, r):
