@@ -5,21 +5,16 @@ Legend: n owned nodes of this rank, F input features, K classes, P ranks.
 Each epoch: forward through the distributed model (halo exchanges inside the layers),
 loss = sum of cross-entropy over this rank's training nodes / global training count,
 backward (gradient exchanges inside the layers), the sum of every parameter gradient over
-the ranks, then Adam. The gradient reduction and Adam are one
-:func:`~commsched.priority.step.make_grad_step` of ``TrainConfig.schedule``, as in MoE
-training: a config of :data:`commsched.priority.policy.SCHEDULES` (``--grad-schedule``;
-default ``flat``, one fused allreduce per dtype after the backward pass), whose scheduler
-runs on a process group of its own: ``lina`` and ``serial`` cut the gradients into
-micro-ops, ``fifo`` into buckets, launched as each parameter's gradient becomes ready
-during the backward pass; under ``lina`` held while a backward halo exchange is in flight
-(the exchanges of the remaining layers are on the critical path, the allreduce is not);
-under ``lina-overlap`` the reduction's tail runs on into the next forward pass (evaluation
-waits for it). With ``grad_bits`` below 32 the reduction's sums travel compressed under
-every schedule (:class:`commsched.quant.allreduce.CompressedLauncher`: bfloat16 at 16, the
-codec's unbiased stochastic row records at 8/4/2, keyed by the seed), the loss summed
-exactly beside them; every replica still applies bit-identical sums. Every schedule's sums
-are the flat allreduce's (exact on 2 ranks; on more, up to the order gloo adds the ranks'
-values in). Every rank applies the same update to the same
+the ranks, then Adam: one :func:`~commsched.priority.step.make_grad_step` of
+``TrainConfig.schedule`` (``--grad-schedule``, a name of
+:data:`commsched.priority.policy.SCHEDULES`; default ``flat``, one fused allreduce after
+the backward pass), as in MoE training, its scheduler on a process group of its own and
+told of every backward halo exchange (under ``lina`` no micro-op is launched while one is
+in flight: those are on the critical path, the allreduce is not). With ``grad_bits`` below
+32 the sums travel compressed under every schedule
+(:class:`commsched.quant.allreduce.CompressedLauncher`), the loss summed exactly beside
+them; every replica still applies bit-identical sums. Every schedule's sums are the flat
+allreduce's (exact on 2 ranks; on more, up to the order gloo adds the ranks' values in). Every rank applies the same update to the same
 parameters, so the replicas never drift apart. With one rank (and no process group at
 all) the same code is single-process full-graph training, the reference that N-rank
 training is tested against.

@@ -29,10 +29,9 @@ def _moe(rank: int, world: int, out: str) -> int:
     from commsched.moe.train import main
 
     with SCHEDULES.registered("eager", EagerConfig):  # main ends the process group: one run per spawn
-        return main(["--schedule", "eager", "--microop-bytes", "1024", "--steps", "2", "--warmup", "1",
-                     "--batch-size", "2", "--seq-len", "8", "--d-model", "16", "--heads", "2", "--layers", "2",
-                     "--d-ff", "16", "--expert-hidden", "16", "--experts", "2", "--probe-steps", "0",
-                     "--eval-batches", "0", "--corpus", str(TEXT), "--device", "cpu", "--out", out])
+        return main(["--schedule", "eager", "--microop-bytes", "1024", "--steps", "2", "--warmup", "1", "--seq-len",
+                     "8", "--d-model", "16", "--heads", "2", "--d-ff", "16", "--expert-hidden", "16", "--experts", "2",
+                     "--probe-steps", "0", "--eval-batches", "0", "--corpus", str(TEXT), "--device", "cpu", "--out", out])
 
 
 def _gnn(rank: int, world: int, out: str) -> int:
