@@ -70,7 +70,7 @@ def build_parser(modes: Registry | None = None) -> argparse.ArgumentParser:
         add_arguments(m, cls, skip=tuple(seen), only_given=True)
         seen.update(f.name for f in cli_fields(cls))
     g = p.add_argument_group("gradient schedule (each option belongs to the schedules whose config has it)")
-    g.add_argument("--grad-schedule", default="flat", choices=SCHEDULES.names,
+    g.add_argument("--grad-schedule", default=TrainConfig().schedule.policy, choices=SCHEDULES.names,
                    help="the gradient reduction: a schedule of commsched.priority (default flat: one allreduce "
                         "after the backward pass; lina: held behind the backward halo exchanges; fifo: buckets "
                         "at once; serial: micro-ops after it; lina-overlap: lina, the tail in the next forward)")

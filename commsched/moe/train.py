@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, TrainConfig)
     g = p.add_argument_group("gradient schedule (--impl commsched; each option belongs to the schedules whose "
                              "config has it) and DeepSpeed (--impl deepspeed)")
-    g.add_argument("--schedule", default="lina", choices=SCHEDULES.names, help="gradient schedule (default lina)")
+    default = TrainConfig().schedule.policy  # the library's default, typed once
+    g.add_argument("--schedule", default=default, choices=SCHEDULES.names, help=f"gradient schedule (default {default})")
     seen: set[str] = set()
     for cls in (*dict.fromkeys(SCHEDULES.values()), DeepSpeedConfig):
         add_arguments(g, cls, skip=tuple(seen), only_given=True)
