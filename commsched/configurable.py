@@ -208,14 +208,16 @@ def from_arguments(cls: type, ns: argparse.Namespace, *, prefix: str = "",
     return cls(**values)
 
 
-def config_of(registry: Registry, name: str, values: Mapping[str, Any], *, given: bool = False) -> Any:
+def config_of(registry: Registry, name: str, values: Mapping[str, Any], *, given: bool = False,
+              selector: str | None = None, strict: bool = True) -> Any:
     """The config class ``registry[name]`` made from ``values`` (field name -> value), the one
     rule for options of the other entries: a value of a field the class lacks is dropped,
     unless that field (of another entry) declares its refusal (``option(..., foreign=...)``)
     and the value is not its default (``given``: any value, as the command line holds only the
     flags given): then that ValueError, the template filled with ``flag``, ``owners`` (the
-    entries whose config has it), ``name`` (also as ``mode``) and ``value``. A field of no
-    entry is a TypeError."""
+    entries whose config has it), ``name`` (also as ``mode``), ``value`` and ``selector`` (the
+    flag that names the entry: ``selector``, default the registry's); ``strict=False`` drops
+    it too. A field of no entry is a TypeError."""
     cls = registry[name]
     own = {f.name for f in dataclasses.fields(cls) if f.init}
     for key, value in values.items():
@@ -225,9 +227,9 @@ def config_of(registry: Registry, name: str, values: Mapping[str, Any], *, given
         if not owners:
             raise TypeError(f"{registry.flag} {name}: no {registry.kind} has an option {key!r}")
         f = next(f for f in dataclasses.fields(registry[owners[0]]) if f.name == key)
-        if f.metadata.get("foreign") and (given or value != _default(f)):
+        if strict and f.metadata.get("foreign") and (given or value != _default(f)):
             raise ValueError(f.metadata["foreign"].format(flag=_flag(f, ""), owners=", ".join(owners), name=name,
-                                                          mode=name, value=value))
+                                                          mode=name, value=value, selector=selector or registry.flag))
     return cls(**{k: v for k, v in values.items() if k in own})
 
 

@@ -367,11 +367,11 @@ def _shared_worker(rank: int, world: int, init_file: str, device_name: str, q) -
 def _executor_check(rank: int, world: int, dev: torch.device) -> bool:
     """Gradients reduced by the Lina executor are the ranks' mean, read right after
     ``finish()`` (no race: finish returns only when every reduction is in place)."""
-    from ..priority.policy import ScheduleConfig
+    from ..priority.policy import LinaConfig
     from ..priority.runtime.executor import GradScheduler
 
     params = [torch.nn.Parameter(torch.zeros(n, device=dev)) for n in (70_000, 3, 40_000, 1)]
-    cfg = ScheduleConfig("lina", microop_bytes=16 << 10)
+    cfg = LinaConfig(microop_bytes=16 << 10)
     ok = True
     with GradScheduler([(p, None, 1.0 / world) for p in params], cfg) as s:
         for step in range(3):

@@ -210,7 +210,7 @@ class _OnGroup:
 
 
 def _launcher_grads(dev: torch.device, group, impl: str) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
-    from ..priority.policy import ScheduleConfig
+    from ..priority.policy import LinaConfig
     from ..priority.runtime.executor import GradScheduler
     from ..quant.allreduce import CompressedLauncher
 
@@ -218,7 +218,7 @@ def _launcher_grads(dev: torch.device, group, impl: str) -> tuple[list[torch.Ten
     ws = [torch.randn(p.numel(), generator=torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
     launcher = CompressedLauncher(8, seed=1, impl=impl, force_wire=True)
     try:
-        with GradScheduler([(p, _TwoRanks(), 1.0) for p in params], ScheduleConfig("lina", microop_bytes=4096),
+        with GradScheduler([(p, _TwoRanks(), 1.0) for p in params], LinaConfig(microop_bytes=4096),
                            device=dev, launch=_OnGroup(launcher, group)) as s:
             for _step in range(2):
                 for p in params:
@@ -275,13 +275,13 @@ def _path_ddp(dev: torch.device, ref_pg, quick: bool) -> dict:
     import copy
 
     from ..priority.ddp import LinaDDP
-    from ..priority.policy import ScheduleConfig
+    from ..priority.policy import LinaConfig
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(dev)
     twin = copy.deepcopy(net)
     kw: dict[str, Any] = {"device_ids": [dev]} if dev.type == "cuda" else {}
-    ddp = LinaDDP(net, schedule=ScheduleConfig("lina", microop_bytes=256), bucket_cap_mb=0.001, **kw)
+    ddp = LinaDDP(net, schedule=LinaConfig(microop_bytes=256), bucket_cap_mb=0.001, **kw)
     err = 0.0
     try:
         for step in range(2):

@@ -58,7 +58,7 @@ class PassContext:
     names it). stats: the halo exchanges' byte counters, or None for traffic that is not
     counted (evaluation). events: an :class:`~commsched.comm.observe.A2AObserver` told of every
     backward halo exchange (launch to arrival), so a gradient scheduler holds the
-    allreduce behind them (``TrainConfig.grad_schedule``); None: nobody is told.
+    allreduce behind them (``TrainConfig.schedule``); None: nobody is told.
 
     The default, ``PassContext()``, is a training pass of epoch 0 with a scratch timer and
     no byte counting: what a layer or an exchange used on its own (in a test) gets.

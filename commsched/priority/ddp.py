@@ -74,7 +74,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.observe import A2AEvents
 from ..dist import new_group
-from .policy import ScheduleConfig
+from .policy import LinaConfig, MicroOpConfig, ScheduleConfig
 from .runtime.executor import GradScheduler, group_size
 
 GRAD_GROUP_ATTR = "_commsched_grad_group"  # on a parameter: its GradGroup
@@ -167,7 +167,7 @@ class LinaState:
     parameters (reported by the hook) and the marked ones (hooked), and the observer the
     MoE layers report their all-to-alls to (``events``: registered with it here).
 
-    ``schedule``: a micro-op policy (default ``ScheduleConfig("lina")``); ``timeout_s``:
+    ``schedule``: a micro-op schedule (default ``LinaConfig()``); ``timeout_s``:
     the scheduler's (default ``COMMSCHED_TIMEOUT_S``). ``last_stats``: the timings
     :meth:`GradScheduler.finish` returned for the last step. ``group``: the process group of
     the gradient micro-ops, over DDP's ranks and used by no all-to-all (default: a new one,
@@ -178,9 +178,9 @@ class LinaState:
                  events: A2AEvents | None = None, timeout_s: float | None = None, group: Any = None):
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"LinaState needs a torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}")
-        cfg = schedule or ScheduleConfig("lina")
-        if cfg.fused:
-            raise ValueError(f"schedule {cfg.policy!r} is DDP's own bucketed allreduce; the hook runs micro-op "
+        cfg = schedule or LinaConfig()
+        if not isinstance(cfg, MicroOpConfig):
+            raise ValueError(f"schedule {cfg.name!r} is DDP's own bucketed allreduce; the hook runs micro-op "
                              "schedules ('lina', 'serial'): for fifo use DistributedDataParallel without a hook")
         if getattr(ddp, STATE_ATTR, None) is not None:
             raise ValueError("this DistributedDataParallel already has a commsched LinaState")

@@ -23,7 +23,7 @@ P F F P, the first P and the second F (with one pair, P F, the F step counts as 
 
 :class:`FallbackProbe` is the pure part: which mode a step runs in, and the decision from
 the gathered step times. :class:`~commsched.priority.step.GradStep` drives it
-(``ScheduleConfig.fallback_probes``; 0 turns it off).
+(``LinaConfig.fallback_probes``; 0 turns it off).
 """
 
 from __future__ import annotations

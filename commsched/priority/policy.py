@@ -13,14 +13,14 @@ Allreduce operations carry a sequence number and are launched strictly in that o
 (every rank uses the same order, so the collectives match); a policy only decides *when*.
 
 Schedules (:data:`SCHEDULES`, a :class:`~commsched.configurable.Registry` of
-:class:`Schedule` classes by name; each makes its :class:`Policy` from the config):
+:class:`ScheduleConfig` classes by name; each holds its options and makes its :class:`Policy`):
 
 * ``lina`` -- all-to-all first: an allreduce micro-op is launched only when no all-to-all
   of this rank is waiting or in flight, and only while the bytes of allreduce in flight
   stay within the credit (one micro-op may always be in flight, whatever its size). The
   decision is local: on real process groups a launched micro-op waits inside the
   collective for peers still in an all-to-all. With ``hold_in_block`` (the default of
-  :class:`ScheduleConfig`) it is also held inside an expert block (between the combine and
+  :class:`LinaConfig`) it is also held inside an expert block (between the combine and
   dispatch exchanges of an MoE layer in the backward pass, expert compute included), which
   keeps the block's second exchange clear at the price of leaving the link to in-flight
   micro-ops during expert compute. Once the backward pass has
@@ -29,6 +29,8 @@ Schedules (:data:`SCHEDULES`, a :class:`~commsched.configurable.Registry` of
 * ``fifo`` -- every operation is launched as soon as it is ready (DDP's behaviour).
 * ``serial`` -- allreduce waits until the backward pass has ended (no overlap at all; the
   all-to-all then runs alone, which is how its uncontended time is measured).
+* ``flat`` -- ``serial``'s timing, the gradients of each group in one fused operation (the
+  data-parallel allreduce of a plain training loop).
 * ``lina-overlap`` -- ``lina`` in the backward pass; the step does not wait for the
   reduction (:class:`OverlapPolicy`): the micro-ops still to launch when the backward pass
   ends go out in the order in which the next forward pass needs their parameters (first
@@ -50,11 +52,11 @@ Launch rules (:data:`LAUNCH_RULES`, ``ScheduleConfig.launch``):
 * ``program`` -- decisions are taken only at points of the program, which every rank
   passes in the same order (a gradient becoming ready, an all-to-all beginning or ending on
   the host, an expert block beginning or ending, the end of the backward pass), and never
-  depend on completions: instead of the credit, at most :attr:`ScheduleConfig.gap_budget`
+  depend on completions: instead of the credit, at most :attr:`LinaConfig.gap_budget`
   micro-ops are launched in each gap between two all-to-alls. Every rank then issues its
   allreduce and all-to-all collectives in the same interleaving, which NCCL requires of
   collectives on different communicators (otherwise they can deadlock). The default on
-  CUDA devices (:meth:`ScheduleConfig.launch_rule`). ``fifo`` and ``serial`` never depend on
+  CUDA devices (:meth:`ScheduleConfig.launch_rule`). ``fifo``, ``serial`` and ``flat`` never depend on
   completions, so the rule changes only ``lina``.
 """
 
@@ -65,7 +67,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import ClassVar, Hashable, Sequence
 
-from ..configurable import Config, Registry, option
+from ..configurable import Config, Registry, check, option
 from .microops import CommOp, bucket, partition
 
 # Default credit of ``lina``, in micro-ops. A micro-op's collective takes far longer than its
@@ -211,109 +213,6 @@ class Policy:
         return out
 
 
-# name -> Schedule class; the command lines' ``--schedule`` choices are its names
-SCHEDULES: Registry[type["Schedule"]] = Registry("schedule", flag="--schedule")
-
-
-@dataclass(frozen=True)
-class ScheduleConfig(Config):
-    """How one rank's gradient communication is scheduled; the policy, the simulator and the
-    executor all take this one object (:meth:`build` makes the policy).
-
-    ``policy``: a name of :data:`SCHEDULES`; ``microop_bytes``: Lina's micro-op size (``lina``,
-    ``serial``); ``credit_bytes``: allreduce bytes allowed in flight under ``lina`` (default:
-    :data:`DEFAULT_CREDIT_MICROOPS` micro-ops, see :attr:`credit`); ``bucket_bytes``: fused
-    bucket size of ``fifo`` (DDP's first bucket is 1 MiB); ``hold_in_block``: ``lina`` also
-    holds allreduce inside backward expert blocks; ``launch``: a name of
-    :data:`LAUNCH_RULES`, or None for the device's default (:meth:`launch_rule`);
-    ``hier_reduce``: reduce operations over all ranks hierarchically (inside each host,
-    across hosts, inside again; :mod:`commsched.priority.hier`), the policy gating the phase
-    across hosts; the executor only (the simulator models one link and ignores it);
-    ``hier_min_bytes``: operations smaller than this stay flat under ``hier_reduce`` (the
-    NIC bytes they would save cost less than two more collectives); ``reduce_address``: the
-    local address the gradient reduction's gloo groups bind to (None: the default device;
-    :mod:`commsched.priority.bind`); ``fallback_probes``: the measured A/B of
-    :mod:`commsched.priority.fallback` (0: off). The command-line flags
-    of ``-m commsched.moe.train`` are generated from these fields."""
-
-    policy: str = option("lina", "gradient schedule", choices=SCHEDULES, flag="--schedule")
-    microop_bytes: int = option(256 << 10, "micro-op size (lina, lina-overlap, serial)")
-    credit_bytes: int | None = option(None, f"lina: allreduce bytes in flight (default: {DEFAULT_CREDIT_MICROOPS} "
-                                            "micro-ops)")
-    bucket_bytes: int = option(1 << 20, "fifo buckets; also DeepSpeed's reduce bucket")
-    hold_in_block: bool = option(True, "lina: also hold allreduce during the expert compute of a backward "
-                                       "expert block")
-    launch: str | None = option(None, "lina's launch rule (default: 'program' on CUDA, 'completion' on the CPU)",
-                                choices=LAUNCH_RULES)
-    hier_reduce: bool = option(False, "reduce the data-parallel gradients inside each host, across hosts (the "
-                                      "phase the schedule gates), then inside again (needs the same ranks on "
-                                      "every host)")
-    hier_min_bytes: int = option(HIER_MIN_BYTES, "--hier-reduce: operations smaller than this stay flat")
-    fallback_probes: int = option(2, "lina, lina-overlap on the CPU: after two steps, this many steps each of "
-                                     "the schedule and of fifo's launching (P F F P ...); the faster is kept "
-                                     "(0: off; priority/fallback.py)")
-    reduce_address: str | None = option(None, "bind the gradient reduction's gloo groups to this local address "
-                                              "(the bench's collective link model gives it its own share of "
-                                              "the emulated link; priority/bind.py)")
-
-    def __post_init__(self) -> None:
-        if self.policy not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.policy!r}; choose one of {SCHEDULES.names}")
-        if self.microop_bytes < 4 or self.bucket_bytes < 4:
-            raise ValueError("microop_bytes and bucket_bytes must be at least one element (4 bytes)")
-        if self.credit_bytes is not None and self.credit_bytes < 1:
-            raise ValueError(f"credit_bytes must be >= 1, got {self.credit_bytes}")
-        if not isinstance(self.hier_reduce, bool):
-            raise ValueError(f"hier_reduce must be True or False, got {self.hier_reduce!r}")
-        if isinstance(self.hier_min_bytes, bool) or not isinstance(self.hier_min_bytes, int) \
-                or self.hier_min_bytes < 0:
-            raise ValueError(f"hier_min_bytes must be an integer >= 0, got {self.hier_min_bytes!r}")
-        if self.hier_reduce and not self.schedule.hier:
-            raise ValueError(f"hier_reduce does not combine with the {self.policy!r} schedule yet (its tail runs on "
-                             "flat twin groups); use hier_reduce with 'lina' or 'fifo', or the overlap flat")
-        if self.launch is not None and self.launch not in LAUNCH_RULES:
-            raise ValueError(f"unknown launch rule {self.launch!r}; choose one of {LAUNCH_RULES} (or None: "
-                             f"'program' on CUDA devices, 'completion' elsewhere)")
-
-    @property
-    def schedule(self) -> type["Schedule"]:
-        """The :class:`Schedule` class named by ``policy``."""
-        return SCHEDULES[self.policy]
-
-    def build(self, device_type: str | None = None) -> "Policy":
-        """The policy of this schedule (:func:`make_policy`)."""
-        return make_policy(self, device_type)
-
-    def launch_rule(self, device_type: str = "cpu") -> str:
-        """The launch rule in force on a device of type ``device_type``: ``launch`` when set,
-        else ``program`` on ``cuda`` (NCCL's ordering rule) and ``completion`` elsewhere."""
-        if self.launch is not None:
-            return self.launch
-        return "program" if device_type == "cuda" else "completion"
-
-    @property
-    def gap_budget(self) -> int:
-        """Micro-ops launched per gap between all-to-alls under the ``program`` rule: the
-        credit in micro-ops (at least one)."""
-        return max(1, self.credit // self.microop_bytes)
-
-    @property
-    def credit(self) -> int:
-        """The credit in force: ``credit_bytes``, or :data:`DEFAULT_CREDIT_MICROOPS` micro-ops."""
-        return self.credit_bytes if self.credit_bytes is not None else DEFAULT_CREDIT_MICROOPS * self.microop_bytes
-
-    @property
-    def overlapped(self) -> bool:
-        """Whether the step leaves its reduction running into the next forward pass
-        (``lina-overlap``: :mod:`commsched.priority.runtime.overlap` steps the optimizer per group)."""
-        return self.schedule.overlapped
-
-    @property
-    def fused(self) -> bool:
-        """Whether gradients travel in fused buckets (``fifo``, like DDP) rather than micro-ops."""
-        return self.schedule.fused
-
-
 class OverlapPolicy(Policy):
     """``lina-overlap`` (module docstring): :class:`Policy` ``lina`` until the backward pass
     ends, then the remaining allreduce in the tail order, under the credit (or the gap
@@ -436,108 +335,200 @@ class OverlapPolicy(Policy):
         return self._ar_done == self._n
 
 
-class Schedule:
-    """A gradient schedule: its name, what it asks of the runtime, and the :class:`Policy` it
-    makes from a :class:`ScheduleConfig` (:meth:`make_policy`). A new schedule is one
-    subclass registered in :data:`SCHEDULES` and one test; the simulator, the executor and
-    ``--schedule`` take it from there::
+# --------------------------------------------------------------------------- the schedules
+# --schedule name -> its config class; the command lines' ``--schedule`` choices are its names
+SCHEDULES: Registry[type["ScheduleConfig"]] = Registry("schedule", flag="--schedule")
 
-        @SCHEDULES.register("eager")
-        class EagerSchedule(Schedule):
-            \"\"\"Micro-ops as soon as ready, never held for an all-to-all.\"\"\"
-            name = "eager"
+# the refusal of one schedule's option given to another (commsched.configurable.config_of)
+_FOREIGN = "{flag} belongs to {selector} {owners}, not to {selector} {name}"
 
-            @classmethod
-            def make_policy(cls, cfg):
-                return Policy(cls.name, credit_bytes=None, hold_for_a2a=False, hold_in_block=False)
-    """
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig(Config):
+    """A gradient schedule (one subclass per :data:`SCHEDULES` entry): its options, the fields
+    (these are every schedule's: ``launch``, a name of :data:`LAUNCH_RULES` or None for the
+    device's default; ``hier_reduce``, reduce over all ranks hierarchically,
+    :mod:`commsched.priority.hier`, under ``hier_min_bytes`` flat; ``reduce_address``, the
+    local address the reduction's gloo groups bind to, :mod:`commsched.priority.bind`), and
+    what it does: its :class:`Policy` (:meth:`make_policy`; an :class:`OverlapPolicy` makes
+    the step run the reduction into the next forward pass), the operations it cuts gradients
+    into (:meth:`allreduce_ops`) and its probe pairs against fifo's launching (:attr:`probes`).
+    The simulator, the executor, :func:`~commsched.priority.step.make_grad_step` and both
+    training command lines (the flags: the fields) take it from there."""
 
     name: ClassVar[str]
-    overlapped: ClassVar[bool] = False  # the reduction runs into the next forward pass (overlap.py)
-    fused: ClassVar[bool] = False       # gradients travel in fused buckets, not micro-ops
-    hier: ClassVar[bool] = True         # combines with ScheduleConfig.hier_reduce
-    adaptive: ClassVar[bool] = False    # probes fifo's launching and falls back to it (priority/fallback.py)
 
-    @classmethod
-    def make_policy(cls, cfg: ScheduleConfig) -> Policy:
-        """The policy of one step under ``cfg`` (its launch rule already resolved)."""
-        raise NotImplementedError
+    # the name, in records (metrics.json, the ranks' comparison of their configs); not an option
+    policy: str = dataclasses.field(init=False, default="", metadata={"cli": False})
+    launch: str | None = option(None, "launch rule (default: 'program' on CUDA, 'completion' on the CPU; "
+                                      "only lina's decisions depend on it)", choices=LAUNCH_RULES)
+    hier_reduce: bool = option(False, "reduce the data-parallel gradients inside each host, across hosts (the "
+                                      "phase the schedule gates), then inside again (needs the same ranks on "
+                                      "every host)")
+    hier_min_bytes: int = option(HIER_MIN_BYTES, "--hier-reduce: operations smaller than this stay flat")
+    reduce_address: str | None = option(None, "bind the gradient reduction's gloo groups to this local address "
+                                              "(the bench's collective link model gives it its own share of "
+                                              "the emulated link; priority/bind.py)")
 
-    @staticmethod
-    def gap_budget(cfg: ScheduleConfig) -> int | None:
-        """The ``program`` rule's launches per gap, None under ``completion``."""
-        return cfg.gap_budget if cfg.launch == "program" else None
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", self.name)
+        check(isinstance(self.hier_reduce, bool), f"hier_reduce must be True or False, got {self.hier_reduce!r}")
+        check(not isinstance(self.hier_min_bytes, bool) and isinstance(self.hier_min_bytes, int)
+              and self.hier_min_bytes >= 0, f"hier_min_bytes must be an integer >= 0, got {self.hier_min_bytes!r}")
+        check(self.launch is None or self.launch in LAUNCH_RULES, f"unknown launch rule {self.launch!r}; choose "
+              f"one of {LAUNCH_RULES} (or None: 'program' on CUDA devices, 'completion' elsewhere)")
+
+    def build(self, device_type: str | None = None) -> Policy:
+        """The policy of this schedule (:func:`make_policy`)."""
+        return make_policy(self, device_type)
+
+    def launch_rule(self, device_type: str = "cpu") -> str:
+        """The launch rule in force on a device of type ``device_type``: ``launch`` when set,
+        else ``program`` on ``cuda`` (NCCL's ordering rule) and ``completion`` elsewhere."""
+        if self.launch is not None:
+            return self.launch
+        return "program" if device_type == "cuda" else "completion"
+
+    def make_policy(self, rule: str) -> Policy:
+        """The policy of one step under the launch rule ``rule``."""
+        raise NotImplementedError(f"{type(self).__name__} makes no policy")
+
+    def allreduce_ops(self, numels: Sequence[int], element_size: int) -> list[CommOp]:
+        """The allreduce operations these gradients (element counts, in readiness order) are cut into."""
+        raise NotImplementedError(f"{type(self).__name__} makes no operations")
+
+    @property
+    def probes(self) -> int:
+        """Probe pairs of the measured A/B against fifo's launching (0: none)."""
+        return 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicroOpConfig(ScheduleConfig):
+    """Base of the schedules that cut gradients into equal micro-ops of ``microop_bytes``."""
+
+    microop_bytes: int = option(256 << 10, "micro-op size (lina, lina-overlap, serial)", foreign=_FOREIGN)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.microop_bytes >= 4, "microop_bytes must be at least one element (4 bytes)")
+
+    def allreduce_ops(self, numels: Sequence[int], element_size: int) -> list[CommOp]:
+        return partition(numels, element_size, self.microop_bytes)
 
 
 @SCHEDULES.register("lina")
-class LinaSchedule(Schedule):
-    """Micro-ops in the gaps of the all-to-all, under the credit (module docstring)."""
+@dataclass(frozen=True, kw_only=True)
+class LinaConfig(MicroOpConfig):
+    """``lina``: micro-ops in the gaps of the all-to-all, under the credit (module docstring).
+    ``credit_bytes``: allreduce bytes allowed in flight (default :data:`DEFAULT_CREDIT_MICROOPS`
+    micro-ops, :attr:`credit`); ``hold_in_block``: also held inside backward expert blocks;
+    ``fallback_probes``: the measured A/B of :mod:`commsched.priority.fallback` (0: off)."""
 
     name = "lina"
-    adaptive = True
 
-    @classmethod
-    def make_policy(cls, cfg: ScheduleConfig) -> Policy:
-        return Policy(cls.name, credit_bytes=cfg.credit, hold_in_block=cfg.hold_in_block,
-                      gap_budget=cls.gap_budget(cfg))
+    credit_bytes: int | None = option(None, f"lina: allreduce bytes in flight (default: {DEFAULT_CREDIT_MICROOPS} "
+                                            "micro-ops)", foreign=_FOREIGN)
+    hold_in_block: bool = option(True, "lina: also hold allreduce during the expert compute of a backward "
+                                       "expert block", foreign=_FOREIGN)
+    fallback_probes: int = option(2, "lina, lina-overlap on the CPU: after two steps, this many steps each of "
+                                     "the schedule and of fifo's launching (P F F P ...); the faster is kept "
+                                     "(0: off; priority/fallback.py)", foreign=_FOREIGN)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.credit_bytes is None or self.credit_bytes >= 1, f"credit_bytes must be >= 1, got {self.credit_bytes}")
+
+    @property
+    def credit(self) -> int:
+        """The credit in force: ``credit_bytes``, or :data:`DEFAULT_CREDIT_MICROOPS` micro-ops."""
+        return self.credit_bytes if self.credit_bytes is not None else DEFAULT_CREDIT_MICROOPS * self.microop_bytes
+
+    @property
+    def gap_budget(self) -> int:
+        """Micro-ops launched per gap between all-to-alls under the ``program`` rule: the
+        credit in micro-ops (at least one)."""
+        return max(1, self.credit // self.microop_bytes)
+
+    @property
+    def probes(self) -> int:
+        return self.fallback_probes
+
+    def make_policy(self, rule: str) -> Policy:
+        return Policy(self.name, credit_bytes=self.credit, hold_in_block=self.hold_in_block,
+                      gap_budget=self.gap_budget if rule == "program" else None)
 
 
 @SCHEDULES.register("fifo")
-class FifoSchedule(Schedule):
-    """DDP's: fused buckets launched as soon as they are ready."""
+@dataclass(frozen=True, kw_only=True)
+class FifoConfig(ScheduleConfig):
+    """``fifo``, DDP's: fused buckets of ``bucket_bytes`` (DDP's first is 1 MiB) launched as
+    soon as they are ready."""
 
     name = "fifo"
-    fused = True
 
-    @classmethod
-    def make_policy(cls, cfg: ScheduleConfig) -> Policy:
-        return Policy(cls.name, credit_bytes=None, hold_for_a2a=False, hold_in_block=False)
+    bucket_bytes: int = option(1 << 20, "fifo buckets; also DeepSpeed's reduce bucket", foreign=_FOREIGN)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.bucket_bytes >= 4, "bucket_bytes must be at least one element (4 bytes)")
+
+    def make_policy(self, rule: str) -> Policy:
+        return Policy(self.name, credit_bytes=None, hold_for_a2a=False, hold_in_block=False)
+
+    def allreduce_ops(self, numels: Sequence[int], element_size: int) -> list[CommOp]:
+        return bucket(numels, element_size, self.bucket_bytes)
 
 
 @SCHEDULES.register("serial")
-class SerialSchedule(Schedule):
-    """Allreduce after the backward pass (the all-to-all alone)."""
+@dataclass(frozen=True, kw_only=True)
+class SerialConfig(MicroOpConfig):
+    """``serial``: allreduce after the backward pass (the all-to-all alone)."""
 
     name = "serial"
 
-    @classmethod
-    def make_policy(cls, cfg: ScheduleConfig) -> Policy:
-        return Policy(cls.name, credit_bytes=None, hold_for_a2a=False, hold_in_block=False, defer_to_end=True)
+    def make_policy(self, rule: str) -> Policy:
+        return Policy(self.name, credit_bytes=None, hold_for_a2a=False, hold_in_block=False, defer_to_end=True)
 
 
 @SCHEDULES.register("lina-overlap")
-class LinaOverlapSchedule(Schedule):
+@dataclass(frozen=True, kw_only=True)
+class LinaOverlapConfig(LinaConfig):
     """``lina``, the reduction's tail under the next forward pass (:class:`OverlapPolicy`)."""
 
     name = "lina-overlap"
-    adaptive = True
-    overlapped = True
-    hier = False  # its tail runs on flat twin groups
 
-    @classmethod
-    def make_policy(cls, cfg: ScheduleConfig) -> Policy:
-        return OverlapPolicy(credit_bytes=cfg.credit, hold_in_block=cfg.hold_in_block,
-                             gap_budget=cls.gap_budget(cfg))
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(not self.hier_reduce, "hier_reduce does not combine with the 'lina-overlap' schedule yet (its tail "
+              "runs on flat twin groups); use hier_reduce with 'lina' or 'fifo', or the overlap flat")
+
+    def make_policy(self, rule: str) -> Policy:
+        return OverlapPolicy(credit_bytes=self.credit, hold_in_block=self.hold_in_block,
+                             gap_budget=self.gap_budget if rule == "program" else None)
+
+
+@SCHEDULES.register("flat")
+@dataclass(frozen=True, kw_only=True)
+class FlatConfig(ScheduleConfig):
+    """``flat``: one allreduce of every gradient (one fused bucket per group and dtype) after
+    the backward pass."""
+
+    name = "flat"
+
+    def make_policy(self, rule: str) -> Policy:
+        return Policy(self.name, credit_bytes=None, hold_for_a2a=False, hold_in_block=False, defer_to_end=True)
+
+    def allreduce_ops(self, numels: Sequence[int], element_size: int) -> list[CommOp]:
+        return bucket(numels, element_size, max(element_size, sum(numels) * element_size))
 
 
 def make_policy(cfg: ScheduleConfig, device_type: str | None = None) -> Policy:
-    """The policy ``cfg.policy`` with ``cfg``'s credit and hold, under the launch rule
-    ``cfg.launch_rule(device_type)`` (``device_type`` None: ``cfg.launch``, else
-    ``completion``); see the module docstring."""
-    rule = cfg.launch_rule(device_type or "cpu")
-    if rule != cfg.launch:
-        cfg = dataclasses.replace(cfg, launch=rule)
-    return cfg.schedule.make_policy(cfg)
+    """The policy of ``cfg`` under the launch rule ``cfg.launch_rule(device_type)``
+    (``device_type`` None: ``cfg.launch``, else ``completion``); see the module docstring."""
+    return cfg.make_policy(cfg.launch_rule(device_type or "cpu"))
 
 
-def allreduce_ops(numels: Sequence[int], element_size: int, cfg: ScheduleConfig) -> list[CommOp]:
-    """The allreduce operations ``cfg`` cuts these gradients (element counts, in readiness
-    order) into: fused buckets of ``bucket_bytes`` (``fifo``), else micro-ops of ``microop_bytes``."""
-    if cfg.fused:
-        return bucket(numels, element_size, cfg.bucket_bytes)
-    return partition(numels, element_size, cfg.microop_bytes)
-
-
-__all__ = ["DEFAULT_CREDIT_MICROOPS", "FifoSchedule", "HIER_MIN_BYTES", "LAUNCH_RULES", "Launch", "LinaOverlapSchedule",
-           "LinaSchedule", "OverlapPolicy", "Policy", "SCHEDULES", "Schedule", "ScheduleConfig", "SerialSchedule",
-           "allreduce_ops", "make_policy"]
+__all__ = ["DEFAULT_CREDIT_MICROOPS", "FifoConfig", "FlatConfig", "HIER_MIN_BYTES", "LAUNCH_RULES", "Launch",
+           "LinaConfig", "LinaOverlapConfig", "MicroOpConfig", "OverlapPolicy", "Policy", "SCHEDULES",
+           "ScheduleConfig", "SerialConfig", "make_policy"]

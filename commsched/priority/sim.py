@@ -11,8 +11,8 @@ The link is shared fairly (processor sharing): with n operations in flight each 
 were ``latency_s * bandwidth`` bytes longer. Operations are never preempted: once
 launched, an allreduce keeps its share until done -- which is why the policy matters.
 
-Gradients become allreduce operations through
-:func:`commsched.priority.policy.allreduce_ops`: micro-ops (``lina``, ``serial``) or fused
+Gradients become allreduce operations through the schedule's
+:meth:`~commsched.priority.policy.ScheduleConfig.allreduce_ops`: micro-ops (``lina``, ``serial``) or fused
 buckets (``fifo``), in the order the tensors become ready. The schedule is a
 :class:`~commsched.priority.policy.ScheduleConfig`, the very object (and defaults) the
 executor runs. Nothing here is random and no clock is read, so a scenario always gives the
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
-from .policy import OverlapPolicy, ScheduleConfig, allreduce_ops, make_policy
+from .policy import LinaConfig, OverlapPolicy, ScheduleConfig, make_policy
 
 _EPS = 1e-12
 
@@ -145,16 +145,16 @@ class SimResult:
 
 def simulate(script: Sequence[Item], link: Link, cfg: ScheduleConfig | None = None, *,
              element_size: int = 4, order_tail: bool = True) -> SimResult:
-    """Run ``script`` on ``link`` under the schedule ``cfg`` (default: ``ScheduleConfig()``,
+    """Run ``script`` on ``link`` under the schedule ``cfg`` (default: ``LinaConfig()``,
     the executor's default); see the module docstring. Gradient sizes in the script are
     bytes, multiples of ``element_size``. ``order_tail=False``: ``lina-overlap`` keeps its
     tail in sequence order (no forward order known; what ordering it buys).
     """
-    cfg = cfg if cfg is not None else ScheduleConfig()
+    cfg = cfg if cfg is not None else LinaConfig()
     grad_bytes = [b for it in script if isinstance(it, Compute) for b in it.grads]
     if any(b % element_size for b in grad_bytes):
         raise ValueError(f"gradient sizes must be multiples of element_size={element_size}")
-    ops = allreduce_ops([b // element_size for b in grad_bytes], element_size, cfg)
+    ops = cfg.allreduce_ops([b // element_size for b in grad_bytes], element_size)
     pol = make_policy(cfg)
     ops_of_tensor: dict[int, list[int]] = {}
     for op in ops:
@@ -174,7 +174,7 @@ def simulate(script: Sequence[Item], link: Link, cfg: ScheduleConfig | None = No
     missing = [len(op.tensors) for op in ops]
     done: set[int] = set()
     bw = link.bandwidth_Bps
-    res = SimResult(cfg.policy, link)
+    res = SimResult(cfg.name, link)
     rec: dict[tuple[str, int], SimOp] = {}
     inflight: dict[tuple[str, int], float] = {}  # remaining link work in bytes
     t, pc, next_tensor = 0.0, 0, 0
@@ -220,7 +220,7 @@ def simulate(script: Sequence[Item], link: Link, cfg: ScheduleConfig | None = No
             elif isinstance(item, Need):
                 if not ended:
                     raise ValueError(f"script item {pc - 1}: Need before EndBackward")
-                seqs = ({s for tn in item.tensors for s in ops_of_tensor.get(tn, [])} if cfg.overlapped
+                seqs = ({s for tn in item.tensors for s in ops_of_tensor.get(tn, [])} if isinstance(pol, OverlapPolicy)
                         else set(range(len(ops))))
                 if isinstance(pol, OverlapPolicy):
                     pol.need(sorted(seqs))

@@ -41,7 +41,7 @@ from torch import nn
 
 from ..dist import all_gather_object
 from .fallback import PROBE_WARMUP, Decision, FallbackProbe
-from .policy import ScheduleConfig
+from .policy import OverlapPolicy, ScheduleConfig
 from .runtime.executor import GradScheduler
 from .runtime.overlap import OverlapOptimizer, OverlapScheduler
 from .runtime.records import OpRecord
@@ -58,8 +58,7 @@ class GradStep:
         self._entries, self.cfg, self._sched_kw = entries, cfg, sched_kw
         self._sched: GradScheduler | None = None
         # the measured A/B against fifo's launching (priority/fallback.py)
-        self.probe = FallbackProbe(PROBE_WARMUP, cfg.fallback_probes if cfg.schedule.adaptive else 0,
-                                   skip_switches=cfg.schedule.overlapped)
+        self.probe = FallbackProbe(PROBE_WARMUP, cfg.probes, skip_switches=isinstance(self, OverlapStep))
         self._step = -1
         self._t_last: float | None = None
         self._probe_times: list[float] = []
@@ -103,7 +102,7 @@ class GradStep:
                  if on else [self._probe_times])
         d = self.probe.decide(times)
         if not on or dist.get_rank() == 0:
-            print(f"commsched: {d.message(self.cfg.policy, self.probe.first, self.probe.decide_at - 1)}",
+            print(f"commsched: {d.message(self.cfg.name, self.probe.first, self.probe.decide_at - 1)}",
                   file=sys.stderr, flush=True)
 
     def _set_mode(self, fallback: bool) -> None:
@@ -287,10 +286,11 @@ class OverlapStep(GradStep):
 
 def make_grad_step(model: nn.Module, entries: Sequence[tuple], cfg: ScheduleConfig,
                    make_optimizer: MakeOptimizer, **sched_kw: Any) -> GradStep:
-    """The :class:`GradStep` of ``cfg.policy``: :class:`OverlapStep` for ``lina-overlap``,
+    """The :class:`GradStep` of the schedule ``cfg``: :class:`OverlapStep` for one whose policy
+    runs the reduction into the next forward pass (an :class:`OverlapPolicy`: ``lina-overlap``),
     :class:`ReduceThenStep` for the others. ``sched_kw`` go to the scheduler (``device``,
     ``hier``, ``timeout_s``, ...)."""
-    cls = OverlapStep if cfg.overlapped else ReduceThenStep
+    cls = OverlapStep if isinstance(cfg.build(), OverlapPolicy) else ReduceThenStep
     return cls(model, entries, cfg, make_optimizer, **sched_kw)
 
 

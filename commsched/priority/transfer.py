@@ -10,11 +10,11 @@ it is specific to MoE:
   activations, any collective on the critical path). They are launched at once.
 * *background* operations -- the allreduce micro-ops of
   :class:`~commsched.priority.runtime.executor.GradScheduler`: a gradient reduction cut into
-  equal micro-ops (``ScheduleConfig.microop_bytes``), each launched by the scheduler's
+  equal micro-ops (``MicroOpConfig.microop_bytes``), each launched by the scheduler's
   ``launch`` (an asynchronous ``all_reduce`` by default, any collective on the chunk
   otherwise). Under ``lina`` none is launched while an urgent operation is waiting or in
   flight, and the ones already in flight never exceed the credit
-  (``ScheduleConfig.credit``; under the ``program`` launch rule, at most ``gap_budget``
+  (``LinaConfig.credit``; under the ``program`` launch rule, at most ``gap_budget``
   launched per gap). So an urgent operation never waits behind more than the credit.
 
 :func:`urgent` (also ``GradScheduler.urgent``) is the one entry point: it tells the
@@ -22,7 +22,7 @@ scheduler -- or any :class:`~commsched.comm.observe.A2AObserver`, an
 :class:`~commsched.comm.observe.A2AEvents` included -- that an urgent operation begins, starts
 it, and reports its end when :meth:`UrgentOp.wait` returns::
 
-    with GradScheduler(params, ScheduleConfig("lina")) as sched:
+    with GradScheduler(params, LinaConfig()) as sched:
         sched.begin_step()
         loss.backward()                 # gradients ready: background micro-ops start
         op = sched.urgent(dist.isend, act, dst, group=pp_group, nbytes=act.numel() * act.element_size())

@@ -27,7 +27,7 @@ def test_workload_variants_parse_as_training_configs(tmp_path):
     assert cfgs["fifo"].schedule.policy == "fifo" and not cfgs["fifo"].dispatch.pipeline
     assert cfgs["lina"].schedule.policy == "lina" and cfgs["lina"].dispatch.pipeline and cfgs["lina"].dispatch.chunks == 3
     ov = cfgs["lina-overlap"]
-    assert ov.schedule.overlapped and ov.dispatch == cfgs["lina"].dispatch
+    assert ov.schedule.policy == "lina-overlap" and ov.dispatch == cfgs["lina"].dispatch
     assert ov.schedule.hold_in_block == cfgs["lina"].schedule.hold_in_block
     # the same model, data and seed in every variant
     assert len({(c.model, c.steps, c.seed, c.batch_size) for c in cfgs.values()}) == 1
@@ -109,15 +109,15 @@ def test_summary_tables_and_plots(tmp_path):
 
 def test_collective_link_model_binds_the_commsched_reductions(tmp_path):
     """Under --link-model collective the runner hands the workload the address of the
-    reduction's link class; every variant's config carries it (DeepSpeed's own reduction, not
-    commsched's scheduler, does not use it)."""
+    reduction's link class; every commsched variant's config carries it (DeepSpeed's own
+    reduction does not use it: --reduce-address is an option of --impl commsched)."""
     wl = load_workload("moe-train")
     assert wl.default_link_model == "collective"
     args = build_parser(wl).parse_args([])
     args.reduce_address = "127.0.0.2"
     for v in wl.variants(args):
         cfg = config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)]))
-        assert cfg.schedule.reduce_address == "127.0.0.2"
+        assert cfg.schedule.reduce_address == ("127.0.0.2" if cfg.impl == "commsched" else None)
     args.reduce_address = None
     for v in wl.variants(args):
         cfg = config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)]))

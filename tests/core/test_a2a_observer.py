@@ -13,8 +13,9 @@ import torch.nn as nn
 import commsched
 from commsched.comm.all2all import A2APlan
 from commsched.comm.observe import A2AEvents
-from commsched.priority import LOCAL, GradScheduler, ScheduleConfig
+from commsched.priority import LOCAL, GradScheduler
 from tests.mp import assert_case, run_cases
+from tests.priority import sched_of
 
 
 class _Log:
@@ -151,7 +152,7 @@ def _train(rank: int, world: int, schedule: str | None, launch: str | None = Non
     sched = None
     if schedule is not None:
         # 64-byte micro-ops: 16 of the 1 KiB input weight, credit of 2
-        cfg = ScheduleConfig(schedule, microop_bytes=64, credit_bytes=128, bucket_bytes=256, launch=launch)
+        cfg = sched_of(schedule, microop_bytes=64, credit_bytes=128, bucket_bytes=256, launch=launch)
         sched = GradScheduler(model.sched_params(), cfg)
         events.register(sched)
     events.register(log)

@@ -26,7 +26,7 @@ def test_control_group_asks_for_gloo_whatever_the_default_backend(monkeypatch):
 def _overlap_ctrl(rank: int, world: int) -> dict:
     """An OverlapScheduler's control group: how it was made, its backend, and a two-step run
     whose end-of-backward agreement goes over it (gradients: the ranks' mean)."""
-    from commsched.priority.policy import ScheduleConfig
+    from commsched.priority.policy import LinaOverlapConfig
     from commsched.priority.runtime.overlap import OverlapOptimizer, OverlapScheduler
     from tests.priority.test_overlap import OPTIMIZERS, _batch, _Net
 
@@ -43,7 +43,7 @@ def _overlap_ctrl(rank: int, world: int) -> dict:
     net = _Net()
     entries = [(p, None) for p in reversed(list(net.parameters()))]
     stepper = OverlapOptimizer(net, OPTIMIZERS["sgd"])
-    with OverlapScheduler(entries, ScheduleConfig("lina-overlap", microop_bytes=64)) as sched, stepper.bind(sched):
+    with OverlapScheduler(entries, LinaOverlapConfig(microop_bytes=64)) as sched, stepper.bind(sched):
         ctrl = sched._ctrl
         asked = [b for b, g in made if g is ctrl]
         for step in range(2):

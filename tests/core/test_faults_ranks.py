@@ -19,6 +19,7 @@ import pytest
 
 from commsched.dist import LIVENESS_WAIT_MAX_S, config_differences
 from tests.mp import assert_case, run_cases, run_ranks
+from tests.priority import sched_of
 
 TIMEOUT_S = 5.0
 ENV = {"COMMSCHED_TIMEOUT_S": str(TIMEOUT_S), "COMMSCHED_PROGRESS": "0"}
@@ -70,11 +71,10 @@ def _moe_cfg(world: int, steps: int, schedule: str = "lina", **kw):
     from commsched.moe.model.layer import DispatchConfig
     from commsched.moe.model.lm import ModelConfig
     from commsched.moe.train.trainer import TrainConfig
-    from commsched.priority.policy import ScheduleConfig
 
     model = ModelConfig(d_model=16, n_heads=2, n_layers=2, seq_len=8, d_ff=24, expert_hidden=20,
                         num_experts=world, k=1, moe_every=2)
-    return TrainConfig(model=model, schedule=ScheduleConfig(schedule, microop_bytes=1024, bucket_bytes=4096),
+    return TrainConfig(model=model, schedule=sched_of(schedule, microop_bytes=1024, bucket_bytes=4096),
                        dispatch=DispatchConfig(1, False), steps=steps, batch_size=2, lr=1e-2, seed=3,
                        warmup=1, probe_steps=1, eval_batches=1, corpus=str(CORPUS),
                        max_corpus_bytes=1 << 16, device="cpu", **kw)

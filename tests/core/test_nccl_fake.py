@@ -12,6 +12,7 @@ import torch.distributed as dist
 from commsched import SegmentLayout, all_to_all, all_to_all_async, exchange_segments
 from tests.mp import assert_case, run_cases
 from tests.nccl_fake import DeferredWork, LonePointToPoint, nccl_semantics
+from tests.priority import sched_of
 
 
 def _rows(src: int, n: int, d: int = 3) -> torch.Tensor:
@@ -145,7 +146,6 @@ def _reduce_some_steps(sched_cls, cfg, rank: int, world: int, **kw) -> None:
 def _case_executor(rank: int, world: int) -> None:
     """Futures that fire at enqueue and results that land at wait(): finish() still hands
     back reduced gradients (it waits on every Work before the copy-back)."""
-    from commsched.priority.policy import ScheduleConfig
     from commsched.priority.runtime.executor import GradScheduler
 
     # the completion launch rule (gloo's) launches from the executor thread after completions,
@@ -153,20 +153,20 @@ def _case_executor(rank: int, world: int) -> None:
     with nccl_semantics(delay_s=0.01, check=False):
         for policy in ("lina", "fifo", "serial"):
             for completion in ("callback", "poll"):
-                cfg = ScheduleConfig(policy, microop_bytes=512, bucket_bytes=2048)
+                cfg = sched_of(policy, microop_bytes=512, bucket_bytes=2048)
                 _reduce_some_steps(GradScheduler, cfg, rank, world, completion=completion)
     with nccl_semantics(delay_s=0.01):  # the program rule (CUDA's): every launch in program order
         for policy in ("lina", "fifo", "serial"):
-            cfg = ScheduleConfig(policy, microop_bytes=512, bucket_bytes=2048, launch="program")
+            cfg = sched_of(policy, microop_bytes=512, bucket_bytes=2048, launch="program")
             _reduce_some_steps(GradScheduler, cfg, rank, world, completion="poll")
 
 
 def _case_overlap(rank: int, world: int) -> None:
-    from commsched.priority.policy import ScheduleConfig
+    from commsched.priority.policy import LinaOverlapConfig
     from commsched.priority.runtime.overlap import OverlapScheduler
 
     params = [torch.nn.Parameter(torch.full((n,), 1.0)) for n in (300, 5)]
-    cfg = ScheduleConfig("lina-overlap", microop_bytes=512)
+    cfg = LinaOverlapConfig(microop_bytes=512)
     with nccl_semantics(delay_s=0.01, check=False):  # the completion rule: see _case_executor
         with OverlapScheduler([(p, None, 1.0 / world) for p in params], cfg, timeout_s=60) as s:
             for step in range(2):
@@ -186,7 +186,7 @@ def _case_hier_chained(rank: int, world: int) -> None:
     """The CUDA form of the hierarchical reduction (all three phases issued at the launch,
     chained; priority/hier.py), forced on the CPU under NCCL's rules."""
     from commsched.priority.hier import make_hier
-    from commsched.priority.policy import ScheduleConfig
+    from commsched.priority.policy import LinaConfig
     from commsched.priority.runtime.executor import GradScheduler
 
     hier = make_hier([f"h{r // 2}" for r in range(world)])  # 2 hosts x 2 ranks
@@ -197,7 +197,7 @@ def _case_hier_chained(rank: int, world: int) -> None:
             super().__init__(*a, **kw)
             self._chained = True
 
-    cfg = ScheduleConfig("lina", microop_bytes=512, hier_reduce=True, hier_min_bytes=0)
+    cfg = LinaConfig(microop_bytes=512, hier_reduce=True, hier_min_bytes=0)
     with nccl_semantics(delay_s=0.01, check=False):  # the completion rule: see _case_executor
         _reduce_some_steps(Chained, cfg, rank, world, hier=hier, completion="poll")
 

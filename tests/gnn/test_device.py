@@ -173,7 +173,7 @@ def test_bf16_single_rank_trains_with_float32_parameters():
     m32, _ = run_training(TrainConfig(device="cpu", **SMALL), part)
     m16, tr = run_training(TrainConfig(device="cpu", dtype="bfloat16", **SMALL), part)
     assert all(p.dtype == torch.float32 for p in tr.model.parameters())
-    assert all(s["exp_avg"].dtype == torch.float32 for s in tr.opt.state.values())
+    assert all(s["exp_avg"].dtype == torch.float32 for s in tr.grad_step.optimizer.state.values())
     l32, l16 = np.array(m32["loss"]), np.array(m16["loss"])
     assert np.isfinite(l16).all() and not np.array_equal(l16, l32)  # bf16 compute ran
     assert np.abs(l16 - l32).max() <= 0.02 * l32.max()

@@ -1,6 +1,6 @@
-"""``TrainConfig.grad_schedule``: the GNN gradient allreduce through the core's
-GradScheduler (issue 30.2). On 2 and 3 gloo ranks every schedule trains exactly as the
-flat allreduce (2 ranks: bit for bit; 3: to float32 rounding), the backward halo
+"""``TrainConfig.schedule``: the GNN gradient reduction through the core's step interface
+(``make_grad_step``, as MoE training). On 2 and 3 gloo ranks every schedule trains exactly
+as the flat allreduce (2 ranks: bit for bit; 3: to float32 rounding), the backward halo
 exchanges reach the scheduler as its all-to-alls, and under ``lina`` no micro-op is on
 the wire while one of them is."""
 
@@ -12,20 +12,27 @@ import numpy as np
 import pytest
 import torch
 
-from commsched.gnn.train.trainer import GRAD_SCHEDULES, TrainConfig
+from commsched.gnn.train.trainer import TrainConfig
+from commsched.priority.policy import SCHEDULES as REGISTERED
+from commsched.priority.policy import FlatConfig, LinaConfig
 from tests.mp import run_ranks
 
-SCHEDULES = [s for s in GRAD_SCHEDULES if s != "flat"]
+SCHEDULES = [s for s in REGISTERED if s != "flat"]
 
 
 def test_grad_schedule_is_checked_and_on_the_command_line():
-    from commsched.gnn.train.cli import build_parser
+    from commsched.gnn.train.cli import build_parser, config_from_args
 
-    with pytest.raises(ValueError, match="--grad-schedule must be one of flat, lina, fifo, serial"):
-        TrainConfig(grad_schedule="lina-overlap")
-    a = build_parser().parse_args(["--grad-schedule", "lina"])
-    assert a.grad_schedule == "lina"
-    assert TrainConfig().grad_schedule == "flat"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--grad-schedule", "lifo"])
+    with pytest.raises(TypeError, match="schedule must be a config of SCHEDULES"):
+        TrainConfig(schedule="lina")
+    a = build_parser().parse_args(["--grad-schedule", "lina-overlap", "--credit-bytes", "4096"])
+    assert config_from_args(a).schedule == REGISTERED["lina-overlap"](credit_bytes=4096)
+    assert TrainConfig().schedule == FlatConfig() and config_from_args(build_parser().parse_args([])).schedule == FlatConfig()
+    with pytest.raises(ValueError, match="--credit-bytes belongs to --grad-schedule lina, lina-overlap, not to "
+                                         "--grad-schedule fifo"):
+        config_from_args(build_parser().parse_args(["--grad-schedule", "fifo", "--credit-bytes", "1"]))
     from commsched.bench.gnn.compare import mode_args
 
     assert mode_args("vanilla-lina") == ("--mode", "vanilla", "--grad-schedule", "lina")
@@ -44,15 +51,15 @@ def _train(rank: int, world: int) -> dict:
     part = make_parts(g, partition_nodes(g, world, "metis", 0), world)[rank]
     base = TrainConfig(layers=3, hidden=32, epochs=4, seed=3)
     out: dict = {}
-    for sched in GRAD_SCHEDULES:
-        cfg = dataclasses.replace(base, grad_schedule=sched)
+    for sched in REGISTERED:
+        cfg = dataclasses.replace(base, schedule=REGISTERED[sched]())
         m, tr = run_training(cfg, part)
         out[sched] = {"loss": m["loss"], "params": [p.detach().clone() for p in tr.model.parameters()]}
     # one epoch by hand under lina: what the scheduler saw
-    tr = Trainer(dataclasses.replace(base, grad_schedule="lina"), part)
+    tr = Trainer(dataclasses.replace(base, schedule=LinaConfig()), part)
     try:
         tr.train_epoch()
-        st, recs = tr.last_schedule, tr.grad_sched.records
+        st, recs = tr.last_schedule, tr.grad_step.records
     finally:
         tr.close()
     a2a = [(r.start_s, r.end_s) for r in recs if r.kind == "a2a"]
@@ -95,8 +102,7 @@ def test_grad_bits_is_checked_and_on_the_command_line():
     assert TrainConfig().grad_bits == 32
     with pytest.raises(ValueError, match="--grad-bits must be one of 32, 16, 8, 4, 2"):
         TrainConfig(grad_bits=12)
-    with pytest.raises(ValueError, match="--grad-schedule lina reduces exact buckets"):
-        TrainConfig(grad_bits=8, grad_schedule="lina")
+    assert TrainConfig(grad_bits=8, schedule=LinaConfig()).grad_bits == 8  # with every schedule
     assert build_parser().parse_args(["--grad-bits", "8"]).grad_bits == 8
     assert TrainConfig(grad_bits=8).record()["grad_bits"] == 8  # the ranks compare it
     assert mode_args("adaptive-g8") == ("--mode", "adaptive", "--grad-bits", "8")
@@ -113,8 +119,9 @@ def _train_bits(rank: int, world: int) -> dict:
     g = synthetic_graph(SyntheticSpec(num_nodes=300, num_edges=1500, num_features=24, num_classes=3, seed=2))
     part = make_parts(g, partition_nodes(g, world, "metis", 0), world)[rank]
     out = {}
-    for bits in (32, 16, 8):
-        m, tr = run_training(TrainConfig(layers=2, hidden=32, epochs=6, seed=3, grad_bits=bits), part)
+    for bits, sched in ((32, FlatConfig()), (16, FlatConfig()), (8, FlatConfig()), ("lina-8", LinaConfig())):
+        cfg = TrainConfig(layers=2, hidden=32, epochs=6, seed=3, grad_bits=8 if bits == "lina-8" else bits, schedule=sched)
+        m, tr = run_training(cfg, part)
         out[bits] = {"loss": m["loss"], "params": [p.detach().clone() for p in tr.model.parameters()]}
     return out
 
@@ -122,7 +129,7 @@ def _train_bits(rank: int, world: int) -> dict:
 @pytest.mark.slow
 def test_compressed_gradient_allreduce_keeps_the_replicas_in_step():
     res = run_ranks(2, _train_bits, timeout_s=300)
-    for bits in (16, 8):
+    for bits in (16, 8, "lina-8"):  # --grad-bits under the flat allreduce and a schedule
         # the same parameters on both ranks after 6 updates from compressed sums
         assert all(torch.equal(a, b) for a, b in zip(res[0][bits]["params"], res[1][bits]["params"])), bits
         exact, got = res[0][32], res[0][bits]

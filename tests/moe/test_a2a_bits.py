@@ -330,7 +330,7 @@ def test_bench_adds_the_quantized_variants_and_their_rows(tmp_path):
     cfgs = {n: config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)]))
             for n, v in variants.items()}
     assert cfgs["lina-q8"].dispatch.a2a_bits == cfgs["lina-overlap-q8"].dispatch.a2a_bits == 8
-    assert cfgs["lina-q8"].schedule == cfgs["lina"].schedule and cfgs["lina-overlap-q8"].schedule.overlapped
+    assert cfgs["lina-q8"].schedule == cfgs["lina"].schedule and cfgs["lina-overlap-q8"].schedule.policy == "lina-overlap"
     assert cfgs["lina"].dispatch.a2a_bits == cfgs["fifo"].dispatch.a2a_bits == 32
 
     def m(step, a2a, losses):

@@ -16,9 +16,11 @@ from commsched.moe.model.experts import is_expert_param
 from commsched.moe.model.layer import DispatchConfig
 from commsched.moe.model.lm import ModelConfig
 from commsched.moe.train.trainer import TrainConfig, build_commsched, make_groups, train
-from commsched.priority.policy import ScheduleConfig
+from commsched.moe.train.training import DeepSpeedConfig
+from commsched.priority.policy import SCHEDULES, FifoConfig, LinaConfig
 from commsched.priority.runtime.executor import GradScheduler
 from tests.mp import assert_case, run_cases
+from tests.priority import sched_of
 from tests.priority.test_ddp_hook import lina_ddp_with_expert_dp_groups
 from tests.priority.test_hier import HIER_CASES4
 from tests.priority.test_overlap import overlap_dense_exact
@@ -34,7 +36,7 @@ def _cfg(world: int, schedule: str, *, chunks: int = 1, pipeline: bool = False, 
     model = ModelConfig(d_model=32, n_heads=2, n_layers=2, seq_len=16, d_ff=48, expert_hidden=40,
                         num_experts=2 * (ep or world), k=k, moe_every=2)
     return TrainConfig(model=model, impl=impl,
-                       schedule=ScheduleConfig(schedule, microop_bytes=1024, bucket_bytes=4096, launch=launch),
+                       schedule=sched_of(schedule, microop_bytes=1024, bucket_bytes=4096, launch=launch),
                        dispatch=DispatchConfig(chunks, pipeline),
                        steps=steps, batch_size=2, lr=1e-2, seed=3, ep_size=ep, warmup=min(1, steps - 1), probe_steps=1,
                        eval_batches=1, corpus=str(CORPUS), max_corpus_bytes=1 << 18, device=device, dtype=dtype,
@@ -568,8 +570,8 @@ def test_moe_train_world4(results4, case):
 def test_train_config_errors_speak():
     with pytest.raises(ValueError, match="--impl"):
         TrainConfig(impl="tutel")
-    with pytest.raises(ValueError, match="unknown schedule"):
-        ScheduleConfig("lifo")
+    with pytest.raises(ValueError, match="--schedule lifo is not known"):
+        SCHEDULES["lifo"]
     with pytest.raises(ValueError, match="warmup"):
         TrainConfig(steps=2, warmup=2)
     with pytest.raises(ValueError, match="multiple of n_heads"):
@@ -582,9 +584,9 @@ def test_default_credit_is_several_microops():
     from commsched.priority.policy import DEFAULT_CREDIT_MICROOPS
 
     assert DEFAULT_CREDIT_MICROOPS > 1
-    assert ScheduleConfig("lina").credit == DEFAULT_CREDIT_MICROOPS * (256 << 10)
-    assert ScheduleConfig("lina", microop_bytes=1024).credit == DEFAULT_CREDIT_MICROOPS * 1024
-    assert ScheduleConfig("lina", credit_bytes=4096).credit == 4096
+    assert LinaConfig().credit == DEFAULT_CREDIT_MICROOPS * (256 << 10)
+    assert LinaConfig(microop_bytes=1024).credit == DEFAULT_CREDIT_MICROOPS * 1024
+    assert LinaConfig(credit_bytes=4096).credit == 4096
 
 
 def test_grad_scheduler_timeout_comes_from_the_environment(monkeypatch):
@@ -592,23 +594,25 @@ def test_grad_scheduler_timeout_comes_from_the_environment(monkeypatch):
 
     p = torch.nn.Parameter(torch.ones(3))
     monkeypatch.setenv("COMMSCHED_TIMEOUT_S", "7")
-    with GradScheduler([(p, LOCAL)], ScheduleConfig()) as s:
+    with GradScheduler([(p, LOCAL)], LinaConfig()) as s:
         assert s.timeout_s == 7.0
-    with GradScheduler([(p, LOCAL)], ScheduleConfig(), timeout_s=2.5) as s:
+    with GradScheduler([(p, LOCAL)], LinaConfig(), timeout_s=2.5) as s:
         assert s.timeout_s == 2.5
 
 
 def test_cli_fills_the_one_schedule_config(tmp_path):
     from commsched.moe.train.cli import build_parser, config_from_args
-    from commsched.priority.policy import SCHEDULES
-
     p = build_parser()
     (choices,) = [a.choices for a in p._actions if "--schedule" in a.option_strings]
     assert tuple(choices) == tuple(SCHEDULES)
-    cfg = config_from_args(p.parse_args(["--schedule", "fifo", "--microop-bytes", "2048", "--credit-bytes", "4096",
-                                         "--no-hold-in-block", "--bucket-bytes", "8192", "--out", str(tmp_path)]))
-    assert cfg.schedule == ScheduleConfig("fifo", microop_bytes=2048, credit_bytes=4096, bucket_bytes=8192,
-                                          hold_in_block=False)
+    cfg = config_from_args(p.parse_args(["--schedule", "lina", "--microop-bytes", "2048", "--credit-bytes", "4096",
+                                         "--no-hold-in-block", "--out", str(tmp_path)]))
+    assert cfg.schedule == LinaConfig(microop_bytes=2048, credit_bytes=4096, hold_in_block=False)
+    cfg = config_from_args(p.parse_args(["--schedule", "fifo", "--bucket-bytes", "8192", "--out", str(tmp_path)]))
+    assert cfg.schedule == FifoConfig(bucket_bytes=8192) and cfg.deepspeed == DeepSpeedConfig()
+    cfg = config_from_args(p.parse_args(["--impl", "deepspeed", "--bucket-bytes", "8192", "--ds-stage", "1",
+                                         "--out", str(tmp_path)]))
+    assert cfg.deepspeed == DeepSpeedConfig(stage=1, bucket_bytes=8192) and cfg.schedule == LinaConfig()
     assert config_from_args(p.parse_args(["--out", str(tmp_path)])).schedule == TrainConfig().schedule
     with pytest.raises(SystemExit):
         p.parse_args(["--schedule", "lifo", "--out", str(tmp_path)])
@@ -624,6 +628,21 @@ def test_cli_fills_the_one_schedule_config(tmp_path):
         TrainConfig(dtype="float16")
     with pytest.raises(ValueError, match="--device"):
         TrainConfig(device="gpu")
+
+
+@pytest.mark.parametrize("args, owner", [
+    (["--schedule", "fifo", "--credit-bytes", "1"], "--credit-bytes belongs to --schedule lina, lina-overlap, not to "
+                                                    "--schedule fifo"),
+    (["--schedule", "lina", "--bucket-bytes", "64"], "--bucket-bytes belongs to --schedule fifo, not to --schedule lina"),
+    (["--schedule", "flat", "--microop-bytes", "64"], "--microop-bytes belongs to --schedule lina, serial, lina-overlap"),
+    (["--impl", "deepspeed", "--microop-bytes", "64"], "--microop-bytes belongs to --impl commsched, not to --impl deep"),
+    (["--ds-stage", "1"], "--ds-stage belongs to --impl deepspeed, not to --impl commsched")])
+def test_cli_refuses_an_option_of_another_schedule_or_runtime(tmp_path, capsys, args, owner):
+    """One rule for every component's option given to another: exit 2, naming the owner."""
+    from commsched.moe.train.cli import main
+
+    assert main([*args, "--out", str(tmp_path / "o")]) == 2
+    assert owner in capsys.readouterr().err and not (tmp_path / "o").exists()
 
 
 def _rank_result(r: int, deepspeed: bool = False) -> dict:
@@ -751,10 +770,10 @@ def test_ranks_may_bind_the_reduction_to_their_own_host_address():
     whether an address is set, and every other field as before."""
     from commsched.dist import config_digest
     from commsched.moe.train.trainer import _comparable
-    from commsched.priority.policy import ScheduleConfig
+    from commsched.priority.policy import LinaConfig
 
     def cfg(address, steps=10):
-        return TrainConfig(steps=steps, schedule=ScheduleConfig("lina", reduce_address=address))
+        return TrainConfig(steps=steps, schedule=LinaConfig(reduce_address=address))
 
     host0, host1 = _comparable(cfg("10.213.1.1"), False), _comparable(cfg("10.213.1.2"), False)
     assert config_digest(host0) == config_digest(host1)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from commsched.priority.bind import check_address
-from commsched.priority.policy import ScheduleConfig
 from tests.mp import run_ranks
+from tests.priority import sched_of
 
 
 def _tcp_local_addresses() -> set[str]:
@@ -44,7 +44,7 @@ def _reduce_bound(rank: int, world: int, schedule: str, address: str | None):
     group = new_group(list(range(world)), threads=3)
     before = _tcp_local_addresses()
     ps = [torch.nn.Parameter(torch.zeros(n)) for n in (5000, 70000, 3)]
-    cfg = ScheduleConfig(policy=schedule, microop_bytes=64 << 10, reduce_address=address)
+    cfg = sched_of(schedule, microop_bytes=64 << 10, reduce_address=address)
     with GradScheduler([(p, group) for p in ps], cfg, device="cpu") as sched:
         threads = [g._get_backend(torch.device("cpu")).options._threads for g in {id(g): g for g in sched._groups}.values()]
         sched.begin_step()

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from commsched.priority.hier import HostLayout, make_hier, shard_numel
-from commsched.priority.policy import ScheduleConfig
+from commsched.priority.policy import LinaConfig, LinaOverlapConfig, ScheduleConfig
+from tests.priority import sched_of
 
 GRID_2x2 = ("a", "a", "b", "b")
 
@@ -35,11 +36,11 @@ def test_uneven_hosts_are_refused_with_the_counts():
     with pytest.raises(ValueError, match=r"same number of ranks on every host; this layout has a: 2, b: 1"):
         HostLayout(("a", "a", "b"))
     with pytest.raises(ValueError, match="hier_reduce must be True or False"):
-        ScheduleConfig(hier_reduce="yes")
+        LinaConfig(hier_reduce="yes")
     with pytest.raises(ValueError, match="hier_min_bytes must be an integer >= 0"):
-        ScheduleConfig(hier_min_bytes=-1)
+        LinaConfig(hier_min_bytes=-1)
     with pytest.raises(ValueError, match="hier_reduce does not combine with the 'lina-overlap' schedule"):
-        ScheduleConfig("lina-overlap", hier_reduce=True)
+        LinaOverlapConfig(hier_reduce=True)
 
 
 def test_cli_option_and_deepspeed_refusal(tmp_path):
@@ -51,7 +52,7 @@ def test_cli_option_and_deepspeed_refusal(tmp_path):
     assert sc.hier_reduce and sc.hier_min_bytes == 0
     assert not config_from_args(p.parse_args(["--out", str(tmp_path)])).schedule.hier_reduce
     with pytest.raises(ValueError, match="--hier-reduce is an option of --impl commsched"):
-        TrainConfig(impl="deepspeed", schedule=ScheduleConfig(hier_reduce=True))
+        TrainConfig(impl="deepspeed", schedule=LinaConfig(hier_reduce=True))
 
 
 def test_bench_link_times_by_hand():
@@ -105,7 +106,7 @@ def _exact_sums_bitwise(rank: int, world: int) -> None:
     so one step mixes both kinds)."""
     hier = make_hier(GRID_2x2, threads=4)
     for policy, least in (("lina", 0), ("fifo", 256)):
-        flat_cfg = ScheduleConfig(policy, microop_bytes=64, bucket_bytes=256)
+        flat_cfg = sched_of(policy, microop_bytes=64, bucket_bytes=256)
         hier_cfg = dataclasses.replace(flat_cfg, hier_reduce=True, hier_min_bytes=least)
         flat, none = _reduce_once(flat_cfg, None)
         hr, which = _reduce_once(hier_cfg, hier, a2a_during=True)

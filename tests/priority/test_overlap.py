@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from commsched.priority.policy import ScheduleConfig
+from commsched.priority.policy import LinaConfig, LinaOverlapConfig, OverlapPolicy
 from commsched.priority.runtime.executor import LOCAL, GradScheduler
 from commsched.priority.runtime.overlap import FORWARD, OverlapOptimizer, OverlapScheduler
+from tests.priority import sched_of
 
 
 class _Net(nn.Module):
@@ -55,9 +56,9 @@ def _train_net(schedule: str, opt: str, *, steps: int = 4, clip: float | None = 
     torch.manual_seed(0)
     net = _Net()
     entries = [(p, LOCAL if local else None) for p in reversed(list(net.parameters()))]
-    cfg = ScheduleConfig(schedule, microop_bytes=64, bucket_bytes=256, credit_bytes=128, launch=launch)
+    cfg = sched_of(schedule, microop_bytes=64, bucket_bytes=256, credit_bytes=128, launch=launch)
     losses = []
-    if not cfg.overlapped:
+    if not isinstance(cfg.build(), OverlapPolicy):
         optim = OPTIMIZERS[opt](list(net.parameters()))
         with GradScheduler(entries, cfg) as sched:
             for step in range(steps):
@@ -117,7 +118,7 @@ def test_overlap_records_the_next_forward_pass_and_keeps_the_optimizer_state():
     net = _Net()
     entries = [(p, LOCAL) for p in net.parameters()]
     stepper = OverlapOptimizer(net, OPTIMIZERS["adam"])
-    with OverlapScheduler(entries, ScheduleConfig("lina-overlap")) as sched, stepper.bind(sched):
+    with OverlapScheduler(entries, LinaOverlapConfig()) as sched, stepper.bind(sched):
         for step in range(2):
             x, y = _batch(step, 0)
             loss = nn.functional.cross_entropy(net(x, step, 0), y)
@@ -139,15 +140,15 @@ def test_overlap_errors_speak():
     net = _Net()
     entries = [(p, LOCAL) for p in net.parameters()]
     with pytest.raises(ValueError, match="'lina-overlap' schedule"):
-        OverlapScheduler(entries, ScheduleConfig("lina"))
+        OverlapScheduler(entries, LinaConfig())
     with pytest.raises(ValueError, match="OverlapScheduler and OverlapOptimizer"):
-        GradScheduler(entries, ScheduleConfig("lina-overlap"))  # its finish() would never see the agreement
+        GradScheduler(entries, LinaOverlapConfig())  # its finish() would never see the agreement
     stepper = OverlapOptimizer(net, OPTIMIZERS["sgd"])
     with pytest.raises(RuntimeError, match="not bound"):
         stepper.end_backward()
-    with GradScheduler(entries, ScheduleConfig("lina")) as plain, pytest.raises(TypeError, match="OverlapScheduler"):
+    with GradScheduler(entries, LinaConfig()) as plain, pytest.raises(TypeError, match="OverlapScheduler"):
         stepper.bind(plain)
-    with OverlapScheduler(entries[:2], ScheduleConfig("lina-overlap")) as part, \
+    with OverlapScheduler(entries[:2], LinaOverlapConfig()) as part, \
             pytest.raises(ValueError, match="does not hold"):
         stepper.bind(part)
     with pytest.raises(ValueError, match="clip_grad_norm"):

@@ -6,13 +6,18 @@ import math
 
 import pytest
 
+from commsched.configurable import config_of
 from commsched.priority.microops import bucket, partition, split_equal
 from commsched.priority.policy import (
     DEFAULT_CREDIT_MICROOPS,
     SCHEDULES,
+    FifoConfig,
+    FlatConfig,
+    LinaConfig,
+    MicroOpConfig,
+    OverlapPolicy,
     Policy,
-    Schedule,
-    ScheduleConfig,
+    SerialConfig,
     make_policy,
 )
 from commsched.priority.sim import (
@@ -24,6 +29,7 @@ from commsched.priority.sim import (
     moe_backward_script,
     simulate,
 )
+from tests.priority import sched_of
 
 
 # --------------------------------------------------------------------------- partitioning
@@ -61,7 +67,7 @@ def test_partition_errors_speak():
 
 # --------------------------------------------------------------------------- policy
 def test_lina_policy_holds_for_a2a_block_and_credit():
-    p = make_policy(ScheduleConfig("lina", credit_bytes=100, hold_in_block=True))
+    p = make_policy(LinaConfig(credit_bytes=100, hold_in_block=True))
     p.begin_step(5)
     p.allreduce_ready(1, 60)
     assert p.next_ops() == []  # fixed order: 0 first
@@ -92,13 +98,13 @@ def test_lina_policy_holds_for_a2a_block_and_credit():
 
 
 def test_fifo_and_serial_policies():
-    f = make_policy(ScheduleConfig("fifo"))
+    f = make_policy(FifoConfig())
     f.begin_step(2)
     f.a2a_waiting("a")
     f.allreduce_ready(0, 10)
     f.allreduce_ready(1, 10)
     assert [(l.kind, l.key) for l in f.next_ops()] == [("a2a", "a"), ("allreduce", 0), ("allreduce", 1)]
-    s = make_policy(ScheduleConfig("serial"))
+    s = make_policy(SerialConfig())
     s.begin_step(1)
     s.allreduce_ready(0, 10)
     assert s.next_ops() == []
@@ -107,8 +113,8 @@ def test_fifo_and_serial_policies():
 
 
 def test_policy_errors_speak():
-    with pytest.raises(ValueError, match="unknown schedule"):
-        make_policy(ScheduleConfig("lifo"))
+    with pytest.raises(ValueError, match="--schedule lifo is not known"):
+        make_policy(SCHEDULES["lifo"]())
     p = Policy(credit_bytes=10)
     p.begin_step(1)
     with pytest.raises(ValueError, match="outside"):
@@ -121,10 +127,10 @@ def test_policy_errors_speak():
 
 # --------------------------------------------------------------------------- simulator: hand-worked
 def _sched(policy: str, *, microop_bytes: int, credit_bytes: int | None = None, hold_in_block: bool = False,
-           **kw) -> ScheduleConfig:
+           **kw) -> MicroOpConfig:
     """The schedule the cases below were worked out for: the simulator's former defaults, a
     credit of one micro-op and no hold in expert blocks, unless a case says otherwise."""
-    return ScheduleConfig(policy, microop_bytes=microop_bytes,
+    return sched_of(policy, microop_bytes=microop_bytes,
                           credit_bytes=microop_bytes if credit_bytes is None else credit_bytes,
                           hold_in_block=hold_in_block, **kw)
 
@@ -246,36 +252,32 @@ def test_lina_all_to_all_runs_at_its_alone_time_and_step_not_slower(kw):
 
 
 def test_a_new_schedule_is_one_class_one_entry():
-    """Adding a gradient schedule: one Schedule subclass, one SCHEDULES entry; then
-    ScheduleConfig, the simulator and the training CLI's --schedule take the name."""
+    """Adding a gradient schedule: one config class, one SCHEDULES entry; then the
+    simulator, the training CLI's --schedule and the option rule take the name."""
     from commsched.moe.train.cli import build_parser
-
-    class EagerSchedule(Schedule):
-        """Micro-ops as soon as they are ready, never held for an all-to-all."""
-        name = "eager"
-
-        @classmethod
-        def make_policy(cls, cfg):
-            return Policy(cls.name, credit_bytes=None, hold_for_a2a=False, hold_in_block=False)
+    from tests.priority.test_new_schedule import EagerConfig  # both training CLIs run it there
 
     script = _scenario()
-    with SCHEDULES.registered("eager", EagerSchedule):
-        cfg = ScheduleConfig("eager", microop_bytes=500)
-        assert cfg.schedule is EagerSchedule and not cfg.fused and not cfg.overlapped
+    with SCHEDULES.registered("eager", EagerConfig):
+        cfg = config_of(SCHEDULES, "eager", {"microop_bytes": 500})
+        assert type(cfg) is EagerConfig and cfg.policy == "eager" and not isinstance(cfg.build(), OverlapPolicy)
         assert cfg.build().name == "eager" and not make_policy(cfg).hold_for_a2a
-        with pytest.raises(ValueError, match="unknown schedule 'nope'; choose one of .*'eager'"):
-            ScheduleConfig("nope")
+        with pytest.raises(ValueError, match="--schedule nope is not known .*eager"):
+            SCHEDULES["nope"]
+        with pytest.raises(ValueError, match="--credit-bytes belongs to --schedule lina, lina-overlap, not to "
+                                             "--schedule eager"):
+            config_of(SCHEDULES, "eager", {"credit_bytes": 1})
         eager = simulate(script, LINK, cfg)
         assert eager.schedule == "eager"
-        assert build_parser().parse_args(["--schedule", "eager", "--out", "o"]).policy == "eager"
+        assert build_parser().parse_args(["--schedule", "eager", "--out", "o"]).schedule == "eager"
     lina = simulate(script, LINK, _sched("lina", microop_bytes=500))
     # the same micro-ops as lina, launched at once: the all-to-alls share the link with them
     assert sorted(o.nbytes for o in eager.allreduce) == sorted(o.nbytes for o in lina.allreduce)
     assert any(eager.allreduce_during(a) for a in eager.a2a)
     assert eager.a2a_time_s > lina.a2a_time_s
     assert "eager" not in SCHEDULES and [SCHEDULES[n].name for n in SCHEDULES] == list(SCHEDULES)
-    with pytest.raises(ValueError, match="unknown schedule 'eager'"):
-        ScheduleConfig("eager")
+    with pytest.raises(ValueError, match="--schedule eager is not known"):
+        SCHEDULES["eager"]
 
 
 def _block_windows(script, r):
@@ -292,7 +294,7 @@ def _block_windows(script, r):
 
 
 def test_lina_policy_without_hold_in_block_runs_allreduce_during_expert_compute():
-    p = make_policy(ScheduleConfig("lina", credit_bytes=100, hold_in_block=False))
+    p = make_policy(LinaConfig(credit_bytes=100, hold_in_block=False))
     p.begin_step(1)
     p.allreduce_ready(0, 60)
     p.block_begin()
@@ -328,33 +330,34 @@ def test_sim_is_deterministic_and_validates():
         Link(0.0)
     with pytest.raises(ValueError, match="multiples"):
         simulate([Compute(1.0, (3,))], LINK, _sched("lina", microop_bytes=100))
-    with pytest.raises(ValueError, match="unknown schedule"):
+    with pytest.raises(ValueError, match="--schedule random is not known"):
         simulate(HAND, LINK, _sched("random", microop_bytes=100))
 
 
 # --------------------------------------------------------------------------- one schedule config
 def test_policies_table_builds_every_policy_from_the_config():
-    assert tuple(SCHEDULES) == ("lina", "fifo", "serial", "lina-overlap")
-    cfg = ScheduleConfig()
+    assert tuple(SCHEDULES) == ("lina", "fifo", "serial", "lina-overlap", "flat")
+    cfg = LinaConfig()
     assert (cfg.policy, cfg.credit, cfg.hold_in_block) == ("lina", DEFAULT_CREDIT_MICROOPS * (256 << 10), True)
     for name in SCHEDULES:
-        p = make_policy(ScheduleConfig(name, microop_bytes=1024))
+        p = make_policy(sched_of(name, microop_bytes=1024))
         assert p.name == name
-    lina = make_policy(ScheduleConfig("lina", microop_bytes=1024, hold_in_block=False))
+    lina = make_policy(LinaConfig(microop_bytes=1024, hold_in_block=False))
     assert (lina.credit_bytes, lina.hold_in_block, lina.hold_for_a2a) == (DEFAULT_CREDIT_MICROOPS * 1024, False, True)
-    assert make_policy(ScheduleConfig("fifo")).credit_bytes is None
-    assert make_policy(ScheduleConfig("serial")).defer_to_end
+    assert make_policy(FifoConfig()).credit_bytes is None
+    assert make_policy(SerialConfig()).defer_to_end
+    assert make_policy(FlatConfig()).defer_to_end and len(FlatConfig().allreduce_ops([3, 0, 5], 4)) == 1
     with pytest.raises(ValueError, match="at least one element"):
-        ScheduleConfig(microop_bytes=2)
+        LinaConfig(microop_bytes=2)
     with pytest.raises(ValueError, match="credit_bytes"):
-        ScheduleConfig(credit_bytes=0)
+        LinaConfig(credit_bytes=0)
 
 
 def test_simulator_defaults_are_the_executors():
     """With no config the simulator runs what the executor runs by default: the credit of
     DEFAULT_CREDIT_MICROOPS micro-ops and the hold inside expert blocks."""
     script = _scenario()
-    r = simulate(script, LINK, ScheduleConfig(microop_bytes=500))
+    r = simulate(script, LINK, LinaConfig(microop_bytes=500))
     assert r.schedule == "lina"
     for s, e in _block_windows(script, r):
         assert not any(s < o.start_s < e for o in r.allreduce), (s, e)
@@ -368,7 +371,7 @@ def test_simulator_defaults_are_the_executors():
 def test_program_rule_budget_per_gap_ignores_completions():
     """Under 'program' at most gap_budget micro-ops go out per gap between all-to-alls, and
     a completion never launches anything (it is not a point every rank shares)."""
-    cfg = ScheduleConfig("lina", microop_bytes=100, credit_bytes=200, hold_in_block=False, launch="program")
+    cfg = LinaConfig(microop_bytes=100, credit_bytes=200, hold_in_block=False, launch="program")
     assert cfg.gap_budget == 2
     p = make_policy(cfg)
     assert p.gap_budget == 2
@@ -394,14 +397,14 @@ def test_program_rule_budget_per_gap_ignores_completions():
 
 
 def test_launch_rule_follows_the_device_unless_set():
-    cfg = ScheduleConfig()
+    cfg = LinaConfig()
     assert (cfg.launch_rule("cpu"), cfg.launch_rule("cuda")) == ("completion", "program")
     assert make_policy(cfg).gap_budget is None                       # the simulator's and gloo's
     assert make_policy(cfg, "cuda").gap_budget == DEFAULT_CREDIT_MICROOPS  # the executor's on CUDA
-    assert ScheduleConfig(launch="completion").launch_rule("cuda") == "completion"
-    assert make_policy(ScheduleConfig("fifo"), "cuda").gap_budget is None  # fifo never depends on completions
+    assert LinaConfig(launch="completion").launch_rule("cuda") == "completion"
+    assert make_policy(FifoConfig(), "cuda").gap_budget is None  # fifo never depends on completions
     with pytest.raises(ValueError, match="launch rule"):
-        ScheduleConfig(launch="eager")
+        LinaConfig(launch="eager")
 
 
 @pytest.mark.parametrize("kw", SCENARIOS, ids=range(len(SCENARIOS)))
@@ -410,7 +413,7 @@ def test_sim_program_rule_bounds_launches_per_gap_and_finishes(kw):
     done, none starts inside an all-to-all, and between two all-to-alls of the backward
     pass at most gap_budget micro-ops start."""
     script = _scenario(**kw)
-    cfg = ScheduleConfig("lina", microop_bytes=500, credit_bytes=1500, hold_in_block=False, launch="program")
+    cfg = LinaConfig(microop_bytes=500, credit_bytes=1500, hold_in_block=False, launch="program")
     r = simulate(script, LINK, cfg)
     assert all(math.isfinite(o.end_s) for o in r.allreduce)
     assert sum(o.nbytes for o in r.allreduce) == sum(b for it in script if isinstance(it, Compute) for b in it.grads)

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from commsched.priority.policy import OverlapPolicy, ScheduleConfig, make_policy
+from commsched.priority.policy import (
+    LinaConfig,
+    LinaOverlapConfig,
+    OverlapPolicy,
+    ScheduleConfig,
+    make_policy,
+)
 from commsched.priority.sim import (
     AllToAll,
     EndBackward,
@@ -15,6 +21,7 @@ from commsched.priority.sim import (
     moe_backward_script,
     simulate,
 )
+from tests.priority import sched_of
 
 LINK = Link(1000.0)
 LAYERS = ["dense", "moe", "dense", "moe"]
@@ -49,15 +56,13 @@ SCENARIOS = [dict(), dict(a2a_chunks=1, a2a_bytes=4000), dict(dense_grad_bytes=1
 
 
 def _cfg(name: str, **kw) -> ScheduleConfig:
-    return ScheduleConfig(name, microop_bytes=MICRO, **{"credit_bytes": 3 * MICRO, **kw})
+    return sched_of(name, microop_bytes=MICRO, **{"credit_bytes": 3 * MICRO, **kw})
 
 
 def _prio_of(script, r, cfg):
     """Priority (block of the first Need) of every allreduce operation of the run."""
-    from commsched.priority.policy import allreduce_ops
-
     grads = [b for it in script if hasattr(it, "grads") for b in it.grads]
-    ops = allreduce_ops([b // 4 for b in grads], 4, cfg)
+    ops = cfg.allreduce_ops([b // 4 for b in grads], 4)
     first = {}
     for i, it in enumerate(it for it in script if isinstance(it, Need)):
         for t in it.tensors:
@@ -126,8 +131,9 @@ def test_overlap_policy_keeps_the_sequence_without_priorities_and_checks_its_inp
     p.set_priorities([0, 1, 2])
     with pytest.raises(ValueError, match="3 priorities for 2 allreduce"):
         p.begin_step(2)
-    assert ScheduleConfig("lina-overlap").overlapped and not ScheduleConfig("lina").overlapped
-    assert not ScheduleConfig("lina-overlap").fused  # micro-ops, as lina
+    assert isinstance(make_policy(LinaOverlapConfig()), OverlapPolicy)
+    assert not isinstance(make_policy(LinaConfig()), OverlapPolicy)
+    assert LinaOverlapConfig(microop_bytes=8).allreduce_ops([4], 4) == LinaConfig(microop_bytes=8).allreduce_ops([4], 4)
 
 
 # --------------------------------------------------------------------------- simulator
@@ -161,10 +167,8 @@ def test_tail_goes_in_the_forward_order_and_the_forward_never_waits_for_less(kw)
 
 
 def _tensors_of(script, seq):
-    from commsched.priority.policy import allreduce_ops
-
     grads = [b for it in script if hasattr(it, "grads") for b in it.grads]
-    return allreduce_ops([b // 4 for b in grads], 4, _cfg("lina-overlap"))[seq].tensors
+    return _cfg("lina-overlap").allreduce_ops([b // 4 for b in grads], 4)[seq].tensors
 
 
 @pytest.mark.parametrize("kw", SCENARIOS, ids=range(len(SCENARIOS)))

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ...cluster.topology import Topology
 from ...dist import all_gather_object, barrier, init_distributed, new_group
 from ...priority.hier import make_hier
-from ...priority.policy import ScheduleConfig
+from ...priority.policy import LinaConfig, ScheduleConfig
 from ...priority.runtime.executor import GradScheduler
 from ...results import median, write_json
 
@@ -54,9 +54,9 @@ def main(argv=None) -> None:
     p.add_argument("--big-kib", type=int, default=1024)
     p.add_argument("--small", type=int, default=32)
     p.add_argument("--small-kib", type=int, default=4)
-    p.add_argument("--microop-bytes", type=int, default=ScheduleConfig().microop_bytes)
+    p.add_argument("--microop-bytes", type=int, default=LinaConfig().microop_bytes)
     p.add_argument("--threads", type=int, default=8, help="gloo worker threads of every group")
-    p.add_argument("--hier-min-bytes", type=int, default=ScheduleConfig().hier_min_bytes,
+    p.add_argument("--hier-min-bytes", type=int, default=LinaConfig().hier_min_bytes,
                    help="operations below this stay flat under the hierarchy (0: none)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path, default=None)
@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     group = new_group(list(range(dist.get_world_size())), threads=a.threads)
     sizes = [a.big_kib * 256] * a.big + [a.small_kib * 256] * a.small  # float32 elements
     params = [torch.nn.Parameter(torch.ones(n)) for n in sizes]
-    flat_cfg = ScheduleConfig("lina", microop_bytes=a.microop_bytes)
+    flat_cfg = LinaConfig(microop_bytes=a.microop_bytes)
     hier_cfg = dataclasses.replace(flat_cfg, hier_reduce=True, hier_min_bytes=a.hier_min_bytes)
     times: dict[str, list[float]] = {"flat": [], "hier": []}
     for rep in range(a.repeats + 1):

@@ -42,7 +42,7 @@ from pathlib import Path
 from ...dist import DEVICE_CHOICES
 from ...moe.train.training import DTYPES
 from ...priority.fallback import PROBE_WARMUP
-from ...priority.policy import DEFAULT_CREDIT_MICROOPS, ScheduleConfig
+from ...priority.policy import DEFAULT_CREDIT_MICROOPS, FifoConfig, LinaConfig
 from ...results import median
 from ..plots import pyplot, save_figure
 from ..runner import Variant, Workload, median_of
@@ -56,11 +56,11 @@ DEFAULT_BANDWIDTH = "800mbit"
 DEFAULT_LINK_MODEL = "collective"
 # the Lina paper's median slowdown of an all-to-all by a concurrent allreduce (NCCL)
 PAPER_CONTENTION = 1.83
-_SCHED = ScheduleConfig()  # the schedule's own defaults
+_SCHED, _FIFO = LinaConfig(), FifoConfig()  # the schedules' own defaults
 DEFAULTS = {
     "steps": 10, "warmup": 3, "batch_size": 8, "seq_len": 128, "d_model": 256, "heads": 4, "layers": 4,
     "d_ff": 1024, "expert_hidden": 1024, "experts": 4, "k": 1, "moe_every": 2, "chunks": 4,
-    "microop_bytes": _SCHED.microop_bytes, "credit_bytes": None, "bucket_bytes": _SCHED.bucket_bytes,
+    "microop_bytes": _SCHED.microop_bytes, "credit_bytes": None, "bucket_bytes": _FIFO.bucket_bytes,
     "ds_stage": 2,
     "allreduce_threads": 8,
 }
@@ -121,26 +121,27 @@ def _common(a: argparse.Namespace) -> list[str]:
     out = ["--steps", a.steps, "--warmup", a.warmup, "--batch-size", a.batch_size, "--seq-len", a.seq_len,
            "--d-model", a.d_model, "--heads", a.heads, "--layers", a.layers, "--d-ff", a.d_ff,
            "--expert-hidden", a.expert_hidden, "--experts", a.experts, "--k", a.k, "--moe-every", a.moe_every,
-           "--microop-bytes", a.microop_bytes, "--bucket-bytes", a.bucket_bytes, "--ds-stage", a.ds_stage,
            "--allreduce-threads", a.allreduce_threads, "--device", a.device, "--dtype", a.dtype]
-    if a.credit_bytes is not None:
-        out += ["--credit-bytes", a.credit_bytes]
     if a.corpus:
         out += ["--corpus", a.corpus]
-    if getattr(a, "reduce_address", None):  # link model 'collective': the reduction's own link class
-        out += ["--reduce-address", a.reduce_address]
     return [str(x) for x in out]
 
 
 def _variants(a: argparse.Namespace) -> list[Variant]:
     mod = "commsched.moe.train"
     c = _common(a)
+    credit = ("--credit-bytes", str(a.credit_bytes)) if a.credit_bytes is not None else ()
+    if getattr(a, "reduce_address", None):  # link model 'collective': commsched's reduction's own link class
+        c += ["--reduce-address", a.reduce_address]
     lina = ("--impl", "commsched", "--schedule", "lina", "--chunks", str(a.chunks), "--pipeline",
             "--hold-in-block" if a.hold_in_block else "--no-hold-in-block", *c,
+            "--microop-bytes", str(a.microop_bytes), *credit,
             "--fallback-exchange" if getattr(a, "fallback_exchange", True) else "--no-fallback-exchange")
     out = [
-        Variant("deepspeed", mod, ("--impl", "deepspeed", *c)),
-        Variant("fifo", mod, ("--impl", "commsched", "--schedule", "fifo", "--chunks", "1", "--no-pipeline", *c)),
+        Variant("deepspeed", mod, ("--impl", "deepspeed", *_common(a), "--bucket-bytes", str(a.bucket_bytes), "--ds-stage",
+                                   str(a.ds_stage))),
+        Variant("fifo", mod, ("--impl", "commsched", "--schedule", "fifo", "--chunks", "1", "--no-pipeline", *c,
+                              "--bucket-bytes", str(a.bucket_bytes))),
         Variant("lina", mod, lina),
         Variant("lina-overlap", mod, ("--impl", "commsched", "--schedule", "lina-overlap", *lina[4:])),
     ]

@@ -60,7 +60,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
-from ...configurable import Config, Registry, check, option
+from ...configurable import Config, Registry, check, config_of, option
 from ...quant.reference import BITS
 from ...quant.widths.joint import parse_techniques
 from ..context import ExchangeContext
@@ -372,14 +372,6 @@ def option_owners(name: str, modes: Registry | None = None) -> tuple[str, ...]:
                  if name in {f.name for f in dataclasses.fields(c)})
 
 
-def _field_of(name: str, modes: Registry) -> dataclasses.Field | None:
-    for c in modes.values():
-        for f in dataclasses.fields(c):
-            if f.name == name:
-                return f
-    return None
-
-
 def mode_config(mode: str, options: Any = None, *, strict: bool = True, given: bool = False,
                 modes: Registry | None = None, **values: Any) -> ExchangeConfig:
     """The config of ``mode`` made from ``options`` (another mode's config: the fields the
@@ -392,7 +384,7 @@ def mode_config(mode: str, options: Any = None, *, strict: bool = True, given: b
     TrainConfig use it); AdaQP's tuning flags (``--period``, ``--lam``, ...), which scripts
     pass to every mode they compare, are ignored by the modes without them."""
     modes = modes or MODES
-    cls = modes[mode]
+    modes[mode]  # an unknown mode names the known ones before anything else
     vals: dict[str, Any] = {}
     if options is not None:
         if not dataclasses.is_dataclass(options) or isinstance(options, type):
@@ -400,24 +392,7 @@ def mode_config(mode: str, options: Any = None, *, strict: bool = True, given: b
                             f"{type(options).__name__}")
         vals.update({f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
     vals.update(values)
-    own = {f.name for f in dataclasses.fields(cls) if f.init}
-    foreign = {}
-    for name, value in vals.items():
-        if name in own:
-            continue
-        f = _field_of(name, modes)
-        if f is None:
-            raise TypeError(f"--mode {mode}: no mode has an option {name!r}")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if f.metadata.get("foreign") and (given or value != default):
-            foreign[name] = (f, value)
-    if strict and foreign:
-        name, (f, value) = next(iter(foreign.items()))
-        flag = f.metadata.get("flag") or "--" + name.replace("_", "-")
-        msg = f.metadata["foreign"]
-        raise ValueError(msg.format(flag=flag, owners=", ".join(option_owners(name, modes)),
-                                    mode=mode, value=value))
-    return cls(**{k: v for k, v in vals.items() if k in own})
+    return config_of(modes, mode, vals, given=given, strict=strict)
 
 
 def resolve_config(mode: str, config: Any = None, *, strict: bool = True,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ...cluster.topology import Topology
 from ...config import read_env
-from ...configurable import Registry, add_arguments, cli_fields, from_arguments
+from ...configurable import Registry, add_arguments, cli_fields, config_of, from_arguments
 from ...dist import (
     CommError,
     Stopped,
@@ -28,6 +28,7 @@ from ...dist import (
     init_distributed,
     scatter_object,
 )
+from ...priority.policy import SCHEDULES
 from ...results import mark_failed, prepare_out
 from ..exchange.modes import MODES, mode_config
 from ..graph.data import GraphSource, load_source
@@ -68,6 +69,15 @@ def build_parser(modes: Registry | None = None) -> argparse.ArgumentParser:
     for cls in _mode_classes(modes):
         add_arguments(m, cls, skip=tuple(seen), only_given=True)
         seen.update(f.name for f in cli_fields(cls))
+    g = p.add_argument_group("gradient schedule (each option belongs to the schedules whose config has it)")
+    g.add_argument("--grad-schedule", default=TrainConfig().schedule.policy, choices=SCHEDULES.names,
+                   help="the gradient reduction: a schedule of commsched.priority (default flat: one allreduce "
+                        "after the backward pass; lina: held behind the backward halo exchanges; fifo: buckets "
+                        "at once; serial: micro-ops after it; lina-overlap: lina, the tail in the next forward)")
+    seen = set()
+    for cls in dict.fromkeys(SCHEDULES.values()):
+        add_arguments(g, cls, skip=tuple(seen), only_given=True)
+        seen.update(f.name for f in cli_fields(cls))
     r = p.add_argument_group("run")
     r.add_argument("--out", default="runs/gnn", metavar="DIR", help="where metrics.json goes")
     add_arguments(r, TrainConfig, skip=tuple(f.name for f in cli_fields(TrainConfig)
@@ -85,13 +95,14 @@ def _mode_classes(modes: Registry) -> list[type]:
 
 def config_from_args(a: argparse.Namespace, modes: Registry | None = None) -> TrainConfig:
     """The TrainConfig of the parsed flags (``modes``: the registry :func:`build_parser`
-    was given); a mode option given to a mode whose config lacks it is refused, naming
-    the modes that take it (:func:`commsched.gnn.exchange.modes.mode_config`)."""
+    was given); a mode (or schedule) option given to a mode (or schedule) whose config lacks it
+    is refused, naming those that take it (:func:`commsched.configurable.config_of`)."""
     modes = modes if modes is not None else MODES
     values = {f.name: getattr(a, f.name) for cls in _mode_classes(modes) for f in cli_fields(cls)
               if hasattr(a, f.name)}
-    return from_arguments(TrainConfig, a, exchange=mode_config(a.mode, given=True, modes=modes,
-                                                               **values))
+    sched = {f.name: getattr(a, f.name) for cls in SCHEDULES.values() for f in cli_fields(cls) if hasattr(a, f.name)}
+    return from_arguments(TrainConfig, a, exchange=mode_config(a.mode, given=True, modes=modes, **values),
+                          schedule=config_of(SCHEDULES, a.grad_schedule, sched, given=True, selector="--grad-schedule"))
 
 
 def obtain_part(src: GraphSource | None, rank: int, world: int, *, partition_dir: str | None,

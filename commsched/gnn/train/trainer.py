@@ -4,20 +4,17 @@ Legend: n owned nodes of this rank, F input features, K classes, P ranks.
 
 Each epoch: forward through the distributed model (halo exchanges inside the layers),
 loss = sum of cross-entropy over this rank's training nodes / global training count,
-backward (gradient exchanges inside the layers), one allreduce (sum) of all parameter
-gradients plus the loss, then Adam. With ``grad_schedule`` a name of
-:data:`commsched.priority.policy.SCHEDULES` (``lina``, ``fifo``, ``serial``) the gradient
-allreduce runs through the core's :class:`~commsched.priority.runtime.executor.GradScheduler`
-instead: cut into micro-ops (``lina``, ``serial``) or buckets (``fifo``), launched as
-each parameter's gradient becomes ready during the backward pass, on a process group of
-its own; under ``lina`` held while a backward halo exchange is in flight (the exchanges
-of the remaining layers are on the critical path, the allreduce is not). With
-``grad_bits`` below 32 the flat allreduce sends the gradients compressed
-(:func:`commsched.quant.allreduce.quantized_all_reduce`: bfloat16 at 16, the codec's
-unbiased stochastic row records at 8/4/2, keyed by the seed, the epoch and the rank), the
-loss exactly beside them; every replica still applies bit-identical sums. The sums are
-those of the flat allreduce (exact on 2 ranks; on more, up to the order gloo adds the
-ranks' values in). Every rank applies the same update to the same
+backward (gradient exchanges inside the layers), the sum of every parameter gradient over
+the ranks, then Adam: one :func:`~commsched.priority.step.make_grad_step` of
+``TrainConfig.schedule`` (``--grad-schedule``, a name of
+:data:`commsched.priority.policy.SCHEDULES`; default ``flat``, one fused allreduce after
+the backward pass), as in MoE training, its scheduler on a process group of its own and
+told of every backward halo exchange (under ``lina`` no micro-op is launched while one is
+in flight: those are on the critical path, the allreduce is not). With ``grad_bits`` below
+32 the sums travel compressed under every schedule
+(:class:`commsched.quant.allreduce.CompressedLauncher`), the loss summed exactly beside
+them; every replica still applies bit-identical sums. Every schedule's sums are the flat
+allreduce's (exact on 2 ranks; on more, up to the order gloo adds the ranks' values in). Every rank applies the same update to the same
 parameters, so the replicas never drift apart. With one rank (and no process group at
 all) the same code is single-process full-graph training, the reference that N-rank
 training is tested against.
@@ -69,7 +66,10 @@ from ...dist import (
     config_digest,
     group_device,
 )
-from ...quant.allreduce import GRAD_BITS, check_grad_bits
+from ...priority.policy import SCHEDULES, FlatConfig, ScheduleConfig
+from ...priority.runtime.buckets import LOCAL
+from ...priority.step import GradStep, make_grad_step
+from ...quant.allreduce import GRAD_BITS, CompressedLauncher, check_grad_bits
 from ...quant.rowwire import format_seed
 from ...results import OutputError, Progress, load_torch_file, median, read_error, save_torch
 from ..context import PassContext
@@ -81,10 +81,6 @@ from ..nn.models import LAYERS
 from ..nn.pyg import DistGraph, _world, allreduce_grads
 from ..timing import Breakdown
 from .metrics import GNNMetrics, auc_from_histograms, auc_histograms, summarize
-
-# the gradient allreduce: one flat allreduce after the backward pass, or a schedule of the
-# core's (lina-overlap's tail runs into the next forward pass, which the GNN loop has not)
-GRAD_SCHEDULES = ("flat", "lina", "fifo", "serial")
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 # dtypes run as mixed precision: float32 parameters, autocast compute, this dtype on the wire
@@ -135,13 +131,10 @@ class TrainConfig:
     eval_every: int = option(1, "epochs between evaluations")
     checkpoint_every: int = option(0, "write OUT/checkpoint.pt every K epochs (0: never)")
     exchange: ExchangeConfig | None = option(None, cli=False)
-    grad_schedule: str = option("flat", "the gradient allreduce: flat (one allreduce after the backward pass) "
-                                "or a gradient schedule launched during it (lina: held behind the "
-                                "backward halo exchanges; fifo: buckets at once; serial: after it)",
-                                choices=GRAD_SCHEDULES)
-    grad_bits: int = option(32, "width of the gradient allreduce's messages: 32 exact; 16 bfloat16; "
-                            "8/4/2 the codec's stochastic row records (docs/gnn.md, \"Compressed "
-                            "gradient allreduce\"); the flat allreduce only", choices=GRAD_BITS)
+    schedule: ScheduleConfig = option(default_factory=FlatConfig, cli=False)
+    grad_bits: int = option(32, "width of the gradient reduction's messages, every schedule: 32 exact; 16 "
+                            "bfloat16; 8/4/2 the codec's stochastic row records (docs/gnn.md, \"Compressed "
+                            "gradient allreduce\")", choices=GRAD_BITS)
     device: str = option("cpu", "auto: CUDA when every local rank has its own GPU, else the CPU",
                          choices=DEVICE_CHOICES)
 
@@ -173,14 +166,10 @@ class TrainConfig:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.eval_every < 1 or self.checkpoint_every < 0:
             raise ValueError("eval_every must be >= 1 and checkpoint_every >= 0")
-        if self.grad_schedule not in GRAD_SCHEDULES:
-            raise ValueError(f"--grad-schedule must be one of {', '.join(GRAD_SCHEDULES)}, got "
-                             f"{self.grad_schedule!r}")
+        if not isinstance(self.schedule, ScheduleConfig):
+            raise TypeError(f"schedule must be a config of SCHEDULES ({', '.join(SCHEDULES)}), got "
+                            f"{type(self.schedule).__name__}")
         check_grad_bits(self.grad_bits, "--grad-bits")
-        if self.grad_bits != 32 and self.grad_schedule != "flat":
-            raise ValueError(f"--grad-bits {self.grad_bits} compresses the flat allreduce; "
-                             f"--grad-schedule {self.grad_schedule} reduces exact buckets through "
-                             "the gradient scheduler: pick one of the two")
         if self.dropout_rng not in ("node", "local"):
             raise ValueError(f"dropout_rng must be node or local, got {self.dropout_rng!r}")
 
@@ -293,8 +282,8 @@ class Trainer:
         # the quantized modes weigh messages by the model's edge normalisation
         self.halo = self.dgraph.halo
         self.graph = self.dgraph.local
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.grad_sched = self._grad_scheduler()
+        self._launcher: CompressedLauncher | None = None
+        self.grad_step = self._grad_step()
         self.last_schedule: dict | None = None  # the gradient scheduler's timings of the last epoch
         # the graph's rows on the device (one copy)
         self.x, self.y, self.masks = self.dgraph.x, self.dgraph.y, self.dgraph.masks
@@ -323,55 +312,55 @@ class Trainer:
             out = self.model(self.x, self.graph, ctx)
         return out.float()
 
-    def _grad_scheduler(self):
-        """The core's gradient scheduler of ``cfg.grad_schedule`` (None: the flat allreduce,
-        or one rank). Collective: a process group of its own (the halo exchanges keep
-        theirs, so the two never queue on one group in different orders on two ranks)."""
-        if self.cfg.grad_schedule == "flat" or self.world == 1:
-            return None
-        from ...dist import new_group
-        from ...priority.policy import ScheduleConfig
-        from ...priority.runtime.executor import GradScheduler
+    def _grad_step(self) -> GradStep:
+        """The gradient reduction and Adam of ``cfg.schedule`` behind one step interface
+        (:func:`~commsched.priority.step.make_grad_step`), open. Collective: its scheduler's
+        process group is its own (the halo exchanges keep theirs, so the two never queue on
+        one group in different orders on two ranks); one rank reduces nothing."""
+        own = LOCAL
+        if self.world > 1:
+            from ...dist import new_group
 
-        ranks = (list(range(self.world)) if self.group is None
-                 else [dist.get_global_rank(self.group, r) for r in range(self.world)])
-        own = new_group(ranks)
+            own = new_group(list(range(self.world)) if self.group is None
+                            else [dist.get_global_rank(self.group, r) for r in range(self.world)])
+            if self.cfg.grad_bits != 32:  # the sums compressed; the keys: the run's seed
+                self._launcher = CompressedLauncher(self.cfg.grad_bits, seed=format_seed(self.cfg.seed, 0x64AD))
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        # a sum, as the flat allreduce's (the loss is divided by the global training count)
-        return GradScheduler([(p, own, 1.0) for _, p in named], ScheduleConfig(self.cfg.grad_schedule),
-                             device=self.device, names=[n for n, _ in named])
+        # a sum (the loss is divided by the global training count)
+        return make_grad_step(self.model, [(p, own, 1.0) for _, p in named], self.cfg.schedule,
+                              lambda ps: torch.optim.Adam(ps, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay),
+                              device=self.device, names=[n for n, _ in named],
+                              **({"launch": self._launcher} if self._launcher is not None else {})).open()
 
     def close(self) -> None:
-        """Stop the gradient scheduler's thread (nothing to do under the flat allreduce)."""
-        if self.grad_sched is not None:
-            self.grad_sched.close()
-            self.grad_sched = None
+        """Stop the gradient scheduler's thread (and the compressed sums' launcher)."""
+        self.grad_step.close()
+        if self._launcher is not None:
+            self._launcher.close()
+            self._launcher = None
 
     def train_epoch(self) -> float:
         """Run epoch ``self.epoch``; return the global training loss."""
-        sched = self.grad_sched
+        gs = self.grad_step
         ctx = PassContext(epoch=self.epoch, training=True, timer=Breakdown(self.clock),
-                          stats=CommStats(self.world), events=sched)
+                          stats=CommStats(self.world), events=gs.scheduler)
         self.model.train()
         t0 = self.clock.mark()
         self.halo.begin_epoch(ctx)
-        self.opt.zero_grad(set_to_none=False)
-        if sched is not None:
-            sched.begin_step()
+        gs.before_forward()
         out = self._forward(ctx)
         m = self.masks["train"]
         loss = F.cross_entropy(out[m], self.y[m], reduction="sum") / self.totals["train"]
         # the whole output joins the graph so that every rank runs every backward exchange
         # (a rank without training nodes still forwards its peers' gradients); exact: + 0
         loss = loss + out.sum() * 0.0
+        self._step_ended(gs.before_backward())
         loss.backward()
-        if sched is None:
-            loss_all = self._allreduce_grads(loss.detach(), ctx.timer)
-        else:  # the allreduce ran during the backward pass; what is left is waited for here
-            with ctx.timer.time("reduce"):
-                self.last_schedule = sched.finish()
-                loss_all = self._allreduce_loss(loss.detach())
-        self.opt.step()
+        # the reduction ran during the backward pass; what is left is waited for here
+        # (lina-overlap: its tail runs on into the next forward pass, but for the last epoch)
+        with ctx.timer.time("reduce"):
+            self._step_ended(gs.after_backward(sync=self.epoch + 1 == self.cfg.epochs))
+            loss_all = self._allreduce_loss(loss.detach())
         self.halo.end_epoch(ctx)
         dt = self.clock.seconds(t0, self.clock.mark())
         self.history["loss"].append(loss_all)
@@ -382,12 +371,13 @@ class Trainer:
         self.epoch += 1
         return loss_all
 
-    def _allreduce_grads(self, loss: torch.Tensor, timer: Breakdown) -> float:
-        # the keys of a compressed allreduce: the run's seed, this epoch (ranks mix in theirs)
-        return allreduce_grads(self.model.parameters(), loss, group=self.group, timer=timer,
-                               bits=self.cfg.grad_bits, seed=format_seed(self.cfg.seed, self.epoch, 0x64AD))
+    def _step_ended(self, timings: dict | None) -> None:
+        if timings is not None:
+            self.last_schedule = timings  # the gradient scheduler's timings of the last step that ended
 
     def _allreduce_loss(self, loss: torch.Tensor) -> float:
+        if self.world == 1:
+            return float(loss)
         total = loss.reshape(1).clone()
         with comm_guard("allreduce of the training loss", self.group):
             dist.all_reduce(total, group=self.group)
@@ -397,7 +387,8 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Accuracy on the train / val / test nodes, and on a two-class graph their ROC AUC
         (``*_auc``, None for a split without both classes); no dropout, full-precision
-        exchanges, untimed and uncounted traffic; collective."""
+        exchanges, untimed and uncounted traffic; collective (every parameter updated first)."""
+        self._step_ended(self.grad_step.synchronize())
         ctx = PassContext(epoch=self.epoch - 1, training=False, timer=Breakdown(self.clock))
         self.model.eval()
         t0 = self.clock.mark()
@@ -428,8 +419,8 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         return {"config": self.cfg.record(), "epoch": self.epoch,
                 "world_size": self.world, "fingerprint": self.part.fingerprint,
-                "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                "history": self.history}
+                "model": self.model.state_dict(), "optimizer": self.grad_step.state_dict(),
+                "history": self.history, **({"grad_keys": self._launcher.state_dict()} if self._launcher else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = _comparable(self.cfg.record())
@@ -441,7 +432,9 @@ class Trainer:
         if state["fingerprint"] != self.part.fingerprint or state["world_size"] != self.world:
             raise ValueError("--resume: the checkpoint belongs to another graph or world size")
         self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
+        self.grad_step.load_state_dict(state["optimizer"])
+        if self._launcher is not None:  # the compressed sums' rounding keys go on from the checkpoint's
+            self._launcher.load_state_dict(state["grad_keys"])
         self.epoch = int(state["epoch"])
         # loss and accuracy are global and carry over; timings cover this invocation only
         self.history["loss"] = list(state["history"]["loss"])

@@ -3,10 +3,12 @@
 
     torchrun --nproc_per_node 4 -m commsched.moe.train --impl commsched --schedule lina --out DIR
 
-The flags are generated from the configs (:class:`~commsched.moe.train.training.TrainConfig`, its
-:class:`~commsched.priority.policy.ScheduleConfig`, :class:`~commsched.moe.model.lm.ModelConfig`
-and :class:`~commsched.moe.model.layer.DispatchConfig`: type, default, help and choices, the
-schedules from :data:`~commsched.priority.policy.SCHEDULES`), so no default is typed twice;
+The flags are generated from the configs (:class:`~commsched.moe.train.training.TrainConfig`, the
+config of every schedule of :data:`~commsched.priority.policy.SCHEDULES` (``--schedule``'s
+choices), :class:`~commsched.moe.train.training.DeepSpeedConfig`,
+:class:`~commsched.moe.model.lm.ModelConfig` and :class:`~commsched.moe.model.layer.DispatchConfig`:
+type, default, help and choices), so no default is typed twice; an option of another
+schedule or runtime (``--schedule fifo --credit-bytes 1``) exits 2 naming its owner;
 only the run's folder and its handling (``--out``, ``--overwrite``, ``--resume``) are the
 command line's own. The body runs under :func:`commsched.dist.cli_main`: a ValueError or
 CommError is one line (and FAILED in the run folder once there is one), SIGTERM one line,
@@ -25,14 +27,14 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ...configurable import add_arguments, from_arguments
+from ...configurable import add_arguments, cli_fields, config_of, from_arguments
 from ...dist import CommError, Stopped, barrier, cli_main, init_distributed
-from ...priority.policy import ScheduleConfig
+from ...priority.policy import SCHEDULES, ScheduleConfig
 from ...results import mark_failed, prepare_out
 from ..model.layer import DispatchConfig
 from ..model.lm import ModelConfig
 from .trainer import train
-from .training import TrainConfig
+from .training import FOREIGN_IMPL, DeepSpeedConfig, TrainConfig
 
 PROG = "commsched.moe.train"
 
@@ -42,7 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Distributed MoE language-model training: expert parallelism + "
                                             "data parallelism.")
     add_arguments(p, TrainConfig)
-    add_arguments(p.add_argument_group("gradient schedule (--impl commsched)"), ScheduleConfig)
+    g = p.add_argument_group("gradient schedule (--impl commsched; each option belongs to the schedules whose "
+                             "config has it) and DeepSpeed (--impl deepspeed)")
+    default = TrainConfig().schedule.policy  # the library's default, typed once
+    g.add_argument("--schedule", default=default, choices=SCHEDULES.names, help=f"gradient schedule (default {default})")
+    seen: set[str] = set()
+    for cls in (*dict.fromkeys(SCHEDULES.values()), DeepSpeedConfig):
+        add_arguments(g, cls, skip=tuple(seen), only_given=True)
+        seen.update(f.name for f in cli_fields(cls))
     add_arguments(p.add_argument_group("model"), ModelConfig)
     add_arguments(p.add_argument_group("expert dispatch"), DispatchConfig)
     p.add_argument("--out", type=Path, required=True)
@@ -54,10 +63,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
-    """The run's config from :func:`build_parser`'s flags (``--warmup`` capped at steps - 1)."""
-    return from_arguments(TrainConfig, a, model=from_arguments(ModelConfig, a),
-                          schedule=from_arguments(ScheduleConfig, a), dispatch=from_arguments(DispatchConfig, a),
+    """The run's config from :func:`build_parser`'s flags (``--warmup`` capped at steps - 1); an
+    option of another schedule or runtime is a ValueError naming its owner."""
+    schedule, deepspeed = _runtime(a)
+    return from_arguments(TrainConfig, a, model=from_arguments(ModelConfig, a), schedule=schedule,
+                          deepspeed=deepspeed, dispatch=from_arguments(DispatchConfig, a),
                           warmup=min(a.warmup, a.steps - 1))
+
+
+def _runtime(a: argparse.Namespace) -> tuple[ScheduleConfig, DeepSpeedConfig]:
+    """The schedule's config and DeepSpeed's from the options given (the other runtime's refused)."""
+    runtimes = {r: {f.name: f for c in cs for f in cli_fields(c)}
+                for r, cs in (("commsched", SCHEDULES.values()), ("deepspeed", (DeepSpeedConfig,)))}
+    given = {k: getattr(a, k) for fs in runtimes.values() for k in fs if hasattr(a, k)}
+    for k in given.keys() - runtimes[a.impl].keys():
+        f, other = next((fs[k], r) for r, fs in runtimes.items() if k in fs)
+        raise ValueError(FOREIGN_IMPL.format(flag=f.metadata.get("flag") or "--" + k.replace("_", "-"),
+                                             owners=other, name=a.impl))
+    if a.impl == "deepspeed":
+        return SCHEDULES[a.schedule](), DeepSpeedConfig(**given)
+    return config_of(SCHEDULES, a.schedule, given, given=True), DeepSpeedConfig()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,7 @@ expert padded to the largest load in the group); a capacity factor maps to
 ``drop_tokens=True`` with that factor.
 
 :func:`train_deepspeed` is the training loop of the baseline: the engine with ZeRO stage
-``ds_stage``, gradient reduction overlapping the backward pass, the same Adam, tokens and
+``--ds-stage``, gradient reduction overlapping the backward pass, the same Adam, tokens and
 seed as commsched's runtime (:mod:`commsched.moe.train.trainer`, which calls it and summarizes
 both alike). DeepSpeed is imported only when called. It runs on the rank's device with the
 backend that follows it (gloo on the CPU, NCCL on CUDA); ``--dtype bfloat16`` turns on
@@ -161,9 +161,9 @@ def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
         "train_micro_batch_size_per_gpu": B,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "Adam", "params": {"lr": cfg.lr, "torch_adam": True, "adam_w_mode": False}},
-        "zero_optimization": {"stage": cfg.ds_stage, "overlap_comm": True, "contiguous_gradients": True,
-                              "reduce_bucket_size": cfg.schedule.bucket_bytes // 4,
-                              "allgather_bucket_size": cfg.schedule.bucket_bytes // 4},
+        "zero_optimization": {"stage": cfg.deepspeed.stage, "overlap_comm": True, "contiguous_gradients": True,
+                              "reduce_bucket_size": cfg.deepspeed.bucket_bytes // 4,
+                              "allgather_bucket_size": cfg.deepspeed.bucket_bytes // 4},
         "comms_logger": {"enabled": True, "verbose": False, "prof_all": True, "debug": False},
         # DeepSpeed clips the global gradient norm to 1.0 unless told otherwise (its default
         # gradient_clipping is 1.0); fifo and lina do not clip, so neither does the baseline.

@@ -17,8 +17,8 @@ all-to-all), ``fifo`` (DDP-style buckets launched as soon as ready), ``serial``
 (allreduce after the backward pass) or ``lina-overlap`` (``lina``, with the reduction's tail
 running into the next forward pass, one Adam per module stepped as its reduction ends:
 :mod:`commsched.priority.runtime.overlap`); the choices are the names of
-:data:`commsched.priority.policy.SCHEDULES`, and the schedule's knobs travel in one
-:class:`~commsched.priority.policy.ScheduleConfig` (``TrainConfig.schedule``).
+:data:`commsched.priority.policy.SCHEDULES`, and the schedule's options travel in its own
+config (``TrainConfig.schedule``).
 ``--chunks C --pipeline`` pipeline the all-to-all with expert compute; ``--hier-reduce``
 reduces the non-expert gradients hierarchically (inside each host, across hosts under the
 schedule's gate, inside again; :mod:`commsched.priority.hier`; hosts from
@@ -75,6 +75,7 @@ from ...dist import (
 )
 from ...dist import new_group as cs_new_group
 from ...priority.hier import HierGroups, make_hier
+from ...priority.policy import MicroOpConfig, SerialConfig
 from ...priority.runtime.executor import LOCAL, GradScheduler
 from ...priority.step import make_grad_step
 from ...quant.allreduce import CompressedLauncher
@@ -335,10 +336,6 @@ def _fallback_exchange(opt, model: torch.nn.Module, dispatch: DispatchConfig) ->
 def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device: torch.device, model,
                 sched_params, events: A2AEvents, *, out: Path | None, resume: bool,
                 on_step: Callable[[int], None] | None, hier: HierGroups | None = None) -> dict:
-    # the schedule's optimizer behind one step interface (priority/step.py): one Adam stepped
-    # after the whole reduction, or under lina-overlap one Adam per module, stepped as its
-    # reduction ends in the next forward pass (priority/runtime/overlap.py)
-    sched_cfg = cfg.schedule if hier is not None else dataclasses.replace(cfg.schedule, hier_reduce=False)
     # --fallback-exchange: the fallback's reduction in fifo's buckets too
     buckets = {"fallback_buckets": True} if cfg.fallback_exchange else {}
     # --grad-bits: every reduction of the schedule summed in fewer bytes (quant/allreduce.py)
@@ -347,7 +344,7 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
         launcher = CompressedLauncher(cfg.grad_bits, seed=format_seed(cfg.seed, 0x6AD),
                                       batch_bytes=cfg.grad_batch_bytes)
     try:
-        return _train_steps(cfg, corpus, ep, bar, device, model, sched_params, events, sched_cfg, buckets,
+        return _train_steps(cfg, corpus, ep, bar, device, model, sched_params, events, buckets,
                             launcher, out=out, resume=resume, on_step=on_step, hier=hier)
     finally:
         if launcher is not None:
@@ -355,10 +352,13 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
 
 
 def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device: torch.device, model,
-                 sched_params, events: A2AEvents, sched_cfg, buckets: dict, launcher, *, out: Path | None,
+                 sched_params, events: A2AEvents, buckets: dict, launcher, *, out: Path | None,
                  resume: bool, on_step: Callable[[int], None] | None, hier: HierGroups | None) -> dict:
     rank = dist.get_rank()
-    opt = make_grad_step(model, sched_params, sched_cfg, lambda ps: torch.optim.Adam(ps, lr=cfg.lr),
+    # the schedule's optimizer behind one step interface (priority/step.py): one Adam stepped
+    # after the whole reduction, or under lina-overlap one Adam per module, stepped as its
+    # reduction ends in the next forward pass (priority/runtime/overlap.py)
+    opt = make_grad_step(model, sched_params, cfg.schedule, lambda ps: torch.optim.Adam(ps, lr=cfg.lr),
                          device=device, hier=hier, **buckets,
                          **({"launch": launcher} if launcher is not None else {}))
     if cfg.fallback_exchange:
@@ -424,7 +424,9 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
     # closed: every update is in (the last step synchronized); lina-overlap's pre-hooks are gone
     # the all-to-all alone: allreduce held until after the backward pass, no optimizer step
     alone = []
-    serial = dataclasses.replace(cfg.schedule, policy="serial", hier_reduce=False)
+    s = cfg.schedule
+    serial = SerialConfig(launch=s.launch, reduce_address=s.reduce_address,
+                          **({"microop_bytes": s.microop_bytes} if isinstance(s, MicroOpConfig) else {}))
     with GradScheduler(sched_params, serial, device=device) as probe, events.register(probe):
         for i in range(cfg.probe_steps):
             x, y = corpus.batch(B, S, seed=cfg.seed, step=cfg.steps + i, rank=rank)

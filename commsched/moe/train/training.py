@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...configurable import Config, option
+from ...configurable import Config, check, option
 from ...dist import DEVICE_CHOICES
-from ...priority.policy import ScheduleConfig
+from ...priority.policy import LinaConfig, OverlapPolicy, ScheduleConfig
 from ...quant.allreduce import DEFAULT_BATCH_BYTES, GRAD_BITS, check_grad_bits
 from ...results import Record, median
 from ..model.data import Corpus
@@ -27,17 +27,35 @@ from ..model.lm import ModelConfig
 
 IMPLS = ("commsched", "deepspeed")
 DTYPES = ("float32", "bfloat16")  # --dtype: the training compute and the all-to-all rows
+# the refusal of a runtime's option given to the other runtime (commsched.moe.train)
+FOREIGN_IMPL = "{flag} belongs to --impl {owners}, not to --impl {name}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSpeedConfig(Config):
+    """The DeepSpeed baseline's own options (``--impl deepspeed``,
+    :mod:`commsched.moe.train.deepspeed_baseline`)."""
+
+    stage: int = option(2, "DeepSpeed ZeRO stage (0, 1 or 2)", flag="--ds-stage", foreign=FOREIGN_IMPL)
+    bucket_bytes: int = option(1 << 20, "DeepSpeed's reduce and allgather buckets", foreign=FOREIGN_IMPL)
+
+    def __post_init__(self) -> None:
+        check(self.stage in (0, 1, 2), f"--ds-stage must be 0, 1 or 2, got {self.stage}")
+        check(self.bucket_bytes >= 4, f"--bucket-bytes must be at least 4, got {self.bucket_bytes}")
 
 
 @dataclass(frozen=True)
 class TrainConfig(Config):
     """One MoE training run; the flags of ``-m commsched.moe.train`` are generated from these
-    fields and those of the nested configs (:mod:`commsched.moe.train`)."""
+    fields and those of the nested configs (:mod:`commsched.moe.train`): ``schedule``, the
+    gradient schedule of ``--impl commsched`` (a config of
+    :data:`~commsched.priority.policy.SCHEDULES`), ``deepspeed``, the options of ``--impl
+    deepspeed``."""
 
     model: ModelConfig = option(default_factory=ModelConfig, cli=False)
     impl: str = option("commsched", "runtime: commsched's or the DeepSpeed baseline", choices=IMPLS)
-    # the gradient schedule (commsched) with its knobs; DeepSpeed reuses its bucket_bytes
-    schedule: ScheduleConfig = option(default_factory=ScheduleConfig, cli=False)
+    schedule: ScheduleConfig = option(default_factory=LinaConfig, cli=False)
+    deepspeed: DeepSpeedConfig = option(default_factory=DeepSpeedConfig, cli=False)
     dispatch: DispatchConfig = option(default_factory=DispatchConfig, cli=False)
     steps: int = option(20, "training steps")
     batch_size: int = option(8, "sequences per rank per step")
@@ -50,7 +68,6 @@ class TrainConfig(Config):
     corpus: str | None = option(None, "text file (default: the Python standard library's sources)")
     max_corpus_bytes: int = option(8 << 20, "bytes of the corpus read (0: the whole file)")
     timeline_step: int | None = option(None, "the step timeline.json holds (default: the last)")
-    ds_stage: int = option(2, "DeepSpeed ZeRO stage (0, 1 or 2)")
     # gloo runs at most this many queued collectives at once (its default is 2)
     allreduce_threads: int | None = option(8, "gloo worker threads of the gradient-allreduce groups, all "
                                               "schedules (gloo's default: 2)")
@@ -94,8 +111,6 @@ class TrainConfig(Config):
             raise ValueError(f"warmup={self.warmup} must be in 0..steps-1 ({self.steps - 1})")
         if self.allreduce_threads is not None and self.allreduce_threads < 1:
             raise ValueError(f"--allreduce-threads must be >= 1, got {self.allreduce_threads}")
-        if self.ds_stage not in (0, 1, 2):
-            raise ValueError(f"--ds-stage must be 0, 1 or 2, got {self.ds_stage}")
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"--device must be one of {DEVICE_CHOICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
@@ -131,7 +146,8 @@ class TrainConfig(Config):
         next step's forward pass (the last step's waits for everything)."""
         if self.timeline_step is not None:
             return self.timeline_step
-        return self.steps - 2 if self.schedule.overlapped and self.steps > 1 else self.steps - 1
+        overlapped = isinstance(self.schedule.build(), OverlapPolicy)
+        return self.steps - 2 if overlapped and self.steps > 1 else self.steps - 1
 
 
 @dataclass(frozen=True)
@@ -285,7 +301,7 @@ def summarize(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> T
                  "optimizer_and_other": max(0.0, step_time - fwd - bwd - wait)}
     return TrainMetrics(
         impl=cfg.impl,
-        schedule=cfg.schedule.policy if cfg.impl == "commsched" else f"deepspeed-zero{cfg.ds_stage}",
+        schedule=cfg.schedule.name if cfg.impl == "commsched" else f"deepspeed-zero{cfg.deepspeed.stage}",
         world_size=world,
         ep_size=ep,
         loss=per["loss"],
@@ -317,5 +333,5 @@ def summarize(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> T
     )
 
 
-__all__ = ["DTYPES", "IMPLS", "TrainConfig", "TrainMetrics", "a2a_payload_bytes", "a2a_row_bytes", "autocast",
+__all__ = ["DTYPES", "DeepSpeedConfig", "FOREIGN_IMPL", "IMPLS", "TrainConfig", "TrainMetrics", "a2a_payload_bytes", "a2a_row_bytes", "autocast",
            "evaluate", "sizes", "summarize", "to_device"]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..microops import CommOp
-from ..policy import ScheduleConfig, allreduce_ops
+from ..policy import ScheduleConfig
 
 LOCAL = "local"  # group of a gradient that is scaled but not communicated
 
@@ -88,7 +88,7 @@ def plan_buckets(slots: Sequence[GradSlot], cfg: ScheduleConfig) -> BucketLayout
                and ranked[end].dtype == ranked[start].dtype):
             end += 1
         numels = [s.numel for s in ranked[start:end]]
-        for op in allreduce_ops(numels, ranked[start].element_size, cfg):
+        for op in cfg.allreduce_ops(numels, ranked[start].element_size):
             shifted = tuple(type(pc)(pc.tensor + start, pc.offset, pc.numel) for pc in op.pieces)
             ops.append(CommOp(len(ops), shifted, op.nbytes))
             first.append(start)

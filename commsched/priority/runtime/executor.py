@@ -74,7 +74,6 @@ reduced gradients).
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import functools
 import threading
@@ -91,7 +90,7 @@ from ...dist import CommError, all_gather_object, comm_guard, peer_failure_hint,
 from ..bind import bound_twins
 from ..hier import HierGroups, HierStep, make_hier
 from ..microops import CommOp
-from ..policy import ScheduleConfig, make_policy
+from ..policy import FifoConfig, OverlapPolicy, ScheduleConfig, make_policy
 from ..transfer import UrgentOp, urgent
 from .buckets import LOCAL, GradSlot, describe, group_ids, plan_buckets, registration_mismatch
 from .completion import (
@@ -148,7 +147,7 @@ class GradScheduler(CompletionMixin, RecordsMixin):
                  on_complete: Callable[[int, BaseException | None], None] | None = None,
                  hier: HierGroups | None = None, fallback_buckets: bool = False):
         self.cfg = cfg
-        if cfg.overlapped and not self._OVERLAP:
+        if isinstance(cfg.build(), OverlapPolicy) and not self._OVERLAP:
             raise ValueError("the 'lina-overlap' schedule leaves the reduction running into the next forward "
                              "pass: run it with commsched.priority.runtime.overlap.OverlapScheduler and OverlapOptimizer")
         if names is not None and len(names) != len(params):
@@ -210,8 +209,8 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         # the operations of each mode (set_fallback): the schedule's own; with
         # fallback_buckets the fallback's are fifo's buckets (the same parameter order)
         self._layouts = {False: self._derive(layout)}
-        if fallback_buckets and not cfg.schedule.fused:
-            fifo = plan_buckets(slots, dataclasses.replace(cfg, policy="fifo"))
+        if fallback_buckets and cfg.probes:
+            fifo = plan_buckets(slots, FifoConfig())
             assert fifo.order == layout.order, "the bucket layouts must keep the parameters' order"
             self._layouts[True] = self._derive(fifo)
         self.ops, self._op_groups, self._op_hier, self._ops_of_param = self._layouts[False]

@@ -87,7 +87,7 @@ def _with_liveness(err: BaseException) -> CommError:
 
 class OverlapScheduler(GradScheduler):
     """:class:`~commsched.priority.runtime.executor.GradScheduler` under ``lina-overlap`` (module
-    docstring); the arguments are its, ``cfg.policy`` must be ``"lina-overlap"``;
+    docstring); the arguments are its, ``cfg`` a schedule whose policy is an :class:`OverlapPolicy`;
     ``tail_threads``: gloo worker threads of the tail's twin groups (:meth:`_make_tail_groups`).
 
     A step: :meth:`begin_step`, the backward pass, :meth:`end_backward_async` (returns at
@@ -98,8 +98,8 @@ class OverlapScheduler(GradScheduler):
     _OVERLAP = True
 
     def __init__(self, params: Sequence[tuple], cfg: ScheduleConfig, *, tail_threads: int | None = 8, **kw: Any):
-        if not cfg.overlapped:
-            raise ValueError(f"OverlapScheduler runs the 'lina-overlap' schedule, got {cfg.policy!r}; use "
+        if not isinstance(cfg.build(), OverlapPolicy):
+            raise ValueError(f"OverlapScheduler runs the 'lina-overlap' schedule, got {cfg.name!r}; use "
                              "GradScheduler for the others")
         if kw.get("external"):
             raise ValueError("OverlapScheduler does not take external gradients (a DDP hook's buckets are "
@@ -352,7 +352,7 @@ class OverlapOptimizer:
     overlap is off. Use::
 
         opt = OverlapOptimizer(model, lambda ps: torch.optim.Adam(ps, lr=1e-3))
-        with OverlapScheduler(entries, ScheduleConfig("lina-overlap")) as sched, opt.bind(sched):
+        with OverlapScheduler(entries, LinaOverlapConfig()) as sched, opt.bind(sched):
             for x, y in batches:
                 loss = model(x, y)     # waits, module by module, for the previous update
                 opt.begin_backward()   # the previous step's rest (usually nothing), then begin_step
