@@ -36,8 +36,8 @@ commands:
 # entry points, imported when their command runs
 _COMMANDS = {
     "netem": "commsched.cluster.netem:main",
-    "partition": "commsched.gnn.graph.partition_cli:main",
-    "datasets": "commsched.gnn.graph.datasets_cli:main",
+    "partition": "commsched.gnn.graph.cli:partition_main",
+    "datasets": "commsched.gnn.graph.cli:datasets_main",
     "demo": "commsched.bench.demo:main",
     "results": "commsched.bench.results_page:main",
 }

@@ -103,7 +103,7 @@ def commands() -> list[Command]:
     """Every command and ``python -m`` front-end, in the order docs/cli.md lists them."""
     from .. import cli
     from ..cluster.netem import build_parser as netem_parser
-    from ..gnn.graph.partition_cli import build_parser as partition_parser
+    from ..gnn.graph.cli import partition_parser
     from .runner import build_parser as bench_parser
     from .workloads import WORKLOADS
 
@@ -112,7 +112,7 @@ def commands() -> list[Command]:
     out += [Command(f"commsched bench {n}", bench_parser(WORKLOADS[n])) for n in sorted(WORKLOADS)]
     out += [Command("commsched netem", netem_parser()),
             Command("commsched partition", partition_parser()),
-            Command("commsched datasets", parser_of(importlib.import_module("commsched.gnn.graph.datasets_cli").main)),
+            Command("commsched datasets", parser_of(importlib.import_module("commsched.gnn.graph.cli").datasets_main)),
             Command("commsched topology", text=cli.TOPOLOGY_HELP),
             Command("commsched results", parser_of(importlib.import_module("commsched.bench.results_page").main))]
     for mod in _MAIN_MODULES:

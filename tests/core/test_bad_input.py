@@ -88,7 +88,7 @@ def test_graph_without_training_nodes_is_refused(tmp_path):
 
 
 def _parts(tmp_path: Path) -> Path:
-    from commsched.gnn.graph.partition_cli import main as partition_main
+    from commsched.gnn.graph.cli import partition_main
 
     folder = tmp_path / "parts"
     assert partition_main(SYN + ["--parts", "1", "--method", "random", "--out", str(folder)]) == 0

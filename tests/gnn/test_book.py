@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from commsched.gnn.graph.book import build_book, build_books, edge_weights, split_blocks
+from commsched.gnn.graph.cli import partition_main as main
 from commsched.gnn.graph.data import SyntheticSpec, clean_edges, from_edges, synthetic_graph
 from commsched.gnn.graph.partition import (
     edge_cut,
@@ -20,7 +21,6 @@ from commsched.gnn.graph.partition import (
     read_meta,
     save_partition,
 )
-from commsched.gnn.graph.partition_cli import main
 
 
 def _undirected(pairs, n):

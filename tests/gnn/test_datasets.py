@@ -12,6 +12,7 @@ import torch
 
 from commsched.cli import main as cli_main
 from commsched.config import read_env
+from commsched.gnn.graph.cli import partition_main
 from commsched.gnn.graph.data import (
     DatasetUnavailable,
     GraphSource,
@@ -20,7 +21,6 @@ from commsched.gnn.graph.data import (
     graph_fingerprint,
     load_dataset,
 )
-from commsched.gnn.graph.partition_cli import main as partition_main
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="the shared data copies (../shared/data) are not present")

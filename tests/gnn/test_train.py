@@ -277,7 +277,7 @@ def test_vanilla_on_2_3_4_ranks_equals_single_process(graph_paths, tmp_path):
 # --------------------------------------------------------------------------- torchrun CLI
 @pytest.mark.slow
 def test_torchrun_cli_with_partition_folder(tmp_path, capsys):
-    from commsched.gnn.graph.partition_cli import main as partition_main
+    from commsched.gnn.graph.cli import partition_main
 
     syn = ["--syn-nodes", "300", "--syn-edges", "1500", "--syn-features", "8", "--syn-classes", "3"]
     assert partition_main(syn + ["--parts", "2", "--out", str(tmp_path / "parts")]) == 0
