@@ -130,6 +130,18 @@ def unresponsive_note(group=None) -> str:
     return "; every rank of the group is alive (out of step, or the backend failed)"
 
 
+def _cli_rank() -> tuple[int, int]:
+    """(rank, world size) for a CLI's error line: from the process group, or torchrun's
+    environment before there is one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        env = read_env()
+        return env.rank or 0, env.world_size or 1
+    except ValueError:
+        return 0, 1
+
+
 def cli_error(prog: str, err: BaseException, out=None) -> int:
     """The CLI edge of an error commsched detected itself (a ValueError or CommError): one
     line on stderr, ``prog (rank R): message`` when the job has more than one rank, the
@@ -137,14 +149,7 @@ def cli_error(prog: str, err: BaseException, out=None) -> int:
     The rank comes from the process group, or torchrun's environment before there is one."""
     from .results import mark_failed
 
-    if dist.is_available() and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        try:
-            env = read_env()
-            rank, world = env.rank or 0, env.world_size or 1
-        except ValueError:
-            rank, world = 0, 1
+    rank, world = _cli_rank()
     msg = " ".join(str(err).split()) or type(err).__name__
     if world > 1 and msg.startswith(f"rank {rank}: "):
         msg = msg[len(f"rank {rank}: "):]  # a CommError names its rank already
@@ -174,11 +179,17 @@ def cli_main(prog: str, body, *, out=None) -> int:
       None before there is one) gives a folder, exit status 2 (:func:`cli_error`);
     * SIGTERM ends it with the same kind of line, ``stopped by SIGTERM``, and the FAILED
       marker, exit status 143 (128 + 15): a run stopped from outside is never mistaken for
-      a finished one.
+      a finished one;
+    * any other exception keeps its traceback (it is raised on) and leaves
+      ``prog (rank R): Type: message`` in the FAILED marker;
+    * whatever happened, the process groups are destroyed last (after the error line,
+      which names the rank from the group), once the body has made them.
 
     The SIGTERM handler is installed for the call (main thread only) and restored after."""
     import signal
     import threading
+
+    from .results import mark_failed
 
     def on_term(signum, frame):
         raise Stopped(signum)
@@ -193,9 +204,14 @@ def cli_main(prog: str, body, *, out=None) -> int:
     except Stopped as e:
         cli_error(prog, e, out() if out is not None else None)
         return 128 + e.signum
+    except BaseException as e:  # not one of ours: the traceback stays, the folder says it failed
+        mark_failed(out() if out is not None else None, f"{prog} (rank {_cli_rank()[0]}): {type(e).__name__}: {e}")
+        raise
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")  # the --device of every entry point

@@ -547,7 +547,23 @@ def test_cli_main_maps_errors_and_restores_the_handler(tmp_path, capsys):
     assert cli_main("prog", lambda: 0) == 0
     with pytest.raises(KeyError):  # not one of ours: the traceback stays
         cli_main("prog", lambda: {}["k"])
+    with pytest.raises(KeyError):  # ... and the run folder says it failed, naming the type
+        cli_main("prog", lambda: {}["k"], out=lambda: tmp_path)
+    assert (tmp_path / FAILED_MARKER).read_text().splitlines()[-1] == "prog (rank 0): KeyError: 'k'"
     assert issubclass(Stopped, BaseException) and not issubclass(Stopped, Exception)
+
+
+def test_cli_main_tears_down_the_process_groups_it_leaves(capsys):
+    import torch.distributed as dist
+
+    from commsched.dist import cli_main, init_distributed
+
+    def body():
+        init_distributed(backend="gloo", device="cpu")
+        raise ValueError("bad")
+
+    assert cli_main("prog", body) == 2 and not dist.is_initialized()
+    assert capsys.readouterr().err.strip() == "prog: bad"
 
 
 @pytest.mark.slow
