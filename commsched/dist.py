@@ -14,7 +14,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -364,7 +364,8 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
     return DistInfo(dist.get_rank(), dist.get_world_size(), dev)
 
 
-GLOO_THREADED = "commsched_gloo"  # a gloo backend with a chosen number of worker threads
+GLOO_GROUP = "commsched_gloo"  # gloo with a chosen number of worker threads, on a chosen address
+DEFAULT_GLOO_THREADS = 2       # gloo's own default
 
 
 def gloo_devices() -> list:
@@ -381,16 +382,21 @@ def gloo_devices() -> list:
 
 @dataclass(frozen=True)
 class GlooGroupOptions:
-    """Options of one threaded gloo group, handed to its creator through ``pg_options``."""
+    """Options of one commsched gloo group, handed to its creator through ``pg_options``:
+    its worker threads, and the local address its connections bind to (None: the
+    interfaces of :func:`gloo_devices`, as torch's own groups)."""
 
     threads: int
+    address: str | None = None
 
 
-def _create_threaded_gloo(backend_opts, options: GlooGroupOptions):
+def _create_gloo(backend_opts, options: GlooGroupOptions):
+    """The one factory of commsched's gloo groups (threaded, bound or both)."""
     from torch.distributed import ProcessGroupGloo
 
     opts = ProcessGroupGloo._Options()
-    opts._devices = gloo_devices()
+    opts._devices = (gloo_devices() if options.address is None
+                     else [ProcessGroupGloo.create_device(hostname=options.address)])
     opts._threads = options.threads
     timeout = backend_opts.timeout
     opts._timeout = timeout if timeout is not None else datetime.timedelta(minutes=30)
@@ -398,18 +404,21 @@ def _create_threaded_gloo(backend_opts, options: GlooGroupOptions):
 
 
 def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float | None = None,
-              backend: str | None = None):
+              backend: str | None = None, address: str | None = None):
     """``dist.new_group(ranks)`` under the configured timeout (``timeout_s``, default
     ``COMMSCHED_TIMEOUT_S``: torch's own default for a new group is 30 minutes whatever the
     default group's is); on gloo with ``threads``, a group whose collectives run on that
-    many worker threads (gloo's default is 2; ``new_group`` ignores options for gloo).
+    many worker threads (gloo's default is 2; ``new_group`` ignores options for gloo); on
+    gloo with ``address``, a group whose connections bind to that local address
+    (:mod:`commsched.priority.bind`).
 
     Asynchronous collectives queued on one gloo group run at most ``threads`` at a time, so
     many small operations in flight (Lina's micro-ops) pay one latency each in turn; more
-    threads let their latencies overlap. Other backends ignore ``threads``. Every rank must
-    call it, in the same order, like ``dist.new_group``. Every group commsched creates is
-    made here. ``backend``: the group's backend (default: the default group's); a group that
-    only carries CPU control tensors is :func:`control_group`'s.
+    threads let their latencies overlap. Other backends ignore ``threads`` and ``address``.
+    Every rank must call it, in the same order, like ``dist.new_group``. Every group
+    commsched creates is made here (a run's through :class:`RunGroups`). ``backend``: the
+    group's backend (default: the default group's); a group that only carries CPU control
+    tensors is :func:`control_group`'s.
     """
     t = read_env().timeout_s if timeout_s is None else float(timeout_s)
     if not t > 0:
@@ -420,15 +429,15 @@ def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float 
             raise ValueError("new_group: threads is an option of the default gloo backend; give threads or "
                              f"backend, not both (got backend={backend!r}, threads={threads})")
         return dist.new_group(ranks, backend=backend, timeout=timeout)
-    if threads is None or dist.get_backend() != "gloo":
+    if (threads is None and address is None) or dist.get_backend() != "gloo":
         return dist.new_group(ranks, timeout=timeout)
-    if threads < 1:
+    if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    if GLOO_THREADED not in dist.Backend.backend_list:
-        dist.Backend.register_backend(GLOO_THREADED, _create_threaded_gloo, extended_api=True,
+    if GLOO_GROUP not in dist.Backend.backend_list:
+        dist.Backend.register_backend(GLOO_GROUP, _create_gloo, extended_api=True,
                                       devices=["cpu", "cuda"])  # gloo reduces CUDA tensors too
-    return dist.new_group(ranks, backend=GLOO_THREADED, pg_options=GlooGroupOptions(threads),
-                          timeout=timeout)
+    return dist.new_group(list(ranks), backend=GLOO_GROUP, timeout=timeout,
+                          pg_options=GlooGroupOptions(threads or DEFAULT_GLOO_THREADS, address))
 
 
 CONTROL_BACKEND = "gloo"  # the backend of groups that carry only CPU control tensors
@@ -441,6 +450,47 @@ def control_group(ranks: list[int], *, timeout_s: float | None = None):
     communicator at once (connected eagerly, split from the default one), with its device
     memory, that a control group would never use. Collective, as :func:`new_group`."""
     return new_group(ranks, timeout_s=timeout_s, backend=CONTROL_BACKEND)
+
+
+class RunGroups:
+    """The process groups of one run: every group a run needs beyond the default one
+    (expert-parallel, expert-data-parallel, data-parallel, hierarchical, bound twins,
+    control) is made here on demand (:meth:`new`, :meth:`control`: collective, as
+    :func:`new_group`), kept, and destroyed once by :meth:`close` (or at the end of a
+    ``with`` block), so no group outlives its run."""
+
+    def __init__(self) -> None:
+        self._made: list[Any] = []
+
+    def new(self, ranks: Sequence[int], **kw: Any):
+        """:func:`new_group` of ``ranks`` (its keywords), kept until :meth:`close`."""
+        g = new_group(list(ranks), **kw)
+        self._made.append(g)
+        return g
+
+    def control(self, ranks: Sequence[int], *, timeout_s: float | None = None):
+        """:func:`control_group` of ``ranks``, kept until :meth:`close`."""
+        return self.new(ranks, timeout_s=timeout_s, backend=CONTROL_BACKEND)
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+    def close(self) -> None:
+        """Destroy every group made here (those the default group's teardown has not already
+        destroyed); idempotent."""
+        made, self._made = self._made, []
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        live = dist.distributed_c10d._world.pg_map
+        for g in reversed(made):
+            if g in live:
+                dist.destroy_process_group(g)
+
+    def __enter__(self) -> "RunGroups":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 # --------------------------------------------------------------------------- guarded collectives

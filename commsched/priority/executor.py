@@ -57,8 +57,10 @@ the executor's own thread (after a completion), so the launch order is the polic
 
 Rooms. This module is the scheduling core (registration, hooks, readiness, launches, the
 observer methods, the end of the step); the bucket layout is :mod:`~commsched.priority.buckets`
-(pure), completion tracking and the executor thread :mod:`~commsched.priority.completion`,
-the timeline records :mod:`~commsched.priority.records`.
+(pure); the scheduler holds a completion tracker (the executor thread,
+:class:`~commsched.priority.completion.CompletionTracker`) and a recorder (the timeline,
+:class:`~commsched.priority.records.Recorder`), each behind its own methods; the groups it
+makes (bound twins, the hierarchy's) live in a :class:`~commsched.dist.RunGroups`.
 
 Devices. On the CPU (gloo) completion is the ``Work``'s done-callback (or a poll) and times
 are host clock readings; on CUDA (NCCL) it is a polled CUDA event
@@ -78,7 +80,6 @@ import dataclasses
 import datetime
 import functools
 import threading
-import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -87,23 +88,30 @@ import torch.distributed as dist
 
 from ..clock import Clock
 from ..config import read_env
-from ..dist import CommError, all_gather_object, comm_guard, peer_failure_hint, unresponsive_note
+from ..dist import (
+    CommError,
+    RunGroups,
+    all_gather_object,
+    comm_guard,
+    peer_failure_hint,
+    unresponsive_note,
+)
 from .bind import bound_twins
 from .buckets import LOCAL, GradSlot, describe, group_ids, plan_buckets, registration_mismatch
 from .completion import (
     POLL_MAX_S,
     POLL_MIN_S,
-    CompletionMixin,
+    CompletionTracker,
     Launcher,
     _all_reduce,
     _with_index,
     current_rank,
     group_size,
 )
-from .hier import HierGroups, HierStep, make_hier
+from .hier import GATHER, INTRA, HierGroups, HierStep, make_hier
 from .microops import CommOp
-from .policy import ScheduleConfig, make_policy
-from .records import OpRecord, RecordsMixin, sort_records, step_timings
+from .policy import OverlapPolicy, Policy, ScheduleConfig, make_policy
+from .records import OpRecord, Recorder
 from .transfer import UrgentOp, urgent
 
 
@@ -118,7 +126,7 @@ class _Op:
         self.work: Any = None
 
 
-class GradScheduler(CompletionMixin, RecordsMixin):
+class GradScheduler:
     """Synchronise the gradients of ``params`` (in launch order) over their groups.
 
     ``params``: entries ``(parameter, group)`` or ``(parameter, group, scale)``. ``group``
@@ -136,28 +144,27 @@ class GradScheduler(CompletionMixin, RecordsMixin):
     (``work.is_completed()``, polled by the executor thread); default: the callback on the
     CPU. On CUDA completion is always a polled CUDA event. ``names``: one name per entry
     (default ``param{i}``), used by the construction check's error. ``find_unused_parameters``,
-    ``external``, ``on_complete``: module docstring.
+    ``external``, ``on_complete``: module docstring. ``groups``: the run's
+    :class:`~commsched.dist.RunGroups`, where the scheduler makes the groups it needs (default:
+    its own, closed with it).
     """
-
-    _OVERLAP = False  # whether the class runs lina-overlap (priority/overlap.py's subclass does)
 
     def __init__(self, params: Sequence[tuple], cfg: ScheduleConfig, *, timeout_s: float | None = None,
                  device: torch.device | str | None = None, launch: Launcher | None = None,
                  completion: str | None = None, names: Sequence[str] | None = None,
                  find_unused_parameters: bool = True, external: Iterable[torch.Tensor] = (),
                  on_complete: Callable[[int, BaseException | None], None] | None = None,
-                 hier: HierGroups | None = None, fallback_buckets: bool = False):
+                 hier: HierGroups | None = None, fallback_buckets: bool = False, groups: RunGroups | None = None):
         self.cfg = cfg
-        if cfg.overlapped and not self._OVERLAP:
-            raise ValueError("the 'lina-overlap' schedule leaves the reduction running into the next forward "
-                             "pass: run it with commsched.priority.overlap.OverlapScheduler and OverlapOptimizer")
-        if names is not None and len(names) != len(params):
-            raise ValueError(f"{len(names)} names for {len(params)} parameters")
-        self.timeout_s = timeout_s if timeout_s is not None else read_env().timeout_s
         if device is None:
             device = params[0][0].device if len(params) else torch.device("cpu")
         self.device = _with_index(torch.device(device))
+        self._policy = self._make_policy(cfg)
+        if names is not None and len(names) != len(params):
+            raise ValueError(f"{len(names)} names for {len(params)} parameters")
+        self.timeout_s = timeout_s if timeout_s is not None else read_env().timeout_s
         self._cuda = self.device.type == "cuda"
+        self.groups, self._own_groups = groups or RunGroups(), groups is None
         # hierarchical operations: all three phases issued at the launch, ordered on the side
         # stream (CUDA); else phase by phase on completions (gloo; priority/hier.py)
         self._chained = self._cuda
@@ -195,7 +202,7 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         self._params = [p for p, _, _, _ in entries]
         self._groups = [g for _, g, _, _ in entries]
         # cfg.reduce_address: reduce over twins of the groups bound to that address (priority/bind.py)
-        twins = bound_twins([g for g in self._groups if g is not LOCAL], cfg.reduce_address)
+        twins = bound_twins([g for g in self._groups if g is not LOCAL], cfg.reduce_address, self.groups)
         self._groups = [twins.get(id(g), g) if g is not LOCAL else g for g in self._groups]
         self._scale = [s for _, _, s, _ in entries]
         self.names = [nm for _, _, _, nm in entries]
@@ -216,27 +223,41 @@ class GradScheduler(CompletionMixin, RecordsMixin):
             self._layouts[True] = self._derive(fifo)
         self.ops, self._op_groups, self._op_hier, self._ops_of_param = self._layouts[False]
         self._hier_step: HierStep | None = None
-        self._policy = make_policy(cfg, self.device.type)
         p = self._policy
         self._holds = (p.hold_for_a2a, p.hold_in_block, p.credit_bytes)
         self._fallback = False
-        # completions to poll (executor thread): seq -> CUDA event or Work
-        self._polled: dict[int, Any] = {}
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
         self._cv = threading.Condition()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(self._params) if not self._external[i]]
-        self._thread_wake = False
-        self._closed = False
         self._error: BaseException | None = None
-        self._dead: CommError | None = None  # the executor thread's death, when it died
         self._active = False
         self._sync = True  # False inside no_sync(): backward passes only accumulate
         self._a2a_key = 0
-        self._reset_records()
-        self._t0 = time.perf_counter()
-        self._thread = threading.Thread(target=self._loop, name="commsched-gradsched", daemon=True)
-        self._thread.start()
+        self.recorder = Recorder(self.clock, self._cuda)
+        self.tracker = CompletionTracker(self._cv, self._completion, self.device, self.clock, self._side,
+                                         completed=self._completed, pump=self._pump, fail=self._fail,
+                                         active=lambda: self._active)
+        self.tracker.start()
+
+    def _make_policy(self, cfg: ScheduleConfig) -> Policy:
+        """The policy of ``cfg`` on this device; every schedule but ``lina-overlap``."""
+        policy = make_policy(cfg, self.device.type)
+        if isinstance(policy, OverlapPolicy):
+            raise ValueError("the 'lina-overlap' schedule leaves the reduction running into the next forward "
+                             "pass: run it with commsched.priority.overlap.OverlapScheduler and OverlapOptimizer")
+        return policy
+
+    @property
+    def records(self) -> list[OpRecord]:
+        """The last finished step's records, in timeline order."""
+        return self.recorder.records
+
+    def _fail(self, err: BaseException, keep_first: bool = False) -> None:
+        """Hand ``err`` to whoever waits (lock held); ``keep_first``: unless one is there."""
+        if not keep_first or self._error is None:
+            self._error = err
+        self._cv.notify_all()
 
     def _derive(self, layout) -> tuple[list[CommOp], list, list[bool], list[list[int]]]:
         """(operations, their groups, whether each goes through the hierarchy, the operations
@@ -271,7 +292,7 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         if hier is None:
             from ..topology import Topology
 
-            hier = make_hier(Topology.from_env())
+            hier = make_hier(Topology.from_env(), run=self.groups)
         return hier
 
     # ------------------------------------------------------------------ step
@@ -302,7 +323,7 @@ class GradScheduler(CompletionMixin, RecordsMixin):
 
     def begin_step(self) -> None:
         with self._cv:
-            self._check_alive()
+            self.tracker.check_alive()
             if self._active:
                 raise RuntimeError("begin_step called twice without finish()")
             self._apply_fallback()
@@ -311,12 +332,12 @@ class GradScheduler(CompletionMixin, RecordsMixin):
             self._param_ready = [False] * len(self._params)
             self._src: list[torch.Tensor | None] = [None] * len(self._params)
             self._used = [False] * len(self._params)
-            self._reset_records()
-            self._polled = {}
+            self.recorder.reset()
+            self.tracker.polled = {}
             if self._hier is not None:
                 self._hier_step = HierStep(self._hier, self._hier_done, chained=self._chained)
                 self._hier_step.expect([s for s, h in enumerate(self._op_hier) if h])
-            self._start_clock()
+            self.recorder.start()
             self._active = True
 
     def set_fallback(self, on: bool) -> None:
@@ -402,8 +423,7 @@ class GradScheduler(CompletionMixin, RecordsMixin):
                 # a hierarchical operation is ready for the policy once its host-local phase is done
                 if not self._op_hier[seq] or self._hier_step.ready(seq, st.flat, st.spec.nbytes):
                     self._policy.allreduce_ready(seq, st.spec.nbytes)
-                rec = self._rec[("allreduce", seq)] = OpRecord("allreduce", seq, st.spec.nbytes, 0.0)
-                self._stamp(rec, "ready_s")
+                self.recorder.open("allreduce", seq, st.spec.nbytes)
 
     def _make_buffer(self, st: _Op) -> None:
         views = [self._src[pc.tensor].view(-1)[pc.offset:pc.offset + pc.numel] for pc in st.spec.pieces]
@@ -416,13 +436,13 @@ class GradScheduler(CompletionMixin, RecordsMixin):
             self._hier_step.pump()  # the host-local phases, in sequence order
         for launch in self._policy.next_ops():
             if launch.kind == "a2a":
-                rec = self._rec.get(("a2a", launch.key))  # type: ignore[arg-type]
+                rec = self.recorder.get("a2a", launch.key)
                 if rec is not None:
-                    self._stamp(rec, "start_s")
+                    self.recorder.stamp(rec, "start_s")
                 continue
             seq = int(launch.key)  # type: ignore[arg-type]
             st = self._state[seq]
-            self._stamp(self._rec[("allreduce", seq)], "start_s")
+            self.recorder.stamp(self.recorder.get("allreduce", seq), "start_s")
             try:
                 launch = functools.partial(self._launch, op=seq) if self._launch_takes_op else self._launch
                 if not self._op_hier[seq]:
@@ -438,15 +458,55 @@ class GradScheduler(CompletionMixin, RecordsMixin):
                 self._cv.notify_all()
                 continue
             st.work = work
-            if self._completion == "callback":
-                work.get_future().add_done_callback(self._make_done(seq))
-            else:  # the executor thread polls it (on CUDA it first records an event after it)
-                self._polled[seq] = work
-                self._thread_wake = True
-                self._cv.notify_all()
+            self.tracker.watch(seq, work)
         if self._launch_flush is not None:
             # the launches of this program point, summed together now (CompressedLauncher)
             self._launch_flush()
+
+    # ------------------------------------------------------------------ completions (CompletionTracker)
+    def _completed(self, seq: int, end_mark: Any = None, error: BaseException | None = None) -> None:
+        """Allreduce ``seq`` is done (lock held), or failed with ``error``; ``end_mark``: its
+        CUDA event. For a hierarchical operation on the CPU its phase across hosts is, and
+        the gather follows (:meth:`_hier_done`)."""
+        if error is not None:
+            if self._error is None:
+                self._error = CommError(f"rank {current_rank()}: allreduce {seq} failed: {error}")
+            error = self._error
+        staged = self._op_hier[seq] and not self._chained
+        if self._hier_step is not None and self._op_hier[seq]:
+            self._hier_step.inter_done(seq)
+        if self._on_complete is not None and (not staged or error is not None):
+            self._on_complete(seq, error)
+        rec = self.recorder.get("allreduce", seq)
+        if rec is not None:
+            self.recorder.end(rec, end_mark)
+        try:
+            self._policy.allreduce_done(seq)
+        except ValueError:
+            pass
+        self.tracker.wake()
+
+    def _hier_done(self, phase: str, seq: int, err: BaseException | None) -> None:
+        """Phase ``intra`` or ``gather`` of hierarchical operation ``seq`` finished (a backend
+        thread, or the caller's with the lock held): the policy may launch its phase across
+        hosts, or the operation is done."""
+        with self._cv:
+            if err is not None:
+                if self._error is None:
+                    self._error = CommError(f"rank {current_rank()}: hierarchical reduction of operation {seq} "
+                                            f"failed in its {phase} phase: {err}")
+                if self._on_complete is not None:
+                    self._on_complete(seq, self._error)
+            elif phase == INTRA:
+                self._policy.allreduce_ready(seq, self._state[seq].spec.nbytes)
+            elif phase == GATHER:
+                self._hier_step.gathered(seq)
+                rec = self.recorder.get("allreduce", seq)
+                if rec is not None:
+                    self.recorder.end(rec)
+                if self._on_complete is not None:
+                    self._on_complete(seq, None)
+            self.tracker.wake()
 
     # ------------------------------------------------------------------ observer (compute thread)
     def a2a_begin(self, nbytes: int) -> object:
@@ -454,8 +514,7 @@ class GradScheduler(CompletionMixin, RecordsMixin):
             key = self._a2a_key
             self._a2a_key += 1
             if self._active:
-                rec = self._rec[("a2a", key)] = OpRecord("a2a", key, nbytes, 0.0)
-                self._stamp(rec, "ready_s")
+                self.recorder.open("a2a", key, nbytes)
             self._policy.a2a_waiting(key, nbytes)
             self._pump()
             return key
@@ -463,22 +522,18 @@ class GradScheduler(CompletionMixin, RecordsMixin):
     def a2a_end(self, token: object) -> None:
         with self._cv:
             self._policy.a2a_done(token)
-            rec = self._rec.get(("a2a", token))  # type: ignore[arg-type]
+            rec = self.recorder.get("a2a", token)
             if rec is not None:
-                self._stamp(rec, "end_s")
+                self.recorder.stamp(rec, "end_s")
             if self._active:
                 self._pump()
 
     def a2a_blocked(self, seconds: float) -> None:
-        self._a2a_blocked_s += seconds  # compute thread only
+        self.recorder.blocked_s += seconds  # compute thread only
 
     def a2a_blocked_interval(self, a: Any, b: Any) -> None:
-        """The blocked time as two clock marks: host seconds are added now, CUDA events in
-        :meth:`finish` (which synchronises once anyway), never at the exchange."""
-        if isinstance(a, float):
-            self._a2a_blocked_s += b - a
-        else:
-            self._blocked_marks.append((a, b))
+        """The blocked time as two clock marks (:meth:`Recorder.blocked`)."""
+        self.recorder.blocked(a, b)
 
     def block_begin(self) -> None:
         with self._cv:
@@ -498,7 +553,7 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         reduced values are then in place; on CUDA the caller's current stream waits for the
         reductions, so whatever it runs next (the copy-back here, the optimizer step) reads
         reduced gradients."""
-        t_end = self._now()
+        t_end = self.recorder.now()
         end_mark = self.clock.mark() if self._cuda else None
         with self._cv:
             if not self._active:
@@ -579,13 +634,7 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         if self._find_unused:
             self._clear_unused(used)
         with self._cv:
-            t_done = self._now()
-            recs = list(self._rec.values())
-            if self._cuda:
-                t_end, t_done = self._resolve_marks(end_mark)
-            self._resolve_blocked()
-        self.records = sort_records(recs)
-        return step_timings(recs, t_end=t_end, t_done=t_done, a2a_blocked_s=self._a2a_blocked_s)
+            return self.recorder.timings(t_end, end_mark)
 
     def _clear_unused(self, used: list[bool]) -> None:
         """Leave ``grad`` None where no rank of the parameter's group used it: one used-flag
@@ -613,10 +662,9 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._thread.join(timeout=5)
+        self.tracker.close()
+        if self._own_groups:
+            self.groups.close()
 
     def __enter__(self) -> "GradScheduler":
         return self
