@@ -472,9 +472,6 @@ class RunGroups:
         """:func:`control_group` of ``ranks``, kept until :meth:`close`."""
         return self.new(ranks, timeout_s=timeout_s, backend=CONTROL_BACKEND)
 
-    def __len__(self) -> int:
-        return len(self._made)
-
     def close(self) -> None:
         """Destroy every group made here (those the default group's teardown has not already
         destroyed); idempotent."""

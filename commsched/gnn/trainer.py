@@ -370,25 +370,29 @@ class Trainer:
     def _grad_scheduler(self):
         """The core's gradient scheduler of ``cfg.grad_schedule`` (None: the flat allreduce,
         or one rank). Collective: a process group of its own (the halo exchanges keep
-        theirs, so the two never queue on one group in different orders on two ranks)."""
+        theirs, so the two never queue on one group in different orders on two ranks), made
+        in a :class:`~commsched.dist.RunGroups` closed with the scheduler (:meth:`close`)."""
         if self.cfg.grad_schedule == "flat" or self.world == 1:
             return None
-        from ..dist import new_group
+        from ..dist import RunGroups
         from ..priority.executor import GradScheduler
         from ..priority.policy import ScheduleConfig
 
         ranks = (list(range(self.world)) if self.group is None
                  else [dist.get_global_rank(self.group, r) for r in range(self.world)])
-        own = new_group(ranks)
+        self._groups = RunGroups()
+        own = self._groups.new(ranks)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         # a sum, as the flat allreduce's (the loss is divided by the global training count)
         return GradScheduler([(p, own, 1.0) for _, p in named], ScheduleConfig(self.cfg.grad_schedule),
-                             device=self.device, names=[n for n, _ in named])
+                             device=self.device, names=[n for n, _ in named], groups=self._groups)
 
     def close(self) -> None:
-        """Stop the gradient scheduler's thread (nothing to do under the flat allreduce)."""
+        """Stop the gradient scheduler's thread and destroy its group (nothing to do under the
+        flat allreduce)."""
         if self.grad_sched is not None:
             self.grad_sched.close()
+            self._groups.close()
             self.grad_sched = None
 
     def train_epoch(self) -> float:

@@ -164,7 +164,7 @@ class GradScheduler:
             raise ValueError(f"{len(names)} names for {len(params)} parameters")
         self.timeout_s = timeout_s if timeout_s is not None else read_env().timeout_s
         self._cuda = self.device.type == "cuda"
-        self.groups, self._own_groups = groups or RunGroups(), groups is None
+        self.groups, self._own_groups = groups if groups is not None else RunGroups(), groups is None
         # hierarchical operations: all three phases issued at the launch, ordered on the side
         # stream (CUDA); else phase by phase on completions (gloo; priority/hier.py)
         self._chained = self._cuda
