@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import socket
 import sys
 import time
 from contextlib import contextmanager
@@ -26,7 +27,8 @@ class CommError(RuntimeError):
     """A collective failed: a peer died, timed out, or the ranks disagreed."""
 
 
-def _rank() -> int:
+def current_rank() -> int:
+    """This process's rank in the default group (0 before there is one): the rank error messages name."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -57,7 +59,7 @@ def comm_guard(what: str, group=None) -> Iterator[None]:
         # only a peer's failure is worth the liveness check: a local error (bad sizes) would
         # wait for peers that are still blocked in the collective and misname them
         note = unresponsive_note(group) if hint is not None else ""
-        raise CommError(f"rank {_rank()}: {what} failed: {hint or 'the collective failed'}: "
+        raise CommError(f"rank {current_rank()}: {what} failed: {hint or 'the collective failed'}: "
                         f"{cause}{note}") from e
 
 
@@ -403,14 +405,28 @@ def _create_gloo(backend_opts, options: GlooGroupOptions):
     return ProcessGroupGloo(backend_opts.store, backend_opts.group_rank, backend_opts.group_size, opts)
 
 
+def check_address(address: str) -> str:
+    """``address`` if this process can bind a socket to it, else a ValueError that says so."""
+    if not isinstance(address, str) or not address:
+        raise ValueError(f"reduce_address must be a local IPv4 address such as 127.0.0.2, got {address!r}")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((address, 0))
+    except OSError as e:
+        raise ValueError(f"reduce_address {address!r} is not an address of this machine ({e}); on the "
+                         "emulated loopback any 127.x.y.z works, elsewhere give one of the host's addresses "
+                         "or drop --reduce-address") from None
+    return address
+
+
 def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float | None = None,
               backend: str | None = None, address: str | None = None):
     """``dist.new_group(ranks)`` under the configured timeout (``timeout_s``, default
     ``COMMSCHED_TIMEOUT_S``: torch's own default for a new group is 30 minutes whatever the
     default group's is); on gloo with ``threads``, a group whose collectives run on that
     many worker threads (gloo's default is 2; ``new_group`` ignores options for gloo); on
-    gloo with ``address``, a group whose connections bind to that local address
-    (:mod:`commsched.priority.bind`).
+    gloo with ``address``, a group whose connections bind to that local address (checked:
+    :func:`check_address`; :mod:`commsched.priority.bind`).
 
     Asynchronous collectives queued on one gloo group run at most ``threads`` at a time, so
     many small operations in flight (Lina's micro-ops) pay one latency each in turn; more
@@ -418,7 +434,7 @@ def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float 
     Every rank must call it, in the same order, like ``dist.new_group``. Every group
     commsched creates is made here (a run's through :class:`RunGroups`). ``backend``: the
     group's backend (default: the default group's); a group that only carries CPU control
-    tensors is :func:`control_group`'s.
+    tensors is :meth:`RunGroups.control`'s.
     """
     t = read_env().timeout_s if timeout_s is None else float(timeout_s)
     if not t > 0:
@@ -433,6 +449,8 @@ def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float 
         return dist.new_group(ranks, timeout=timeout)
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
+    if address is not None:
+        check_address(address)
     if GLOO_GROUP not in dist.Backend.backend_list:
         dist.Backend.register_backend(GLOO_GROUP, _create_gloo, extended_api=True,
                                       devices=["cpu", "cuda"])  # gloo reduces CUDA tensors too
@@ -441,15 +459,6 @@ def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float 
 
 
 CONTROL_BACKEND = "gloo"  # the backend of groups that carry only CPU control tensors
-
-
-def control_group(ranks: list[int], *, timeout_s: float | None = None):
-    """A group for small CPU control tensors only (counts, flags, agreements; never a CUDA
-    tensor): gloo whatever the default group's backend. A group made with the default
-    backend inherits a CUDA job's bound device (``device_id``) and gets an NCCL
-    communicator at once (connected eagerly, split from the default one), with its device
-    memory, that a control group would never use. Collective, as :func:`new_group`."""
-    return new_group(ranks, timeout_s=timeout_s, backend=CONTROL_BACKEND)
 
 
 class RunGroups:
@@ -469,7 +478,10 @@ class RunGroups:
         return g
 
     def control(self, ranks: Sequence[int], *, timeout_s: float | None = None):
-        """:func:`control_group` of ``ranks``, kept until :meth:`close`."""
+        """A group of ``ranks`` for small CPU control tensors only (counts, flags, agreements;
+        never a CUDA tensor): gloo whatever the default group's backend. A group made with
+        the default backend inherits a CUDA job's bound device (``device_id``) and gets an
+        NCCL communicator at once, with its device memory, that a control group never uses."""
         return self.new(ranks, timeout_s=timeout_s, backend=CONTROL_BACKEND)
 
     def close(self) -> None:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..dist import CommError
+from ..dist import CommError, current_rank
 
 
 def _with_index(device: torch.device) -> torch.device:
@@ -62,11 +62,6 @@ def group_size(g) -> int:
 # POLL_MIN_S, then ever less often (doubling while nothing completes) up to POLL_MAX_S: a long
 # reduction costs a few hundred wake-ups a second at most, not 10^4 (each takes the lock and the GIL)
 POLL_MIN_S, POLL_MAX_S = 1e-4, 2e-3
-
-
-def current_rank() -> int:
-    """This process's rank in the default group (0 before there is one): the rank error messages name."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class CompletionTracker:

@@ -56,22 +56,15 @@ Launches happen under one lock, from the compute thread (hooks, observer calls) 
 the executor's own thread (after a completion), so the launch order is the policy's order.
 
 Rooms. This module is the scheduling core (registration, hooks, readiness, launches, the
-observer methods, the end of the step); the bucket layout is :mod:`~commsched.priority.buckets`
-(pure); the scheduler holds a completion tracker (the executor thread,
-:class:`~commsched.priority.completion.CompletionTracker`) and a recorder (the timeline,
-:class:`~commsched.priority.records.Recorder`), each behind its own methods; the groups it
-makes (bound twins, the hierarchy's) live in a :class:`~commsched.dist.RunGroups`.
-
-Devices. On the CPU (gloo) completion is the ``Work``'s done-callback (or a poll) and times
-are host clock readings; on CUDA (NCCL) it is a polled CUDA event
-(:mod:`~commsched.priority.completion`) and times are CUDA events
-(:mod:`~commsched.priority.records`). On CUDA the policy runs the ``program`` launch rule
-by default (:mod:`commsched.priority.policy`): every launch happens at a point of the
-program, in the same order on every rank, never in reaction to a completion, as NCCL needs
-for collectives on two communicators. Whatever the device, :meth:`finish` calls
-``work.wait()`` on every launched ``Work`` before it returns (on CUDA that makes the
-caller's stream wait for the reduction, so the copy-back and the optimizer step read
-reduced gradients).
+observer methods, the end of the step). The scheduler holds a
+:class:`~commsched.priority.completion.CompletionTracker` (done-callbacks on the CPU, polled
+CUDA events on CUDA, the executor thread) and a :class:`~commsched.priority.records.Recorder`
+(host clock or CUDA events); the bucket layout is :mod:`~commsched.priority.buckets`; the
+groups it makes (bound twins, the hierarchy's) live in a :class:`~commsched.dist.RunGroups`.
+On CUDA the policy runs the ``program`` launch rule by default (:mod:`commsched.priority.policy`):
+every launch happens at a point of the program, in the same order on every rank, as NCCL
+needs. :meth:`finish` calls ``work.wait()`` on every launched ``Work`` before it returns (on
+CUDA the caller's stream then waits for the reduction).
 """
 
 from __future__ import annotations
@@ -99,8 +92,6 @@ from ..dist import (
 from .bind import bound_twins
 from .buckets import LOCAL, GradSlot, describe, group_ids, plan_buckets, registration_mismatch
 from .completion import (
-    POLL_MAX_S,
-    POLL_MIN_S,
     CompletionTracker,
     Launcher,
     _all_reduce,
@@ -436,13 +427,11 @@ class GradScheduler:
             self._hier_step.pump()  # the host-local phases, in sequence order
         for launch in self._policy.next_ops():
             if launch.kind == "a2a":
-                rec = self.recorder.get("a2a", launch.key)
-                if rec is not None:
-                    self.recorder.stamp(rec, "start_s")
+                self.recorder.stamp("a2a", launch.key, "start_s")
                 continue
             seq = int(launch.key)  # type: ignore[arg-type]
             st = self._state[seq]
-            self.recorder.stamp(self.recorder.get("allreduce", seq), "start_s")
+            self.recorder.stamp("allreduce", seq, "start_s")
             try:
                 launch = functools.partial(self._launch, op=seq) if self._launch_takes_op else self._launch
                 if not self._op_hier[seq]:
@@ -477,9 +466,7 @@ class GradScheduler:
             self._hier_step.inter_done(seq)
         if self._on_complete is not None and (not staged or error is not None):
             self._on_complete(seq, error)
-        rec = self.recorder.get("allreduce", seq)
-        if rec is not None:
-            self.recorder.end(rec, end_mark)
+        self.recorder.stamp("allreduce", seq, "end_s", end_mark)
         try:
             self._policy.allreduce_done(seq)
         except ValueError:
@@ -501,9 +488,7 @@ class GradScheduler:
                 self._policy.allreduce_ready(seq, self._state[seq].spec.nbytes)
             elif phase == GATHER:
                 self._hier_step.gathered(seq)
-                rec = self.recorder.get("allreduce", seq)
-                if rec is not None:
-                    self.recorder.end(rec)
+                self.recorder.stamp("allreduce", seq, "end_s")
                 if self._on_complete is not None:
                     self._on_complete(seq, None)
             self.tracker.wake()
@@ -522,9 +507,7 @@ class GradScheduler:
     def a2a_end(self, token: object) -> None:
         with self._cv:
             self._policy.a2a_done(token)
-            rec = self.recorder.get("a2a", token)
-            if rec is not None:
-                self.recorder.stamp(rec, "end_s")
+            self.recorder.stamp("a2a", token, "end_s")
             if self._active:
                 self._pump()
 
@@ -681,6 +664,5 @@ class GradScheduler:
 
 
 # re-exported: their homes are priority/buckets.py, records.py and completion.py (group_size)
-__all__ = ["LOCAL", "POLL_MAX_S", "POLL_MIN_S", "GradScheduler", "OpRecord", "group_size",
-           "registration_mismatch"]
+__all__ = ["LOCAL", "GradScheduler", "OpRecord", "group_size", "registration_mismatch"]
 

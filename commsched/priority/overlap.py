@@ -62,8 +62,7 @@ from ..dist import (
     peer_failure_hint,
     unresponsive_note,
 )
-from .bind import bind_new_group
-from .buckets import LOCAL
+from .bind import members, twins
 from .executor import GradScheduler
 from .policy import OverlapPolicy, Policy, ScheduleConfig, make_policy
 from .records import OpRecord
@@ -87,7 +86,7 @@ def _with_liveness(err: BaseException) -> CommError:
 class OverlapScheduler(GradScheduler):
     """:class:`~commsched.priority.executor.GradScheduler` under ``lina-overlap`` (module
     docstring); the arguments are its, ``cfg.policy`` must be ``"lina-overlap"``;
-    ``tail_threads``: gloo worker threads of the tail's twin groups (:meth:`_make_tail_groups`).
+    ``tail_threads``: gloo worker threads of the tail's twin groups.
 
     A step: :meth:`begin_step`, the backward pass, :meth:`end_backward_async` (returns at
     once), then, while the next forward pass runs, :meth:`wait_params` per module and
@@ -104,15 +103,15 @@ class OverlapScheduler(GradScheduler):
         # every rank makes the control group here, at construction, like every group: gloo
         # (CPU agreement tensors only), so a CUDA job gives it no NCCL communicator
         self._ctrl = self.groups.control(range(dist.get_world_size())) if dist_on else None
-        self._members: list[tuple[int, ...] | None] = []
-        for g in self._groups:
-            if g is LOCAL or not dist_on or (g is not None and not isinstance(g, dist.ProcessGroup)):
-                self._members.append(None)  # this rank's own flag
-            elif g is None:
-                self._members.append(tuple(range(dist.get_world_size())))
-            else:
-                self._members.append(tuple(dist.get_process_group_ranks(g)))
-        self._tail_group = self._make_tail_groups(tail_threads) if dist_on else {}
+        # the ranks whose used flags count for each parameter (None: this rank's own flag)
+        self._members = [members(g) if dist_on and (g is None or isinstance(g, dist.ProcessGroup)) else None
+                         for g in self._groups]
+        # a twin of every communicating group for the tail: micro-ops launched before the
+        # backward pass ended stay queued on the original groups (gloo runs a group's
+        # collectives in launch order, ``tail_threads`` at a time); on the twins the tail's
+        # first micro-ops start at once instead of queuing behind them
+        self._tail_group = twins(self._groups, self.groups, address=cfg.reduce_address, threads=tail_threads,
+                                 what="listing the groups of lina-overlap's tail") if dist_on else {}
         self._agreed = True
         self._used_final: list[bool] = [True] * len(self._params)
         self._remaining: list[int] = [len(o) for o in self._ops_of_param]
@@ -127,18 +126,6 @@ class OverlapScheduler(GradScheduler):
             raise ValueError(f"OverlapScheduler runs the 'lina-overlap' schedule, got {cfg.policy!r}; use "
                              "GradScheduler for the others")
         return policy
-
-    def _make_tail_groups(self, threads: int | None) -> dict[int, Any]:
-        """A twin of every communicating group for the tail (collective: every rank makes
-        the twins of every rank's groups, in one order). Micro-ops launched before the
-        backward pass ended stay queued on the original groups (gloo runs a group's
-        collectives in launch order, ``threads`` at a time); on the twins the tail's first
-        micro-ops start at once instead of queuing behind them."""
-        mine = sorted({m for m, g in zip(self._members, self._groups) if m is not None and g is not LOCAL})
-        every = sorted({tuple(m) for ms in all_gather_object(mine, "listing the groups of lina-overlap's tail")
-                        for m in ms})
-        made = {m: bind_new_group(m, self.cfg.reduce_address, threads, self.groups) for m in every}
-        return {id(g): made[m] for m, g in zip(self._members, self._groups) if m is not None and g is not LOCAL}
 
     def _retarget_tail(self, agreed: int) -> None:
         """Operations from ``agreed`` on (the reordered tail, the same on every rank) go to
@@ -335,7 +322,7 @@ class OverlapScheduler(GradScheduler):
         if rec is not None:
             with self._cv:
                 if self._active:
-                    self.recorder.stamp(rec, field)
+                    self.recorder.stamp(rec.kind, rec.key, field)
 
 
 class OverlapOptimizer:

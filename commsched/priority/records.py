@@ -99,28 +99,21 @@ class Recorder:
     def open(self, kind: str, key: int, nbytes: int) -> OpRecord:
         """A new record of this step, stamped ready now."""
         rec = self._rec[(kind, key)] = OpRecord(kind, key, nbytes, 0.0)
-        self.stamp(rec, "ready_s")
+        self.stamp(kind, key, "ready_s")
         return rec
 
-    def get(self, kind: str, key: Any) -> OpRecord | None:
-        return self._rec.get((kind, key))
-
-    def stamp(self, rec: OpRecord, field: str, stream: Any = None) -> None:
-        """Set ``rec.<field>`` to now: the host clock on the CPU; on CUDA a CUDA event
-        (recorded on ``stream``, default the current one) resolved in :meth:`timings`."""
-        if self.cuda:
-            self._marks[(rec.kind, rec.key, field)] = self.clock.mark(stream)
+    def stamp(self, kind: str, key: Any, field: str, mark: Any = None) -> None:
+        """Set the field of record (``kind``, ``key``) of this step, if there is one, to now:
+        the host clock on the CPU; on CUDA a CUDA event (``mark``, default one recorded on
+        the current stream now) resolved in :meth:`timings`."""
+        rec = self._rec.get((kind, key))
+        if rec is None:
+            return
+        if self.cuda or mark is not None:
+            self._marks[(kind, key, field)] = mark if mark is not None else self.clock.mark()
             setattr(rec, field, 0.0)
         else:
             setattr(rec, field, self.now())
-
-    def end(self, rec: OpRecord, mark: Any = None) -> None:
-        """``rec`` ended now, or (CUDA) at the event ``mark``."""
-        if mark is None:
-            rec.end_s = self.now()
-        else:
-            self._marks[(rec.kind, rec.key, "end_s")] = mark
-            rec.end_s = 0.0
 
     def blocked(self, a: Any, b: Any) -> None:
         """The all-to-all blocked from ``a`` to ``b``: host seconds are added now, CUDA events

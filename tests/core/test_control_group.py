@@ -15,7 +15,7 @@ from tests.mp import run_ranks
 def test_control_group_asks_for_gloo_whatever_the_default_backend(monkeypatch):
     calls = []
     monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: calls.append((list(ranks), kw)) or "g")
-    assert cs_dist.control_group([0, 1], timeout_s=7) == "g"
+    assert cs_dist.RunGroups().control([0, 1], timeout_s=7) == "g"
     (ranks, kw), = calls
     assert ranks == [0, 1] and kw["backend"] == "gloo" == cs_dist.CONTROL_BACKEND
     assert kw["timeout"].total_seconds() == 7
