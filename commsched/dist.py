@@ -539,11 +539,7 @@ def scatter_object(objs: list[Any] | None, what: str, src: int = 0, group=None) 
 
 def config_digest(config: Any) -> str:
     """Stable digest of a config (dataclass, dict or any JSON-able value)."""
-    import dataclasses
-
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        config = dataclasses.asdict(config)
-    blob = json.dumps(config, sort_keys=True, default=str).encode()
+    blob = json.dumps(_as_dict(config), sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()
 
 

@@ -64,11 +64,20 @@ def group_size(g) -> int:
 POLL_MIN_S, POLL_MAX_S = 1e-4, 2e-3
 
 
+def outcome(fut: Any) -> BaseException | None:
+    """The exception a completed future holds, or None."""
+    try:
+        fut.value()
+    except BaseException as e:
+        return e
+    return None
+
+
 class CompletionTracker:
     """Done-callbacks, polling and the executor thread of one scheduler (module docstring).
     ``mode``: ``"callback"``, ``"poll"`` or ``"event"`` (CUDA: events on ``side``, timed
-    by ``clock``). Every method but :meth:`start` and :meth:`close` runs with ``cv`` held
-    (done-callbacks take it themselves)."""
+    by ``clock``); its thread starts at once. Every method but :meth:`close` runs with ``cv``
+    held (done-callbacks take it themselves)."""
 
     def __init__(self, cv: Any, mode: str, device: torch.device, clock: Any, side: Any, *,
                  completed: Callable[[int, Any, BaseException | None], None], pump: Callable[[], None],
@@ -80,14 +89,12 @@ class CompletionTracker:
         self._closed = False
         self.dead: CommError | None = None  # the thread's death, when it died
         self._thread = threading.Thread(target=self._loop, name="commsched-gradsched", daemon=True)
-
-    def start(self) -> None:
         self._thread.start()
 
     def watch(self, seq: int, work: Any) -> None:
         """Operation ``seq`` was launched as ``work``: learn when it is done."""
         if self.mode == "callback":
-            work.get_future().add_done_callback(self._make_done(seq))
+            work.get_future().add_done_callback(lambda fut: self._done(seq, fut))
         else:  # the thread polls it (on CUDA it first records an event after it)
             self.polled[seq] = work
             self.wake()
@@ -97,16 +104,10 @@ class CompletionTracker:
         self._wake = True
         self.cv.notify_all()
 
-    def _make_done(self, seq: int):
-        def done(fut) -> None:
-            err = None
-            try:
-                fut.value()
-            except BaseException as e:  # handed to finish()
-                err = e
-            with self.cv:
-                self._completed(seq, None, err)
-        return done
+    def _done(self, seq: int, fut: Any) -> None:
+        err = outcome(fut)  # handed to finish()
+        with self.cv:
+            self._completed(seq, None, err)
 
     def _poll(self) -> None:
         """Check the polled completions (executor thread, lock held)."""

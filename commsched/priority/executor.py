@@ -229,7 +229,6 @@ class GradScheduler:
         self.tracker = CompletionTracker(self._cv, self._completion, self.device, self.clock, self._side,
                                          completed=self._completed, pump=self._pump, fail=self._fail,
                                          active=lambda: self._active)
-        self.tracker.start()
 
     def _make_policy(self, cfg: ScheduleConfig) -> Policy:
         """The policy of ``cfg`` on this device; every schedule but ``lina-overlap``."""

@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from ..dist import RunGroups
 from ..topology import Topology
+from .completion import outcome
 
 INTRA, INTER, GATHER = "intra", "inter", "gather"  # the phases of one operation
 
@@ -271,7 +272,7 @@ class HierStep:
             self.on_done(phase, e.seq, err)
             return
         e.works.append(w)
-        w.get_future().add_done_callback(self._make_done(phase, e.seq))
+        w.get_future().add_done_callback(lambda fut: self.on_done(phase, e.seq, outcome(fut)))
 
     def _start(self, e: _Entry, phase: str) -> Any:
         # gloo's reduce-scatter has no completion future: phase 1 is an allreduce inside the
@@ -282,16 +283,6 @@ class HierStep:
         if phase == GATHER:
             return dist.all_gather_into_tensor(e.out, e.shard, group=self.g.gather, async_op=True)
         raise AssertionError(phase)
-
-    def _make_done(self, phase: str, seq: int):
-        def done(fut) -> None:
-            err = None
-            try:
-                fut.value()
-            except BaseException as x:  # handed to the executor
-                err = x
-            self.on_done(phase, seq, err)
-        return done
 
     def inter_tensor(self, seq: int) -> torch.Tensor:
         """What phase 2 reduces over the cross group: this rank's shard."""

@@ -136,14 +136,10 @@ class Recorder:
         if self.cuda:
             t_done = self.seconds(self.clock.mark())  # synchronises: every earlier event has happened
             for (kind, key, fld), ev in self._marks.items():
-                rec = self._rec.get((kind, key))
-                if rec is not None:
-                    setattr(rec, fld, self.seconds(ev))
-            self._marks = {}
+                setattr(self._rec[(kind, key)], fld, self.seconds(ev))
             t_end = self.seconds(end_mark)
-        for a, b in self._blocked_marks:
-            self.blocked_s += self.clock.seconds(a, b)
-        self._blocked_marks = []
+        self.blocked_s += sum(self.clock.seconds(a, b) for a, b in self._blocked_marks)
+        self._marks, self._blocked_marks = {}, []
         self.records = sort_records(recs)
         return step_timings(recs, t_end=t_end, t_done=t_done, a2a_blocked_s=self.blocked_s)
 

@@ -24,13 +24,11 @@ def test_control_group_asks_for_gloo_whatever_the_default_backend(monkeypatch):
 
 
 def test_run_groups_keep_every_group_and_destroy_each_once(monkeypatch):
-    from types import SimpleNamespace
-
     made, destroyed = [], []
     monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append((list(ranks), kw)) or f"g{len(made)}")
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "destroy_process_group", destroyed.append)
-    monkeypatch.setattr(dist.distributed_c10d, "_world", SimpleNamespace(pg_map={"g1": 0, "g2": 0}))
+    monkeypatch.setattr(dist.distributed_c10d, "_world", type("W", (), {"pg_map": {"g1": 0, "g2": 0}}))
     with cs_dist.RunGroups() as run:
         assert run.new([0, 1]) == "g1" and run.control(range(2)) == "g2" and run.new([1]) == "g3"
     assert [r for r, _ in made] == [[0, 1], [0, 1], [1]] and made[1][1]["backend"] == "gloo"
