@@ -409,16 +409,12 @@ class GradScheduler:
             st = self._state[seq]
             st.missing -= 1
             if st.missing == 0:
-                self._make_buffer(st)
+                st.views = [self._src[pc.tensor].view(-1)[pc.offset:pc.offset + pc.numel] for pc in st.spec.pieces]
+                st.flat = st.views[0] if len(st.views) == 1 else torch.cat(st.views)
                 # a hierarchical operation is ready for the policy once its host-local phase is done
                 if not self._op_hier[seq] or self._hier_step.ready(seq, st.flat, st.spec.nbytes):
                     self._policy.allreduce_ready(seq, st.spec.nbytes)
                 self.recorder.open("allreduce", seq, st.spec.nbytes)
-
-    def _make_buffer(self, st: _Op) -> None:
-        views = [self._src[pc.tensor].view(-1)[pc.offset:pc.offset + pc.numel] for pc in st.spec.pieces]
-        st.views = views
-        st.flat = views[0] if len(views) == 1 else torch.cat(views)
 
     def _pump(self) -> None:
         """Launch what the policy allows now (caller holds the lock)."""
