@@ -14,12 +14,6 @@ completes when the reduction has. The thread polls what is in flight first after
 it, and after every wake-up it launches what the policy allows (``pump``). Completion
 callbacks only record and wake that thread. A thread that cannot start, or dies, is
 raised at the next call (:meth:`CompletionTracker.check_alive`), never a silent timeout.
-
-:class:`CompletionTracker` is the scheduler's part that does this. It shares the
-scheduler's lock (``cv``) and calls back through three functions it is given:
-``completed(seq, end_mark, error)`` (an operation is done; ``end_mark`` its CUDA event),
-``pump()`` (launch what the policy allows) and ``fail(error, keep_first)`` (hand an error
-to whoever waits); ``active()`` says whether a step is open.
 """
 
 from __future__ import annotations
@@ -74,10 +68,12 @@ def outcome(fut: Any) -> BaseException | None:
 
 
 class CompletionTracker:
-    """Done-callbacks, polling and the executor thread of one scheduler (module docstring).
-    ``mode``: ``"callback"``, ``"poll"`` or ``"event"`` (CUDA: events on ``side``, timed
-    by ``clock``); its thread starts at once. Every method but :meth:`close` runs with ``cv``
-    held (done-callbacks take it themselves)."""
+    """Done-callbacks, polling and the executor thread of one scheduler (module docstring),
+    sharing its lock ``cv``. ``mode``: ``"callback"``, ``"poll"`` or ``"event"`` (CUDA:
+    events on ``side``, timed by ``clock``). It calls back ``completed(seq, end_mark, error)``
+    (``end_mark``: the CUDA event), ``pump()`` (launch what the policy allows), ``fail(error,
+    keep_first)`` (hand an error to whoever waits) and ``active()`` (a step is open). Its
+    thread starts at once; every method but :meth:`close` runs with ``cv`` held."""
 
     def __init__(self, cv: Any, mode: str, device: torch.device, clock: Any, side: Any, *,
                  completed: Callable[[int, Any, BaseException | None], None], pump: Callable[[], None],

@@ -183,7 +183,14 @@ class GradScheduler:
             scale = float(e[2]) if len(e) > 2 else 1.0 / n
             entries.append((p, g if n > 1 else LOCAL, scale, names[i] if names is not None else f"param{i}"))
             described.append(describe(entries[-1][3], p, n))
-        self._check_same_registration(described)
+        # every rank must register the same list, in its given order (collective when several
+        # ranks); group identity may differ (each rank has its own expert-data-parallel group),
+        # its size may not
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            msg = registration_mismatch(all_gather_object(
+                described, "comparing the parameters every rank's GradScheduler registered"))
+            if msg is not None:
+                raise ValueError(f"GradScheduler: {msg}")
         # the layout (priority/buckets.py): communicated parameters first (in the order given),
         # then the scale-only ones; operations never span two groups (nor, for buckets, two dtypes)
         ids = group_ids([g for _, g, _, _ in entries])
@@ -204,7 +211,15 @@ class GradScheduler:
         if not ext <= set(self._index):
             raise ValueError("external parameters must be among the scheduler's parameters")
         self._external = [id(p) in ext for p in self._params]
-        self._hier = self._setup_hier(hier)
+        # the hierarchy of cfg.hier_reduce: hier when given, else built from the ranks' hosts
+        # (collective); None: reduce flat
+        if hier is not None and not cfg.hier_reduce:
+            raise ValueError("GradScheduler got hier= but its ScheduleConfig has hier_reduce=False")
+        if hier is None and cfg.hier_reduce:
+            from ..topology import Topology
+
+            hier = make_hier(Topology.from_env(), run=self.groups)
+        self._hier = hier
         # the operations of each mode (set_fallback): the schedule's own; with
         # fallback_buckets the fallback's are fifo's buckets (the same parameter order)
         self._layouts = {False: self._derive(layout)}
@@ -259,31 +274,6 @@ class GradScheduler:
         hier = [self._hier is not None and group_size(g) == self._hier.world_size
                 and spec.nbytes >= self.cfg.hier_min_bytes for spec, g in zip(ops, groups)]
         return ops, groups, hier, [list(o) for o in layout.ops_of_param]
-
-    def _check_same_registration(self, described: list[tuple]) -> None:
-        """Collective over the default group (when initialised, several ranks and every group a
-        real process group): the same ValueError on every rank when the lists differ."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return
-        # what each rank registered, in its given order; group identity may differ (each rank
-        # has its own expert-data-parallel group), its size may not
-        lists = all_gather_object(described, "comparing the parameters every rank's GradScheduler registered")
-        msg = registration_mismatch(lists)
-        if msg is not None:
-            raise ValueError(f"GradScheduler: {msg}")
-
-    def _setup_hier(self, hier: HierGroups | None) -> HierGroups | None:
-        """The hierarchy of ``cfg.hier_reduce``: ``hier`` when given, else built from the
-        ranks' hosts (``Topology.from_env``, collective); None: reduce flat."""
-        if not self.cfg.hier_reduce:
-            if hier is not None:
-                raise ValueError("GradScheduler got hier= but its ScheduleConfig has hier_reduce=False")
-            return None
-        if hier is None:
-            from ..topology import Topology
-
-            hier = make_hier(Topology.from_env(), run=self.groups)
-        return hier
 
     # ------------------------------------------------------------------ step
     @property
@@ -436,10 +426,9 @@ class GradScheduler:
                 else:  # the phase across hosts: this rank's shard over its cross group
                     work = launch(self._hier_step.inter_tensor(seq), self._hier_step.cross)
             except RuntimeError as e:
-                self._error = CommError(f"rank {current_rank()}: launching allreduce {seq} failed: {e}")
+                self._fail(CommError(f"rank {current_rank()}: launching allreduce {seq} failed: {e}"))
                 if self._on_complete is not None:
                     self._on_complete(seq, self._error)
-                self._cv.notify_all()
                 continue
             st.work = work
             self.tracker.watch(seq, work)

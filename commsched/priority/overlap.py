@@ -211,9 +211,7 @@ class OverlapScheduler(GradScheduler):
         try:
             work = dist.all_gather(outs, mine, group=self._ctrl, async_op=True)
         except RuntimeError as e:
-            self._error = CommError(f"rank {dist.get_rank()}: starting the end-of-backward agreement failed: {e}")
-            self._cv.notify_all()
-            return
+            return self._fail(CommError(f"rank {dist.get_rank()}: starting the end-of-backward agreement failed: {e}"))
         self._ctrl_work = work
 
         def done(fut) -> None:

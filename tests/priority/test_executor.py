@@ -395,12 +395,7 @@ def test_polling_backs_off_while_nothing_completes(monkeypatch):
     params = _params()
     polls = []
     poll = CompletionTracker._poll
-
-    def counting(self) -> None:
-        polls.append(1)
-        poll(self)
-
-    monkeypatch.setattr(CompletionTracker, "_poll", counting)
+    monkeypatch.setattr(CompletionTracker, "_poll", lambda self: polls.append(1) or poll(self))
     with GradScheduler([(p, FakeGroup()) for p in params], ScheduleConfig("fifo", bucket_bytes=1 << 20),
                        completion="poll", launch=lambda flat, g: BackgroundWork(flat, 0.3)) as s:
         s.begin_step()
