@@ -133,8 +133,7 @@ def unresponsive_note(group=None) -> str:
 
 
 def _cli_rank() -> tuple[int, int]:
-    """(rank, world size) for a CLI's error line: from the process group, or torchrun's
-    environment before there is one."""
+    """(rank, world size) from the process group, or torchrun's environment before one."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     try:
@@ -384,9 +383,8 @@ def gloo_devices() -> list:
 
 @dataclass(frozen=True)
 class GlooGroupOptions:
-    """Options of one commsched gloo group, handed to its creator through ``pg_options``:
-    its worker threads, and the local address its connections bind to (None: the
-    interfaces of :func:`gloo_devices`, as torch's own groups)."""
+    """A commsched gloo group's worker threads and the local address its connections bind
+    to (None: :func:`gloo_devices`), handed to :func:`_create_gloo` through ``pg_options``."""
 
     threads: int
     address: str | None = None
@@ -478,15 +476,13 @@ class RunGroups:
         return g
 
     def control(self, ranks: Sequence[int], *, timeout_s: float | None = None):
-        """A group of ``ranks`` for small CPU control tensors only (counts, flags, agreements;
-        never a CUDA tensor): gloo whatever the default group's backend. A group made with
-        the default backend inherits a CUDA job's bound device (``device_id``) and gets an
-        NCCL communicator at once, with its device memory, that a control group never uses."""
+        """A group of ``ranks`` for CPU control tensors only (counts, flags; never a CUDA
+        tensor): gloo whatever the default backend, so a CUDA job gives it no NCCL
+        communicator (and its device memory) that it would never use."""
         return self.new(ranks, timeout_s=timeout_s, backend=CONTROL_BACKEND)
 
     def close(self) -> None:
-        """Destroy every group made here (those the default group's teardown has not already
-        destroyed); idempotent."""
+        """Destroy every group made here that is still alive; idempotent."""
         made, self._made = self._made, []
         if not (dist.is_available() and dist.is_initialized()):
             return
@@ -572,7 +568,7 @@ def check_same_config(config: Any, group=None, what: str = "configuration") -> N
     digest = config_digest(config)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     with comm_guard(f"comparing the {what} across ranks", group):
-        dist.all_gather_object(gathered, (digest, config if _small(config) else None), group=group)
+        dist.all_gather_object(gathered, (digest, config if isinstance(_as_dict(config), dict) else None), group=group)
     ref = gathered[0][0]
     bad = [r for r, (d, _) in enumerate(gathered) if d != ref]
     if bad:
@@ -586,12 +582,6 @@ def check_same_config(config: Any, group=None, what: str = "configuration") -> N
                                                      for k, v0, vb in diffs[:3]) + more
         raise ValueError(f"ranks {bad} were started with a {what} different from rank 0's{detail}. "
                          "Start every rank with the same arguments.")
-
-
-def _small(config: Any) -> bool:
-    import dataclasses
-
-    return isinstance(config, dict) or (dataclasses.is_dataclass(config) and not isinstance(config, type))
 
 
 def _as_dict(config: Any) -> Any:

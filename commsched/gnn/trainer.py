@@ -388,8 +388,7 @@ class Trainer:
                              device=self.device, names=[n for n, _ in named], groups=self._groups)
 
     def close(self) -> None:
-        """Stop the gradient scheduler's thread and destroy its group (nothing to do under the
-        flat allreduce)."""
+        """Stop the gradient scheduler, destroy its group (none under the flat allreduce)."""
         if self.grad_sched is not None:
             self.grad_sched.close()
             self._groups.close()

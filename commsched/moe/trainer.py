@@ -112,8 +112,8 @@ class Groups:
 def make_groups(ep_size: int, allreduce_threads: int | None = None, run: RunGroups | None = None) -> Groups:
     """EP groups of consecutive ranks, expert-data-parallel groups across them, and one
     all-rank group for the non-expert allreduce (on gloo with ``allreduce_threads`` worker
-    threads, see :func:`commsched.dist.new_group`), made in ``run`` (default: groups of their
-    own). Every rank creates every group, in order."""
+    threads), made in ``run`` (default: a RunGroups of their own). Every rank creates every
+    group, in order."""
     cs_new_group = (run or RunGroups()).new
     world, rank = dist.get_world_size(), dist.get_rank()
     if ep_size < 1 or world % ep_size:

@@ -135,9 +135,8 @@ class GradScheduler:
     (``work.is_completed()``, polled by the executor thread); default: the callback on the
     CPU. On CUDA completion is always a polled CUDA event. ``names``: one name per entry
     (default ``param{i}``), used by the construction check's error. ``find_unused_parameters``,
-    ``external``, ``on_complete``: module docstring. ``groups``: the run's
-    :class:`~commsched.dist.RunGroups`, where the scheduler makes the groups it needs (default:
-    its own, closed with it).
+    ``external``, ``on_complete``: module docstring. ``groups``: the :class:`~commsched.dist.RunGroups`
+    the scheduler makes its groups in (default: its own, closed with it).
     """
 
     def __init__(self, params: Sequence[tuple], cfg: ScheduleConfig, *, timeout_s: float | None = None,

@@ -39,8 +39,8 @@ reduce-scatter), then across hosts: the same sum as a flat allreduce up to float
 reordering, bitwise equal where the order does not matter (values whose partial sums are
 exact, such as small integers or dyadic fractions).
 
-Process groups (:class:`HierGroups`, made in the run's :class:`commsched.dist.RunGroups`
-under the configured timeout, collectively): per host one group for phase 1 and a second for phase 3
+Process groups (:class:`HierGroups`, made in a :class:`commsched.dist.RunGroups` under the
+configured timeout, collectively): per host one group for phase 1 and a second for phase 3
 (each issues its operations in sequence order on every rank, so a reduce-scatter never
 meets a gather of another operation), and per local index one cross group. The layout of
 ranks on hosts is pure (:class:`HostLayout`) and comes from :class:`commsched.Topology`.
@@ -135,8 +135,8 @@ class HierGroups:
     """The process groups of the hierarchical reduction on this rank (see the module
     docstring). Collective: every rank of the job builds it, in the same order, after the
     default group. ``threads``: gloo worker threads of each group (as the allreduce groups'
-    ``--allreduce-threads``); ``run``: where the groups are made (and later closed; default:
-    groups of their own, closed with the default group)."""
+    ``--allreduce-threads``); ``run``: where they are made (default: a RunGroups of their own)."""
+
 
     def __init__(self, layout: HostLayout, *, threads: int | None = None, run: RunGroups | None = None):
         new_group = (run or RunGroups()).new

@@ -104,7 +104,7 @@ class OverlapScheduler(GradScheduler):
         # (CPU agreement tensors only), so a CUDA job gives it no NCCL communicator
         self._ctrl = self.groups.control(range(dist.get_world_size())) if dist_on else None
         # the ranks whose used flags count for each parameter (None: this rank's own flag)
-        self._members = [members(g) if dist_on and (g is None or isinstance(g, dist.ProcessGroup)) else None
+        self._members = [members(g) if dist_on and isinstance(g, (type(None), dist.ProcessGroup)) else None
                          for g in self._groups]
         # a twin of every communicating group for the tail: micro-ops launched before the
         # backward pass ended stay queued on the original groups (gloo runs a group's

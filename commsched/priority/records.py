@@ -69,9 +69,8 @@ def sort_records(recs: Sequence[OpRecord]) -> list[OpRecord]:
 
 
 class Recorder:
-    """The records of a scheduler's steps on ``clock`` (a CUDA clock when ``cuda``: module
-    docstring). The scheduler holds its lock around every call; ``records``: the last
-    finished step's, in timeline order."""
+    """A scheduler's step records on ``clock`` (CUDA events when ``cuda``), under its lock;
+    ``records``: the last finished step's, in timeline order."""
 
     def __init__(self, clock: Any, cuda: bool):
         self.clock, self.cuda = clock, cuda
@@ -107,12 +106,10 @@ class Recorder:
         the host clock on the CPU; on CUDA a CUDA event (``mark``, default one recorded on
         the current stream now) resolved in :meth:`timings`."""
         rec = self._rec.get((kind, key))
-        if rec is None:
-            return
-        if self.cuda or mark is not None:
+        if rec is not None and (self.cuda or mark is not None):
             self._marks[(kind, key, field)] = mark if mark is not None else self.clock.mark()
             setattr(rec, field, 0.0)
-        else:
+        elif rec is not None:
             setattr(rec, field, self.now())
 
     def blocked(self, a: Any, b: Any) -> None:

@@ -21,6 +21,13 @@ def test_control_group_asks_for_gloo_whatever_the_default_backend(monkeypatch):
     assert kw["timeout"].total_seconds() == 7
     with pytest.raises(ValueError, match="threads or backend"):
         cs_dist.new_group([0, 1], threads=2, backend="gloo")
+    # one gloo factory makes the threaded groups and the bound ones
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    cs_dist.new_group([0, 1], threads=4)
+    cs_dist.new_group([0, 1], address="127.0.0.2")
+    assert [kw["backend"] for _, kw in calls[1:]] == [cs_dist.GLOO_GROUP] * 2
+    assert [kw["pg_options"] for _, kw in calls[1:]] == [
+        cs_dist.GlooGroupOptions(4), cs_dist.GlooGroupOptions(cs_dist.DEFAULT_GLOO_THREADS, "127.0.0.2")]
 
 
 def test_run_groups_keep_every_group_and_destroy_each_once(monkeypatch):
@@ -35,17 +42,6 @@ def test_run_groups_keep_every_group_and_destroy_each_once(monkeypatch):
     assert destroyed == ["g2", "g1"]  # the newest first; g3, gone with the default group, is left alone
     run.close()
     assert destroyed == ["g2", "g1"]
-
-
-def test_one_gloo_factory_makes_threaded_and_bound_groups(monkeypatch):
-    calls = []
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
-    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: calls.append(kw) or "g")
-    cs_dist.new_group([0, 1], threads=4)
-    cs_dist.new_group([0, 1], address="127.0.0.2")
-    assert [c["backend"] for c in calls] == [cs_dist.GLOO_GROUP] * 2
-    assert [c["pg_options"] for c in calls] == [cs_dist.GlooGroupOptions(4),
-                                                cs_dist.GlooGroupOptions(cs_dist.DEFAULT_GLOO_THREADS, "127.0.0.2")]
 
 
 def _overlap_ctrl(rank: int, world: int) -> dict:
