@@ -10,11 +10,12 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import socket
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,8 @@ class CommError(RuntimeError):
     """A collective failed: a peer died, timed out, or the ranks disagreed."""
 
 
-def _rank() -> int:
+def current_rank() -> int:
+    """This process's rank in the default group (0 before there is one): the rank error messages name."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -57,7 +59,7 @@ def comm_guard(what: str, group=None) -> Iterator[None]:
         # only a peer's failure is worth the liveness check: a local error (bad sizes) would
         # wait for peers that are still blocked in the collective and misname them
         note = unresponsive_note(group) if hint is not None else ""
-        raise CommError(f"rank {_rank()}: {what} failed: {hint or 'the collective failed'}: "
+        raise CommError(f"rank {current_rank()}: {what} failed: {hint or 'the collective failed'}: "
                         f"{cause}{note}") from e
 
 
@@ -130,6 +132,17 @@ def unresponsive_note(group=None) -> str:
     return "; every rank of the group is alive (out of step, or the backend failed)"
 
 
+def _cli_rank() -> tuple[int, int]:
+    """(rank, world size) from the process group, or torchrun's environment before one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        env = read_env()
+        return env.rank or 0, env.world_size or 1
+    except ValueError:
+        return 0, 1
+
+
 def cli_error(prog: str, err: BaseException, out=None) -> int:
     """The CLI edge of an error commsched detected itself (a ValueError or CommError): one
     line on stderr, ``prog (rank R): message`` when the job has more than one rank, the
@@ -137,14 +150,7 @@ def cli_error(prog: str, err: BaseException, out=None) -> int:
     The rank comes from the process group, or torchrun's environment before there is one."""
     from .results import mark_failed
 
-    if dist.is_available() and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        try:
-            env = read_env()
-            rank, world = env.rank or 0, env.world_size or 1
-        except ValueError:
-            rank, world = 0, 1
+    rank, world = _cli_rank()
     msg = " ".join(str(err).split()) or type(err).__name__
     if world > 1 and msg.startswith(f"rank {rank}: "):
         msg = msg[len(f"rank {rank}: "):]  # a CommError names its rank already
@@ -174,11 +180,17 @@ def cli_main(prog: str, body, *, out=None) -> int:
       None before there is one) gives a folder, exit status 2 (:func:`cli_error`);
     * SIGTERM ends it with the same kind of line, ``stopped by SIGTERM``, and the FAILED
       marker, exit status 143 (128 + 15): a run stopped from outside is never mistaken for
-      a finished one.
+      a finished one;
+    * any other exception keeps its traceback (it is raised on) and leaves
+      ``prog (rank R): Type: message`` in the FAILED marker;
+    * whatever happened, the process groups are destroyed last (after the error line,
+      which names the rank from the group), once the body has made them.
 
     The SIGTERM handler is installed for the call (main thread only) and restored after."""
     import signal
     import threading
+
+    from .results import mark_failed
 
     def on_term(signum, frame):
         raise Stopped(signum)
@@ -193,9 +205,14 @@ def cli_main(prog: str, body, *, out=None) -> int:
     except Stopped as e:
         cli_error(prog, e, out() if out is not None else None)
         return 128 + e.signum
+    except BaseException as e:  # not one of ours: the traceback stays, the folder says it failed
+        mark_failed(out() if out is not None else None, f"{prog} (rank {_cli_rank()[0]}): {type(e).__name__}: {e}")
+        raise
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")  # the --device of every entry point
@@ -348,7 +365,8 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
     return DistInfo(dist.get_rank(), dist.get_world_size(), dev)
 
 
-GLOO_THREADED = "commsched_gloo"  # a gloo backend with a chosen number of worker threads
+GLOO_GROUP = "commsched_gloo"  # gloo with a chosen number of worker threads, on a chosen address
+DEFAULT_GLOO_THREADS = 2       # gloo's own default
 
 
 def gloo_devices() -> list:
@@ -365,35 +383,56 @@ def gloo_devices() -> list:
 
 @dataclass(frozen=True)
 class GlooGroupOptions:
-    """Options of one threaded gloo group, handed to its creator through ``pg_options``."""
+    """A commsched gloo group's worker threads and the local address its connections bind
+    to (None: :func:`gloo_devices`), handed to :func:`_create_gloo` through ``pg_options``."""
 
     threads: int
+    address: str | None = None
 
 
-def _create_threaded_gloo(backend_opts, options: GlooGroupOptions):
+def _create_gloo(backend_opts, options: GlooGroupOptions):
+    """The one factory of commsched's gloo groups (threaded, bound or both)."""
     from torch.distributed import ProcessGroupGloo
 
     opts = ProcessGroupGloo._Options()
-    opts._devices = gloo_devices()
+    opts._devices = (gloo_devices() if options.address is None
+                     else [ProcessGroupGloo.create_device(hostname=options.address)])
     opts._threads = options.threads
     timeout = backend_opts.timeout
     opts._timeout = timeout if timeout is not None else datetime.timedelta(minutes=30)
     return ProcessGroupGloo(backend_opts.store, backend_opts.group_rank, backend_opts.group_size, opts)
 
 
+def check_address(address: str) -> str:
+    """``address`` if this process can bind a socket to it, else a ValueError that says so."""
+    if not isinstance(address, str) or not address:
+        raise ValueError(f"reduce_address must be a local IPv4 address such as 127.0.0.2, got {address!r}")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((address, 0))
+    except OSError as e:
+        raise ValueError(f"reduce_address {address!r} is not an address of this machine ({e}); on the "
+                         "emulated loopback any 127.x.y.z works, elsewhere give one of the host's addresses "
+                         "or drop --reduce-address") from None
+    return address
+
+
 def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float | None = None,
-              backend: str | None = None):
+              backend: str | None = None, address: str | None = None):
     """``dist.new_group(ranks)`` under the configured timeout (``timeout_s``, default
     ``COMMSCHED_TIMEOUT_S``: torch's own default for a new group is 30 minutes whatever the
     default group's is); on gloo with ``threads``, a group whose collectives run on that
-    many worker threads (gloo's default is 2; ``new_group`` ignores options for gloo).
+    many worker threads (gloo's default is 2; ``new_group`` ignores options for gloo); on
+    gloo with ``address``, a group whose connections bind to that local address (checked:
+    :func:`check_address`; :mod:`commsched.priority.bind`).
 
     Asynchronous collectives queued on one gloo group run at most ``threads`` at a time, so
     many small operations in flight (Lina's micro-ops) pay one latency each in turn; more
-    threads let their latencies overlap. Other backends ignore ``threads``. Every rank must
-    call it, in the same order, like ``dist.new_group``. Every group commsched creates is
-    made here. ``backend``: the group's backend (default: the default group's); a group that
-    only carries CPU control tensors is :func:`control_group`'s.
+    threads let their latencies overlap. Other backends ignore ``threads`` and ``address``.
+    Every rank must call it, in the same order, like ``dist.new_group``. Every group
+    commsched creates is made here (a run's through :class:`RunGroups`). ``backend``: the
+    group's backend (default: the default group's); a group that only carries CPU control
+    tensors is :meth:`RunGroups.control`'s.
     """
     t = read_env().timeout_s if timeout_s is None else float(timeout_s)
     if not t > 0:
@@ -404,27 +443,59 @@ def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float 
             raise ValueError("new_group: threads is an option of the default gloo backend; give threads or "
                              f"backend, not both (got backend={backend!r}, threads={threads})")
         return dist.new_group(ranks, backend=backend, timeout=timeout)
-    if threads is None or dist.get_backend() != "gloo":
+    if (threads is None and address is None) or dist.get_backend() != "gloo":
         return dist.new_group(ranks, timeout=timeout)
-    if threads < 1:
+    if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    if GLOO_THREADED not in dist.Backend.backend_list:
-        dist.Backend.register_backend(GLOO_THREADED, _create_threaded_gloo, extended_api=True,
+    if address is not None:
+        check_address(address)
+    if GLOO_GROUP not in dist.Backend.backend_list:
+        dist.Backend.register_backend(GLOO_GROUP, _create_gloo, extended_api=True,
                                       devices=["cpu", "cuda"])  # gloo reduces CUDA tensors too
-    return dist.new_group(ranks, backend=GLOO_THREADED, pg_options=GlooGroupOptions(threads),
-                          timeout=timeout)
+    return dist.new_group(list(ranks), backend=GLOO_GROUP, timeout=timeout,
+                          pg_options=GlooGroupOptions(threads or DEFAULT_GLOO_THREADS, address))
 
 
 CONTROL_BACKEND = "gloo"  # the backend of groups that carry only CPU control tensors
 
 
-def control_group(ranks: list[int], *, timeout_s: float | None = None):
-    """A group for small CPU control tensors only (counts, flags, agreements; never a CUDA
-    tensor): gloo whatever the default group's backend. A group made with the default
-    backend inherits a CUDA job's bound device (``device_id``) and gets an NCCL
-    communicator at once (connected eagerly, split from the default one), with its device
-    memory, that a control group would never use. Collective, as :func:`new_group`."""
-    return new_group(ranks, timeout_s=timeout_s, backend=CONTROL_BACKEND)
+class RunGroups:
+    """The process groups of one run: every group a run needs beyond the default one
+    (expert-parallel, expert-data-parallel, data-parallel, hierarchical, bound twins,
+    control) is made here on demand (:meth:`new`, :meth:`control`: collective, as
+    :func:`new_group`), kept, and destroyed once by :meth:`close` (or at the end of a
+    ``with`` block), so no group outlives its run."""
+
+    def __init__(self) -> None:
+        self._made: list[Any] = []
+
+    def new(self, ranks: Sequence[int], **kw: Any):
+        """:func:`new_group` of ``ranks`` (its keywords), kept until :meth:`close`."""
+        g = new_group(list(ranks), **kw)
+        self._made.append(g)
+        return g
+
+    def control(self, ranks: Sequence[int], *, timeout_s: float | None = None):
+        """A group of ``ranks`` for CPU control tensors only (counts, flags; never a CUDA
+        tensor): gloo whatever the default backend, so a CUDA job gives it no NCCL
+        communicator (and its device memory) that it would never use."""
+        return self.new(ranks, timeout_s=timeout_s, backend=CONTROL_BACKEND)
+
+    def close(self) -> None:
+        """Destroy every group made here that is still alive; idempotent."""
+        made, self._made = self._made, []
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        live = dist.distributed_c10d._world.pg_map
+        for g in reversed(made):
+            if g in live:
+                dist.destroy_process_group(g)
+
+    def __enter__(self) -> "RunGroups":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 # --------------------------------------------------------------------------- guarded collectives
@@ -464,11 +535,7 @@ def scatter_object(objs: list[Any] | None, what: str, src: int = 0, group=None) 
 
 def config_digest(config: Any) -> str:
     """Stable digest of a config (dataclass, dict or any JSON-able value)."""
-    import dataclasses
-
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        config = dataclasses.asdict(config)
-    blob = json.dumps(config, sort_keys=True, default=str).encode()
+    blob = json.dumps(_as_dict(config), sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()
 
 
@@ -501,7 +568,7 @@ def check_same_config(config: Any, group=None, what: str = "configuration") -> N
     digest = config_digest(config)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     with comm_guard(f"comparing the {what} across ranks", group):
-        dist.all_gather_object(gathered, (digest, config if _small(config) else None), group=group)
+        dist.all_gather_object(gathered, (digest, config if isinstance(_as_dict(config), dict) else None), group=group)
     ref = gathered[0][0]
     bad = [r for r, (d, _) in enumerate(gathered) if d != ref]
     if bad:
@@ -515,12 +582,6 @@ def check_same_config(config: Any, group=None, what: str = "configuration") -> N
                                                      for k, v0, vb in diffs[:3]) + more
         raise ValueError(f"ranks {bad} were started with a {what} different from rank 0's{detail}. "
                          "Start every rank with the same arguments.")
-
-
-def _small(config: Any) -> bool:
-    import dataclasses
-
-    return isinstance(config, dict) or (dataclasses.is_dataclass(config) and not isinstance(config, type))
 
 
 def _as_dict(config: Any) -> Any:

@@ -18,72 +18,20 @@ rank's groups, in one order), as every group construction is.
 
 from __future__ import annotations
 
-import datetime
-import socket
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..dist import all_gather_object
-from ..dist import new_group as cs_new_group
-
-BOUND_GLOO = "commsched_gloo_bound"  # a gloo backend whose device binds to a given address
-DEFAULT_THREADS = 2                   # gloo's own default, when a group's cannot be read
-
-
-@dataclass(frozen=True)
-class BoundGlooOptions:
-    """Options of one bound gloo group, handed to its creator through ``pg_options``."""
-
-    address: str
-    threads: int
-
-
-def check_address(address: str) -> str:
-    """``address`` if this process can bind a socket to it, else a ValueError that says so."""
-    if not isinstance(address, str) or not address:
-        raise ValueError(f"reduce_address must be a local IPv4 address such as 127.0.0.2, got {address!r}")
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((address, 0))
-    except OSError as e:
-        raise ValueError(f"reduce_address {address!r} is not an address of this machine ({e}); on the "
-                         "emulated loopback any 127.x.y.z works, elsewhere give one of the host's addresses "
-                         "or drop --reduce-address") from None
-    return address
-
-
-def _create_bound_gloo(backend_opts, options: BoundGlooOptions):
-    from torch.distributed import ProcessGroupGloo
-
-    opts = ProcessGroupGloo._Options()
-    opts._devices = [ProcessGroupGloo.create_device(hostname=options.address)]
-    opts._threads = options.threads
-    timeout = backend_opts.timeout
-    opts._timeout = timeout if timeout is not None else datetime.timedelta(minutes=30)
-    return ProcessGroupGloo(backend_opts.store, backend_opts.group_rank, backend_opts.group_size, opts)
+from ..dist import DEFAULT_GLOO_THREADS, RunGroups, all_gather_object, check_address
 
 
 def group_threads(group) -> int:
-    """The gloo worker threads of ``group`` (``DEFAULT_THREADS`` when it does not say)."""
+    """The gloo worker threads of ``group`` (gloo's default when it does not say)."""
     try:
         return int(group._get_backend(torch.device("cpu")).options._threads)
     except Exception:  # not a gloo group, or a torch without the attribute
-        return DEFAULT_THREADS
-
-
-def bound_group(ranks: Sequence[int], address: str, threads: int):
-    """A gloo group of ``ranks`` whose connections bind to ``address`` (collective, like
-    ``dist.new_group``: every rank calls it, in the same order)."""
-    if BOUND_GLOO not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BOUND_GLOO, _create_bound_gloo, extended_api=True, devices=["cpu"])
-    from ..config import read_env
-
-    timeout = datetime.timedelta(seconds=read_env().timeout_s)
-    return dist.new_group(list(ranks), backend=BOUND_GLOO, pg_options=BoundGlooOptions(address, threads),
-                          timeout=timeout)
+        return DEFAULT_GLOO_THREADS
 
 
 def members(group) -> tuple[int, ...]:
@@ -93,38 +41,35 @@ def members(group) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def bound_twins(groups: Sequence[Any], address: str | None, *, threads: int | None = None) -> dict[int, Any]:
+def twins(groups: Sequence[Any], run: RunGroups, *, address: str | None = None, threads: int | None = None,
+          what: str = "listing the groups to twin") -> dict[int, Any]:
     """``{id(group): twin}`` for every process group in ``groups`` (others -- ``LOCAL``,
-    fakes -- are left out), each twin bound to ``address``; {} when ``address`` is None, the
-    backend is not gloo or the world is one rank. Collective over the default group: every
-    rank lists its groups, then every rank makes the twins of all of them, in one order.
-    ``threads``: the twins' gloo worker threads (default: each group's own)."""
-    if address is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return {}
-    if dist.get_backend() != "gloo":
-        return {}
-    check_address(address)
+    fakes -- are left out): a group of the same ranks made in ``run``, bound to ``address``
+    when given (on gloo), with ``threads`` gloo worker threads (default: the most any rank's
+    group of those ranks has). Collective over the default group: every rank lists its
+    groups (``what`` names the step for an error), then every rank makes the twins of all
+    of them, in one order."""
     real = [g for g in groups if g is None or isinstance(g, dist.ProcessGroup)]
     mine: dict[tuple[int, ...], int] = {}
     for g in real:
         mine.setdefault(members(g), threads if threads is not None else group_threads(g))
     every: dict[tuple[int, ...], int] = {}
-    for ms in all_gather_object(sorted(mine.items()), "listing the gradient groups to bind to reduce_address"):
+    for ms in all_gather_object(sorted(mine.items()), what):
         for m, t in ms:
             every[tuple(m)] = max(every.get(tuple(m), 1), int(t))
-    made = {m: bound_group(m, address, every[m]) for m in sorted(every)}
-    out: dict[int, Any] = {}
-    for g in real:
-        out[id(g)] = made[members(g)]
-    return out
+    made = {m: run.new(m, threads=every[m], address=address) for m in sorted(every)}
+    return {id(g): made[members(g)] for g in real}
 
 
-def bind_new_group(ranks: Sequence[int], address: str | None, threads: int | None):
-    """:func:`commsched.dist.new_group` when ``address`` is None (or not gloo), else
-    :func:`bound_group` (collective either way)."""
-    if address is None or dist.get_backend() != "gloo":
-        return cs_new_group(list(ranks), threads=threads)
-    return bound_group(ranks, check_address(address), threads or DEFAULT_THREADS)
+def bound_twins(groups: Sequence[Any], address: str | None, run: RunGroups) -> dict[int, Any]:
+    """:func:`twins` of ``groups`` bound to ``address``, each with its group's threads; {}
+    when ``address`` is None, the backend is not gloo or the world is one rank."""
+    if address is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return {}
+    if dist.get_backend() != "gloo":
+        return {}
+    return twins(groups, run, address=check_address(address), what="listing the gradient groups to bind "
+                 "to reduce_address")
 
 
-__all__ = ["BoundGlooOptions", "bind_new_group", "bound_group", "bound_twins", "check_address", "group_threads"]
+__all__ = ["bound_twins", "check_address", "group_threads", "members", "twins"]

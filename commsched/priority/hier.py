@@ -39,7 +39,7 @@ reduce-scatter), then across hosts: the same sum as a flat allreduce up to float
 reordering, bitwise equal where the order does not matter (values whose partial sums are
 exact, such as small integers or dyadic fractions).
 
-Process groups (:class:`HierGroups`, made with :func:`commsched.dist.new_group` under the
+Process groups (:class:`HierGroups`, made in a :class:`commsched.dist.RunGroups` under the
 configured timeout, collectively): per host one group for phase 1 and a second for phase 3
 (each issues its operations in sequence order on every rank, so a reduce-scatter never
 meets a gather of another operation), and per local index one cross group. The layout of
@@ -57,6 +57,8 @@ import torch
 import torch.distributed as dist
 
 from ..cluster.topology import Topology
+from ..dist import RunGroups
+from .runtime.completion import outcome
 
 INTRA, INTER, GATHER = "intra", "inter", "gather"  # the phases of one operation
 
@@ -133,11 +135,11 @@ class HierGroups:
     """The process groups of the hierarchical reduction on this rank (see the module
     docstring). Collective: every rank of the job builds it, in the same order, after the
     default group. ``threads``: gloo worker threads of each group (as the allreduce groups'
-    ``--allreduce-threads``)."""
+    ``--allreduce-threads``); ``run``: where they are made (default: a RunGroups of their own)."""
 
-    def __init__(self, layout: HostLayout, *, threads: int | None = None):
-        from ..dist import new_group
 
+    def __init__(self, layout: HostLayout, *, threads: int | None = None, run: RunGroups | None = None):
+        new_group = (run or RunGroups()).new
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("HierGroups builds process groups: call commsched.init_distributed() first")
         if dist.get_world_size() != layout.world_size:
@@ -163,12 +165,12 @@ class HierGroups:
 
 
 def make_hier(hosts_P: Topology | Sequence[str], *, threads: int | None = None,
-              say: Callable[[str], None] | None = None) -> HierGroups | None:
+              say: Callable[[str], None] | None = None, run: RunGroups | None = None) -> HierGroups | None:
     """The groups of the hierarchical reduction over ranks on hosts ``hosts_P`` (a
     :class:`~commsched.cluster.topology.Topology`, or the host of each rank), or None when
     the hierarchy is the flat reduction (one host, or one rank per host): then rank 0 says so
     once (``say``, default: a line on stderr) and the caller reduces flat. Uneven hosts are a
-    ValueError. Collective."""
+    ValueError. Collective; ``run``: as :class:`HierGroups`'s."""
     layout = HostLayout(hosts_P)
     why = layout.flat_reason
     if why is not None:
@@ -177,7 +179,7 @@ def make_hier(hosts_P: Topology | Sequence[str], *, threads: int | None = None,
                 f"commsched: hierarchical reduction (--hier-reduce) is the flat one here ({why}); "
                 "reducing flat")
         return None
-    return HierGroups(layout, threads=threads)
+    return HierGroups(layout, threads=threads, run=run)
 
 
 class _Entry:
@@ -270,7 +272,7 @@ class HierStep:
             self.on_done(phase, e.seq, err)
             return
         e.works.append(w)
-        w.get_future().add_done_callback(self._make_done(phase, e.seq))
+        w.get_future().add_done_callback(lambda fut: self.on_done(phase, e.seq, outcome(fut)))
 
     def _start(self, e: _Entry, phase: str) -> Any:
         # gloo's reduce-scatter has no completion future: phase 1 is an allreduce inside the
@@ -281,16 +283,6 @@ class HierStep:
         if phase == GATHER:
             return dist.all_gather_into_tensor(e.out, e.shard, group=self.g.gather, async_op=True)
         raise AssertionError(phase)
-
-    def _make_done(self, phase: str, seq: int):
-        def done(fut) -> None:
-            err = None
-            try:
-                fut.value()
-            except BaseException as x:  # handed to the executor
-                err = x
-            self.on_done(phase, seq, err)
-        return done
 
     def inter_tensor(self, seq: int) -> torch.Tensor:
         """What phase 2 reduces over the cross group: this rank's shard."""

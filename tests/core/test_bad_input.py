@@ -526,7 +526,9 @@ def test_sigterm_leaves_a_failed_marker_in_an_moe_training_run(tmp_path):
 def test_cli_main_maps_errors_and_restores_the_handler(tmp_path, capsys):
     import signal
 
-    from commsched.dist import CommError, Stopped, cli_main
+    import torch.distributed as dist
+
+    from commsched.dist import CommError, Stopped, cli_main, init_distributed
 
     before = signal.getsignal(signal.SIGTERM)
 
@@ -552,7 +554,13 @@ def test_cli_main_maps_errors_and_restores_the_handler(tmp_path, capsys):
     assert cli_main("prog", lambda: 0) == 0
     with pytest.raises(KeyError):  # not one of ours: the traceback stays
         cli_main("prog", lambda: {}["k"])
+    with pytest.raises(KeyError):  # ... and the run folder says it failed, naming the type
+        cli_main("prog", lambda: {}["k"], out=lambda: tmp_path)
+    assert (tmp_path / FAILED_MARKER).read_text().splitlines()[-1] == "prog (rank 0): KeyError: 'k'"
     assert issubclass(Stopped, BaseException) and not issubclass(Stopped, Exception)
+    # the process groups the body made are destroyed, after the error line
+    assert cli_main("prog", lambda: init_distributed(backend="gloo", device="cpu") and bad()) == 2
+    assert not dist.is_initialized() and capsys.readouterr().err.strip() == "prog: --x must be > 0"
 
 
 @pytest.mark.slow

@@ -15,12 +15,33 @@ from tests.mp import run_ranks
 def test_control_group_asks_for_gloo_whatever_the_default_backend(monkeypatch):
     calls = []
     monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: calls.append((list(ranks), kw)) or "g")
-    assert cs_dist.control_group([0, 1], timeout_s=7) == "g"
+    assert cs_dist.RunGroups().control([0, 1], timeout_s=7) == "g"
     (ranks, kw), = calls
     assert ranks == [0, 1] and kw["backend"] == "gloo" == cs_dist.CONTROL_BACKEND
     assert kw["timeout"].total_seconds() == 7
     with pytest.raises(ValueError, match="threads or backend"):
         cs_dist.new_group([0, 1], threads=2, backend="gloo")
+    # one gloo factory makes the threaded groups and the bound ones
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    cs_dist.new_group([0, 1], threads=4)
+    cs_dist.new_group([0, 1], address="127.0.0.2")
+    assert [kw["backend"] for _, kw in calls[1:]] == [cs_dist.GLOO_GROUP] * 2
+    assert [kw["pg_options"] for _, kw in calls[1:]] == [
+        cs_dist.GlooGroupOptions(4), cs_dist.GlooGroupOptions(cs_dist.DEFAULT_GLOO_THREADS, "127.0.0.2")]
+
+
+def test_run_groups_keep_every_group_and_destroy_each_once(monkeypatch):
+    made, destroyed = [], []
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append((list(ranks), kw)) or f"g{len(made)}")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", destroyed.append)
+    monkeypatch.setattr(dist.distributed_c10d, "_world", type("W", (), {"pg_map": {"g1": 0, "g2": 0}}))
+    with cs_dist.RunGroups() as run:
+        assert run.new([0, 1]) == "g1" and run.control(range(2)) == "g2" and run.new([1]) == "g3"
+    assert [r for r, _ in made] == [[0, 1], [0, 1], [1]] and made[1][1]["backend"] == "gloo"
+    assert destroyed == ["g2", "g1"]  # the newest first; g3, gone with the default group, is left alone
+    run.close()
+    assert destroyed == ["g2", "g1"]
 
 
 def _overlap_ctrl(rank: int, world: int) -> dict:
@@ -46,6 +67,7 @@ def _overlap_ctrl(rank: int, world: int) -> dict:
     with OverlapScheduler(entries, LinaOverlapConfig(microop_bytes=64)) as sched, stepper.bind(sched):
         ctrl = sched._ctrl
         asked = [b for b, g in made if g is ctrl]
+        backend = str(dist.get_backend(ctrl))  # read while it lives: the scheduler destroys it at close
         for step in range(2):
             x, y = _batch(step, rank)
             stepper.begin_backward()
@@ -53,7 +75,7 @@ def _overlap_ctrl(rank: int, world: int) -> dict:
             stepper.end_backward()
         stats = stepper.synchronize()
     stepper.close()
-    return {"asked": asked, "backend": str(dist.get_backend(ctrl)), "reduced": stats["allreduce_count"] > 0,
+    return {"asked": asked, "backend": backend, "reduced": stats["allreduce_count"] > 0,
             "params": [p.detach().clone() for p in net.parameters()]}
 
 

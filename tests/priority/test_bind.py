@@ -46,25 +46,29 @@ def _reduce_bound(rank: int, world: int, schedule: str, address: str | None):
     ps = [torch.nn.Parameter(torch.zeros(n)) for n in (5000, 70000, 3)]
     cfg = sched_of(schedule, microop_bytes=64 << 10, reduce_address=address)
     with GradScheduler([(p, group) for p in ps], cfg, device="cpu") as sched:
-        threads = [g._get_backend(torch.device("cpu")).options._threads for g in {id(g): g for g in sched._groups}.values()]
+        used = list({id(g): g for g in sched._groups}.values())
+        threads = [g._get_backend(torch.device("cpu")).options._threads for g in used]
         sched.begin_step()
         sum(((p + 1.0) * float(rank + 1) * (i + 1)).sum() for i, p in enumerate(ps)).backward()
         sched.finish()
     after = _tcp_local_addresses()
+    # the twins the scheduler made are destroyed with it; the caller's group is the caller's
+    alive = [g in dist.distributed_c10d._world.pg_map for g in used + [group]]
     dist.barrier()
-    return [p.grad.clone() for p in ps], sorted(after - before), threads
+    return [p.grad.clone() for p in ps], sorted(after - before), threads, alive
 
 
 @pytest.mark.parametrize("schedule", ["fifo", "lina"])
 def test_reduction_on_bound_groups_equals_the_plain_one(schedule):
     plain = run_ranks(2, _reduce_bound, schedule, None)
     bound = run_ranks(2, _reduce_bound, schedule, "127.0.0.2")
-    for (g_plain, _, _), (g_bound, new_addrs, threads) in zip(plain, bound):
+    for (g_plain, _, _, alive_plain), (g_bound, new_addrs, threads, alive) in zip(plain, bound):
         for a, b in zip(g_plain, g_bound):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert "127.0.0.2" in new_addrs, new_addrs  # the twins' connections use the address
         assert threads == [3]  # the twin keeps the group's gloo worker threads
-    assert all("127.0.0.2" not in addrs for _, addrs, _ in plain)
+        assert alive == [False, True] and alive_plain == [True, True]
+    assert all("127.0.0.2" not in addrs for _, addrs, _, _ in plain)
 
 
 def test_an_address_not_on_this_machine_is_refused():

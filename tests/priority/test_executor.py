@@ -368,37 +368,36 @@ def test_a_bare_cuda_device_gets_the_current_index(monkeypatch):
     assert _with_index(torch.device("cpu")) == torch.device("cpu")
 
 
-def test_an_executor_thread_that_cannot_start_is_an_error_not_a_timeout():
+def test_an_executor_thread_that_cannot_start_is_an_error_not_a_timeout(monkeypatch):
     """Audit 2, item 10: the thread's death is raised at the next call, at once."""
     from commsched.dist import CommError
+    from commsched.priority.runtime.completion import CompletionTracker
 
-    class Broken(GradScheduler):
-        def _thread_setup(self) -> None:
-            raise RuntimeError("Invalid device, must be cuda device")
+    def broken(self) -> None:
+        raise RuntimeError("Invalid device, must be cuda device")
 
+    monkeypatch.setattr(CompletionTracker, "_setup", broken)
     params = _params()
     t0 = time.perf_counter()
-    with Broken([(p, FakeGroup()) for p in params], LinaConfig(), timeout_s=300,
-                launch=lambda flat, g: SlowWork(flat, 0.0, [])) as s:
-        s._thread.join(timeout=10)
+    with GradScheduler([(p, FakeGroup()) for p in params], LinaConfig(), timeout_s=300,
+                       launch=lambda flat, g: SlowWork(flat, 0.0, [])) as s:
+        s.tracker._thread.join(timeout=10)
         with pytest.raises(CommError, match="thread could not start on cpu: RuntimeError: Invalid device"):
             s.begin_step()
     assert time.perf_counter() - t0 < 60  # not the 300 s timeout
 
 
-def test_polling_backs_off_while_nothing_completes():
+def test_polling_backs_off_while_nothing_completes(monkeypatch):
     """Audit 2, item 9: a reduction in flight for 0.3 s is polled a few hundred times at most
     (a fixed 100 us period would be ~3000 wake-ups, each taking the lock and the GIL)."""
+    from commsched.priority.runtime.completion import CompletionTracker
+
     params = _params()
     polls = []
-
-    class Counting(GradScheduler):
-        def _poll(self) -> None:
-            polls.append(1)
-            super()._poll()
-
-    with Counting([(p, FakeGroup()) for p in params], FifoConfig(bucket_bytes=1 << 20),
-                  completion="poll", launch=lambda flat, g: BackgroundWork(flat, 0.3)) as s:
+    poll = CompletionTracker._poll
+    monkeypatch.setattr(CompletionTracker, "_poll", lambda self: polls.append(1) or poll(self))
+    with GradScheduler([(p, FakeGroup()) for p in params], FifoConfig(bucket_bytes=1 << 20),
+                       completion="poll", launch=lambda flat, g: BackgroundWork(flat, 0.3)) as s:
         s.begin_step()
         _backward(params)
         s.finish()
@@ -475,9 +474,9 @@ class _HostWork:
 
 def _as_cuda(sched) -> None:
     """The scheduler's CUDA completion path (events on a side stream) on the CPU."""
-    sched._cuda, sched._side, sched._completion = True, None, "event"
+    sched._cuda, sched.tracker.side, sched.tracker.mode = True, None, "event"
     sched.clock.mark = lambda *a, **k: _Mark()
-    sched._is_mark = lambda w: isinstance(w, _Mark)
+    sched.tracker._is_mark = lambda w: isinstance(w, _Mark)
 
 
 def test_a_slow_compressed_work_does_not_block_the_scheduler():
@@ -503,8 +502,7 @@ def test_a_slow_compressed_work_does_not_block_the_scheduler():
         # the executor thread polls it for a while: it must not sit in wait() holding the lock
         for _ in range(3):
             with sched._cv:
-                sched._thread_wake = True
-                sched._cv.notify_all()
+                sched.tracker.wake()
         done = threading.Event()
 
         def compute():

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from ...cluster.netem import HOST_IFNAME, SUBNET_PREFIX
 from ...comm.all2all import A2APlan, all_to_all
 from ...config import read_env
-from ...dist import CommError, all_gather_object, barrier, comm_guard, init_distributed
+from ...dist import CommError, all_gather_object, barrier, comm_guard, init_distributed, new_group
 from ...results import write_json
 
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
@@ -178,12 +178,11 @@ def contention_probe(nbytes: int, *, reduce_address: str | None, repeats: int = 
     bound to ``reduce_address`` when given: ``commsched netem --classes``'s class). Medians
     of the slowest rank's times; ``contention`` = contended / alone (the Lina paper's
     median for an all-to-all under a concurrent allreduce: 1.83x on NCCL)."""
-    from ...priority.bind import bind_new_group
 
     if in_flight < 1 or repeats < 1:
         raise ValueError(f"contention_probe needs in_flight >= 1 and repeats >= 1, got {in_flight} and {repeats}")
     world = dist.get_world_size()
-    grad_group = bind_new_group(list(range(world)), reduce_address, threads)
+    grad_group = new_group(list(range(world)), threads=threads, address=reduce_address)
     x = torch.zeros(max(world, nbytes // 4 // world * world), dtype=torch.float32)
     out = torch.empty_like(x)
 

@@ -15,21 +15,17 @@ import sys
 import time
 from typing import Sequence
 
-import torch.distributed as dist
-
 from ...cluster.topology import Topology
 from ...config import read_env
 from ...configurable import Registry, add_arguments, cli_fields, config_of, from_arguments
 from ...dist import (
-    CommError,
-    Stopped,
     check_same_config,
     cli_main,
     init_distributed,
     scatter_object,
 )
 from ...priority.policy import SCHEDULES
-from ...results import mark_failed, prepare_out
+from ...results import prepare_out
 from ..exchange.modes import MODES, mode_config
 from ..graph.data import GraphSource, load_source
 from ..graph.flags import add_graph_args, graph_args_given, source_from_args
@@ -176,37 +172,27 @@ def _run(a: argparse.Namespace, ready: dict[str, str]) -> int:
     src = source_from_args(a) if (graph_args_given(a) or not a.partition_dir) else None
     di = init_distributed(device=cfg.device)  # ValueError: --device cuda without (enough) GPUs
     rank, world, device = di.rank, di.world_size, di.device
-    try:
-        # the run folder is made (or refused) before any work
-        prepare_out(a.out, overwrite=a.overwrite, resume=a.resume)
-        ready["out"] = a.out
-        if cfg.exchange.timing_only and rank == 0:
-            print("commsched.gnn.train: --mode nocomm is TIMING ONLY: remote rows are replaced by "
-                  "zeros, so the model trained is wrong; it measures the no-communication limit",
-                  file=sys.stderr)
-        startup_check(cfg, src, partition_dir=a.partition_dir, partition_method=a.partition_method,
-                      partition_seed=a.partition_seed, resume=a.resume, out=a.out)
-        # the host of every rank (one all_gather): metis-hosts and the bytes per link class
-        hosts_P = Topology.from_env().hosts_P if world > 1 else None
-        part, info = obtain_part(src, rank, world, partition_dir=a.partition_dir,
-                                 method=a.partition_method, seed=a.partition_seed, hosts_P=hosts_P)
-        check_same_config({"fingerprint": part.fingerprint, "num_parts": part.book.num_parts},
-                          what="graph partition")
-        # metrics.json's "partition" is the per-rank books; how they were made goes beside it
-        extra = {k: v for k, v in info.items() if k != "partition"}
-        extra["partitioning"] = info["partition"]
-        metrics, _ = run_training(cfg, part, out_dir=a.out, resume=a.resume,
-                                  progress=read_env().progress, dataset=part.name, extra=extra,
-                                  device=device, hosts_P=hosts_P)
-    except (ValueError, CommError, Stopped):
-        raise  # cli_main: one line, and FAILED in the run folder once there is one
-    except BaseException as e:  # not one of ours: the traceback stays, the folder says it failed
-        if "out" in ready:
-            mark_failed(a.out, f"{PROG} (rank {rank}): {type(e).__name__}: {e}")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # the run folder is made (or refused) before any work
+    prepare_out(a.out, overwrite=a.overwrite, resume=a.resume)
+    ready["out"] = a.out
+    if cfg.exchange.timing_only and rank == 0:
+        print("commsched.gnn.train: --mode nocomm is TIMING ONLY: remote rows are replaced by "
+              "zeros, so the model trained is wrong; it measures the no-communication limit",
+              file=sys.stderr)
+    startup_check(cfg, src, partition_dir=a.partition_dir, partition_method=a.partition_method,
+                  partition_seed=a.partition_seed, resume=a.resume, out=a.out)
+    # the host of every rank (one all_gather): metis-hosts and the bytes per link class
+    hosts_P = Topology.from_env().hosts_P if world > 1 else None
+    part, info = obtain_part(src, rank, world, partition_dir=a.partition_dir,
+                             method=a.partition_method, seed=a.partition_seed, hosts_P=hosts_P)
+    check_same_config({"fingerprint": part.fingerprint, "num_parts": part.book.num_parts},
+                      what="graph partition")
+    # metrics.json's "partition" is the per-rank books; how they were made goes beside it
+    extra = {k: v for k, v in info.items() if k != "partition"}
+    extra["partitioning"] = info["partition"]
+    metrics, _ = run_training(cfg, part, out_dir=a.out, resume=a.resume,
+                              progress=read_env().progress, dataset=part.name, extra=extra,
+                              device=device, hosts_P=hosts_P)
     if rank == 0:
         print(f"{metrics['mode']} {metrics['model']} on {metrics['dataset']} x{metrics['world_size']}: "
               f"loss {metrics['loss'][-1] if metrics['loss'] else float('nan'):.4f}, "

@@ -59,6 +59,7 @@ from ...comm.all2all import CommStats
 from ...configurable import option
 from ...dist import (
     DEVICE_CHOICES,
+    RunGroups,
     all_gather_object,
     barrier,
     check_same_config,
@@ -283,6 +284,7 @@ class Trainer:
         self.halo = self.dgraph.halo
         self.graph = self.dgraph.local
         self._launcher: CompressedLauncher | None = None
+        self._groups = RunGroups()
         self.grad_step = self._grad_step()
         self.last_schedule: dict | None = None  # the gradient scheduler's timings of the last epoch
         # the graph's rows on the device (one copy)
@@ -316,25 +318,27 @@ class Trainer:
         """The gradient reduction and Adam of ``cfg.schedule`` behind one step interface
         (:func:`~commsched.priority.step.make_grad_step`), open. Collective: its scheduler's
         process group is its own (the halo exchanges keep theirs, so the two never queue on
-        one group in different orders on two ranks); one rank reduces nothing."""
+        one group in different orders on two ranks), made in a
+        :class:`~commsched.dist.RunGroups` closed with the step (:meth:`close`); one rank
+        reduces nothing."""
         own = LOCAL
         if self.world > 1:
-            from ...dist import new_group
-
-            own = new_group(list(range(self.world)) if self.group is None
-                            else [dist.get_global_rank(self.group, r) for r in range(self.world)])
+            own = self._groups.new(list(range(self.world)) if self.group is None
+                                   else [dist.get_global_rank(self.group, r) for r in range(self.world)])
             if self.cfg.grad_bits != 32:  # the sums compressed; the keys: the run's seed
                 self._launcher = CompressedLauncher(self.cfg.grad_bits, seed=format_seed(self.cfg.seed, 0x64AD))
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         # a sum (the loss is divided by the global training count)
         return make_grad_step(self.model, [(p, own, 1.0) for _, p in named], self.cfg.schedule,
                               lambda ps: torch.optim.Adam(ps, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay),
-                              device=self.device, names=[n for n, _ in named],
+                              device=self.device, names=[n for n, _ in named], groups=self._groups,
                               **({"launch": self._launcher} if self._launcher is not None else {})).open()
 
     def close(self) -> None:
-        """Stop the gradient scheduler's thread (and the compressed sums' launcher)."""
+        """Stop the gradient scheduler's thread (and the compressed sums' launcher), destroy
+        its group."""
         self.grad_step.close()
+        self._groups.close()
         if self._launcher is not None:
             self._launcher.close()
             self._launcher = None

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ...configurable import add_arguments, cli_fields, config_of, from_arguments
-from ...dist import CommError, Stopped, cli_main, init_distributed
-from ...results import mark_failed, prepare_out
+from ...dist import cli_main, init_distributed
+from ...results import prepare_out
 from ..record.traces import SyntheticTraceConfig
 from .config import (
     DRIVER_COMPUTES,
@@ -86,33 +86,22 @@ def config_from_args(a: argparse.Namespace) -> InferConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     ready: dict[str, Path] = {}  # the run folder, once made (a FAILED marker goes there, not before)
-    try:
-        return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
-    finally:  # after cli_main's line, which names the rank from the group
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
 
 
 def _run(a: argparse.Namespace, ready: dict[str, Path]) -> int:
     cfg = config_from_args(a)
     torch.set_num_threads(1)
     info = init_distributed(device=cfg.device_choice)  # ValueError: --device cuda without (enough) GPUs
-    try:
-        prepare_out(a.out, overwrite=a.overwrite)  # made (or refused) before any work
-        ready["out"] = a.out
-        if cfg.device == "auto" and cfg.compute == "emulated" and info.rank == 0 and torch.cuda.is_available():
-            print("commsched.moe.infer: --compute emulated runs on the CPU (the emulated accelerator); "
-                  "--compute real computes on the GPU", file=sys.stderr, flush=True)
-        m = run(cfg, a.out, device=info.device)
-        if dist.get_rank() == 0:
-            print(json.dumps({k: m[k] for k in ("placement", "world_size", "latency_ms", "model_latency_ms",
-                                                 "imbalance", "estimation_accuracy", "replan_rate")}), flush=True)
-    except (ValueError, CommError, Stopped):
-        raise  # cli_main: one line, and FAILED in the run folder once there is one
-    except BaseException as e:  # not one of ours: the traceback stays, the folder says it failed
-        if "out" in ready:
-            mark_failed(a.out, f"{PROG} (rank {info.rank}): {type(e).__name__}: {e}")
-        raise
+    prepare_out(a.out, overwrite=a.overwrite)  # made (or refused) before any work
+    ready["out"] = a.out
+    if cfg.device == "auto" and cfg.compute == "emulated" and info.rank == 0 and torch.cuda.is_available():
+        print("commsched.moe.infer: --compute emulated runs on the CPU (the emulated accelerator); "
+              "--compute real computes on the GPU", file=sys.stderr, flush=True)
+    m = run(cfg, a.out, device=info.device)
+    if dist.get_rank() == 0:
+        print(json.dumps({k: m[k] for k in ("placement", "world_size", "latency_ms", "model_latency_ms",
+                                             "imbalance", "estimation_accuracy", "replan_rate")}), flush=True)
     return 0
 
 

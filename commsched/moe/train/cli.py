@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from ...configurable import add_arguments, cli_fields, config_of, from_arguments
-from ...dist import CommError, Stopped, barrier, cli_main, init_distributed
+from ...dist import barrier, cli_main, init_distributed
 from ...priority.policy import SCHEDULES, ScheduleConfig
-from ...results import mark_failed, prepare_out
+from ...results import prepare_out
 from ..model.layer import DispatchConfig
 from ..model.lm import ModelConfig
 from .trainer import train
@@ -88,39 +88,28 @@ def _runtime(a: argparse.Namespace) -> tuple[ScheduleConfig, DeepSpeedConfig]:
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     ready: dict[str, Path] = {}  # the run folder, once made (a FAILED marker goes there, not before)
-    try:
-        return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
-    finally:  # after cli_main's line, which names the rank from the group
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
 
 
 def _run(a: argparse.Namespace, ready: dict[str, Path]) -> int:
     cfg = config_from_args(a)
     info = init_distributed(device=cfg.device)  # ValueError: --device cuda where it cannot run
-    try:
-        prepare_out(a.out, overwrite=a.overwrite, resume=a.resume)  # made (or refused) before any work
-        ready["out"] = a.out
-        if info.device.type == "cpu":
-            torch.set_num_threads(1)  # ranks share the host's cores
-        m = train(cfg, a.out, device=info.device, resume=a.resume)[0].to_dict()
-        if dist.get_rank() == 0:
-            print(json.dumps({k: m[k] for k in ("impl", "schedule", "world_size", "step_time_s", "a2a_time_s",
-                                                 "allreduce_time_s", "a2a_alone_time_s", "val_loss")}), flush=True)
-        if cfg.impl == "deepspeed":
-            # DeepSpeed's CPU backend now and then aborts in its C++ teardown ("terminate called
-            # without an active exception") after a run that finished and wrote its results;
-            # leave without running those destructors once every rank is done.
-            barrier("finishing the DeepSpeed run")
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-    except (ValueError, CommError, Stopped):
-        raise  # cli_main: one line, and FAILED in the run folder once there is one
-    except BaseException as e:  # not one of ours: the traceback stays, the folder says it failed
-        if "out" in ready:
-            mark_failed(a.out, f"{PROG} (rank {info.rank}): {type(e).__name__}: {e}")
-        raise
+    prepare_out(a.out, overwrite=a.overwrite, resume=a.resume)  # made (or refused) before any work
+    ready["out"] = a.out
+    if info.device.type == "cpu":
+        torch.set_num_threads(1)  # ranks share the host's cores
+    m = train(cfg, a.out, device=info.device, resume=a.resume)[0].to_dict()
+    if dist.get_rank() == 0:
+        print(json.dumps({k: m[k] for k in ("impl", "schedule", "world_size", "step_time_s", "a2a_time_s",
+                                             "allreduce_time_s", "a2a_alone_time_s", "val_loss")}), flush=True)
+    if cfg.impl == "deepspeed":
+        # DeepSpeed's CPU backend now and then aborts in its C++ teardown ("terminate called
+        # without an active exception") after a run that finished and wrote its results;
+        # leave without running those destructors once every rank is done.
+        barrier("finishing the DeepSpeed run")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

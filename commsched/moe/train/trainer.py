@@ -68,12 +68,12 @@ from ...clock import Clock
 from ...comm.observe import A2AEvents, A2AObserver
 from ...config import read_env
 from ...dist import (
+    RunGroups,
     all_gather_object,
     barrier,
     check_same_config,
     group_device,
 )
-from ...dist import new_group as cs_new_group
 from ...priority.hier import HierGroups, make_hier
 from ...priority.policy import MicroOpConfig, SerialConfig
 from ...priority.runtime.executor import LOCAL, GradScheduler
@@ -110,10 +110,12 @@ class Groups:
     dp_group: object          # all ranks, separate from the default group and the EP group
 
 
-def make_groups(ep_size: int, allreduce_threads: int | None = None) -> Groups:
+def make_groups(ep_size: int, allreduce_threads: int | None = None, run: RunGroups | None = None) -> Groups:
     """EP groups of consecutive ranks, expert-data-parallel groups across them, and one
     all-rank group for the non-expert allreduce (on gloo with ``allreduce_threads`` worker
-    threads, see :func:`commsched.dist.new_group`). Every rank creates every group, in order."""
+    threads), made in ``run`` (default: a RunGroups of their own). Every rank creates every
+    group, in order."""
+    cs_new_group = (run or RunGroups()).new
     world, rank = dist.get_world_size(), dist.get_rank()
     if ep_size < 1 or world % ep_size:
         raise ValueError(f"--ep-size {ep_size} must divide the world size {world}")
@@ -294,19 +296,21 @@ def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
     device = torch.device(device)
     # threaded gloo groups carry CPU tensors only: a CUDA run keeps the backend's own groups
     threads = cfg.allreduce_threads if device.type == "cpu" else None
-    groups = make_groups(ep, threads)
+    run = RunGroups()  # every group of the run, destroyed at its end
+    groups = make_groups(ep, threads, run)
     hier = None
     if cfg.schedule.hier_reduce:  # its groups once, for every step (None: reduce flat)
         from ...cluster.topology import Topology
 
-        hier = make_hier(topology if topology is not None else Topology.from_env(), threads=threads)
+        hier = make_hier(topology if topology is not None else Topology.from_env(), threads=threads, run=run)
     events = A2AEvents()  # the MoE layers report here; each scheduler registers for its steps
     model, sched_params = build_commsched(cfg, groups, events, device)
     try:
         return _train_loop(cfg, corpus, ep, bar, device, model, sched_params, events,
-                           out=out, resume=resume, on_step=on_step, hier=hier)
+                           out=out, resume=resume, on_step=on_step, hier=hier, run=run)
     finally:
         model.close()
+        run.close()
 
 
 def _fallback_exchange(opt, model: torch.nn.Module, dispatch: DispatchConfig) -> None:
@@ -335,7 +339,8 @@ def _fallback_exchange(opt, model: torch.nn.Module, dispatch: DispatchConfig) ->
 
 def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device: torch.device, model,
                 sched_params, events: A2AEvents, *, out: Path | None, resume: bool,
-                on_step: Callable[[int], None] | None, hier: HierGroups | None = None) -> dict:
+                on_step: Callable[[int], None] | None, hier: HierGroups | None = None,
+                run: RunGroups | None = None) -> dict:
     # --fallback-exchange: the fallback's reduction in fifo's buckets too
     buckets = {"fallback_buckets": True} if cfg.fallback_exchange else {}
     # --grad-bits: every reduction of the schedule summed in fewer bytes (quant/allreduce.py)
@@ -345,7 +350,7 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
                                       batch_bytes=cfg.grad_batch_bytes)
     try:
         return _train_steps(cfg, corpus, ep, bar, device, model, sched_params, events, buckets,
-                            launcher, out=out, resume=resume, on_step=on_step, hier=hier)
+                            launcher, out=out, resume=resume, on_step=on_step, hier=hier, run=run)
     finally:
         if launcher is not None:
             launcher.close()
@@ -353,13 +358,14 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
 
 def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device: torch.device, model,
                  sched_params, events: A2AEvents, buckets: dict, launcher, *, out: Path | None,
-                 resume: bool, on_step: Callable[[int], None] | None, hier: HierGroups | None) -> dict:
+                 resume: bool, on_step: Callable[[int], None] | None, hier: HierGroups | None,
+                 run: RunGroups | None) -> dict:
     rank = dist.get_rank()
     # the schedule's optimizer behind one step interface (priority/step.py): one Adam stepped
     # after the whole reduction, or under lina-overlap one Adam per module, stepped as its
     # reduction ends in the next forward pass (priority/runtime/overlap.py)
     opt = make_grad_step(model, sched_params, cfg.schedule, lambda ps: torch.optim.Adam(ps, lr=cfg.lr),
-                         device=device, hier=hier, **buckets,
+                         device=device, hier=hier, groups=run, **buckets,
                          **({"launch": launcher} if launcher is not None else {}))
     if cfg.fallback_exchange:
         _fallback_exchange(opt, model, cfg.dispatch)
@@ -427,7 +433,7 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
     s = cfg.schedule
     serial = SerialConfig(launch=s.launch, reduce_address=s.reduce_address,
                           **({"microop_bytes": s.microop_bytes} if isinstance(s, MicroOpConfig) else {}))
-    with GradScheduler(sched_params, serial, device=device) as probe, events.register(probe):
+    with GradScheduler(sched_params, serial, device=device, groups=run) as probe, events.register(probe):
         for i in range(cfg.probe_steps):
             x, y = corpus.batch(B, S, seed=cfg.seed, step=cfg.steps + i, rank=rank)
             x, y = to_device(x, device), to_device(y, device)

@@ -11,23 +11,20 @@ the collective, records a CUDA event there and polls it (``event.query()``): the
 completes when the reduction has. The thread polls what is in flight first after
 :data:`POLL_MIN_S`, then ever less often (doubling while nothing completes) up to
 :data:`POLL_MAX_S`; otherwise it sleeps until a launch, a completion or ``close()`` wakes
-it, and after every wake-up it launches what the policy allows (``_pump``). Completion
+it, and after every wake-up it launches what the policy allows (``pump``). Completion
 callbacks only record and wake that thread. A thread that cannot start, or dies, is
-raised at the next call (:meth:`CompletionMixin._check_alive`), never a silent timeout.
-
-:class:`CompletionMixin` is a mixin of GradScheduler: it uses the scheduler's lock
-(``self._cv``), policy, step state and records, and calls its ``_pump``.
+raised at the next call (:meth:`CompletionTracker.check_alive`), never a silent timeout.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from ...dist import CommError
-from ..hier import GATHER, INTRA
+from ...dist import CommError, current_rank
 
 
 def _with_index(device: torch.device) -> torch.device:
@@ -61,87 +58,68 @@ def group_size(g) -> int:
 POLL_MIN_S, POLL_MAX_S = 1e-4, 2e-3
 
 
-def current_rank() -> int:
-    """This process's rank in the default group (0 before there is one): the rank error messages name."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def outcome(fut: Any) -> BaseException | None:
+    """The exception a completed future holds, or None."""
+    try:
+        fut.value()
+    except BaseException as e:
+        return e
+    return None
 
 
-class CompletionMixin:
-    """Done-callbacks, polling and the executor thread (module docstring)."""
+class CompletionTracker:
+    """Done-callbacks, polling and the executor thread of one scheduler (module docstring),
+    sharing its lock ``cv``. ``mode``: ``"callback"``, ``"poll"`` or ``"event"`` (CUDA:
+    events on ``side``, timed by ``clock``). It calls back ``completed(seq, end_mark, error)``
+    (``end_mark``: the CUDA event), ``pump()`` (launch what the policy allows), ``fail(error,
+    keep_first)`` (hand an error to whoever waits) and ``active()`` (a step is open). Its
+    thread starts at once; every method but :meth:`close` runs with ``cv`` held."""
 
-    def _make_done(self, seq: int):
-        def done(fut) -> None:
-            err = None
-            try:
-                fut.value()
-            except BaseException as e:  # handed to finish()
-                err = e
-            with self._cv:
-                if err is not None and self._error is None:
-                    self._error = CommError(f"rank {current_rank()}: allreduce {seq} failed: {err}")
-                self._completed(seq, error=self._error if err is not None else None)
-        return done
+    def __init__(self, cv: Any, mode: str, device: torch.device, clock: Any, side: Any, *,
+                 completed: Callable[[int, Any, BaseException | None], None], pump: Callable[[], None],
+                 fail: Callable[[BaseException, bool], None], active: Callable[[], bool]):
+        self.cv, self.mode, self.device, self.clock, self.side = cv, mode, device, clock, side
+        self._completed, self._pump, self._fail, self._active = completed, pump, fail, active
+        self.polled: dict[int, Any] = {}  # seq -> CUDA event or Work, polled by the thread
+        self._wake = False
+        self._closed = False
+        self.dead: CommError | None = None  # the thread's death, when it died
+        self._thread = threading.Thread(target=self._loop, name="commsched-gradsched", daemon=True)
+        self._thread.start()
 
-    def _completed(self, seq: int, end_mark: Any = None, error: BaseException | None = None) -> None:
-        """Allreduce ``seq`` is done (caller holds the lock); for a hierarchical operation on
-        the CPU its phase across hosts is, and the gather follows (:meth:`_hier_done`)."""
-        staged = self._op_hier[seq] and not self._chained
-        if self._hier_step is not None and self._op_hier[seq]:
-            self._hier_step.inter_done(seq)
-        if self._on_complete is not None and (not staged or error is not None):
-            self._on_complete(seq, error)
-        rec = self._rec.get(("allreduce", seq))
-        if rec is not None:
-            if end_mark is not None:
-                self._marks[("allreduce", seq, "end_s")] = end_mark
-                rec.end_s = 0.0
-            else:
-                rec.end_s = self._now()
-        try:
-            self._policy.allreduce_done(seq)
-        except ValueError:
-            pass
-        self._thread_wake = True
-        self._cv.notify_all()
+    def watch(self, seq: int, work: Any) -> None:
+        """Operation ``seq`` was launched as ``work``: learn when it is done."""
+        if self.mode == "callback":
+            work.get_future().add_done_callback(lambda fut: self._done(seq, fut))
+        else:  # the thread polls it (on CUDA it first records an event after it)
+            self.polled[seq] = work
+            self.wake()
 
-    def _hier_done(self, phase: str, seq: int, err: BaseException | None) -> None:
-        """Phase ``intra`` or ``gather`` of hierarchical operation ``seq`` finished (a backend
-        thread, or the caller's with the lock held): the policy may launch its phase across
-        hosts, or the operation is done."""
-        with self._cv:
-            if err is not None:
-                if self._error is None:
-                    self._error = CommError(f"rank {current_rank()}: hierarchical reduction of operation {seq} "
-                                            f"failed in its {phase} phase: {err}")
-                if self._on_complete is not None:
-                    self._on_complete(seq, self._error)
-            elif phase == INTRA:
-                self._policy.allreduce_ready(seq, self._state[seq].spec.nbytes)
-            elif phase == GATHER:
-                self._hier_step.gathered(seq)
-                rec = self._rec.get(("allreduce", seq))
-                if rec is not None:
-                    rec.end_s = self._now()
-                if self._on_complete is not None:
-                    self._on_complete(seq, None)
-            self._thread_wake = True
-            self._cv.notify_all()
+    def wake(self) -> None:
+        """Let the thread look again (a launch, a completion)."""
+        self._wake = True
+        self.cv.notify_all()
+
+    def _done(self, seq: int, fut: Any) -> None:
+        err = outcome(fut)  # handed to finish()
+        with self.cv:
+            self._completed(seq, None, err)
 
     def _poll(self) -> None:
         """Check the polled completions (executor thread, lock held)."""
-        for seq, w in list(self._polled.items()):
-            if self._cuda:
+        for seq, w in list(self.polled.items()):
+            if self.mode == "event":
                 if not self._is_mark(w):
                     ev = self._event_after(w)
                     if ev is None:
                         continue  # its host part still runs: never a blocking wait under the lock
-                    self._polled[seq] = w = ev
+                    self.polled[seq] = w = ev
                 if w.query():
-                    del self._polled[seq]
-                    self._completed(seq, w)
+                    del self.polled[seq]
+                    self._completed(seq, w, None)
             elif w.is_completed():
-                del self._polled[seq]
-                self._completed(seq)
+                del self.polled[seq]
+                self._completed(seq, None, None)
 
     @staticmethod
     def _is_mark(w: Any) -> bool:
@@ -153,64 +131,66 @@ class CompletionMixin:
         an event (``stream_wait``: CompressedLauncher's) is skipped until ``is_completed()``,
         then the side stream waits on its event; any other Work's ``wait()`` is NCCL's
         non-blocking stream wait."""
-        with torch.cuda.stream(self._side):
+        with torch.cuda.stream(self.side):
             if hasattr(w, "stream_wait"):
                 if not w.is_completed():
                     return None
-                w.stream_wait(self._side)
+                w.stream_wait(self.side)
             else:
                 w.wait()
-            return self.clock.mark(self._side)
+            return self.clock.mark(self.side)
 
-    def _thread_setup(self) -> None:
+    def _setup(self) -> None:
         """The executor thread's first act: on CUDA its device (its events and streams)."""
-        if self._cuda:
+        if self.mode == "event":
             torch.cuda.set_device(self.device)
 
     def _loop(self) -> None:
         try:
-            self._thread_setup()
+            self._setup()
         except BaseException as e:  # the thread cannot run: say so at the next call, not at a timeout
-            with self._cv:
-                self._dead = CommError(f"rank {current_rank()}: the GradScheduler thread could not start on "
-                                       f"{self.device}: {type(e).__name__}: {e}")
-                self._error = self._dead
-                self._cv.notify_all()
+            with self.cv:
+                self.dead = CommError(f"rank {current_rank()}: the GradScheduler thread could not start on "
+                                      f"{self.device}: {type(e).__name__}: {e}")
+                self._fail(self.dead, False)
             return
         try:
             poll_s = POLL_MIN_S
-            with self._cv:
+            with self.cv:
                 while not self._closed:
                     # completions in flight are polled with a growing period (POLL_MIN_S ..
                     # POLL_MAX_S); otherwise the thread sleeps until a launch, a completion or
                     # close() wakes it
-                    woken = self._cv.wait_for(lambda: self._thread_wake or self._closed,
-                                              timeout=poll_s if self._polled else None)
-                    self._thread_wake = False
-                    if self._active and not self._closed:
+                    woken = self.cv.wait_for(lambda: self._wake or self._closed,
+                                             timeout=poll_s if self.polled else None)
+                    self._wake = False
+                    if self._active() and not self._closed:
                         try:
-                            if self._polled:
-                                before = len(self._polled)
+                            if self.polled:
+                                before = len(self.polled)
                                 self._poll()
-                                self._thread_wake = False
-                                progressed = woken or len(self._polled) < before
+                                self._wake = False
+                                progressed = woken or len(self.polled) < before
                                 poll_s = POLL_MIN_S if progressed else min(2 * poll_s, POLL_MAX_S)
                             self._pump()
                         except BaseException as e:  # handed to finish()
-                            self._error = e
-                            self._cv.notify_all()
+                            self._fail(e, False)
         except BaseException as e:  # never a silent death: finish() and begin_step() raise it
-            with self._cv:
-                self._dead = CommError(f"rank {current_rank()}: the GradScheduler thread died: "
-                                       f"{type(e).__name__}: {e}")
-                self._error = self._error or self._dead
-                self._cv.notify_all()
+            with self.cv:
+                self.dead = CommError(f"rank {current_rank()}: the GradScheduler thread died: "
+                                      f"{type(e).__name__}: {e}")
+                self._fail(self.dead, True)
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         """Raise the executor thread's death (lock held), so that a step never waits for it."""
-        if self._dead is not None:
-            raise self._dead
+        if self.dead is not None:
+            raise self.dead
+
+    def close(self) -> None:
+        with self.cv:
+            self._closed = True
+            self.cv.notify_all()
+        self._thread.join(timeout=5)
 
 
-
-__all__ = ["POLL_MAX_S", "POLL_MIN_S", "CompletionMixin", "current_rank", "group_size"]
+__all__ = ["POLL_MAX_S", "POLL_MIN_S", "CompletionTracker", "current_rank", "group_size"]

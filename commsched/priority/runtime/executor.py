@@ -56,20 +56,15 @@ Launches happen under one lock, from the compute thread (hooks, observer calls) 
 the executor's own thread (after a completion), so the launch order is the policy's order.
 
 Rooms. This module is the scheduling core (registration, hooks, readiness, launches, the
-observer methods, the end of the step); the bucket layout is :mod:`~commsched.priority.runtime.buckets`
-(pure), completion tracking and the executor thread :mod:`~commsched.priority.runtime.completion`,
-the timeline records :mod:`~commsched.priority.runtime.records`.
-
-Devices. On the CPU (gloo) completion is the ``Work``'s done-callback (or a poll) and times
-are host clock readings; on CUDA (NCCL) it is a polled CUDA event
-(:mod:`~commsched.priority.runtime.completion`) and times are CUDA events
-(:mod:`~commsched.priority.runtime.records`). On CUDA the policy runs the ``program`` launch rule
-by default (:mod:`commsched.priority.policy`): every launch happens at a point of the
-program, in the same order on every rank, never in reaction to a completion, as NCCL needs
-for collectives on two communicators. Whatever the device, :meth:`finish` calls
-``work.wait()`` on every launched ``Work`` before it returns (on CUDA that makes the
-caller's stream wait for the reduction, so the copy-back and the optimizer step read
-reduced gradients).
+observer methods, the end of the step). The scheduler holds a
+:class:`~commsched.priority.runtime.completion.CompletionTracker` (done-callbacks on the CPU, polled
+CUDA events on CUDA, the executor thread) and a :class:`~commsched.priority.runtime.records.Recorder`
+(host clock or CUDA events); the bucket layout is :mod:`~commsched.priority.runtime.buckets`; the
+groups it makes (bound twins, the hierarchy's) live in a :class:`~commsched.dist.RunGroups`.
+On CUDA the policy runs the ``program`` launch rule by default (:mod:`commsched.priority.policy`):
+every launch happens at a point of the program, in the same order on every rank, as NCCL
+needs. :meth:`finish` calls ``work.wait()`` on every launched ``Work`` before it returns (on
+CUDA the caller's stream then waits for the reduction).
 """
 
 from __future__ import annotations
@@ -77,7 +72,6 @@ from __future__ import annotations
 import datetime
 import functools
 import threading
-import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -86,24 +80,29 @@ import torch.distributed as dist
 
 from ...clock import Clock
 from ...config import read_env
-from ...dist import CommError, all_gather_object, comm_guard, peer_failure_hint, unresponsive_note
+from ...dist import (
+    CommError,
+    RunGroups,
+    all_gather_object,
+    comm_guard,
+    peer_failure_hint,
+    unresponsive_note,
+)
 from ..bind import bound_twins
-from ..hier import HierGroups, HierStep, make_hier
+from ..hier import GATHER, INTRA, HierGroups, HierStep, make_hier
 from ..microops import CommOp
-from ..policy import FifoConfig, OverlapPolicy, ScheduleConfig, make_policy
+from ..policy import FifoConfig, OverlapPolicy, Policy, ScheduleConfig, make_policy
 from ..transfer import UrgentOp, urgent
 from .buckets import LOCAL, GradSlot, describe, group_ids, plan_buckets, registration_mismatch
 from .completion import (
-    POLL_MAX_S,
-    POLL_MIN_S,
-    CompletionMixin,
+    CompletionTracker,
     Launcher,
     _all_reduce,
     _with_index,
     current_rank,
     group_size,
 )
-from .records import OpRecord, RecordsMixin, sort_records, step_timings
+from .records import OpRecord, Recorder
 
 
 class _Op:
@@ -117,7 +116,7 @@ class _Op:
         self.work: Any = None
 
 
-class GradScheduler(CompletionMixin, RecordsMixin):
+class GradScheduler:
     """Synchronise the gradients of ``params`` (in launch order) over their groups.
 
     ``params``: entries ``(parameter, group)`` or ``(parameter, group, scale)``. ``group``
@@ -135,28 +134,26 @@ class GradScheduler(CompletionMixin, RecordsMixin):
     (``work.is_completed()``, polled by the executor thread); default: the callback on the
     CPU. On CUDA completion is always a polled CUDA event. ``names``: one name per entry
     (default ``param{i}``), used by the construction check's error. ``find_unused_parameters``,
-    ``external``, ``on_complete``: module docstring.
+    ``external``, ``on_complete``: module docstring. ``groups``: the :class:`~commsched.dist.RunGroups`
+    the scheduler makes its groups in (default: its own, closed with it).
     """
-
-    _OVERLAP = False  # whether the class runs lina-overlap (priority/runtime/overlap.py's subclass does)
 
     def __init__(self, params: Sequence[tuple], cfg: ScheduleConfig, *, timeout_s: float | None = None,
                  device: torch.device | str | None = None, launch: Launcher | None = None,
                  completion: str | None = None, names: Sequence[str] | None = None,
                  find_unused_parameters: bool = True, external: Iterable[torch.Tensor] = (),
                  on_complete: Callable[[int, BaseException | None], None] | None = None,
-                 hier: HierGroups | None = None, fallback_buckets: bool = False):
+                 hier: HierGroups | None = None, fallback_buckets: bool = False, groups: RunGroups | None = None):
         self.cfg = cfg
-        if isinstance(cfg.build(), OverlapPolicy) and not self._OVERLAP:
-            raise ValueError("the 'lina-overlap' schedule leaves the reduction running into the next forward "
-                             "pass: run it with commsched.priority.runtime.overlap.OverlapScheduler and OverlapOptimizer")
-        if names is not None and len(names) != len(params):
-            raise ValueError(f"{len(names)} names for {len(params)} parameters")
-        self.timeout_s = timeout_s if timeout_s is not None else read_env().timeout_s
         if device is None:
             device = params[0][0].device if len(params) else torch.device("cpu")
         self.device = _with_index(torch.device(device))
+        self._policy = self._make_policy(cfg)
+        if names is not None and len(names) != len(params):
+            raise ValueError(f"{len(names)} names for {len(params)} parameters")
+        self.timeout_s = timeout_s if timeout_s is not None else read_env().timeout_s
         self._cuda = self.device.type == "cuda"
+        self.groups, self._own_groups = groups if groups is not None else RunGroups(), groups is None
         # hierarchical operations: all three phases issued at the launch, ordered on the side
         # stream (CUDA); else phase by phase on completions (gloo; priority/hier.py)
         self._chained = self._cuda
@@ -184,7 +181,14 @@ class GradScheduler(CompletionMixin, RecordsMixin):
             scale = float(e[2]) if len(e) > 2 else 1.0 / n
             entries.append((p, g if n > 1 else LOCAL, scale, names[i] if names is not None else f"param{i}"))
             described.append(describe(entries[-1][3], p, n))
-        self._check_same_registration(described)
+        # every rank must register the same list, in its given order (collective when several
+        # ranks); group identity may differ (each rank has its own expert-data-parallel group),
+        # its size may not
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            msg = registration_mismatch(all_gather_object(
+                described, "comparing the parameters every rank's GradScheduler registered"))
+            if msg is not None:
+                raise ValueError(f"GradScheduler: {msg}")
         # the layout (priority/runtime/buckets.py): communicated parameters first (in the order given),
         # then the scale-only ones; operations never span two groups (nor, for buckets, two dtypes)
         ids = group_ids([g for _, g, _, _ in entries])
@@ -194,7 +198,7 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         self._params = [p for p, _, _, _ in entries]
         self._groups = [g for _, g, _, _ in entries]
         # cfg.reduce_address: reduce over twins of the groups bound to that address (priority/bind.py)
-        twins = bound_twins([g for g in self._groups if g is not LOCAL], cfg.reduce_address)
+        twins = bound_twins([g for g in self._groups if g is not LOCAL], cfg.reduce_address, self.groups)
         self._groups = [twins.get(id(g), g) if g is not LOCAL else g for g in self._groups]
         self._scale = [s for _, _, s, _ in entries]
         self.names = [nm for _, _, _, nm in entries]
@@ -205,7 +209,15 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         if not ext <= set(self._index):
             raise ValueError("external parameters must be among the scheduler's parameters")
         self._external = [id(p) in ext for p in self._params]
-        self._hier = self._setup_hier(hier)
+        # the hierarchy of cfg.hier_reduce: hier when given, else built from the ranks' hosts
+        # (collective); None: reduce flat
+        if hier is not None and not cfg.hier_reduce:
+            raise ValueError("GradScheduler got hier= but its ScheduleConfig has hier_reduce=False")
+        if hier is None and cfg.hier_reduce:
+            from ...cluster.topology import Topology
+
+            hier = make_hier(Topology.from_env(), run=self.groups)
+        self._hier = hier
         # the operations of each mode (set_fallback): the schedule's own; with
         # fallback_buckets the fallback's are fifo's buckets (the same parameter order)
         self._layouts = {False: self._derive(layout)}
@@ -215,27 +227,40 @@ class GradScheduler(CompletionMixin, RecordsMixin):
             self._layouts[True] = self._derive(fifo)
         self.ops, self._op_groups, self._op_hier, self._ops_of_param = self._layouts[False]
         self._hier_step: HierStep | None = None
-        self._policy = make_policy(cfg, self.device.type)
         p = self._policy
         self._holds = (p.hold_for_a2a, p.hold_in_block, p.credit_bytes)
         self._fallback = False
-        # completions to poll (executor thread): seq -> CUDA event or Work
-        self._polled: dict[int, Any] = {}
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
         self._cv = threading.Condition()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(self._params) if not self._external[i]]
-        self._thread_wake = False
-        self._closed = False
         self._error: BaseException | None = None
-        self._dead: CommError | None = None  # the executor thread's death, when it died
         self._active = False
         self._sync = True  # False inside no_sync(): backward passes only accumulate
         self._a2a_key = 0
-        self._reset_records()
-        self._t0 = time.perf_counter()
-        self._thread = threading.Thread(target=self._loop, name="commsched-gradsched", daemon=True)
-        self._thread.start()
+        self.recorder = Recorder(self.clock, self._cuda)
+        self.tracker = CompletionTracker(self._cv, self._completion, self.device, self.clock, self._side,
+                                         completed=self._completed, pump=self._pump, fail=self._fail,
+                                         active=lambda: self._active)
+
+    def _make_policy(self, cfg: ScheduleConfig) -> Policy:
+        """The policy of ``cfg`` on this device; every schedule but ``lina-overlap``."""
+        policy = make_policy(cfg, self.device.type)
+        if isinstance(policy, OverlapPolicy):
+            raise ValueError("the 'lina-overlap' schedule leaves the reduction running into the next forward "
+                             "pass: run it with commsched.priority.runtime.overlap.OverlapScheduler and OverlapOptimizer")
+        return policy
+
+    @property
+    def records(self) -> list[OpRecord]:
+        """The last finished step's records, in timeline order."""
+        return self.recorder.records
+
+    def _fail(self, err: BaseException, keep_first: bool = False) -> None:
+        """Hand ``err`` to whoever waits (lock held); ``keep_first``: unless one is there."""
+        if not keep_first or self._error is None:
+            self._error = err
+        self._cv.notify_all()
 
     def _derive(self, layout) -> tuple[list[CommOp], list, list[bool], list[list[int]]]:
         """(operations, their groups, whether each goes through the hierarchy, the operations
@@ -247,31 +272,6 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         hier = [self._hier is not None and group_size(g) == self._hier.world_size
                 and spec.nbytes >= self.cfg.hier_min_bytes for spec, g in zip(ops, groups)]
         return ops, groups, hier, [list(o) for o in layout.ops_of_param]
-
-    def _check_same_registration(self, described: list[tuple]) -> None:
-        """Collective over the default group (when initialised, several ranks and every group a
-        real process group): the same ValueError on every rank when the lists differ."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return
-        # what each rank registered, in its given order; group identity may differ (each rank
-        # has its own expert-data-parallel group), its size may not
-        lists = all_gather_object(described, "comparing the parameters every rank's GradScheduler registered")
-        msg = registration_mismatch(lists)
-        if msg is not None:
-            raise ValueError(f"GradScheduler: {msg}")
-
-    def _setup_hier(self, hier: HierGroups | None) -> HierGroups | None:
-        """The hierarchy of ``cfg.hier_reduce``: ``hier`` when given, else built from the
-        ranks' hosts (``Topology.from_env``, collective); None: reduce flat."""
-        if not self.cfg.hier_reduce:
-            if hier is not None:
-                raise ValueError("GradScheduler got hier= but its ScheduleConfig has hier_reduce=False")
-            return None
-        if hier is None:
-            from ...cluster.topology import Topology
-
-            hier = make_hier(Topology.from_env())
-        return hier
 
     # ------------------------------------------------------------------ step
     @property
@@ -301,7 +301,7 @@ class GradScheduler(CompletionMixin, RecordsMixin):
 
     def begin_step(self) -> None:
         with self._cv:
-            self._check_alive()
+            self.tracker.check_alive()
             if self._active:
                 raise RuntimeError("begin_step called twice without finish()")
             self._apply_fallback()
@@ -310,12 +310,12 @@ class GradScheduler(CompletionMixin, RecordsMixin):
             self._param_ready = [False] * len(self._params)
             self._src: list[torch.Tensor | None] = [None] * len(self._params)
             self._used = [False] * len(self._params)
-            self._reset_records()
-            self._polled = {}
+            self.recorder.reset()
+            self.tracker.polled = {}
             if self._hier is not None:
                 self._hier_step = HierStep(self._hier, self._hier_done, chained=self._chained)
                 self._hier_step.expect([s for s, h in enumerate(self._op_hier) if h])
-            self._start_clock()
+            self.recorder.start()
             self._active = True
 
     def set_fallback(self, on: bool) -> None:
@@ -397,17 +397,12 @@ class GradScheduler(CompletionMixin, RecordsMixin):
             st = self._state[seq]
             st.missing -= 1
             if st.missing == 0:
-                self._make_buffer(st)
+                st.views = [self._src[pc.tensor].view(-1)[pc.offset:pc.offset + pc.numel] for pc in st.spec.pieces]
+                st.flat = st.views[0] if len(st.views) == 1 else torch.cat(st.views)
                 # a hierarchical operation is ready for the policy once its host-local phase is done
                 if not self._op_hier[seq] or self._hier_step.ready(seq, st.flat, st.spec.nbytes):
                     self._policy.allreduce_ready(seq, st.spec.nbytes)
-                rec = self._rec[("allreduce", seq)] = OpRecord("allreduce", seq, st.spec.nbytes, 0.0)
-                self._stamp(rec, "ready_s")
-
-    def _make_buffer(self, st: _Op) -> None:
-        views = [self._src[pc.tensor].view(-1)[pc.offset:pc.offset + pc.numel] for pc in st.spec.pieces]
-        st.views = views
-        st.flat = views[0] if len(views) == 1 else torch.cat(views)
+                self.recorder.open("allreduce", seq, st.spec.nbytes)
 
     def _pump(self) -> None:
         """Launch what the policy allows now (caller holds the lock)."""
@@ -415,13 +410,11 @@ class GradScheduler(CompletionMixin, RecordsMixin):
             self._hier_step.pump()  # the host-local phases, in sequence order
         for launch in self._policy.next_ops():
             if launch.kind == "a2a":
-                rec = self._rec.get(("a2a", launch.key))  # type: ignore[arg-type]
-                if rec is not None:
-                    self._stamp(rec, "start_s")
+                self.recorder.stamp("a2a", launch.key, "start_s")
                 continue
             seq = int(launch.key)  # type: ignore[arg-type]
             st = self._state[seq]
-            self._stamp(self._rec[("allreduce", seq)], "start_s")
+            self.recorder.stamp("allreduce", seq, "start_s")
             try:
                 launch = functools.partial(self._launch, op=seq) if self._launch_takes_op else self._launch
                 if not self._op_hier[seq]:
@@ -431,21 +424,56 @@ class GradScheduler(CompletionMixin, RecordsMixin):
                 else:  # the phase across hosts: this rank's shard over its cross group
                     work = launch(self._hier_step.inter_tensor(seq), self._hier_step.cross)
             except RuntimeError as e:
-                self._error = CommError(f"rank {current_rank()}: launching allreduce {seq} failed: {e}")
+                self._fail(CommError(f"rank {current_rank()}: launching allreduce {seq} failed: {e}"))
                 if self._on_complete is not None:
                     self._on_complete(seq, self._error)
-                self._cv.notify_all()
                 continue
             st.work = work
-            if self._completion == "callback":
-                work.get_future().add_done_callback(self._make_done(seq))
-            else:  # the executor thread polls it (on CUDA it first records an event after it)
-                self._polled[seq] = work
-                self._thread_wake = True
-                self._cv.notify_all()
+            self.tracker.watch(seq, work)
         if self._launch_flush is not None:
             # the launches of this program point, summed together now (CompressedLauncher)
             self._launch_flush()
+
+    # ------------------------------------------------------------------ completions (CompletionTracker)
+    def _completed(self, seq: int, end_mark: Any = None, error: BaseException | None = None) -> None:
+        """Allreduce ``seq`` is done (lock held), or failed with ``error``; ``end_mark``: its
+        CUDA event. For a hierarchical operation on the CPU its phase across hosts is, and
+        the gather follows (:meth:`_hier_done`)."""
+        if error is not None:
+            if self._error is None:
+                self._error = CommError(f"rank {current_rank()}: allreduce {seq} failed: {error}")
+            error = self._error
+        staged = self._op_hier[seq] and not self._chained
+        if self._hier_step is not None and self._op_hier[seq]:
+            self._hier_step.inter_done(seq)
+        if self._on_complete is not None and (not staged or error is not None):
+            self._on_complete(seq, error)
+        self.recorder.stamp("allreduce", seq, "end_s", end_mark)
+        try:
+            self._policy.allreduce_done(seq)
+        except ValueError:
+            pass
+        self.tracker.wake()
+
+    def _hier_done(self, phase: str, seq: int, err: BaseException | None) -> None:
+        """Phase ``intra`` or ``gather`` of hierarchical operation ``seq`` finished (a backend
+        thread, or the caller's with the lock held): the policy may launch its phase across
+        hosts, or the operation is done."""
+        with self._cv:
+            if err is not None:
+                if self._error is None:
+                    self._error = CommError(f"rank {current_rank()}: hierarchical reduction of operation {seq} "
+                                            f"failed in its {phase} phase: {err}")
+                if self._on_complete is not None:
+                    self._on_complete(seq, self._error)
+            elif phase == INTRA:
+                self._policy.allreduce_ready(seq, self._state[seq].spec.nbytes)
+            elif phase == GATHER:
+                self._hier_step.gathered(seq)
+                self.recorder.stamp("allreduce", seq, "end_s")
+                if self._on_complete is not None:
+                    self._on_complete(seq, None)
+            self.tracker.wake()
 
     # ------------------------------------------------------------------ observer (compute thread)
     def a2a_begin(self, nbytes: int) -> object:
@@ -453,8 +481,7 @@ class GradScheduler(CompletionMixin, RecordsMixin):
             key = self._a2a_key
             self._a2a_key += 1
             if self._active:
-                rec = self._rec[("a2a", key)] = OpRecord("a2a", key, nbytes, 0.0)
-                self._stamp(rec, "ready_s")
+                self.recorder.open("a2a", key, nbytes)
             self._policy.a2a_waiting(key, nbytes)
             self._pump()
             return key
@@ -462,22 +489,16 @@ class GradScheduler(CompletionMixin, RecordsMixin):
     def a2a_end(self, token: object) -> None:
         with self._cv:
             self._policy.a2a_done(token)
-            rec = self._rec.get(("a2a", token))  # type: ignore[arg-type]
-            if rec is not None:
-                self._stamp(rec, "end_s")
+            self.recorder.stamp("a2a", token, "end_s")
             if self._active:
                 self._pump()
 
     def a2a_blocked(self, seconds: float) -> None:
-        self._a2a_blocked_s += seconds  # compute thread only
+        self.recorder.blocked_s += seconds  # compute thread only
 
     def a2a_blocked_interval(self, a: Any, b: Any) -> None:
-        """The blocked time as two clock marks: host seconds are added now, CUDA events in
-        :meth:`finish` (which synchronises once anyway), never at the exchange."""
-        if isinstance(a, float):
-            self._a2a_blocked_s += b - a
-        else:
-            self._blocked_marks.append((a, b))
+        """The blocked time as two clock marks (:meth:`Recorder.blocked`)."""
+        self.recorder.blocked(a, b)
 
     def block_begin(self) -> None:
         with self._cv:
@@ -497,7 +518,7 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         reduced values are then in place; on CUDA the caller's current stream waits for the
         reductions, so whatever it runs next (the copy-back here, the optimizer step) reads
         reduced gradients."""
-        t_end = self._now()
+        t_end = self.recorder.now()
         end_mark = self.clock.mark() if self._cuda else None
         with self._cv:
             if not self._active:
@@ -578,13 +599,7 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         if self._find_unused:
             self._clear_unused(used)
         with self._cv:
-            t_done = self._now()
-            recs = list(self._rec.values())
-            if self._cuda:
-                t_end, t_done = self._resolve_marks(end_mark)
-            self._resolve_blocked()
-        self.records = sort_records(recs)
-        return step_timings(recs, t_end=t_end, t_done=t_done, a2a_blocked_s=self._a2a_blocked_s)
+            return self.recorder.timings(t_end, end_mark)
 
     def _clear_unused(self, used: list[bool]) -> None:
         """Leave ``grad`` None where no rank of the parameter's group used it: one used-flag
@@ -612,10 +627,9 @@ class GradScheduler(CompletionMixin, RecordsMixin):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._thread.join(timeout=5)
+        self.tracker.close()
+        if self._own_groups:
+            self.groups.close()
 
     def __enter__(self) -> "GradScheduler":
         return self
@@ -632,6 +646,5 @@ class GradScheduler(CompletionMixin, RecordsMixin):
 
 
 # re-exported: their homes are priority/runtime/buckets.py, records.py and completion.py (group_size)
-__all__ = ["LOCAL", "POLL_MAX_S", "POLL_MIN_S", "GradScheduler", "OpRecord", "group_size",
-           "registration_mismatch"]
+__all__ = ["LOCAL", "GradScheduler", "OpRecord", "group_size", "registration_mismatch"]
 

@@ -59,13 +59,11 @@ from ...dist import (
     CommError,
     all_gather_object,
     control_device,
-    control_group,
     peer_failure_hint,
     unresponsive_note,
 )
-from ..bind import bind_new_group
-from ..policy import OverlapPolicy, ScheduleConfig
-from .buckets import LOCAL
+from ..bind import members, twins
+from ..policy import OverlapPolicy, Policy, ScheduleConfig, make_policy
 from .executor import GradScheduler
 from .records import OpRecord
 
@@ -88,38 +86,32 @@ def _with_liveness(err: BaseException) -> CommError:
 class OverlapScheduler(GradScheduler):
     """:class:`~commsched.priority.runtime.executor.GradScheduler` under ``lina-overlap`` (module
     docstring); the arguments are its, ``cfg`` a schedule whose policy is an :class:`OverlapPolicy`;
-    ``tail_threads``: gloo worker threads of the tail's twin groups (:meth:`_make_tail_groups`).
+    ``tail_threads``: gloo worker threads of the tail's twin groups.
 
     A step: :meth:`begin_step`, the backward pass, :meth:`end_backward_async` (returns at
     once), then, while the next forward pass runs, :meth:`wait_params` per module and
     finally :meth:`complete` (what :meth:`finish` is to the other schedules: it waits for
     the rest and returns the step's timings). :class:`OverlapOptimizer` drives these."""
 
-    _OVERLAP = True
-
     def __init__(self, params: Sequence[tuple], cfg: ScheduleConfig, *, tail_threads: int | None = 8, **kw: Any):
-        if not isinstance(cfg.build(), OverlapPolicy):
-            raise ValueError(f"OverlapScheduler runs the 'lina-overlap' schedule, got {cfg.name!r}; use "
-                             "GradScheduler for the others")
         if kw.get("external"):
             raise ValueError("OverlapScheduler does not take external gradients (a DDP hook's buckets are "
                              "reduced inside DDP's step); use GradScheduler with lina")
         super().__init__(params, cfg, **kw)
-        assert isinstance(self._policy, OverlapPolicy)
         self._find_unused_flags, self._find_unused = self._find_unused, False  # exchanged at end_backward_async
         dist_on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         # every rank makes the control group here, at construction, like every group: gloo
         # (CPU agreement tensors only), so a CUDA job gives it no NCCL communicator
-        self._ctrl = control_group(list(range(dist.get_world_size()))) if dist_on else None
-        self._members: list[tuple[int, ...] | None] = []
-        for g in self._groups:
-            if g is LOCAL or not dist_on or (g is not None and not isinstance(g, dist.ProcessGroup)):
-                self._members.append(None)  # this rank's own flag
-            elif g is None:
-                self._members.append(tuple(range(dist.get_world_size())))
-            else:
-                self._members.append(tuple(dist.get_process_group_ranks(g)))
-        self._tail_group = self._make_tail_groups(tail_threads) if dist_on else {}
+        self._ctrl = self.groups.control(range(dist.get_world_size())) if dist_on else None
+        # the ranks whose used flags count for each parameter (None: this rank's own flag)
+        self._members = [members(g) if dist_on and isinstance(g, (type(None), dist.ProcessGroup)) else None
+                         for g in self._groups]
+        # a twin of every communicating group for the tail: micro-ops launched before the
+        # backward pass ended stay queued on the original groups (gloo runs a group's
+        # collectives in launch order, ``tail_threads`` at a time); on the twins the tail's
+        # first micro-ops start at once instead of queuing behind them
+        self._tail_group = twins(self._groups, self.groups, address=cfg.reduce_address, threads=tail_threads,
+                                 what="listing the groups of lina-overlap's tail") if dist_on else {}
         self._agreed = True
         self._used_final: list[bool] = [True] * len(self._params)
         self._remaining: list[int] = [len(o) for o in self._ops_of_param]
@@ -128,17 +120,12 @@ class OverlapScheduler(GradScheduler):
         self._t_end = 0.0
         self._end_mark: Any = None
 
-    def _make_tail_groups(self, threads: int | None) -> dict[int, Any]:
-        """A twin of every communicating group for the tail (collective: every rank makes
-        the twins of every rank's groups, in one order). Micro-ops launched before the
-        backward pass ended stay queued on the original groups (gloo runs a group's
-        collectives in launch order, ``threads`` at a time); on the twins the tail's first
-        micro-ops start at once instead of queuing behind them."""
-        mine = sorted({m for m, g in zip(self._members, self._groups) if m is not None and g is not LOCAL})
-        every = sorted({tuple(m) for ms in all_gather_object(mine, "listing the groups of lina-overlap's tail")
-                        for m in ms})
-        made = {m: bind_new_group(list(m), self.cfg.reduce_address, threads) for m in every}
-        return {id(g): made[m] for m, g in zip(self._members, self._groups) if m is not None and g is not LOCAL}
+    def _make_policy(self, cfg: ScheduleConfig) -> Policy:
+        policy = make_policy(cfg, self.device.type)
+        if not isinstance(policy, OverlapPolicy):
+            raise ValueError(f"OverlapScheduler runs the 'lina-overlap' schedule, got {cfg.policy!r}; use "
+                             "GradScheduler for the others")
+        return policy
 
     def _retarget_tail(self, agreed: int) -> None:
         """Operations from ``agreed`` on (the reordered tail, the same on every rank) go to
@@ -192,7 +179,7 @@ class OverlapScheduler(GradScheduler):
     def end_backward_async(self) -> None:
         """The backward pass has ended: mark the parameters no gradient reached (they
         contribute zeros), start the ranks' agreement and let the tail go; returns at once."""
-        t_end = self._now()
+        t_end = self.recorder.now()
         mark = self.clock.mark() if self._cuda else None
         with self._cv:
             if not self._active:
@@ -224,9 +211,7 @@ class OverlapScheduler(GradScheduler):
         try:
             work = dist.all_gather(outs, mine, group=self._ctrl, async_op=True)
         except RuntimeError as e:
-            self._error = CommError(f"rank {dist.get_rank()}: starting the end-of-backward agreement failed: {e}")
-            self._cv.notify_all()
-            return
+            return self._fail(CommError(f"rank {dist.get_rank()}: starting the end-of-backward agreement failed: {e}"))
         self._ctrl_work = work
 
         def done(fut) -> None:
@@ -237,8 +222,7 @@ class OverlapScheduler(GradScheduler):
                 except BaseException as e:  # handed to whoever waits
                     if self._error is None:
                         self._error = CommError(f"rank {dist.get_rank()}: the end-of-backward agreement failed: {e}")
-                self._thread_wake = True
-                self._cv.notify_all()
+                self.tracker.wake()
 
         work.get_future().add_done_callback(done)
 
@@ -317,7 +301,7 @@ class OverlapScheduler(GradScheduler):
         self._apply_unused(range(len(self._params)))
         t_end = self._t_end
         if self._cuda and self._end_mark is not None:
-            t_end = self.clock.seconds(self._t0_mark, self._end_mark)
+            t_end = self.recorder.seconds(self._end_mark)
         ar = [r for r in self.records if r.kind == "allreduce" and r.end_s >= 0]
         total = sum(r.nbytes for r in ar)
         st.update(backward_end_s=t_end,
@@ -330,15 +314,13 @@ class OverlapScheduler(GradScheduler):
         with self._cv:
             if not self._active:
                 return None
-            rec = self._rec[(kind, key)] = OpRecord(kind, key, 0, 0.0)
-            self._stamp(rec, "ready_s")
-            return rec
+            return self.recorder.open(kind, key, 0)
 
     def stamp(self, rec: OpRecord | None, field: str) -> None:
         if rec is not None:
             with self._cv:
                 if self._active:
-                    self._stamp(rec, field)
+                    self.recorder.stamp(rec.kind, rec.key, field)
 
 
 class OverlapOptimizer:

@@ -6,7 +6,7 @@ Legend: none (times are seconds from the step start).
 
 Clock. On the CPU a field is stamped with a host clock reading (``time.perf_counter``
 minus the step start). On CUDA it is stamped with a CUDA event (:class:`commsched.clock.Clock`,
-recorded on the current stream or the one given) and set to 0 until :meth:`RecordsMixin._resolve_marks`,
+recorded on the current stream or the one given) and set to 0 until :meth:`Recorder.timings`,
 called once in ``finish`` (which synchronises anyway), turns every event into seconds:
 an all-to-all's begin and end are events recorded on the current stream when the layer
 reports them (the end completes after the exchange, which the current stream waits for),
@@ -68,57 +68,77 @@ def sort_records(recs: Sequence[OpRecord]) -> list[OpRecord]:
     return sorted(recs, key=lambda r: (r.ready_s, r.kind, r.key))
 
 
-class RecordsMixin:
-    """The scheduler's record keeping (a mixin of GradScheduler: it sets ``self.clock``,
-    ``self._cuda`` and holds the lock around these calls)."""
+class Recorder:
+    """A scheduler's step records on ``clock`` (CUDA events when ``cuda``), under its lock;
+    ``records``: the last finished step's, in timeline order."""
 
-    clock: Any
-    _cuda: bool
+    def __init__(self, clock: Any, cuda: bool):
+        self.clock, self.cuda = clock, cuda
+        self.t0 = time.perf_counter()
+        self.t0_mark: Any = None
+        self.reset()
 
-    def _reset_records(self) -> None:
-        """A new step: no records (its clock starts at :meth:`_start_clock`)."""
+    def reset(self) -> None:
+        """A new step: no records (its clock starts at :meth:`start`)."""
         self.records: list[OpRecord] = []
         self._rec: dict[tuple[str, int], OpRecord] = {}
         self._marks: dict[tuple[str, int, str], Any] = {}  # CUDA: (kind, key, field) -> event
-        self._a2a_blocked_s = 0.0
+        self.blocked_s = 0.0
         self._blocked_marks: list[tuple[Any, Any]] = []  # CUDA: blocked intervals to resolve
 
-    def _start_clock(self) -> None:
+    def start(self) -> None:
         """The step starts now: the host clock's origin, on CUDA an event too."""
-        self._t0 = time.perf_counter()
-        if self._cuda:
-            self._t0_mark = self.clock.mark()
+        self.t0 = time.perf_counter()
+        if self.cuda:
+            self.t0_mark = self.clock.mark()
 
-    def _now(self) -> float:
-        return time.perf_counter() - self._t0
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
 
-    def _stamp(self, rec: OpRecord, field: str, stream: Any = None) -> None:
-        """Set ``rec.<field>`` to now: the host clock on the CPU; on CUDA a CUDA event
-        (recorded on ``stream``, default the current one) resolved in :meth:`finish`."""
-        if self._cuda:
-            self._marks[(rec.kind, rec.key, field)] = self.clock.mark(stream)
+    def open(self, kind: str, key: int, nbytes: int) -> OpRecord:
+        """A new record of this step, stamped ready now."""
+        rec = self._rec[(kind, key)] = OpRecord(kind, key, nbytes, 0.0)
+        self.stamp(kind, key, "ready_s")
+        return rec
+
+    def stamp(self, kind: str, key: Any, field: str, mark: Any = None) -> None:
+        """Set the field of record (``kind``, ``key``) of this step, if there is one, to now:
+        the host clock on the CPU; on CUDA a CUDA event (``mark``, default one recorded on
+        the current stream now) resolved in :meth:`timings`."""
+        rec = self._rec.get((kind, key))
+        if rec is not None and (self.cuda or mark is not None):
+            self._marks[(kind, key, field)] = mark if mark is not None else self.clock.mark()
             setattr(rec, field, 0.0)
+        elif rec is not None:
+            setattr(rec, field, self.now())
+
+    def blocked(self, a: Any, b: Any) -> None:
+        """The all-to-all blocked from ``a`` to ``b``: host seconds are added now, CUDA events
+        in :meth:`timings` (which synchronises once anyway), never at the exchange."""
+        if isinstance(a, float):
+            self.blocked_s += b - a
         else:
-            setattr(rec, field, self._now())
+            self._blocked_marks.append((a, b))
 
-    def _resolve_marks(self, end_mark: Any) -> tuple[float, float]:
-        """CUDA: turn this step's events into seconds from the step start; returns (end of
-        the backward pass, end of the allreduce wait). Waits for the current stream."""
-        done_mark = self.clock.mark()
-        sec = self.clock.seconds
-        t_done = sec(self._t0_mark, done_mark)  # synchronises: every earlier event has happened
-        for (kind, key, fld), ev in self._marks.items():
-            rec = self._rec.get((kind, key))
-            if rec is not None:
-                setattr(rec, fld, sec(self._t0_mark, ev))
-        self._marks = {}
-        return sec(self._t0_mark, end_mark), t_done
+    def seconds(self, mark: Any) -> float:
+        """CUDA: seconds from the step start to event ``mark``."""
+        return self.clock.seconds(self.t0_mark, mark)
 
-    def _resolve_blocked(self) -> None:
-        """Add the blocked intervals held as marks (every event has happened: no wait)."""
-        for a, b in self._blocked_marks:
-            self._a2a_blocked_s += self.clock.seconds(a, b)
-        self._blocked_marks = []
+    def timings(self, t_end: float, end_mark: Any) -> dict:
+        """End the step: its records in :attr:`records` and its timings (:func:`step_timings`;
+        ``t_end``/``end_mark``: the end of the backward pass). On CUDA every event is turned
+        into seconds from the step start (waits for the current stream)."""
+        t_done = self.now()
+        recs = list(self._rec.values())
+        if self.cuda:
+            t_done = self.seconds(self.clock.mark())  # synchronises: every earlier event has happened
+            for (kind, key, fld), ev in self._marks.items():
+                setattr(self._rec[(kind, key)], fld, self.seconds(ev))
+            t_end = self.seconds(end_mark)
+        self.blocked_s += sum(self.clock.seconds(a, b) for a, b in self._blocked_marks)
+        self._marks, self._blocked_marks = {}, []
+        self.records = sort_records(recs)
+        return step_timings(recs, t_end=t_end, t_done=t_done, a2a_blocked_s=self.blocked_s)
 
 
-__all__ = ["OpRecord", "RecordsMixin", "sort_records", "step_timings", "union_s"]
+__all__ = ["OpRecord", "Recorder", "sort_records", "step_timings", "union_s"]
