@@ -8,8 +8,14 @@ once, in ``__post_init__``, and makes the component with ``build(...)``. A
 :class:`Registry` maps the names users type (``--mode adaqp``) to configs (presets) or
 config classes, and its unknown-name error lists the known ones. :func:`add_arguments`
 turns a config class's fields into argparse flags (type, default, help and choices come
-from the dataclass, so no parser re-types a default) and :func:`from_arguments` reads them
-back.
+from the dataclass, so no parser re-types a default), :func:`from_arguments` reads them
+back and :func:`to_arguments` writes a config as those flags again (a benchmark's variant is
+a config, run as a command line).
+
+The base enforces what every config shares: a subclass that is not frozen or not
+keyword-only is a TypeError, and a field's value outside its declared ``choices`` is a
+ValueError naming the flag and the allowed values, raised before the subclass's own
+``__post_init__`` runs (so a config checks only what its choices cannot say).
 
 Adding a component is then one class, one registry entry and one test::
 
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import MISSING, dataclass
@@ -60,11 +67,46 @@ def check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_config(config: "Config") -> None:
+    """The rules of every config: frozen, keyword-only, each value among its field's choices."""
+    cls = type(config)
+    if not cls.__dataclass_params__.frozen or not all(f.kw_only for f in dataclasses.fields(cls) if f.init):
+        raise TypeError(f"{cls.__name__} must be @dataclass(frozen=True, kw_only=True), as every Config")
+    for f in dataclasses.fields(cls):
+        choices, value = f.metadata.get("choices"), getattr(config, f.name)
+        if choices is not None and value not in choices and not (value is None and f.default is None):
+            raise ValueError(f"{_flag(f, '')} must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+def _checked(post_init: Any) -> Any:
+    """``post_init`` run after the base's rules (once per instance: only when it is the
+    instance's own ``__post_init__``, not a subclass's ``super().__post_init__()``)."""
+    @functools.wraps(post_init)
+    def __post_init__(self) -> None:
+        if type(self).__post_init__ is __post_init__:
+            _check_config(self)
+        post_init(self)
+    return __post_init__
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
-    """Base of every component config: frozen, keyword-only; checks in ``__post_init__``
-    (a ValueError naming the flag and the allowed values); ``build(...)`` makes the
+    """Base of every component config: frozen, keyword-only (else a TypeError when one is
+    made); a value outside its field's ``choices`` is a ValueError naming the flag and the
+    allowed values; a subclass's ``__post_init__`` checks the rest; ``build(...)`` makes the
     component (its arguments are the component's context: a partition book, a group)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__post_init__" in cls.__dict__:
+            cls.__post_init__ = _checked(cls.__dict__["__post_init__"])
+
+    def __post_init__(self) -> None:
+        if type(self).__post_init__ is Config.__post_init__:
+            _check_config(self)
+        nxt = getattr(super(), "__post_init__", None)  # a mixin's (an option set's) checks
+        if nxt is not None:
+            nxt()
 
     def build(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} builds nothing")
@@ -208,5 +250,33 @@ def from_arguments(cls: type, ns: argparse.Namespace, *, prefix: str = "",
     return cls(**values)
 
 
+def to_arguments(config: Any, *, prefix: str = "", all: bool = False,
+                 defaults: Mapping[str, Any] | None = None) -> list[str]:
+    """The flags :func:`add_arguments` made that give ``config`` back through
+    :func:`from_arguments`: those of the fields that differ from their defaults (or
+    ``defaults[name]``, the parser's, as given to :func:`add_arguments`; ``all``: every
+    field), then those of its nested configs (the flags of a command line that adds their
+    classes' flags beside its own, as ``-m commsched.moe.train`` does)."""
+    out: list[str] = []
+    nested, cli = [], cli_fields(type(config))
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, Config) and not f.metadata.get("cli", True):
+            nested.append(value)
+        if f not in cli or (not all and value == (defaults or {}).get(f.name, _default(f))):
+            continue
+        flag = _flag(f, prefix)
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif value is None:
+            if not all:
+                raise ValueError(f"{flag}: None (not its default) has no command-line form")
+        else:
+            out += [flag, str(value)]
+    for c in nested:
+        out += to_arguments(c, prefix=prefix, all=all)
+    return out
+
+
 __all__ = ["Config", "Registry", "add_arguments", "check", "cli_fields", "from_arguments",
-           "option"]
+           "option", "to_arguments"]

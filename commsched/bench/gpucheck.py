@@ -397,7 +397,7 @@ def _executor_check(rank: int, world: int, dev: torch.device) -> bool:
     from ..priority.policy import ScheduleConfig
 
     params = [torch.nn.Parameter(torch.zeros(n, device=dev)) for n in (70_000, 3, 40_000, 1)]
-    cfg = ScheduleConfig("lina", microop_bytes=16 << 10)
+    cfg = ScheduleConfig(policy="lina", microop_bytes=16 << 10)
     ok = True
     with GradScheduler([(p, None, 1.0 / world) for p in params], cfg) as s:
         for step in range(3):
@@ -644,7 +644,7 @@ def _launcher_grads(dev: torch.device, group, impl: str) -> tuple[list[torch.Ten
     ws = [torch.randn(p.numel(), generator=torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
     launcher = CompressedLauncher(8, seed=1, impl=impl, force_wire=True)
     try:
-        with GradScheduler([(p, _TwoRanks(), 1.0) for p in params], ScheduleConfig("lina", microop_bytes=4096),
+        with GradScheduler([(p, _TwoRanks(), 1.0) for p in params], ScheduleConfig(policy="lina", microop_bytes=4096),
                            device=dev, launch=_OnGroup(launcher, group)) as s:
             for _step in range(2):
                 for p in params:
@@ -707,7 +707,7 @@ def _path_ddp(dev: torch.device, ref_pg, quick: bool) -> dict:
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(dev)
     twin = copy.deepcopy(net)
     kw: dict[str, Any] = {"device_ids": [dev]} if dev.type == "cuda" else {}
-    ddp = LinaDDP(net, schedule=ScheduleConfig("lina", microop_bytes=256), bucket_cap_mb=0.001, **kw)
+    ddp = LinaDDP(net, schedule=ScheduleConfig(policy="lina", microop_bytes=256), bucket_cap_mb=0.001, **kw)
     err = 0.0
     try:
         for step in range(2):

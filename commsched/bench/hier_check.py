@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     group = new_group(list(range(dist.get_world_size())), threads=a.threads)
     sizes = [a.big_kib * 256] * a.big + [a.small_kib * 256] * a.small  # float32 elements
     params = [torch.nn.Parameter(torch.ones(n)) for n in sizes]
-    flat_cfg = ScheduleConfig("lina", microop_bytes=a.microop_bytes)
+    flat_cfg = ScheduleConfig(policy="lina", microop_bytes=a.microop_bytes)
     hier_cfg = dataclasses.replace(flat_cfg, hier_reduce=True, hier_min_bytes=a.hier_min_bytes)
     times: dict[str, list[float]] = {"flat": [], "hier": []}
     for rep in range(a.repeats + 1):

@@ -50,7 +50,7 @@ _DIRS = {"forward": 0, "backward": 1}
 
 
 # --------------------------------------------------------------------------- options
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AdaQPOptions:
     """Knobs of the AdaQP exchanges (``TrainConfig.adaqp``; the CLI's ``--bits``,
     ``--period``, ``--group-size`` and ``--lam``). Recorded but unused by the modes that do

@@ -44,7 +44,7 @@ from .halo import Pending, VanillaExchange
 DEFAULT_BOUNDARY_RATE = 0.1  # BNS-GCN's recommended rate
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BNSOptions:
     """``--boundary-rate``: the fraction P in (0, 1] of boundary rows kept per epoch."""
 

@@ -43,7 +43,7 @@ from .halo import Pending, VanillaExchange
 _FOREIGN = "--stale-delay and --stale-smoothing are options of --mode pipegcn, not of --mode {mode}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PipeGCNOptions:
     """``--stale-delay`` (1: PipeGCN, one epoch stale; 0: every epoch's own rows, equal to
     vanilla) and ``--stale-smoothing`` (gamma in [0, 1) of the moving average of stale

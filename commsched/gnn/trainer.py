@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 from ..all2all import CommStats
 from ..clock import Clock
-from ..configurable import option
+from ..configurable import Config, option
 from ..dist import (
     DEVICE_CHOICES,
     all_gather_object,
@@ -69,7 +69,7 @@ from ..dist import (
     config_digest,
     group_device,
 )
-from ..quant.allreduce import GRAD_BITS, check_grad_bits
+from ..quant.allreduce import GRAD_BITS
 from ..quant.rowwire import format_seed
 from ..results import OutputError, Progress, load_torch_file, median, read_error, save_torch
 from .adaqp_plan import AdaQPOptions
@@ -97,8 +97,8 @@ CHECKPOINT = "checkpoint.pt"
 _RESUMABLE = ("epochs", "checkpoint_every", "eval_every", "device")
 
 
-@dataclass(frozen=True)
-class TrainConfig:
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(Config):
     """Everything that shapes a training run (identical on every rank; checked at start).
 
     Defaults are AdaQP's (3 layers, hidden 256, dropout 0.5, LayerNorm, Adam lr 0.01).
@@ -119,8 +119,8 @@ class TrainConfig:
     (:func:`commsched.configurable.add_arguments`).
     """
 
-    model: str = option("gcn", "layer kind", choices=LAYERS.names)
-    mode: str = option("vanilla", "exchange mode", choices=MODES.names)
+    model: str = option("gcn", "layer kind", choices=LAYERS)
+    mode: str = option("vanilla", "exchange mode")
     layers: int = option(3, "layers")
     hidden: int = option(256, "hidden width")
     dropout: float = option(0.5, "dropout probability")
@@ -154,18 +154,11 @@ class TrainConfig:
         # a mode no registry holds trains from its config (a test's, an experiment's)
         if self.mode not in MODES and not isinstance(ex, ExchangeConfig):
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        LAYERS[self.model]  # an unknown model names the known ones
         if ex is not None and not dataclasses.is_dataclass(ex):
             raise TypeError(f"exchange must be an ExchangeConfig (MODES[{self.mode!r}]) or one of "
                             f"{', '.join(c.__name__ for c in OPTION_SETS)}, got {type(ex).__name__}")
         object.__setattr__(self, "exchange", resolve_config(self.mode, ex))
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.pattern not in ("direct", "ring"):
-            raise ValueError(f"pattern must be direct or ring, got {self.pattern!r}")
         self.exchange.check_run(self.mode, pattern=self.pattern, mixed=self.dtype in MIXED_DTYPES)
-        if self.device not in DEVICE_CHOICES:
-            raise ValueError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
         if self.epochs < 1 or self.layers < 1 or self.hidden < 1:
             raise ValueError(f"--epochs, --layers and --hidden must be >= 1, got {self.epochs}, "
                              f"{self.layers}, {self.hidden}")
@@ -177,16 +170,10 @@ class TrainConfig:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.eval_every < 1 or self.checkpoint_every < 0:
             raise ValueError("eval_every must be >= 1 and checkpoint_every >= 0")
-        if self.grad_schedule not in GRAD_SCHEDULES:
-            raise ValueError(f"--grad-schedule must be one of {', '.join(GRAD_SCHEDULES)}, got "
-                             f"{self.grad_schedule!r}")
-        check_grad_bits(self.grad_bits, "--grad-bits")
         if self.grad_bits != 32 and self.grad_schedule != "flat":
             raise ValueError(f"--grad-bits {self.grad_bits} compresses the flat allreduce; "
                              f"--grad-schedule {self.grad_schedule} reduces exact buckets through "
                              "the gradient scheduler: pick one of the two")
-        if self.dropout_rng not in ("node", "local"):
-            raise ValueError(f"dropout_rng must be node or local, got {self.dropout_rng!r}")
 
     # -- the option sets of the exchange config, read back ---------------------------------
     def _view(self, cls):

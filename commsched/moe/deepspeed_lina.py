@@ -115,7 +115,7 @@ class DeepSpeedLina:
     DeepSpeed engine whose model holds ``deepspeed.moe.layer.MoE`` layers. A context
     manager; per step::
 
-        with DeepSpeedLina(engine, ScheduleConfig("lina")) as lina:
+        with DeepSpeedLina(engine, ScheduleConfig(policy="lina")) as lina:
             for x, y in batches:
                 lina.begin_step()
                 engine.backward(loss_fn(engine(x), y))

@@ -24,7 +24,7 @@ COMPUTES = ("emulated", "real")
 EXCHANGES = ("pipelined", "sequential")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlacementConfig(Config):
     """Where experts go: ``strategy`` (a name in
     :data:`~commsched.moe.placement_policy.STRATEGIES`), ``slots`` S (None: ceil(E/N) +
@@ -49,8 +49,6 @@ class PlacementConfig(Config):
                                           "e.g. 1gbit; default: the topology's placeholder inter-host class)")
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"--placement must be one of {tuple(STRATEGIES)}, got {self.strategy!r}")
         if not 1 <= self.path_length <= 8:
             raise ValueError(f"--path-length must be in 1..8, got {self.path_length}")
         if self.cross_weight is not None and not (np.isfinite(self.cross_weight) and self.cross_weight >= 0):
@@ -65,7 +63,7 @@ class PlacementConfig(Config):
         return strategy_class(self.strategy)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EmulationConfig(Config):
     """The emulated device (``--compute emulated``): busy ``us_per_row`` microseconds per
     computed row, ``load_ms`` per expert loaded."""
@@ -78,7 +76,7 @@ class EmulationConfig(Config):
             raise ValueError("--us-per-row and --load-ms must be >= 0")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TraceDriverConfig(Config):
     """The trace driver: the trace (``path``, or a synthetic one), its profiling share,
     tokens per batch (all ranks together), and the rows' and (``--compute real``) the
@@ -98,7 +96,7 @@ class TraceDriverConfig(Config):
             raise ValueError("--tokens-per-batch must be >= 1")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelDriverConfig(Config):
     """The model driver: the checkpoint, the text, sequences per rank per batch, and the
     profile (a recorded trace, or ``profile_tokens`` tokens recorded at start-up)."""
@@ -114,7 +112,7 @@ class ModelDriverConfig(Config):
             raise ValueError("--batch-size and --profile-tokens must be >= 1")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class InferConfig(Config):
     """One inference run: the driver, the expert compute, the exchange, the batches, the
     device (``--device``: auto, cpu or cuda; see :attr:`device_choice`), and the
@@ -139,14 +137,6 @@ class InferConfig(Config):
     model: ModelDriverConfig = option(default_factory=ModelDriverConfig, cli=False)
 
     def __post_init__(self) -> None:
-        if self.driver not in DRIVERS:
-            raise ValueError(f"--driver must be one of {DRIVERS}, got {self.driver!r}")
-        if self.compute not in COMPUTES:
-            raise ValueError(f"--compute must be one of {COMPUTES}, got {self.compute!r}")
-        if self.exchange not in EXCHANGES:
-            raise ValueError(f"--exchange must be one of {EXCHANGES}, got {self.exchange!r}")
-        if self.device not in DEVICE_CHOICES:
-            raise ValueError(f"--device must be one of {DEVICE_CHOICES}, got {self.device!r}")
         if self.device == "cuda" and self.compute == "emulated":
             raise ValueError("--compute emulated is the CPU model of an accelerator and runs on the CPU: use "
                              "--compute real with --device cuda (real expert FFNs on the GPU), or --device cpu")

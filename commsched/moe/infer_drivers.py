@@ -250,8 +250,9 @@ def build(cfg: InferConfig, rank: int, world: int, device: torch.device | str = 
     S = pc.slots or default_slots(E, world)
     bank = drv.make_bank(cfg, S, device)
     w = cross_weight if cross_weight is not None else (pc.cross_weight or 0.0)
-    pcfg = PolicyConfig(E, world, L, k, S, pc.threshold, pc.planner, pc.online_planner,
-                        None if device_host is None else tuple(device_host), float(w))
+    pcfg = PolicyConfig(num_experts=E, num_devices=world, num_layers=L, k=k, slots=S, threshold=pc.threshold,
+                        planner=pc.planner, online_planner=pc.online_planner, cross_weight=float(w),
+                        device_host=None if device_host is None else tuple(device_host))
     est = hist = None
     if profile is not None:
         hist = profile.loads().astype(np.float64) / max(1, profile.num_tokens)

@@ -117,7 +117,7 @@ def default_slots(num_experts: int, num_devices: int) -> int:
     return math.ceil(num_experts / num_devices) + 2
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PolicyConfig(Config):
     """What a placement strategy needs besides the profile.
 

@@ -167,7 +167,7 @@ class LinaState:
     parameters (reported by the hook) and the marked ones (hooked), and the observer the
     MoE layers report their all-to-alls to (``events``: registered with it here).
 
-    ``schedule``: a micro-op policy (default ``ScheduleConfig("lina")``); ``timeout_s``:
+    ``schedule``: a micro-op policy (default ``ScheduleConfig(policy="lina")``); ``timeout_s``:
     the scheduler's (default ``COMMSCHED_TIMEOUT_S``). ``last_stats``: the timings
     :meth:`GradScheduler.finish` returned for the last step. ``group``: the process group of
     the gradient micro-ops, over DDP's ranks and used by no all-to-all (default: a new one,
@@ -178,7 +178,7 @@ class LinaState:
                  events: A2AEvents | None = None, timeout_s: float | None = None, group: Any = None):
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"LinaState needs a torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}")
-        cfg = schedule or ScheduleConfig("lina")
+        cfg = schedule or ScheduleConfig(policy="lina")
         if cfg.fused:
             raise ValueError(f"schedule {cfg.policy!r} is DDP's own bucketed allreduce; the hook runs micro-op "
                              "schedules ('lina', 'serial'): for fifo use DistributedDataParallel without a hook")

@@ -352,7 +352,7 @@ class OverlapOptimizer:
     overlap is off. Use::
 
         opt = OverlapOptimizer(model, lambda ps: torch.optim.Adam(ps, lr=1e-3))
-        with OverlapScheduler(entries, ScheduleConfig("lina-overlap")) as sched, opt.bind(sched):
+        with OverlapScheduler(entries, ScheduleConfig(policy="lina-overlap")) as sched, opt.bind(sched):
             for x, y in batches:
                 loss = model(x, y)     # waits, module by module, for the previous update
                 opt.begin_backward()   # the previous step's rest (usually nothing), then begin_step

@@ -22,7 +22,7 @@ scheduler -- or any :class:`~commsched.observe.A2AObserver`, an
 :class:`~commsched.observe.A2AEvents` included -- that an urgent operation begins, starts
 it, and reports its end when :meth:`UrgentOp.wait` returns::
 
-    with GradScheduler(params, ScheduleConfig("lina")) as sched:
+    with GradScheduler(params, ScheduleConfig(policy="lina")) as sched:
         sched.begin_step()
         loss.backward()                 # gradients ready: background micro-ops start
         op = sched.urgent(dist.isend, act, dst, group=pp_group, nbytes=act.numel() * act.element_size())

@@ -151,7 +151,7 @@ def _train(rank: int, world: int, schedule: str | None, launch: str | None = Non
     sched = None
     if schedule is not None:
         # 64-byte micro-ops: 16 of the 1 KiB input weight, credit of 2
-        cfg = ScheduleConfig(schedule, microop_bytes=64, credit_bytes=128, bucket_bytes=256, launch=launch)
+        cfg = ScheduleConfig(policy=schedule, microop_bytes=64, credit_bytes=128, bucket_bytes=256, launch=launch)
         sched = GradScheduler(model.sched_params(), cfg)
         events.register(sched)
     events.register(log)

@@ -43,7 +43,7 @@ def _overlap_ctrl(rank: int, world: int) -> dict:
     net = _Net()
     entries = [(p, None) for p in reversed(list(net.parameters()))]
     stepper = OverlapOptimizer(net, OPTIMIZERS["sgd"])
-    with OverlapScheduler(entries, ScheduleConfig("lina-overlap", microop_bytes=64)) as sched, stepper.bind(sched):
+    with OverlapScheduler(entries, ScheduleConfig(policy="lina-overlap", microop_bytes=64)) as sched, stepper.bind(sched):
         ctrl = sched._ctrl
         asked = [b for b, g in made if g is ctrl]
         for step in range(2):

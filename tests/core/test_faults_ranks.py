@@ -74,8 +74,8 @@ def _moe_cfg(world: int, steps: int, schedule: str = "lina", **kw):
 
     model = ModelConfig(d_model=16, n_heads=2, n_layers=2, seq_len=8, d_ff=24, expert_hidden=20,
                         num_experts=world, k=1, moe_every=2)
-    return TrainConfig(model=model, schedule=ScheduleConfig(schedule, microop_bytes=1024, bucket_bytes=4096),
-                       dispatch=DispatchConfig(1, False), steps=steps, batch_size=2, lr=1e-2, seed=3,
+    return TrainConfig(model=model, schedule=ScheduleConfig(policy=schedule, microop_bytes=1024, bucket_bytes=4096),
+                       dispatch=DispatchConfig(chunks=1, pipeline=False), steps=steps, batch_size=2, lr=1e-2, seed=3,
                        warmup=1, probe_steps=1, eval_batches=1, corpus=str(CORPUS),
                        max_corpus_bytes=1 << 16, device="cpu", **kw)
 
@@ -111,7 +111,7 @@ def _infer_cfg(batches: int, seed: int = 1):
     from commsched.moe.traces import SyntheticTraceConfig
 
     syn = SyntheticTraceConfig(num_experts=6, num_layers=2, k=2, num_tokens=1024, seq_len=16)
-    return InferConfig(placement=PlacementConfig("lina"), compute="emulated", batches=batches, warmup=1,
+    return InferConfig(placement=PlacementConfig(strategy="lina"), compute="emulated", batches=batches, warmup=1,
                        emulation=EmulationConfig(us_per_row=0.0, load_ms=0.0),
                        trace=TraceDriverConfig(synthetic=syn, tokens_per_batch=48, d_model=8,
                                                expert_hidden=12), seed=seed)

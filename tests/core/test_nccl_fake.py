@@ -153,11 +153,11 @@ def _case_executor(rank: int, world: int) -> None:
     with nccl_semantics(delay_s=0.01, check=False):
         for policy in ("lina", "fifo", "serial"):
             for completion in ("callback", "poll"):
-                cfg = ScheduleConfig(policy, microop_bytes=512, bucket_bytes=2048)
+                cfg = ScheduleConfig(policy=policy, microop_bytes=512, bucket_bytes=2048)
                 _reduce_some_steps(GradScheduler, cfg, rank, world, completion=completion)
     with nccl_semantics(delay_s=0.01):  # the program rule (CUDA's): every launch in program order
         for policy in ("lina", "fifo", "serial"):
-            cfg = ScheduleConfig(policy, microop_bytes=512, bucket_bytes=2048, launch="program")
+            cfg = ScheduleConfig(policy=policy, microop_bytes=512, bucket_bytes=2048, launch="program")
             _reduce_some_steps(GradScheduler, cfg, rank, world, completion="poll")
 
 
@@ -166,7 +166,7 @@ def _case_overlap(rank: int, world: int) -> None:
     from commsched.priority.policy import ScheduleConfig
 
     params = [torch.nn.Parameter(torch.full((n,), 1.0)) for n in (300, 5)]
-    cfg = ScheduleConfig("lina-overlap", microop_bytes=512)
+    cfg = ScheduleConfig(policy="lina-overlap", microop_bytes=512)
     with nccl_semantics(delay_s=0.01, check=False):  # the completion rule: see _case_executor
         with OverlapScheduler([(p, None, 1.0 / world) for p in params], cfg, timeout_s=60) as s:
             for step in range(2):
@@ -197,7 +197,7 @@ def _case_hier_chained(rank: int, world: int) -> None:
             super().__init__(*a, **kw)
             self._chained = True
 
-    cfg = ScheduleConfig("lina", microop_bytes=512, hier_reduce=True, hier_min_bytes=0)
+    cfg = ScheduleConfig(policy="lina", microop_bytes=512, hier_reduce=True, hier_min_bytes=0)
     with nccl_semantics(delay_s=0.01, check=False):  # the completion rule: see _case_executor
         _reduce_some_steps(Chained, cfg, rank, world, hier=hier, completion="poll")
 

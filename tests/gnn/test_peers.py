@@ -95,12 +95,12 @@ def test_peer_mode_options_and_errors():
         with pytest.raises(ValueError, match=msg):
             PipeGCNOptions(**kw)
     with pytest.raises(ValueError, match="--boundary-rate is an option of --mode bns"):
-        TrainConfig(mode="vanilla", exchange=BNSOptions(0.5))
+        TrainConfig(mode="vanilla", exchange=BNSOptions(rate=0.5))
     with pytest.raises(ValueError, match="options of --mode pipegcn"):
         TrainConfig(mode="bns", exchange=PipeGCNOptions(smoothing=0.2))
     with pytest.raises(ValueError, match="needs --pattern direct"):
         TrainConfig(mode="pipegcn", pattern="ring")
-    cfg = TrainConfig(mode="bns", exchange=BNSOptions(0.5), dtype="bfloat16")  # bf16 wire allowed
+    cfg = TrainConfig(mode="bns", exchange=BNSOptions(rate=0.5), dtype="bfloat16")  # bf16 wire allowed
     assert cfg.record()["bns"] == {"rate": 0.5}
     p = build_parser()
     a = config_from_args(p.parse_args(["--mode", "pipegcn", "--stale-smoothing", "0.3"]))
@@ -112,7 +112,7 @@ def test_peer_mode_options_and_errors():
         with pytest.raises(ValueError, match=msg):
             config_from_args(p.parse_args(argv))
     _, parts = _parts(2)
-    ex = make_exchange("bns", parts[0].book, seed=4, config=BNSOptions(0.25), wire_dtype=torch.bfloat16)
+    ex = make_exchange("bns", parts[0].book, seed=4, config=BNSOptions(rate=0.25), wire_dtype=torch.bfloat16)
     assert type(ex) is BNSExchange and ex.options.rate == 0.25 and ex.seed == 4 and not ex.asynchronous
     ex = make_exchange("pipegcn", parts[0].book, config=PipeGCNOptions(smoothing=0.5))
     assert type(ex) is PipeGCNExchange and ex.overlaps and ex.options.smoothing == 0.5
@@ -126,7 +126,7 @@ def test_one_rank_peer_modes_equal_vanilla():
     ref, _ = run_training(BASE, part)
     for cfg in (dataclasses.replace(BASE, mode="pipegcn"),
                 dataclasses.replace(BASE, mode="pipegcn", exchange=PipeGCNOptions(delay=0)),
-                dataclasses.replace(BASE, mode="bns", exchange=BNSOptions(0.3))):
+                dataclasses.replace(BASE, mode="bns", exchange=BNSOptions(rate=0.3))):
         m, _ = run_training(cfg, part)
         assert m["loss"] == ref["loss"] and m["test_acc"] == ref["test_acc"], cfg.mode
 
@@ -184,7 +184,7 @@ def case_twins_equal_vanilla(rank: int, world: int) -> None:
     ref = run_training(BASE, part)
     zero = run_training(dataclasses.replace(BASE, mode="pipegcn", exchange=PipeGCNOptions(delay=0)), part)
     assert _equal_runs(ref, zero), "pipegcn --stale-delay 0 differs from vanilla"
-    full = run_training(dataclasses.replace(BASE, mode="bns", exchange=BNSOptions(1.0)), part)
+    full = run_training(dataclasses.replace(BASE, mode="bns", exchange=BNSOptions(rate=1.0)), part)
     assert _equal_runs(ref, full), "bns --boundary-rate 1 differs from vanilla"
     assert full[0]["bytes_sent_per_epoch"] == ref[0]["bytes_sent_per_epoch"] > 0
 
@@ -258,7 +258,7 @@ def case_bns_sends_the_kept_rows_rescaled(rank: int, world: int) -> None:
     part = parts[rank]
     book = part.book
     rate = 0.5
-    ex = BNSExchange(book, options=BNSOptions(rate), seed=11)
+    ex = BNSExchange(book, options=BNSOptions(rate=rate), seed=11)
     x = part.x_nF
     ref_R = g.x_NF[torch.from_numpy(book.remote_ids)]
     for epoch in (0, 1):
@@ -287,7 +287,7 @@ def case_bns_sends_the_kept_rows_rescaled(rank: int, world: int) -> None:
         torch.testing.assert_close(gsum, want_g, rtol=1e-6, atol=1e-6)
         assert sorted(set(s.send_pos.tolist())) == s.send_pos.tolist()
     # training sends exactly the kept share of vanilla's bytes, and learns
-    cfg = dataclasses.replace(BASE, mode="bns", exchange=BNSOptions(rate), epochs=4)
+    cfg = dataclasses.replace(BASE, mode="bns", exchange=BNSOptions(rate=rate), epochs=4)
     m, tr = run_training(cfg, part)
     v, _ = run_training(BASE, part)
     import torch.distributed as dist

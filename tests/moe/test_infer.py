@@ -523,13 +523,13 @@ def test_strategy_table_is_the_cli_choice_list():
     choices = next(a.choices for a in build_parser()._actions if "--placement" in a.option_strings)
     assert tuple(choices) == tuple(STRATEGIES)
     with pytest.raises(ValueError, match="--placement must be one of"):
-        PlacementConfig("round-robin")
+        PlacementConfig(strategy="round-robin")
     with pytest.raises(ValueError, match="--cross-weight"):
-        PlacementConfig("lina-node", cross_weight=-1.0)
+        PlacementConfig(strategy="lina-node", cross_weight=-1.0)
     with pytest.raises(ValueError, match="rate"):
-        PlacementConfig("lina-node", inter_rate="fast")
+        PlacementConfig(strategy="lina-node", inter_rate="fast")
     with pytest.raises(ValueError, match="device_host"):
-        PolicyConfig(4, 2, 1, 1, 3, device_host=(0, 2))
+        PolicyConfig(num_experts=4, num_devices=2, num_layers=1, k=1, slots=3, device_host=(0, 2))
 
 
 def test_placed_local_twin_is_the_dense_sum():
@@ -554,7 +554,7 @@ def _trace_cfg(placement: str, compute: str, tokens_per_batch: int = 96, exchang
     from commsched.moe.traces import SyntheticTraceConfig
 
     syn = SyntheticTraceConfig(num_experts=8, num_layers=4, k=2, num_tokens=4096, seq_len=16)
-    return InferConfig(placement=PlacementConfig(placement), compute=compute, batches=3, warmup=1,
+    return InferConfig(placement=PlacementConfig(strategy=placement), compute=compute, batches=3, warmup=1,
                        emulation=EmulationConfig(us_per_row=0.0, load_ms=0.0),
                        trace=TraceDriverConfig(synthetic=syn, tokens_per_batch=tokens_per_batch, d_model=8,
                                                expert_hidden=12), seed=1,
@@ -639,7 +639,7 @@ def _model_equals_local(ckpt: str, rank: int, world: int) -> None:
     model, _ = load_checkpoint(ckpt)
     corpus = load_corpus(None)
     for placement in ("lina", "oracle"):
-        cfg = InferConfig(placement=PlacementConfig(placement), driver="model", compute="real", batches=2,
+        cfg = InferConfig(placement=PlacementConfig(strategy=placement), driver="model", compute="real", batches=2,
                           warmup=0, model=ModelDriverConfig(checkpoint=ckpt, batch_size=2, profile_tokens=1024),
                           seed=2)
         m = run(cfg, return_outputs=True)

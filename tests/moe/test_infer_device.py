@@ -188,7 +188,7 @@ def _cfg(placement: str, compute: str, exchange: str = "pipelined", device: str 
     from commsched.moe.traces import SyntheticTraceConfig
 
     syn = SyntheticTraceConfig(num_experts=8, num_layers=3, k=2, num_tokens=4096, seq_len=16)
-    return InferConfig(placement=PlacementConfig(placement), compute=compute, batches=3, warmup=1,
+    return InferConfig(placement=PlacementConfig(strategy=placement), compute=compute, batches=3, warmup=1,
                        emulation=EmulationConfig(us_per_row=0.0, load_ms=0.0), exchange=exchange, device=device,
                        trace=TraceDriverConfig(synthetic=syn, tokens_per_batch=96, d_model=8, expert_hidden=12),
                        seed=1)
@@ -278,7 +278,7 @@ def _one_rank_cuda_equals_cpu(rank: int, world: int, ckpt: str) -> list[str]:
             assert torch.allclose(y.cpu(), r, rtol=1e-4, atol=1e-4), (placement, (y.cpu() - r).abs().max())
         done.append(placement)
     for dev in ("cpu", "cuda"):
-        cfg = InferConfig(placement=PlacementConfig("lina"), driver="model", compute="real", batches=2, warmup=0,
+        cfg = InferConfig(placement=PlacementConfig(strategy="lina"), driver="model", compute="real", batches=2, warmup=0,
                           model=ModelDriverConfig(checkpoint=ckpt, batch_size=2, profile_tokens=1024), seed=2,
                           device=dev)
         done.append(run(cfg, return_outputs=True)["outputs"])

@@ -348,7 +348,7 @@ def test_replan_threshold_default_is_the_named_constant():
 
     assert moe.DEFAULT_REPLAN_THRESHOLD is DEFAULT_REPLAN_THRESHOLD
     assert PlacementConfig().threshold == DEFAULT_REPLAN_THRESHOLD
-    assert PolicyConfig(4, 2, 1, 1, 2).threshold == DEFAULT_REPLAN_THRESHOLD
+    assert PolicyConfig(num_experts=4, num_devices=2, num_layers=1, k=1, slots=2).threshold == DEFAULT_REPLAN_THRESHOLD
     est, half = [10, 9, 8, 7, 1, 1, 1, 1], [10, 9, 0, 0, 8, 7, 0, 0]
     assert phase2_decision(est, half, k=2) == phase2_decision(est, half, 2, DEFAULT_REPLAN_THRESHOLD)
 

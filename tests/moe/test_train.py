@@ -34,8 +34,8 @@ def _cfg(world: int, schedule: str, *, chunks: int = 1, pipeline: bool = False, 
     model = ModelConfig(d_model=32, n_heads=2, n_layers=2, seq_len=16, d_ff=48, expert_hidden=40,
                         num_experts=2 * (ep or world), k=k, moe_every=2)
     return TrainConfig(model=model, impl=impl,
-                       schedule=ScheduleConfig(schedule, microop_bytes=1024, bucket_bytes=4096, launch=launch),
-                       dispatch=DispatchConfig(chunks, pipeline),
+                       schedule=ScheduleConfig(policy=schedule, microop_bytes=1024, bucket_bytes=4096, launch=launch),
+                       dispatch=DispatchConfig(chunks=chunks, pipeline=pipeline),
                        steps=steps, batch_size=2, lr=1e-2, seed=3, ep_size=ep, warmup=min(1, steps - 1), probe_steps=1,
                        eval_batches=1, corpus=str(CORPUS), max_corpus_bytes=1 << 18, device=device, dtype=dtype,
                        fallback_exchange=False)  # these runs' bits must not follow a timed decision
@@ -568,8 +568,8 @@ def test_moe_train_world4(results4, case):
 def test_train_config_errors_speak():
     with pytest.raises(ValueError, match="--impl"):
         TrainConfig(impl="tutel")
-    with pytest.raises(ValueError, match="unknown schedule"):
-        ScheduleConfig("lifo")
+    with pytest.raises(ValueError, match="--schedule must be one of"):
+        ScheduleConfig(policy="lifo")
     with pytest.raises(ValueError, match="warmup"):
         TrainConfig(steps=2, warmup=2)
     with pytest.raises(ValueError, match="multiple of n_heads"):
@@ -582,9 +582,9 @@ def test_default_credit_is_several_microops():
     from commsched.priority.policy import DEFAULT_CREDIT_MICROOPS
 
     assert DEFAULT_CREDIT_MICROOPS > 1
-    assert ScheduleConfig("lina").credit == DEFAULT_CREDIT_MICROOPS * (256 << 10)
-    assert ScheduleConfig("lina", microop_bytes=1024).credit == DEFAULT_CREDIT_MICROOPS * 1024
-    assert ScheduleConfig("lina", credit_bytes=4096).credit == 4096
+    assert ScheduleConfig(policy="lina").credit == DEFAULT_CREDIT_MICROOPS * (256 << 10)
+    assert ScheduleConfig(policy="lina", microop_bytes=1024).credit == DEFAULT_CREDIT_MICROOPS * 1024
+    assert ScheduleConfig(policy="lina", credit_bytes=4096).credit == 4096
 
 
 def test_grad_scheduler_timeout_comes_from_the_environment(monkeypatch):
@@ -607,7 +607,7 @@ def test_cli_fills_the_one_schedule_config(tmp_path):
     assert tuple(choices) == tuple(SCHEDULES)
     cfg = config_from_args(p.parse_args(["--schedule", "fifo", "--microop-bytes", "2048", "--credit-bytes", "4096",
                                          "--no-hold-in-block", "--bucket-bytes", "8192", "--out", str(tmp_path)]))
-    assert cfg.schedule == ScheduleConfig("fifo", microop_bytes=2048, credit_bytes=4096, bucket_bytes=8192,
+    assert cfg.schedule == ScheduleConfig(policy="fifo", microop_bytes=2048, credit_bytes=4096, bucket_bytes=8192,
                                           hold_in_block=False)
     assert config_from_args(p.parse_args(["--out", str(tmp_path)])).schedule == TrainConfig().schedule
     with pytest.raises(SystemExit):
@@ -754,7 +754,7 @@ def test_ranks_may_bind_the_reduction_to_their_own_host_address():
     from commsched.priority.policy import ScheduleConfig
 
     def cfg(address, steps=10):
-        return TrainConfig(steps=steps, schedule=ScheduleConfig("lina", reduce_address=address))
+        return TrainConfig(steps=steps, schedule=ScheduleConfig(policy="lina", reduce_address=address))
 
     host0, host1 = _comparable(cfg("10.213.1.1"), False), _comparable(cfg("10.213.1.2"), False)
     assert config_digest(host0) == config_digest(host1)

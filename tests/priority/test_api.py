@@ -28,7 +28,7 @@ def _pipeline_stage_backward() -> list:
 def test_sim_pipeline_send_waits_behind_at_most_the_credit():
     link = Link(1000.0, 0.01)
     micro, credit = 500, 1500
-    lina = simulate(_pipeline_stage_backward(), link, ScheduleConfig("lina", microop_bytes=micro,
+    lina = simulate(_pipeline_stage_backward(), link, ScheduleConfig(policy="lina", microop_bytes=micro,
                                                                       credit_bytes=credit))
     assert len(lina.a2a) == 4 and len(lina.allreduce) == 4 * 8000 // micro
     assert any(len(lina.allreduce_during(s)) > 1 for s in lina.a2a)  # the credit was in use
@@ -39,7 +39,7 @@ def test_sim_pipeline_send_waits_behind_at_most_the_credit():
         assert s.start_s == s.ready_s  # the send itself is launched at once
         assert s.end_s - s.ready_s <= link.alone_s(s.nbytes) + link.alone_s(credit) + 1e-9
     # the bound is not vacuous: fifo lets a send wait behind far more than the credit
-    fifo = simulate(_pipeline_stage_backward(), link, ScheduleConfig("fifo", bucket_bytes=2000))
+    fifo = simulate(_pipeline_stage_backward(), link, ScheduleConfig(policy="fifo", bucket_bytes=2000))
     assert max(sum(o.nbytes for o in fifo.allreduce_during(s)) for s in fifo.a2a) > credit
 
 
@@ -68,7 +68,7 @@ def _send_during_background(rank: int, world: int, credit_ops: int) -> dict:
 
     pp = new_group([0, 1])
     w = torch.nn.Parameter(torch.zeros(N_OPS * MICRO // 4))
-    cfg = ScheduleConfig("lina", microop_bytes=MICRO, credit_bytes=credit_ops * MICRO)
+    cfg = ScheduleConfig(policy="lina", microop_bytes=MICRO, credit_bytes=credit_ops * MICRO)
     act = torch.arange(5000, dtype=torch.float32) if rank == 0 else torch.zeros(5000)
     with GradScheduler([(w, None)], cfg) as sched:
         sched.begin_step()

@@ -40,7 +40,7 @@ from commsched.priority import (
 from tests.mp import assert_case, run_cases
 
 MCFG = ModelConfig(d_model=16, n_heads=2, n_layers=2, seq_len=8, d_ff=24, expert_hidden=20, num_experts=4, k=2)
-LINA = ScheduleConfig("lina", microop_bytes=512)
+LINA = ScheduleConfig(policy="lina", microop_bytes=512)
 
 
 def _tokens(rank: int, m: int, B: int = 2):
@@ -83,7 +83,7 @@ def _lina_ddp_matches_the_single_process_model(rank: int, world: int) -> None:
     """Under the completion launch rule (gloo's default) over 1, 2, 4 and again 1 micro-batches,
     the last after DDP rebuilt its buckets; under the program rule (CUDA's default) over 2."""
     want = {}
-    for cfg, micros in ((LINA, (1, 2, 4, 1)), (ScheduleConfig("lina", microop_bytes=512, launch="program"), (2,))):
+    for cfg, micros in ((LINA, (1, 2, 4, 1)), (ScheduleConfig(policy="lina", microop_bytes=512, launch="program"), (2,))):
         _lina_ddp_case(rank, world, cfg, micros, want)
 
 
@@ -149,7 +149,7 @@ def _plain_ddp_around_experts_raises(rank: int, world: int) -> None:
     state = LinaState(ddp, LINA, events=events)
     ddp.register_comm_hook(state, lina_hook)
     with pytest.raises(ValueError, match="fifo"):
-        LinaState(DDP(nn.Linear(2, 2)), ScheduleConfig("fifo"))
+        LinaState(DDP(nn.Linear(2, 2)), ScheduleConfig(policy="fifo"))
     want = _reference_grads(world, 1)
     _loss(ddp, *_tokens(rank, 0)).backward()
     g = model.blocks[0].attn.qkv.weight.grad
@@ -198,13 +198,13 @@ def _dense_accumulation_equals_plain_ddp(rank: int, world: int) -> None:
             n.load_state_dict(nets[0].state_dict())
         plain = DDP(nets[0], find_unused_parameters=True)
         set_grad_group([nets[1].b.bias, nets[1].some, nets[1].never], new_group([0, 1]), world)
-        lina = LinaDDP(nets[1], schedule=ScheduleConfig("lina", microop_bytes=64), find_unused_parameters=True,
+        lina = LinaDDP(nets[1], schedule=ScheduleConfig(policy="lina", microop_bytes=64), find_unused_parameters=True,
                        bucket_cap_mb=0.001)
-        serial = LinaDDP(nets[3], schedule=ScheduleConfig("serial", microop_bytes=64), find_unused_parameters=True,
+        serial = LinaDDP(nets[3], schedule=ScheduleConfig(policy="serial", microop_bytes=64), find_unused_parameters=True,
                          gradient_as_bucket_view=True)  # the gradients are the bucket's views
         bare = nets[2]
         named = list(bare.named_parameters())
-        sched = GradScheduler([(p, None) for _, p in named], ScheduleConfig("lina", microop_bytes=64),
+        sched = GradScheduler([(p, None) for _, p in named], ScheduleConfig(policy="lina", microop_bytes=64),
                               names=[n for n, _ in named])
         try:
             for micro in (1, 2, 4):

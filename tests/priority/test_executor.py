@@ -90,9 +90,9 @@ def _backward(params) -> list[torch.Tensor]:
     return [torch.full_like(p, float(i + 1)) for i, p in enumerate(params)]  # the local gradients
 
 
-@pytest.mark.parametrize("schedule", [ScheduleConfig("fifo", bucket_bytes=4096),       # one fused bucket (copy-back)
-                                      ScheduleConfig("lina", microop_bytes=256),       # several micro-ops
-                                      ScheduleConfig("serial", microop_bytes=512)])
+@pytest.mark.parametrize("schedule", [ScheduleConfig(policy="fifo", bucket_bytes=4096),       # one fused bucket (copy-back)
+                                      ScheduleConfig(policy="lina", microop_bytes=256),       # several micro-ops
+                                      ScheduleConfig(policy="serial", microop_bytes=512)])
 def test_finish_waits_on_every_work(schedule):
     """A Work whose future completes at enqueue (NCCL's semantics) and which reduces only
     inside wait(): finish() cannot return before every wait() did, so the gradients the
@@ -128,7 +128,7 @@ def test_poll_completion_tracks_real_completion_not_the_future():
         works.append(BackgroundWork(flat, 0.1))
         return works[-1]
 
-    sched_cfg = ScheduleConfig("fifo", bucket_bytes=1 << 20)
+    sched_cfg = ScheduleConfig(policy="fifo", bucket_bytes=1 << 20)
     with GradScheduler([(p, FakeGroup(), 1.0) for p in params], sched_cfg, device="cpu", launch=launch,
                        completion="poll") as sched:
         sched.begin_step()
@@ -157,7 +157,7 @@ def _launch_trace(delay_s: float, launch_rule: str) -> list:
         works.append(BackgroundWork(flat, delay_s))
         return works[-1]
 
-    cfg = ScheduleConfig("lina", microop_bytes=128, credit_bytes=256, hold_in_block=False, launch=launch_rule)
+    cfg = ScheduleConfig(policy="lina", microop_bytes=128, credit_bytes=256, hold_in_block=False, launch=launch_rule)
     with GradScheduler([(p, FakeGroup(), 1.0) for p in params], cfg, device="cpu", launch=launch,
                        completion="poll") as sched:
         sched.begin_step()
@@ -235,7 +235,7 @@ def test_finish_orders_the_consumer_stream_after_a_slow_gpu_reduction():
             torch.cuda.current_stream().wait_event(self.ev)
             return True
 
-    with GradScheduler([(p, FakeGroup(), 1.0) for p in params], ScheduleConfig("fifo"), device=dev,
+    with GradScheduler([(p, FakeGroup(), 1.0) for p in params], ScheduleConfig(policy="fifo"), device=dev,
                        launch=lambda flat, g: GpuWork(flat)) as sched:
         sched.begin_step()
         local = _backward(params)
@@ -262,7 +262,7 @@ def test_no_sync_accumulates_exactly_and_the_last_backward_reduces_the_sum(micro
     ref = sum(x * x.sum() for x in xs)  # d/dw of 0.5 * (w.x)^2 summed, at w = 1 below
     with torch.no_grad():
         w.fill_(1.0)
-    cfg = ScheduleConfig("lina", microop_bytes=40)
+    cfg = ScheduleConfig(policy="lina", microop_bytes=40)
     with GradScheduler([(w, FakeGroup(2))], cfg, device="cpu", launch=_doubling) as sched:
         sched.begin_step()
         for j, x in enumerate(xs):
@@ -282,7 +282,7 @@ def test_no_sync_accumulates_exactly_and_the_last_backward_reduces_the_sum(micro
 
 def test_two_backwards_in_one_step_raise_instead_of_a_partial_reduction():
     w = torch.nn.Parameter(torch.ones(8))
-    with GradScheduler([(w, FakeGroup(2))], ScheduleConfig("serial"), device="cpu", launch=_doubling,
+    with GradScheduler([(w, FakeGroup(2))], ScheduleConfig(policy="serial"), device="cpu", launch=_doubling,
                        names=["layer.weight"]) as sched:
         sched.begin_step()
         (w * 2).sum().backward()
@@ -303,7 +303,7 @@ def test_unused_parameters_keep_grad_none():
     """A parameter no gradient reached stays None after finish; a used one is reduced; one
     with a gradient left from no_sync micro-batches counts as used."""
     a, b, c = (torch.nn.Parameter(torch.ones(4)) for _ in range(3))
-    with GradScheduler([(a, FakeGroup(2)), (b, FakeGroup(2)), (c, FakeGroup(2))], ScheduleConfig("lina"),
+    with GradScheduler([(a, FakeGroup(2)), (b, FakeGroup(2)), (c, FakeGroup(2))], ScheduleConfig(policy="lina"),
                        device="cpu", launch=_doubling) as sched:
         sched.begin_step()
         with sched.no_sync():
@@ -341,7 +341,7 @@ def test_external_gradients_are_reduced_in_place_and_reported():
     p = torch.nn.Parameter(torch.ones(10))
     buf = torch.arange(10.0)
     done: list = []
-    cfg = ScheduleConfig("lina", microop_bytes=16)
+    cfg = ScheduleConfig(policy="lina", microop_bytes=16)
     with GradScheduler([(p, FakeGroup(2))], cfg, device="cpu", launch=_doubling, external=[p],
                        on_complete=lambda seq, err: done.append((seq, err))) as sched:
         sched.begin_step()
@@ -378,7 +378,7 @@ def test_an_executor_thread_that_cannot_start_is_an_error_not_a_timeout():
 
     params = _params()
     t0 = time.perf_counter()
-    with Broken([(p, FakeGroup()) for p in params], ScheduleConfig("lina"), timeout_s=300,
+    with Broken([(p, FakeGroup()) for p in params], ScheduleConfig(policy="lina"), timeout_s=300,
                 launch=lambda flat, g: SlowWork(flat, 0.0, [])) as s:
         s._thread.join(timeout=10)
         with pytest.raises(CommError, match="thread could not start on cpu: RuntimeError: Invalid device"):
@@ -397,7 +397,7 @@ def test_polling_backs_off_while_nothing_completes():
             polls.append(1)
             super()._poll()
 
-    with Counting([(p, FakeGroup()) for p in params], ScheduleConfig("fifo", bucket_bytes=1 << 20),
+    with Counting([(p, FakeGroup()) for p in params], ScheduleConfig(policy="fifo", bucket_bytes=1 << 20),
                   completion="poll", launch=lambda flat, g: BackgroundWork(flat, 0.3)) as s:
         s.begin_step()
         _backward(params)
@@ -493,7 +493,7 @@ def test_a_slow_compressed_work_does_not_block_the_scheduler():
         return works[-1]
 
     params = [torch.nn.Parameter(torch.ones(64)) for _ in range(2)]
-    cfg = ScheduleConfig("fifo", bucket_bytes=64, launch="program")
+    cfg = ScheduleConfig(policy="fifo", bucket_bytes=64, launch="program")
     with GradScheduler([(p, FakeGroup(), 1.0) for p in params], cfg, device="cpu", launch=launch,
                        timeout_s=30) as sched:
         _as_cuda(sched)
@@ -533,7 +533,7 @@ def test_finish_raises_within_its_timeout_on_a_sum_that_never_ends():
 
     never = threading.Event()
     p = torch.nn.Parameter(torch.ones(16))
-    cfg = ScheduleConfig("fifo", launch="program")
+    cfg = ScheduleConfig(policy="fifo", launch="program")
     result = {}
     with GradScheduler([(p, FakeGroup(), 1.0)], cfg, device="cpu", launch=lambda f, g: _HostWork(never),
                        timeout_s=0.5) as sched:

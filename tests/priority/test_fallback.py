@@ -75,7 +75,7 @@ def test_grad_step_keeps_the_faster_mode(capsys, policy, fallback_faster):
     prim, fb = (slow, fast) if fallback_faster else (fast, slow)
     steps = 9
     net = _net()
-    cfg = ScheduleConfig(policy, microop_bytes=64, fallback_probes=2)
+    cfg = ScheduleConfig(policy=policy, microop_bytes=64, fallback_probes=2)
     entries = [(p, FakeGroup(), 1.0) for p in reversed(list(net.parameters()))]
     gs = make_grad_step(net, entries, cfg, lambda ps: torch.optim.Adam(ps, lr=1e-2),
                         launch=lambda flat, group: DoneWork())
@@ -118,7 +118,7 @@ def test_fallback_buckets_reduce_in_fifos_buckets_with_the_same_result(policy):
     larger operations), in the others in the schedule's micro-ops; either way the step equals
     the plain optimizer's."""
     net = _net()
-    cfg = ScheduleConfig(policy, microop_bytes=64, fallback_probes=2)
+    cfg = ScheduleConfig(policy=policy, microop_bytes=64, fallback_probes=2)
     entries = [(p, FakeGroup(), 1.0) for p in reversed(list(net.parameters()))]
     gs = make_grad_step(net, entries, cfg, lambda ps: torch.optim.Adam(ps, lr=1e-2),
                         launch=lambda flat, group: DoneWork(), fallback_buckets=True)
@@ -143,7 +143,7 @@ def test_fallback_buckets_reduce_in_fifos_buckets_with_the_same_result(policy):
 
 
 def test_no_probe_for_fifo_or_when_off():
-    for cfg in (ScheduleConfig("fifo"), ScheduleConfig("lina", fallback_probes=0)):
+    for cfg in (ScheduleConfig(policy="fifo"), ScheduleConfig(policy="lina", fallback_probes=0)):
         gs = make_grad_step(_net(), [(p, FakeGroup(), 1.0) for p in _net().parameters()], cfg,
                             lambda ps: torch.optim.Adam(ps, lr=1e-2), launch=lambda flat, group: DoneWork())
         assert not gs.probe.enabled
@@ -165,7 +165,7 @@ _NET = _net()
 
 
 def _gs(durations):
-    cfg = ScheduleConfig("lina", microop_bytes=64, fallback_probes=2)
+    cfg = ScheduleConfig(policy="lina", microop_bytes=64, fallback_probes=2)
     entries = [(p, FakeGroup(), 1.0) for p in reversed(list(_NET.parameters()))]
     gs = make_grad_step(_NET, entries, cfg, lambda ps: torch.optim.Adam(ps, lr=1e-2),
                         launch=lambda flat, group: DoneWork())

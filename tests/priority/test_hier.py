@@ -39,7 +39,7 @@ def test_uneven_hosts_are_refused_with_the_counts():
     with pytest.raises(ValueError, match="hier_min_bytes must be an integer >= 0"):
         ScheduleConfig(hier_min_bytes=-1)
     with pytest.raises(ValueError, match="hier_reduce does not combine with the 'lina-overlap' schedule"):
-        ScheduleConfig("lina-overlap", hier_reduce=True)
+        ScheduleConfig(policy="lina-overlap", hier_reduce=True)
 
 
 def test_cli_option_and_deepspeed_refusal(tmp_path):
@@ -105,7 +105,7 @@ def _exact_sums_bitwise(rank: int, world: int) -> None:
     so one step mixes both kinds)."""
     hier = make_hier(GRID_2x2, threads=4)
     for policy, least in (("lina", 0), ("fifo", 256)):
-        flat_cfg = ScheduleConfig(policy, microop_bytes=64, bucket_bytes=256)
+        flat_cfg = ScheduleConfig(policy=policy, microop_bytes=64, bucket_bytes=256)
         hier_cfg = dataclasses.replace(flat_cfg, hier_reduce=True, hier_min_bytes=least)
         flat, none = _reduce_once(flat_cfg, None)
         hr, which = _reduce_once(hier_cfg, hier, a2a_during=True)

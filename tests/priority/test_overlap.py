@@ -55,7 +55,7 @@ def _train_net(schedule: str, opt: str, *, steps: int = 4, clip: float | None = 
     torch.manual_seed(0)
     net = _Net()
     entries = [(p, LOCAL if local else None) for p in reversed(list(net.parameters()))]
-    cfg = ScheduleConfig(schedule, microop_bytes=64, bucket_bytes=256, credit_bytes=128, launch=launch)
+    cfg = ScheduleConfig(policy=schedule, microop_bytes=64, bucket_bytes=256, credit_bytes=128, launch=launch)
     losses = []
     if not cfg.overlapped:
         optim = OPTIMIZERS[opt](list(net.parameters()))
@@ -117,7 +117,7 @@ def test_overlap_records_the_next_forward_pass_and_keeps_the_optimizer_state():
     net = _Net()
     entries = [(p, LOCAL) for p in net.parameters()]
     stepper = OverlapOptimizer(net, OPTIMIZERS["adam"])
-    with OverlapScheduler(entries, ScheduleConfig("lina-overlap")) as sched, stepper.bind(sched):
+    with OverlapScheduler(entries, ScheduleConfig(policy="lina-overlap")) as sched, stepper.bind(sched):
         for step in range(2):
             x, y = _batch(step, 0)
             loss = nn.functional.cross_entropy(net(x, step, 0), y)
@@ -139,15 +139,15 @@ def test_overlap_errors_speak():
     net = _Net()
     entries = [(p, LOCAL) for p in net.parameters()]
     with pytest.raises(ValueError, match="'lina-overlap' schedule"):
-        OverlapScheduler(entries, ScheduleConfig("lina"))
+        OverlapScheduler(entries, ScheduleConfig(policy="lina"))
     with pytest.raises(ValueError, match="OverlapScheduler and OverlapOptimizer"):
-        GradScheduler(entries, ScheduleConfig("lina-overlap"))  # its finish() would never see the agreement
+        GradScheduler(entries, ScheduleConfig(policy="lina-overlap"))  # its finish() would never see the agreement
     stepper = OverlapOptimizer(net, OPTIMIZERS["sgd"])
     with pytest.raises(RuntimeError, match="not bound"):
         stepper.end_backward()
-    with GradScheduler(entries, ScheduleConfig("lina")) as plain, pytest.raises(TypeError, match="OverlapScheduler"):
+    with GradScheduler(entries, ScheduleConfig(policy="lina")) as plain, pytest.raises(TypeError, match="OverlapScheduler"):
         stepper.bind(plain)
-    with OverlapScheduler(entries[:2], ScheduleConfig("lina-overlap")) as part, \
+    with OverlapScheduler(entries[:2], ScheduleConfig(policy="lina-overlap")) as part, \
             pytest.raises(ValueError, match="does not hold"):
         stepper.bind(part)
     with pytest.raises(ValueError, match="clip_grad_norm"):

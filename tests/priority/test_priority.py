@@ -61,7 +61,7 @@ def test_partition_errors_speak():
 
 # --------------------------------------------------------------------------- policy
 def test_lina_policy_holds_for_a2a_block_and_credit():
-    p = make_policy(ScheduleConfig("lina", credit_bytes=100, hold_in_block=True))
+    p = make_policy(ScheduleConfig(policy="lina", credit_bytes=100, hold_in_block=True))
     p.begin_step(5)
     p.allreduce_ready(1, 60)
     assert p.next_ops() == []  # fixed order: 0 first
@@ -92,13 +92,13 @@ def test_lina_policy_holds_for_a2a_block_and_credit():
 
 
 def test_fifo_and_serial_policies():
-    f = make_policy(ScheduleConfig("fifo"))
+    f = make_policy(ScheduleConfig(policy="fifo"))
     f.begin_step(2)
     f.a2a_waiting("a")
     f.allreduce_ready(0, 10)
     f.allreduce_ready(1, 10)
     assert [(l.kind, l.key) for l in f.next_ops()] == [("a2a", "a"), ("allreduce", 0), ("allreduce", 1)]
-    s = make_policy(ScheduleConfig("serial"))
+    s = make_policy(ScheduleConfig(policy="serial"))
     s.begin_step(1)
     s.allreduce_ready(0, 10)
     assert s.next_ops() == []
@@ -107,8 +107,8 @@ def test_fifo_and_serial_policies():
 
 
 def test_policy_errors_speak():
-    with pytest.raises(ValueError, match="unknown schedule"):
-        make_policy(ScheduleConfig("lifo"))
+    with pytest.raises(ValueError, match="--schedule must be one of"):
+        make_policy(ScheduleConfig(policy="lifo"))
     p = Policy(credit_bytes=10)
     p.begin_step(1)
     with pytest.raises(ValueError, match="outside"):
@@ -124,7 +124,7 @@ def _sched(policy: str, *, microop_bytes: int, credit_bytes: int | None = None, 
            **kw) -> ScheduleConfig:
     """The schedule the cases below were worked out for: the simulator's former defaults, a
     credit of one micro-op and no hold in expert blocks, unless a case says otherwise."""
-    return ScheduleConfig(policy, microop_bytes=microop_bytes,
+    return ScheduleConfig(policy=policy, microop_bytes=microop_bytes,
                           credit_bytes=microop_bytes if credit_bytes is None else credit_bytes,
                           hold_in_block=hold_in_block, **kw)
 
@@ -260,11 +260,11 @@ def test_a_new_schedule_is_one_class_one_entry():
 
     script = _scenario()
     with SCHEDULES.registered("eager", EagerSchedule):
-        cfg = ScheduleConfig("eager", microop_bytes=500)
+        cfg = ScheduleConfig(policy="eager", microop_bytes=500)
         assert cfg.schedule is EagerSchedule and not cfg.fused and not cfg.overlapped
         assert cfg.build().name == "eager" and not make_policy(cfg).hold_for_a2a
-        with pytest.raises(ValueError, match="unknown schedule 'nope'; choose one of .*'eager'"):
-            ScheduleConfig("nope")
+        with pytest.raises(ValueError, match="--schedule must be one of .*eager, got 'nope'"):
+            ScheduleConfig(policy="nope")
         eager = simulate(script, LINK, cfg)
         assert eager.schedule == "eager"
         assert build_parser().parse_args(["--schedule", "eager", "--out", "o"]).policy == "eager"
@@ -274,8 +274,8 @@ def test_a_new_schedule_is_one_class_one_entry():
     assert any(eager.allreduce_during(a) for a in eager.a2a)
     assert eager.a2a_time_s > lina.a2a_time_s
     assert "eager" not in SCHEDULES and [SCHEDULES[n].name for n in SCHEDULES] == list(SCHEDULES)
-    with pytest.raises(ValueError, match="unknown schedule 'eager'"):
-        ScheduleConfig("eager")
+    with pytest.raises(ValueError, match="--schedule must be one of .*, got 'eager'"):
+        ScheduleConfig(policy="eager")
 
 
 def _block_windows(script, r):
@@ -292,7 +292,7 @@ def _block_windows(script, r):
 
 
 def test_lina_policy_without_hold_in_block_runs_allreduce_during_expert_compute():
-    p = make_policy(ScheduleConfig("lina", credit_bytes=100, hold_in_block=False))
+    p = make_policy(ScheduleConfig(policy="lina", credit_bytes=100, hold_in_block=False))
     p.begin_step(1)
     p.allreduce_ready(0, 60)
     p.block_begin()
@@ -328,7 +328,7 @@ def test_sim_is_deterministic_and_validates():
         Link(0.0)
     with pytest.raises(ValueError, match="multiples"):
         simulate([Compute(1.0, (3,))], LINK, _sched("lina", microop_bytes=100))
-    with pytest.raises(ValueError, match="unknown schedule"):
+    with pytest.raises(ValueError, match="--schedule must be one of"):
         simulate(HAND, LINK, _sched("random", microop_bytes=100))
 
 
@@ -338,12 +338,12 @@ def test_policies_table_builds_every_policy_from_the_config():
     cfg = ScheduleConfig()
     assert (cfg.policy, cfg.credit, cfg.hold_in_block) == ("lina", DEFAULT_CREDIT_MICROOPS * (256 << 10), True)
     for name in SCHEDULES:
-        p = make_policy(ScheduleConfig(name, microop_bytes=1024))
+        p = make_policy(ScheduleConfig(policy=name, microop_bytes=1024))
         assert p.name == name
-    lina = make_policy(ScheduleConfig("lina", microop_bytes=1024, hold_in_block=False))
+    lina = make_policy(ScheduleConfig(policy="lina", microop_bytes=1024, hold_in_block=False))
     assert (lina.credit_bytes, lina.hold_in_block, lina.hold_for_a2a) == (DEFAULT_CREDIT_MICROOPS * 1024, False, True)
-    assert make_policy(ScheduleConfig("fifo")).credit_bytes is None
-    assert make_policy(ScheduleConfig("serial")).defer_to_end
+    assert make_policy(ScheduleConfig(policy="fifo")).credit_bytes is None
+    assert make_policy(ScheduleConfig(policy="serial")).defer_to_end
     with pytest.raises(ValueError, match="at least one element"):
         ScheduleConfig(microop_bytes=2)
     with pytest.raises(ValueError, match="credit_bytes"):
@@ -368,7 +368,7 @@ def test_simulator_defaults_are_the_executors():
 def test_program_rule_budget_per_gap_ignores_completions():
     """Under 'program' at most gap_budget micro-ops go out per gap between all-to-alls, and
     a completion never launches anything (it is not a point every rank shares)."""
-    cfg = ScheduleConfig("lina", microop_bytes=100, credit_bytes=200, hold_in_block=False, launch="program")
+    cfg = ScheduleConfig(policy="lina", microop_bytes=100, credit_bytes=200, hold_in_block=False, launch="program")
     assert cfg.gap_budget == 2
     p = make_policy(cfg)
     assert p.gap_budget == 2
@@ -399,8 +399,8 @@ def test_launch_rule_follows_the_device_unless_set():
     assert make_policy(cfg).gap_budget is None                       # the simulator's and gloo's
     assert make_policy(cfg, "cuda").gap_budget == DEFAULT_CREDIT_MICROOPS  # the executor's on CUDA
     assert ScheduleConfig(launch="completion").launch_rule("cuda") == "completion"
-    assert make_policy(ScheduleConfig("fifo"), "cuda").gap_budget is None  # fifo never depends on completions
-    with pytest.raises(ValueError, match="launch rule"):
+    assert make_policy(ScheduleConfig(policy="fifo"), "cuda").gap_budget is None  # fifo never depends on completions
+    with pytest.raises(ValueError, match="--launch must be one of completion, program"):
         ScheduleConfig(launch="eager")
 
 
@@ -410,7 +410,7 @@ def test_sim_program_rule_bounds_launches_per_gap_and_finishes(kw):
     done, none starts inside an all-to-all, and between two all-to-alls of the backward
     pass at most gap_budget micro-ops start."""
     script = _scenario(**kw)
-    cfg = ScheduleConfig("lina", microop_bytes=500, credit_bytes=1500, hold_in_block=False, launch="program")
+    cfg = ScheduleConfig(policy="lina", microop_bytes=500, credit_bytes=1500, hold_in_block=False, launch="program")
     r = simulate(script, LINK, cfg)
     assert all(math.isfinite(o.end_s) for o in r.allreduce)
     assert sum(o.nbytes for o in r.allreduce) == sum(b for it in script if isinstance(it, Compute) for b in it.grads)

@@ -49,7 +49,7 @@ SCENARIOS = [dict(), dict(a2a_chunks=1, a2a_bytes=4000), dict(dense_grad_bytes=1
 
 
 def _cfg(name: str, **kw) -> ScheduleConfig:
-    return ScheduleConfig(name, microop_bytes=MICRO, **{"credit_bytes": 3 * MICRO, **kw})
+    return ScheduleConfig(policy=name, microop_bytes=MICRO, **{"credit_bytes": 3 * MICRO, **kw})
 
 
 def _prio_of(script, r, cfg):
@@ -126,8 +126,8 @@ def test_overlap_policy_keeps_the_sequence_without_priorities_and_checks_its_inp
     p.set_priorities([0, 1, 2])
     with pytest.raises(ValueError, match="3 priorities for 2 allreduce"):
         p.begin_step(2)
-    assert ScheduleConfig("lina-overlap").overlapped and not ScheduleConfig("lina").overlapped
-    assert not ScheduleConfig("lina-overlap").fused  # micro-ops, as lina
+    assert ScheduleConfig(policy="lina-overlap").overlapped and not ScheduleConfig(policy="lina").overlapped
+    assert not ScheduleConfig(policy="lina-overlap").fused  # micro-ops, as lina
 
 
 # --------------------------------------------------------------------------- simulator

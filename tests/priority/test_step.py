@@ -58,7 +58,7 @@ def _reference(steps: int) -> dict:
 def test_every_schedule_steps_through_one_interface(policy):
     steps = 4
     net = _net()
-    cfg = ScheduleConfig(policy, microop_bytes=64)
+    cfg = ScheduleConfig(policy=policy, microop_bytes=64)
     g = FakeGroup()
     entries = [(p, g, 1.0) for p in reversed(list(net.parameters()))]
     gs = make_grad_step(net, entries, cfg, lambda ps: torch.optim.Adam(ps, lr=1e-2),
@@ -94,7 +94,7 @@ def test_every_schedule_steps_through_one_interface(policy):
 
 def test_the_scheduler_exists_only_while_open():
     net = _net()
-    gs = make_grad_step(net, [(p, FakeGroup(), 1.0) for p in net.parameters()], ScheduleConfig("lina"),
+    gs = make_grad_step(net, [(p, FakeGroup(), 1.0) for p in net.parameters()], ScheduleConfig(policy="lina"),
                         lambda ps: torch.optim.SGD(ps, lr=0.1), launch=lambda flat, group: DoneWork())
     with pytest.raises(RuntimeError, match="not open"):
         _ = gs.scheduler
