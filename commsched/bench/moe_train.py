@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 from ..dist import DEVICE_CHOICES
-from ..moe.training import DTYPES
+from ..moe.layer import DispatchConfig
+from ..moe.model import ModelConfig
+from ..moe.training import DTYPES, TrainConfig
 from ..priority.fallback import PROBE_WARMUP
 from ..priority.policy import DEFAULT_CREDIT_MICROOPS, ScheduleConfig
 from ..results import median
@@ -117,60 +118,53 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "at B bits (commsched.moe.train --a2a-bits)")
 
 
-def _common(a: argparse.Namespace) -> list[str]:
-    out = ["--steps", a.steps, "--warmup", a.warmup, "--batch-size", a.batch_size, "--seq-len", a.seq_len,
-           "--d-model", a.d_model, "--heads", a.heads, "--layers", a.layers, "--d-ff", a.d_ff,
-           "--expert-hidden", a.expert_hidden, "--experts", a.experts, "--k", a.k, "--moe-every", a.moe_every,
-           "--microop-bytes", a.microop_bytes, "--bucket-bytes", a.bucket_bytes, "--ds-stage", a.ds_stage,
-           "--allreduce-threads", a.allreduce_threads, "--device", a.device, "--dtype", a.dtype]
-    if a.credit_bytes is not None:
-        out += ["--credit-bytes", a.credit_bytes]
-    if a.corpus:
-        out += ["--corpus", a.corpus]
-    if getattr(a, "reduce_address", None):  # link model 'collective': the reduction's own link class
-        out += ["--reduce-address", a.reduce_address]
-    return [str(x) for x in out]
+def _base(a: argparse.Namespace) -> TrainConfig:
+    """The run every variant shares: the bench's flags as the trainer's config."""
+    return TrainConfig(
+        model=ModelConfig(seq_len=a.seq_len, d_model=a.d_model, n_heads=a.heads, n_layers=a.layers, d_ff=a.d_ff,
+                          expert_hidden=a.expert_hidden, num_experts=a.experts, k=a.k, moe_every=a.moe_every),
+        schedule=ScheduleConfig(microop_bytes=a.microop_bytes, bucket_bytes=a.bucket_bytes,
+                                credit_bytes=a.credit_bytes, reduce_address=getattr(a, "reduce_address", None)),
+        steps=a.steps, warmup=min(a.warmup, a.steps - 1), batch_size=a.batch_size, ds_stage=a.ds_stage,
+        allreduce_threads=a.allreduce_threads, device=a.device, dtype=a.dtype, corpus=a.corpus or None)
+
+
+def configs(a: argparse.Namespace) -> dict[str, TrainConfig]:
+    """The variants' labels and configs, in run order."""
+    base = _base(a)
+    lina = base.replace(schedule=base.schedule.replace(hold_in_block=a.hold_in_block),
+                        dispatch=DispatchConfig(chunks=a.chunks, pipeline=True),
+                        fallback_exchange=getattr(a, "fallback_exchange", True))
+    out = {"deepspeed": base.replace(impl="deepspeed"),
+           "fifo": base.replace(schedule=base.schedule.replace(policy="fifo")), "lina": lina,
+           "lina-overlap": lina.replace(schedule=lina.schedule.replace(policy="lina-overlap"))}
+    bits = getattr(a, "a2a_bits", None)
+
+    def q(c: TrainConfig) -> TrainConfig:  # schedule + compression: the quantized expert all-to-all
+        return c.replace(dispatch=c.dispatch.replace(a2a_bits=bits))
+
+    if bits:
+        out |= {f"{n}-q{bits}": q(out[n]) for n in ("lina", "lina-overlap")}
+    gbits = getattr(a, "grad_bits", None)
+    if gbits:  # the gradient reduction compressed (quant/allreduce.py), alone and with -qA
+        g = {"grad_bits": gbits}
+        if getattr(a, "grad_batch_bytes", None) is not None:
+            g["grad_batch_bytes"] = a.grad_batch_bytes
+        out |= {f"{n}-g{gbits}": out[n].replace(**g) for n in ("fifo", "lina", "lina-overlap")}
+        if bits:  # both compressions: fifo-qA-gB, lina-qA-gB, lina-overlap-qA-gB
+            out |= {f"{n}-q{bits}-g{gbits}": q(out[n]).replace(**g) for n in ("fifo", "lina", "lina-overlap")}
+        if getattr(a, "grad_unbatched", False):  # the A/B of CompressedLauncher's batches
+            b0 = {**g, "grad_batch_bytes": 0}
+            out |= {f"{n}-b0-g{gbits}": out[n].replace(**b0) for n in ("fifo", "lina")}
+            if bits:
+                out |= {f"{n}-b0-q{bits}-g{gbits}": q(out[n]).replace(**b0) for n in ("fifo", "lina")}
+    if (getattr(a, "hosts", 1) or 1) > 1:  # on emulated hosts: lina with the hierarchical reduction
+        out["lina-hier"] = lina.replace(schedule=lina.schedule.replace(hier_reduce=True))
+    return out
 
 
 def _variants(a: argparse.Namespace) -> list[Variant]:
-    mod = "commsched.moe.train"
-    c = _common(a)
-    lina = ("--impl", "commsched", "--schedule", "lina", "--chunks", str(a.chunks), "--pipeline",
-            "--hold-in-block" if a.hold_in_block else "--no-hold-in-block", *c,
-            "--fallback-exchange" if getattr(a, "fallback_exchange", True) else "--no-fallback-exchange")
-    out = [
-        Variant("deepspeed", mod, ("--impl", "deepspeed", *c)),
-        Variant("fifo", mod, ("--impl", "commsched", "--schedule", "fifo", "--chunks", "1", "--no-pipeline", *c)),
-        Variant("lina", mod, lina),
-        Variant("lina-overlap", mod, ("--impl", "commsched", "--schedule", "lina-overlap", *lina[4:])),
-    ]
-    bits = getattr(a, "a2a_bits", None)
-    if bits:  # schedule + compression: the quantized expert all-to-all
-        q = ("--a2a-bits", str(bits))
-        out += [Variant(f"lina-q{bits}", mod, (*lina, *q)),
-                Variant(f"lina-overlap-q{bits}", mod, ("--impl", "commsched", "--schedule", "lina-overlap",
-                                                       *lina[4:], *q))]
-    gbits = getattr(a, "grad_bits", None)
-    if gbits:  # the gradient reduction compressed (quant/allreduce.py), alone and with -qA
-        g = ("--grad-bits", str(gbits))
-        if getattr(a, "grad_batch_bytes", None) is not None:
-            g += ("--grad-batch-bytes", str(a.grad_batch_bytes))
-        b0 = (*g, "--grad-batch-bytes", "0")  # argparse: the last one counts
-        by_name = {v.name: v for v in out}
-        out += [Variant(f"{n}-g{gbits}", mod, (*by_name[n].args, *g)) for n in ("fifo", "lina", "lina-overlap")]
-        if bits:  # both compressions: fifo-qA-gB, lina-qA-gB, lina-overlap-qA-gB
-            q = ("--a2a-bits", str(bits))
-            out += [Variant(f"fifo-q{bits}-g{gbits}", mod, (*by_name["fifo"].args, *q, *g)),
-                    *(Variant(f"{n}-q{bits}-g{gbits}", mod, (*by_name[f"{n}-q{bits}"].args, *g))
-                      for n in ("lina", "lina-overlap"))]
-        if getattr(a, "grad_unbatched", False):  # the A/B of CompressedLauncher's batches
-            out += [Variant(f"{n}-b0-g{gbits}", mod, (*by_name[n].args, *b0)) for n in ("fifo", "lina")]
-            if bits:
-                out += [Variant(f"{n}-b0-q{bits}-g{gbits}", mod, (*by_name[m].args, *q, *b0))
-                        for n, m in (("fifo", "fifo"), ("lina", f"lina-q{bits}"))]
-    if (getattr(a, "hosts", 1) or 1) > 1:  # on emulated hosts: lina with the hierarchical reduction
-        out.append(Variant("lina-hier", mod, (*lina, "--hier-reduce")))
-    return out
+    return [Variant(n, "commsched.moe.train", config=c) for n, c in configs(a).items()]
 
 
 def link_times(payload: float, grad_bytes: float, P: int, hosts: int, rate_bps: float) -> dict[str, float]:
@@ -284,13 +278,9 @@ def overlap_bound(compute_s: float | None, grad_bytes: int | None, a2a_link_s: f
     return link, (max(compute_s, link) if compute_s is not None else None)
 
 
-# with --grad-bits B: fifo-gB, lina-gB, lina-overlap-gB (and the three -qA-gB with --a2a-bits A)
-_COMPRESSED = re.compile(r"-(q|g)\d+$")
-
-
-def compressed(name: str) -> bool:
-    """Whether a variant compresses (its all-to-all, ``-qB``, or its reduction, ``-gB``)."""
-    return bool(_COMPRESSED.search(name))
+def compressed(c: TrainConfig) -> bool:
+    """Whether a variant's config compresses (its all-to-all, ``-qB``, or its reduction, ``-gB``)."""
+    return c.dispatch.a2a_bits != 32 or c.grad_bits != 32
 
 
 def ours(names) -> list[str]:
@@ -298,14 +288,13 @@ def ours(names) -> list[str]:
     return [v for v in names if v != "deepspeed"]
 
 
-
-def _q8_rows(runs, med, rep_ratio) -> list[tuple]:
-    """Summary rows of the quantized variants: their step-time ratios against fifo and
+def _q8_rows(runs, med, rep_ratio, quantized: list[str]) -> list[tuple]:
+    """Summary rows of the ``quantized`` variants (:func:`compressed`): their step-time ratios against fifo and
     DeepSpeed, commsched's best configuration (the fastest median step of its variants)
     against both, the all-to-all against lina's, and the loss gap to fifo (largest per step,
     relative)."""
     rows = []
-    for v in [v for v in runs if compressed(v)]:
+    for v in quantized:
         rows += [
             (f"step time: fifo / {v} (goal >= 1.5)", rep_ratio("fifo", v, "step_time_s"), "x"),
             (f"step time: deepspeed / {v} (goal >= 2)", rep_ratio("deepspeed", v, "step_time_s"), "x"),
@@ -316,7 +305,7 @@ def _q8_rows(runs, med, rep_ratio) -> list[tuple]:
             rows.append((f"loss: {v} largest per-step gap to fifo, relative (goal <= 0.01)",
                          max(abs(a - b) / b for a, b in zip(c, f)), ""))
     mine = {v: med[v]["step_time_s"] for v in ours(med) if med[v]["step_time_s"]}
-    if mine and any(compressed(v) for v in runs):
+    if mine and quantized:
         best = min(mine, key=mine.get)
         rows += [
             (f"best commsched configuration: {best}", mine[best], " s"),
@@ -409,7 +398,8 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
                  _ratio(lt and lt["a2a"], fifo and fifo["step_time_s"]), ""))
     link_s = lt and lt["a2a"]
     rows += _overlap_rows(runs, med, rep_ratio, m_any, P, rate, link_s, hosts)
-    rows += _q8_rows(runs, med, rep_ratio)
+    cfgs = configs(args)
+    rows += _q8_rows(runs, med, rep_ratio, [v for v in runs if v in cfgs and compressed(cfgs[v])])
     # a lower bound of a step for any schedule that waits for every gradient before the
     # optimizer step: the fastest measured forward pass and optimizer of commsched's
     # variants, plus the link time of the allreduce and of the backward all-to-alls
