@@ -38,7 +38,17 @@ from pathlib import Path
 import numpy as np
 
 from ..dist import DEVICE_CHOICES
+from ..moe.infer_cli import trace_tokens
+from ..moe.infer_config import (
+    DRIVER_COMPUTES,
+    EmulationConfig,
+    InferConfig,
+    ModelDriverConfig,
+    PlacementConfig,
+    TraceDriverConfig,
+)
 from ..moe.placement_policy import STRATEGIES
+from ..moe.traces import SyntheticTraceConfig
 from ..results import median
 from .plots import pyplot, save_figure
 from .runner import Variant, Workload, median_of
@@ -98,22 +108,28 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-trace", default=None)
 
 
-def _common(a: argparse.Namespace) -> list[str]:
-    out: list = ["--driver", a.driver, "--batches", a.batches, "--warmup", a.warmup, "--seed", a.seed,
-                 "--device", a.device, "--us-per-row", a.us_per_row, "--load-ms", a.load_ms]
-    opt = {"--compute": a.compute, "--slots": a.slots, "--threshold": a.threshold, "--path-length": a.path_length,
-           "--online-planner": a.online_planner, "--exchange": a.exchange}
+def _given(**kw):  # the flags given (None: the runtime's default)
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def base_config(a: argparse.Namespace) -> InferConfig:
+    """The run every variant shares: the bench's flags as the runtime's config."""
+    model = ModelDriverConfig(**_given(checkpoint=a.checkpoint, corpus=a.corpus, batch_size=a.batch_size,
+                                       profile_trace=a.profile_trace))
+    trace = TraceDriverConfig()
     if a.driver == "trace":
-        out += ["--tokens-per-batch", a.tokens_per_batch, "--d-model", a.d_model, "--experts", a.experts,
-                "--layers", a.layers, "--k", a.k]
-        opt.update({"--trace": a.trace, "--zipf": a.zipf, "--expert-hidden": a.expert_hidden})
-    else:
-        opt.update({"--checkpoint": a.checkpoint, "--corpus": a.corpus, "--batch-size": a.batch_size,
-                    "--profile-trace": a.profile_trace})
-    for k, v in opt.items():
-        if v is not None:
-            out += [k, v]
-    return [str(x) for x in out]
+        model = ModelDriverConfig()
+        trace = TraceDriverConfig(tokens_per_batch=a.tokens_per_batch, d_model=a.d_model, **_given(
+            path=a.trace, expert_hidden=a.expert_hidden), synthetic=SyntheticTraceConfig(
+            num_experts=a.experts, num_layers=a.layers, k=a.k, **_given(zipf_s=a.zipf)))
+    syn = trace.synthetic.replace(num_tokens=trace_tokens(a.batches, trace.tokens_per_batch, trace.synthetic.seq_len,
+                                                          trace.profile_fraction))
+    return InferConfig(driver=a.driver, compute=a.compute or DRIVER_COMPUTES[a.driver][0], batches=a.batches,
+                       warmup=min(a.warmup, a.batches - 1), seed=a.seed, device=a.device, **_given(exchange=a.exchange),
+                       placement=PlacementConfig(**_given(slots=a.slots, threshold=a.threshold, path_length=a.path_length,
+                                                          online_planner=a.online_planner)),
+                       emulation=EmulationConfig(us_per_row=a.us_per_row, load_ms=a.load_ms), model=model,
+                       trace=trace.replace(synthetic=syn))
 
 
 def _variants(a: argparse.Namespace) -> list[Variant]:
@@ -123,15 +139,19 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
     if a.device == "cuda" and a.driver == "trace" and a.compute in (None, "emulated"):
         raise ValueError("--device cuda runs real expert FFNs: add --compute real (the emulated device is the "
                          "CPU model of an accelerator)")
-    c = _common(a)
+    base = base_config(a)
     hosts = getattr(a, "hosts", 1) or 1
     names = HOSTS_ORDER if hosts > 1 else VARIANTS
     rate = getattr(a, "rate_bps", None)
-    node = ["--inter-rate", f"{rate}bit"] if hosts > 1 and rate and a.cross_weight is None else []
+    node = {"inter_rate": f"{rate}bit"} if hosts > 1 and rate and a.cross_weight is None else {}
     if a.cross_weight is not None:
-        node = ["--cross-weight", str(a.cross_weight)]
-    out = [Variant(v, "commsched.moe.infer", ("--placement", v, *c, *(node if v in HOST_VARIANTS else ())))
-           for v in names]
+        node = {"cross_weight": a.cross_weight}
+
+    def placed(name: str, strategy: str, **kw) -> Variant:
+        return Variant(name, "commsched.moe.infer", config=base.replace(placement=base.placement.replace(
+            strategy=strategy, **kw)))
+
+    out = [placed(v, v, **(node if v in HOST_VARIANTS else {})) for v in names]
     for t in (x.strip() for x in a.lina_thresholds.split(",") if x.strip()):
         try:
             thr = float(t)
@@ -139,8 +159,7 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
             raise ValueError(f"--lina-thresholds: {t!r} is not a number") from None
         if not 0.0 <= thr <= 1.0:
             raise ValueError(f"--lina-thresholds: {thr} is outside [0, 1]")
-        base = [x for i, x in enumerate(c) if x != "--threshold" and (i == 0 or c[i - 1] != "--threshold")]
-        out.append(Variant(f"lina@{t}", "commsched.moe.infer", ("--placement", "lina", *base, "--threshold", t)))
+        out.append(placed(f"lina@{t}", "lina", threshold=thr))
     return out
 
 
