@@ -26,11 +26,12 @@ def test_grad_schedule_is_checked_and_on_the_command_line():
     a = build_parser().parse_args(["--grad-schedule", "lina"])
     assert a.grad_schedule == "lina"
     assert TrainConfig().grad_schedule == "flat"
-    from commsched.bench.gnn import mode_args
+    from commsched.bench.gnn import bench_run
+    from commsched.gnn.modes import mode_config
 
-    assert mode_args("vanilla-lina") == ("--mode", "vanilla", "--grad-schedule", "lina")
-    assert mode_args("adaqp-hp-fifo") == ("--mode", "adaqp", "--grad-schedule", "fifo",
-                                          "--partition-method", "metis-hosts")
+    assert bench_run("vanilla-lina") == (TrainConfig(mode="vanilla", grad_schedule="lina"), ())
+    assert bench_run("adaqp-hp-fifo") == (TrainConfig(mode="adaqp", grad_schedule="fifo", exchange=mode_config(
+        "adaqp")), ("--partition-method", "metis-hosts"))
 
 
 def _train(rank: int, world: int) -> dict:
@@ -89,7 +90,8 @@ def test_every_schedule_trains_as_the_flat_allreduce(world):
 
 # --------------------------------------------------------------------------- --grad-bits
 def test_grad_bits_is_checked_and_on_the_command_line():
-    from commsched.bench.gnn import mode_args
+    from commsched.bench.gnn import bench_run
+    from commsched.gnn.modes import mode_config
     from commsched.gnn.train import build_parser
 
     assert TrainConfig().grad_bits == 32
@@ -99,10 +101,11 @@ def test_grad_bits_is_checked_and_on_the_command_line():
         TrainConfig(grad_bits=8, grad_schedule="lina")
     assert build_parser().parse_args(["--grad-bits", "8"]).grad_bits == 8
     assert TrainConfig(grad_bits=8).record()["grad_bits"] == 8  # the ranks compare it
-    assert mode_args("adaptive-g8") == ("--mode", "adaptive", "--grad-bits", "8")
-    assert mode_args("adaptive-wsign-g16") == ("--mode", "adaptive", "--warmup", "sign", "--grad-bits", "16")
+    assert bench_run("adaptive-g8") == (TrainConfig(mode="adaptive", grad_bits=8), ())
+    assert bench_run("adaptive-wsign-g16") == (TrainConfig(mode="adaptive", grad_bits=16, exchange=mode_config(
+        "adaptive", warmup="sign")), ())
     with pytest.raises(ValueError, match="pick one"):
-        mode_args("vanilla-lina-g8")
+        bench_run("vanilla-lina-g8")
 
 
 def _train_bits(rank: int, world: int) -> dict:
