@@ -104,24 +104,21 @@ def test_flags_come_from_the_fields():
 def test_the_base_enforces_frozen_keyword_only_and_choices():
     with pytest.raises(ValueError, match="--norm must be one of gcn, mean, got 'max'"):
         HalfConfig(norm="max")  # the base's check: HalfConfig's own does not name it
-    with pytest.raises(ValueError, match="got 2"):
-        HalfConfig(rate=2)  # the subclass's own __post_init__ still runs
-
-    @dataclass(frozen=True)
-    class Positional(Config):
-        x: int = option(1, "x")
-
-    with pytest.raises(TypeError, match="Positional must be @dataclass\\(frozen=True, kw_only=True\\)"):
-        Positional()
     with pytest.raises(TypeError, match="frozen"):
         @dataclass(kw_only=True)
         class Mutable(Config):
             x: int = 1
 
+    @dataclass(frozen=True)
+    class Positional(Config):
+        x: int = option(1, "x")
+
+    with pytest.raises(TypeError, match=r"Positional must be @dataclass\(frozen=True, kw_only=True\)"):
+        Positional()
     seen = []
 
     @dataclass(frozen=True, kw_only=True)
-    class Option:  # an option set a config mixes in: its checks run too
+    class Option:  # an option set a config mixes in: its own checks run too
         level: int = option(0, "level", choices=(0, 1))
 
         def __post_init__(self):
@@ -132,79 +129,50 @@ def test_the_base_enforces_frozen_keyword_only_and_choices():
         pass
 
     @dataclass(frozen=True, kw_only=True)
-    class Child(HalfConfig):
+    class Child(HalfConfig, Option):
         def __post_init__(self):
             super().__post_init__()
             seen.append("child")
 
-    assert Mixed(level=1) and seen == ["option"]
-    with pytest.raises(ValueError, match="--level must be one of 0, 1, got 2"):
-        Mixed(level=2)
-    with pytest.raises(TypeError):
-        Mixed(1)
-    with pytest.raises(ValueError, match="--norm must be one of"):
-        Child(norm="max")
-    with pytest.raises(ValueError, match="got 0"):
-        Child(rate=0)
-    assert Child(rate=0.5) and seen[-1] == "child"
+    assert Child(level=1) and seen == ["child"] and Mixed(level=1) and seen[-1] == "option"
+    for bad, message in (({"level": 2}, "--level must be one of 0, 1, got 2"), ({"norm": "max"}, "--norm"),
+                         ({"rate": 0}, "got 0")):  # the base's checks, then the subclass's own
+        with pytest.raises(ValueError, match=message):
+            Child(**bad)
 
 
 def test_to_arguments_is_the_inverse_of_from_arguments():
-    p = argparse.ArgumentParser()
-    add_arguments(p, HalfConfig)
-    c = HalfConfig(rate=0.125, pattern="ring", overlap=False, norm="mean")
-    assert to_arguments(HalfConfig()) == []
-    assert to_arguments(c) == ["--half-rate", "0.125", "--pattern", "ring", "--norm", "mean", "--no-overlap"]
-    assert to_arguments(HalfConfig(period=3), all=True) == ["--half-rate", "0.5", "--pattern", "direct",
-                                                             "--norm", "gcn", "--overlap", "--period", "3"]
-    for x in (c, HalfConfig(), HalfConfig(rate=0.1, period=7)):
-        assert from_arguments(HalfConfig, p.parse_args(to_arguments(x))) == x
-        assert from_arguments(HalfConfig, p.parse_args(to_arguments(x, all=True))) == x
-
-
-def test_to_arguments_round_trips_the_front_ends_configs():
+    from commsched.gnn import train as gnn_train
+    from commsched.gnn.modes import mode_config
+    from commsched.gnn.trainer import TrainConfig as GNNConfig
     from commsched.moe import infer_cli
     from commsched.moe import train as moe_train
-    from commsched.moe.infer_config import PlacementConfig, TraceDriverConfig
+    from commsched.moe.infer_config import PlacementConfig
     from commsched.moe.layer import DispatchConfig
     from commsched.moe.training import TrainConfig
     from commsched.priority.policy import ScheduleConfig
 
-    def train(argv):
-        return moe_train.config_from_args(moe_train.build_parser().parse_args([*argv, "--out", "o"]))
-
-    def infer(argv):
-        return infer_cli.config_from_args(infer_cli.build_parser().parse_args([*argv, "--out", "o"]))
-
-    base = TrainConfig()
-    for c in (base, base.replace(impl="deepspeed", steps=7, lr=0.5, ds_stage=1),
-              base.replace(schedule=ScheduleConfig(policy="fifo", launch="program", hold_in_block=False,
-                                                   credit_bytes=4096),
-                           dispatch=DispatchConfig(chunks=4, pipeline=True, a2a_bits=8), grad_bits=16,
-                           fallback_exchange=False, corpus="x.txt")):
-        assert train(to_arguments(c)) == c and train(to_arguments(c, all=True)) == c
-    assert "--schedule" in to_arguments(base, all=True)  # the nested configs' flags too
+    p = argparse.ArgumentParser()
+    add_arguments(p, HalfConfig)
+    c = HalfConfig(rate=0.125, pattern="ring", overlap=False, norm="mean")
+    assert to_arguments(HalfConfig()) == [] and to_arguments(HalfConfig(period=3), all=True) == [
+        "--half-rate", "0.5", "--pattern", "direct", "--norm", "gcn", "--overlap", "--period", "3"]
+    assert to_arguments(c) == ["--half-rate", "0.125", "--pattern", "ring", "--norm", "mean", "--no-overlap"]
+    for x in (c, HalfConfig(), HalfConfig(rate=0.1, period=7)):
+        assert from_arguments(HalfConfig, p.parse_args(to_arguments(x))) == x
+        assert from_arguments(HalfConfig, p.parse_args(to_arguments(x, all=True))) == x
+    # the front-ends' configs, nested ones included, through their command lines
+    moe = TrainConfig(schedule=ScheduleConfig(policy="fifo", launch="program", hold_in_block=False),
+                      dispatch=DispatchConfig(chunks=4, pipeline=True, a2a_bits=8), grad_bits=16, corpus="x")
+    infer = infer_cli.config_from_args(infer_cli.build_parser().parse_args(["--out", "o"]))
+    for cli, config, defaults in (
+            (moe_train, moe, None), (moe_train, TrainConfig(impl="deepspeed", lr=0.5, steps=7), None),
+            (infer_cli, infer.replace(placement=PlacementConfig(strategy="eplb", slots=5), exchange="sequential"), None),
+            (gnn_train, GNNConfig(mode="adaptive", device="cpu", exchange=mode_config("adaptive", warmup="sign")),
+             gnn_train.CLI_DEFAULTS), (gnn_train, GNNConfig(device="cpu"), None)):
+        argv = to_arguments(config, defaults=defaults) + ["--out", "o"]
+        want = config if defaults or cli is not gnn_train else config.replace(device="auto")  # the parser's default
+        assert cli.config_from_args(cli.build_parser().parse_args(argv)) == want
+    assert "--schedule" in to_arguments(moe, all=True)  # a nested config's flags too
     with pytest.raises(ValueError, match="--allreduce-threads: None .* has no command-line form"):
-        to_arguments(base.replace(allreduce_threads=None))
-    ib = infer([])
-    for c in (ib, ib.replace(placement=PlacementConfig(strategy="eplb", slots=5, threshold=0.25),
-                             exchange="sequential", trace=TraceDriverConfig(tokens_per_batch=64)),
-              ib.replace(compute="real", device="cpu", seed=3)):
-        assert infer(to_arguments(c)) == c
-
-
-def test_to_arguments_round_trips_a_gnn_run_with_its_mode_options():
-    from commsched.gnn import train as gnn_train
-    from commsched.gnn.modes import mode_config
-    from commsched.gnn.trainer import TrainConfig
-
-    def parse(argv):
-        return gnn_train.config_from_args(gnn_train.build_parser().parse_args(argv))
-
-    assert parse(to_arguments(TrainConfig(device="cpu"))) == TrainConfig(device="auto")  # the parser's default
-    for c in (TrainConfig(device="auto"), TrainConfig(mode="adaptive", device="cpu", dtype="float32", epochs=3,
-                                                      exchange=mode_config("adaptive", warmup="sign")),
-              TrainConfig(mode="uniform", model="sage", device="auto", exchange=mode_config("uniform", bits=2,
-                                                                                            period=5)),
-              TrainConfig(mode="vanilla", dtype="bfloat16", grad_schedule="lina", device="auto")):
-        assert parse(to_arguments(c, defaults={"device": "auto"})) == c
+        to_arguments(moe.replace(allreduce_threads=None))
