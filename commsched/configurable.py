@@ -10,12 +10,8 @@ config classes, and its unknown-name error lists the known ones. :func:`add_argu
 turns a config class's fields into argparse flags (type, default, help and choices come
 from the dataclass, so no parser re-types a default), :func:`from_arguments` reads them
 back and :func:`to_arguments` writes a config as those flags again (a benchmark's variant is
-a config, run as a command line).
-
-The base enforces what every config shares: a subclass that is not frozen or not
-keyword-only is a TypeError, and a field's value outside its declared ``choices`` is a
-ValueError naming the flag and the allowed values, raised before the subclass's own
-``__post_init__`` runs (so a config checks only what its choices cannot say).
+a config, run as a command line). The base checks each field's declared ``choices`` before
+a subclass's own ``__post_init__`` runs, so a config checks only what its choices cannot say.
 
 Adding a component is then one class, one registry entry and one test::
 
@@ -69,18 +65,17 @@ def check(ok: bool, message: str) -> None:
 
 def _check_config(config: "Config") -> None:
     """The rules of every config: frozen, keyword-only, each value among its field's choices."""
-    cls = type(config)
-    if not cls.__dataclass_params__.frozen or not all(f.kw_only for f in dataclasses.fields(cls) if f.init):
-        raise TypeError(f"{cls.__name__} must be @dataclass(frozen=True, kw_only=True), as every Config")
-    for f in dataclasses.fields(cls):
-        choices, value = f.metadata.get("choices"), getattr(config, f.name)
-        if choices is not None and value not in choices and not (value is None and f.default is None):
-            raise ValueError(f"{_flag(f, '')} must be one of {', '.join(map(str, choices))}, got {value!r}")
+    fields = dataclasses.fields(config)
+    if not type(config).__dataclass_params__.frozen or not all(f.kw_only for f in fields if f.init):
+        raise TypeError(f"{type(config).__name__} must be @dataclass(frozen=True, kw_only=True), as every Config")
+    for f, value in ((f, getattr(config, f.name)) for f in fields if f.metadata.get("choices") is not None):
+        if value not in f.metadata["choices"] and not (value is None and f.default is None):
+            raise ValueError(f"{_flag(f, '')} must be one of {', '.join(map(str, f.metadata['choices']))}, "
+                             f"got {value!r}")
 
 
 def _checked(post_init: Any) -> Any:
-    """``post_init`` run after the base's rules (once per instance: only when it is the
-    instance's own ``__post_init__``, not a subclass's ``super().__post_init__()``)."""
+    """``post_init`` after the base's rules (run once: not again in a ``super().__post_init__()``)."""
     @functools.wraps(post_init)
     def __post_init__(self) -> None:
         if type(self).__post_init__ is __post_init__:
@@ -101,12 +96,9 @@ class Config:
         if "__post_init__" in cls.__dict__:
             cls.__post_init__ = _checked(cls.__dict__["__post_init__"])
 
+    @_checked
     def __post_init__(self) -> None:
-        if type(self).__post_init__ is Config.__post_init__:
-            _check_config(self)
-        nxt = getattr(super(), "__post_init__", None)  # a mixin's (an option set's) checks
-        if nxt is not None:
-            nxt()
+        getattr(super(), "__post_init__", lambda: None)()  # a mixed-in option set's own checks
 
     def build(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} builds nothing")
@@ -253,12 +245,10 @@ def from_arguments(cls: type, ns: argparse.Namespace, *, prefix: str = "",
 def to_arguments(config: Any, *, prefix: str = "", all: bool = False,
                  defaults: Mapping[str, Any] | None = None) -> list[str]:
     """The flags :func:`add_arguments` made that give ``config`` back through
-    :func:`from_arguments`: those of the fields that differ from their defaults (or
-    ``defaults[name]``, the parser's, as given to :func:`add_arguments`; ``all``: every
-    field), then those of its nested configs (the flags of a command line that adds their
-    classes' flags beside its own, as ``-m commsched.moe.train`` does)."""
-    out: list[str] = []
-    nested, cli = [], cli_fields(type(config))
+    :func:`from_arguments`: of the fields that differ from their defaults (or the parser's
+    ``defaults``; ``all``: every field), then of its nested configs (whose flags the command
+    line adds beside its own, as ``-m commsched.moe.train`` does)."""
+    out, nested, cli = [], [], cli_fields(type(config))
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if isinstance(value, Config) and not f.metadata.get("cli", True):
@@ -268,10 +258,9 @@ def to_arguments(config: Any, *, prefix: str = "", all: bool = False,
         flag = _flag(f, prefix)
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])
-        elif value is None:
-            if not all:
-                raise ValueError(f"{flag}: None (not its default) has no command-line form")
-        else:
+        elif value is None and not all:
+            raise ValueError(f"{flag}: None (not its default) has no command-line form")
+        elif value is not None:
             out += [flag, str(value)]
     for c in nested:
         out += to_arguments(c, prefix=prefix, all=all)
