@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..dist import DEVICE_CHOICES
+from ..configurable import add_arguments, from_arguments
 from ..moe.infer_cli import trace_tokens
 from ..moe.infer_config import (
     DRIVER_COMPUTES,
@@ -57,79 +57,44 @@ from .runner import Variant, Workload, median_of
 HOST_VARIANTS = ("eplb-hier", "lina-node")
 VARIANTS = tuple(v for v in STRATEGIES if v not in HOST_VARIANTS)
 HOSTS_ORDER = ("static", "eplb", "eplb-hier", "lina", "lina-node", "oracle")
-DEFAULTS = {
-    "driver": "trace", "compute": "emulated", "batches": 22, "warmup": 2, "tokens_per_batch": 2048,
-    "us_per_row": 100.0, "load_ms": 1.0, "d_model": 64, "experts": 16, "layers": 12, "k": 2,
-}
+# the bench's defaults where they are not the runtime's (the rest: the configs' own)
+DEFAULTS = {"batches": 22, "compute": None, "us_per_row": 100.0, "load_ms": 1.0, "num_experts": 16,
+            "num_layers": 12, "k": 2}
 KEY_METRICS = ("latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "model_latency_ms.p95", "imbalance",
                "estimation_accuracy", "replan_rate", "expert_loads_per_batch", "inter_host_bytes_per_batch")
 GOAL_SPEEDUP, GOAL_ORACLE, GOAL_IMBALANCE = 1.6, 1.15, 1.25
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    d = DEFAULTS
     g = p.add_argument_group("inference run (all variants)")
-    g.add_argument("--driver", choices=("trace", "model"), default=d["driver"])
-    g.add_argument("--compute", choices=("emulated", "real"), default=None,
-                   help="emulated device (default for traces) or real FFNs (always for the model)")
-    g.add_argument("--batches", type=int, default=d["batches"])
-    g.add_argument("--warmup", type=int, default=d["warmup"])
-    g.add_argument("--slots", type=int, default=None, help="experts of one layer per device (default ceil(E/N)+2)")
-    g.add_argument("--threshold", type=float, default=None, help="lina phase-2 threshold (default: the runtime's)")
-    g.add_argument("--path-length", type=int, default=None, help="lina path length l (default 3)")
-    g.add_argument("--online-planner", choices=("greedy", "full"), default=None)
+    add_arguments(g, InferConfig, defaults=DEFAULTS)
+    add_arguments(g, PlacementConfig, skip=("strategy", "planner", "cross_weight", "inter_rate"))
     g.add_argument("--cross-weight", type=float, default=None,
                    help="lina-node's weight of a row crossing hosts (default: from the topology, the row "
                         "cost and, with --hosts and --bandwidth, the emulated link rate)")
-    g.add_argument("--exchange", choices=("pipelined", "sequential"), default=None,
-                   help="runtime exchange (default: the runtime's, pipelined); sequential is the first runtime")
     g.add_argument("--lina-thresholds", default="",
                    help="comma-separated extra phase-2 thresholds: adds a variant lina@T for each "
                         "(e.g. 0 = phase 1 only)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
-                   help="where every variant's experts compute (--compute emulated: always the CPU)")
-    g = p.add_argument_group("emulated device")
-    g.add_argument("--us-per-row", type=float, default=d["us_per_row"])
-    g.add_argument("--load-ms", type=float, default=d["load_ms"])
+    add_arguments(p.add_argument_group("emulated device"), EmulationConfig, defaults=DEFAULTS)
     g = p.add_argument_group("trace driver")
-    g.add_argument("--trace", default=None, help="routing trace npz (default: synthetic)")
-    g.add_argument("--tokens-per-batch", type=int, default=d["tokens_per_batch"])
-    g.add_argument("--d-model", type=int, default=d["d_model"], help="floats per token on the wire")
-    g.add_argument("--expert-hidden", type=int, default=None, help="FFN width with --compute real")
-    g.add_argument("--experts", type=int, default=d["experts"])
-    g.add_argument("--layers", type=int, default=d["layers"])
-    g.add_argument("--k", type=int, default=d["k"])
-    g.add_argument("--zipf", type=float, default=None)
-    g = p.add_argument_group("model driver")
-    g.add_argument("--checkpoint", default=None)
-    g.add_argument("--corpus", default=None)
-    g.add_argument("--batch-size", type=int, default=None, help="sequences per rank per batch")
-    g.add_argument("--profile-trace", default=None)
-
-
-def _given(**kw):  # the flags given (None: the runtime's default)
-    return {k: v for k, v in kw.items() if v is not None}
+    add_arguments(g, TraceDriverConfig, skip=("profile_fraction",))
+    add_arguments(g, SyntheticTraceConfig, defaults=DEFAULTS, skip=(
+        "num_tokens", "seq_len", "popularity", "lognormal_sigma", "stickiness", "cluster_concentration"))
+    add_arguments(p.add_argument_group("model driver"), ModelDriverConfig, skip=("profile_tokens",))
 
 
 def base_config(a: argparse.Namespace) -> InferConfig:
-    """The run every variant shares: the bench's flags as the runtime's config."""
-    model = ModelDriverConfig(**_given(checkpoint=a.checkpoint, corpus=a.corpus, batch_size=a.batch_size,
-                                       profile_trace=a.profile_trace))
-    trace = TraceDriverConfig()
-    if a.driver == "trace":
-        model = ModelDriverConfig()
-        trace = TraceDriverConfig(tokens_per_batch=a.tokens_per_batch, d_model=a.d_model, **_given(
-            path=a.trace, expert_hidden=a.expert_hidden), synthetic=SyntheticTraceConfig(
-            num_experts=a.experts, num_layers=a.layers, k=a.k, **_given(zipf_s=a.zipf)))
+    """The run every variant shares: the bench's flags as the runtime's config (a driver's
+    own flags only for that driver)."""
+    trace = from_arguments(TraceDriverConfig, a, synthetic=from_arguments(SyntheticTraceConfig, a))
+    model = from_arguments(ModelDriverConfig, a)
+    trace, model = (trace, ModelDriverConfig()) if a.driver == "trace" else (TraceDriverConfig(), model)
     syn = trace.synthetic.replace(num_tokens=trace_tokens(a.batches, trace.tokens_per_batch, trace.synthetic.seq_len,
                                                           trace.profile_fraction))
-    return InferConfig(driver=a.driver, compute=a.compute or DRIVER_COMPUTES[a.driver][0], batches=a.batches,
-                       warmup=min(a.warmup, a.batches - 1), seed=a.seed, device=a.device, **_given(exchange=a.exchange),
-                       placement=PlacementConfig(**_given(slots=a.slots, threshold=a.threshold, path_length=a.path_length,
-                                                          online_planner=a.online_planner)),
-                       emulation=EmulationConfig(us_per_row=a.us_per_row, load_ms=a.load_ms), model=model,
-                       trace=trace.replace(synthetic=syn))
+    return from_arguments(InferConfig, a, compute=a.compute or DRIVER_COMPUTES[a.driver][0],
+                          warmup=min(a.warmup, a.batches - 1), placement=from_arguments(PlacementConfig, a,
+                                                                                         cross_weight=None),
+                          emulation=from_arguments(EmulationConfig, a), model=model, trace=trace.replace(synthetic=syn))
 
 
 def _variants(a: argparse.Namespace) -> list[Variant]:

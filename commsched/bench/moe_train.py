@@ -35,9 +35,11 @@ curves and a timeline (PNG) of one step's all-to-all and allreduce operations on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
+from ..configurable import add_arguments, from_arguments
 from ..dist import DEVICE_CHOICES
 from ..moe.layer import DispatchConfig
 from ..moe.model import ModelConfig
@@ -58,13 +60,9 @@ DEFAULT_LINK_MODEL = "collective"
 # the Lina paper's median slowdown of an all-to-all by a concurrent allreduce (NCCL)
 PAPER_CONTENTION = 1.83
 _SCHED = ScheduleConfig()  # the schedule's own defaults
-DEFAULTS = {
-    "steps": 10, "warmup": 3, "batch_size": 8, "seq_len": 128, "d_model": 256, "heads": 4, "layers": 4,
-    "d_ff": 1024, "expert_hidden": 1024, "experts": 4, "k": 1, "moe_every": 2, "chunks": 4,
-    "microop_bytes": _SCHED.microop_bytes, "credit_bytes": None, "bucket_bytes": _SCHED.bucket_bytes,
-    "ds_stage": 2,
-    "allreduce_threads": 8,
-}
+MODEL = ModelConfig(seq_len=128, d_model=256, n_heads=4, n_layers=4, d_ff=1024, expert_hidden=1024, num_experts=4)
+DEFAULTS = {"steps": 10, "warmup": 3, "batch_size": 8, "chunks": 4, "microop_bytes": _SCHED.microop_bytes,
+            "credit_bytes": None, "bucket_bytes": _SCHED.bucket_bytes, "ds_stage": 2, "allreduce_threads": 8}
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,15 +71,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=int, default=d["steps"])
     g.add_argument("--warmup", type=int, default=d["warmup"], help="steps left out of the timing")
     g.add_argument("--batch-size", type=int, default=d["batch_size"])
-    g.add_argument("--seq-len", type=int, default=d["seq_len"])
-    g.add_argument("--d-model", type=int, default=d["d_model"])
-    g.add_argument("--heads", type=int, default=d["heads"])
-    g.add_argument("--layers", type=int, default=d["layers"])
-    g.add_argument("--d-ff", type=int, default=d["d_ff"])
-    g.add_argument("--expert-hidden", type=int, default=d["expert_hidden"])
-    g.add_argument("--experts", type=int, default=d["experts"])
-    g.add_argument("--k", type=int, default=d["k"], choices=(1, 2))
-    g.add_argument("--moe-every", type=int, default=d["moe_every"])
+    add_arguments(g, ModelConfig, skip=("capacity_factor", "aux_weight"), defaults=dataclasses.asdict(MODEL))
     g.add_argument("--corpus", default=None, help="text file (default: the Python standard library's sources)")
     g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="every variant's device (auto: CUDA when every local rank has its own GPU)")
@@ -121,8 +111,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 def _base(a: argparse.Namespace) -> TrainConfig:
     """The run every variant shares: the bench's flags as the trainer's config."""
     return TrainConfig(
-        model=ModelConfig(seq_len=a.seq_len, d_model=a.d_model, n_heads=a.heads, n_layers=a.layers, d_ff=a.d_ff,
-                          expert_hidden=a.expert_hidden, num_experts=a.experts, k=a.k, moe_every=a.moe_every),
+        model=from_arguments(ModelConfig, a),
         schedule=ScheduleConfig(microop_bytes=a.microop_bytes, bucket_bytes=a.bucket_bytes,
                                 credit_bytes=a.credit_bytes, reduce_address=getattr(a, "reduce_address", None)),
         steps=a.steps, warmup=min(a.warmup, a.steps - 1), batch_size=a.batch_size, ds_stage=a.ds_stage,
@@ -442,9 +431,10 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
         plots.append(str(plot_losses(runs, out / "loss.png")))
     m0 = next(iter(runs.values()))[0]
     sizes = m0.get("sizes", {})
-    cfg_line = (f"model: d_model {args.d_model}, {args.layers} blocks (MoE every {args.moe_every}), "
-                f"{args.experts} experts of hidden {args.expert_hidden}, top-{args.k}, dense FFN {args.d_ff}; "
-                f"{args.batch_size} x {args.seq_len} tokens per rank per step; "
+    m = from_arguments(ModelConfig, args)
+    cfg_line = (f"model: d_model {m.d_model}, {m.n_layers} blocks (MoE every {m.moe_every}), "
+                f"{m.num_experts} experts of hidden {m.expert_hidden}, top-{m.k}, dense FFN {m.d_ff}; "
+                f"{args.batch_size} x {m.seq_len} tokens per rank per step; "
                 f"non-expert gradients {sizes.get('non_expert_grad_bytes', 0) / 2**20:.2f} MiB; "
                 f"all-to-all payload {sizes.get('a2a_payload_bytes_per_step', 0) / 2**20:.2f} MiB per rank per step; "
                 f"lina: {args.chunks} chunks, micro-ops of {args.microop_bytes} B, credit "
