@@ -6,19 +6,13 @@ Each variant is one ``torchrun -m commsched.gnn.train`` run on the same syntheti
 spends about three quarters of its epoch communicating on this machine, as in AdaQP's
 Table 1; without root/tc the runs are unshaped and the summary says so.
 
-A mode name may end in ``-bf16`` (``vanilla-bf16``, ``adaqp-p-bf16``, ``nocomm-bf16``): the
-same mode with ``--dtype bfloat16`` (float32 parameters, bf16 compute and bf16 rows on
-the wire: the Vanilla a modern framework runs). The default variants include
-``vanilla-bf16``, so AdaQP is reported against both Vanillas. ``--device`` is passed to
-every variant (``auto``: CUDA when every rank has its own GPU).
-
-Topology variants (docs/methods/gnn.md): an adaptive
-mode may end in ``-topo`` (``--link-costs topology``), ``-topoev`` (that and
-``--equal-variance``) or ``-avg`` (``--link-costs averaged``), any mode in ``-hp``
-(``--partition-method metis-hosts``), and any mode, last, in ``-lina`` or ``-fifo``
-(``--grad-schedule``: the gradient allreduce through the core's scheduler);
-``--seeds 0,1,2`` runs every variant once per seed
-and the summary pools them. With ``--hosts`` the summary's "Per link class" table gives
+A variant is a label and the run's config: a mode name, then suffixes that each change the
+config (:data:`SUFFIXES`, :func:`bench_run`): ``-bf16`` (``vanilla-bf16``: ``--dtype
+bfloat16``, the Vanilla a modern framework runs, in the default variants), on an adaptive
+mode ``-topo``, ``-topoev``, ``-avg`` (``--link-costs``; docs/methods/gnn.md), ``-hp``
+(``--partition-method metis-hosts``), ``-lina``, ``-fifo`` (``--grad-schedule``), ``-gB``
+(``--grad-bits``), on ``adaptive`` ``-ebX`` and ``-wsign``. ``--device`` is passed to every
+variant; ``--seeds 0,1,2`` runs every variant once per seed and the summary pools them. With ``--hosts`` the summary's "Per link class" table gives
 each variant's mean width and bytes inside and across hosts, its speed-up over
 ``adaqp-avg`` and the inter-host halo rows; ``widths_by_class.png`` the width histogram
 per link class.
@@ -50,7 +44,7 @@ from pathlib import Path
 
 from ..dist import DEVICE_CHOICES
 from ..gnn.models import LAYERS
-from ..gnn.modes import MODE_NAMES, MODES, mode_spec
+from ..gnn.modes import MODE_NAMES, MODES, mode_spec, option_owners
 from ..gnn.train import CLI_DEFAULTS
 from ..gnn.trainer import TrainConfig
 from ..quant.reference import BITS
@@ -125,10 +119,8 @@ def _suffix(name: str, tok: str) -> tuple[str, dict]:
                      f"{', '.join(k + 'N' for k in NUMBERED)})")
 
 
-def _owners(field: str) -> list[str]:
-    """The modes whose config has ``field`` (--link-costs: the adaptive-width modes only)."""
-    return [m for m, c in MODES.items() if field in {f.name for f in dataclasses.fields(c)}
-            and (field != "link_costs" or getattr(c, "scheme", None) == "adaptive")]
+def _owners(field: str) -> list[str]:  # the modes a suffix may change (--link-costs: adaptive widths)
+    return [m for m in option_owners(field) if field != "link_costs" or getattr(MODES[m], "scheme", "") == "adaptive"]
 
 
 def bench_run(name: str, base: TrainConfig | None = None, **options) -> tuple[TrainConfig, tuple[str, ...]]:

@@ -39,11 +39,10 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..configurable import add_arguments, from_arguments
-from ..dist import DEVICE_CHOICES
+from ..configurable import add_arguments, cli_fields, from_arguments
 from ..moe.layer import DispatchConfig
 from ..moe.model import ModelConfig
-from ..moe.training import DTYPES, TrainConfig
+from ..moe.training import TrainConfig
 from ..priority.fallback import PROBE_WARMUP
 from ..priority.policy import DEFAULT_CREDIT_MICROOPS, ScheduleConfig
 from ..results import median
@@ -61,22 +60,16 @@ DEFAULT_LINK_MODEL = "collective"
 PAPER_CONTENTION = 1.83
 _SCHED = ScheduleConfig()  # the schedule's own defaults
 MODEL = ModelConfig(seq_len=128, d_model=256, n_heads=4, n_layers=4, d_ff=1024, expert_hidden=1024, num_experts=4)
-DEFAULTS = {"steps": 10, "warmup": 3, "batch_size": 8, "chunks": 4, "microop_bytes": _SCHED.microop_bytes,
-            "credit_bytes": None, "bucket_bytes": _SCHED.bucket_bytes, "ds_stage": 2, "allreduce_threads": 8}
+DEFAULTS = {"steps": 10, "warmup": 3, "device": "auto", "chunks": 4, "microop_bytes": _SCHED.microop_bytes,
+            "credit_bytes": None, "bucket_bytes": _SCHED.bucket_bytes}
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     g = p.add_argument_group("model and training (all variants)")
-    g.add_argument("--steps", type=int, default=d["steps"])
-    g.add_argument("--warmup", type=int, default=d["warmup"], help="steps left out of the timing")
-    g.add_argument("--batch-size", type=int, default=d["batch_size"])
+    add_arguments(g, TrainConfig, defaults=d, skip=tuple(f.name for f in cli_fields(TrainConfig) if f.name not in (
+        "steps", "warmup", "batch_size", "corpus", "device", "dtype", "allreduce_threads", "ds_stage")))
     add_arguments(g, ModelConfig, skip=("capacity_factor", "aux_weight"), defaults=dataclasses.asdict(MODEL))
-    g.add_argument("--corpus", default=None, help="text file (default: the Python standard library's sources)")
-    g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
-                   help="every variant's device (auto: CUDA when every local rank has its own GPU)")
-    g.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="compute and all-to-all row dtype of every variant (bfloat16 halves the exchange)")
     g = p.add_argument_group("schedules")
     g.add_argument("--chunks", type=int, default=d["chunks"], help="lina: chunks of the pipelined all-to-all")
     g.add_argument("--microop-bytes", type=int, default=d["microop_bytes"])
@@ -84,9 +77,6 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hold-in-block", action=argparse.BooleanOptionalAction, default=True,
                    help="lina: also hold allreduce during backward expert compute")
     g.add_argument("--bucket-bytes", type=int, default=d["bucket_bytes"], help="fifo buckets, DeepSpeed reduce bucket")
-    g.add_argument("--allreduce-threads", type=int, default=d["allreduce_threads"],
-                   help="fifo and lina: gloo worker threads of the gradient-allreduce group")
-    g.add_argument("--ds-stage", type=int, default=d["ds_stage"])
     g.add_argument("--fallback-exchange", action=argparse.BooleanOptionalAction, default=True,
                    help="lina and lina-overlap variants: the probe's fallback also runs the all-to-all and "
                         "the reduction as fifo's (one chunk, not pipelined; fifo's buckets), the trainer's "
