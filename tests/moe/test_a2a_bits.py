@@ -327,7 +327,7 @@ def test_bench_adds_the_quantized_variants_and_their_rows(tmp_path):
     assert not any("-q" in n for n in plain)  # opt-in: --a2a-bits
     variants = {v.name: v for v in wl.variants(build_parser(wl).parse_args(["--a2a-bits", "8"]))}
     assert list(variants)[:len(plain)] == plain and {"lina-q8", "lina-overlap-q8"} <= set(variants)
-    cfgs = {n: config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)]))
+    cfgs = {n: config_from_args(train_parser().parse_args([*v.argv, "--out", str(tmp_path)]))
             for n, v in variants.items()}
     assert cfgs["lina-q8"].dispatch.a2a_bits == cfgs["lina-overlap-q8"].dispatch.a2a_bits == 8
     assert cfgs["lina-q8"].schedule == cfgs["lina"].schedule and cfgs["lina-overlap-q8"].schedule.overlapped
