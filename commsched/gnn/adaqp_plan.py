@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..all2all import SegmentLayout
-from ..configurable import option
+from ..configurable import Config, option
 from ..quant.assign_problem import Channel, expand_group_bits, group_messages
 from ..quant.codec import META_BYTES, payload_bytes
 from ..quant.reference import BITS
@@ -51,7 +51,7 @@ _DIRS = {"forward": 0, "backward": 1}
 
 # --------------------------------------------------------------------------- options
 @dataclass(frozen=True, kw_only=True)
-class AdaQPOptions:
+class AdaQPOptions(Config):
     """Knobs of the AdaQP exchanges (``TrainConfig.adaqp``; the CLI's ``--bits``,
     ``--period``, ``--group-size`` and ``--lam``). Recorded but unused by the modes that do
     not quantize.
@@ -87,9 +87,6 @@ class AdaQPOptions:
                                   "more variance than the averaged-cost assignment")
 
     def __post_init__(self) -> None:
-        if self.link_costs not in LINK_COST_SOURCES:
-            raise ValueError(f"--link-costs must be one of {', '.join(LINK_COST_SOURCES)}, "
-                             f"got {self.link_costs!r}")
         if self.equal_variance and self.link_costs != "topology":
             raise ValueError("--equal-variance caps the variance of topology-aware widths at that "
                              "of the averaged-cost ones: it needs --link-costs topology, got "
