@@ -247,13 +247,11 @@ def test_adaptive_bench_names():
     ``-avg`` its link model; ``-eb`` on another mode is refused."""
     from commsched.bench import gnn
     from commsched.bench.gnn import bench_run
-
-    def budget(name):
-        return bench_run(name)[0].exchange
+    from commsched.gnn.modes import mode_config
 
     assert "adaptive" in gnn.TTA_MODES
-    assert bench_run("adaptive-eb0.5")[0].mode == "adaptive" and budget("adaptive-eb0.5").error_budget == 0.5
-    assert (budget("adaptive-avg-eb.1").error_budget, budget("adaptive-avg-eb.1").link_costs) == (0.1, "averaged")
-    assert budget("adaptive-avg-eb.1") == budget("adaptive-eb.1").replace(link_costs="averaged")
+    for name, ex in (("adaptive-eb0.5", {"error_budget": 0.5}),
+                     ("adaptive-avg-eb.1", {"error_budget": 0.1, "link_costs": "averaged"})):
+        assert bench_run(name)[0].mode == "adaptive" and bench_run(name)[0].exchange == mode_config("adaptive", **ex)
     with pytest.raises(ValueError, match="-eb0.5 sets --error-budget of --mode adaptive"):
         bench_run("vanilla-eb0.5")
