@@ -42,7 +42,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from ..configurable import add_arguments as config_arguments
 from ..dist import DEVICE_CHOICES
+from ..gnn.adaqp_plan import AdaQPOptions
 from ..gnn.models import LAYERS
 from ..gnn.modes import MODE_NAMES, MODES, mode_spec, option_owners
 from ..gnn.train import CLI_DEFAULTS
@@ -173,10 +175,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sustain", type=int, default=1, metavar="S",
                    help="time-to-acc: the target counts when held for S evaluations in a row "
                         "(default 1: the first crossing)")
-    g.add_argument("--period", type=int, default=5, help="AdaQP re-assignment period (epochs)")
-    g.add_argument("--group-size", type=int, default=100)
-    g.add_argument("--lam", type=float, default=0.5)
-    g.add_argument("--bits", type=int, default=4, help="width of the uniform variant")
+    config_arguments(g, AdaQPOptions, skip=("compile", "link_costs", "equal_variance"), defaults={"period": 5, "bits": 4})
     g.add_argument("--hidden", type=int, default=256)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--seeds", default=None, metavar="S,S,...",
