@@ -77,10 +77,10 @@ def _check_config(config: "Config") -> None:
 def _checked(post_init: Any) -> Any:
     """``post_init`` after the base's rules (run once: not again in a ``super().__post_init__()``)."""
     @functools.wraps(post_init)
-    def __post_init__(self) -> None:
+    def __post_init__(self, *init_vars: Any) -> None:
         if type(self).__post_init__ is __post_init__:
             _check_config(self)
-        post_init(self)
+        post_init(self, *init_vars)
     return __post_init__
 
 
