@@ -369,7 +369,7 @@ class Trainer:
         own = new_group(ranks)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         # a sum, as the flat allreduce's (the loss is divided by the global training count)
-        return GradScheduler([(p, own, 1.0) for _, p in named], ScheduleConfig(self.cfg.grad_schedule),
+        return GradScheduler([(p, own, 1.0) for _, p in named], ScheduleConfig(policy=self.cfg.grad_schedule),
                              device=self.device, names=[n for n, _ in named])
 
     def close(self) -> None:
