@@ -8,8 +8,10 @@ once, in ``__post_init__``, and makes the component with ``build(...)``. A
 :class:`Registry` maps the names users type (``--mode adaqp``) to configs (presets) or
 config classes, and its unknown-name error lists the known ones. :func:`add_arguments`
 turns a config class's fields into argparse flags (type, default, help and choices come
-from the dataclass, so no parser re-types a default) and :func:`from_arguments` reads them
-back.
+from the dataclass, so no parser re-types a default), :func:`from_arguments` reads them
+back and :func:`to_arguments` writes a config as those flags again (a benchmark's variant is
+a config, run as a command line). The base checks each field's declared ``choices`` before
+a subclass's own ``__post_init__`` runs, so a config checks only what its choices cannot say.
 
 Adding a component is then one class, one registry entry and one test::
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import MISSING, dataclass
@@ -60,11 +63,42 @@ def check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_config(config: "Config") -> None:
+    """The rules of every config: frozen, keyword-only, each value among its field's choices."""
+    fields = dataclasses.fields(config)
+    if not type(config).__dataclass_params__.frozen or not all(f.kw_only for f in fields if f.init):
+        raise TypeError(f"{type(config).__name__} must be @dataclass(frozen=True, kw_only=True), as every Config")
+    for f, value in ((f, getattr(config, f.name)) for f in fields if f.metadata.get("choices") is not None):
+        if value not in f.metadata["choices"] and not (value is None and f.default is None):
+            raise ValueError(f"{_flag(f, '')} must be one of {', '.join(map(str, f.metadata['choices']))}, "
+                             f"got {value!r}")
+
+
+def _checked(post_init: Any) -> Any:
+    """``post_init`` after the base's rules (run once: not again in a ``super().__post_init__()``)."""
+    @functools.wraps(post_init)
+    def __post_init__(self, *init_vars: Any) -> None:
+        if type(self).__post_init__ is __post_init__:
+            _check_config(self)
+        post_init(self, *init_vars)
+    return __post_init__
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
-    """Base of every component config: frozen, keyword-only; checks in ``__post_init__``
-    (a ValueError naming the flag and the allowed values); ``build(...)`` makes the
+    """Base of every component config: frozen, keyword-only (else a TypeError when one is
+    made); a value outside its field's ``choices`` is a ValueError naming the flag and the
+    allowed values; a subclass's ``__post_init__`` checks the rest; ``build(...)`` makes the
     component (its arguments are the component's context: a partition book, a group)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__post_init__" in cls.__dict__:
+            cls.__post_init__ = _checked(cls.__dict__["__post_init__"])
+
+    @_checked
+    def __post_init__(self) -> None:
+        getattr(super(), "__post_init__", lambda: None)()  # a mixed-in option set's own checks
 
     def build(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} builds nothing")
@@ -233,5 +267,30 @@ def config_of(registry: Registry, name: str, values: Mapping[str, Any], *, given
     return cls(**{k: v for k, v in values.items() if k in own})
 
 
+def to_arguments(config: Any, *, prefix: str = "", all: bool = False,
+                 defaults: Mapping[str, Any] | None = None) -> list[str]:
+    """The flags :func:`add_arguments` made that give ``config`` back through
+    :func:`from_arguments`: of the fields that differ from their defaults (or the parser's
+    ``defaults``; ``all``: every field), then of its nested configs (whose flags the command
+    line adds beside its own, as ``-m commsched.moe.train`` does)."""
+    out, nested, cli = [], [], cli_fields(type(config))
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, Config) and not f.metadata.get("cli", True):
+            nested.append(value)
+        if f not in cli or (not all and value == (defaults or {}).get(f.name, _default(f))):
+            continue
+        flag = _flag(f, prefix)
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif value is None and not all:
+            raise ValueError(f"{flag}: None (not its default) has no command-line form")
+        elif value is not None:
+            out += [flag, str(value)]
+    for c in nested:
+        out += to_arguments(c, prefix=prefix, all=all)
+    return out
+
+
 __all__ = ["Config", "Registry", "add_arguments", "check", "cli_fields", "config_of", "from_arguments",
-           "option"]
+           "option", "to_arguments"]

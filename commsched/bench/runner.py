@@ -32,21 +32,33 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..config import read_env
+from ..configurable import to_arguments
 from ..results import FAILED_MARKER, Progress, median, pick, write_json
 from .plots import plot_breakdown
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One compared configuration: ``python -m module *args --out DIR`` under torchrun."""
+    """One compared configuration, labelled ``name``: ``python -m module ARGV --out DIR``
+    under torchrun, ARGV (:attr:`argv`) the flags of ``config`` (the module's config, a
+    ``replace(...)`` of the bench's base run; :func:`~commsched.configurable.to_arguments`
+    against the module parser's ``defaults`` where they differ from the fields'), then
+    ``args``, the module's own flags outside its config (the graph, the partitioner)."""
 
     name: str
     module: str
     args: tuple[str, ...] = ()
     nproc: int | None = None  # None: the bench's --nproc
+    config: Any = None
+    defaults: Mapping[str, Any] | None = None
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        own = to_arguments(self.config, defaults=self.defaults) if self.config is not None else ()
+        return (*own, *self.args)
 
 
 @dataclass(frozen=True)
@@ -113,7 +125,7 @@ def torchrun_command(variant: Variant, nproc: int, out_dir: Path, *, nnodes: int
         if rdzv_conf is not None:
             launch.append(f"--rdzv-conf={rdzv_conf}")
     return [sys.executable, "-m", "torch.distributed.run", *launch,
-            "-m", variant.module, *variant.args, "--out", str(out_dir)]
+            "-m", variant.module, *variant.argv, "--out", str(out_dir)]
 
 
 @dataclass

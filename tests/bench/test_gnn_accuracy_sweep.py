@@ -47,13 +47,13 @@ def test_summary_means_differences_and_verdicts():
 
 def test_recipe_arguments_and_reuse_check():
     r = accuracy.Recipe(epochs=7)
-    a = r.train_args("synthetic", "adaqp", 2)
+    a = r.variant("synthetic", "adaqp", 2).argv
     assert a[a.index("--syn-nodes") + 1] == "20000" and a[a.index("--syn-edges") + 1] == "200000"
     assert "--dataset" not in a and a[a.index("--seed") + 1] == "2" and a[a.index("--epochs") + 1] == "7"
-    b = r.train_args("citeseer", "vanilla", 0)
+    b = r.variant("citeseer", "vanilla", 0).argv
     assert b[b.index("--dataset") + 1] == "citeseer" and b[b.index("--data-root") + 1] == "../shared/data"
     with pytest.raises(ValueError, match="nocomm"):
-        r.train_args("cora", "nocomm", 0)
+        r.variant("cora", "nocomm", 0)
     cfg = {"mode": "adaqp", "seed": 2, "epochs": 7, "model": "gcn", "eval_every": 2, "period": 20,
            "group_size": 20, "lam": 0.5, "hidden": 256, "dropout_rng": "local"}
     m = {"config": cfg, "loss": [1.0] * 7, "recipe": dataclasses.asdict(r)}

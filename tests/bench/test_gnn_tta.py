@@ -138,13 +138,17 @@ def test_bench_variants_and_summary_with_time_to_acc(tmp_path, monkeypatch):
     assert names == [f"gcn-{m}-s{s}" for s in (0, 1) for m in keep]  # gcn only, the registered modes
     assert {"vanilla", "vanilla-bf16", "adaqp", "onebit"} <= set(keep)
     assert set(keep) | set(skipped) == set(gnn.TTA_MODES)
-    args = gnn.variants(a)[0].args
-    assert args[args.index("--eval-every") + 1] == "1"  # every epoch evaluated
-    assert "--syn-seed" not in args  # the default graph
-    other = gnn.variants(p.parse_args(["--syn-seed", "7"]))[0].args
+    from commsched.gnn.train.cli import build_parser as train_parser
+    from commsched.gnn.train.cli import config_from_args
+
+    assert all(config_from_args(train_parser().parse_args(v.argv)) == v.config for v in gnn.variants(a))
+    v = gnn.variants(a)[0]
+    assert v.config.eval_every == 1 and "--eval-every" not in v.argv  # every epoch evaluated (the default)
+    assert "--syn-seed" not in v.argv  # the default graph
+    other = gnn.variants(p.parse_args(["--syn-seed", "7"]))[0].argv
     assert other[other.index("--syn-seed") + 1] == "7"
-    plain = p.parse_args([])
-    assert gnn.variants(plain)[0].args[gnn.variants(plain)[0].args.index("--eval-every") + 1] == "5"
+    plain = gnn.variants(p.parse_args([]))[0]
+    assert plain.argv[plain.argv.index("--eval-every") + 1] == "5" and plain.config.eval_every == 5
     # a mode this checkout lacks is skipped, not an error
     monkeypatch.setattr(gnn, "TTA_MODES", ("vanilla", "onebit", "nosuchmode"))
     monkeypatch.setattr(gnn.tta_modes, "__defaults__", (gnn.TTA_MODES,))
@@ -242,11 +246,12 @@ def test_adaptive_bench_names():
     """``adaptive`` is in the time-to-accuracy comparison; ``-ebX`` sets its error budget,
     ``-avg`` its link model; ``-eb`` on another mode is refused."""
     from commsched.bench.gnn import compare as gnn
-    from commsched.bench.gnn.compare import mode_args
+    from commsched.bench.gnn.compare import bench_run
+    from commsched.gnn.exchange.modes import mode_config
 
     assert "adaptive" in gnn.TTA_MODES
-    assert mode_args("adaptive-eb0.5") == ("--mode", "adaptive", "--error-budget", "0.5")
-    assert mode_args("adaptive-avg-eb.1") == ("--mode", "adaptive", "--error-budget", ".1",
-                                              "--link-costs", "averaged")
-    with pytest.raises(ValueError, match="-eb sets the error budget of --mode adaptive"):
-        mode_args("vanilla-eb0.5")
+    for name, ex in (("adaptive-eb0.5", {"error_budget": 0.5}),
+                     ("adaptive-avg-eb.1", {"error_budget": 0.1, "link_costs": "averaged"})):
+        assert bench_run(name)[0].mode == "adaptive" and bench_run(name)[0].exchange == mode_config("adaptive", **ex)
+    with pytest.raises(ValueError, match="-eb0.5 sets --error-budget of --mode adaptive"):
+        bench_run("vanilla-eb0.5")

@@ -21,8 +21,9 @@ def test_workload_variants_parse_as_training_configs(tmp_path):
     args = build_parser(wl).parse_args(["--steps", "5", "--chunks", "3"])
     variants = {v.name: v for v in wl.variants(args)}
     assert list(variants) == ["deepspeed", "fifo", "lina", "lina-overlap"]
-    cfgs = {n: config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)]))
+    cfgs = {n: config_from_args(train_parser().parse_args([*v.argv, "--out", str(tmp_path)]))
             for n, v in variants.items()}
+    assert cfgs == {n: v.config for n, v in variants.items()}  # a variant is its config, run as flags
     assert cfgs["deepspeed"].impl == "deepspeed"
     assert cfgs["fifo"].schedule.policy == "fifo" and not cfgs["fifo"].dispatch.pipeline
     assert cfgs["lina"].schedule.policy == "lina" and cfgs["lina"].dispatch.pipeline and cfgs["lina"].dispatch.chunks == 3
@@ -34,7 +35,7 @@ def test_workload_variants_parse_as_training_configs(tmp_path):
     assert cfgs["lina"].fallback_exchange and cfgs["lina-overlap"].fallback_exchange  # the trainer's default
     # --no-fallback-exchange reaches the schedules that probe (fifo and DeepSpeed do not probe)
     nfx = build_parser(wl).parse_args(["--no-fallback-exchange"])
-    got = {v.name: config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)])).fallback_exchange
+    got = {v.name: config_from_args(train_parser().parse_args([*v.argv, "--out", str(tmp_path)])).fallback_exchange
            for v in wl.variants(nfx) if v.name.startswith("lina")}
     assert got == {"lina": False, "lina-overlap": False}
 
@@ -49,20 +50,20 @@ def test_grad_bits_variants(tmp_path):
     assert names == ["deepspeed", "fifo", "lina", "lina-overlap", "fifo-g8", "lina-g8", "lina-overlap-g8"]
     vs = {v.name: v for v in wl.variants(build_parser(wl).parse_args(["--grad-bits", "16", "--a2a-bits", "8"]))}
     assert {"fifo-q8-g16", "lina-q8-g16", "lina-overlap-q8-g16", "lina-q8", "lina-overlap-q8"} <= set(vs)
-    cfg = {n: config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)])) for n, v in vs.items()}
+    cfg = {n: config_from_args(train_parser().parse_args([*v.argv, "--out", str(tmp_path)])) for n, v in vs.items()}
     for n, c in cfg.items():
         assert c.grad_bits == (16 if n.endswith("-g16") else 32), n
         assert c.dispatch.a2a_bits == (8 if "-q8" in n else 32), n
     base = cfg["lina-overlap"]
     assert cfg["lina-overlap-q8-g16"].schedule == base.schedule and cfg["fifo-q8-g16"].schedule == cfg["fifo"].schedule
-    assert compressed("lina-q8") and compressed("fifo-g8") and not compressed("lina-overlap")
+    assert compressed(cfg["lina-q8"]) and compressed(cfg["fifo-g16"]) and not compressed(cfg["lina-overlap"])
     assert all(c.grad_batch_bytes == 4 << 20 for c in cfg.values())  # the trainer's default batches
     # --grad-unbatched: fifo-b0-gB, lina-b0-gB (and -qA-gB), their runs with every launch summed alone;
     # --grad-batch-bytes reaches every -gB variant but those
     ab = build_parser(wl).parse_args(["--grad-bits", "8", "--a2a-bits", "8", "--grad-unbatched",
                                       "--grad-batch-bytes", "65536"])
     vs = {v.name: v for v in wl.variants(ab)}
-    cfg = {n: config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)])) for n, v in vs.items()}
+    cfg = {n: config_from_args(train_parser().parse_args([*v.argv, "--out", str(tmp_path)])) for n, v in vs.items()}
     assert cfg["lina-b0-g8"].grad_batch_bytes == 0 and cfg["lina-b0-q8-g8"].grad_batch_bytes == 0
     assert cfg["lina-g8"].grad_batch_bytes == 65536 and cfg["fifo-q8-g8"].grad_batch_bytes == 65536
     import dataclasses
@@ -70,7 +71,7 @@ def test_grad_bits_variants(tmp_path):
     for n, base in (("lina-b0-g8", "lina-g8"), ("lina-b0-q8-g8", "lina-q8-g8"), ("fifo-b0-g8", "fifo-g8"),
                     ("fifo-b0-q8-g8", "fifo-q8-g8")):
         assert dataclasses.replace(cfg[n], grad_batch_bytes=65536) == cfg[base]
-        assert compressed(n)
+        assert compressed(cfg[n])
     assert "lina-b0-g8" not in [v.name for v in wl.variants(build_parser(wl).parse_args(["--grad-bits", "8"]))]
     assert ours(["deepspeed", "fifo", "fifo-g8"]) == ["fifo", "fifo-g8"]
 
@@ -116,11 +117,11 @@ def test_collective_link_model_binds_the_commsched_reductions(tmp_path):
     args = build_parser(wl).parse_args([])
     args.reduce_address = "127.0.0.2"
     for v in wl.variants(args):
-        cfg = config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)]))
+        cfg = config_from_args(train_parser().parse_args([*v.argv, "--out", str(tmp_path)]))
         assert cfg.schedule.reduce_address == ("127.0.0.2" if cfg.impl == "commsched" else None)
     args.reduce_address = None
     for v in wl.variants(args):
-        cfg = config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)]))
+        cfg = config_from_args(train_parser().parse_args([*v.argv, "--out", str(tmp_path)]))
         assert cfg.schedule.reduce_address is None
 
 
@@ -141,7 +142,7 @@ def test_device_and_dtype_reach_every_variant(tmp_path):
     assert (default.device, default.dtype) == ("auto", "float32")
     args = build_parser(wl).parse_args(["--device", "cpu", "--dtype", "bfloat16"])
     for v in wl.variants(args):
-        cfg = config_from_args(train_parser().parse_args([*v.args, "--out", str(tmp_path)]))
+        cfg = config_from_args(train_parser().parse_args([*v.argv, "--out", str(tmp_path)]))
         assert (cfg.device, cfg.dtype) == ("cpu", "bfloat16"), v.name
 
 

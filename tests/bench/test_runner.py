@@ -64,6 +64,11 @@ def test_torchrun_command_multi_node():
     assert many[-5:] == ["pkg.mod", "--x", "1", "--out", "/o"]
     with pytest.raises(ValueError, match="rdzv_endpoint"):
         torchrun_command(v, 2, Path("/o"), nnodes=2)
+    from commsched.priority.policy import FifoConfig  # a variant is a label and a config
+
+    c = Variant("fifo", "pkg.mod", ("--x", "1"), config=FifoConfig(launch="program", bucket_bytes=4096),
+                defaults={"launch": "program"})  # the parser's default, not the field's: not written
+    assert torchrun_command(c, 2, Path("/o"))[-7:] == ["pkg.mod", "--bucket-bytes", "4096", "--x", "1", "--out", "/o"]
 
 
 def test_inline_workload_writes_everything(tmp_path):

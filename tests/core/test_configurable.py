@@ -1,5 +1,6 @@
 """commsched.configurable: configs that check themselves once and build their component, a
-registry whose unknown-name error lists the known names, flags generated from the fields."""
+registry whose unknown-name error lists the known names, flags generated from the fields and
+written back from a config."""
 
 from __future__ import annotations
 
@@ -9,13 +10,22 @@ from typing import Literal
 
 import pytest
 
-from commsched.configurable import Config, Registry, add_arguments, check, from_arguments, option
+from commsched.configurable import (
+    Config,
+    Registry,
+    add_arguments,
+    check,
+    from_arguments,
+    option,
+    to_arguments,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
 class HalfConfig(Config):
     rate: float = option(0.5, "share of the boundary rows sent", flag="--half-rate")
     pattern: Literal["direct", "ring"] = option("direct", "all-to-all pattern")
+    norm: str = option("gcn", "edge normalisation", choices=("gcn", "mean"))
     overlap: bool = option(True, "overlap with the central aggregation")
     period: int | None = option(None, "epochs between draws")
     note: tuple = option((), cli=False)
@@ -89,3 +99,68 @@ def test_flags_come_from_the_fields():
 
     with pytest.raises(TypeError, match="cannot be a flag"):
         add_arguments(argparse.ArgumentParser(), Bad)
+
+
+def test_the_base_enforces_frozen_keyword_only_and_choices():
+    with pytest.raises(ValueError, match="--norm must be one of gcn, mean, got 'max'"):
+        HalfConfig(norm="max")  # the base's check: HalfConfig's own does not name it
+    with pytest.raises(TypeError, match="frozen"):
+        @dataclass(kw_only=True)
+        class Mutable(Config):
+            x: int = 1
+
+    @dataclass(frozen=True)
+    class Positional(Config):
+        x: int = option(1, "x")
+
+    with pytest.raises(TypeError, match=r"Positional must be @dataclass\(frozen=True, kw_only=True\)"):
+        Positional()
+    seen = []
+
+    @dataclass(frozen=True, kw_only=True)
+    class Option:  # an option set a config mixes in: its own checks run too
+        level: int = option(0, "level", choices=(0, 1))
+
+        def __post_init__(self):
+            seen.append("option")
+
+    @dataclass(frozen=True, kw_only=True)
+    class Mixed(Config, Option):
+        pass
+
+    @dataclass(frozen=True, kw_only=True)
+    class Child(HalfConfig, Option):
+        def __post_init__(self):
+            super().__post_init__()
+            seen.append("child")
+
+    assert Child(level=1) and seen == ["child"] and Mixed(level=1) and seen[-1] == "option"
+    for bad, message in (({"level": 2}, "--level must be one of 0, 1, got 2"), ({"norm": "max"}, "--norm"),
+                         ({"rate": 0}, "got 0")):  # the base's checks, then the subclass's own
+        with pytest.raises(ValueError, match=message):
+            Child(**bad)
+
+
+def test_to_arguments_is_the_inverse_of_from_arguments():
+    from commsched.moe.model.layer import DispatchConfig
+    from commsched.moe.train import cli as moe_train
+    from commsched.moe.train.training import TrainConfig
+    from commsched.priority.policy import FifoConfig
+
+    p = argparse.ArgumentParser()
+    add_arguments(p, HalfConfig)
+    c = HalfConfig(rate=0.125, pattern="ring", overlap=False, norm="mean")
+    assert to_arguments(HalfConfig()) == [] and to_arguments(HalfConfig(period=3), all=True) == [
+        "--half-rate", "0.5", "--pattern", "direct", "--norm", "gcn", "--overlap", "--period", "3"]
+    assert to_arguments(c) == ["--half-rate", "0.125", "--pattern", "ring", "--norm", "mean", "--no-overlap"]
+    # a front-end's config and its nested ones through its command line (the benches' variants: tests/bench)
+    moe = TrainConfig(schedule=FifoConfig(launch="program", bucket_bytes=1 << 19),
+                      dispatch=DispatchConfig(chunks=4, pipeline=True, a2a_bits=8), grad_bits=16, corpus="x")
+    for full in (False, True):
+        for x in (c, HalfConfig(), HalfConfig(rate=0.1, period=7)):
+            assert from_arguments(HalfConfig, p.parse_args(to_arguments(x, all=full))) == x
+    # the changed fields (what a bench variant renders); the schedule's name is its selector flag
+    argv = to_arguments(moe) + ["--schedule", "fifo", "--out", "o"]
+    assert moe_train.config_from_args(moe_train.build_parser().parse_args(argv)) == moe
+    with pytest.raises(ValueError, match="--allreduce-threads: None .* has no command-line form"):
+        to_arguments(moe.replace(allreduce_threads=None))

@@ -86,16 +86,16 @@ def test_bench_passes_device_and_adds_bf16_variants():
     vs = {v.name: v for v in bench.variants(a)}
     assert list(vs) == ["gcn-vanilla", "gcn-vanilla-bf16", "gcn-adaqp"]
     for v in vs.values():
-        i = v.args.index("--device")
-        assert v.args[i + 1] == "cpu"
-    bf = vs["gcn-vanilla-bf16"].args
-    assert bf[bf.index("--mode") + 1] == "vanilla" and bf[bf.index("--dtype") + 1] == "bfloat16"
-    assert "--dtype" not in vs["gcn-adaqp"].args
-    assert bench.split_mode("adaqp-p-bf16") == ("adaqp-p", "bfloat16")
+        i = v.argv.index("--device")
+        assert v.argv[i + 1] == "cpu"
+    bf = vs["gcn-vanilla-bf16"].config
+    assert (bf.mode, bf.dtype) == ("vanilla", "bfloat16") and "--dtype" in vs["gcn-vanilla-bf16"].argv
+    assert "--dtype" not in vs["gcn-adaqp"].argv
+    assert (bench.bench_run("adaqp-p-bf16")[0].mode, bench.bench_run("adaqp-p-bf16")[0].dtype) == ("adaqp-p", "bfloat16")
     with pytest.raises(ValueError, match="quantizes"):
-        bench.split_mode("adaqp-bf16")
+        bench.bench_run("adaqp-bf16")
     with pytest.raises(ValueError, match="not known"):
-        bench.split_mode("fast")
+        bench.bench_run("fast")
     assert "vanilla-bf16" in bench.MODES_GCN and "vanilla-bf16" in bench.MODES_SAGE
     # the summary reports every variant against both Vanillas
     run = lambda t: {"epoch_time_s": t, "bytes_sent_per_epoch": 1.0, "test_acc": 0.5,  # noqa: E731

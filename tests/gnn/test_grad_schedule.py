@@ -14,7 +14,7 @@ import torch
 
 from commsched.gnn.train.trainer import TrainConfig
 from commsched.priority.policy import SCHEDULES as REGISTERED
-from commsched.priority.policy import FlatConfig, LinaConfig
+from commsched.priority.policy import FifoConfig, FlatConfig, LinaConfig
 from tests.mp import run_ranks
 
 SCHEDULES = [s for s in REGISTERED if s != "flat"]
@@ -33,11 +33,14 @@ def test_grad_schedule_is_checked_and_on_the_command_line():
     with pytest.raises(ValueError, match="--credit-bytes belongs to --grad-schedule lina, lina-overlap, not to "
                                          "--grad-schedule fifo"):
         config_from_args(build_parser().parse_args(["--grad-schedule", "fifo", "--credit-bytes", "1"]))
-    from commsched.bench.gnn.compare import mode_args
 
-    assert mode_args("vanilla-lina") == ("--mode", "vanilla", "--grad-schedule", "lina")
-    assert mode_args("adaqp-hp-fifo") == ("--mode", "adaqp", "--grad-schedule", "fifo",
-                                          "--partition-method", "metis-hosts")
+    from commsched.bench.gnn.compare import bench_run
+    from commsched.gnn.exchange.modes import mode_config
+
+    assert bench_run("vanilla-lina") == (TrainConfig(mode="vanilla", schedule=LinaConfig()),
+                                         ("--grad-schedule", "lina"))
+    assert bench_run("adaqp-hp-fifo") == (TrainConfig(mode="adaqp", schedule=FifoConfig(), exchange=mode_config(
+        "adaqp")), ("--partition-method", "metis-hosts", "--grad-schedule", "fifo"))
 
 
 def _train(rank: int, world: int) -> dict:
@@ -96,7 +99,8 @@ def test_every_schedule_trains_as_the_flat_allreduce(world):
 
 # --------------------------------------------------------------------------- --grad-bits
 def test_grad_bits_is_checked_and_on_the_command_line():
-    from commsched.bench.gnn.compare import mode_args
+    from commsched.bench.gnn.compare import bench_run
+    from commsched.gnn.exchange.modes import mode_config
     from commsched.gnn.train.cli import build_parser
 
     assert TrainConfig().grad_bits == 32
@@ -105,10 +109,12 @@ def test_grad_bits_is_checked_and_on_the_command_line():
     assert TrainConfig(grad_bits=8, schedule=LinaConfig()).grad_bits == 8  # with every schedule
     assert build_parser().parse_args(["--grad-bits", "8"]).grad_bits == 8
     assert TrainConfig(grad_bits=8).record()["grad_bits"] == 8  # the ranks compare it
-    assert mode_args("adaptive-g8") == ("--mode", "adaptive", "--grad-bits", "8")
-    assert mode_args("adaptive-wsign-g16") == ("--mode", "adaptive", "--warmup", "sign", "--grad-bits", "16")
-    with pytest.raises(ValueError, match="pick one"):
-        mode_args("vanilla-lina-g8")
+    assert bench_run("adaptive-g8") == (TrainConfig(mode="adaptive", grad_bits=8), ())
+    assert bench_run("adaptive-wsign-g16") == (TrainConfig(mode="adaptive", grad_bits=16, exchange=mode_config(
+        "adaptive", warmup="sign")), ())
+    # the compressed reduction with a schedule: both flags on the training command
+    cfg, own = bench_run("vanilla-lina-g8")
+    assert cfg == TrainConfig(mode="vanilla", grad_bits=8, schedule=LinaConfig()) and own == ("--grad-schedule", "lina")
 
 
 def _train_bits(rank: int, world: int) -> dict:

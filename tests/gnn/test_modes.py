@@ -337,7 +337,7 @@ def test_bench_passes_bits_only_to_the_adaqp_exchange_modes():
     a = build_parser(wl).parse_args(["--modes", "vanilla,uniform,onebit,adaqp", "--models", "gcn",
                                      "--bits", "2"])
     a.hosts, a.bandwidth, a.rate_bps = 1, None, None
-    got = {v.name: v.args for v in wl.variants(argparse.Namespace(**vars(a)))}
+    got = {v.name: v.argv for v in wl.variants(argparse.Namespace(**vars(a)))}
     for name, args in got.items():
         has = "--bits" in args
         assert has == (name in ("gcn-uniform", "gcn-adaqp")), (name, args)

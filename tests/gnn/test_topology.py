@@ -199,23 +199,26 @@ def test_metis_hosts_keeps_heavy_cuts_inside_hosts():
 
 # --------------------------------------------------------------------------- bench names
 def test_bench_mode_names():
-    from commsched.bench.gnn.compare import mode_args
+    from commsched.bench.gnn.compare import bench_run
+    from commsched.gnn.exchange.modes import mode_config
+    from commsched.gnn.train.trainer import TrainConfig
 
-    assert mode_args("adaqp-topo") == ("--mode", "adaqp", "--link-costs", "topology")
-    assert mode_args("adaqp-q-avg") == ("--mode", "adaqp-q", "--link-costs", "averaged")
-    assert mode_args("vanilla-hp") == ("--mode", "vanilla", "--partition-method", "metis-hosts")
-    assert mode_args("adaqp-topo-hp") == ("--mode", "adaqp", "--partition-method", "metis-hosts",
-                                          "--link-costs", "topology")
-    assert mode_args("adaqp-topoev") == ("--mode", "adaqp", "--link-costs", "topology",
-                                         "--equal-variance")
-    assert mode_args("vanilla-bf16") == ("--mode", "vanilla", "--dtype", "bfloat16")
-    assert mode_args("adaptive-wsign") == ("--mode", "adaptive", "--warmup", "sign")
-    assert mode_args("adaptive-eb0.3-wsign") == ("--mode", "adaptive", "--error-budget", "0.3",
-                                                 "--warmup", "sign")
-    with pytest.raises(ValueError, match="-wsign sets the warm-up of --mode adaptive"):
-        mode_args("vanilla-wsign")
-    with pytest.raises(ValueError, match="-topo picks the link costs of an adaptive mode"):
-        mode_args("uniform-topo")
+    def run(mode, own=(), dtype="float32", **ex):  # the run a bench mode name stands for
+        return TrainConfig(mode=mode, dtype=dtype, exchange=mode_config(mode, **ex)), own
+
+    hp = ("--partition-method", "metis-hosts")
+    assert bench_run("adaqp-topo") == run("adaqp", link_costs="topology")
+    assert bench_run("adaqp-q-avg") == run("adaqp-q", link_costs="averaged")
+    assert bench_run("vanilla-hp") == run("vanilla", hp)
+    assert bench_run("adaqp-topo-hp") == run("adaqp", hp, link_costs="topology")
+    assert bench_run("adaqp-topoev") == run("adaqp", link_costs="topology", equal_variance=True)
+    assert bench_run("vanilla-bf16") == run("vanilla", dtype="bfloat16")
+    assert bench_run("adaptive-wsign") == run("adaptive", warmup="sign")
+    assert bench_run("adaptive-eb0.3-wsign") == run("adaptive", error_budget=0.3, warmup="sign")
+    with pytest.raises(ValueError, match="-wsign sets --warmup of --mode adaptive, not of vanilla"):
+        bench_run("vanilla-wsign")
+    with pytest.raises(ValueError, match="-topo sets --link-costs of --mode adaqp, adaqp-q, adaptive, not"):
+        bench_run("uniform-topo")
 
 
 def test_bench_seeds_pool_and_class_figures():
@@ -239,8 +242,8 @@ def test_bench_seeds_pool_and_class_figures():
     vs = variants(a)
     assert [v.name for v in vs] == ["gcn-vanilla-s0", "gcn-adaqp-topoev-s0",
                                     "gcn-vanilla-s1", "gcn-adaqp-topoev-s1"]
-    assert vs[3].args[vs[3].args.index("--seed") + 1] == "1"
-    assert "--equal-variance" in vs[3].args
+    assert vs[3].argv[vs[3].argv.index("--seed") + 1] == "1" and vs[3].config.seed == 1
+    assert "--equal-variance" in vs[3].argv
     pooled = pool_seeds({"gcn-vanilla-s0": [{"k": 0}], "gcn-vanilla-s1": [{"k": 1}], "x": [{}]})
     assert pooled == {"gcn-vanilla": [{"k": 0}, {"k": 1}], "x": [{}]}
     run = {"bytes_per_epoch_by_class": {"intra": 2e6, "inter": 5e6},

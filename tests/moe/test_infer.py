@@ -770,6 +770,7 @@ def test_bench_variants_summary_and_heatmap(tmp_path):
     from commsched.bench.moe.infer import WORKLOAD
 
     a = build_parser(WORKLOAD).parse_args(["--lina-thresholds", "0,0.75", "--threshold", "0.5", "--batches", "5"])
+
     vs = {v.name: v.args for v in WORKLOAD.variants(a)}
     assert list(vs) == ["static", "eplb", "lina", "oracle", "lina@0", "lina@0.75"]
     assert vs["lina"][:2] == ("--placement", "lina") and "0.5" in vs["lina"]

@@ -138,13 +138,12 @@ def test_bench_passes_its_device_to_every_variant():
 
     a = build_parser(WORKLOAD).parse_args(["--device", "cpu", "--lina-thresholds", "0"])
     for v in WORKLOAD.variants(a):
-        i = v.args.index("--device")
-        assert v.args[i + 1] == "cpu", v.name
-        assert config_from_args(infer_parser().parse_args([*v.args, "--out", "x"])).device == "cpu"
+        assert v.config.device == "cpu", v.name
+        assert config_from_args(infer_parser().parse_args([*v.argv, "--out", "x"])).device == "cpu"
     a = build_parser(WORKLOAD).parse_args([])
-    assert all(v.args[v.args.index("--device") + 1] == "auto" for v in WORKLOAD.variants(a))
+    assert all(v.config.device == "auto" for v in WORKLOAD.variants(a))
     a = build_parser(WORKLOAD).parse_args(["--device", "cuda", "--compute", "real"])
-    assert all("cuda" in v.args for v in WORKLOAD.variants(a))
+    assert all("cuda" in v.argv for v in WORKLOAD.variants(a))
     with pytest.raises(ValueError, match="add --compute real"):
         WORKLOAD.variants(build_parser(WORKLOAD).parse_args(["--device", "cuda"]))
 

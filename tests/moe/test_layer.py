@@ -128,7 +128,7 @@ def _ep_equals_local(rank: int, world: int) -> None:
         torch.manual_seed(100 + seed)
         eg = ExpertGroup(E, world, rank, None)
         timer = A2ATimer()
-        ep = MoELayer(D, H, rc, expert_group=eg, dispatch=DispatchConfig(chunks, pipe), observer=timer)
+        ep = MoELayer(D, H, rc, expert_group=eg, dispatch=DispatchConfig(chunks=chunks, pipeline=pipe), observer=timer)
         assert torch.equal(ref.router.weight, ep.router.weight)
         assert torch.equal(ref.experts.w1[eg.first:eg.first + eg.num_local], ep.experts.w1)
         g = torch.Generator().manual_seed(1000 * seed + rank)
@@ -169,7 +169,7 @@ def _merged_equals_pipelined(rank: int, world: int) -> None:
             torch.manual_seed(200 + seed)
             timers.append(A2ATimer())
             layers.append(MoELayer(D, H, rc, expert_group=eg, observer=timers[-1], wire_seed=seed,
-                                   dispatch=DispatchConfig(chunks, True, a2a_bits=bits, merge=merge)))
+                                   dispatch=DispatchConfig(chunks=chunks, pipeline=True, a2a_bits=bits, merge=merge)))
         g = torch.Generator().manual_seed(300 * seed + rank)
         T = _tokens(rank, world, seed)
         x, gy = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
@@ -242,7 +242,7 @@ def test_bfloat16_autocast_halves_the_exchanged_bytes(monkeypatch, pipeline):
     for dt in ("float32", "bfloat16"):
         sent.clear()
         torch.manual_seed(0)
-        layer = MoELayer(D, H, rc, expert_group=ExpertGroup(4, 1, 0, None), dispatch=DispatchConfig(2, pipeline))
+        layer = MoELayer(D, H, rc, expert_group=ExpertGroup(4, 1, 0, None), dispatch=DispatchConfig(chunks=2, pipeline=pipeline))
         x = torch.randn(3, 7, D, requires_grad=True)
         if dt == "float32":
             y, aux = layer(x)
@@ -269,7 +269,7 @@ def test_dispatch_indices_live_on_the_routing_device(monkeypatch):
     dev = torch.device("cpu")
     torch.manual_seed(1)
     layer = MoELayer(D, H, RouterConfig(4, k=2), expert_group=ExpertGroup(4, 1, 0, None),
-                     dispatch=DispatchConfig(2, True)).to(dev)
+                     dispatch=DispatchConfig(chunks=2, pipeline=True)).to(dev)
     x = torch.randn(9, D, device=dev)
     routing = layer.router(x)
     asg = sort_assignments(routing, 4, 2)

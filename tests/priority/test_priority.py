@@ -403,7 +403,7 @@ def test_launch_rule_follows_the_device_unless_set():
     assert make_policy(cfg, "cuda").gap_budget == DEFAULT_CREDIT_MICROOPS  # the executor's on CUDA
     assert LinaConfig(launch="completion").launch_rule("cuda") == "completion"
     assert make_policy(FifoConfig(), "cuda").gap_budget is None  # fifo never depends on completions
-    with pytest.raises(ValueError, match="launch rule"):
+    with pytest.raises(ValueError, match="--launch must be one of completion, program, got 'eager'"):
         LinaConfig(launch="eager")
 
 

@@ -34,8 +34,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ...gnn.exchange.modes import MODES as TRAIN_MODES
+from ...gnn.exchange.modes import mode_config
+from ...gnn.train.cli import CLI_DEFAULTS
+from ...gnn.train.trainer import TrainConfig
 from ...results import write_json
 from ..plots import pyplot, save_figure
+from ..runner import Variant
 
 DATASETS = ("cora", "citeseer", "tolokers", "synthetic")
 MODES = ("vanilla", "adaqp", "random")
@@ -57,19 +61,16 @@ class Recipe:
     syn_edges: int = 200_000
     data_root: str = "../shared/data"
 
-    def train_args(self, dataset: str, mode: str, seed: int) -> list[str]:
-        """``commsched.gnn.train`` options for one cell (``--out`` excluded)."""
+    def variant(self, dataset: str, mode: str, seed: int) -> Variant:
+        """The ``commsched.gnn.train`` run of one cell: its config and its graph's flags."""
         if mode not in TRAIN_MODES or TRAIN_MODES[mode].timing_only:
             raise ValueError(f"mode {mode!r} is not a training mode of the grid (nocomm is timing only)")
-        args = ["--model", self.model, "--mode", mode, "--seed", str(seed), "--epochs", str(self.epochs),
-                "--eval-every", str(self.eval_every), "--period", str(self.period),
-                "--group-size", str(self.group_size), "--lam", str(self.lam), "--hidden", str(self.hidden),
-                "--dropout-rng", self.dropout_rng]
-        if dataset == "synthetic":
-            args += ["--syn-nodes", str(self.syn_nodes), "--syn-edges", str(self.syn_edges)]
-        else:
-            args += ["--dataset", dataset, "--data-root", self.data_root]
-        return args
+        cfg = TrainConfig(model=self.model, mode=mode, seed=seed, epochs=self.epochs, eval_every=self.eval_every,
+                          hidden=self.hidden, dropout_rng=self.dropout_rng, device="auto", exchange=mode_config(
+                              mode, period=self.period, group_size=self.group_size, lam=self.lam))
+        graph = (("--syn-nodes", str(self.syn_nodes), "--syn-edges", str(self.syn_edges)) if dataset == "synthetic"
+                 else ("--dataset", dataset, "--data-root", self.data_root))
+        return Variant(f"{dataset}-{mode}-s{seed}", "commsched.gnn.train", graph, config=cfg, defaults=CLI_DEFAULTS)
 
 
 def cell_dir(out: Path, dataset: str, mode: str, seed: int) -> Path:
@@ -183,7 +184,7 @@ def run_grid(recipe: Recipe, datasets: Sequence[str], modes: Sequence[str], seed
              out: Path, *, nproc: int = 4, nice: int = 10, force: bool = False,
              timeout_s: float = 3600.0, say=print) -> list[dict]:
     """Run every missing cell (one at a time) and return one result row per cell."""
-    from ..runner import RunContext, Variant, run_variant
+    from ..runner import RunContext, run_variant
 
     ctx = RunContext(wrap=(lambda cmd: ["nice", "-n", str(nice), *cmd]) if nice else (lambda cmd: cmd))
     results = []
@@ -194,8 +195,7 @@ def run_grid(recipe: Recipe, datasets: Sequence[str], modes: Sequence[str], seed
         m = json.loads(mpath.read_text()) if mpath.exists() and not force else None
         if m is None or not matches(m, recipe, mode, seed):
             say(f"[accuracy] {k}/{len(cells)}: {ds} {mode} seed {seed}")
-            v = Variant(f"{ds}-{mode}-s{seed}", "commsched.gnn.train", tuple(recipe.train_args(ds, mode, seed)))
-            m = run_variant(v, nproc, d, ctx, timeout_s)
+            m = run_variant(recipe.variant(ds, mode, seed), nproc, d, ctx, timeout_s)
             m["git"] = _git_state()
             m["recipe"] = dataclasses.asdict(recipe)
             write_json(mpath, m)

@@ -6,19 +6,13 @@ Each variant is one ``torchrun -m commsched.gnn.train`` run on the same syntheti
 spends about three quarters of its epoch communicating on this machine, as in AdaQP's
 Table 1; without root/tc the runs are unshaped and the summary says so.
 
-A mode name may end in ``-bf16`` (``vanilla-bf16``, ``adaqp-p-bf16``, ``nocomm-bf16``): the
-same mode with ``--dtype bfloat16`` (float32 parameters, bf16 compute and bf16 rows on
-the wire: the Vanilla a modern framework runs). The default variants include
-``vanilla-bf16``, so AdaQP is reported against both Vanillas. ``--device`` is passed to
-every variant (``auto``: CUDA when every rank has its own GPU).
-
-Topology variants (docs/methods/gnn.md): an adaptive
-mode may end in ``-topo`` (``--link-costs topology``), ``-topoev`` (that and
-``--equal-variance``) or ``-avg`` (``--link-costs averaged``), any mode in ``-hp``
-(``--partition-method metis-hosts``), and any mode, last, in ``-lina`` or ``-fifo``
-(``--grad-schedule``: the gradient allreduce through the core's scheduler);
-``--seeds 0,1,2`` runs every variant once per seed
-and the summary pools them. With ``--hosts`` the summary's "Per link class" table gives
+A variant is a label and the run's config: a mode name, then suffixes that each change the
+config (:data:`SUFFIXES`, :func:`bench_run`): ``-bf16`` (``vanilla-bf16``: ``--dtype
+bfloat16``, the Vanilla a modern framework runs, in the default variants), on an adaptive
+mode ``-topo``, ``-topoev``, ``-avg`` (``--link-costs``; docs/methods/gnn.md), ``-hp``
+(``--partition-method metis-hosts``), ``-lina``, ``-fifo`` (``--grad-schedule``), ``-gB``
+(``--grad-bits``), on ``adaptive`` ``-ebX`` and ``-wsign``. ``--device`` is passed to every
+variant; ``--seeds 0,1,2`` runs every variant once per seed and the summary pools them. With ``--hosts`` the summary's "Per link class" table gives
 each variant's mean width and bytes inside and across hosts, its speed-up over
 ``adaqp-avg`` and the inter-host halo rows; ``widths_by_class.png`` the width histogram
 per link class.
@@ -44,13 +38,17 @@ and the histogram of assigned widths.
 from __future__ import annotations
 
 import argparse
-import re
+import dataclasses
 import sys
 from pathlib import Path
 
+from ...configurable import add_arguments as config_arguments
 from ...dist import DEVICE_CHOICES
-from ...gnn.exchange.modes import MODE_NAMES, mode_spec, option_owners
+from ...gnn.exchange.modes import MODE_NAMES, MODES, AdaQPConfig, mode_spec, option_owners
 from ...gnn.nn.models import LAYERS
+from ...gnn.train.cli import CLI_DEFAULTS
+from ...gnn.train.trainer import TrainConfig
+from ...priority.policy import FifoConfig, LinaConfig
 from ...quant.reference import BITS
 from ...results import median
 from ..plots import pyplot, save_figure
@@ -70,12 +68,19 @@ from .tta import (
 
 DEFAULT_BANDWIDTH = "300mbit"
 BF16_SUFFIX = "-bf16"  # a full-precision mode run with --dtype bfloat16
-# an adaptive mode's link-cost source (--link-costs): adaqp-topo, adaqp-avg (adaqp: ring)
-COST_SUFFIXES = {"-topoev": ("topology", "--equal-variance"), "-topo": ("topology",),
-                 "-avg": ("averaged",)}
 HOSTS_SUFFIX = "-hp"  # partitioned with --partition-method metis-hosts (heavy cuts inside hosts)
-# the gradient allreduce through the core's scheduler (--grad-schedule): vanilla-lina, adaqp-fifo
-GRAD_SUFFIXES = {"-lina": "lina", "-fifo": "fifo"}
+# A bench mode name is a --mode, then "-"-separated suffixes, each a change of the run: of its
+# TrainConfig ("train"), of its exchange, the mode's config ("exchange"), or of the partitioner
+SUFFIXES: dict[str, tuple[str, dict]] = {
+    "bf16": ("train", {"dtype": "bfloat16"}),
+    "lina": ("train", {"schedule": LinaConfig()}), "fifo": ("train", {"schedule": FifoConfig()}),  # vanilla-lina
+    "topo": ("exchange", {"link_costs": "topology"}), "avg": ("exchange", {"link_costs": "averaged"}),
+    "topoev": ("exchange", {"link_costs": "topology", "equal_variance": True}),  # adaqp-topoev
+    "wsign": ("exchange", {"warmup": "sign"}),  # adaptive-wsign: the first period as signs
+    "hp": ("partition", {}),
+}
+# ... and those with a number: adaptive-eb0.5 (--error-budget 0.5), adaptive-g8 (--grad-bits 8)
+NUMBERED = {"eb": ("exchange", "error_budget", float), "g": ("train", "grad_bits", int)}
 # the `--hosts K` comparison: the four variants of the topology table
 MODES_TOPOLOGY = ("vanilla", "adaqp-topo", "adaqp-topoev", "adaqp-avg", "uniform")
 MODES_GCN = ("vanilla", "vanilla" + BF16_SUFFIX) + tuple(m for m in MODE_NAMES if m != "vanilla")
@@ -86,11 +91,11 @@ METRICS = ("epoch", "time-to-acc")
 
 def tta_modes(names: tuple[str, ...] = TTA_MODES) -> tuple[list[str], list[str]]:
     """(the bench mode names of ``names`` this checkout can run, the others): a name is
-    skipped when :func:`split_mode` refuses it (its mode is not registered)."""
+    skipped when :func:`bench_run` refuses it (its mode is not registered)."""
     keep, skipped = [], []
     for n in names:
         try:
-            split_mode(n)
+            bench_run(n)
             keep.append(n)
         except ValueError:
             skipped.append(n)
@@ -103,70 +108,47 @@ def time_to_acc(a: argparse.Namespace) -> bool:
     return getattr(a, "metric", "epoch") == "time-to-acc" or getattr(a, "target_acc", None) is not None
 
 
-WSIGN_SUFFIX = "-wsign"  # adaptive-wsign: --warmup sign
-GRAD_BITS_SUFFIX = r"-g(16|8|4|2)"  # adaptive-g8: --grad-bits 8 (a regular expression)
+def _suffix(name: str, tok: str) -> tuple[str, dict]:
+    if tok in SUFFIXES:
+        return SUFFIXES[tok]
+    for key, (where, field, kind) in NUMBERED.items():
+        if tok.startswith(key):
+            try:
+                return where, {field: kind(tok[len(key):])}
+            except ValueError:
+                pass
+    raise ValueError(f"--modes {name}: -{tok} is not a known suffix (known: {', '.join(SUFFIXES)}, "
+                     f"{', '.join(k + 'N' for k in NUMBERED)})")
 
 
-def mode_args(name: str) -> tuple[str, ...]:
-    """The ``commsched.gnn.train`` options of a bench mode name: ``--mode`` (and
-    ``--dtype``, :func:`split_mode`) after the suffixes are taken off: a trailing
-    :data:`HOSTS_SUFFIX` (``vanilla-hp``: ``--partition-method metis-hosts``), then one of
-    :data:`COST_SUFFIXES` on an adaptive mode (``adaqp-topo``: ``--link-costs topology``,
-    ``adaqp-topoev``: ``--link-costs topology --equal-variance``, ``adaqp-avg``: ``averaged``).
-    Outermost, one of :data:`GRAD_SUFFIXES` (``vanilla-lina``: ``--grad-schedule lina``),
-    and outside that ``-ebX`` on ``adaptive`` (``adaptive-eb0.5``: ``--error-budget 0.5``),
-    then ``-wsign`` on ``adaptive`` (``--warmup sign``, the first period as signs);
-    outermost :data:`GRAD_BITS_SUFFIX` on any mode (``adaptive-g8``: ``--grad-bits 8``, the
-    gradient allreduce compressed)."""
-    extra: tuple[str, ...] = ()
-    base = name
-    gb = re.search(GRAD_BITS_SUFFIX + "$", base)
-    if gb:  # adaptive-g8: --grad-bits 8
-        base, extra = base[: gb.start()], ("--grad-bits", gb.group(1))
-    if base.endswith(WSIGN_SUFFIX):  # adaptive-wsign: --warmup sign
-        base, extra = base[: -len(WSIGN_SUFFIX)], ("--warmup", "sign") + extra
-        if not hasattr(mode_spec(base.split("-")[0]), "warmup"):
-            raise ValueError(f"--modes {name}: {WSIGN_SUFFIX} sets the warm-up of --mode "
-                             f"adaptive, not of {base}")
-    eb = re.search(r"-eb([0-9]*\.?[0-9]+)$", base)
-    if eb:  # adaptive-eb0.5: --error-budget 0.5
-        base, extra = base[: eb.start()], ("--error-budget", eb.group(1)) + extra
-        if not hasattr(mode_spec(base.split("-")[0]), "error_budget"):
-            raise ValueError(f"--modes {name}: -eb sets the error budget of --mode adaptive, "
-                             f"not of {base}")
-    for suf, sched in GRAD_SUFFIXES.items():
-        if base.endswith(suf):
-            if gb:
-                raise ValueError(f"--modes {name}: {suf} (--grad-schedule {sched}) reduces exact "
-                                 f"buckets; -g{gb.group(1)} compresses the flat allreduce: pick one")
-            base, extra = base[: -len(suf)], ("--grad-schedule", sched) + extra
-            break
-    if base.endswith(HOSTS_SUFFIX):
-        base, extra = base[: -len(HOSTS_SUFFIX)], extra + ("--partition-method", "metis-hosts")
-    for suf, src in COST_SUFFIXES.items():
-        if base.endswith(suf):
-            base = base[: -len(suf)]
-            if getattr(mode_spec(base), "scheme", None) != "adaptive":
-                raise ValueError(f"--modes {name}: {suf} picks the link costs of an adaptive "
-                                 f"mode (adaqp, adaqp-q), not of {base}")
-            extra += ("--link-costs", *src)
-            break
-    mode, dtype = split_mode(base)
-    return ("--mode", mode) + (("--dtype", dtype) if dtype != "float32" else ()) + extra
+def _owners(field: str) -> list[str]:  # the modes a suffix may change (--link-costs: adaptive widths)
+    return [m for m in option_owners(field) if field != "link_costs" or getattr(MODES[m], "scheme", "") == "adaptive"]
 
 
-def split_mode(name: str) -> tuple[str, str]:
-    """(--mode, --dtype) of a bench mode name: ``vanilla`` -> (vanilla, float32),
-    ``vanilla-bf16`` -> (vanilla, bfloat16); a ValueError for an unknown mode or a bf16
-    quantized mode."""
-    mode, dtype = name, "float32"
-    if name.endswith(BF16_SUFFIX):
-        mode, dtype = name[: -len(BF16_SUFFIX)], "bfloat16"
-    spec = mode_spec(mode)  # ValueError naming the modes
-    if dtype == "bfloat16" and spec.quantized:
-        raise ValueError(f"--modes {name}: {mode} quantizes its rows; {BF16_SUFFIX} is for "
-                         "vanilla, adaqp-p and nocomm")
-    return mode, dtype
+def bench_run(name: str, base: TrainConfig | None = None, **options) -> tuple[TrainConfig, tuple[str, ...]]:
+    """The run of a bench mode name (``adaqp-topo-lina``): ``base`` with its ``--mode``, its
+    exchange (the mode's config of ``options``, the AdaQP knobs, where the mode has them) and
+    each suffix's change (:data:`SUFFIXES`, :data:`NUMBERED`, in any order); and the training
+    command's own flags it adds (``-hp``: ``--partition-method metis-hosts``)."""
+    mode = max((m for m in MODES if name == m or name.startswith(m + "-")), key=len, default=None)
+    if mode is None:
+        mode_spec(name)  # the ValueError naming the modes
+    train, exchange, own = {}, {}, ()
+    for tok in name[len(mode) + 1:].split("-") if name != mode else ():
+        where, change = _suffix(name, tok)
+        if where == "partition":
+            own = ("--partition-method", "metis-hosts")
+        for field in change if where == "exchange" else ():
+            if mode not in _owners(field):
+                raise ValueError(f"--modes {name}: -{tok} sets --{field.replace('_', '-')} of --mode "
+                                 f"{', '.join(_owners(field))}, not of {mode}")
+        (train if where == "train" else exchange).update(change)
+    fields = {f.name for f in dataclasses.fields(MODES[mode])}
+    ex = MODES[mode](**{k: v for k, v in {**options, **exchange}.items() if k in fields})
+    cfg = (base or TrainConfig()).replace(mode=mode, exchange=ex, **train)
+    if cfg.schedule.policy != TrainConfig().schedule.policy:  # the selector of the nested schedule's flags
+        own = (*own, "--grad-schedule", cfg.schedule.policy)
+    return cfg, own
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -196,10 +178,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sustain", type=int, default=1, metavar="S",
                    help="time-to-acc: the target counts when held for S evaluations in a row "
                         "(default 1: the first crossing)")
-    g.add_argument("--period", type=int, default=5, help="AdaQP re-assignment period (epochs)")
-    g.add_argument("--group-size", type=int, default=100)
-    g.add_argument("--lam", type=float, default=0.5)
-    g.add_argument("--bits", type=int, default=4, help="width of the uniform variant")
+    config_arguments(g, AdaQPConfig, skip=("compile", "link_costs", "equal_variance"), defaults={"period": 5, "bits": 4})
     g.add_argument("--hidden", type=int, default=256)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--seeds", default=None, metavar="S,S,...",
@@ -207,8 +186,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "seed by seed); the summary pools them, pairing each variant with "
                         "Vanilla of the same seed and repeat")
     g.add_argument("--partition-method", default="metis",
-                   help="partitioner of every variant (metis, random, metis-hosts); a mode "
-                        f"ending in {HOSTS_SUFFIX} uses metis-hosts")
+                   help=f"partitioner of every variant (metis, random, metis-hosts); a mode with "
+                        f"{HOSTS_SUFFIX} uses metis-hosts")
     g.add_argument("--models", default=None,
                    help=f"comma-separated, from the layer registry: {', '.join(LAYERS)} (default "
                         "gcn,sage; gcn with --metric time-to-acc)")
@@ -242,19 +221,17 @@ def variants(a: argparse.Namespace) -> list[Variant]:
         out = []
         for s in seeds:
             one = argparse.Namespace(**{**vars(a), "seed": s, "seeds": None})
-            out += [Variant(f"{v.name}{SEED_MARK}{s}", v.module, v.args, v.nproc) for v in variants(one)]
+            out += [dataclasses.replace(v, name=f"{v.name}{SEED_MARK}{s}") for v in variants(one)]
         return out
     eval_every = a.eval_every if a.eval_every is not None else (1 if tta else 5)
-    common = ["--epochs", str(a.epochs), "--eval-every", str(eval_every), "--period", str(a.period),
-              "--group-size", str(a.group_size), "--lam", str(a.lam),
-              "--hidden", str(a.hidden), "--seed", str(a.seed), "--dropout-rng", "local",
-              "--device", getattr(a, "device", "auto")]
+    base = TrainConfig(epochs=a.epochs, eval_every=eval_every, hidden=a.hidden, seed=a.seed, dropout_rng="local",
+                       device=getattr(a, "device", "auto"))
     if a.dataset:
-        common += ["--dataset", a.dataset] + (["--data-root", a.data_root] if a.data_root else [])
+        graph = ("--dataset", a.dataset) + (("--data-root", a.data_root) if a.data_root else ())
     else:
-        common += ["--syn-nodes", str(a.syn_nodes), "--syn-edges", str(a.syn_edges)]
+        graph = ("--syn-nodes", str(a.syn_nodes), "--syn-edges", str(a.syn_edges))
         if getattr(a, "syn_seed", 0):
-            common += ["--syn-seed", str(a.syn_seed)]
+            graph += ("--syn-seed", str(a.syn_seed))
     pm = getattr(a, "partition_method", "metis")
     out = []
     models = a.models or ("gcn" if tta else "gcn,sage")
@@ -271,12 +248,11 @@ def variants(a: argparse.Namespace) -> list[Variant]:
         else:
             modes = MODES_GCN if model == "gcn" else MODES_SAGE
         for name in modes:
-            args = mode_args(name)
-            part = () if "--partition-method" in args or pm == "metis" else ("--partition-method", pm)
-            mode = args[args.index("--mode") + 1] if "--mode" in args else "vanilla"
-            bits = ("--bits", str(a.bits)) if mode in option_owners("bits") else ()  # modes whose config has --bits
-            out.append(Variant(f"{model}-{name}", "commsched.gnn.train",
-                               ("--model", model, *args, *part, *bits, *common)))
+            cfg, part = bench_run(name, base.replace(model=model), period=a.period, group_size=a.group_size,
+                                  lam=a.lam, bits=a.bits)
+            part = part or (() if pm == "metis" else ("--partition-method", pm))
+            out.append(Variant(f"{model}-{name}", "commsched.gnn.train", (*part, *graph), config=cfg,
+                               defaults=CLI_DEFAULTS))
     return out
 
 
@@ -535,6 +511,6 @@ WORKLOAD = Workload(
     baseline_of=baseline_of,
 )
 
-__all__ = ["BF16_SUFFIX", "COST_SUFFIXES", "DEFAULT_BANDWIDTH", "GRAD_BITS_SUFFIX", "HOSTS_SUFFIX", "METRICS", "MODES_TOPOLOGY",
-           "SEED_MARK", "TTA_MODES", "WORKLOAD", "time_to_acc", "tta_modes", "class_figures", "mode_args", "parse_seeds", "plot_class_widths",
-           "pool_seeds", "split_mode"]
+__all__ = ["BF16_SUFFIX", "DEFAULT_BANDWIDTH", "HOSTS_SUFFIX", "METRICS", "MODES_TOPOLOGY",
+           "SEED_MARK", "TTA_MODES", "WORKLOAD", "time_to_acc", "tta_modes", "class_figures", "bench_run", "parse_seeds", "plot_class_widths",
+           "pool_seeds", "NUMBERED", "SUFFIXES"]

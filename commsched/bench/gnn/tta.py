@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import statistics
 import sys
 from dataclasses import dataclass
@@ -55,8 +54,8 @@ SEED_MARK = "-s"  # VARIANT-sSEED: one seed's run of VARIANT (bench gnn --seeds)
 
 def split_seed(name: str) -> tuple[str, int] | None:
     """``("VARIANT", SEED)`` from a ``VARIANT-sSEED`` run name, None for a name without it."""
-    m = re.fullmatch(rf"(.+){re.escape(SEED_MARK)}(\d+)", name)
-    return (m.group(1), int(m.group(2))) if m else None
+    base, mark, seed = name.rpartition(SEED_MARK)
+    return (base, int(seed)) if mark and base and seed.isascii() and seed.isdigit() else None
 
 
 def check_tta_args(target_acc: float | None, frac: float, sustain: int) -> None:

@@ -35,14 +35,16 @@ curves and a timeline (PNG) of one step's all-to-all and allreduce operations on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import re
 from pathlib import Path
 
-from ...dist import DEVICE_CHOICES
-from ...moe.train.training import DTYPES
+from ...configurable import add_arguments, cli_fields, from_arguments
+from ...moe.model.layer import DispatchConfig
+from ...moe.model.lm import ModelConfig
+from ...moe.train.training import DeepSpeedConfig, TrainConfig
 from ...priority.fallback import PROBE_WARMUP
-from ...priority.policy import DEFAULT_CREDIT_MICROOPS, FifoConfig, LinaConfig
+from ...priority.policy import DEFAULT_CREDIT_MICROOPS, FifoConfig, LinaConfig, LinaOverlapConfig
 from ...results import median
 from ..plots import pyplot, save_figure
 from ..runner import Variant, Workload, median_of
@@ -57,35 +59,18 @@ DEFAULT_LINK_MODEL = "collective"
 # the Lina paper's median slowdown of an all-to-all by a concurrent allreduce (NCCL)
 PAPER_CONTENTION = 1.83
 _SCHED, _FIFO = LinaConfig(), FifoConfig()  # the schedules' own defaults
-DEFAULTS = {
-    "steps": 10, "warmup": 3, "batch_size": 8, "seq_len": 128, "d_model": 256, "heads": 4, "layers": 4,
-    "d_ff": 1024, "expert_hidden": 1024, "experts": 4, "k": 1, "moe_every": 2, "chunks": 4,
-    "microop_bytes": _SCHED.microop_bytes, "credit_bytes": None, "bucket_bytes": _FIFO.bucket_bytes,
-    "ds_stage": 2,
-    "allreduce_threads": 8,
-}
+MODEL = ModelConfig(seq_len=128, d_model=256, n_heads=4, n_layers=4, d_ff=1024, expert_hidden=1024, num_experts=4)
+DEFAULTS = {"steps": 10, "warmup": 3, "device": "auto", "chunks": 4, "microop_bytes": _SCHED.microop_bytes,
+            "credit_bytes": None, "bucket_bytes": _FIFO.bucket_bytes}
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     g = p.add_argument_group("model and training (all variants)")
-    g.add_argument("--steps", type=int, default=d["steps"])
-    g.add_argument("--warmup", type=int, default=d["warmup"], help="steps left out of the timing")
-    g.add_argument("--batch-size", type=int, default=d["batch_size"])
-    g.add_argument("--seq-len", type=int, default=d["seq_len"])
-    g.add_argument("--d-model", type=int, default=d["d_model"])
-    g.add_argument("--heads", type=int, default=d["heads"])
-    g.add_argument("--layers", type=int, default=d["layers"])
-    g.add_argument("--d-ff", type=int, default=d["d_ff"])
-    g.add_argument("--expert-hidden", type=int, default=d["expert_hidden"])
-    g.add_argument("--experts", type=int, default=d["experts"])
-    g.add_argument("--k", type=int, default=d["k"], choices=(1, 2))
-    g.add_argument("--moe-every", type=int, default=d["moe_every"])
-    g.add_argument("--corpus", default=None, help="text file (default: the Python standard library's sources)")
-    g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
-                   help="every variant's device (auto: CUDA when every local rank has its own GPU)")
-    g.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="compute and all-to-all row dtype of every variant (bfloat16 halves the exchange)")
+    add_arguments(g, TrainConfig, defaults=d, skip=tuple(f.name for f in cli_fields(TrainConfig) if f.name not in (
+        "steps", "warmup", "batch_size", "corpus", "device", "dtype", "allreduce_threads")))
+    add_arguments(g, DeepSpeedConfig, skip=("bucket_bytes",))
+    add_arguments(g, ModelConfig, skip=("capacity_factor", "aux_weight"), defaults=dataclasses.asdict(MODEL))
     g = p.add_argument_group("schedules")
     g.add_argument("--chunks", type=int, default=d["chunks"], help="lina: chunks of the pipelined all-to-all")
     g.add_argument("--microop-bytes", type=int, default=d["microop_bytes"])
@@ -93,9 +78,6 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hold-in-block", action=argparse.BooleanOptionalAction, default=True,
                    help="lina: also hold allreduce during backward expert compute")
     g.add_argument("--bucket-bytes", type=int, default=d["bucket_bytes"], help="fifo buckets, DeepSpeed reduce bucket")
-    g.add_argument("--allreduce-threads", type=int, default=d["allreduce_threads"],
-                   help="fifo and lina: gloo worker threads of the gradient-allreduce group")
-    g.add_argument("--ds-stage", type=int, default=d["ds_stage"])
     g.add_argument("--fallback-exchange", action=argparse.BooleanOptionalAction, default=True,
                    help="lina and lina-overlap variants: the probe's fallback also runs the all-to-all and "
                         "the reduction as fifo's (one chunk, not pipelined; fifo's buckets), the trainer's "
@@ -117,61 +99,55 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "at B bits (commsched.moe.train --a2a-bits)")
 
 
-def _common(a: argparse.Namespace) -> list[str]:
-    out = ["--steps", a.steps, "--warmup", a.warmup, "--batch-size", a.batch_size, "--seq-len", a.seq_len,
-           "--d-model", a.d_model, "--heads", a.heads, "--layers", a.layers, "--d-ff", a.d_ff,
-           "--expert-hidden", a.expert_hidden, "--experts", a.experts, "--k", a.k, "--moe-every", a.moe_every,
-           "--allreduce-threads", a.allreduce_threads, "--device", a.device, "--dtype", a.dtype]
-    if a.corpus:
-        out += ["--corpus", a.corpus]
-    return [str(x) for x in out]
+def _base(a: argparse.Namespace) -> TrainConfig:
+    """The run every variant shares: the bench's flags as the trainer's config."""
+    return TrainConfig(
+        model=from_arguments(ModelConfig, a), deepspeed=from_arguments(DeepSpeedConfig, a, bucket_bytes=a.bucket_bytes),
+        steps=a.steps, warmup=min(a.warmup, a.steps - 1), batch_size=a.batch_size,
+        allreduce_threads=a.allreduce_threads, device=a.device, dtype=a.dtype, corpus=a.corpus or None)
+
+
+def configs(a: argparse.Namespace) -> dict[str, TrainConfig]:
+    """The variants' labels and configs, in run order."""
+    base = _base(a)
+    ours = base.replace(deepspeed=DeepSpeedConfig())  # commsched's runs: the schedule's options, each its own
+    address = {"reduce_address": getattr(a, "reduce_address", None)}
+    micro = {"microop_bytes": a.microop_bytes, "credit_bytes": a.credit_bytes, "hold_in_block": a.hold_in_block,
+             **address}
+    lina = ours.replace(schedule=LinaConfig(**micro), dispatch=DispatchConfig(chunks=a.chunks, pipeline=True),
+                        fallback_exchange=getattr(a, "fallback_exchange", True))
+    out = {"deepspeed": base.replace(impl="deepspeed"),
+           "fifo": ours.replace(schedule=FifoConfig(bucket_bytes=a.bucket_bytes, **address)), "lina": lina,
+           "lina-overlap": lina.replace(schedule=LinaOverlapConfig(**micro))}
+    bits = getattr(a, "a2a_bits", None)
+
+    def q(c: TrainConfig) -> TrainConfig:  # schedule + compression: the quantized expert all-to-all
+        return c.replace(dispatch=c.dispatch.replace(a2a_bits=bits))
+
+    if bits:
+        out |= {f"{n}-q{bits}": q(out[n]) for n in ("lina", "lina-overlap")}
+    gbits = getattr(a, "grad_bits", None)
+    if gbits:  # the gradient reduction compressed (quant/allreduce.py), alone and with -qA
+        g = {"grad_bits": gbits}
+        if getattr(a, "grad_batch_bytes", None) is not None:
+            g["grad_batch_bytes"] = a.grad_batch_bytes
+        out |= {f"{n}-g{gbits}": out[n].replace(**g) for n in ("fifo", "lina", "lina-overlap")}
+        if bits:  # both compressions: fifo-qA-gB, lina-qA-gB, lina-overlap-qA-gB
+            out |= {f"{n}-q{bits}-g{gbits}": q(out[n]).replace(**g) for n in ("fifo", "lina", "lina-overlap")}
+        if getattr(a, "grad_unbatched", False):  # the A/B of CompressedLauncher's batches
+            b0 = {**g, "grad_batch_bytes": 0}
+            out |= {f"{n}-b0-g{gbits}": out[n].replace(**b0) for n in ("fifo", "lina")}
+            if bits:
+                out |= {f"{n}-b0-q{bits}-g{gbits}": q(out[n]).replace(**b0) for n in ("fifo", "lina")}
+    if (getattr(a, "hosts", 1) or 1) > 1:  # on emulated hosts: lina with the hierarchical reduction
+        out["lina-hier"] = lina.replace(schedule=lina.schedule.replace(hier_reduce=True))
+    return out
 
 
 def _variants(a: argparse.Namespace) -> list[Variant]:
-    mod = "commsched.moe.train"
-    c = _common(a)
-    credit = ("--credit-bytes", str(a.credit_bytes)) if a.credit_bytes is not None else ()
-    if getattr(a, "reduce_address", None):  # link model 'collective': commsched's reduction's own link class
-        c += ["--reduce-address", a.reduce_address]
-    lina = ("--impl", "commsched", "--schedule", "lina", "--chunks", str(a.chunks), "--pipeline",
-            "--hold-in-block" if a.hold_in_block else "--no-hold-in-block", *c,
-            "--microop-bytes", str(a.microop_bytes), *credit,
-            "--fallback-exchange" if getattr(a, "fallback_exchange", True) else "--no-fallback-exchange")
-    out = [
-        Variant("deepspeed", mod, ("--impl", "deepspeed", *_common(a), "--bucket-bytes", str(a.bucket_bytes), "--ds-stage",
-                                   str(a.ds_stage))),
-        Variant("fifo", mod, ("--impl", "commsched", "--schedule", "fifo", "--chunks", "1", "--no-pipeline", *c,
-                              "--bucket-bytes", str(a.bucket_bytes))),
-        Variant("lina", mod, lina),
-        Variant("lina-overlap", mod, ("--impl", "commsched", "--schedule", "lina-overlap", *lina[4:])),
-    ]
-    bits = getattr(a, "a2a_bits", None)
-    if bits:  # schedule + compression: the quantized expert all-to-all
-        q = ("--a2a-bits", str(bits))
-        out += [Variant(f"lina-q{bits}", mod, (*lina, *q)),
-                Variant(f"lina-overlap-q{bits}", mod, ("--impl", "commsched", "--schedule", "lina-overlap",
-                                                       *lina[4:], *q))]
-    gbits = getattr(a, "grad_bits", None)
-    if gbits:  # the gradient reduction compressed (quant/allreduce.py), alone and with -qA
-        g = ("--grad-bits", str(gbits))
-        if getattr(a, "grad_batch_bytes", None) is not None:
-            g += ("--grad-batch-bytes", str(a.grad_batch_bytes))
-        b0 = (*g, "--grad-batch-bytes", "0")  # argparse: the last one counts
-        by_name = {v.name: v for v in out}
-        out += [Variant(f"{n}-g{gbits}", mod, (*by_name[n].args, *g)) for n in ("fifo", "lina", "lina-overlap")]
-        if bits:  # both compressions: fifo-qA-gB, lina-qA-gB, lina-overlap-qA-gB
-            q = ("--a2a-bits", str(bits))
-            out += [Variant(f"fifo-q{bits}-g{gbits}", mod, (*by_name["fifo"].args, *q, *g)),
-                    *(Variant(f"{n}-q{bits}-g{gbits}", mod, (*by_name[f"{n}-q{bits}"].args, *g))
-                      for n in ("lina", "lina-overlap"))]
-        if getattr(a, "grad_unbatched", False):  # the A/B of CompressedLauncher's batches
-            out += [Variant(f"{n}-b0-g{gbits}", mod, (*by_name[n].args, *b0)) for n in ("fifo", "lina")]
-            if bits:
-                out += [Variant(f"{n}-b0-q{bits}-g{gbits}", mod, (*by_name[m].args, *q, *b0))
-                        for n, m in (("fifo", "fifo"), ("lina", f"lina-q{bits}"))]
-    if (getattr(a, "hosts", 1) or 1) > 1:  # on emulated hosts: lina with the hierarchical reduction
-        out.append(Variant("lina-hier", mod, (*lina, "--hier-reduce")))
-    return out
+    return [Variant(n, "commsched.moe.train", config=c,
+                    args=("--schedule", c.schedule.policy) if c.impl == "commsched" else ())
+            for n, c in configs(a).items()]
 
 
 def link_times(payload: float, grad_bytes: float, P: int, hosts: int, rate_bps: float) -> dict[str, float]:
@@ -285,13 +261,9 @@ def overlap_bound(compute_s: float | None, grad_bytes: int | None, a2a_link_s: f
     return link, (max(compute_s, link) if compute_s is not None else None)
 
 
-# with --grad-bits B: fifo-gB, lina-gB, lina-overlap-gB (and the three -qA-gB with --a2a-bits A)
-_COMPRESSED = re.compile(r"-(q|g)\d+$")
-
-
-def compressed(name: str) -> bool:
-    """Whether a variant compresses (its all-to-all, ``-qB``, or its reduction, ``-gB``)."""
-    return bool(_COMPRESSED.search(name))
+def compressed(c: TrainConfig) -> bool:
+    """Whether a variant's config compresses (its all-to-all, ``-qB``, or its reduction, ``-gB``)."""
+    return c.dispatch.a2a_bits != 32 or c.grad_bits != 32
 
 
 def ours(names) -> list[str]:
@@ -299,14 +271,13 @@ def ours(names) -> list[str]:
     return [v for v in names if v != "deepspeed"]
 
 
-
-def _q8_rows(runs, med, rep_ratio) -> list[tuple]:
-    """Summary rows of the quantized variants: their step-time ratios against fifo and
+def _q8_rows(runs, med, rep_ratio, quantized: list[str]) -> list[tuple]:
+    """Summary rows of the ``quantized`` variants (:func:`compressed`): their step-time ratios against fifo and
     DeepSpeed, commsched's best configuration (the fastest median step of its variants)
     against both, the all-to-all against lina's, and the loss gap to fifo (largest per step,
     relative)."""
     rows = []
-    for v in [v for v in runs if compressed(v)]:
+    for v in quantized:
         rows += [
             (f"step time: fifo / {v} (goal >= 1.5)", rep_ratio("fifo", v, "step_time_s"), "x"),
             (f"step time: deepspeed / {v} (goal >= 2)", rep_ratio("deepspeed", v, "step_time_s"), "x"),
@@ -317,7 +288,7 @@ def _q8_rows(runs, med, rep_ratio) -> list[tuple]:
             rows.append((f"loss: {v} largest per-step gap to fifo, relative (goal <= 0.01)",
                          max(abs(a - b) / b for a, b in zip(c, f)), ""))
     mine = {v: med[v]["step_time_s"] for v in ours(med) if med[v]["step_time_s"]}
-    if mine and any(compressed(v) for v in runs):
+    if mine and quantized:
         best = min(mine, key=mine.get)
         rows += [
             (f"best commsched configuration: {best}", mine[best], " s"),
@@ -410,7 +381,8 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
                  _ratio(lt and lt["a2a"], fifo and fifo["step_time_s"]), ""))
     link_s = lt and lt["a2a"]
     rows += _overlap_rows(runs, med, rep_ratio, m_any, P, rate, link_s, hosts)
-    rows += _q8_rows(runs, med, rep_ratio)
+    cfgs = configs(args)
+    rows += _q8_rows(runs, med, rep_ratio, [v for v in runs if v in cfgs and compressed(cfgs[v])])
     # a lower bound of a step for any schedule that waits for every gradient before the
     # optimizer step: the fastest measured forward pass and optimizer of commsched's
     # variants, plus the link time of the allreduce and of the backward all-to-alls
@@ -453,9 +425,10 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
         plots.append(str(plot_losses(runs, out / "loss.png")))
     m0 = next(iter(runs.values()))[0]
     sizes = m0.get("sizes", {})
-    cfg_line = (f"model: d_model {args.d_model}, {args.layers} blocks (MoE every {args.moe_every}), "
-                f"{args.experts} experts of hidden {args.expert_hidden}, top-{args.k}, dense FFN {args.d_ff}; "
-                f"{args.batch_size} x {args.seq_len} tokens per rank per step; "
+    m = from_arguments(ModelConfig, args)
+    cfg_line = (f"model: d_model {m.d_model}, {m.n_layers} blocks (MoE every {m.moe_every}), "
+                f"{m.num_experts} experts of hidden {m.expert_hidden}, top-{m.k}, dense FFN {m.d_ff}; "
+                f"{args.batch_size} x {m.seq_len} tokens per rank per step; "
                 f"non-expert gradients {sizes.get('non_expert_grad_bytes', 0) / 2**20:.2f} MiB; "
                 f"all-to-all payload {sizes.get('a2a_payload_bytes_per_step', 0) / 2**20:.2f} MiB per rank per step; "
                 f"lina: {args.chunks} chunks, micro-ops of {args.microop_bytes} B, credit "

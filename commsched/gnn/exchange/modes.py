@@ -220,8 +220,6 @@ class AdaptiveConfig(AdaQPConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check(self.warmup in WARMUPS, f"--warmup must be one of {', '.join(WARMUPS)}, got "
-              f"{self.warmup!r}")
         try:
             parse_techniques(self.techniques)
         except ValueError as e:

@@ -40,6 +40,8 @@ from ..graph.partition import (
 )
 from .trainer import TrainConfig, run_training
 
+CLI_DEFAULTS = {"device": "auto"}  # the flags' defaults that are not the config's
+
 
 def build_parser(modes: Registry | None = None) -> argparse.ArgumentParser:
     """The parser; ``modes``: the mode registry (default :data:`MODES`) whose names are
@@ -58,7 +60,7 @@ def build_parser(modes: Registry | None = None) -> argparse.ArgumentParser:
     t = p.add_argument_group("model and training")
     # flags, defaults, help and choices: TrainConfig's fields (--model from the layer
     # registry, --mode from MODES) and each mode config's fields
-    add_arguments(t, TrainConfig, skip=("checkpoint_every",), defaults={"device": "auto"})
+    add_arguments(t, TrainConfig, skip=("checkpoint_every",), defaults=CLI_DEFAULTS)
     next(x for x in t._group_actions if x.dest == "mode").choices = modes.names
     m = p.add_argument_group("mode options (each belongs to the modes whose config has it)")
     seen: set[str] = set()

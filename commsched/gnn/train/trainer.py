@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from ...clock import Clock
 from ...comm.all2all import CommStats
-from ...configurable import option
+from ...configurable import Config, option
 from ...dist import (
     DEVICE_CHOICES,
     RunGroups,
@@ -91,8 +91,8 @@ CHECKPOINT = "checkpoint.pt"
 _RESUMABLE = ("epochs", "checkpoint_every", "eval_every", "device")
 
 
-@dataclass(frozen=True)
-class TrainConfig:
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(Config):
     """Everything that shapes a training run (identical on every rank; checked at start).
 
     Defaults are AdaQP's (3 layers, hidden 256, dropout 0.5, LayerNorm, Adam lr 0.01).
@@ -112,8 +112,8 @@ class TrainConfig:
     (:func:`commsched.configurable.add_arguments`).
     """
 
-    model: str = option("gcn", "layer kind", choices=LAYERS.names)
-    mode: str = option("vanilla", "exchange mode", choices=MODES.names)
+    model: str = option("gcn", "layer kind", choices=LAYERS)
+    mode: str = option("vanilla", "exchange mode")
     layers: int = option(3, "layers")
     hidden: int = option(256, "hidden width")
     dropout: float = option(0.5, "dropout probability")
@@ -144,18 +144,11 @@ class TrainConfig:
         # a mode no registry holds trains from its config (a test's, an experiment's)
         if self.mode not in MODES and not isinstance(ex, ExchangeConfig):
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        LAYERS[self.model]  # an unknown model names the known ones
         if ex is not None and not dataclasses.is_dataclass(ex):
             raise TypeError(f"exchange must be an ExchangeConfig (MODES[{self.mode!r}]), got "
                             f"{type(ex).__name__}")
         object.__setattr__(self, "exchange", resolve_config(self.mode, ex))
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.pattern not in ("direct", "ring"):
-            raise ValueError(f"pattern must be direct or ring, got {self.pattern!r}")
         self.exchange.check_run(self.mode, pattern=self.pattern, mixed=self.dtype in MIXED_DTYPES)
-        if self.device not in DEVICE_CHOICES:
-            raise ValueError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
         if self.epochs < 1 or self.layers < 1 or self.hidden < 1:
             raise ValueError(f"--epochs, --layers and --hidden must be >= 1, got {self.epochs}, "
                              f"{self.layers}, {self.hidden}")

@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def trace_tokens(batches: int, tokens_per_batch: int, seq_len: int, profile_fraction: float) -> int:
+    """``--trace-tokens``' default: the held-out part must hold ``batches`` batches of whole sequences."""
+    n_tok = SyntheticTraceConfig().num_tokens
+    if 0.0 < profile_fraction < 1.0:  # otherwise TraceDriverConfig says what is wrong
+        n_tok = max(n_tok, int((batches + 1) * (tokens_per_batch + seq_len) / (1.0 - profile_fraction) * 1.05))
+    return n_tok
+
+
 def config_from_args(a: argparse.Namespace) -> InferConfig:
     """The run's config from :func:`build_parser`'s flags: ``--compute`` defaults to the
     driver's, ``--trace-tokens`` to enough for ``--batches`` after profiling, ``--warmup`` is

@@ -52,7 +52,7 @@ from .experts import ExpertFFN
 from .router import Router, RouterConfig, Routing
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DispatchConfig(Config):
     """How tokens reach experts: ``chunks`` of the exchange and whether they are pipelined."""
 
@@ -67,9 +67,6 @@ class DispatchConfig(Config):
     def __post_init__(self) -> None:
         if not isinstance(self.chunks, int) or self.chunks < 1:
             raise ValueError(f"chunks must be a positive integer, got {self.chunks!r}")
-        if isinstance(self.a2a_bits, bool) or self.a2a_bits not in A2A_BITS:
-            raise ValueError(f"--a2a-bits must be one of {A2A_BITS} (32: as computed, 16: bfloat16, "
-                             f"8: the 8-bit codec towards the experts), got {self.a2a_bits!r}")
 
 
 class MoELayer(nn.Module):

@@ -37,7 +37,7 @@ from .layer import DispatchConfig, MoELayer
 from .router import RouterConfig
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig(Config):
     """The MoE language model's sizes (flags of ``-m commsched.moe.train`` and ``record``)."""
 

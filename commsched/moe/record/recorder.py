@@ -106,7 +106,7 @@ def train_model(model_cfg: ModelConfig, *, steps: int, batch_size: int, lr: floa
     return model.eval(), info
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RecordConfig(Config):
     """What ``-m commsched.moe.record`` does: load ``checkpoint`` or train a model of
     ``model`` for ``train_steps`` steps (exactly one of the two), then record ``tokens``

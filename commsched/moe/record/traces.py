@@ -285,7 +285,7 @@ POPULARITY = ("zipf", "lognormal")
 RELATED = ("same", "permuted")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SyntheticTraceConfig(Config):
     """Parameters of :func:`synthetic_trace`.
 
@@ -329,8 +329,6 @@ class SyntheticTraceConfig(Config):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.k > self.num_experts:
             raise ValueError(f"k={self.k} exceeds num_experts={self.num_experts}")
-        if self.popularity not in POPULARITY:
-            raise ValueError(f"popularity must be one of {POPULARITY}, got {self.popularity!r}")
         if self.related not in RELATED:
             raise ValueError(f"related must be one of {RELATED}, got {self.related!r}")
         if not 0.0 <= self.stickiness <= 1.0:
