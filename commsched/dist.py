@@ -418,7 +418,7 @@ def check_address(address: str) -> str:
 
 
 def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float | None = None,
-              backend: str | None = None, address: str | None = None):
+              backend: str | None = None, address: str | None = None, local: bool = False):
     """``dist.new_group(ranks)`` under the configured timeout (``timeout_s``, default
     ``COMMSCHED_TIMEOUT_S``: torch's own default for a new group is 30 minutes whatever the
     default group's is); on gloo with ``threads``, a group whose collectives run on that
@@ -429,7 +429,10 @@ def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float 
     Asynchronous collectives queued on one gloo group run at most ``threads`` at a time, so
     many small operations in flight (Lina's micro-ops) pay one latency each in turn; more
     threads let their latencies overlap. Other backends ignore ``threads`` and ``address``.
-    Every rank must call it, in the same order, like ``dist.new_group``. Every group
+    Every rank must call it, in the same order, like ``dist.new_group``; with ``local``, only
+    the ranks in ``ranks`` (a group made inside a sub-group's run): torch names such a group
+    by its ranks, so it is made once per process and set of options and kept (never
+    destroyed: a second group of the same ranks would meet the first's rendezvous). Every group
     commsched creates is made here (a run's through :class:`RunGroups`). ``backend``: the
     group's backend (default: the default group's); a group that only carries CPU control
     tensors is :meth:`RunGroups.control`'s.
@@ -438,13 +441,29 @@ def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float 
     if not t > 0:
         raise ValueError(f"timeout_s must be > 0, got {t}")
     timeout = datetime.timedelta(seconds=t)
+    if local:
+        key = (tuple(ranks), threads, backend, address)
+        if key in _LOCAL_GROUPS and _LOCAL_GROUPS[key] not in dist.distributed_c10d._world.pg_map:
+            del _LOCAL_GROUPS[key]  # the default group was destroyed (and made again) since
+        if key not in _LOCAL_GROUPS:
+            _LOCAL_GROUPS[key] = _new_group(list(ranks), timeout, threads, backend, address,
+                                            {"use_local_synchronization": True})
+        return _LOCAL_GROUPS[key]
+    return _new_group(list(ranks), timeout, threads, backend, address, {})
+
+
+_LOCAL_GROUPS: dict[tuple, Any] = {}  # new_group(..., local=True): one per rank set, kept
+
+
+def _new_group(ranks: list[int], timeout: datetime.timedelta, threads: int | None, backend: str | None,
+               address: str | None, sync: dict):
     if backend is not None:
         if threads is not None:
             raise ValueError("new_group: threads is an option of the default gloo backend; give threads or "
                              f"backend, not both (got backend={backend!r}, threads={threads})")
-        return dist.new_group(ranks, backend=backend, timeout=timeout)
+        return dist.new_group(ranks, backend=backend, timeout=timeout, **sync)
     if (threads is None and address is None) or dist.get_backend() != "gloo":
-        return dist.new_group(ranks, timeout=timeout)
+        return dist.new_group(ranks, timeout=timeout, **sync)
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     if address is not None:
@@ -453,7 +472,7 @@ def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float 
         dist.Backend.register_backend(GLOO_GROUP, _create_gloo, extended_api=True,
                                       devices=["cpu", "cuda"])  # gloo reduces CUDA tensors too
     return dist.new_group(list(ranks), backend=GLOO_GROUP, timeout=timeout,
-                          pg_options=GlooGroupOptions(threads or DEFAULT_GLOO_THREADS, address))
+                          pg_options=GlooGroupOptions(threads or DEFAULT_GLOO_THREADS, address), **sync)
 
 
 CONTROL_BACKEND = "gloo"  # the backend of groups that carry only CPU control tensors
@@ -472,7 +491,8 @@ class RunGroups:
     def new(self, ranks: Sequence[int], **kw: Any):
         """:func:`new_group` of ``ranks`` (its keywords), kept until :meth:`close`."""
         g = new_group(list(ranks), **kw)
-        self._made.append(g)
+        if not kw.get("local"):  # a local group is the process's (new_group)
+            self._made.append(g)
         return g
 
     def control(self, ranks: Sequence[int], *, timeout_s: float | None = None):

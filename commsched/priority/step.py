@@ -97,11 +97,12 @@ class GradStep:
         self._set_mode(self.probe.fallback_at(self._step))
 
     def _decide(self) -> None:
-        on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        times = (all_gather_object(self._probe_times, "comparing the schedule's probe steps with fifo's launching")
-                 if on else [self._probe_times])
+        group = self._sched_kw.get("run_group")
+        on = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        times = (all_gather_object(self._probe_times, "comparing the schedule's probe steps with fifo's launching",
+                                   group) if on else [self._probe_times])
         d = self.probe.decide(times)
-        if not on or dist.get_rank() == 0:
+        if not on or dist.get_rank(group) == 0:
             print(f"commsched: {d.message(self.cfg.name, self.probe.first, self.probe.decide_at - 1)}",
                   file=sys.stderr, flush=True)
 

@@ -12,7 +12,7 @@ import pytest
 from commsched.priority.policy import SCHEDULES, MicroOpConfig, Policy
 from tests.mp import run_ranks
 
-TEXT = Path(__file__).resolve().parents[2] / "commsched" / "moe" / "train.py"  # any text will do
+TEXT = Path(__file__).resolve().parents[2] / "commsched" / "moe" / "train" / "cli.py"  # any text will do
 
 
 @dataclass(frozen=True, kw_only=True)

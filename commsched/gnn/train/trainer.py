@@ -317,7 +317,8 @@ class Trainer:
         own = LOCAL
         if self.world > 1:
             own = self._groups.new(list(range(self.world)) if self.group is None
-                                   else [dist.get_global_rank(self.group, r) for r in range(self.world)])
+                                   else [dist.get_global_rank(self.group, r) for r in range(self.world)],
+                                   local=self.group is not None)  # a sub-group's run: its ranks only
             if self.cfg.grad_bits != 32:  # the sums compressed; the keys: the run's seed
                 self._launcher = CompressedLauncher(self.cfg.grad_bits, seed=format_seed(self.cfg.seed, 0x64AD))
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -325,6 +326,7 @@ class Trainer:
         return make_grad_step(self.model, [(p, own, 1.0) for _, p in named], self.cfg.schedule,
                               lambda ps: torch.optim.Adam(ps, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay),
                               device=self.device, names=[n for n, _ in named], groups=self._groups,
+                              run_group=self.group,
                               **({"launch": self._launcher} if self._launcher is not None else {})).open()
 
     def close(self) -> None:

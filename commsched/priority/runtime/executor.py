@@ -135,7 +135,9 @@ class GradScheduler:
     CPU. On CUDA completion is always a polled CUDA event. ``names``: one name per entry
     (default ``param{i}``), used by the construction check's error. ``find_unused_parameters``,
     ``external``, ``on_complete``: module docstring. ``groups``: the :class:`~commsched.dist.RunGroups`
-    the scheduler makes its groups in (default: its own, closed with it).
+    the scheduler makes its groups in (default: its own, closed with it). ``run_group``: the
+    ranks that run this scheduler together (default: every rank), over which they compare
+    what they registered (a run on a sub-group passes it).
     """
 
     def __init__(self, params: Sequence[tuple], cfg: ScheduleConfig, *, timeout_s: float | None = None,
@@ -143,7 +145,8 @@ class GradScheduler:
                  completion: str | None = None, names: Sequence[str] | None = None,
                  find_unused_parameters: bool = True, external: Iterable[torch.Tensor] = (),
                  on_complete: Callable[[int, BaseException | None], None] | None = None,
-                 hier: HierGroups | None = None, fallback_buckets: bool = False, groups: RunGroups | None = None):
+                 hier: HierGroups | None = None, fallback_buckets: bool = False, groups: RunGroups | None = None,
+                 run_group=None):
         self.cfg = cfg
         if device is None:
             device = params[0][0].device if len(params) else torch.device("cpu")
@@ -184,9 +187,9 @@ class GradScheduler:
         # every rank must register the same list, in its given order (collective when several
         # ranks); group identity may differ (each rank has its own expert-data-parallel group),
         # its size may not
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(run_group) > 1:
             msg = registration_mismatch(all_gather_object(
-                described, "comparing the parameters every rank's GradScheduler registered"))
+                described, "comparing the parameters every rank's GradScheduler registered", run_group))
             if msg is not None:
                 raise ValueError(f"GradScheduler: {msg}")
         # the layout (priority/runtime/buckets.py): communicated parameters first (in the order given),
