@@ -201,10 +201,11 @@ class DeviceClock:
     A token is the ``time.perf_counter()`` time at which a piece of queued work ends. Work
     starts when the device is free or now, whichever is later, so back-to-back work costs
     exactly the sum of its times whatever the host's wake-up delays. Thread-safe (a loading
-    thread and the main thread may queue on the same device)."""
+    thread and the main thread may queue on the same device). Without a model (None) the
+    clock only queues busy times given in seconds (:meth:`occupy`)."""
 
-    def __init__(self, model: DeviceModel, dilation: float = 1.0):
-        if not isinstance(model, DeviceModel):
+    def __init__(self, model: DeviceModel | None, dilation: float = 1.0):
+        if model is not None and not isinstance(model, DeviceModel):
             raise TypeError(f"DeviceClock needs a DeviceModel (load_device_model), not {type(model).__name__}")
         self.model = model
         self.dilation = _positive("the time dilation k", dilation)
@@ -216,6 +217,8 @@ class DeviceClock:
 
     def op_time(self, op: str, *, flops: float = 0.0, bytes: float = 0.0, dtype: Any = "bf16") -> float:
         """Dilated seconds of one kernel on this device (without queueing it)."""
+        if self.model is None:
+            raise ValueError("this device clock has no device model: queue busy time with occupy()")
         return self.model.op_time(op, flops=flops, bytes=bytes, dtype=dtype) * self.dilation
 
     def run(self, op: str, *, flops: float = 0.0, bytes: float = 0.0, dtype: Any = "bf16") -> float:
