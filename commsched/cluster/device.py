@@ -37,7 +37,8 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 __all__ = ["DEVICE_MODELS", "DTYPES", "OP_CLASSES", "DeviceModel", "load_device_model",
-           "model_path", "dtype_name", "DeviceClock", "HostCPU", "host_cpu_share"]
+           "model_path", "dtype_name", "matmul_cost", "attention_cost", "stream_cost", "adam_cost",
+           "DeviceClock", "HostCPU", "host_cpu_share"]
 
 DEVICE_MODELS: tuple[str, ...] = ("a100", "h100", "h200")
 # the dtypes a model may give a peak for (dense, no structured sparsity)
@@ -192,6 +193,38 @@ def load_device_model(name_or_path: str | Path) -> DeviceModel:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"device model file {p}: not readable JSON ({e})") from None
     return DeviceModel.from_dict(d, where=f"device model file {p}")
+
+
+# ------------------------------------------------------------------ FLOPs and bytes of kernels
+# The counting conventions of the op classes (``commsched calibrate`` measures with the same
+# ones, so a calibrated efficiency applies to work counted this way). Each returns
+# (flops, bytes); ``b`` is bytes per element.
+
+def matmul_cost(m: int, k: int, n: int, b: int = 2) -> tuple[float, float]:
+    """``gemm``: [m, k] @ [k, n] -> [m, n]: 2mkn FLOPs; both inputs read, the output written."""
+    return 2.0 * m * k * n, float(b * (m * k + k * n + m * n))
+
+
+def attention_cost(batch_heads: int, t_q: int, t_k: int, d_head: int, b: int = 2,
+                   causal: bool = False) -> tuple[float, float]:
+    """``attention``: softmax(q kᵀ / sqrt(d)) v over ``batch_heads`` heads: 4 t_q t_k d FLOPs
+    per head (half of it causal); q, k, v read and the output written once (a fused kernel's
+    memory traffic: the score matrix stays on chip)."""
+    flops = 4.0 * batch_heads * t_q * t_k * d_head * (0.5 if causal else 1.0)
+    return flops, float(b * batch_heads * d_head * (2 * t_q + 2 * t_k))
+
+
+def stream_cost(numel: int, reads: int = 1, writes: int = 1, b: int = 4,
+                flops_per_element: float = 1.0) -> tuple[float, float]:
+    """``elementwise`` / ``reduction`` / ``quant`` / ``copy``: a pass over ``numel`` elements
+    reading ``reads`` and writing ``writes`` tensors of them (a reduction writes ~0)."""
+    return flops_per_element * numel, float(b * numel * (reads + writes))
+
+
+def adam_cost(numel: int, b: int = 4) -> tuple[float, float]:
+    """``optimizer``: one Adam step over ``numel`` parameters: parameter, gradient and the two
+    moments read, parameter and moments written; about 12 FLOPs per parameter."""
+    return 12.0 * numel, float(b * numel * 7)
 
 
 class DeviceClock:

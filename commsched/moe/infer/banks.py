@@ -27,7 +27,7 @@ from typing import Protocol, Sequence
 import torch
 
 from ...clock import Clock
-from ...cluster.device import DeviceClock, DeviceModel, dtype_name
+from ...cluster.device import DeviceClock, DeviceModel, dtype_name, matmul_cost
 from ..model.experts import expert_ffn
 from .placed import AsyncDevice, ExpertCompute
 
@@ -226,9 +226,8 @@ class FFNBank:
 def ffn_kernels(rows: int, d: int, h: int, dtype_bytes: int = 2) -> list[tuple[float, float]]:
     """(FLOPs, bytes) of each GEMM of one expert FFN over ``rows`` rows of width ``d``,
     hidden width ``h``: x_RD @ w1_DH, then h_RH @ w2_HD; each reads its weights and input
-    and writes its output (elements of ``dtype_bytes`` bytes)."""
-    return [(2.0 * rows * d * h, float(dtype_bytes * (d * h + rows * d + rows * h))),
-            (2.0 * rows * h * d, float(dtype_bytes * (h * d + rows * h + rows * d)))]
+    and writes its output (elements of ``dtype_bytes`` bytes; :func:`~commsched.cluster.device.matmul_cost`)."""
+    return [matmul_cost(rows, d, h, dtype_bytes), matmul_cost(rows, h, d, dtype_bytes)]
 
 
 class EmulatedBank:
