@@ -1,5 +1,5 @@
 """The ``commsched`` command: ``bench``, ``netem``, ``partition``, ``datasets``, ``topology``,
-``demo``, ``results``.
+``calibrate``, ``demo``, ``results``.
 
 Command-line parsing lives here and in the ``__main__`` modules only.
 """
@@ -25,6 +25,9 @@ commands:
   topology (--file F | --hosts K --nproc N | --probe) [--out DIR]
                   show a topology: table, picture (DIR/topology.png), file (DIR/topology.json);
                   --probe measures the links under torchrun
+  calibrate [--device auto|cpu|cuda] [--base h100] [--out FILE]
+                  time each op class on this device and write a device model file
+                  (the emulated device's efficiencies; on the CPU it calibrates the CPU)
   demo            the main job on the embedded default (what `make demo` runs)
   results [--from-summary SUMMARY_JSON --row ID] [--check]
                   render docs/results.md and the README's results table from
@@ -191,6 +194,13 @@ def _build_topology(a):
     return topo if rank == 0 else None
 
 
+def _calibrate(argv: Sequence[str]) -> int:
+    # the codec's quantize is timed as the quant class; the cluster room does not import it
+    from .cluster.calibrate import main as calibrate_main
+
+    return calibrate_main(argv, quantize=_load("commsched.quant.codec:quantize"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -203,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(rest)
     if cmd == "topology":
         return _topology(rest)
+    if cmd == "calibrate":
+        return _calibrate(rest)
     if cmd in _COMMANDS:
         rc = _load(_COMMANDS[cmd])(rest)
         return int(rc or 0)

@@ -99,6 +99,8 @@ def test_wheel_holds_the_package_and_nothing_else(installed):
     py, site, env, cwd = installed
     assert (site / "commsched" / "kernels" / "quant_cpu.c").is_file()
     assert (site / "commsched" / "moe" / "placement" / "__init__.py").is_file()
+    for name in ("a100", "h100", "h200"):  # the built-in device models (package data)
+        assert (site / "commsched" / "cluster" / "devices" / f"{name}.json").is_file()
     assert not (site / "kernels").exists(), "kernels/ must install as commsched.kernels only"
     (dist,) = site.glob("commsched-*.dist-info")
     assert "Apache License" in next(dist.rglob("LICENSE*")).read_text()

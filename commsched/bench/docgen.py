@@ -39,7 +39,7 @@ _MAIN_MODULES = (
     "commsched.bench.gnn.tta", "commsched.bench.gnn.kipf", "commsched.bench.moe.placement_report",
     "commsched.bench.moe.a2a_parity", "commsched.bench.micro.overlap_profile", "commsched.bench.micro.all2all",
     "commsched.bench.micro.hier_check", "commsched.bench.micro.netem_check", "commsched.bench.gpucheck",
-    "commsched.bench.docgen",
+    "commsched.bench.docgen", "commsched.cluster.calibrate",
 )
 
 

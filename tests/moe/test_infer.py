@@ -201,6 +201,54 @@ def test_emulated_device_is_an_async_stream():
         run([3], [1], torch.ones(1, 2))
 
 
+def test_emulated_device_on_a_gpu_model_costs_the_ffns_gemms_times_k():
+    from commsched.cluster.device import load_device_model
+    from commsched.moe.infer.banks import EmulatedBank, ffn_kernels
+
+    h100 = load_device_model("h100")
+    D, H, k = 1024, 4096, 1000.0
+    bank = EmulatedBank(1, 4, D, 3, us_per_row=1e6, load_ms=0.0, seed=0, device_model=h100,
+                        dilation=k, hidden=H)
+    plain = EmulatedBank(1, 4, D, 3, us_per_row=1e6, load_ms=0.0, seed=0)
+    for b in (bank, plain):
+        b.ensure(0, [0, 1])
+    x = torch.randn(300, D)
+    y = bank.compute(0)([0, 1], [256, 44], x)
+    assert torch.equal(y, plain.compute(0)([0, 1], [256, 44], x))  # the same rows: only the time differs
+    # each expert's rows: two GEMMs (2*n*D*H FLOPs each, weights + rows read, rows written) in bf16
+    want = sum(h100.op_time("gemm", flops=f, bytes=b) for n in (256, 44) for f, b in ffn_kernels(n, D, H))
+    assert bank.clock.kernels == 4 and bank.clock.busy_s == pytest.approx(k * want)
+    assert ffn_kernels(256, D, H)[0] == (2.0 * 256 * D * H, 2.0 * (D * H + 256 * D + 256 * H))
+    # 1024 rows of a 1024 x 4096 FFN are compute-bound on an H100: 4*n*D*H / (989.5 TFLOP/s * 0.7);
+    # 64 rows are bound by reading the weights: 2 * 2*D*H bytes / (3.35 TB/s * 0.7)
+    t = [sum(h100.op_time("gemm", flops=f, bytes=b) for f, b in ffn_kernels(n, D, H)) for n in (1024, 64)]
+    assert t[0] == pytest.approx(2 * h100.launch_s + 4 * 1024 * D * H / (989.5e12 * 0.7))
+    assert t[1] == pytest.approx(2 * h100.launch_s + 2 * 2 * (D * H + 64 * D + 64 * H) / (3.35e12 * 0.7))
+    # the marginal row: its FLOPs on the roofline, times k
+    assert bank.row_cost_s() == pytest.approx(k * 4 * D * H / (989.5e12 * 0.7))
+    with pytest.raises(ValueError, match="--device-model"):
+        EmulatedBank(1, 4, D, 3, us_per_row=1.0, load_ms=0.0, seed=0, dilation=2.0)
+    with pytest.raises(ValueError, match="no peak for dtype"):
+        EmulatedBank(1, 4, D, 3, us_per_row=1.0, load_ms=0.0, seed=0, device_model=h100, hidden=H,
+                     dtype="fp8")
+
+
+def test_infer_device_model_flags_reach_the_bank(tmp_path):
+    from commsched.moe.infer.cli import build_parser, config_from_args
+    from commsched.moe.infer.drivers import TraceDriver
+
+    cfg = config_from_args(build_parser().parse_args(
+        ["--device-model", "a100", "--dilation", "50", "--expert-hidden", "128", "--d-model", "32",
+         "--batches", "2", "--warmup", "0", "--out", "x"]))
+    assert (cfg.emulation.device_model, cfg.emulation.dilation) == ("a100", 50.0)
+    bank = TraceDriver.from_config(cfg, 2, False, torch.device("cpu")).make_bank(cfg, 3, torch.device("cpu"))
+    assert bank.clock.model.name == "a100" and bank.clock.dilation == 50.0 and bank.hidden == 128
+    with pytest.raises(ValueError, match="unknown device model 'v100'.*a100, h100, h200"):
+        config_from_args(build_parser().parse_args(["--device-model", "v100", "--out", "x"]))
+    with pytest.raises(ValueError, match="give --device-model"):
+        config_from_args(build_parser().parse_args(["--dilation", "4", "--out", "x"]))
+
+
 def test_ffn_bank_loads_slots_and_computes_the_experts_ffn():
     from commsched.moe.infer.banks import FFNBank
     from commsched.moe.model.experts import ExpertFFN, expert_apply

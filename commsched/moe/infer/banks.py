@@ -13,9 +13,10 @@ single-process twin). Two banks:
   arithmetic of the training layer), loaded by copying weights into slot tensors on the
   job's device (on CUDA: pinned host weights, asynchronous copies on a copy stream);
 * :class:`EmulatedBank` -- an emulated accelerator: a per-expert affine map per row (cheap,
-  distinct per expert so routing errors show), a busy time per row on an asynchronous
-  device clock and a sleep per load. It is the CPU model of what :class:`FFNBank` does on a
-  GPU, and refuses any other device.
+  distinct per expert so routing errors show), a busy time on an asynchronous device clock
+  (:class:`~commsched.cluster.device.DeviceClock`: a set time per row, or the expert FFN's
+  kernels on a GPU model) and a sleep per load. It is the CPU model of what :class:`FFNBank`
+  does on a GPU, and refuses any other device.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from typing import Protocol, Sequence
 import torch
 
 from ...clock import Clock
+from ...cluster.device import DeviceClock, DeviceModel, dtype_name, matmul_cost
 from ..model.experts import expert_ffn
 from .placed import AsyncDevice, ExpertCompute
 
-__all__ = ["ExpertBank", "FFNBank", "EmulatedBank"]
+__all__ = ["ExpertBank", "FFNBank", "EmulatedBank", "ffn_kernels"]
 
 
 class ExpertBank(Protocol):
@@ -221,6 +223,13 @@ class FFNBank:
         return min(ts) / rows
 
 
+def ffn_kernels(rows: int, d: int, h: int, dtype_bytes: int = 2) -> list[tuple[float, float]]:
+    """(FLOPs, bytes) of each GEMM of one expert FFN over ``rows`` rows of width ``d``,
+    hidden width ``h``: x_RD @ w1_DH, then h_RH @ w2_HD; each reads its weights and input
+    and writes its output (elements of ``dtype_bytes`` bytes; :func:`~commsched.cluster.device.matmul_cost`)."""
+    return [matmul_cost(rows, d, h, dtype_bytes), matmul_cost(rows, h, d, dtype_bytes)]
+
+
 class EmulatedBank:
     """An emulated accelerator: expert e of a layer maps a row to ``x * scale[e] + shift[e]``
     (cheap, but distinct per expert, so a row sent to the wrong expert shows), and the
@@ -231,12 +240,20 @@ class EmulatedBank:
     computation returns its rows at once and queues its busy time on the device's clock
     (it starts when the device is free, or now); ``wait(token)`` sleeps until the clock
     passes the token, as a host waits for a kernel. A run of back-to-back computations
-    therefore costs exactly their rows' time, whatever the host's wake-up delays."""
+    therefore costs exactly their rows' time, whatever the host's wake-up delays.
+
+    With a GPU model (``device_model``, a :class:`~commsched.cluster.device.DeviceModel`),
+    ``us_per_row`` is not used: each expert's rows cost the two GEMM kernels of its FFN
+    (:func:`ffn_kernels` of ``d`` and ``hidden``, in ``dtype``) on that model's roofline
+    (``gemm`` class: launch, weights read, the rows' FLOPs and bytes), times the time
+    dilation k (``dilation``); a load then takes ``load_ms`` times k as well."""
 
     measures_row_cost = False
 
     def __init__(self, num_layers: int, num_experts: int, d: int, slots: int, us_per_row: float,
-                 load_ms: float, seed: int, device: torch.device | str = "cpu"):
+                 load_ms: float, seed: int, device: torch.device | str = "cpu", *,
+                 device_model: DeviceModel | None = None, dilation: float = 1.0,
+                 hidden: int | None = None, dtype: str = "bf16"):
         if torch.device(device).type != "cpu":
             raise ValueError(f"the emulated device (--compute emulated) is the CPU model of an accelerator and "
                              f"runs on the CPU only, not on {torch.device(device)}: use --compute real to run "
@@ -244,10 +261,18 @@ class EmulatedBank:
         g = torch.Generator().manual_seed(seed + 7919)
         self.scale = [1.0 + 0.1 * torch.randn(num_experts, d, generator=g) for _ in range(num_layers)]
         self.shift = [0.1 * torch.randn(num_experts, d, generator=g) for _ in range(num_layers)]
+        if device_model is None and dilation != 1.0:
+            raise ValueError("the time dilation (--dilation) scales a GPU model's times: give --device-model")
+        if device_model is not None and (hidden is None or hidden < 1):
+            raise ValueError("the emulated device with a GPU model needs the expert FFN's hidden width "
+                             "(--expert-hidden)")
         self.S, self.us_per_row, self.load_ms = slots, us_per_row, load_ms
+        self.d, self.hidden, self.dtype = d, hidden, dtype_name(dtype)
         self.resident: list[set[int]] = [set() for _ in range(num_layers)]
         self.loaded_L = [0] * num_layers
-        self._free_at = 0.0  # perf_counter time at which the device finishes its queued work
+        self.clock = DeviceClock(device_model, dilation)  # the device's queue of busy time
+        if device_model is not None:  # refuse a dtype the model lacks now, not at the first batch
+            device_model.op_time("gemm", dtype=self.dtype)
 
     @property
     def num_layers(self) -> int:
@@ -264,7 +289,7 @@ class EmulatedBank:
         n = len(want - self.resident[layer])
         self.resident[layer] = self.resident[layer] & want  # evicted at once; the new ones are resident once loaded
         if n and self.load_ms > 0:
-            time.sleep(n * self.load_ms / 1e3)
+            time.sleep(n * self.load_ms / 1e3 * self.clock.dilation)
         self.resident[layer] = want
         self.loaded_L[layer] += n
         return n
@@ -277,21 +302,39 @@ class EmulatedBank:
     def compute(self, layer: int) -> ExpertCompute:
         def run(experts, counts, x):
             assert set(experts) <= self.resident[layer], "expert computed before it was loaded"
-            self._free_at = max(time.perf_counter(), self._free_at) + sum(counts) * self.us_per_row / 1e6
+            if self.clock.model is None:
+                self.clock.occupy(sum(counts) * self.us_per_row / 1e6)
+            else:
+                for n in counts:
+                    if n:
+                        for flops, nbytes in ffn_kernels(int(n), self.d, self.hidden, self._dtype_bytes):
+                            self.clock.run("gemm", flops=flops, bytes=nbytes, dtype=self.dtype)
             return self._apply(layer, experts, counts, x)
 
         return run
 
+    @property
+    def _dtype_bytes(self) -> int:
+        return 4 if self.dtype in ("fp32", "tf32") else 2
+
     def issued(self) -> float:
-        return self._free_at
+        return self.clock.issued()
 
     def wait(self, token: float) -> None:
-        dt = token - time.perf_counter()
-        if dt > 0:
-            time.sleep(dt)
+        self.clock.wait(token)
 
     def reference(self, layer: int) -> ExpertCompute:
         return lambda experts, counts, x: self._apply(layer, experts, counts, x)
 
     def row_cost_s(self) -> float:
-        return self.us_per_row / 1e6
+        """``us_per_row``; with a GPU model, the marginal device time of one more row of an
+        expert (its FLOPs and bytes on the roofline, without the launches and the weights'
+        reads that a group of rows shares), times k."""
+        m = self.clock.model
+        if m is None:
+            return self.us_per_row / 1e6
+        eff, peak = m.efficiency["gemm"], m.peak_flops[self.dtype]
+        flops = sum(f for f, _ in ffn_kernels(1, self.d, self.hidden))
+        nbytes = sum(b for _, b in ffn_kernels(1, self.d, self.hidden, self._dtype_bytes)) \
+            - 2 * self._dtype_bytes * self.d * self.hidden  # the weights are read once per group
+        return max(flops / (peak * eff), nbytes / (m.mem_bw * eff)) * self.clock.dilation

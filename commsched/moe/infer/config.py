@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...cluster.device import DeviceModel, load_device_model
 from ...configurable import Config, option
 from ...dist import DEVICE_CHOICES, group_device
 from ..record.traces import SyntheticTraceConfig
@@ -26,14 +27,33 @@ EXCHANGES = ("pipelined", "sequential")
 @dataclass(frozen=True, kw_only=True)
 class EmulationConfig(Config):
     """The emulated device (``--compute emulated``): busy ``us_per_row`` microseconds per
-    computed row, ``load_ms`` per expert loaded."""
+    computed row, ``load_ms`` per expert loaded; or, with ``device_model`` (a built-in GPU
+    model or a model file, :func:`~commsched.cluster.device.load_device_model`), each
+    expert's rows cost its FFN's GEMMs on that GPU's roofline (the trace driver's
+    ``d_model`` and ``expert_hidden``), every device time (loads included) times the time
+    dilation ``dilation``."""
 
-    us_per_row: float = option(20.0, "expert compute per row, microseconds")
+    us_per_row: float = option(20.0, "expert compute per row, microseconds (without --device-model)")
     load_ms: float = option(0.5, "time to load one expert into a slot")
+    device_model: str | None = option(
+        None, "GPU model of the emulated device: a built-in name (a100, h100, h200) or a model file "
+              "(JSON); each expert's rows then cost its FFN's GEMMs (--d-model x --expert-hidden) on it")
+    dilation: float = option(1.0, "time dilation k (with --device-model): every device time, loads included, "
+                                  "times k")
 
     def __post_init__(self) -> None:
         if self.us_per_row < 0 or self.load_ms < 0:
             raise ValueError("--us-per-row and --load-ms must be >= 0")
+        if not self.dilation > 0:
+            raise ValueError(f"--dilation must be > 0, got {self.dilation}")
+        if self.device_model is None and self.dilation != 1.0:
+            raise ValueError("--dilation scales a GPU model's times: give --device-model too")
+        if self.device_model is not None:
+            self.gpu()  # an unknown name or a malformed file is refused here
+
+    def gpu(self) -> DeviceModel | None:
+        """The GPU model of ``device_model`` (None without one)."""
+        return None if self.device_model is None else load_device_model(self.device_model)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +67,7 @@ class TraceDriverConfig(Config):
     profile_fraction: float = option(0.5, "leading share of the trace's sequences used for profiling (eplb, lina)")
     tokens_per_batch: int = option(2048, "tokens per batch, all ranks")
     d_model: int = option(64, "row width (floats per token)")
-    expert_hidden: int = option(256, "FFN width (--compute real)")
+    expert_hidden: int = option(256, "FFN width (--compute real, or emulated with --device-model)")
 
     def __post_init__(self) -> None:
         if not 0.0 < self.profile_fraction < 1.0:

@@ -112,7 +112,8 @@ class TraceDriver(Driver):
         E, L, tc = self.E, self.L, self.cfg
         if cfg.compute == "emulated":
             em = cfg.emulation
-            return EmulatedBank(L, E, tc.d_model, slots, em.us_per_row, em.load_ms, cfg.seed, device=device)
+            return EmulatedBank(L, E, tc.d_model, slots, em.us_per_row, em.load_ms, cfg.seed, device=device,
+                                device_model=em.gpu(), dilation=em.dilation, hidden=tc.expert_hidden)
         g = torch.Generator().manual_seed(cfg.seed + 104729)
         D, H = tc.d_model, tc.expert_hidden
         weights = [(torch.randn(E, D, H, generator=g) * D ** -0.5, torch.zeros(E, H),
