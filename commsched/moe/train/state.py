@@ -48,7 +48,7 @@ _KEYS = ("config", "step", "rank", "world_size", "ep_size", "model", "optimizer"
 
 # configuration keys added after checkpoints were first written, with the value a checkpoint
 # without them was trained with: such a file still resumes under that value
-ADDED_KEYS = {"grad_bits": 32}
+ADDED_KEYS = {"grad_bits": 32, "compute": "real", "device_model": "a100", "dilation": 1.0}
 
 
 def checkpoint_path(out: str | os.PathLike, rank: int) -> Path:

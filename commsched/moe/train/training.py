@@ -26,6 +26,7 @@ from ..model.layer import DispatchConfig
 from ..model.lm import ModelConfig
 
 IMPLS = ("commsched", "deepspeed")
+COMPUTES = ("real", "emulated")  # --compute (commsched.moe.train.emulated)
 DTYPES = ("float32", "bfloat16")  # --dtype: the training compute and the all-to-all rows
 # the refusal of a runtime's option given to the other runtime (commsched.moe.train)
 FOREIGN_IMPL = "{flag} belongs to --impl {owners}, not to --impl {name}"
@@ -87,6 +88,13 @@ class TrainConfig(Config):
     grad_bits: int = option(32, "--impl commsched: width of the gradient reduction's messages: 32 exact; "
                                 "16 bfloat16; 8/4/2 the shared codec's stochastic row records "
                                 "(docs/moe.md, \"Compressed gradient reduction\")", choices=GRAD_BITS)
+    compute: str = option("real", "real: compute on this machine; emulated: every compute step of the model on an "
+                                  "emulated GPU (--device-model, --dilation), the host asleep, the communication "
+                                  "real (docs/moe.md, \"Emulated device\")", choices=COMPUTES)
+    device_model: str = option("a100", "--compute emulated: the GPU, a built-in model (a100, h100, h200) or a "
+                                       "model file (JSON)")
+    dilation: float = option(1.0, "--compute emulated: time dilation k, every device time multiplied by k "
+                                  "(the links are slowed by the same k outside; predicted time = measured / k)")
     grad_batch_bytes: int = option(DEFAULT_BATCH_BYTES, "--grad-bits 16/8/4/2: launches the ranks all hold "
                                    "queued are summed together, up to this many bytes, in one pair of "
                                    "collectives (the same bits; 0: one sum per launch)")
@@ -131,9 +139,34 @@ class TrainConfig(Config):
                 or self.grad_batch_bytes < 0:
             raise ValueError(f"--grad-batch-bytes must be an integer >= 0 (0: one sum per launch), "
                              f"got {self.grad_batch_bytes!r}")
+        if self.compute not in COMPUTES:
+            raise ValueError(f"--compute must be one of {COMPUTES}, got {self.compute!r}")
+        if not (isinstance(self.dilation, (int, float)) and not isinstance(self.dilation, bool)
+                and math.isfinite(self.dilation) and self.dilation > 0):
+            raise ValueError(f"--dilation must be a finite number > 0, got {self.dilation!r}")
+        if self.compute == "emulated":
+            if self.impl != "commsched":
+                raise ValueError("--compute emulated runs --impl commsched only: DeepSpeed's engine and MoE layer "
+                                 "compute on real tensors and cannot be put on the emulated device")
+            if self.device == "cuda":
+                raise ValueError("--compute emulated is a GPU emulated on the CPU: use --device cpu (or auto)")
+            if self.grad_bits != 32:
+                raise ValueError(f"--grad-bits {self.grad_bits} is not emulated (its codec would run on the "
+                                 "host): use --grad-bits 32 with --compute emulated")
+            if self.checkpoint_every:
+                raise ValueError("--checkpoint-every: an emulated run has no weights to save (--compute emulated)")
         if self.checkpoint_every and self.impl != "commsched":
             raise ValueError("--checkpoint-every is an option of --impl commsched; DeepSpeed's runs "
                              "are not checkpointed here")
+
+    @property
+    def emulated(self) -> bool:
+        return self.compute == "emulated"
+
+    @property
+    def run_device(self) -> str:
+        """The device choice the ranks run on: the CPU for the emulated device, else ``device``."""
+        return "cpu" if self.emulated else self.device
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -326,12 +359,19 @@ def summarize(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> T
         corpus=source,
         wall_clock_s=max(p["wall_clock_s"] for p in per_rank),
         config=json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),
-        extra={**({"deepspeed_comm_ops": per_rank[0]["ds_comm_ops"]} if "ds_comm_ops" in per_rank[0] else {}),
+        extra={**({"emulation": _emulation_summary(cfg, per_rank, step_time)} if cfg.emulated else {}),
+               **({"deepspeed_comm_ops": per_rank[0]["ds_comm_ops"]} if "ds_comm_ops" in per_rank[0] else {}),
                **({"comm_times_from": comm_from} if comm_from is not None else {}),
                **({"resumed_from_step": per_rank[0]["resumed_from_step"]}
                   if per_rank[0].get("resumed_from_step") is not None else {})},
     )
 
 
-__all__ = ["DTYPES", "DeepSpeedConfig", "FOREIGN_IMPL", "IMPLS", "TrainConfig", "TrainMetrics", "a2a_payload_bytes", "a2a_row_bytes", "autocast",
+def _emulation_summary(cfg: TrainConfig, per_rank: list[dict], step_time: float | None) -> dict:
+    from .emulated import summary
+
+    return summary(cfg, per_rank, step_time)
+
+
+__all__ = ["COMPUTES", "DTYPES", "DeepSpeedConfig", "FOREIGN_IMPL", "IMPLS", "TrainConfig", "TrainMetrics", "a2a_payload_bytes", "a2a_row_bytes", "autocast",
            "evaluate", "sizes", "summarize", "to_device"]
