@@ -506,24 +506,5 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def summary(cfg: Any, per_rank: list[dict], step_time_s: float | None) -> dict:
-    """The ``emulation`` entry of ``metrics.json`` from every rank's ``emulation`` result."""
-    em = [p["emulation"] for p in per_rank]
-    k = cfg.dilation
-    return {
-        "device_model": load_device_model(cfg.device_model).name,
-        "device_model_source": cfg.device_model,
-        "dilation": k,
-        "host_cpu_share": [e["host_cpu_share"] for e in em],
-        "device_busy_s_per_step": [e["device_busy_s_per_step"] for e in em],
-        "device_busy_share": [e["device_busy_s_per_step"] / step_time_s if step_time_s else None for e in em],
-        "predicted_step_time_s": step_time_s / k if step_time_s is not None else None,
-        "rows_exchanged_per_step": [e["rows_exchanged_per_step"] for e in em],
-        "peak_rss_mib": [e["peak_rss_mib"] for e in em],
-        "startup_s": max(e["startup_s"] for e in em),
-        "kernels_per_step": [e["kernels_per_step"] for e in em],
-    }
-
-
 __all__ = ["ADAM_BYTES", "COMPUTES", "DeviceMarks", "EmulatedAdam", "Emulation", "HostCPU", "build_emulated", "emulate",
-           "gemm", "linear_kernels", "make_emulation", "peak_rss_mib", "summary"]
+           "gemm", "linear_kernels", "make_emulation", "peak_rss_mib"]

@@ -75,7 +75,8 @@ def config_mismatch(mine: dict, theirs: dict) -> str | None:
                 out[f"{pre}{k}"] = v
         return out
 
-    a, b = flat(mine), flat({**ADDED_KEYS, **theirs})
+    added = {k: v for k, v in ADDED_KEYS.items() if k in mine}  # keys this run's record has
+    a, b = flat(mine), flat({**added, **theirs})
     diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     if not diff:
         return None

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...cluster.device import load_device_model
 from ...configurable import Config, check, option
 from ...dist import DEVICE_CHOICES
 from ...priority.policy import LinaConfig, OverlapPolicy, ScheduleConfig
@@ -367,10 +368,24 @@ def summarize(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> T
     )
 
 
-def _emulation_summary(cfg: TrainConfig, per_rank: list[dict], step_time: float | None) -> dict:
-    from .emulated import summary
-
-    return summary(cfg, per_rank, step_time)
+def _emulation_summary(cfg: TrainConfig, per_rank: list[dict], step_time_s: float | None) -> dict:
+    """The ``emulation`` entry of ``metrics.json`` (``--compute emulated``) from every rank's
+    ``emulation`` result (:mod:`commsched.moe.train.emulated`)."""
+    em = [p["emulation"] for p in per_rank]
+    k = cfg.dilation
+    return {
+        "device_model": load_device_model(cfg.device_model).name,
+        "device_model_source": cfg.device_model,
+        "dilation": k,
+        "host_cpu_share": [e["host_cpu_share"] for e in em],
+        "device_busy_s_per_step": [e["device_busy_s_per_step"] for e in em],
+        "device_busy_share": [e["device_busy_s_per_step"] / step_time_s if step_time_s else None for e in em],
+        "predicted_step_time_s": step_time_s / k if step_time_s is not None else None,
+        "rows_exchanged_per_step": [e["rows_exchanged_per_step"] for e in em],
+        "peak_rss_mib": [e["peak_rss_mib"] for e in em],
+        "startup_s": max(e["startup_s"] for e in em),
+        "kernels_per_step": [e["kernels_per_step"] for e in em],
+    }
 
 
 __all__ = ["COMPUTES", "DTYPES", "DeepSpeedConfig", "FOREIGN_IMPL", "IMPLS", "TrainConfig", "TrainMetrics", "a2a_payload_bytes", "a2a_row_bytes", "autocast",
