@@ -23,6 +23,7 @@ from commsched.moe.train.emulated import (
 )
 from commsched.moe.train.trainer import train
 from commsched.moe.train.training import TrainConfig, a2a_payload_bytes
+from commsched.quant.allreduce import wire_bytes
 from tests.moe.test_train import CORPUS
 from tests.mp import assert_case, run_cases
 from tests.priority import sched_of
@@ -33,12 +34,12 @@ SMALL = ModelConfig(d_model=32, n_heads=2, n_layers=2, seq_len=16, d_ff=48, expe
 
 
 def _cfg(schedule: str = "lina", *, compute: str = "emulated", dilation: float = 20.0, steps: int = 3,
-         a2a_bits: int = 32, chunks: int = 1, pipeline: bool = False) -> TrainConfig:
+         a2a_bits: int = 32, chunks: int = 1, pipeline: bool = False, grad_bits: int = 32) -> TrainConfig:
     return TrainConfig(model=SMALL, schedule=sched_of(schedule, microop_bytes=1024, bucket_bytes=4096),
                        dispatch=DispatchConfig(chunks, pipeline, a2a_bits=a2a_bits), steps=steps, batch_size=2,
                        seed=3, warmup=1, probe_steps=1, eval_batches=1, corpus=str(CORPUS),
                        max_corpus_bytes=1 << 16, device="cpu", fallback_exchange=False, compute=compute,
-                       device_model="a100", dilation=dilation)
+                       device_model="a100", dilation=dilation, grad_bits=grad_bits)
 
 
 # --------------------------------------------------------------------------- pure
@@ -48,8 +49,7 @@ def test_flags_and_refusals():
     assert (cfg.compute, cfg.device_model, cfg.dilation, cfg.run_device) == ("emulated", "h100", 5.0, "cpu")
     real = config_from_args(build_parser().parse_args(["--out", "x"]))
     assert (real.compute, real.emulated, real.run_device) == ("real", False, real.device)
-    for bad, words in ((dict(impl="deepspeed"), "DeepSpeed"), (dict(grad_bits=8), "--grad-bits 8"),
-                       (dict(device="cuda"), "--device cpu"), (dict(checkpoint_every=2), "no weights"),
+    for bad, words in ((dict(impl="deepspeed"), "DeepSpeed"), (dict(device="cuda"), "--device cpu"), (dict(checkpoint_every=2), "no weights"),
                        (dict(dilation=0.0), "--dilation")):
         with pytest.raises(ValueError, match=words):
             TrainConfig(compute="emulated", **bad)
@@ -129,13 +129,15 @@ def _check_emulation(m: dict, cfg: TrainConfig, world: int) -> dict:
 
 def _every_schedule(rank: int, world: int) -> None:
     for s in SCHEDULES:
-        cfg = _cfg(s)
+        cfg = _cfg(s, steps=2)
         m = train(cfg, None, progress=False)[0].to_dict()
         _check_emulation(m, cfg, world)
         assert m["schedule"] == s and m["val_loss"] is None and len(m["step_times_s"]) == cfg.steps
         assert m["allreduce_time_s"] is not None and m["a2a_time_s"] is not None
     # the pipelined exchange and the 8-bit rows
-    cfg = _cfg("lina", chunks=2, pipeline=True, a2a_bits=8)
+    cfg = _cfg("lina", chunks=2, pipeline=True, a2a_bits=8, steps=2)
+    _check_emulation(train(cfg, None, progress=False)[0].to_dict(), cfg, world)
+    cfg = _cfg("lina-overlap", grad_bits=16, steps=2)  # the compressed reduction's codec on the device
     _check_emulation(train(cfg, None, progress=False)[0].to_dict(), cfg, world)
 
 
@@ -180,6 +182,16 @@ def _same_bytes_as_real(rank: int, world: int) -> None:
         m = train(cfg, out, progress=False)[0].to_dict()
         dist.barrier()
         got[compute] = (m, *_bytes_of(out))
+    # --grad-bits 8: the compressed reduction's bytes, as the real codec's wire carries them
+    cfg8 = _cfg("fifo", grad_bits=8)
+    out = base / "g8"
+    if rank == 0:
+        out.mkdir()
+    dist.barrier()
+    m8 = train(cfg8, out, progress=False)[0].to_dict()
+    dist.barrier()
+    ops = _bytes_of(out)[0][rank]
+    assert m8["emulation"]["grad_wire_bytes_per_step"][rank] == sum(wire_bytes(n // 4, world, 8) for n in ops) > 0
     (mr, ar_r, a2a_r), (me, ar_e, a2a_e) = got["real"], got["emulated"]
     assert ar_e == ar_r and sum(ar_e[0]) == mr["sizes"]["non_expert_grad_bytes"]
     assert a2a_e == a2a_r

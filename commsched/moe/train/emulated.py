@@ -38,8 +38,8 @@ nowhere else: the host queues kernels and sleeps.
 
 Approximations: the routing is a uniform random router's, not a trained one's; the
 gradients' and rows' values are not computed; Adam keeps no state (its time is modelled);
-the quantize/dequantize of ``--a2a-bits 8`` is a ``quant`` kernel's time, not the codec
-(``--grad-bits`` below 32 is not emulated). Host costs the scheduler has on any backend
+the codec of ``--a2a-bits 8`` and ``--grad-bits`` is a ``quant`` kernel's time, not the
+codec itself (:class:`EmulatedCompressedLauncher`). Host costs the scheduler has on any backend
 remain real (fifo's bucket copies, gloo's sums).
 """
 
@@ -50,6 +50,7 @@ import time
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ...cluster.device import DeviceClock, DeviceModel, HostCPU, dtype_name, load_device_model
@@ -57,6 +58,8 @@ from ...comm.all2all import A2APlan, all_to_all
 from ...comm.lanes import Lanes
 from ...comm.observe import A2AObserver
 from ...priority.runtime.executor import LOCAL
+from ...quant.allreduce import _NOTE_BYTES, CompressedLauncher
+from ...quant.wire import record_bytes
 from ..model.dispatch import Assignments, ChunkPlan, ExpertGroup, _Pipeline, build_chunk_plans
 from ..model.experts import ExpertFFN, is_expert_param
 from ..model.layer import MoELayer
@@ -79,6 +82,7 @@ class Emulation:
 
     def __init__(self, clock: DeviceClock, *, dtype: str, tokens: int, seed: int, rank: int,
                  row_bytes: tuple[int, int, int, int], a2a_bits: int):
+        self.t_start = time.perf_counter()  # the run's start (start-up time: to its first timed step)
         self.clock, self.dtype, self.T, self.seed, self.rank = clock, dtype, tokens, seed, rank
         self.e = 2 if dtype_name(dtype) in ("bf16", "fp16") else 4
         self.row_bytes, self.a2a_bits = row_bytes, a2a_bits
@@ -125,6 +129,68 @@ class EmulatedAdam(torch.optim.Optimizer):
         if n:
             self._emu.clock.run("optimizer", flops=ADAM_FLOPS * n, bytes=ADAM_BYTES * n, dtype="fp32")
         return None
+
+
+# --------------------------------------------------------------------------- compressed reduction
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class EmulatedCompressedLauncher(CompressedLauncher):
+    """``--grad-bits 16|8|4|2`` on the emulated device: the launcher's batching, keys and
+    collectives as :class:`~commsched.quant.allreduce.CompressedLauncher`'s (the same
+    ``all_to_all_single`` and ``all_gather_into_tensor`` of the same byte counts, the
+    ranks' batch notes among them), the codec's encode, decode and sum as device kernels
+    (``quant``; a bfloat16 cast at 16 bits) instead of host arithmetic. The codec's kernels
+    take their turn on the rank's device with the compute (a side stream shares the
+    GPU's SMs). :attr:`wire_bytes_sent` counts the bytes this rank sent."""
+
+    def __init__(self, emu: Emulation, bits: int, **kw: Any):
+        super().__init__(bits, **kw)
+        self._emu = emu
+        self.wire_bytes_sent = 0
+
+    def _sum_items(self, items, group, note):
+        if self.bits == 32 or dist.get_world_size(group) == 1:
+            return super()._sum_items(items, group, note)
+        items = [(f, k) for f, k in items if f.numel()]
+        if not items:
+            return None
+        emu, F = self._emu, self.row_values
+        P = dist.get_world_size(group)
+        W = 2 * F if self.bits == 16 else record_bytes(F, self.bits)  # bytes of one row on the wire
+        op = "elementwise" if self.bits == 16 else "quant"
+        # rows per owner chunk of each item: its values in rows of F, the rows in P chunks
+        rows = sum(_ceil(_ceil(f.numel(), F), P) for f, _ in items)
+
+        def codec(n: int) -> Kernel:  # encode or decode n rows
+            return (op, 4.0 * n * F, n * (4 * F + W))
+
+        # 1. reduce-scatter: every row encoded; each owner decodes and sums its peers' chunks
+        emu.wait(emu.queue([codec(P * rows)]))
+        send = self._zeros(P * rows * W).view(P, rows * W)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
+        # 2. all-gather of each owner's summed chunk, encoded once (and this rank's note)
+        emu.wait(emu.queue([codec(P * rows), ("elementwise", P * rows * F, 3.0 * P * rows * F * 4),
+                            codec(rows)]))
+        part = self._zeros(rows * W + (_NOTE_BYTES if note is not None else 0))
+        if note is not None:
+            part = part.clone()
+            part[rows * W:] = torch.tensor([int(note)], dtype=torch.int64).view(torch.uint8)
+        gathered = torch.empty(P * part.numel(), dtype=torch.uint8)
+        dist.all_gather_into_tensor(gathered, part, group=group)
+        emu.wait(emu.queue([codec(P * rows)]))  # every rank decodes the sums
+        self.wire_bytes_sent += 2 * (P - 1) * rows * W
+        if note is None:
+            return None
+        return gathered.view(P, -1)[:, rows * W:].clone().view(torch.int64)[:, 0].tolist()
+
+    def _zeros(self, n: int) -> torch.Tensor:
+        buf = getattr(self, "_buf", None)
+        if buf is None or buf.numel() < n:
+            buf = self._buf = torch.zeros(n, dtype=torch.uint8)
+        return buf[:n]
 
 
 # --------------------------------------------------------------------------- the kernels' autograd node
@@ -506,5 +572,5 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-__all__ = ["ADAM_BYTES", "COMPUTES", "DeviceMarks", "EmulatedAdam", "Emulation", "HostCPU", "build_emulated", "emulate",
+__all__ = ["ADAM_BYTES", "COMPUTES", "DeviceMarks", "EmulatedAdam", "EmulatedCompressedLauncher", "Emulation", "HostCPU", "build_emulated", "emulate",
            "gemm", "linear_kernels", "make_emulation", "peak_rss_mib"]

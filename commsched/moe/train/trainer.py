@@ -319,7 +319,8 @@ def _train_commsched(cfg: TrainConfig, corpus: Corpus | None, ep: int, bar: Prog
 
         emu = make_emulation(cfg, dist.get_rank())
         model, sched_params = build_emulated(cfg, groups, events, emu)
-        emu.t_start = t_start if t_start is not None else time.perf_counter()
+        if t_start is not None:
+            emu.t_start = t_start
     else:
         model, sched_params = build_commsched(cfg, groups, events, device)
     try:
@@ -362,7 +363,12 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
     buckets = {"fallback_buckets": True} if cfg.fallback_exchange else {}
     # --grad-bits: every reduction of the schedule summed in fewer bytes (quant/allreduce.py)
     launcher = None
-    if cfg.grad_bits != 32:
+    if cfg.grad_bits != 32 and emu is not None:  # the codec as device kernels
+        from .emulated import EmulatedCompressedLauncher
+
+        launcher = EmulatedCompressedLauncher(emu, cfg.grad_bits, seed=format_seed(cfg.seed, 0x6AD),
+                                              batch_bytes=cfg.grad_batch_bytes)
+    elif cfg.grad_bits != 32:
         launcher = CompressedLauncher(cfg.grad_bits, seed=format_seed(cfg.seed, 0x6AD),
                                       batch_bytes=cfg.grad_batch_bytes)
     try:
@@ -446,6 +452,7 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
                 host = HostCPU().__enter__()
                 emu.clock.reset_stats()
                 rows0 = emu.rows_exchanged
+                wire0 = getattr(launcher, "wire_bytes_sent", 0)
             x, y = batch(step)
             ckpt = every and ((step + 1) % every == 0 or step + 1 == cfg.steps)
             opt.before_forward()
@@ -484,7 +491,9 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
         emulation = {"host_cpu_share": host.share, "device_busy_s_per_step": emu.clock.busy_s / timed,
                      "kernels_per_step": emu.clock.kernels / timed,
                      "rows_exchanged_per_step": (emu.rows_exchanged - rows0) / timed,
-                     "startup_s": t_first - emu.t_start, "peak_rss_mib": peak_rss_mib()}
+                     "startup_s": t_first - emu.t_start, "peak_rss_mib": peak_rss_mib(),
+                     **({"grad_wire_bytes_per_step": (launcher.wire_bytes_sent - wire0) / timed}
+                        if hasattr(launcher, "wire_bytes_sent") else {})}
     # closed: every update is in (the last step synchronized); lina-overlap's pre-hooks are gone
     # the all-to-all alone: allreduce held until after the backward pass, no optimizer step
     alone = []

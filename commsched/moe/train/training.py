@@ -151,9 +151,6 @@ class TrainConfig(Config):
                                  "compute on real tensors and cannot be put on the emulated device")
             if self.device == "cuda":
                 raise ValueError("--compute emulated is a GPU emulated on the CPU: use --device cpu (or auto)")
-            if self.grad_bits != 32:
-                raise ValueError(f"--grad-bits {self.grad_bits} is not emulated (its codec would run on the "
-                                 "host): use --grad-bits 32 with --compute emulated")
             if self.checkpoint_every:
                 raise ValueError("--checkpoint-every: an emulated run has no weights to save (--compute emulated)")
         if self.checkpoint_every and self.impl != "commsched":
@@ -385,6 +382,9 @@ def _emulation_summary(cfg: TrainConfig, per_rank: list[dict], step_time_s: floa
         "peak_rss_mib": [e["peak_rss_mib"] for e in em],
         "startup_s": max(e["startup_s"] for e in em),
         "kernels_per_step": [e["kernels_per_step"] for e in em],
+        "host_cpu_share_total": sum(e["host_cpu_share"] for e in em),
+        **({"grad_wire_bytes_per_step": [e["grad_wire_bytes_per_step"] for e in em]}
+           if "grad_wire_bytes_per_step" in em[0] else {}),
     }
 
 
