@@ -51,6 +51,14 @@ expert all-to-all (the compute stays in ``--dtype``): 16 sends its rows in bfloa
 rows to the experts as 8-bit rows of the shared codec and the rest in bfloat16
 (:func:`commsched.moe.model.dispatch.moe_wires`); the scheduler's observer times the shorter
 exchanges, so Lina's gaps are the measured ones.
+
+``--compute emulated --device-model NAME|FILE --dilation K`` (:mod:`commsched.moe.train.emulated`)
+puts every compute step of the model on an emulated GPU (a device clock: the roofline time
+of each kernel at the modelled sizes, times k) while the host sleeps, and keeps every
+collective real (the exchanges with rows of the modelled size, the gradient scheduler of
+every schedule); ``metrics.json`` then adds ``emulation`` (the device model, k, each rank's
+host CPU share and device busy time, the predicted step time on the real cluster: measured
+/ k, memory per rank, start-up time).
 """
 
 from __future__ import annotations
