@@ -75,7 +75,7 @@ def _moe_cfg(world: int, steps: int, schedule: str = "lina", **kw):
     model = ModelConfig(d_model=16, n_heads=2, n_layers=2, seq_len=8, d_ff=24, expert_hidden=20,
                         num_experts=world, k=1, moe_every=2)
     return TrainConfig(model=model, schedule=sched_of(schedule, microop_bytes=1024, bucket_bytes=4096),
-                       dispatch=DispatchConfig(1, False), steps=steps, batch_size=2, lr=1e-2, seed=3,
+                       dispatch=DispatchConfig(chunks=1, pipeline=False), steps=steps, batch_size=2, lr=1e-2, seed=3,
                        warmup=1, probe_steps=1, eval_batches=1, corpus=str(CORPUS),
                        max_corpus_bytes=1 << 16, device="cpu", **kw)
 

@@ -37,7 +37,7 @@ def _cfg(world: int, schedule: str, *, chunks: int = 1, pipeline: bool = False, 
                         num_experts=2 * (ep or world), k=k, moe_every=2)
     return TrainConfig(model=model, impl=impl,
                        schedule=sched_of(schedule, microop_bytes=1024, bucket_bytes=4096, launch=launch),
-                       dispatch=DispatchConfig(chunks, pipeline),
+                       dispatch=DispatchConfig(chunks=chunks, pipeline=pipeline),
                        steps=steps, batch_size=2, lr=1e-2, seed=3, ep_size=ep, warmup=min(1, steps - 1), probe_steps=1,
                        eval_batches=1, corpus=str(CORPUS), max_corpus_bytes=1 << 18, device=device, dtype=dtype,
                        fallback_exchange=False)  # these runs' bits must not follow a timed decision

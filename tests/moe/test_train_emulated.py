@@ -36,7 +36,7 @@ SMALL = ModelConfig(d_model=32, n_heads=2, n_layers=2, seq_len=16, d_ff=48, expe
 def _cfg(schedule: str = "lina", *, compute: str = "emulated", dilation: float = 20.0, steps: int = 3,
          a2a_bits: int = 32, chunks: int = 1, pipeline: bool = False, grad_bits: int = 32) -> TrainConfig:
     return TrainConfig(model=SMALL, schedule=sched_of(schedule, microop_bytes=1024, bucket_bytes=4096),
-                       dispatch=DispatchConfig(chunks, pipeline, a2a_bits=a2a_bits), steps=steps, batch_size=2,
+                       dispatch=DispatchConfig(chunks=chunks, pipeline=pipeline, a2a_bits=a2a_bits), steps=steps, batch_size=2,
                        seed=3, warmup=1, probe_steps=1, eval_batches=1, corpus=str(CORPUS),
                        max_corpus_bytes=1 << 16, device="cpu", fallback_exchange=False, compute=compute,
                        device_model="a100", dilation=dilation, grad_bits=grad_bits)
