@@ -449,7 +449,7 @@ class AdaQPExchange(HaloExchange):
         """Zero segments of the ``pos.numel()`` rows at width ``b``, each the size the codec
         gives (the layout of one row encoded for real, times the rows)."""
         proto = self._encode(call, b, x[:1], pos[:1])
-        return [p.new_zeros((int(pos.numel()), *p.shape[1:])) for p in proto]
+        return [self.compute.zeros((int(pos.numel()), *p.shape[1:]), p.dtype, p.device) for p in proto]
 
     def _emulated_state(self, call: "_Call") -> None:
         """After an emulated encode: the rows have no values, so each row's range (what the

@@ -131,7 +131,7 @@ class OneBitExchange(HaloExchange):
         emu = self.compute
         if emu is not None:  # the records' real size, encoded on the emulated device
             proto, _ = encode_signs(rows[:1].to(torch.float32), error=None, compile=False)
-            records = proto.new_zeros((int(rows.shape[0]), *proto.shape[1:]))
+            records = emu.zeros((int(rows.shape[0]), *proto.shape[1:]), proto.dtype, proto.device)
             emu.quant(int(rows.shape[0]), D, records.numel())
             emu.sync()  # the host sends them next
         else:

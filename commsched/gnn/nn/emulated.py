@@ -96,16 +96,19 @@ class _Emulated(torch.autograd.Function):
 
 class _SyncBackward(torch.autograd.Function):
     """The identity; backward waits for the device before the gradient goes on (to an
-    exchange that reads it)."""
+    exchange that reads it), as zeros of its real size (no fill: the shared zero buffer)."""
 
     @staticmethod
     def forward(ctx, x, compute):  # noqa: D401
-        ctx.compute = compute
+        ctx.set_materialize_grads(False)
+        ctx.compute, ctx.shape, ctx.dtype, ctx.device = compute, tuple(x.shape), x.dtype, x.device
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
         ctx.compute.sync()
+        if g is None or not g.is_contiguous():
+            g = ctx.compute.zeros(ctx.shape, ctx.dtype, ctx.device)
         return g, None
 
 
@@ -123,6 +126,7 @@ class EmulatedCompute:
         self.dname = dtype_name(dtype)
         self.e = torch.empty((), dtype=dtype).element_size()
         self.kernels = 0
+        self._zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     # ---- the clock ------------------------------------------------------------------------
     def run(self, op: str, *, flops: float = 0.0, bytes: float = 0.0, dtype: str | None = None) -> float:
@@ -143,6 +147,20 @@ class EmulatedCompute:
               device: torch.device | str = "cpu") -> torch.Tensor:
         """Zeros of ``shape``: a zero-stride view of one element (no memory, no work)."""
         return torch.zeros((), dtype=dtype, device=device).expand(tuple(shape))
+
+    def zeros(self, shape: Sequence[int], dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> torch.Tensor:
+        """Contiguous zeros of ``shape`` for the host to read (rows to send): a view of one
+        zero buffer per dtype, grown to the largest request and never written, so that
+        sending modelled-size rows costs neither a gather nor a fill. Read-only."""
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        key = (dtype, torch.device(device))
+        buf = self._zeros.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._zeros[key] = torch.zeros(max(numel, 1), dtype=dtype, device=device)
+        return buf[:numel].view(*shape)
 
     def kernel(self, shape: Sequence[int], inputs: Sequence[torch.Tensor], fwd: Sequence[Kernel],
                bwd: Sequence[Kernel], dtype: torch.dtype | None = None) -> torch.Tensor:
