@@ -101,6 +101,7 @@ def test_emulated_report_predicts_the_cluster_time():
     assert rep["epoch_time_s"] == pytest.approx(1.75)  # median over epochs of the slowest rank
     assert rep["predicted_epoch_time_s"] == pytest.approx(0.175)
     assert rep["device_model"] == "a100" and rep["dilation"] == 10.0
+    assert rep["host_cpu_share_per_epoch"] == pytest.approx([0.3, 0.3])
 
 
 def test_one_rank_emulated_run_waits_for_its_device():
@@ -151,3 +152,54 @@ def test_two_rank_emulated_runs_move_the_real_bytes():
         assert all(b > 0 for b in e["device_busy_s_per_epoch_per_rank"])
         assert max(e["host_cpu_share_per_rank"]) < 0.6, e
         assert e["predicted_epoch_time_s"] == pytest.approx(e["epoch_time_s"] / K)
+
+
+def _overlap_probe(rank: int, world: int) -> dict:
+    """Whether the emulated device was busy each time a training exchange of adaqp /
+    adaqp-q began to wait for its bytes (patched in this forked rank only)."""
+    from commsched.cluster import device
+    from commsched.gnn.exchange import adaqp
+
+    clocks: list = []
+    init = device.DeviceClock.__init__
+
+    def register(self, *a, **kw):
+        init(self, *a, **kw)
+        clocks.append(self)
+
+    busy: list[bool] = []
+    send = adaqp.exchange_segments
+
+    def probed(*a, **kw):
+        h = send(*a, **kw)
+        wait = h.wait
+
+        def probe_wait():
+            busy.append(not clocks[-1].idle())
+            return wait()
+
+        h.wait = probe_wait
+        return h
+
+    device.DeviceClock.__init__ = register
+    adaqp.exchange_segments = probed
+    g = synthetic_graph(SYN)
+    part = make_parts(g, partition_nodes(g, world, "metis", 0), world)[rank]
+    out = {}
+    for mode in ("adaqp", "adaqp-q"):
+        busy.clear()
+        cfg = TrainConfig(mode=mode, layers=2, hidden=16, epochs=1, seed=1, compute="emulated", dilation=2000.0)
+        run_training(cfg, part)
+        out[mode] = list(busy)
+    return out
+
+
+def test_adaqp_overlaps_the_central_aggregation_with_the_exchange_and_adaqp_q_does_not():
+    """adaqp waits for its bytes (forward and backward) while the device runs the central
+    aggregation queued before; adaqp-q finishes each exchange with the device idle, the
+    central aggregation queued after it (a property of the order of events, not a timing)."""
+    res = run_ranks(2, _overlap_probe, timeout_s=240, pg_timeout_s=60)
+    for r in (0, 1):
+        # 2 forward exchanges, 1 backward (the input features take no gradient)
+        assert len(res[r]["adaqp"]) == 3 and all(res[r]["adaqp"]), res[r]
+        assert len(res[r]["adaqp-q"]) == 3 and not any(res[r]["adaqp-q"]), res[r]

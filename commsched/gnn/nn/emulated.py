@@ -14,8 +14,9 @@ sleeps only where a real host waits for its GPU: before it reads rows to send (t
 halo rows, the backward gradient rows, the encoded records of the quantized modes), before
 it reads the parameters' gradients (the gradient allreduce) and the loss, and at the end
 of the epoch. The communication stays real: every exchange moves the bytes it moves with
-real compute (the rows it gathers are real tensors of the modelled size), over the run's
-process groups.
+real compute (the rows it sends are real tensors of the modelled size: views of one
+shared zero buffer, :meth:`EmulatedCompute.zeros`, so the host neither gathers nor fills
+them), over the run's process groups.
 
 So the overlap of the modes is emulated as it runs on a GPU: a mode that overlaps
 (``adaqp``) queues the central aggregation and goes on to wait for the marginal exchange

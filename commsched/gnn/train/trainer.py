@@ -533,15 +533,17 @@ def emulated_report(cfg: TrainConfig, model_name: str, epochs_RE: Sequence[Seque
     the dilation k, each rank's host CPU share over its timed epochs (CPU seconds / wall
     seconds, :class:`~commsched.cluster.device.HostCPU`), its median device busy time per
     epoch, and the epoch time (the median over epochs of the slowest rank) with its
-    prediction on the real cluster (measured / k). ``epochs_RE[r][e]``: rank r's (host CPU
-    s, wall s, device busy s) of epoch e."""
+    prediction on the real cluster (measured / k); ``host_cpu_share_per_epoch``: each
+    epoch's largest share over the ranks. ``epochs_RE[r][e]``: rank r's (host CPU s, wall
+    s, device busy s) of epoch e."""
     k = cfg.dilation
     share = [sum(e[0] for e in r) / max(sum(e[1] for e in r), 1e-12) for r in epochs_RE]
     busy = [float(median([e[2] for e in r]) or 0.0) for r in epochs_RE]
     E = min((len(r) for r in epoch_time_s_RE), default=0)
     epoch = float(median([max(r[e] for r in epoch_time_s_RE) for e in range(E)]) or 0.0) if E else 0.0
+    per_epoch = [max(r[e][0] / max(r[e][1], 1e-12) for r in epochs_RE) for e in range(E)] if epochs_RE else []
     return {"device_model": model_name, "dilation": k, "host_cpu_share_per_rank": share,
-            "host_cpu_share_max": max(share, default=0.0),
+            "host_cpu_share_max": max(share, default=0.0), "host_cpu_share_per_epoch": per_epoch,
             "device_busy_s_per_epoch_per_rank": busy,
             "device_busy_share_max": max(busy, default=0.0) / epoch if epoch > 0 else 0.0,
             "epoch_time_s": epoch, "predicted_epoch_time_s": epoch / k,
