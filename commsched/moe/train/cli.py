@@ -93,15 +93,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(a: argparse.Namespace, ready: dict[str, Path]) -> int:
     cfg = config_from_args(a)
-    info = init_distributed(device=cfg.device)  # ValueError: --device cuda where it cannot run
+    # ValueError: --device cuda where it cannot run; the emulated device runs on the CPU
+    info = init_distributed(device=cfg.run_device)
     prepare_out(a.out, overwrite=a.overwrite, resume=a.resume)  # made (or refused) before any work
     ready["out"] = a.out
     if info.device.type == "cpu":
         torch.set_num_threads(1)  # ranks share the host's cores
     m = train(cfg, a.out, device=info.device, resume=a.resume)[0].to_dict()
     if dist.get_rank() == 0:
-        print(json.dumps({k: m[k] for k in ("impl", "schedule", "world_size", "step_time_s", "a2a_time_s",
-                                             "allreduce_time_s", "a2a_alone_time_s", "val_loss")}), flush=True)
+        line = {k: m[k] for k in ("impl", "schedule", "world_size", "step_time_s", "a2a_time_s",
+                                  "allreduce_time_s", "a2a_alone_time_s", "val_loss")}
+        if "emulation" in m:
+            em = m["emulation"]
+            line.update({k: em[k] for k in ("device_model", "dilation", "predicted_step_time_s", "startup_s")},
+                        host_cpu_share_max=max(em["host_cpu_share"]), peak_rss_mib_max=max(em["peak_rss_mib"]))
+        print(json.dumps(line), flush=True)
     if cfg.impl == "deepspeed":
         # DeepSpeed's CPU backend now and then aborts in its C++ teardown ("terminate called
         # without an active exception") after a run that finished and wrote its results;

@@ -48,7 +48,7 @@ _KEYS = ("config", "step", "rank", "world_size", "ep_size", "model", "optimizer"
 
 # configuration keys added after checkpoints were first written, with the value a checkpoint
 # without them was trained with: such a file still resumes under that value
-ADDED_KEYS = {"grad_bits": 32}
+ADDED_KEYS = {"grad_bits": 32, "compute": "real", "device_model": "a100", "dilation": 1.0}
 
 
 def checkpoint_path(out: str | os.PathLike, rank: int) -> Path:
@@ -75,7 +75,8 @@ def config_mismatch(mine: dict, theirs: dict) -> str | None:
                 out[f"{pre}{k}"] = v
         return out
 
-    a, b = flat(mine), flat({**ADDED_KEYS, **theirs})
+    added = {k: v for k, v in ADDED_KEYS.items() if k in mine}  # keys this run's record has
+    a, b = flat(mine), flat({**added, **theirs})
     diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     if not diff:
         return None

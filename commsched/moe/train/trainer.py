@@ -51,6 +51,14 @@ expert all-to-all (the compute stays in ``--dtype``): 16 sends its rows in bfloa
 rows to the experts as 8-bit rows of the shared codec and the rest in bfloat16
 (:func:`commsched.moe.model.dispatch.moe_wires`); the scheduler's observer times the shorter
 exchanges, so Lina's gaps are the measured ones.
+
+``--compute emulated --device-model NAME|FILE --dilation K`` (:mod:`commsched.moe.train.emulated`)
+puts every compute step of the model on an emulated GPU (a device clock: the roofline time
+of each kernel at the modelled sizes, times k) while the host sleeps, and keeps every
+collective real (the exchanges with rows of the modelled size, the gradient scheduler of
+every schedule); ``metrics.json`` then adds ``emulation`` (the device model, k, each rank's
+host CPU share and device busy time, the predicted step time on the real cluster: measured
+/ k, memory per rank, start-up time).
 """
 
 from __future__ import annotations
@@ -99,6 +107,8 @@ from .training import (
 
 if TYPE_CHECKING:
     from ...cluster.topology import Topology
+
+SYNTHETIC_SOURCE = "none (--compute emulated: the emulated device reads no text)"
 
 
 @dataclass
@@ -196,20 +206,26 @@ def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = 
     ``Topology.from_env()``, collective); with one host or one rank per host the reduction
     is flat (said once), uneven hosts are a ValueError."""
     rank = dist.get_rank()
-    dev = torch.device(device) if device is not None else group_device(cfg.device)
+    t_start = time.perf_counter()
+    dev = torch.device(device) if device is not None else group_device(cfg.run_device)
+    if cfg.emulated and dev.type != "cpu":
+        raise ValueError(f"--compute emulated runs on the CPU (a GPU emulated there), not on {dev}")
+    if resume and cfg.emulated:
+        raise ValueError("--resume: an emulated run has no weights to resume from (--compute emulated)")
     if resume and cfg.impl != "commsched":  # checkpoint_every: TrainConfig refuses it already
         raise ValueError("--resume is an option of --impl commsched; DeepSpeed's runs are not checkpointed here")
     if (cfg.checkpoint_every or resume) and out is None:
         raise ValueError("--checkpoint-every and --resume need an output folder (out) for the checkpoints")
     check_same_config(_comparable(cfg, resume), what="training configuration")
     ep = cfg.ep_size or dist.get_world_size()
-    corpus = load_corpus(cfg.corpus, max_bytes=cfg.max_corpus_bytes)
+    # the emulated device computes nothing, so it reads no text
+    corpus = None if cfg.emulated else load_corpus(cfg.corpus, max_bytes=cfg.max_corpus_bytes)
     show = (read_env().progress if progress is None else progress) and rank == 0
     t_wall = time.perf_counter()
     with Progress(cfg.steps, "moe-train", "step", enabled=show) as bar:
         if cfg.impl == "commsched":
             res = _train_commsched(cfg, corpus, ep, bar, dev, out=out, resume=resume, on_step=on_step,
-                                   topology=topology)
+                                   topology=topology, t_start=t_start)
         else:
             from .deepspeed_baseline import train_deepspeed  # it imports this module's helpers
 
@@ -217,7 +233,7 @@ def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = 
     res["wall_clock_s"] = time.perf_counter() - t_wall
     state = res.pop("state")
     gathered = all_gather_object(res, "gathering the training results")
-    metrics = summarize(cfg, gathered, ep, corpus.source)
+    metrics = summarize(cfg, gathered, ep, corpus.source if corpus is not None else SYNTHETIC_SOURCE)
     if out is not None and rank == 0:
         timeline = {"step": metrics.timeline_step, "ranks": [g.pop("timeline", []) for g in gathered]}
         write_json(out / "timeline.json", timeline, indent=None)
@@ -290,9 +306,10 @@ def _save_state(cfg: TrainConfig, out: Path, step: int, ep: int, model, opt, row
     train_state.drop_previous(path)
 
 
-def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
+def _train_commsched(cfg: TrainConfig, corpus: Corpus | None, ep: int, bar: Progress,
                      device: torch.device | str = "cpu", *, out: Path | None = None, resume: bool = False,
-                     on_step: Callable[[int], None] | None = None, topology: Topology | None = None) -> dict:
+                     on_step: Callable[[int], None] | None = None, topology: Topology | None = None,
+                     t_start: float | None = None) -> dict:
     device = torch.device(device)
     # threaded gloo groups carry CPU tensors only: a CUDA run keeps the backend's own groups
     threads = cfg.allreduce_threads if device.type == "cpu" else None
@@ -304,10 +321,19 @@ def _train_commsched(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
 
         hier = make_hier(topology if topology is not None else Topology.from_env(), threads=threads, run=run)
     events = A2AEvents()  # the MoE layers report here; each scheduler registers for its steps
-    model, sched_params = build_commsched(cfg, groups, events, device)
+    emu = None
+    if cfg.emulated:  # the model's compute on an emulated GPU (moe/train/emulated.py)
+        from .emulated import build_emulated, make_emulation
+
+        emu = make_emulation(cfg, dist.get_rank())
+        model, sched_params = build_emulated(cfg, groups, events, emu)
+        if t_start is not None:
+            emu.t_start = t_start
+    else:
+        model, sched_params = build_commsched(cfg, groups, events, device)
     try:
         return _train_loop(cfg, corpus, ep, bar, device, model, sched_params, events,
-                           out=out, resume=resume, on_step=on_step, hier=hier, run=run)
+                           out=out, resume=resume, on_step=on_step, hier=hier, run=run, emu=emu)
     finally:
         model.close()
         run.close()
@@ -340,17 +366,22 @@ def _fallback_exchange(opt, model: torch.nn.Module, dispatch: DispatchConfig) ->
 def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device: torch.device, model,
                 sched_params, events: A2AEvents, *, out: Path | None, resume: bool,
                 on_step: Callable[[int], None] | None, hier: HierGroups | None = None,
-                run: RunGroups | None = None) -> dict:
+                run: RunGroups | None = None, emu=None) -> dict:
     # --fallback-exchange: the fallback's reduction in fifo's buckets too
     buckets = {"fallback_buckets": True} if cfg.fallback_exchange else {}
     # --grad-bits: every reduction of the schedule summed in fewer bytes (quant/allreduce.py)
     launcher = None
-    if cfg.grad_bits != 32:
+    if cfg.grad_bits != 32 and emu is not None:  # the codec as device kernels
+        from .emulated import EmulatedCompressedLauncher
+
+        launcher = EmulatedCompressedLauncher(emu, cfg.grad_bits, seed=format_seed(cfg.seed, 0x6AD),
+                                              batch_bytes=cfg.grad_batch_bytes)
+    elif cfg.grad_bits != 32:
         launcher = CompressedLauncher(cfg.grad_bits, seed=format_seed(cfg.seed, 0x6AD),
                                       batch_bytes=cfg.grad_batch_bytes)
     try:
         return _train_steps(cfg, corpus, ep, bar, device, model, sched_params, events, buckets,
-                            launcher, out=out, resume=resume, on_step=on_step, hier=hier, run=run)
+                            launcher, out=out, resume=resume, on_step=on_step, hier=hier, run=run, emu=emu)
     finally:
         if launcher is not None:
             launcher.close()
@@ -359,12 +390,24 @@ def _train_loop(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device
 def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, device: torch.device, model,
                  sched_params, events: A2AEvents, buckets: dict, launcher, *, out: Path | None,
                  resume: bool, on_step: Callable[[int], None] | None, hier: HierGroups | None,
-                 run: RunGroups | None) -> dict:
+                 run: RunGroups | None, emu=None) -> dict:
+    """The training steps, then the probe steps and the evaluation. ``emu``: the emulated
+    device (``--compute emulated``, :mod:`commsched.moe.train.emulated`): no batches are
+    read, the optimizer is the time of Adam's step on the device, marks are the device's,
+    every step ends when its device work has (as ``loss.item()`` waits for it)."""
     rank = dist.get_rank()
     # the schedule's optimizer behind one step interface (priority/step.py): one Adam stepped
     # after the whole reduction, or under lina-overlap one Adam per module, stepped as its
     # reduction ends in the next forward pass (priority/runtime/overlap.py)
-    opt = make_grad_step(model, sched_params, cfg.schedule, lambda ps: torch.optim.Adam(ps, lr=cfg.lr),
+    if emu is not None:
+        from .emulated import DeviceMarks, EmulatedAdam, HostCPU, peak_rss_mib
+
+        def make_opt(ps):
+            return EmulatedAdam(ps, emu)
+    else:
+        def make_opt(ps):
+            return torch.optim.Adam(ps, lr=cfg.lr)
+    opt = make_grad_step(model, sched_params, cfg.schedule, make_opt,
                          device=device, hier=hier, groups=run, **buckets,
                          **({"launch": launcher} if launcher is not None else {}))
     if cfg.fallback_exchange:
@@ -388,7 +431,22 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
         del st
         bar.update(start)
     every = cfg.checkpoint_every if out is not None else 0
-    clock = Clock(device)  # host clock on the CPU, CUDA events on CUDA
+    # host clock on the CPU, CUDA events on CUDA, the device's stream on the emulated device
+    clock = Clock(device) if emu is None else DeviceMarks(emu.clock)
+
+    def batch(step: int):
+        if emu is not None:
+            return None, None
+        x, y = corpus.batch(B, S, seed=cfg.seed, step=step, rank=rank)
+        return to_device(x, device), to_device(y, device)
+
+    def settle() -> None:
+        """The emulated step's end: its device work done (what loss.item() waits for)."""
+        if emu is not None:
+            emu.wait()
+
+    host = None
+    t_first = None
 
     def comm_row(st: dict) -> dict:
         return {"a2a_s": st["a2a_blocked_s"], "a2a_inflight_s": st["a2a_time_s"],
@@ -397,8 +455,13 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
 
     with opt, events.register(opt.scheduler):  # opening builds the scheduler (collective)
         for step in range(start, cfg.steps):
-            x, y = corpus.batch(B, S, seed=cfg.seed, step=step, rank=rank)
-            x, y = to_device(x, device), to_device(y, device)
+            if emu is not None and step == max(cfg.warmup, start):  # the timed steps: host and device shares
+                t_first = time.perf_counter()
+                host = HostCPU().__enter__()
+                emu.clock.reset_stats()
+                rows0 = emu.rows_exchanged
+                wire0 = getattr(launcher, "wire_bytes_sent", 0)
+            x, y = batch(step)
             ckpt = every and ((step + 1) % every == 0 or step + 1 == cfg.steps)
             opt.before_forward()
             t0 = clock.mark()
@@ -414,9 +477,11 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
             t2 = clock.mark()
             # this step's timings; None while its reduction runs into the next forward pass
             st = opt.after_backward(sync=bool(ckpt) or step + 1 == cfg.steps)
+            settle()
             t3 = clock.mark()
             step_s, fwd_s, bwd_s = clock.seconds(t0, t3), clock.seconds(t0, t1), clock.seconds(t1, t2)
-            rows.append({"step_s": step_s, "fwd_s": fwd_s, "bwd_s": bwd_s, "loss": ce.item(),
+            rows.append({"step_s": step_s, "fwd_s": fwd_s, "bwd_s": bwd_s,
+                         "loss": ce.item() if ce is not None else None,
                          **(comm_row(st) if st is not None else {})})
             if step == tl_step and st is not None:
                 timeline = _timeline_dicts(opt.records)
@@ -426,7 +491,17 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
             if on_step is not None:
                 on_step(step + 1)
             bar.update(1)
-            bar.postfix(loss=f"{ce.item():.3f}", step_s=f"{step_s:.2f}")
+            bar.postfix(**({"loss": f"{ce.item():.3f}"} if ce is not None else {}), step_s=f"{step_s:.2f}")
+    emulation = None
+    if emu is not None and host is not None:
+        host.__exit__(None, None, None)
+        timed = cfg.steps - max(cfg.warmup, start)
+        emulation = {"host_cpu_share": host.share, "device_busy_s_per_step": emu.clock.busy_s / timed,
+                     "kernels_per_step": emu.clock.kernels / timed,
+                     "rows_exchanged_per_step": (emu.rows_exchanged - rows0) / timed,
+                     "startup_s": t_first - emu.t_start, "peak_rss_mib": peak_rss_mib(),
+                     **({"grad_wire_bytes_per_step": (launcher.wire_bytes_sent - wire0) / timed}
+                        if hasattr(launcher, "wire_bytes_sent") else {})}
     # closed: every update is in (the last step synchronized); lina-overlap's pre-hooks are gone
     # the all-to-all alone: allreduce held until after the backward pass, no optimizer step
     alone = []
@@ -435,16 +510,20 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
                           **({"microop_bytes": s.microop_bytes} if isinstance(s, MicroOpConfig) else {}))
     with GradScheduler(sched_params, serial, device=device, groups=run) as probe, events.register(probe):
         for i in range(cfg.probe_steps):
-            x, y = corpus.batch(B, S, seed=cfg.seed, step=cfg.steps + i, rank=rank)
-            x, y = to_device(x, device), to_device(y, device)
+            x, y = batch(cfg.steps + i)
             probe.begin_step()
             with autocast(cfg, device):
                 loss = model.loss(x, y)[0]
             loss.backward()
             alone.append(probe.finish()["a2a_blocked_s"])
+            settle()
             model.zero_grad(set_to_none=True)
-    val = evaluate(model, corpus, cfg, device)
-    state = {k: v.detach().cpu().clone() if v.device.type != "cpu" else v.detach().clone()
-             for k, v in model.state_dict().items()}
+    if emu is not None:  # synthetic weights: nothing to evaluate or return
+        val, state = None, {}
+    else:
+        val = evaluate(model, corpus, cfg, device)
+        state = {k: v.detach().cpu().clone() if v.device.type != "cpu" else v.detach().clone()
+                 for k, v in model.state_dict().items()}
     return {"rows": rows, "timeline": timeline, "a2a_alone_s": alone, "val_loss": val,
-            "sizes": sizes(model, cfg), "state": state, "resumed_from_step": start if resume else None}
+            "sizes": sizes(model, cfg), "state": state, "resumed_from_step": start if resume else None,
+            **({"emulation": emulation} if emulation is not None else {})}

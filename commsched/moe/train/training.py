@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...cluster.device import load_device_model
 from ...configurable import Config, check, option
 from ...dist import DEVICE_CHOICES
 from ...priority.policy import LinaConfig, OverlapPolicy, ScheduleConfig
@@ -26,6 +27,7 @@ from ..model.layer import DispatchConfig
 from ..model.lm import ModelConfig
 
 IMPLS = ("commsched", "deepspeed")
+COMPUTES = ("real", "emulated")  # --compute (commsched.moe.train.emulated)
 DTYPES = ("float32", "bfloat16")  # --dtype: the training compute and the all-to-all rows
 # the refusal of a runtime's option given to the other runtime (commsched.moe.train)
 FOREIGN_IMPL = "{flag} belongs to --impl {owners}, not to --impl {name}"
@@ -87,6 +89,13 @@ class TrainConfig(Config):
     grad_bits: int = option(32, "--impl commsched: width of the gradient reduction's messages: 32 exact; "
                                 "16 bfloat16; 8/4/2 the shared codec's stochastic row records "
                                 "(docs/moe.md, \"Compressed gradient reduction\")", choices=GRAD_BITS)
+    compute: str = option("real", "real: compute on this machine; emulated: every compute step of the model on an "
+                                  "emulated GPU (--device-model, --dilation), the host asleep, the communication "
+                                  "real (docs/moe.md, \"Emulated device\")", choices=COMPUTES)
+    device_model: str = option("a100", "--compute emulated: the GPU, a built-in model (a100, h100, h200) or a "
+                                       "model file (JSON)")
+    dilation: float = option(1.0, "--compute emulated: time dilation k, every device time multiplied by k "
+                                  "(the links are slowed by the same k outside; predicted time = measured / k)")
     grad_batch_bytes: int = option(DEFAULT_BATCH_BYTES, "--grad-bits 16/8/4/2: launches the ranks all hold "
                                    "queued are summed together, up to this many bytes, in one pair of "
                                    "collectives (the same bits; 0: one sum per launch)")
@@ -128,9 +137,31 @@ class TrainConfig(Config):
                 or self.grad_batch_bytes < 0:
             raise ValueError(f"--grad-batch-bytes must be an integer >= 0 (0: one sum per launch), "
                              f"got {self.grad_batch_bytes!r}")
+        if self.compute not in COMPUTES:
+            raise ValueError(f"--compute must be one of {COMPUTES}, got {self.compute!r}")
+        if not (isinstance(self.dilation, (int, float)) and not isinstance(self.dilation, bool)
+                and math.isfinite(self.dilation) and self.dilation > 0):
+            raise ValueError(f"--dilation must be a finite number > 0, got {self.dilation!r}")
+        if self.compute == "emulated":
+            if self.impl != "commsched":
+                raise ValueError("--compute emulated runs --impl commsched only: DeepSpeed's engine and MoE layer "
+                                 "compute on real tensors and cannot be put on the emulated device")
+            if self.device == "cuda":
+                raise ValueError("--compute emulated is a GPU emulated on the CPU: use --device cpu (or auto)")
+            if self.checkpoint_every:
+                raise ValueError("--checkpoint-every: an emulated run has no weights to save (--compute emulated)")
         if self.checkpoint_every and self.impl != "commsched":
             raise ValueError("--checkpoint-every is an option of --impl commsched; DeepSpeed's runs "
                              "are not checkpointed here")
+
+    @property
+    def emulated(self) -> bool:
+        return self.compute == "emulated"
+
+    @property
+    def run_device(self) -> str:
+        """The device choice the ranks run on: the CPU for the emulated device, else ``device``."""
+        return "cpu" if self.emulated else self.device
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -323,12 +354,36 @@ def summarize(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> T
         corpus=source,
         wall_clock_s=max(p["wall_clock_s"] for p in per_rank),
         config=json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),
-        extra={**({"deepspeed_comm_ops": per_rank[0]["ds_comm_ops"]} if "ds_comm_ops" in per_rank[0] else {}),
+        extra={**({"emulation": _emulation_summary(cfg, per_rank, step_time)} if cfg.emulated else {}),
+               **({"deepspeed_comm_ops": per_rank[0]["ds_comm_ops"]} if "ds_comm_ops" in per_rank[0] else {}),
                **({"comm_times_from": comm_from} if comm_from is not None else {}),
                **({"resumed_from_step": per_rank[0]["resumed_from_step"]}
                   if per_rank[0].get("resumed_from_step") is not None else {})},
     )
 
 
-__all__ = ["DTYPES", "DeepSpeedConfig", "FOREIGN_IMPL", "IMPLS", "TrainConfig", "TrainMetrics", "a2a_payload_bytes", "a2a_row_bytes", "autocast",
+def _emulation_summary(cfg: TrainConfig, per_rank: list[dict], step_time_s: float | None) -> dict:
+    """The ``emulation`` entry of ``metrics.json`` (``--compute emulated``) from every rank's
+    ``emulation`` result (:mod:`commsched.moe.train.emulated`)."""
+    em = [p["emulation"] for p in per_rank]
+    k = cfg.dilation
+    return {
+        "device_model": load_device_model(cfg.device_model).name,
+        "device_model_source": cfg.device_model,
+        "dilation": k,
+        "host_cpu_share": [e["host_cpu_share"] for e in em],
+        "device_busy_s_per_step": [e["device_busy_s_per_step"] for e in em],
+        "device_busy_share": [e["device_busy_s_per_step"] / step_time_s if step_time_s else None for e in em],
+        "predicted_step_time_s": step_time_s / k if step_time_s is not None else None,
+        "rows_exchanged_per_step": [e["rows_exchanged_per_step"] for e in em],
+        "peak_rss_mib": [e["peak_rss_mib"] for e in em],
+        "startup_s": max(e["startup_s"] for e in em),
+        "kernels_per_step": [e["kernels_per_step"] for e in em],
+        "host_cpu_share_total": sum(e["host_cpu_share"] for e in em),
+        **({"grad_wire_bytes_per_step": [e["grad_wire_bytes_per_step"] for e in em]}
+           if "grad_wire_bytes_per_step" in em[0] else {}),
+    }
+
+
+__all__ = ["COMPUTES", "DTYPES", "DeepSpeedConfig", "FOREIGN_IMPL", "IMPLS", "TrainConfig", "TrainMetrics", "a2a_payload_bytes", "a2a_row_bytes", "autocast",
            "evaluate", "sizes", "summarize", "to_device"]
