@@ -182,6 +182,11 @@ class AdaptiveExchange(AdaQPExchange):
             return [pay, meta.contiguous().view(torch.uint8)]
         return [sel.view(torch.uint8)]  # RAW
 
+    def _emulated_state(self, call) -> None:
+        """Emulated compute: no sign residual is kept (the rows have no values)."""
+        call.state["new"] = None
+        call.state["sign_sq"] = None
+
     def _end_encode(self, call) -> None:
         key, st = (call.layer, call.direction), call.state
         if st["new"] is None:

@@ -265,8 +265,9 @@ class AdaQPExchange(HaloExchange):
         and row width this run exchanges, so no epoch pays for compilation): on the CPU the
         compiled fast path, on CUDA the Triton kernels (``impl="auto"``). Rank 0 says on
         ``say`` (default: stderr) what it compiles and, after, how long it took. Nothing
-        with ``options.compile=False`` or ``COMMSCHED_COMPILE=0``."""
-        if self.world_size == 1 or not self.compiles:
+        with ``options.compile=False`` or ``COMMSCHED_COMPILE=0``, nor under emulated compute
+        (the codec's work is the emulated device's)."""
+        if self.world_size == 1 or not self.compiles or self.compute is not None:
             return
         say = say if self.rank == 0 else None
         if self.device.type != "cpu":
@@ -367,6 +368,7 @@ class AdaQPExchange(HaloExchange):
         else:
             impl = "compiled" if D in self._compiled_dims and rows.device.type == "cpu" else "auto"
         call = _Call(layer, direction, x, _mix_key(self.seed, self.rank, self._calls), impl)
+        emu = self.compute
         self._begin_encode(call)
         segs: list[list[torch.Tensor]] = [[] for _ in range(P)]
         for w, t in enumerate(send.widths):
@@ -379,12 +381,20 @@ class AdaQPExchange(HaloExchange):
                 for p in range(P):
                     segs[p] += [self._empty] * nseg
                 continue
-            sel = x if n == x.shape[0] else x.index_select(0, pos)
-            for piece in self._encode(call, t, sel, pos):
+            if emu is not None:  # the real wire layout of n rows, encoded on the emulated device
+                pieces = self._emulated_encode(call, t, x, pos)
+                emu.quant(n, D, sum(p.numel() * p.element_size() for p in pieces))
+            else:
+                sel = x if n == x.shape[0] else x.index_select(0, pos)
+                pieces = self._encode(call, t, sel, pos)
+            for piece in pieces:
                 o = 0
                 for p in range(P):
                     segs[p].append(piece[o:o + per_peer[p]].reshape(-1))
                     o += per_peer[p]
+        if emu is not None:
+            self._emulated_state(call)
+            emu.sync()  # the host sends the records next
         self._end_encode(call)
         self.dims[(layer, direction)] = D
         t1 = timer.mark()
@@ -400,6 +410,15 @@ class AdaQPExchange(HaloExchange):
             t_got = timer.mark()
             if predicted > 0:
                 self._measured.append((predicted, timer.clock, t_wire, t_got))
+            if emu is not None:  # decoded on the emulated device; the values are not needed
+                for w in range(len(recv.widths)):
+                    parts = [p for p in range(P) if recv.peer_rows[w][p]]
+                    nb = sum(got[p][s].numel() * got[p][s].element_size()
+                             for p in parts for s in recv.seg_of[w])
+                    if nb:
+                        emu.quant(int(recv.pos[w].numel()), D, nb)
+                timer.add_span("comm", t_got, timer.mark(), -1.0)
+                return emu.blank((sum(recv.counts), D), rows.dtype, rows.device)
             # rows of a width without segments arrive as zeros; otherwise every row is written
             new = torch.zeros if any(not s for s in recv.seg_of) else torch.empty
             out = new((sum(recv.counts), D), dtype=torch.float32, device=rows.device)
@@ -424,6 +443,18 @@ class AdaQPExchange(HaloExchange):
             return res
 
         return Pending(finish) if background else Pending.ready(finish())
+
+    # ---- emulated compute (--compute emulated): the wire layout without the work ------------
+    def _emulated_encode(self, call: "_Call", b: int, x: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:
+        """Zero segments of the ``pos.numel()`` rows at width ``b``, each the size the codec
+        gives (the layout of one row encoded for real, times the rows)."""
+        proto = self._encode(call, b, x[:1], pos[:1])
+        return [self.compute.zeros((int(pos.numel()), *p.shape[1:]), p.dtype, p.device) for p in proto]
+
+    def _emulated_state(self, call: "_Call") -> None:
+        """After an emulated encode: the rows have no values, so each row's range (what the
+        width assignment weighs) is taken as 1."""
+        call.state.fill_(1.0)
 
     # ---- the per-technique hooks of the skeleton (AdaQP's: stochastic bit widths) -------------
     def _begin_encode(self, call: "_Call") -> None:

@@ -78,6 +78,10 @@ class HaloExchange:
     """
 
     name = "base"
+    # an EmulatedCompute (--compute emulated, commsched.gnn.nn.emulated): the exchange's own
+    # kernels (the backward scatter, the codec) are queued on its device clock instead of
+    # run; the rows it sends are real. None: real compute
+    compute = None
 
     def __init__(self, ctx: ExchangeContext | PartitionBook):
         """``ctx``: what the exchange is built for (a bare book: the defaults around it)."""
@@ -165,7 +169,10 @@ class HaloExchange:
         if h_nF.shape[0] != self.book.num_owned:
             raise ValueError(f"halo exchange expects the {self.book.num_owned} owned rows, got "
                              f"{h_nF.shape[0]}")
-        rows = h_nF.detach().index_select(0, self.send_idx)
+        if self.compute is not None:  # emulated: the rows' values do not matter, their size does
+            rows = self.compute.zeros((int(self.send_idx.numel()), *h_nF.shape[1:]), h_nF.dtype, h_nF.device)
+        else:
+            rows = h_nF.detach().index_select(0, self.send_idx)
         t = ctx.timer.mark()
         pend = self._transfer(rows, layer, "forward", ctx)
         ctx.timer.add_span("comm", t, ctx.timer.mark())
@@ -223,8 +230,9 @@ class _BackwardLink:
         timer.add_span("comm", t, timer.mark())
         return out
 
-    def finish(self, dtype: torch.dtype) -> torch.Tensor:
-        """[n, F] gradient of the owned rows: the received rows added at ``send_idx``.
+    def finish(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """[n, F] gradient of the owned rows: the received rows added at ``send_idx`` (None
+        under emulated compute: the scatter is queued on the device, its values unused).
         The send node gets its gradient only through the receive node, so ``launch``
         always ran first; anything else is a bug in the graph, and raises."""
         n = self.ex.book.num_owned
@@ -238,6 +246,10 @@ class _BackwardLink:
         if self.token is not None:
             self.ctx.events.a2a_end(self.token)
             self.token = None
+        emu = self.ex.compute
+        if emu is not None:  # the scatter-add, on the emulated device; its values are not needed
+            emu.copy(int(rows.shape[0]), int(rows[0].numel()) if rows.shape[0] else 0, times=3.0)
+            return None
         out = torch.zeros((n, *self.row_shape), dtype=dtype, device=self.device)
         return out.index_add_(0, self.ex.send_idx, rows.to(dtype))
 

@@ -92,8 +92,9 @@ class OneBitExchange(HaloExchange):
 
     def prepare(self, dims: list[int], *, say: Callable[[str], None] | None = say_stderr) -> None:
         """Compile the CPU sign codec for the row widths whose exchanges hold at least
-        ``EXCHANGE_COMPILE_MIN_ELEMENTS`` values (rank 0 says so on ``say``)."""
-        if self.world_size == 1 or not self.compile or self.device.type != "cpu":
+        ``EXCHANGE_COMPILE_MIN_ELEMENTS`` values (rank 0 says so on ``say``); nothing under
+        emulated compute (the codec's work is the emulated device's)."""
+        if self.world_size == 1 or not self.compile or self.device.type != "cpu" or self.compute is not None:
             return
         n_min = min(sum(self.book.send_counts), sum(self.book.recv_counts))
         big = [d for d in sorted(set(dims)) if n_min * d >= EXCHANGE_COMPILE_MIN_ELEMENTS]
@@ -115,7 +116,7 @@ class OneBitExchange(HaloExchange):
         t0 = timer.mark()
         key = (layer, direction)
         err = None
-        if self.error_feedback:
+        if self.error_feedback and self.compute is None:
             err = self.errors.get(key)
             if err is None or tuple(err.shape) != tuple(rows.shape):
                 err = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
@@ -127,10 +128,17 @@ class OneBitExchange(HaloExchange):
             if self._finite is None:
                 self._finite = torch.ones((), dtype=torch.bool, device=rows.device)
             finite = self._finite
-        records, new_err = encode_signs(rows.to(torch.float32), error=err, compile=compiled,
-                                        finite=finite)
-        if new_err is not None:
-            self.errors[key] = new_err
+        emu = self.compute
+        if emu is not None:  # the records' real size, encoded on the emulated device
+            proto, _ = encode_signs(rows[:1].to(torch.float32), error=None, compile=False)
+            records = emu.zeros((int(rows.shape[0]), *proto.shape[1:]), proto.dtype, proto.device)
+            emu.quant(int(rows.shape[0]), D, records.numel())
+            emu.sync()  # the host sends them next
+        else:
+            records, new_err = encode_signs(rows.to(torch.float32), error=err, compile=compiled,
+                                            finite=finite)
+            if new_err is not None:
+                self.errors[key] = new_err
         t1 = timer.mark()
         timer.add_span("quant", t0, t1)
         timer.add_span("comm", t0, t1, -1.0)  # the caller times this call as comm; encoding is not
@@ -139,6 +147,9 @@ class OneBitExchange(HaloExchange):
         def finish() -> torch.Tensor:
             got = h.wait()
             t_got = timer.mark()
+            if emu is not None:  # decoded on the emulated device; the values are not needed
+                emu.quant(int(got.shape[0]), D, got.numel())
+                return emu.blank((int(got.shape[0]), D), rows.dtype, rows.device)
             out = decode_signs(got, D, compile=compiled).to(rows.dtype)
             t_done = timer.mark()
             timer.add_span("quant", t_got, t_done)

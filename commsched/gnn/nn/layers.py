@@ -41,6 +41,7 @@ from ..context import PassContext
 from ..exchange.halo import HaloExchange
 from ..graph.book import NORMS, Block, PartitionBook, split_blocks
 from ..timing import Breakdown
+from .emulated import conv_forward
 
 _M32 = 0xFFFFFFFF
 
@@ -221,6 +222,9 @@ class LocalGraph:
         self.seed = seed
         self.dropout_rng = dropout_rng
         self._blocks: dict[str, tuple[TorchBlock, TorchBlock]] = {}
+        # an EmulatedCompute (--compute emulated): the layers queue their kernels on its
+        # device clock instead of computing (commsched.gnn.nn.emulated); None: real compute
+        self.compute = None
 
     def blocks(self, norm: str) -> tuple[TorchBlock, TorchBlock]:
         if norm not in self._blocks:
@@ -285,6 +289,8 @@ class DistMessagePassing(nn.Module):
                 *, fused: bool | None = None) -> torch.Tensor:
         """New owned rows [n, H] from ``h_nF`` [n, F]; ``ctx``: the pass (see the module doc)."""
         ctx = ctx if ctx is not None else PassContext(training=self.training)
+        if g.compute is not None:
+            return conv_forward(self, h_nF, g, layer, ctx)
         handle = g.halo.start(h_nF, layer, ctx)
         central, marginal = g.blocks(self.norm)
         agg_c = self.propagate(central, h_nF, ctx.timer, "central", fused)
@@ -352,7 +358,13 @@ class DistGNN(nn.Module):
         ctx = ctx if ctx is not None else PassContext(training=self.training)
         h = x_nF
         last = len(self.convs) - 1
+        emu = g.compute
         for i, conv in enumerate(self.convs):
+            if emu is not None:  # the same kernels, on the emulated device
+                h = emu.dropout(h) if ctx.training and self.dropout > 0 else h
+                h = conv(h, g, i, ctx, fused=fused)
+                h = emu.norm_relu(h, self.norms[i]) if i < last else h
+                continue
             h = g.dropout(h, self.dropout, i, ctx)
             h = conv(h, g, i, ctx, fused=fused)
             if i < last:

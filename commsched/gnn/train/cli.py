@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(a: argparse.Namespace, ready: dict[str, str]) -> int:
     cfg = config_from_args(a)
     src = source_from_args(a) if (graph_args_given(a) or not a.partition_dir) else None
-    di = init_distributed(device=cfg.device)  # ValueError: --device cuda without (enough) GPUs
+    di = init_distributed(device="cpu" if cfg.emulated else cfg.device)  # ValueError: --device cuda without (enough) GPUs
     rank, world, device = di.rank, di.world_size, di.device
     # the run folder is made (or refused) before any work
     prepare_out(a.out, overwrite=a.overwrite, resume=a.resume)

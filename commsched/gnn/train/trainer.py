@@ -55,6 +55,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...clock import Clock
+from ...cluster.device import DeviceClock, HostCPU, load_device_model
 from ...comm.all2all import CommStats
 from ...configurable import Config, option
 from ...dist import (
@@ -77,12 +78,16 @@ from ..context import PassContext
 from ..exchange.halo import HaloExchange
 from ..exchange.modes import MODES, ExchangeConfig, recorded_options, resolve_config
 from ..graph.partition import PartData
+from ..nn.emulated import EmulatedCompute
 from ..nn.layers import DistMessagePassing
-from ..nn.models import LAYERS
+from ..nn.models import LAYERS, FastLayer
 from ..nn.pyg import DistGraph, _world, allreduce_grads
 from ..timing import Breakdown
 from .metrics import GNNMetrics, auc_from_histograms, auc_histograms, summarize
 
+COMPUTE = ("real", "emulated")
+# fields added after checkpoints were first written, with the value an older record means
+_ADDED_FIELDS = {"compute": "real", "device_model": "a100", "dilation": 1.0}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 # dtypes run as mixed precision: float32 parameters, autocast compute, this dtype on the wire
 MIXED_DTYPES = ("bfloat16",)
@@ -138,6 +143,13 @@ class TrainConfig(Config):
                             "gradient allreduce\")", choices=GRAD_BITS)
     device: str = option("cpu", "auto: CUDA when every local rank has its own GPU, else the CPU",
                          choices=DEVICE_CHOICES)
+    compute: str = option("real", "real: the ranks compute; emulated: every kernel occupies an emulated "
+                          "GPU (--device-model) for its roofline time x --dilation while the host sleeps, "
+                          "the communication real (docs/gnn.md, \"Emulated compute\")", choices=COMPUTE)
+    device_model: str = option("a100", "--compute emulated: the GPU, a built-in model (a100, h100, h200) "
+                               "or a model file (JSON)")
+    dilation: float = option(1.0, "--compute emulated: time dilation k (every device time x k; the "
+                             "predicted time on the real cluster is the measured time / k)")
 
     def __post_init__(self) -> None:
         ex = self.exchange
@@ -166,6 +178,31 @@ class TrainConfig(Config):
         check_grad_bits(self.grad_bits, "--grad-bits")
         if self.dropout_rng not in ("node", "local"):
             raise ValueError(f"dropout_rng must be node or local, got {self.dropout_rng!r}")
+        self._check_compute()
+
+    def _check_compute(self) -> None:
+        if self.compute not in COMPUTE:
+            raise ValueError(f"--compute must be one of {', '.join(COMPUTE)}, got {self.compute!r}")
+        if self.compute == "real":
+            if self.device_model != "a100" or self.dilation != 1.0:
+                raise ValueError("--device-model and --dilation are options of --compute emulated")
+            return
+        load_device_model(self.device_model)  # an unknown name or a bad file names the choices
+        if not (self.dilation > 0 and math.isfinite(self.dilation)):
+            raise ValueError(f"--dilation must be a finite number > 0, got {self.dilation}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--compute emulated models float32 or bfloat16 compute, not --dtype {self.dtype}")
+        if not isinstance(LAYERS[self.model], FastLayer):
+            raise ValueError(f"--compute emulated times commsched's own layers ({', '.join(emulated_models())}); "
+                             f"--model {self.model} is not one of them")
+        if self.device == "cuda":
+            raise ValueError("--compute emulated runs on the CPU (the device is emulated): "
+                             "use --device cpu or auto")
+
+    @property
+    def emulated(self) -> bool:
+        """Whether the compute is emulated (``compute == "emulated"``)."""
+        return self.compute == "emulated"
 
     def record(self) -> dict[str, Any]:
         """The config as metrics.json and checkpoints record it: every field (the exchange's
@@ -195,11 +232,16 @@ class TrainConfig(Config):
         return DTYPES[self.dtype] if self.mixed else None
 
 
+def emulated_models() -> tuple[str, ...]:
+    """The ``--model`` names that ``--compute emulated`` times (commsched's own layers)."""
+    return tuple(k for k, v in LAYERS.items() if isinstance(v, FastLayer))
+
+
 def _comparable(cfg: dict) -> dict:
     """The config entries a resumed run must share with its checkpoint: all but
     :data:`_RESUMABLE` and ``compile`` (compiled and uncompiled codecs give the same
     bits)."""
-    out = {k: v for k, v in cfg.items() if k not in _RESUMABLE}
+    out = {**_ADDED_FIELDS, **{k: v for k, v in cfg.items() if k not in _RESUMABLE}}
     for key in ("adaqp", "exchange"):
         if isinstance(out.get(key), dict):
             out[key] = {k: v for k, v in out[key].items() if k != "compile"}
@@ -262,6 +304,8 @@ class Trainer:
                            "partition": {"fingerprint": part.fingerprint, "num_parts": part.book.num_parts}},
                           group, what="training configuration")
         self.device = torch.device(device) if device is not None else run_device(cfg, group)
+        if cfg.emulated and self.device.type != "cpu":
+            raise ValueError(f"--compute emulated runs on the CPU (the device is emulated), not on {self.device}")
         self.clock = Clock(self.device)
         dev, dt = self.device, cfg.param_dtype
         # one stack: the part as a DistGraph (its exchange: the mode's config, or the given
@@ -276,6 +320,12 @@ class Trainer:
         # the quantized modes weigh messages by the model's edge normalisation
         self.halo = self.dgraph.halo
         self.graph = self.dgraph.local
+        # --compute emulated: the layers and the exchange queue their kernels on one device clock
+        self.emulated: EmulatedCompute | None = None
+        if cfg.emulated:
+            self.emulated = EmulatedCompute(DeviceClock(load_device_model(cfg.device_model), cfg.dilation),
+                                            dtype=cfg.torch_dtype)
+            self.graph.compute = self.halo.compute = self.emulated
         self._launcher: CompressedLauncher | None = None
         self._groups = RunGroups()
         self.grad_step = self._grad_step()
@@ -283,9 +333,12 @@ class Trainer:
         # the graph's rows on the device (one copy)
         self.x, self.y, self.masks = self.dgraph.x, self.dgraph.y, self.dgraph.masks
         self.totals = {k: max(int(part.totals[k]), 1) for k in ("train", "val", "test")}
+        self._train_rows = int(self.masks["train"].sum())
         self.epoch = 0  # epochs completed
         self.history: dict[str, list] = {"loss": [], "epoch_time_s": [], "breakdown_s": [],
                                          "bytes_sent": [], "bytes_sent_P": [], "eval": []}
+        if self.emulated is not None:  # per epoch: (host CPU s, wall s, device busy s)
+            self.history["emulated"] = []
         # the ranks compared the config above; input width per layer
         self.dgraph.setup(row_numel=part.num_features, check=False,
                           dims=[part.num_features] + [cfg.hidden] * (cfg.layers - 1))
@@ -344,24 +397,38 @@ class Trainer:
         ctx = PassContext(epoch=self.epoch, training=True, timer=Breakdown(self.clock),
                           stats=CommStats(self.world), events=gs.scheduler)
         self.model.train()
+        emu = self.emulated
+        cpu = HostCPU().__enter__() if emu is not None else None
+        busy0 = emu.clock.busy_s if emu is not None else 0.0
         t0 = self.clock.mark()
         self.halo.begin_epoch(ctx)
         gs.before_forward()
         out = self._forward(ctx)
         m = self.masks["train"]
-        loss = F.cross_entropy(out[m], self.y[m], reduction="sum") / self.totals["train"]
-        # the whole output joins the graph so that every rank runs every backward exchange
-        # (a rank without training nodes still forwards its peers' gradients); exact: + 0
-        loss = loss + out.sum() * 0.0
+        if emu is not None:  # the loss kernels on the emulated device (its value: 0)
+            loss = emu.loss(out, int(self._train_rows))
+        else:
+            loss = F.cross_entropy(out[m], self.y[m], reduction="sum") / self.totals["train"]
+            # the whole output joins the graph so that every rank runs every backward exchange
+            # (a rank without training nodes still forwards its peers' gradients); exact: + 0
+            loss = loss + out.sum() * 0.0
         self._step_ended(gs.before_backward())
         loss.backward()
         # the reduction ran during the backward pass; what is left is waited for here
         # (lina-overlap: its tail runs on into the next forward pass, but for the last epoch)
         with ctx.timer.time("reduce"):
             self._step_ended(gs.after_backward(sync=self.epoch + 1 == self.cfg.epochs))
+            if emu is not None:
+                emu.sync()  # the host reads the loss
             loss_all = self._allreduce_loss(loss.detach())
+        if emu is not None:  # Adam on the device, after the sums arrived; the epoch ends with it
+            emu.optimizer([p for p in self.model.parameters() if p.requires_grad])
+            emu.sync()
         self.halo.end_epoch(ctx)
         dt = self.clock.seconds(t0, self.clock.mark())
+        if cpu is not None:
+            cpu.__exit__(None, None, None)
+            self.history["emulated"].append((cpu.cpu_s, cpu.wall_s, emu.clock.busy_s - busy0))
         self.history["loss"].append(loss_all)
         self.history["epoch_time_s"].append(dt)
         self.history["breakdown_s"].append(ctx.timer.as_dict())
@@ -455,6 +522,29 @@ class Trainer:
             raise OutputError(err if self.rank == 0 else f"rank 0: {err}")
 
 
+def emulated_report(cfg: TrainConfig, model_name: str, epochs_RE: Sequence[Sequence[Sequence[float]]],
+                    epoch_time_s_RE: Sequence[Sequence[float]], *, setup_s: float) -> dict[str, Any]:
+    """metrics.json's ``emulated`` entry of a ``--compute emulated`` run: the device model,
+    the dilation k, each rank's host CPU share over its timed epochs (CPU seconds / wall
+    seconds, :class:`~commsched.cluster.device.HostCPU`), its median device busy time per
+    epoch, and the epoch time (the median over epochs of the slowest rank) with its
+    prediction on the real cluster (measured / k); ``host_cpu_share_per_epoch``: each
+    epoch's largest share over the ranks. ``epochs_RE[r][e]``: rank r's (host CPU s, wall
+    s, device busy s) of epoch e."""
+    k = cfg.dilation
+    share = [sum(e[0] for e in r) / max(sum(e[1] for e in r), 1e-12) for r in epochs_RE]
+    busy = [float(median([e[2] for e in r]) or 0.0) for r in epochs_RE]
+    E = min((len(r) for r in epoch_time_s_RE), default=0)
+    epoch = float(median([max(r[e] for r in epoch_time_s_RE) for e in range(E)]) or 0.0) if E else 0.0
+    per_epoch = [max(r[e][0] / max(r[e][1], 1e-12) for r in epochs_RE) for e in range(E)] if epochs_RE else []
+    return {"device_model": model_name, "dilation": k, "host_cpu_share_per_rank": share,
+            "host_cpu_share_max": max(share, default=0.0), "host_cpu_share_per_epoch": per_epoch,
+            "device_busy_s_per_epoch_per_rank": busy,
+            "device_busy_share_max": max(busy, default=0.0) / epoch if epoch > 0 else 0.0,
+            "epoch_time_s": epoch, "predicted_epoch_time_s": epoch / k,
+            "setup_s": setup_s}
+
+
 # --------------------------------------------------------------------------- a whole run
 def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike | None = None,
                  resume: bool = False, group=None, progress: bool = False,
@@ -473,6 +563,7 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
     ranks on one host (``intra``) and on different hosts (``inter``), all ranks summed."""
     t_start = time.perf_counter()
     tr = Trainer(cfg, part, group=group, exchange=exchange, device=device)
+    tr.setup_s = time.perf_counter() - t_start
     try:
         return _run(tr, cfg, part, out_dir, resume, progress, dataset, extra, on_epoch, hosts_P, t_start)
     finally:
@@ -516,11 +607,17 @@ def _run(tr: Trainer, cfg: TrainConfig, part: PartData, out_dir, resume: bool, p
     mine = {k: tr.history[k] for k in ("epoch_time_s", "breakdown_s", "bytes_sent", "bytes_sent_P")}
     mine["peak_rss_mib"] = peak_rss_mib()
     mine["book"] = tr.part.book.summary()
+    if tr.emulated is not None:
+        mine["emulated"] = tr.history["emulated"]
     per_rank = all_gather_object(mine, "gathering per-rank results", tr.group) if tr.world > 1 else [mine]
     # the exchange's entries, with what its work cost over this invocation (rank 0's wall clock)
     run = tr.halo.run_report(wall_s=time.perf_counter() - t_start, first_epoch=e0,
                              epoch_time_s_RE=[r["epoch_time_s"] for r in per_rank])
     extra = {**(extra or {}), **run, "device": str(tr.device)}
+    if tr.emulated is not None:
+        extra["emulated"] = emulated_report(cfg, tr.emulated.clock.model.name,
+                                            [r["emulated"] for r in per_rank],
+                                            [r["epoch_time_s"] for r in per_rank], setup_s=tr.setup_s)
     if hosts_P is not None and tr.world > 1:
         extra["bytes_per_epoch_by_class"] = bytes_by_class(
             [r["bytes_sent_P"] for r in per_rank], hosts_P)
@@ -532,5 +629,5 @@ def _run(tr: Trainer, cfg: TrainConfig, part: PartData, out_dir, resume: bool, p
     return metrics.to_dict(), tr
 
 
-__all__ = ["CHECKPOINT", "DTYPES", "MIXED_DTYPES", "TrainConfig", "Trainer", "allreduce_grads", "bytes_by_class", "peak_rss_mib",
+__all__ = ["CHECKPOINT", "COMPUTE", "DTYPES", "emulated_models", "emulated_report", "MIXED_DTYPES", "TrainConfig", "Trainer", "allreduce_grads", "bytes_by_class", "peak_rss_mib",
            "run_device", "run_training"]
