@@ -323,8 +323,9 @@ def cluster_table(records: dict[str, dict], *, cluster: ClusterPreset | None, di
     head = cluster.describe() if cluster is not None else f"no cluster preset; {ranks} ranks, k = {k:g}"
     lines = [f"{head}.", "",
              f"| variant | measured {unit} (s) | predicted on the cluster (s, / k = {k:g}) | host CPU share per rank "
-             f"(max; limit {limit:.3g}) | ranks over the limit | memory per rank (MiB, max) | start-up (s) |",
-             "|---|---|---|---|---|---|---|"]
+             f"(max; limit {limit:.3g}) | ranks over the limit | memory per rank (MiB, max) | start-up (s) | "
+             "the run's processes: cores busy |",
+             "|---|---|---|---|---|---|---|---|"]
     out: dict = {"host_cpu_limit": limit, "dilation": k}
     for v, r in records.items():
         shares = [x for x in r.get("host_cpu_share") or [] if isinstance(x, (int, float))]
@@ -338,11 +339,12 @@ def cluster_table(records: dict[str, dict], *, cluster: ClusterPreset | None, di
             return "-" if x is None else format(x, fmt)
         lines.append(f"| {v} | {f(t)} | {f(predicted(t))} | {f(max(shares, default=None), '.3f')} | "
                      f"{over}/{len(shares)}{' **host-bound**' if over else ''} | {f(max(rss, default=None), '.0f')} | "
-                     f"{f(r.get('startup_s'), '.3g')} |")
+                     f"{f(r.get('startup_s'), '.3g')} | {f(r.get('run_cpu_share'), '.3g')} |")
     lines += ["", f"Host CPU share: process CPU time over wall time per rank; the limit is {CPU_SHARE_OF_CORES} x "
                   f"{cores} cores / {ranks} ranks (the ranks together at most half the machine), above "
                   "which a run is flagged host-bound (its times then measure this machine's CPU, not the "
-                  "emulated cluster)."]
+                  "emulated cluster). The last column: CPU seconds of all the run's processes (start-up, the "
+                  "launcher and the emulator included) over its wall time."]
     return "\n".join(lines), out
 
 

@@ -300,6 +300,7 @@ def run_variant(variant: Variant, nproc: int, out_dir: Path, ctx: RunContext,
                COMMSCHED_PROGRESS="0", **ctx.env)
     log = out_dir / "log.txt"
     t0 = time.perf_counter()
+    cpu0 = _children_cpu_s()
     with open(log, "w") as f, _stop_signals_raise() as stops:
         f.write("# " + shlex.join(cmd) + "\n")
         f.flush()
@@ -331,8 +332,20 @@ def run_variant(variant: Variant, nproc: int, out_dir: Path, ctx: RunContext,
     if not mpath.exists():
         raise RuntimeError(f"variant {variant.name} wrote no metrics.json; log: {log}")
     m = json.loads(mpath.read_text())
-    m.setdefault("bench_wall_s", time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    m.setdefault("bench_wall_s", wall)
+    # the whole run's CPU (every process of it, start-up included) over its wall time: the
+    # cores it kept busy on this machine
+    m.setdefault("bench_cpu_share", (_children_cpu_s() - cpu0) / wall if wall > 0 else None)
     return m
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's waited-for descendants so far."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def summarize_runs(workload: Workload, runs: dict[str, list[dict]]) -> dict:

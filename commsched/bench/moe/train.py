@@ -308,7 +308,7 @@ def _q8_rows(runs, med, rep_ratio, quantized: list[str]) -> list[tuple]:
             (f"all-to-all: lina / {v}", rep_ratio("lina", v, "a2a_time_s"), "x"),
         ]
         c, f = runs[v][0].get("loss"), runs.get("fifo", [{}])[0].get("loss")
-        if c and f:
+        if c and f and None not in c and None not in f:
             rows.append((f"loss: {v} largest per-step gap to fifo, relative (goal <= 0.01)",
                          max(abs(a - b) / b for a, b in zip(c, f)), ""))
     mine = {v: med[v]["step_time_s"] for v in ours(med) if med[v]["step_time_s"]}
@@ -432,7 +432,9 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
     for name, val, unit in rows:
         lines.append(f"| {name} | {val if isinstance(val, str) else _fmt(val, unit)} |")
     # loss curves: largest per-step gap between variants (repeat 0), and final losses
-    curves = {v: rs[0]["loss"] for v, rs in runs.items() if rs and rs[0].get("loss")}
+    # (an emulated run has no loss values: its curve is left out)
+    curves = {v: rs[0]["loss"] for v, rs in runs.items()
+              if rs and rs[0].get("loss") and all(x is not None for x in rs[0]["loss"])}
     loss_lines = ["| variant | first loss | last loss | max gap to fifo | held-out loss |", "|---|---|---|---|---|"]
     for v, c in curves.items():
         gap = max(abs(a - b) for a, b in zip(c, curves["fifo"])) if "fifo" in curves else None
@@ -487,7 +489,7 @@ def _cluster_section(runs: dict[str, list[dict]], args, med: dict) -> tuple[str,
         recs[v] = {"time_s": med[v]["step_time_s"],
                    "host_cpu_share": [x for e in em for x in e.get("host_cpu_share") or []],
                    "peak_rss_mib": [x for e in em for x in e.get("peak_rss_mib") or []],
-                   "startup_s": median_of(rs, "emulation.startup_s")}
+                   "startup_s": median_of(rs, "emulation.startup_s"), "run_cpu_share": median_of(rs, "bench_cpu_share")}
     table, out = cluster_table(recs, cluster=getattr(args, "cluster", None), dilation=args.dilation,
                                ranks=args.nproc * (getattr(args, "hosts", 1) or 1), cores=os.cpu_count() or 1)
     fifo = med.get("fifo") or {}
