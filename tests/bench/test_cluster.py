@@ -79,3 +79,31 @@ def test_moe_infer_variants_on_the_emulated_cluster(tmp_path):
         em = c.emulation
         assert (em.device_model, em.dilation) == ("a100", p.dilation)
         assert em.gpu().name == "a100"
+
+
+def _emulated_metrics(step: float, a2a: float, alone: float, share: float) -> dict:
+    return {"impl": "commsched", "world_size": 8, "loss": [None] * 4, "step_time_s": step, "a2a_time_s": a2a,
+            "a2a_alone_time_s": alone, "allreduce_time_s": step / 2, "step_times_s": [step] * 4,
+            "sizes": {"non_expert_grad_bytes": 4 << 20, "a2a_payload_bytes_per_step": 1 << 20},
+            "bench_cpu_share": 0.4,
+            "emulation": {"host_cpu_share": [0.03] * 7 + [share], "peak_rss_mib": [700.0] * 8, "startup_s": 30.0}}
+
+
+def test_moe_train_summary_on_the_emulated_cluster(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # the limit: 0.5 x 2 cores / 8 ranks
+    p = load_preset("a100x8-ib100")
+    wl = load_workload("moe-train")
+    _, a = _variants("moe-train", ["--cluster", p.name])
+    runs = {"fifo": [_emulated_metrics(10.0, 3.4, 1.85, 0.05)], "lina": [_emulated_metrics(8.0, 2.0, 1.9, 0.2)]}
+    s = wl.summarize(runs, a, tmp_path)
+    c = s["cluster"]
+    assert c["dilation"] == 200 and c["fifo"]["predicted_s"] == pytest.approx(0.05)
+    assert not c["fifo"]["host_bound"] and c["lina"]["host_bound"]   # 0.2 > 0.125
+    f = c["faithfulness"]
+    assert f["a2a_share_fifo"] == pytest.approx(0.34) and f["a2a_share_within_band"]
+    assert f["contention_fifo"] == pytest.approx(3.4 / 1.85) and f["contention_within_band"]
+    table = s["extra_tables"]["Emulated cluster"]
+    assert "k = 200" in table and "deepspeed left out" in table and "host-bound" in table
+    assert "Loss curves" in s["extra_tables"] and "| fifo |" not in s["extra_tables"]["Loss curves"]
