@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from ..cluster.presets import CLUSTERS
 from ..config import read_env
 from ..configurable import to_arguments
 from ..results import FAILED_MARKER, Progress, median, pick, write_json
@@ -444,7 +445,7 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
                "loopback: concurrent collectives share the rate per collective, in equal htb classes, or "
                "per TCP flow, one tbf), --cluster NAME (a cluster preset of commsched.cluster.presets: "
                "its hosts, ranks per host and links dilated by its k, and the workload's device model and "
-               "model shapes; every variant on the emulated device)."
+               f"model shapes; every variant on the emulated device; one of {', '.join(CLUSTERS)})."
                + (f" Default regime of this workload: {workload.default_bandwidth}" if workload.default_bandwidth else "")
                + (f", link model {workload.default_link_model}." if workload.default_bandwidth else ""))
     p.add_argument("--nproc", type=int, default=4,
