@@ -323,7 +323,7 @@ def cluster_table(records: dict[str, dict], *, cluster: ClusterPreset | None, di
     head = cluster.describe() if cluster is not None else f"no cluster preset; {ranks} ranks, k = {k:g}"
     lines = [f"{head}.", "",
              f"| variant | measured {unit} (s) | predicted on the cluster (s, / k = {k:g}) | host CPU share per rank "
-             f"(max; limit {limit:.3g}) | ranks over the limit | memory per rank (MiB, max) | start-up (s) | "
+             f"(max; limit {limit:.3g}) | ranks over the limit (all repeats) | memory per rank (MiB, max) | start-up (s) | "
              "the run's processes: cores busy |",
              "|---|---|---|---|---|---|---|---|"]
     out: dict = {"host_cpu_limit": limit, "dilation": k}

@@ -106,4 +106,4 @@ def test_moe_train_summary_on_the_emulated_cluster(tmp_path, monkeypatch):
     assert f["contention_fifo"] == pytest.approx(3.4 / 1.85) and f["contention_within_band"]
     table = s["extra_tables"]["Emulated cluster"]
     assert "k = 200" in table and "deepspeed left out" in table and "host-bound" in table
-    assert "Loss curves" in s["extra_tables"] and "| fifo |" not in s["extra_tables"]["Loss curves"]
+    assert "Loss curves" not in s["extra_tables"]  # an emulated run has no loss values

@@ -461,7 +461,7 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
                 f"{args.credit_bytes if args.credit_bytes is not None else f'{DEFAULT_CREDIT_MICROOPS} micro-ops'}; fifo buckets {args.bucket_bytes} B; "
                 f"allreduce group: {args.allreduce_threads} gloo threads")
     tables = {"Lina against fifo and DeepSpeed (medians of per-repeat ratios)": "\n".join(lines),
-              "Loss curves": "\n".join(loss_lines), "Configuration": cfg_line}
+              **({"Loss curves": "\n".join(loss_lines)} if curves else {}), "Configuration": cfg_line}
     extra = {}
     if emulated(args):
         tables["Emulated cluster"], extra["cluster"] = _cluster_section(runs, args, med)
