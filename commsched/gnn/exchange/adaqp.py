@@ -417,7 +417,9 @@ class AdaQPExchange(HaloExchange):
                              for p in parts for s in recv.seg_of[w])
                     if nb:
                         emu.quant(int(recv.pos[w].numel()), D, nb)
-                timer.add_span("comm", t_got, timer.mark(), -1.0)
+                t_done = timer.mark()
+                timer.add_span("quant", t_got, t_done)
+                timer.add_span("comm", t_got, t_done, -1.0)
                 return emu.blank((sum(recv.counts), D), rows.dtype, rows.device)
             # rows of a width without segments arrive as zeros; otherwise every row is written
             new = torch.zeros if any(not s for s in recv.seg_of) else torch.empty

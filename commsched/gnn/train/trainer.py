@@ -31,6 +31,14 @@ blocks, the exchange's indices. Epoch times and the breakdown are taken with a
 :class:`commsched.clock.Clock` of that device (CUDA events on CUDA, ``perf_counter`` on
 the CPU).
 
+**Compute.** ``compute="emulated"`` (``--compute emulated --device-model NAME|FILE
+--dilation K``): the layers, the loss, Adam and the exchanges' own kernels are queued on
+the rank's :class:`~commsched.cluster.device.DeviceClock` for their roofline time on the
+device model (times K) instead of computed (:mod:`commsched.gnn.nn.emulated`); the host
+sleeps where a real host waits for its GPU, and every exchange and the gradient
+reduction move their real bytes. metrics.json gains ``emulated`` (:func:`emulated_report`).
+``compute="real"`` (default) changes nothing.
+
 **dtype.** ``float32`` (default) and ``float64`` are the dtype of everything.
 ``bfloat16`` is the mixed-precision full-precision baseline (``vanilla``, ``adaqp-p``,
 ``nocomm``, ``pipegcn``, ``bns`` only): parameters, optimizer, loss and the gradient allreduce stay float32;
@@ -113,7 +121,8 @@ class TrainConfig(Config):
     ``device``: one of :data:`commsched.dist.DEVICE_CHOICES` (``auto``: CUDA when every
     local rank has its own GPU); the library default is the CPU, ``--device`` defaults to
     ``auto``. ``dtype``: see the module doc (``bfloat16``: the mixed-precision baseline of
-    the full-precision modes). The field metadata are the command line's flags
+    the full-precision modes). ``compute``, ``device_model``, ``dilation``: see the module
+    doc ("Compute"). The field metadata are the command line's flags
     (:func:`commsched.configurable.add_arguments`).
     """
 
@@ -307,6 +316,7 @@ class Trainer:
         if cfg.emulated and self.device.type != "cpu":
             raise ValueError(f"--compute emulated runs on the CPU (the device is emulated), not on {self.device}")
         self.clock = Clock(self.device)
+        self.setup_s = 0.0  # seconds to build this trainer (run_training measures it)
         dev, dt = self.device, cfg.param_dtype
         # one stack: the part as a DistGraph (its exchange: the mode's config, or the given
         # one), the model from the layer registry over it (own fast-path layers or PyG ones)
@@ -629,5 +639,5 @@ def _run(tr: Trainer, cfg: TrainConfig, part: PartData, out_dir, resume: bool, p
     return metrics.to_dict(), tr
 
 
-__all__ = ["CHECKPOINT", "COMPUTE", "DTYPES", "emulated_models", "emulated_report", "MIXED_DTYPES", "TrainConfig", "Trainer", "allreduce_grads", "bytes_by_class", "peak_rss_mib",
-           "run_device", "run_training"]
+__all__ = ["CHECKPOINT", "COMPUTE", "DTYPES", "MIXED_DTYPES", "TrainConfig", "Trainer", "allreduce_grads",
+           "bytes_by_class", "emulated_models", "emulated_report", "peak_rss_mib", "run_device", "run_training"]
