@@ -38,6 +38,7 @@ from ..cluster.netem import (
     parse_optional_rate,
     parse_rate,
 )
+from ..cluster.presets import ClusterPreset, load_preset
 from .runner import RunContext, Workload, torchrun_command
 
 # run this file's main() without importing the commsched package: python -c _STANDALONE PATH ARGS...
@@ -113,9 +114,14 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
     wl = workload
     name = wl.name if wl is not None else "WORKLOAD"
     ns, rest, device, nproc = _emulation_options(argv, name)
+    cluster = _apply_cluster(ns, rest, wl, nproc) if ns.cluster is not None else None
+    if cluster is not None:
+        rest = rest if _has_flag(rest, "--nproc") else [*rest, "--nproc", str(cluster.ranks_per_host)]
+        nproc = cluster.ranks_per_host
     nccl = nccl_possible(device, _torch_gpus() if gpus is None else gpus, nproc)
-    flags = tuple(a for k, v in (("--bandwidth", ns.bandwidth), ("--hosts", ns.hosts), ("--delay", ns.delay),
-                                 ("--host-rate", ns.host_rate), ("--link-model", ns.link_model))
+    flags = tuple(a for k, v in (("--cluster", ns.cluster), ("--bandwidth", None if cluster else ns.bandwidth), ("--hosts", None if cluster else ns.hosts),
+                                 ("--delay", ns.delay), ("--host-rate", None if cluster else ns.host_rate),
+                                 ("--link-model", ns.link_model))
                   if v is not None for a in (k, str(v)))
     rate = parse_optional_rate(ns.bandwidth)
     hosts = 1 if ns.hosts is None else ns.hosts
@@ -149,11 +155,14 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
             "rate_bps": rate, "delay_ms": ns.delay, "host_rate_bps": host_rate,
             "nproc_meaning": "processes per host" if hosts > 1 else "processes (ranks)",
             "layout": _layout_text(hosts, host_rate, classes, host_classes, link_model)}
+    if cluster is not None:
+        info["cluster"] = cluster.name
+        info["cluster_description"] = cluster.describe()
     if hosts == 1:
         return RunContext(wrap=lambda cmd: prefix + list(cmd), bandwidth=format_rate(rate) if rate else None,
                           note="; ".join(notes), hosts=1, delay_ms=ns.delay, rate_bps=rate,
                           info=info, flags=flags, link_model=link_model,
-                          reduce_address=classes[0] if classes else None), rest
+                          reduce_address=classes[0] if classes else None, cluster=cluster), rest
 
     def launch(variant, nproc: int, out_dir) -> list[str]:
         return prefix + torchrun_command(variant, nproc, out_dir, nnodes=hosts, node_rank="{host}",
@@ -162,8 +171,35 @@ def bench_context(workload: Workload | None, argv: Sequence[str], *, euid: int |
 
     return RunContext(bandwidth=format_rate(rate) if rate else None, note="; ".join(notes), hosts=hosts,
                       delay_ms=ns.delay, rate_bps=rate, launch=launch, info=info, flags=flags,
-                      link_model=link_model,
+                      link_model=link_model, cluster=cluster,
                       reduce_address=REDUCE_CLASS_PLACEHOLDER if host_classes else None), rest
+
+
+def _has_flag(argv: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _apply_cluster(ns: argparse.Namespace, rest: list[str], wl: Workload | None, nproc_seen: int) -> ClusterPreset:
+    """``--cluster NAME``: the preset's hosts, NIC rate (``--bandwidth``) and intra-host
+    rate (``--host-rate``), dilated (:mod:`commsched.cluster.presets`), written into ``ns``.
+    Refuses the options the preset sets, a ``--nproc`` other than its ranks per host, and a
+    workload without cluster defaults."""
+    preset = load_preset(ns.cluster)
+    if wl is not None and wl.cluster_defaults is None:
+        raise ValueError(f"commsched bench {wl.name} has no --cluster presets (they apply to moe-train, gnn "
+                         "and moe-infer)")
+    given = [f for f, v in (("--bandwidth", ns.bandwidth), ("--hosts", ns.hosts), ("--host-rate", ns.host_rate))
+             if v is not None]
+    if given:
+        raise ValueError(f"--cluster {preset.name} sets {', '.join(given)} (its links, dilated by k = "
+                         f"{preset.dilation:g}); drop them, or drop --cluster to set the links yourself")
+    if _has_flag(rest, "--nproc") and nproc_seen != preset.ranks_per_host:
+        raise ValueError(f"--cluster {preset.name} runs {preset.ranks_per_host} ranks per host; drop --nproc "
+                         f"{nproc_seen}")
+    ns.bandwidth = f"{preset.nic_emulated_bps}bit"
+    ns.hosts = preset.hosts
+    ns.host_rate = f"{preset.intra_carried_bps}bit"
+    return preset
 
 
 def _check_can_emulate(name: str, device: str, *, inline: bool, nccl: bool, problem: str | None,
@@ -195,6 +231,7 @@ def _emulation_options(argv: Sequence[str], name: str) -> tuple[argparse.Namespa
     p.add_argument("--delay", type=float, default=None)
     p.add_argument("--host-rate", default=None)
     p.add_argument("--link-model", default=None)
+    p.add_argument("--cluster", default=None)
     ns, rest = p.parse_known_args(list(argv))
     if ns.link_model is not None and ns.link_model not in LINK_MODELS:
         raise ValueError(f"--link-model must be one of {', '.join(LINK_MODELS)}, got {ns.link_model!r}")
@@ -257,5 +294,59 @@ def _link_model(asked: str | None, wl: Workload | None, rate: int | None, hosts:
     return model
 
 
-__all__ = ["EmulationUnavailable", "LINK_MODELS", "REDUCE_CLASS_ADDRESS", "REDUCE_CLASS_PLACEHOLDER", "bench_context",
+# --cluster: a run is host-bound when its ranks together keep more than this share of the
+# machine's cores busy; per rank: CPU_SHARE_OF_CORES * cores / ranks (process CPU time over
+# wall time of the timed steps)
+CPU_SHARE_OF_CORES = 0.5
+
+
+def host_cpu_limit(cores: int, ranks: int) -> float:
+    """The host CPU share a rank may keep (pure): half of its fair share of the cores."""
+    return CPU_SHARE_OF_CORES * cores / max(ranks, 1)
+
+
+def cluster_table(records: dict[str, dict], *, cluster: ClusterPreset | None, dilation: float, ranks: int, cores: int,
+                  unit: str = "step") -> tuple[str, dict]:
+    """The ``--cluster`` summary table (pure): per variant its measured ``time_s`` (median
+    per ``unit``), the predicted time on the real cluster (measured / k), its ranks' host CPU
+    shares against :func:`host_cpu_limit` (flagged when one exceeds it), memory per rank
+    (``peak_rss_mib``) and start-up (``startup_s``). ``records``: {variant: {"time_s",
+    "host_cpu_share": [per rank], "peak_rss_mib": [per rank], "startup_s"}}. Returns the
+    markdown and {variant: {"predicted_s", "host_cpu_share_max", "host_bound"}}, plus
+    ``"host_cpu_limit"`` and ``"dilation"``. ``cluster``: the preset (None: ``--compute
+    emulated`` without one, at time dilation ``dilation`` on ``ranks`` ranks)."""
+    k = dilation
+
+    def predicted(t):
+        return None if t is None else t / k
+    limit = host_cpu_limit(cores, ranks)
+    head = cluster.describe() if cluster is not None else f"no cluster preset; {ranks} ranks, k = {k:g}"
+    lines = [f"{head}.", "",
+             f"| variant | measured {unit} (s) | predicted on the cluster (s, / k = {k:g}) | host CPU share per rank "
+             f"(max; limit {limit:.3g}) | ranks over the limit (all repeats) | memory per rank (MiB, max) | start-up (s) | "
+             "the run's processes: cores busy |",
+             "|---|---|---|---|---|---|---|---|"]
+    out: dict = {"host_cpu_limit": limit, "dilation": k}
+    for v, r in records.items():
+        shares = [x for x in r.get("host_cpu_share") or [] if isinstance(x, (int, float))]
+        rss = [x for x in r.get("peak_rss_mib") or [] if isinstance(x, (int, float))]
+        over = sum(x > limit for x in shares)
+        t = r.get("time_s")
+        out[v] = {"predicted_s": predicted(t), "host_cpu_share_max": max(shares, default=None),
+                  "host_bound": over > 0, "peak_rss_mib_max": max(rss, default=None)}
+
+        def f(x, fmt=".4g"):
+            return "-" if x is None else format(x, fmt)
+        lines.append(f"| {v} | {f(t)} | {f(predicted(t))} | {f(max(shares, default=None), '.3f')} | "
+                     f"{over}/{len(shares)}{' **host-bound**' if over else ''} | {f(max(rss, default=None), '.0f')} | "
+                     f"{f(r.get('startup_s'), '.3g')} | {f(r.get('run_cpu_share'), '.3g')} |")
+    lines += ["", f"Host CPU share: process CPU time over wall time per rank; the limit is {CPU_SHARE_OF_CORES} x "
+                  f"{cores} cores / {ranks} ranks (the ranks together at most half the machine), above "
+                  "which a run is flagged host-bound (its times then measure this machine's CPU, not the "
+                  "emulated cluster). The last column: CPU seconds of all the run's processes (start-up, the "
+                  "launcher and the emulator included) over its wall time."]
+    return "\n".join(lines), out
+
+
+__all__ = ["CPU_SHARE_OF_CORES", "EmulationUnavailable", "cluster_table", "host_cpu_limit", "LINK_MODELS", "REDUCE_CLASS_ADDRESS", "REDUCE_CLASS_PLACEHOLDER", "bench_context",
            "netem_prefix"]

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from ..cluster.presets import CLUSTERS
 from ..config import read_env
 from ..configurable import to_arguments
 from ..results import FAILED_MARKER, Progress, median, pick, write_json
@@ -81,6 +82,9 @@ class Workload:
     # baseline_of(variant, all variant names) -> the variant it is compared with (None: not
     # compared); default: the first variant (a bench of several models compares within each)
     baseline_of: Callable[[str, list[str]], str | None] | None = None
+    # cluster_defaults(preset) -> the workload's option defaults under ``--cluster NAME``
+    # (its device model, k, model shapes; explicit options still win); None: no --cluster
+    cluster_defaults: Callable[[Any], dict[str, Any]] | None = None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -152,6 +156,7 @@ class RunContext:
     flags: tuple[str, ...] = ()
     link_model: str | None = None       # None: no shaped link; else "flow" or "collective"
     reduce_address: str | None = None   # "collective": the address the gradient reduction binds to
+    cluster: Any = None                 # --cluster: the ClusterPreset (commsched.cluster.presets)
 
     def command(self, variant: Variant, nproc: int, out_dir: Path) -> list[str]:
         if self.launch is not None:
@@ -296,6 +301,7 @@ def run_variant(variant: Variant, nproc: int, out_dir: Path, ctx: RunContext,
                COMMSCHED_PROGRESS="0", **ctx.env)
     log = out_dir / "log.txt"
     t0 = time.perf_counter()
+    cpu0 = _children_cpu_s()
     with open(log, "w") as f, _stop_signals_raise() as stops:
         f.write("# " + shlex.join(cmd) + "\n")
         f.flush()
@@ -327,8 +333,20 @@ def run_variant(variant: Variant, nproc: int, out_dir: Path, ctx: RunContext,
     if not mpath.exists():
         raise RuntimeError(f"variant {variant.name} wrote no metrics.json; log: {log}")
     m = json.loads(mpath.read_text())
-    m.setdefault("bench_wall_s", time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    m.setdefault("bench_wall_s", wall)
+    # the whole run's CPU (every process of it, start-up included) over its wall time: the
+    # cores it kept busy on this machine
+    m.setdefault("bench_cpu_share", (_children_cpu_s() - cpu0) / wall if wall > 0 else None)
     return m
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's waited-for descendants so far."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def summarize_runs(workload: Workload, runs: dict[str, list[dict]]) -> dict:
@@ -395,6 +413,8 @@ def summary_markdown(workload: Workload, summary: dict, meta: dict) -> str:
     lines.append(f"- processes: {meta['nproc']}" + (f" per host x {hosts} hosts = {meta['nproc'] * hosts} ranks"
                                                     if hosts > 1 else ""))
     lines.append(f"- repeats: {meta['repeat']} (interleaved)")
+    if emu.get("cluster_description"):
+        lines.append(f"- cluster: {emu['cluster_description']}")
     if meta.get("note"):
         lines.append(f"- note: {meta['note']}")
     lines += ["", "| variant | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
@@ -423,7 +443,9 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
                "(e.g. 1gbit; 'none' for unshaped), --hosts K (K emulated hosts; --nproc is then per "
                "host), --delay MS (needs the netem qdisc), --link-model collective|flow (on the shared "
                "loopback: concurrent collectives share the rate per collective, in equal htb classes, or "
-               "per TCP flow, one tbf)."
+               "per TCP flow, one tbf), --cluster NAME (a cluster preset of commsched.cluster.presets: "
+               "its hosts, ranks per host and links dilated by its k, and the workload's device model and "
+               f"model shapes; every variant on the emulated device; one of {', '.join(CLUSTERS)})."
                + (f" Default regime of this workload: {workload.default_bandwidth}" if workload.default_bandwidth else "")
                + (f", link model {workload.default_link_model}." if workload.default_bandwidth else ""))
     p.add_argument("--nproc", type=int, default=4,
@@ -455,6 +477,19 @@ class _RunProgress(Progress):
         self.postfix(f"{self.current} ({elapsed_s:.0f} s)")
 
 
+def parse_workload_args(workload: Workload, argv: Sequence[str], cluster=None) -> argparse.Namespace:
+    """``argv`` parsed by the workload's bench parser; under a cluster preset its defaults
+    are the workload's ``cluster_defaults(cluster)`` and ``args.cluster`` is the preset."""
+    p = build_parser(workload)
+    if cluster is not None:
+        if workload.cluster_defaults is None:
+            raise ValueError(f"commsched bench {workload.name} has no --cluster presets")
+        p.set_defaults(**workload.cluster_defaults(cluster))
+    args = p.parse_args(list(argv))
+    args.cluster = cluster
+    return args
+
+
 def run_workload(workload: Workload, argv: Sequence[str], ctx: RunContext,
                  progress: Callable[[str], None] | None = None) -> dict:
     """Parse ``argv`` (emulation options already taken out into ``ctx``) for ``workload``,
@@ -464,7 +499,7 @@ def run_workload(workload: Workload, argv: Sequence[str], ctx: RunContext,
     """
     name = workload.name
     argv = list(argv)
-    args = build_parser(workload).parse_args(argv)
+    args = parse_workload_args(workload, argv, ctx.cluster)
     if args.nproc < 1 or args.repeat < 1:
         raise ValueError("--nproc and --repeat must be >= 1")
     if workload.inline is not None and (ctx.bandwidth or ctx.hosts > 1 or ctx.delay_ms):
@@ -555,5 +590,5 @@ class BenchRegression(RuntimeError):
 
 
 __all__ = ["BenchRegression", "RunContext", "Variant", "Workload", "breakdown_medians", "build_parser",
-           "machine_info", "median_of", "run_variant", "run_workload", "summarize_runs",
+           "machine_info", "median_of", "parse_workload_args", "run_variant", "run_workload", "summarize_runs",
            "summary_markdown", "torchrun_command"]

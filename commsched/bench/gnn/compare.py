@@ -47,7 +47,7 @@ from ...dist import DEVICE_CHOICES
 from ...gnn.exchange.modes import MODE_NAMES, MODES, AdaQPConfig, mode_spec, option_owners
 from ...gnn.nn.models import LAYERS
 from ...gnn.train.cli import CLI_DEFAULTS
-from ...gnn.train.trainer import TrainConfig
+from ...gnn.train.trainer import COMPUTE, TrainConfig
 from ...priority.policy import FifoConfig, LinaConfig
 from ...quant.reference import BITS
 from ...results import median
@@ -197,6 +197,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"sage {','.join(MODES_SAGE)})")
     g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="device of every variant (default auto: CUDA when every rank has its own GPU)")
+    g.add_argument("--layers", type=int, default=TrainConfig().layers, help="layers of every model")
+    g.add_argument("--compute", choices=COMPUTE, default="real",
+                   help="every variant's compute: real, or emulated on --device-model at time dilation --dilation "
+                        "(commsched.gnn.train --compute; --cluster sets all three)")
+    g.add_argument("--device-model", default="a100", help="--compute emulated: the GPU (a100, h100, h200, or a file)")
+    g.add_argument("--dilation", type=float, default=1.0, help="--compute emulated: time dilation k")
+
+
+# the AdaQP paper's modes (its code's Vanilla, AdaQP, AdaQP-q, AdaQP-p): a --cluster run's default
+CLUSTER_MODES = "vanilla,adaqp-q,adaqp-p,adaqp"
+
+
+def cluster_defaults(preset) -> dict:
+    """The bench's option defaults on a cluster preset (:mod:`commsched.cluster.presets`):
+    its device model and k, the preset's graph and models, AdaQP's modes, on the CPU."""
+    g = preset.gnn
+    return {"compute": "emulated", "device_model": preset.device_model, "dilation": preset.dilation,
+            "device": "cpu", "models": g.models, "modes": CLUSTER_MODES, "layers": g.layers, "hidden": g.hidden,
+            "syn_nodes": g.syn_nodes, "syn_edges": g.syn_edges}
 
 
 def parse_seeds(text: str | None) -> list[int] | None:
@@ -225,7 +244,9 @@ def variants(a: argparse.Namespace) -> list[Variant]:
         return out
     eval_every = a.eval_every if a.eval_every is not None else (1 if tta else 5)
     base = TrainConfig(epochs=a.epochs, eval_every=eval_every, hidden=a.hidden, seed=a.seed, dropout_rng="local",
-                       device=getattr(a, "device", "auto"))
+                       device=getattr(a, "device", "auto"), layers=getattr(a, "layers", TrainConfig().layers))
+    if getattr(a, "compute", "real") == "emulated":
+        base = base.replace(compute="emulated", device_model=a.device_model, dilation=a.dilation)
     if a.dataset:
         graph = ("--dataset", a.dataset) + (("--data-root", a.data_root) if a.data_root else ())
     else:
@@ -454,6 +475,8 @@ def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> 
     if any(k.endswith("_MB") for r in rows.values() for k in r):
         tables["Per link class (topology)"] = _class_table(rows)
     res = {"gnn": rows, "extra_tables": tables, "plots": _plots(runs, out)}
+    if getattr(a, "compute", "real") == "emulated":
+        tables["Emulated cluster"], res["cluster"] = _cluster_section(runs, rows, a)
     if time_to_acc(a):
         skipped = [] if a.modes else tta_modes()[1]
         score = pick_score(runs, getattr(a, "score", "auto"))
@@ -465,6 +488,43 @@ def summarize(runs: dict[str, list[dict]], a: argparse.Namespace, out: Path) -> 
         res["plots"].append(str(plot_tta(runs, tta, out / "time_to_acc.png",
                                          title=f"{a.dataset or 'synthetic'}, {regime}", score=score)))
     return res
+
+
+def _cluster_section(runs: dict[str, list[dict]], rows: dict[str, dict], a: argparse.Namespace) -> tuple[str, dict]:
+    """The emulated device's table (:func:`commsched.bench.emulation.cluster_table`: k,
+    measured and predicted epoch, host CPU share per rank, memory, start-up: set-up, graph
+    load and partitioning) and, per model, AdaQP's and the overlap's own gain (adaqp against
+    adaqp-q, as the paper's ablation)."""
+    import os
+
+    from ..emulation import cluster_table
+
+    recs = {}
+    for v, rs in runs.items():
+        start = [sum(r.get(k) or 0.0 for k in ("load_time_s", "partition_time_s"))
+                 + ((r.get("emulated") or {}).get("setup_s") or 0.0) for r in rs]
+        recs[v] = {"time_s": rows[v]["epoch_time_s"],
+                   "host_cpu_share": [x for r in rs for x in (r.get("emulated") or {}).get("host_cpu_share_per_rank") or []],
+                   "peak_rss_mib": [x for r in rs for x in r.get("peak_rss_mib_per_rank") or []],
+                   "startup_s": median(start), "run_cpu_share": median_of(rs, "bench_cpu_share")}
+    table, out = cluster_table(recs, cluster=getattr(a, "cluster", None), dilation=a.dilation,
+                               ranks=a.nproc * (getattr(a, "hosts", 1) or 1), cores=os.cpu_count() or 1,
+                               unit="epoch")
+    gains = []
+    for model in dict.fromkeys(r["model"] for r in rows.values()):
+        ada, q = ((rows.get(f"{model}-{m}") or {}).get("epoch_time_s") for m in ("adaqp", "adaqp-q"))
+        g = {"vanilla_over_adaqp": (rows.get(f"{model}-adaqp") or {}).get("speedup_vs_vanilla"),
+             "overlap_gain_adaqp_q_over_adaqp": q / ada if q and ada else None}
+        out[f"{model}_gains"] = g
+        gains.append(f"| {model} | {_num(g['vanilla_over_adaqp'])} | {_num(g['overlap_gain_adaqp_q_over_adaqp'])} |")
+    if gains:
+        table += ("\n\n| model | Vanilla / AdaQP per epoch (the paper: 2.19-3.01x) | the overlap's own gain: "
+                  "adaqp-q / adaqp |\n|---|---|---|\n" + "\n".join(gains))
+    return table, out
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}x"
 
 
 def _variant_rows(rows: dict[str, dict], keys: tuple[str, ...], digits: int) -> list[str]:
@@ -509,6 +569,7 @@ WORKLOAD = Workload(
     higher_is_better=("test_acc",),
     default_bandwidth=DEFAULT_BANDWIDTH,
     baseline_of=baseline_of,
+    cluster_defaults=cluster_defaults,
 )
 
 __all__ = ["BF16_SUFFIX", "DEFAULT_BANDWIDTH", "HOSTS_SUFFIX", "METRICS", "MODES_TOPOLOGY",

@@ -83,6 +83,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("emulated device")
     g.add_argument("--us-per-row", type=float, default=d["us_per_row"])
     g.add_argument("--load-ms", type=float, default=d["load_ms"])
+    g.add_argument("--device-model", default=None,
+                   help="GPU model of the emulated device (a100, h100, h200 or a file; --cluster sets it): each "
+                        "expert's rows cost its FFN's GEMMs (--d-model x --expert-hidden) on it")
+    g.add_argument("--dilation", type=float, default=None, help="time dilation k, with --device-model")
     g = p.add_argument_group("trace driver")
     g.add_argument("--trace", default=None, help="routing trace npz (default: synthetic)")
     g.add_argument("--tokens-per-batch", type=int, default=d["tokens_per_batch"])
@@ -102,7 +106,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 def _common(a: argparse.Namespace) -> list[str]:
     out: list = ["--driver", a.driver, "--batches", a.batches, "--warmup", a.warmup, "--seed", a.seed,
                  "--device", a.device, "--us-per-row", a.us_per_row, "--load-ms", a.load_ms]
-    opt = {"--compute": a.compute, "--slots": a.slots, "--exchange": a.exchange}
+    opt = {"--compute": a.compute, "--slots": a.slots, "--exchange": a.exchange,
+           "--device-model": getattr(a, "device_model", None), "--dilation": getattr(a, "dilation", None)}
     if a.driver == "trace":
         out += ["--tokens-per-batch", a.tokens_per_batch, "--d-model", a.d_model, "--experts", a.experts,
                 "--layers", a.layers, "--k", a.k]
@@ -233,6 +238,8 @@ def _summarize(runs: dict[str, list[dict]], args: argparse.Namespace, out: Path)
         tables["goals"] = "\n".join(g_rows)
     if any(rs and (rs[0].get("hosts") or 1) > 1 for rs in runs.values()):
         tables[HOSTS_TABLE], extra["inter_host_bytes_per_batch"] = hosts_table(runs)
+    if getattr(args, "device_model", None) is not None:
+        tables["Emulated cluster"], extra["cluster"] = _cluster_section(runs, args)
     extra["extra_tables"] = tables
     try:
         extra["plots"] = [str(plot_heatmap(runs, out / "heatmap.png"))]
@@ -242,6 +249,34 @@ def _summarize(runs: dict[str, list[dict]], args: argparse.Namespace, out: Path)
                  for v, rs in runs.items() if rs and "breakdown_s" in rs[0]}
     extra["breakdown_ms"] = {v: {k: 1e3 * x for k, x in b.items()} for v, b in breakdown.items()}
     return extra
+
+
+def cluster_defaults(preset) -> dict:
+    """The bench's option defaults on a cluster preset (:mod:`commsched.cluster.presets`):
+    the trace replayed on the preset's device model at its k, with the preset's expert layers
+    (the width and FFN of its MoE model; 16 experts, as the Lina paper's 16-expert models)."""
+    return {"compute": "emulated", "device_model": preset.device_model, "dilation": preset.dilation,
+            "device": "cpu", "experts": preset.infer_experts, "layers": preset.infer_layers,
+            "tokens_per_batch": preset.infer_tokens_per_batch, "d_model": preset.moe.d_model,
+            "expert_hidden": preset.moe.expert_hidden}
+
+
+def _cluster_section(runs: dict[str, list[dict]], args: argparse.Namespace) -> tuple[str, dict]:
+    """The emulated cluster's table: per variant its p95 latency per batch measured and on the
+    real cluster (/ k), and the whole run's CPU share (the inference front-end reports no
+    per-rank share, memory or start-up: ``bench_cpu_share`` is the run's processes together)."""
+    import os
+
+    from ..emulation import cluster_table
+
+    recs = {v: {"time_s": (median_of(rs, "latency_ms.p95") or 0) / 1e3 or None,
+                "run_cpu_share": median_of(rs, "bench_cpu_share")} for v, rs in runs.items()}
+    table, out = cluster_table(recs, cluster=getattr(args, "cluster", None), dilation=args.dilation or 1.0,
+                               ranks=args.nproc * (getattr(args, "hosts", 1) or 1), cores=os.cpu_count() or 1,
+                               unit="p95 batch")
+    table += ("\n\nThe inference front-end reports no per-rank host CPU share, memory or start-up (those "
+              "columns read '-'); the run's processes together are in the last column.")
+    return table, out
 
 
 HOSTS_TABLE = "hosts: latency, imbalance and bytes measured by the row exchanges"
@@ -312,4 +347,5 @@ WORKLOAD = Workload(
     variants=_variants,
     summarize=_summarize,
     higher_is_better=("estimation_accuracy",),
+    cluster_defaults=cluster_defaults,
 )

@@ -68,7 +68,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     g = p.add_argument_group("model and training (all variants)")
     add_arguments(g, TrainConfig, defaults=d, skip=tuple(f.name for f in cli_fields(TrainConfig) if f.name not in (
-        "steps", "warmup", "batch_size", "corpus", "device", "dtype", "allreduce_threads")))
+        "steps", "warmup", "batch_size", "corpus", "device", "dtype", "allreduce_threads", "compute",
+        "device_model", "dilation")))
     add_arguments(g, DeepSpeedConfig, skip=("bucket_bytes",))
     add_arguments(g, ModelConfig, skip=("capacity_factor", "aux_weight"), defaults=dataclasses.asdict(MODEL))
     g = p.add_argument_group("schedules")
@@ -104,7 +105,30 @@ def _base(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=from_arguments(ModelConfig, a), deepspeed=from_arguments(DeepSpeedConfig, a, bucket_bytes=a.bucket_bytes),
         steps=a.steps, warmup=min(a.warmup, a.steps - 1), batch_size=a.batch_size,
-        allreduce_threads=a.allreduce_threads, device=a.device, dtype=a.dtype, corpus=a.corpus or None)
+        allreduce_threads=a.allreduce_threads, device=a.device, dtype=a.dtype, corpus=a.corpus or None,
+        compute=getattr(a, "compute", "real"), device_model=getattr(a, "device_model", "a100"),
+        dilation=getattr(a, "dilation", 1.0))
+
+
+def emulated(a: argparse.Namespace) -> bool:
+    """Whether the bench runs its variants on the emulated device (``--compute emulated``,
+    every ``--cluster`` run)."""
+    return getattr(a, "compute", "real") == "emulated"
+
+
+# DeepSpeed's engine and MoE layer compute on real tensors: no emulated DeepSpeed variant
+DEEPSPEED_NOT_EMULATED = ("deepspeed left out: --compute emulated runs --impl commsched only (DeepSpeed's engine "
+                          "and MoE layer compute on real tensors and cannot be put on the emulated device)")
+
+
+def cluster_defaults(preset) -> dict:
+    """The bench's option defaults on a cluster preset (:mod:`commsched.cluster.presets`):
+    its device model and k, its MoE model with one expert per emulated GPU, on the CPU."""
+    m = preset.moe
+    return {"compute": "emulated", "device_model": preset.device_model, "dilation": preset.dilation,
+            "device": "cpu", "d_model": m.d_model, "n_heads": m.n_heads, "n_layers": m.n_layers,
+            "seq_len": m.seq_len, "d_ff": m.d_ff, "expert_hidden": m.expert_hidden, "num_experts": preset.ranks,
+            "k": m.k, "moe_every": m.moe_every, "batch_size": m.batch_size, "dtype": m.dtype}
 
 
 def configs(a: argparse.Namespace) -> dict[str, TrainConfig]:
@@ -116,8 +140,8 @@ def configs(a: argparse.Namespace) -> dict[str, TrainConfig]:
              **address}
     lina = ours.replace(schedule=LinaConfig(**micro), dispatch=DispatchConfig(chunks=a.chunks, pipeline=True),
                         fallback_exchange=getattr(a, "fallback_exchange", True))
-    out = {"deepspeed": base.replace(impl="deepspeed"),
-           "fifo": ours.replace(schedule=FifoConfig(bucket_bytes=a.bucket_bytes, **address)), "lina": lina,
+    out = {} if emulated(a) else {"deepspeed": base.replace(impl="deepspeed")}
+    out |= {"fifo": ours.replace(schedule=FifoConfig(bucket_bytes=a.bucket_bytes, **address)), "lina": lina,
            "lina-overlap": lina.replace(schedule=LinaOverlapConfig(**micro))}
     bits = getattr(a, "a2a_bits", None)
 
@@ -284,7 +308,7 @@ def _q8_rows(runs, med, rep_ratio, quantized: list[str]) -> list[tuple]:
             (f"all-to-all: lina / {v}", rep_ratio("lina", v, "a2a_time_s"), "x"),
         ]
         c, f = runs[v][0].get("loss"), runs.get("fifo", [{}])[0].get("loss")
-        if c and f:
+        if c and f and None not in c and None not in f:
             rows.append((f"loss: {v} largest per-step gap to fifo, relative (goal <= 0.01)",
                          max(abs(a - b) / b for a, b in zip(c, f)), ""))
     mine = {v: med[v]["step_time_s"] for v in ours(med) if med[v]["step_time_s"]}
@@ -408,7 +432,9 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
     for name, val, unit in rows:
         lines.append(f"| {name} | {val if isinstance(val, str) else _fmt(val, unit)} |")
     # loss curves: largest per-step gap between variants (repeat 0), and final losses
-    curves = {v: rs[0]["loss"] for v, rs in runs.items() if rs and rs[0].get("loss")}
+    # (an emulated run has no loss values: its curve is left out)
+    curves = {v: rs[0]["loss"] for v, rs in runs.items()
+              if rs and rs[0].get("loss") and all(x is not None for x in rs[0]["loss"])}
     loss_lines = ["| variant | first loss | last loss | max gap to fifo | held-out loss |", "|---|---|---|---|---|"]
     for v, c in curves.items():
         gap = max(abs(a - b) for a, b in zip(c, curves["fifo"])) if "fifo" in curves else None
@@ -434,11 +460,59 @@ def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
                 f"lina: {args.chunks} chunks, micro-ops of {args.microop_bytes} B, credit "
                 f"{args.credit_bytes if args.credit_bytes is not None else f'{DEFAULT_CREDIT_MICROOPS} micro-ops'}; fifo buckets {args.bucket_bytes} B; "
                 f"allreduce group: {args.allreduce_threads} gloo threads")
-    return {"extra_tables": {"Lina against fifo and DeepSpeed (medians of per-repeat ratios)": "\n".join(lines),
-                             "Loss curves": "\n".join(loss_lines),
-                             "Configuration": cfg_line},
+    tables = {"Lina against fifo and DeepSpeed (medians of per-repeat ratios)": "\n".join(lines),
+              **({"Loss curves": "\n".join(loss_lines)} if curves else {}), "Configuration": cfg_line}
+    extra = {}
+    if emulated(args):
+        tables["Emulated cluster"], extra["cluster"] = _cluster_section(runs, args, med)
+    return {"extra_tables": tables, **extra,
             "plots": plots,
             "lina_ratios": {name: val for name, val, _ in rows}, "link_times_s": lt, "step_bounds_s": bounds}
+
+
+# the Lina paper's share of a training step spent in all-to-all (average) and the goal's band
+PAPER_A2A_SHARE, FAITHFUL_BAND = 0.341, 0.2
+
+
+def _cluster_section(runs: dict[str, list[dict]], args, med: dict) -> tuple[str, dict]:
+    """The emulated device's table (:func:`commsched.bench.emulation.cluster_table`: k,
+    measured and predicted step, host CPU share per rank, memory, start-up) and the
+    faithfulness figures against the Lina paper's: the all-to-all's share of a fifo step
+    and the in-step contention (fifo's all-to-all against the same all-to-all alone)."""
+    import os
+
+    from ..emulation import cluster_table
+
+    recs = {}
+    for v, rs in runs.items():
+        em = [r.get("emulation") or {} for r in rs]
+        recs[v] = {"time_s": med[v]["step_time_s"],
+                   "host_cpu_share": [x for e in em for x in e.get("host_cpu_share") or []],
+                   "peak_rss_mib": [x for e in em for x in e.get("peak_rss_mib") or []],
+                   "startup_s": median_of(rs, "emulation.startup_s"), "run_cpu_share": median_of(rs, "bench_cpu_share")}
+    table, out = cluster_table(recs, cluster=getattr(args, "cluster", None), dilation=args.dilation,
+                               ranks=args.nproc * (getattr(args, "hosts", 1) or 1), cores=os.cpu_count() or 1)
+    fifo = med.get("fifo") or {}
+    share = _ratio(fifo.get("a2a_time_s"), fifo.get("step_time_s"))
+    cont = _ratio(fifo.get("a2a_time_s"), fifo.get("a2a_alone_time_s"))
+
+    def within(x, goal):
+        return None if x is None else abs(x / goal - 1) <= FAITHFUL_BAND
+
+    faith = {"a2a_share_fifo": share, "a2a_share_goal": PAPER_A2A_SHARE, "a2a_share_within_band": within(share, PAPER_A2A_SHARE),
+             "contention_fifo": cont, "contention_goal": PAPER_CONTENTION, "contention_within_band": within(cont, PAPER_CONTENTION)}
+    out["faithfulness"] = faith
+
+    def yn(b):
+        return "-" if b is None else ("yes" if b else "**no**")
+    table += "\n\n" + "\n".join([
+        "| faithfulness (the Lina paper's testbed) | measured | paper | within 20% |", "|---|---|---|---|",
+        f"| all-to-all share of a fifo step | {_fmt(share)} | {PAPER_A2A_SHARE} | {yn(faith['a2a_share_within_band'])} |",
+        f"| contention: fifo all-to-all / the same all-to-all alone | {_fmt(cont, 'x')} | {PAPER_CONTENTION}x | "
+        f"{yn(faith['contention_within_band'])} |"])
+    if "deepspeed" not in runs:
+        table += f"\n\n{DEEPSPEED_NOT_EMULATED}."
+    return table, out
 
 
 WORKLOAD = Workload(
@@ -450,4 +524,5 @@ WORKLOAD = Workload(
     summarize=_summarize,
     default_bandwidth=DEFAULT_BANDWIDTH,
     default_link_model=DEFAULT_LINK_MODEL,
+    cluster_defaults=cluster_defaults,
 )
