@@ -819,18 +819,26 @@ def test_bench_variants_summary_and_heatmap(tmp_path):
 
     a = build_parser(WORKLOAD).parse_args(["--lina-thresholds", "0,0.75", "--threshold", "0.5", "--batches", "5"])
 
-    vs = {v.name: v.args for v in WORKLOAD.variants(a)}
+    from commsched.moe.infer.cli import build_parser as infer_parser
+    from commsched.moe.infer.cli import config_from_args
+
+    variants = WORKLOAD.variants(a)
+    for v in variants:  # a variant is a label and a config; its command line gives the config back
+        assert config_from_args(infer_parser().parse_args([*v.argv, "--out", "x"])) == v.config, v.name
+    vs = {v.name: v.argv for v in variants}
+    cs = {v.name: v.config for v in variants}
     assert list(vs) == ["static", "eplb", "lina", "oracle", "lina@0", "lina@0.75"]
-    assert vs["lina"][:2] == ("--placement", "lina") and "0.5" in vs["lina"]
-    assert vs["lina@0"].count("--threshold") == 1 and vs["lina@0"][-2:] == ("--threshold", "0")
+    assert cs["lina"].placement == "lina" and cs["lina"].strategy.threshold == 0.5
+    assert vs["lina@0"].count("--threshold") == 1 and cs["lina@0"].strategy.threshold == 0.0
     assert "--threshold" not in vs["static"] + vs["eplb"] + vs["oracle"]  # each strategy gets its own options
     with pytest.raises(ValueError, match="outside"):
         WORKLOAD.variants(build_parser(WORKLOAD).parse_args(["--lina-thresholds", "2"]))
     h = build_parser(WORKLOAD).parse_args(["--batches", "5"])
     h.hosts, h.rate_bps = 2, 1_000_000_000  # what the runner sets under --hosts 2 --bandwidth 1gbit
-    hv = {v.name: v.args for v in WORKLOAD.variants(h)}
+    hv = {v.name: v.argv for v in WORKLOAD.variants(h)}
     assert list(hv) == ["static", "eplb", "eplb-hier", "lina", "lina-node", "oracle"]
-    assert hv["lina-node"][-2:] == ("--inter-rate", "1000000000bit") and "--inter-rate" not in hv["lina"]
+    i = hv["lina-node"].index("--inter-rate")
+    assert hv["lina-node"][i + 1] == "1000000000bit" and "--inter-rate" not in hv["lina"]
     assert "--inter-rate" not in hv["eplb-hier"]
     runs = {"static": [_metrics(200, 100, 1.6, [190, 200, 210])] * 2,
             "lina": [_metrics(120, 60, 1.1, [110, 120, 125])] * 2,

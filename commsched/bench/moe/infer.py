@@ -39,7 +39,10 @@ import numpy as np
 
 from ...configurable import cli_fields
 from ...dist import DEVICE_CHOICES
-from ...moe.infer.policy import STRATEGIES
+from ...moe.infer.cli import CLI_DEFAULTS, config_from_args
+from ...moe.infer.cli import build_parser as infer_parser
+from ...moe.infer.config import InferConfig
+from ...moe.infer.policy import STRATEGIES, StrategyConfig
 from ...results import median
 from ..plots import pyplot, save_figure
 from ..runner import Variant, Workload, median_of
@@ -121,12 +124,18 @@ def _common(a: argparse.Namespace) -> list[str]:
     return [str(x) for x in out]
 
 
-def _strategy_flags(name: str, options: dict) -> tuple[str, ...]:
-    """The flags of the strategy options (field -> value, None: not given) that ``--placement
-    name``'s config has (the command line refuses another strategy's)."""
-    own = {f.name for f in cli_fields(STRATEGIES[name])}
-    return tuple(x for k, v in options.items() if k in own and v is not None
-                 for x in ("--" + k.replace("_", "-"), str(v)))
+def base_config(a: argparse.Namespace) -> InferConfig:
+    """The run every variant shares: the bench's options as the inference command line reads
+    them (its own parser and :func:`~commsched.moe.infer.cli.config_from_args`)."""
+    return config_from_args(infer_parser().parse_args([*_common(a), "--out", "-"]))
+
+
+def _strategy(name: str, options: dict) -> StrategyConfig:
+    """``--placement name``'s config from the bench's strategy options (field -> value, None:
+    not given) that it has (the command line refuses another strategy's)."""
+    cls = STRATEGIES[name]
+    own = {f.name for f in cli_fields(cls)}
+    return cls(**{k: v for k, v in options.items() if k in own and v is not None})
 
 
 def _variants(a: argparse.Namespace) -> list[Variant]:
@@ -136,14 +145,19 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
     if a.device == "cuda" and a.driver == "trace" and a.compute in (None, "emulated"):
         raise ValueError("--device cuda runs real expert FFNs: add --compute real (the emulated device is the "
                          "CPU model of an accelerator)")
-    c = _common(a)
+    base = base_config(a)
     hosts = getattr(a, "hosts", 1) or 1
     names = HOSTS_ORDER if hosts > 1 else VARIANTS
     rate = getattr(a, "rate_bps", None)
     opts = {"threshold": a.threshold, "path_length": a.path_length, "online_planner": a.online_planner,
             "inter_rate": f"{rate}bit" if hosts > 1 and rate and a.cross_weight is None else None,
             "cross_weight": a.cross_weight}
-    out = [Variant(v, "commsched.moe.infer", ("--placement", v, *c, *_strategy_flags(v, opts))) for v in names]
+
+    def placed(label: str, name: str, **options) -> Variant:
+        cfg = base.replace(placement=name, strategy=_strategy(name, {**opts, **options}))
+        return Variant(label, "commsched.moe.infer", config=cfg, defaults=CLI_DEFAULTS)
+
+    out = [placed(v, v) for v in names]
     for t in (x.strip() for x in a.lina_thresholds.split(",") if x.strip()):
         try:
             thr = float(t)
@@ -151,8 +165,7 @@ def _variants(a: argparse.Namespace) -> list[Variant]:
             raise ValueError(f"--lina-thresholds: {t!r} is not a number") from None
         if not 0.0 <= thr <= 1.0:
             raise ValueError(f"--lina-thresholds: {thr} is outside [0, 1]")
-        lina = _strategy_flags("lina", {**opts, "threshold": None})
-        out.append(Variant(f"lina@{t}", "commsched.moe.infer", ("--placement", "lina", *c, *lina, "--threshold", t)))
+        out.append(placed(f"lina@{t}", "lina", threshold=thr))
     return out
 
 

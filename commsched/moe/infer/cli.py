@@ -42,11 +42,14 @@ from .policy import STRATEGIES
 PROG = "commsched.moe.infer"
 
 
+CLI_DEFAULTS = {"compute": None}  # the flags' defaults that are not the config's (None: the driver's)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m commsched.moe.infer",
                                 description="Distributed MoE inference with expert placement (Lina's "
                                             "two-phase scheduling).")
-    add_arguments(p, InferConfig, defaults={"compute": None})
+    add_arguments(p, InferConfig, defaults=CLI_DEFAULTS)
     g = p.add_argument_group("placement strategy options (each belongs to the strategies whose config has it)")
     seen: set[str] = set()
     for cls in STRATEGIES.values():
