@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping
 
 __all__ = ["DEVICE_MODELS", "DTYPES", "OP_CLASSES", "DeviceModel", "load_device_model",
            "model_path", "dtype_name", "matmul_cost", "attention_cost", "stream_cost", "adam_cost",
-           "DeviceClock", "HostCPU", "host_cpu_share"]
+           "DeviceClock", "HostCPU", "host_cpu_share", "peak_rss_mib"]
 
 DEVICE_MODELS: tuple[str, ...] = ("a100", "h100", "h200")
 # the dtypes a model may give a peak for (dense, no structured sparsity)
@@ -318,6 +318,13 @@ class HostCPU:
     def share(self) -> float:
         """CPU seconds per wall second of the region (0 for an empty region)."""
         return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory, MiB (Linux counts ``ru_maxrss`` in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def host_cpu_share(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float]:

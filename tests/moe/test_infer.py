@@ -711,6 +711,11 @@ def _trace_equals_local(rank: int, world: int) -> None:
         if tpb == 16 and rank >= 1:
             assert m["outputs"][0].shape[0] == 0
         assert m["latency_ms"]["p95"] > 0 and m["imbalance"] >= 1.0
+        # every rank's host figures (the cluster table's), no device model: no prediction
+        h = m["host"]
+        assert len(h["host_cpu_share"]) == len(h["peak_rss_mib"]) == world and h["startup_s"] > 0
+        assert all(0.0 <= x for x in h["host_cpu_share"]) and all(x > 0 for x in h["peak_rss_mib"])
+        assert m["predicted_latency_ms"] is None
         # the phase-1 planning window (own rows computed while the dispatch runs) and its use
         assert m["planning_window_ms"]["p50"] >= 0.0 and m["phase1_ms"]["p50"] >= 0.0
         if placement == "static":

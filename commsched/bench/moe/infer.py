@@ -276,19 +276,20 @@ def cluster_defaults(preset) -> dict:
 
 def _cluster_section(runs: dict[str, list[dict]], args: argparse.Namespace) -> tuple[str, dict]:
     """The emulated cluster's table: per variant its p95 latency per batch measured and on the
-    real cluster (/ k), and the whole run's CPU share (the inference front-end reports no
-    per-rank share, memory or start-up: ``bench_cpu_share`` is the run's processes together)."""
+    real cluster (/ k), each rank's host CPU share of the serving loop, memory and set-up
+    (``host`` in its metrics), and the whole run's CPU share (``bench_cpu_share``)."""
     import os
 
     from ..emulation import cluster_table
 
     recs = {v: {"time_s": (median_of(rs, "latency_ms.p95") or 0) / 1e3 or None,
+                "host_cpu_share": [x for r in rs for x in (r.get("host") or {}).get("host_cpu_share") or []],
+                "peak_rss_mib": [x for r in rs for x in (r.get("host") or {}).get("peak_rss_mib") or []],
+                "startup_s": median_of(rs, "host.startup_s"),
                 "run_cpu_share": median_of(rs, "bench_cpu_share")} for v, rs in runs.items()}
     table, out = cluster_table(recs, cluster=getattr(args, "cluster", None), dilation=args.dilation or 1.0,
                                ranks=args.nproc * (getattr(args, "hosts", 1) or 1), cores=os.cpu_count() or 1,
                                unit="p95 batch")
-    table += ("\n\nThe inference front-end reports no per-rank host CPU share, memory or start-up (those "
-              "columns read '-'); the run's processes together are in the last column.")
     return table, out
 
 

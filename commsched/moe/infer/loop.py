@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ... import dist as cdist
 from ...clock import Clock
+from ...cluster.device import HostCPU, peak_rss_mib
 from ...cluster.topology import Topology
 from ...config import read_env
 from ...dist import check_same_config
@@ -60,6 +61,8 @@ def run(cfg: InferConfig, out: Path | None = None, *, group=None, device: torch.
     gc.freeze()
     gc_was_enabled = gc.isenabled()
     gc.disable()
+    startup_s = time.perf_counter() - t_wall  # set-up: the topology, the driver, the bank, the row cost
+    host = HostCPU().__enter__()  # the serving loop's CPU time over its wall time
     try:
         with torch.inference_mode():
             for b in range(cfg.batches):
@@ -74,13 +77,15 @@ def run(cfg: InferConfig, out: Path | None = None, *, group=None, device: torch.
                     outputs.append(y.clone())
                 bar.update(1)
     finally:
+        host.__exit__(None, None, None)
         if gc_was_enabled:
             gc.enable()
         gc.unfreeze()
         rt.close()
         bar.close()
     mine = rt.records if rank == 0 else [{k: v for k, v in r.items() if k != "layers"} for r in rt.records]
-    gathered = cdist.all_gather_object({"records": mine, "loaded": sum(bank.loaded_L)},
+    gathered = cdist.all_gather_object({"records": mine, "loaded": sum(bank.loaded_L), "host_cpu_share": host.share,
+                                        "peak_rss_mib": peak_rss_mib(), "startup_s": startup_s},
                                        "gathering the inference records", group)
     metrics = summarize(cfg, strategy, gathered, row_cost_s, wall_clock_s=time.perf_counter() - t_wall,
                         device=dev.type, host_P=host_P)

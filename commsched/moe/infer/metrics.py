@@ -129,6 +129,13 @@ def summarize(cfg: InferConfig, strategy: PlacementStrategy, per_rank: list[dict
             "plan_ms": _pct([1e3 * max(per_rank[r]["records"][b]["parts_s"].get("plan", 0.0) for r in range(N))
                              for b in timed]),
             "row_cost_us": row_cost_s * 1e6,
+            # the host: each rank's CPU share of the serving loop (low: device- or link-bound),
+            # peak memory, set-up time; under a device model, the p95 on the real cluster (/ k)
+            "host": {"host_cpu_share": [pr.get("host_cpu_share") for pr in per_rank],
+                     "peak_rss_mib": [pr.get("peak_rss_mib") for pr in per_rank],
+                     "startup_s": max((pr.get("startup_s") or 0.0) for pr in per_rank)},
+            "predicted_latency_ms": ({q: v / cfg.emulation.dilation for q, v in _pct(lat).items()}
+                                     if cfg.compute == "emulated" and cfg.emulation.device_model else None),
             "critical_rows": _pct(crit_rows),
             "imbalance_p95": float(np.percentile(imb, 95)),
             "imbalance_per_layer": imb.mean(axis=0).tolist(),

@@ -45,7 +45,6 @@ remain real (fifo's bucket copies, gloo's sums).
 
 from __future__ import annotations
 
-import resource
 import time
 from typing import Any, Sequence
 
@@ -53,7 +52,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ...cluster.device import DeviceClock, DeviceModel, HostCPU, dtype_name, load_device_model
+from ...cluster.device import (
+    DeviceClock,
+    DeviceModel,
+    HostCPU,
+    dtype_name,
+    load_device_model,
+    peak_rss_mib,
+)
 from ...comm.all2all import A2APlan, all_to_all
 from ...comm.lanes import Lanes
 from ...comm.observe import A2AObserver
@@ -565,11 +571,6 @@ def make_emulation(cfg: Any, rank: int) -> Emulation:
     clock = DeviceClock(model, cfg.dilation)
     return Emulation(clock, dtype=cfg.dtype, tokens=cfg.batch_size * cfg.model.seq_len, seed=cfg.seed,
                      rank=rank, row_bytes=a2a_row_bytes(cfg), a2a_bits=cfg.dispatch.a2a_bits)
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident memory, MiB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 __all__ = ["ADAM_BYTES", "COMPUTES", "DeviceMarks", "EmulatedAdam", "EmulatedCompressedLauncher", "Emulation", "HostCPU", "build_emulated", "emulate",
