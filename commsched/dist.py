@@ -446,13 +446,44 @@ def new_group(ranks: list[int], *, threads: int | None = None, timeout_s: float 
         if key in _LOCAL_GROUPS and _LOCAL_GROUPS[key] not in dist.distributed_c10d._world.pg_map:
             del _LOCAL_GROUPS[key]  # the default group was destroyed (and made again) since
         if key not in _LOCAL_GROUPS:
-            _LOCAL_GROUPS[key] = _new_group(list(ranks), timeout, threads, backend, address,
-                                            {"use_local_synchronization": True})
+            with _local_group_name(key):
+                _LOCAL_GROUPS[key] = _new_group(list(ranks), timeout, threads, backend, address,
+                                                {"use_local_synchronization": True})
         return _LOCAL_GROUPS[key]
     return _new_group(list(ranks), timeout, threads, backend, address, {})
 
 
 _LOCAL_GROUPS: dict[tuple, Any] = {}  # new_group(..., local=True): one per rank set, kept
+_LOCAL_MADE: dict[tuple, int] = {}  # how many local groups of each rank set this process made
+
+
+@contextmanager
+def _local_group_name(key: tuple):
+    """Name the local group being made from ``key`` alone, the same on every member.
+
+    torch names a group made with ``use_local_synchronization`` by hashing its ranks with
+    the number of groups the calling process holds; a rank outside some earlier group holds
+    fewer, hashes another name, and waits for a rendezvous the other members never join
+    (gloo's "Wait timeout"). Here the name is the ranks, the options and how many local
+    groups of those ranks this process made before: the same on every member, since they
+    make them in the same order."""
+    c10d = dist.distributed_c10d
+    hashed = getattr(c10d, "_hash_ranks_to_str", None)
+    if hashed is None:  # a torch that names groups otherwise: keep its name
+        yield
+        return
+    seq = _LOCAL_MADE.get(key, 0)
+    _LOCAL_MADE[key] = seq + 1
+    unique = f"commsched-local/{key!r}/{seq}"
+
+    def name(ranks: list[int]) -> str:
+        return hashlib.sha1(unique.encode(), usedforsecurity=False).hexdigest()
+
+    c10d._hash_ranks_to_str = name
+    try:
+        yield
+    finally:
+        c10d._hash_ranks_to_str = hashed
 
 
 def _new_group(ranks: list[int], timeout: datetime.timedelta, threads: int | None, backend: str | None,

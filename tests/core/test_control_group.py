@@ -86,3 +86,27 @@ def test_lina_overlap_agrees_over_a_gloo_control_group():
     # the agreement worked: both ranks stepped on the same reduced gradients
     for a, b in zip(res[0]["params"], res[1]["params"]):
         assert torch.equal(a, b)
+
+
+def _local_after_uneven_groups(rank: int, world: int) -> dict:
+    """Groups [0, 1, 2] and [0, 1] made by every rank (rank 2 is outside the second, so it
+    holds one group fewer), then a local group of [0, 1, 2] on its members only, used by an
+    all-reduce; rank 3 makes nothing more."""
+    from commsched.dist import new_group
+
+    g3, g2 = new_group([0, 1, 2]), new_group([0, 1])
+    out = {"sum": None}
+    if rank < 3:
+        own = new_group([0, 1, 2], local=True)
+        again = new_group([0, 1, 2], local=True)
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=own)
+        out = {"sum": t.item(), "kept": own is again, "distinct": own is not g3}
+    del g2
+    return out
+
+
+def test_local_group_meets_when_members_hold_different_group_counts():
+    res = run_ranks(4, _local_after_uneven_groups, timeout_s=90, pg_timeout_s=20)
+    assert [r["sum"] for r in res[:3]] == [6.0] * 3 and res[3]["sum"] is None
+    assert all(r["kept"] and r["distinct"] for r in res[:3])
