@@ -18,14 +18,16 @@ from commsched.moe.placement.types import even_origin
 
 
 # --------------------------------------------------------------------------- local search
-def candidates(C: np.ndarray, load: np.ndarray, S: int, tier: int) -> tuple[int, dict[str, np.ndarray]]:
+def candidates(C: np.ndarray, load: np.ndarray, S: int, tier: int, physical: bool = False
+               ) -> tuple[int, dict[str, np.ndarray]]:
     """(busiest device d, family -> [K, args] int64): the feasible moves of ``tier`` (0 or
-    1) of layout C [E, N], in the order of :mod:`commsched.moe.placement.search`."""
+    1) of layout C [E, N], in the order of :mod:`commsched.moe.placement.search`;
+    ``physical``: a slot holds one share (only transfer and add need a free one)."""
     N = C.shape[1]
     cnt = C.sum(axis=1)
     per = load / cnt
     dl = per @ C
-    held = (C > 0).sum(axis=0)
+    held = C.sum(axis=0) if physical else (C > 0).sum(axis=0)
     d = int(np.argsort(-dl, kind="stable")[0])
     es = np.flatnonzero(C[:, d])
     ar = np.arange(N)
@@ -37,22 +39,25 @@ def candidates(C: np.ndarray, load: np.ndarray, S: int, tier: int) -> tuple[int,
     out: dict[str, np.ndarray] = {}
     if tier == 0:
         E2, D2 = np.meshgrid(es, ar, indexing="ij")
-        ok = (D2 != d) & ((C[E2, D2] > 0) | (held[D2] < S))
+        ok = (D2 != d) & (held[D2] < S) if physical else (D2 != d) & ((C[E2, D2] > 0) | (held[D2] < S))
         pair = np.stack([E2[ok], D2[ok]], axis=1)
         out["transfer"] = pair
-        ok = ((Fi != Ei) & (per[Fi] < per[Ei])
-              & (held[Di] + (C[Ei, Di] == 0) - (C[Fi, Di] == 1) <= S)
-              & (held[d] + (C[Fi, d] == 0) - (C[Ei, d] == 1) <= S))
+        ok = (Fi != Ei) & (per[Fi] < per[Ei])
+        if not physical:
+            ok &= ((held[Di] + (C[Ei, Di] == 0) - (C[Fi, Di] == 1) <= S)
+                   & (held[d] + (C[Fi, d] == 0) - (C[Ei, d] == 1) <= S))
         out["swap"] = np.stack([Ei[ok], Fi[ok], Di[ok]], axis=1)
         out["add"] = pair
         out["drop"] = es[cnt[es] >= 2][:, None]
     else:
-        ok = (Fi != Ei) & (cnt[Fi] >= 2) & (held[Di] + (C[Ei, Di] == 0) - (C[Fi, Di] == 1) <= S)
+        ok = (Fi != Ei) & (cnt[Fi] >= 2)
+        if not physical:
+            ok &= held[Di] + (C[Ei, Di] == 0) - (C[Fi, Di] == 1) <= S
         out["retarget"] = np.stack([Ei[ok], Fi[ok], Di[ok]], axis=1)
     return d, out
 
 
-def reference_step(C: np.ndarray, load_E: np.ndarray, S: int) -> tuple | None:
+def reference_step(C: np.ndarray, load_E: np.ndarray, S: int, physical: bool = False) -> tuple | None:
     """Slow twin of one move of :class:`~commsched.moe.placement.search.ShareSearch`: every
     feasible candidate applied to a copy of C [E, N] and every load recomputed; the best
     improving move is applied to C in place and returned as (family, *args); None at a
@@ -63,7 +68,7 @@ def reference_step(C: np.ndarray, load_E: np.ndarray, S: int) -> tuple | None:
     dl = (load / C.sum(axis=1)) @ C
     cur_m, cur_ss = float(dl.max()), float(dl @ dl)
     for tier in range(len(FAMILIES)):
-        d, cands = candidates(C, load, S, tier)
+        d, cands = candidates(C, load, S, tier, physical)
         moves = [(kind, row) for kind in FAMILIES[tier] for row in cands[kind]]
         if not moves:
             continue
@@ -71,7 +76,8 @@ def reference_step(C: np.ndarray, load_E: np.ndarray, S: int) -> tuple | None:
         for i, (kind, row) in enumerate(moves):
             T = C.copy()
             apply_move(T, kind, row, d)
-            assert T.min() >= 0 and (T.sum(axis=1) >= 1).all() and ((T > 0).sum(axis=0) <= S).all()
+            used = T.sum(axis=0) if physical else (T > 0).sum(axis=0)
+            assert T.min() >= 0 and (T.sum(axis=1) >= 1).all() and (used <= S).all()
             v = (load / T.sum(axis=1)) @ T
             m[i], ss[i] = v.max(), v @ v
         better = (m < cur_m - eps) | ((m <= cur_m + eps) & (ss < cur_ss - eps2))

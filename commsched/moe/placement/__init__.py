@@ -74,6 +74,8 @@ _EXPORTS: dict[str, str] = {
     "imbalance": "types",
     "device_loads": "types",
     "plan_placement": "planner",
+    "plan_slots": "planner",
+    "rebalance_experts": "planner",
     "greedy_placement": "greedy",
     "static_placement": "greedy",
     "eplb_placement": "eplb",

@@ -19,6 +19,11 @@ tier 1
 tier 2
   * ``retarget`` (e, f, d2): one share of f on d2 (f keeps at least one) becomes a share of e
 
+With ``physical=True`` a slot holds one *share* (EPLB's physical expert slots: a device
+holding m shares of an expert uses m of its S slots): ``transfer`` and ``add`` need a free
+slot on d2, while ``swap``, ``retarget`` and ``drop`` never need one (they keep or lower
+every device's share count).
+
 The step applies the best improving move: lowest maximum device load, then lowest sum of
 squared loads (each within 1e-12 of the total load, or of its square: sums that differ only
 in their last bits tie), then the first in the order above (families in
@@ -112,11 +117,13 @@ class ShareSearch:
     starts without a tier-1 move). Legend adds B starts, A the starts still moving, P the
     shares off a start's busiest device (padded to the most of any start)."""
 
-    def __init__(self, Cs_BEN: Sequence[np.ndarray], load_E: np.ndarray, slots_per_device: int) -> None:
+    def __init__(self, Cs_BEN: Sequence[np.ndarray], load_E: np.ndarray, slots_per_device: int,
+                 physical: bool = False) -> None:
         self.C = np.array(np.stack(Cs_BEN), dtype=np.int64)
         self.load = np.asarray(load_E, dtype=np.float64)
         self.B, self.E, self.N = self.C.shape
         self.S = int(slots_per_device)
+        self.physical = bool(physical)  # a slot holds one share, not one expert (module docstring)
         scale = max(1.0, float(self.load.sum()))
         self.eps = 1e-12 * scale
         self.eps2 = 1e-12 * scale * scale
@@ -148,7 +155,7 @@ class ShareSearch:
         dl = np.stack([per[i] @ C[i] for i in range(A)])      # [A, N], per start (the same sums alone or batched)
         order = np.argsort(-dl, axis=1, kind="stable")
         pos = C > 0
-        held = pos.sum(axis=1)                                # [A, N]
+        held = C.sum(axis=1) if self.physical else pos.sum(axis=1)  # [A, N] slots in use
         cur_m = dl.max(axis=1)
         cur_ss = np.array([float(dl[i] @ dl[i]) for i in range(A)])
         d = order[:, 0]
@@ -183,13 +190,16 @@ class ShareSearch:
         C_fd2 = C[ai[:, None], fs, ds]                        # [A, P]
         held_d2 = held[ac, ds]
         slot_ok_d2 = held_d2[:, None, :] + (G_ds == 0) - (C_fd2 == 1)[:, None, :] <= S  # [A, S, P]
+        if self.physical:  # a share for a share: d2's slots in use do not change
+            slot_ok_d2 = np.ones_like(slot_ok_d2)
         p_add = load[None, :] / (cnt + 1)
         base = dl[:, None, :] + (p_add - per)[ac, es][:, :, None] * G  # [A, S, N]
         inf = np.inf
         ddc = dd[:, None]
 
         # tier 1: transfer, swap, add, drop
-        pair_ok = ev[:, :, None] & (ar[None, :] != d[:, None])[:, None, :] & ((G > 0) | (held < S)[:, None, :])
+        room = (held < S)[:, None, :]
+        pair_ok = ev[:, :, None] & (ar[None, :] != d[:, None])[:, None, :] & (room if self.physical else (G > 0) | room)
         x = ddc - pe                                          # [A, S]
         y = dl[:, None, :] + pe[:, :, None]
         rest = np.where(ar[None, :] == t1[:, None], u2[:, None], u1[:, None])  # [A, N]
@@ -201,7 +211,7 @@ class ShareSearch:
         held_d = held[ai, d]
         ok = (ev[:, :, None] & pv[:, None, :] & (fs[:, None, :] != es[:, :, None])
               & (per_f[:, None, :] < pe[:, :, None]) & slot_ok_d2
-              & (held_d[:, None, None] + (C_fd == 0)[:, None, :] - (C_ed == 1)[:, :, None] <= S))
+              & (self.physical | (held_d[:, None, None] + (C_fd == 0)[:, None, :] - (C_ed == 1)[:, :, None] <= S)))
         delta = pe[:, :, None] - per_f[:, None, :]
         dl_ds = dl[ac, ds]            # [A, P]
         xs, ys = ddc[:, :, None] - delta, dl_ds[:, None, :] + delta
