@@ -30,6 +30,10 @@ Planners (all pure, no process group):
   shares on the busiest device; a device may hold several shares of one expert), on
   small instances searches over replica counts, and returns the best layout found, so it
   is never worse than the greedy nor than EPLB by construction.
+* :func:`rebalance_experts` -- the planner as a drop-in EPLB policy: DeepSeek EPLB's
+  signature and results (``phy2log``, ``log2phy``, ``logcnt``), every layer (every node of it
+  under the hierarchical rule) planned by :func:`plan_slots`, the planner in EPLB's model of
+  physical slots (a slot per share, every slot filled), never busier than EPLB's layout.
 * :func:`static_placement` -- E/N contiguous experts per device and no replicas, as
   DeepSpeed serves experts.
 * :func:`lower_bound` -- no placement can have a lower maximum device load.
@@ -55,7 +59,7 @@ Rooms (all pure: numpy only, no torch, no process group):
 * :mod:`.greedy` -- :func:`greedy_placement`, :func:`static_placement`
 * :mod:`.eplb` -- :func:`eplb_placement`, :class:`EplbPlan`, :func:`balanced_packing`
 * :mod:`.search` -- local search on the busiest device, the search over replica counts
-* :mod:`.planner` -- :func:`plan_placement`
+* :mod:`.planner` -- :func:`plan_placement`, :func:`plan_slots`, :func:`rebalance_experts`
 * :mod:`.node_aware` -- :func:`node_cost`, the node-aware planner (the host-local split
   lives in :mod:`.types`)
 * :mod:`.split` -- :func:`split_tokens`, :func:`split_offsets`
