@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(list(argv or []))
     # METIS, the CP-SAT bit-width model and the figures: found missing before any run
     for module in ("pymetis", "ortools", "matplotlib"):
-        require(module, "commsched demo")
+        require(module, "the demo (a GNN comparison under AdaQP, and figures)")
     from .gnn.demo import main as gnn_demo
 
     rc = gnn_demo(["--out", str(a.out / "gnn"), "--nproc", str(a.nproc), "--device", a.device])

@@ -506,7 +506,7 @@ def run_workload(workload: Workload, argv: Sequence[str], ctx: RunContext,
     if workload.inline is not None and (ctx.bandwidth or ctx.hosts > 1 or ctx.delay_ms):
         raise ValueError(f"workload {name!r} runs inline in this process; it cannot run under an "
                          "emulated network (drop --bandwidth/--hosts/--delay)")
-    require("matplotlib", f"commsched bench {name} (the figures of its summary)")  # before any run
+    require("matplotlib", f"the summary of bench {name} (its figures)")  # before any run
     # what the workload may read when building its variants
     args.hosts, args.bandwidth, args.rate_bps = ctx.hosts, ctx.bandwidth, ctx.rate_bps
     args.link_model, args.reduce_address = ctx.link_model, ctx.reduce_address
