@@ -106,6 +106,15 @@ def test_wheel_holds_the_package_and_nothing_else(installed):
     assert not (site / "kernels").exists(), "kernels/ must install as commsched.kernels only"
     (dist,) = site.glob("commsched-*.dist-info")
     assert "Apache License" in next(dist.rglob("LICENSE*")).read_text()
+    # the optional packages are requirements of their extras only
+    from commsched._lazy import OPTIONAL
+
+    meta = (dist / "METADATA").read_text().splitlines()
+    assert {f"Provides-Extra: {e}" for _, e in OPTIONAL.values()} <= set(meta)
+    plain = {_req_name(line.partition(":")[2].strip()) for line in meta
+             if line.startswith("Requires-Dist:") and "extra ==" not in line}
+    assert {"torch", "numpy"} <= plain
+    assert plain.isdisjoint(_req_name(d) for d, _ in OPTIONAL.values()), plain
 
 
 @pytest.mark.slow
