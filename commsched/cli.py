@@ -10,6 +10,8 @@ import importlib
 import sys
 from typing import Callable, Sequence
 
+from ._lazy import MissingExtra
+
 USAGE = """usage: commsched COMMAND [ARGS...]
 
 commands:
@@ -203,6 +205,14 @@ def _calibrate(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(argv)
+    except MissingExtra as e:  # an optional dependency the command needs: one line, the extra
+        print(f"commsched {argv[0] if argv else ''}: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         from .bench.workloads import WORKLOADS
 

@@ -20,6 +20,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
+from ._lazy import MissingExtra
 from .config import read_env
 
 
@@ -144,7 +145,8 @@ def _cli_rank() -> tuple[int, int]:
 
 
 def cli_error(prog: str, err: BaseException, out=None) -> int:
-    """The CLI edge of an error commsched detected itself (a ValueError or CommError): one
+    """The CLI edge of an error commsched detected itself (a ValueError, CommError or
+    MissingExtra): one
     line on stderr, ``prog (rank R): message`` when the job has more than one rank, the
     same line appended to ``out``/FAILED when ``out`` is given; returns the exit status 2.
     The rank comes from the process group, or torchrun's environment before there is one."""
@@ -175,7 +177,8 @@ class Stopped(BaseException):
 def cli_main(prog: str, body, *, out=None) -> int:
     """The edge of every entry point: run ``body()`` (returns the exit status) so that
 
-    * a ValueError or :class:`CommError` it raises is one line on stderr (``prog (rank R):
+    * a ValueError, :class:`CommError` or :class:`~commsched._lazy.MissingExtra` (an
+      optional dependency not installed) it raises is one line on stderr (``prog (rank R):
       message``), appended to ``out()``/FAILED when ``out`` (a callable: the run folder, or
       None before there is one) gives a folder, exit status 2 (:func:`cli_error`);
     * SIGTERM ends it with the same kind of line, ``stopped by SIGTERM``, and the FAILED
@@ -200,7 +203,7 @@ def cli_main(prog: str, body, *, out=None) -> int:
         old = signal.signal(signal.SIGTERM, on_term)
     try:
         return body()
-    except (ValueError, CommError) as e:
+    except (ValueError, CommError, MissingExtra) as e:
         return cli_error(prog, e, out() if out is not None else None)
     except Stopped as e:
         cli_error(prog, e, out() if out is not None else None)

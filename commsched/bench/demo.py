@@ -15,6 +15,7 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
+from .._lazy import require
 from ..dist import DEVICE_CHOICES
 
 
@@ -26,6 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="where the ranks compute (auto: CUDA when every rank has its own GPU)")
     a = p.parse_args(list(argv or []))
+    # METIS, the CP-SAT bit-width model and the figures: found missing before any run
+    for module in ("pymetis", "ortools", "matplotlib"):
+        require(module, "the demo (a GNN comparison under AdaQP, and figures)")
     from .gnn.demo import main as gnn_demo
 
     rc = gnn_demo(["--out", str(a.out / "gnn"), "--nproc", str(a.nproc), "--device", a.device])

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .._lazy import require
+
 
 def pyplot():
-    """``matplotlib.pyplot`` on the file-only Agg backend (no display needed)."""
-    import matplotlib
+    """``matplotlib.pyplot`` on the file-only Agg backend (no display needed); the
+    ``plots`` extra."""
+    matplotlib = require("matplotlib", "the figures of a bench")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from .._lazy import require
 from ..cluster.presets import CLUSTERS
 from ..config import read_env
 from ..configurable import to_arguments
@@ -505,6 +506,7 @@ def run_workload(workload: Workload, argv: Sequence[str], ctx: RunContext,
     if workload.inline is not None and (ctx.bandwidth or ctx.hosts > 1 or ctx.delay_ms):
         raise ValueError(f"workload {name!r} runs inline in this process; it cannot run under an "
                          "emulated network (drop --bandwidth/--hosts/--delay)")
+    require("matplotlib", f"the summary of bench {name} (its figures)")  # before any run
     # what the workload may read when building its variants
     args.hosts, args.bandwidth, args.rate_bps = ctx.hosts, ctx.bandwidth, ctx.rate_bps
     args.link_model, args.reduce_address = ctx.link_model, ctx.reduce_address

@@ -42,6 +42,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
+from .._lazy import require
 from .costmodel import LinkCost
 
 if TYPE_CHECKING:  # networkx is imported where the graph is built (not at import)
@@ -374,8 +375,7 @@ class Topology:
     def draw(self, path: str | os.PathLike) -> Path:
         """A picture of the graph (PNG, matplotlib's Agg backend): the switch on top, each
         host's NIC and fabric below it, its ranks at the bottom; links coloured by class."""
-        import matplotlib
-
+        matplotlib = require("matplotlib", "the picture of a topology (topology.png)")
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         import networkx as nx

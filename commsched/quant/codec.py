@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._lazy import require
 from . import reference as _ref
 from .wire import (
     BITS,
@@ -158,6 +159,14 @@ def _resolve(impl: str, device: torch.device) -> str:
     return impl
 
 
+def _triton_kernels():
+    """``commsched.kernels.quant`` (the Triton kernels of CUDA rows; the ``gpu`` extra)."""
+    require("triton", "quantizing CUDA tensors (the Triton kernels)")
+    from commsched.kernels import quant
+
+    return quant
+
+
 def quantize_rows(x_ND: torch.Tensor, bits: int, key: int, row0: int, impl: str,
                    out_NB: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(payload uint8 [N, B], meta float32 [N, 2]) of contiguous float32 rows with counter
@@ -165,9 +174,7 @@ def quantize_rows(x_ND: torch.Tensor, bits: int, key: int, row0: int, impl: str,
     their rows once (``pack_groups``, AdaQP's exchange) and call it per message."""
     how = _resolve(impl, x_ND.device)
     if how == "triton":
-        from commsched.kernels.quant import quantize_pack
-
-        return quantize_pack(x_ND, bits, key, row0, out=out_NB)
+        return _triton_kernels().quantize_pack(x_ND, bits, key, row0, out=out_NB)
     if how in ("fast", "native", "eager", "compiled"):
         from .fast import quantize_cpu
 
@@ -191,9 +198,7 @@ def dequantize_rows(payload_NB: torch.Tensor, meta_N2: torch.Tensor, bits: int, 
     """float32 [N, dim], written into ``out_ND`` (unit column stride) if given; unchecked."""
     how = _resolve(impl, payload_NB.device)
     if how == "triton":
-        from commsched.kernels.quant import unpack_dequantize
-
-        return unpack_dequantize(payload_NB, meta_N2, bits, dim, out=out_ND)
+        return _triton_kernels().unpack_dequantize(payload_NB, meta_N2, bits, dim, out=out_ND)
     if how in ("fast", "native", "eager", "compiled"):
         from .fast import dequantize_cpu
 

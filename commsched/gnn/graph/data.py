@@ -31,6 +31,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from ..._lazy import require
 from ...configurable import option
 from ...results import read_error
 
@@ -502,6 +503,7 @@ def download_dataset(name: str, data_root: str | os.PathLike | None = None) -> P
     if found is not None:
         return found
     home = dataset_home(key, root)
+    require("torch_geometric", f"downloading dataset {key!r}")  # before the try: not a download error
     made = [d for d in (home, home.parent, root) if not d.exists()]  # deepest first
     try:
         with _quiet():
@@ -564,7 +566,8 @@ def load_dataset(name: str, data_root: str | os.PathLike | None = None, *, split
                                  f"{dataset_home(key, root) / 'raw'})")
     if key in PLANETOID:
         pname = PLANETOID[key]
-        from torch_geometric.datasets import Planetoid
+        Planetoid = require("torch_geometric.datasets", f"dataset {key!r}").Planetoid
+        require("scipy", f"dataset {key!r} (Planetoid's files)")
 
         with tempfile.TemporaryDirectory(prefix="commsched-planetoid-") as tmp:
             shutil.copytree(src / "raw", Path(tmp) / pname / "raw")

@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..._lazy import require
 from ...results import load_torch_file, read_error, save_torch, write_json
 from .book import PartitionBook, build_books
 from .data import Graph, GraphSource, clean_edges, graph_fingerprint
@@ -66,7 +67,7 @@ def partition_nodes(g: Graph, num_parts: int, method: str = "metis", seed: int =
         parts = np.empty(N, dtype=np.int64)
         parts[perm] = np.arange(N) % num_parts
         return parts
-    import pymetis
+    pymetis = require("pymetis", "METIS partitioning (--partition-method metis)")
 
     ei = g.edge_index_2E.numpy()
     if g.directed:  # METIS needs a symmetric adjacency

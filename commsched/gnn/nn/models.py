@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..._lazy import require
 from ...configurable import Config, Registry, option
 from ..context import PassContext
 from .layers import DistGNN, DistMessagePassing, GCNConv, LocalGraph, SAGEConv
@@ -135,13 +136,13 @@ class PyGLayer(LayerConfig):
 
 
 def _gin(i: int, o: int) -> nn.Module:
-    from torch_geometric.nn import GINConv
+    GINConv = require("torch_geometric.nn", "--model gin").GINConv
 
     return GINConv(nn.Sequential(nn.Linear(i, o), nn.ReLU(), nn.Linear(o, o)))
 
 
 def _gat(i: int, o: int) -> nn.Module:
-    from torch_geometric.nn import GATConv
+    GATConv = require("torch_geometric.nn", "--model gat").GATConv
 
     return GATConv(i, o, heads=1)
 

@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..._lazy import require
 from ...clock import Clock
 from ...comm.all2all import CommStats
 from ...dist import check_same_config, comm_guard
@@ -201,7 +202,7 @@ def layer_kind(conv: nn.Module) -> LayerKind:
     """The :class:`LayerKind` of a torch_geometric layer; a ValueError naming the layer and
     the supported kinds for one the table does not know, a TypeError for a module that is
     not a ``MessagePassing`` layer."""
-    from torch_geometric.nn import MessagePassing
+    MessagePassing = require("torch_geometric.nn", "distributed()").MessagePassing
 
     name = type(conv).__name__
     if not isinstance(conv, MessagePassing):

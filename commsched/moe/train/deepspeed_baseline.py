@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..._lazy import require
 from ...clock import Clock
 from ...results import Progress
 from ..model.data import Corpus
@@ -140,7 +141,7 @@ def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
     :func:`commsched.moe.train.training.summarize` reads (per-step ``rows``, ``val_loss``, ``sizes``,
     ``state``, and ``ds_comm_ops``: the collectives DeepSpeed's comms logger saw). A step
     without the logger (:func:`profiled_step`) has ``a2a_s`` / ``allreduce_s`` None."""
-    import deepspeed
+    deepspeed = require("deepspeed", "the DeepSpeed-MoE baseline (--impl deepspeed)")
     import torch.distributed as dist
     from deepspeed.comm.comm import comms_logger
     from deepspeed.comm.comm import timers as ds_timers

@@ -47,11 +47,15 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from ortools.sat.python import cp_model
 
+from ..._lazy import require
 from .problem import AssignmentProblem, ChannelArrays, variance_factor
+
+if TYPE_CHECKING:  # OR-Tools is imported when a model is built (the gnn extra)
+    from ortools.sat.python import cp_model
 
 OBJECTIVE_SCALE = 2**44  # integer objective units per unit of the normalised objective
 TIME_COST = 2**20  # objective units per step of a round-time variable (fixes the step q)
@@ -59,6 +63,11 @@ TIME_SUBSTEPS = 2**16  # channel-time coefficients are in 1/TIME_SUBSTEPS of a s
 SECANT_WINDOW = 64  # groups either side of the hinted threshold whose secants start in the model
 
 FORMULATIONS = ("threshold", "per-group")
+
+
+def _cp_model():
+    """OR-Tools' ``cp_model`` (the ``gnn`` extra), imported when a model is built."""
+    return require("ortools.sat.python.cp_model", "the CP-SAT bit-width solver (solver='cp-sat')")
 
 
 @dataclass(frozen=True)
@@ -157,7 +166,8 @@ class RoundModel:
         self.arrays = problem.arrays[r]
         self.w_time, self.w_var = problem.weights(lam)
         self.f_W = np.array([variance_factor(b) for b in problem.bits])
-        self.model = cp_model.CpModel()
+        self.cp = _cp_model()
+        self.model = self.cp.CpModel()
         self.obj_vars: list = []
         self.obj_coefs: list[int] = []
         # seconds per round-time step: one step costs exactly TIME_COST units
@@ -185,7 +195,7 @@ class RoundModel:
             tau = m.new_int_var(-(-lo // TIME_SUBSTEPS), -(-hi // TIME_SUBSTEPS), f"tau{self.r}")
             for const, terms, _, _ in self.chans:
                 if terms:
-                    expr = cp_model.LinearExpr.weighted_sum([v for _, v in terms],
+                    expr = self.cp.LinearExpr.weighted_sum([v for _, v in terms],
                                                             [k for k, _ in terms])
                     m.add(expr + const <= TIME_SUBSTEPS * tau)
             self.obj_vars.append(tau)
@@ -196,7 +206,7 @@ class RoundModel:
         # the variance of this round at the smallest widths, a constant
         v_min = sum(float(a.beta_G.sum()) for a in self.arrays) * self.f_W[0]
         self.offset = round(OBJECTIVE_SCALE * self.w_var * v_min)
-        expr = cp_model.LinearExpr.weighted_sum(self.obj_vars, self.obj_coefs) if self.obj_vars else 0
+        expr = self.cp.LinearExpr.weighted_sum(self.obj_vars, self.obj_coefs) if self.obj_vars else 0
         m.minimize(expr + self.offset)
 
 
@@ -276,7 +286,7 @@ class ThresholdModel(RoundModel):
     def _add_lines(self, cv: _Concave, pick: np.ndarray) -> int:
         new = pick & ~cv.added
         for s, i0 in zip(cv.slope[new], cv.icept[new]):
-            self.model.add_linear_constraint(cv.z - int(s) * cv.m, -cp_model.INT_MAX, int(i0))
+            self.model.add_linear_constraint(cv.z - int(s) * cv.m, -self.cp.INT_MAX, int(i0))
         cv.added |= new
         return int(new.sum())
 
@@ -398,7 +408,7 @@ def solve_round(problem: AssignmentProblem, lam: float, r: int, *, deadline: flo
     conflicts = branches = solves = 0
     best = None  # (exact objective, bound, bits, status) of the best solution so far
     while True:
-        solver = cp_model.CpSolver()
+        solver = rm.cp.CpSolver()
         p = solver.parameters
         p.max_time_in_seconds = max(deadline - time.perf_counter(), 0.001)
         p.num_workers = 1
@@ -412,7 +422,7 @@ def solve_round(problem: AssignmentProblem, lam: float, r: int, *, deadline: flo
         solves += 1
         conflicts += solver.num_conflicts
         branches += solver.num_branches
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if status not in (rm.cp.OPTIMAL, rm.cp.FEASIBLE):
             if best is None:
                 best = (None, None, None, solver.status_name(status))
             break  # a later solve that found nothing keeps the earlier solution

@@ -40,6 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..._lazy import require
 from ..wire import META_BYTES, payload_bytes
 
 TECHNIQUES: tuple[int, ...] = (0, 1, 2, 4, 8, 32)
@@ -367,7 +368,7 @@ def solve_joint(problem: JointProblem, *, time_limit_s: float = 0.5, seed: int =
 
 def _cpsat(problem: JointProblem, hint: np.ndarray, *, time_limit_s: float, seed: int,
            workers: int, stats: dict):
-    from ortools.sat.python import cp_model
+    cp_model = require("ortools.sat.python.cp_model", "the CP-SAT joint assignment")
 
     G, T = problem.bytes_GT.shape
     K, L = len(problem.keys), problem.gamma_L.size
