@@ -15,7 +15,9 @@ its row, plus float32 rounding) and its expectation is the value sent (unbiased)
 Keys: each encoded message draws its 32-bit key from the format's own host random stream
 (``random.Random(seed)``): a host integer, so encoding never reads the device; the same
 seed and the same sequence of messages give the same bytes. Give each rank and each layer
-its own seed (:func:`format_seed`), so that no two messages share random bits.
+its own seed (:func:`format_seed`), so that no two messages share random bits. The stream's
+position is :meth:`QuantRows.state_dict` (plain ints): a checkpoint holds it, and a resumed run
+continues it (:meth:`QuantRows.load_state_dict`) to draw the keys an uninterrupted run draws.
 
 Why stochastic rounding, not round-to-nearest: it is the codec AdaQP's exchange already
 uses (one codec, one set of kernels and tests), and it is unbiased, so quantizing the
@@ -71,6 +73,32 @@ class QuantRows:
     def next_key(self) -> int:
         with self._lock:
             return self._rng.getrandbits(32)
+
+    def state_dict(self) -> dict:
+        """The key stream's position: ``{"seed": int, "state": [int] * 625}`` (the host
+        generator's state; plain values, so a ``weights_only`` checkpoint holds it)."""
+        with self._lock:
+            version, internal, _ = self._rng.getstate()
+        return {"seed": self.seed, "version": int(version), "state": [int(v) for v in internal]}
+
+    def load_state_dict(self, st: dict) -> None:
+        """Continue the key stream of :meth:`state_dict` (ValueError for a damaged state or
+        one of another stream: another seed)."""
+        try:
+            seed, version = int(st["seed"]), int(st.get("version", 3))
+            internal = tuple(int(v) for v in st["state"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"QuantRows: the key stream state is damaged ({type(e).__name__}: {e})") from None
+        if seed != self.seed:
+            raise ValueError(f"QuantRows: the key stream state is of seed {seed}, this format's is "
+                             f"{self.seed} (another rank or layer)")
+        rng = random.Random()
+        try:
+            rng.setstate((version, internal, None))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"QuantRows: the key stream state is damaged ({e})") from None
+        with self._lock:
+            self._rng = rng
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 [R, W] row records of the rows of ``x`` ([R, ...] floating point)."""

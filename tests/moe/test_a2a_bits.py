@@ -384,3 +384,46 @@ def test_records_on_cuda_are_the_reference_and_never_synchronise():
     assert torch.equal(rec.cpu(), cpu)
     assert torch.equal(y.cpu(), decode_records(cpu, 8, 129, impl="reference"))
     assert ((z.cpu() - x).abs().amax(1) <= _bound(x)).all()
+
+
+# --------------------------------------------------------------------------- resume
+def _resume_exact(tmp: str, grad_bits: int, rank: int, world: int) -> None:
+    """A run stopped after 2 steps (its checkpoint) and resumed to 4 ends bitwise equal to
+    a 4-step run: each layer's 8-bit key stream continues from the checkpoint."""
+    from pathlib import Path
+
+    from commsched.moe.train.state import checkpoint_path
+    from commsched.moe.train.trainer import train
+    from tests.moe.test_train import _cfg, _same_state
+
+    base = _cfg(world, "fifo", steps=4)
+    cfg = base.replace(dispatch=DispatchConfig(a2a_bits=8), grad_bits=grad_bits, checkpoint_every=2)
+    full_m, full_state = train(cfg.replace(checkpoint_every=0), None, progress=False)
+    d = Path(tmp) / f"g{grad_bits}"
+    train(cfg.replace(steps=2), d, progress=False)
+    keys = torch.load(checkpoint_path(d, rank), weights_only=True)["wire_keys"]
+    assert len(keys) == 1  # the model's one MoE layer
+    (d / "metrics.json").unlink(missing_ok=True)
+    m, state = train(cfg, d, progress=False, resume=True)
+    assert m.loss == full_m.loss, (m.loss, full_m.loss)
+    assert _same_state(state, full_state)
+
+
+@pytest.mark.parametrize("grad_bits", [32, 8])
+def test_a2a_bits_8_resumes_bitwise(tmp_path, grad_bits):
+    import functools
+
+    res = run_cases(2, [("resume", functools.partial(_resume_exact, str(tmp_path), grad_bits))],
+                    timeout_s=180, env={"COMMSCHED_TIMEOUT_S": "30"})
+    assert_case(res, "resume")
+
+
+def test_quant_rows_key_stream_state_round_trips():
+    a, b = QuantRows(8, seed=5), QuantRows(8, seed=5)
+    [a.next_key() for _ in range(3)]
+    b.load_state_dict(a.state_dict())
+    assert [b.next_key() for _ in range(4)] == [a.next_key() for _ in range(4)]
+    with pytest.raises(ValueError, match="seed"):
+        QuantRows(8, seed=6).load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match="damaged"):
+        b.load_state_dict({"seed": 5, "state": [1, 2]})

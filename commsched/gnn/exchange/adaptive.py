@@ -37,6 +37,11 @@ techniques in place of widths:
 
 Breakdown keys as AdaQP's: ``quant`` encode + decode, ``comm`` blocked on the wire,
 ``assign`` the re-assignment.
+
+State across epochs (``state_dict``, in a training checkpoint): AdaQP's, the sign rows'
+error-feedback residuals, the period's traces, the last epoch's time (the solve's budget)
+and a re-assignment in flight (rank 0's solve is waited for and its answer kept), so a
+resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ from ...quant.widths.joint import (
 from ...results import median
 from ..context import ExchangeContext, PassContext
 from .adaptive_plan import link_model, sender_report, solve_budget, solve_period, technique_segments
-from .adaqp import EXCHANGE_COMPILE_MIN_ELEMENTS, AdaQPExchange
+from .adaqp import EXCHANGE_COMPILE_MIN_ELEMENTS, AdaQPExchange, plain
+from .halo import cpu, keyed_dict, keyed_items
 
 
 class AdaptiveExchange(AdaQPExchange):
@@ -117,6 +123,43 @@ class AdaptiveExchange(AdaQPExchange):
                     f"adaptive: rows sent as signs in epoch {ctx.epoch} held non-finite values "
                     "(a NaN or inf scale); look for an overflow upstream (a too-high learning "
                     "rate) or run with --mode vanilla to find the first bad epoch")
+
+    # ---- state across epochs (module doc) ------------------------------------------------
+    _STATE = AdaQPExchange._STATE + ("errors", "stats", "last_epoch_s", "pending")
+
+    def state_dict(self) -> dict:
+        pend = self._pending
+        if pend is not None:
+            solved = pend.get("solved")
+            if "thread" in pend:  # rank 0: the solve in flight, waited for and kept
+                pend["thread"].join()
+                box = pend["box"]
+                solved = ("error", repr(box["err"])) if "err" in box else plain(box["out"])
+            pend = {"epoch": int(pend["epoch"]), "gather_s": float(pend["gather_s"]), "solved": solved,
+                    "gids": [[int(k[0]), str(k[1]), int(src), int(dst), np.asarray(g).tolist()]
+                             for (k, src, dst), g in pend["gids"].items()]}
+        return {**super().state_dict(),
+                "errors": keyed_items(self.errors, lambda v: [cpu(v[0]), cpu(v[1])]),
+                "stats": keyed_items(self._stats, lambda v: [cpu(t) for t in v]),
+                "last_epoch_s": self._last_epoch_s, "pending": pend}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        dev = self.device
+        self.errors = keyed_dict(state["errors"], lambda v: (v[0].to(dev), v[1].to(dev)))
+        self._stats = keyed_dict(state["stats"], lambda v: tuple(t.to(dev) for t in v))
+        pend = state["pending"]
+        try:
+            last = state["last_epoch_s"]
+            self._last_epoch_s = None if last is None else float(last)
+            if pend is not None:
+                pend = {"epoch": int(pend["epoch"]), "gather_s": float(pend["gather_s"]),
+                        "solved": pend["solved"],
+                        "gids": {((int(a), str(d)), int(src), int(dst)): np.asarray(g, dtype=np.int64)
+                                 for a, d, src, dst, g in pend["gids"]}}
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"{self.name}: the exchange state is damaged ({type(e).__name__}: {e})") from None
+        self._pending = pend
 
     # ---- set-up ----------------------------------------------------------------------------
     def prepare(self, dims: list[int], *, say: Callable[[str], None] | None = say_stderr) -> None:
@@ -254,9 +297,8 @@ class AdaptiveExchange(AdaQPExchange):
 
     # ---- re-assignment -------------------------------------------------------------------------
     def _ratio(self) -> float | None:
-        if not self._measured:
-            return None
-        return median(clock.seconds(a, b) / p for p, clock, a, b in self._measured)
+        ratios = self._measured_ratios()
+        return median(ratios) if ratios else None
 
     def reassign(self, epoch: int) -> None:
         """Collective: start and apply one re-assignment at once (what ``begin_epoch`` does
@@ -310,6 +352,7 @@ class AdaptiveExchange(AdaQPExchange):
             pend.update(thread=th, box=box)
         self._pending = pend
         self._measured.clear()
+        self._ratios = []
         self._stats.clear()
 
     def _apply(self, epoch: int) -> None:
@@ -318,7 +361,14 @@ class AdaptiveExchange(AdaQPExchange):
         pend, self._pending = self._pending, None
         t0 = time.perf_counter()
         solved = None
-        if self.rank == 0:
+        if self.rank == 0 and "thread" not in pend:  # a checkpoint's: solved before it was written
+            solved = pend["solved"]
+            if solved is None or solved[0] != "error":
+                if solved is None:
+                    solved = ("error", "the checkpoint holds no answer of the re-assignment in flight")
+                else:
+                    solved = (solved[0], dict(solved[1], join_wait_s=0.0))
+        elif self.rank == 0:
             pend["thread"].join()
             wait_s = time.perf_counter() - t0
             if "err" in pend["box"]:

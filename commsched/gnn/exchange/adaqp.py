@@ -62,6 +62,13 @@ waits and dequantizes (``commsched.gnn.exchange.halo``).
 Breakdown keys: ``quant`` is quantize + dequantize time, ``comm`` the time blocked on the
 wire (quantization excluded), ``assign`` the re-assignment (gather, solve, broadcast).
 
+**State across epochs** (:meth:`AdaQPExchange.state_dict`, in a training checkpoint): the
+call counter that keys the stochastic rounding, the random widths' period, the assigned
+widths, the last traces and dims (the next re-assignment's input), the measured /
+predicted exchange time ratios since the last one (resolved to numbers) and the link
+costs probed at start-up (with the probed topology), so a resumed run quantizes and
+re-assigns as an uninterrupted one.
+
 **Device.** The exchange's index tensors (the width layouts' ``pos``/``idx``, cached per
 period) live on its device (``device=`` or ``to``); the rows, the per-row ranges of the
 variance trace and the received rows stay there. The trace is kept as the last
@@ -98,7 +105,7 @@ from .adaqp_plan import (
     solve_widths,
     width_layout,
 )
-from .halo import HaloExchange, Pending
+from .halo import HaloExchange, Pending, cpu, keyed_dict, keyed_items
 
 # --------------------------------------------------------------------------- codec
 # CPU rows only (CUDA rows always take the codec's "auto" choice, the Triton kernels).
@@ -116,6 +123,52 @@ def _mix_key(*parts: int) -> int:
         h = ((h ^ (x & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
         h ^= h >> 15
     return h
+
+
+def plain(obj: Any) -> Any:
+    """``obj`` with numpy arrays as lists and numpy scalars as Python numbers, tensors on the
+    CPU, recursively through dicts, lists and tuples: what a ``weights_only`` checkpoint
+    holds."""
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, torch.Tensor):
+        return cpu(obj)
+    if isinstance(obj, dict):
+        return {plain(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(plain(v) for v in obj)
+    return obj
+
+
+def _costs_out(costs: dict[int, tuple[float, float]]) -> list[list]:
+    return [[int(p), float(th), float(ga)] for p, (th, ga) in costs.items()]
+
+
+def _costs_in(items: list) -> dict[int, tuple[float, float]]:
+    return {int(p): (float(th), float(ga)) for p, th, ga in items}
+
+
+def _topology_out(t: Any) -> dict | None:
+    """A probed :class:`~commsched.cluster.topology.Topology` as plain values, every cost
+    exactly (its file form rounds them through microseconds and rates)."""
+    if t is None:
+        return None
+    return {"hosts": list(t.hosts_P), "source": t.source,
+            "links": [[k, float(c.gamma), float(c.theta)] for k, c in t.links.items()],
+            "pairs": [[int(a), int(b), float(c.gamma), float(c.theta)] for (a, b), c in t.pairs.items()]}
+
+
+def _topology_in(d: dict | None) -> Any:
+    if d is None:
+        return None
+    from ...cluster.costmodel import LinkCost
+    from ...cluster.topology import Topology
+
+    return Topology(hosts_P=tuple(str(h) for h in d["hosts"]), source=str(d["source"]),
+                    links={str(k): LinkCost(float(g), float(t)) for k, g, t in d["links"]},
+                    pairs={(int(a), int(b)): LinkCost(float(g), float(t)) for a, b, g, t in d["pairs"]})
 
 
 def _check_norm(book: PartitionBook, norm: str) -> None:
@@ -190,8 +243,49 @@ class AdaQPExchange(HaloExchange):
         # (predicted s, mark at launch, mark after the wait) per exchange, resolved in
         # refined_costs (once a period: on CUDA the marks are events)
         self._measured: list[tuple[float, Clock, Mark, Mark]] = []
+        self._ratios: list[float] = []  # measured / predicted of a checkpoint's exchanges (resumed)
         self.assignments: list[dict] = []  # what each re-assignment did (rank 0 fills details)
         self._compiled_dims: set[int] = set()  # row widths whose exchanges use the compiled codec
+
+    # ---- state across epochs (module doc) -------------------------------------------------
+    _STATE: ClassVar[tuple[str, ...]] = ("calls", "period_index", "assigned", "ranges", "dims", "measured",
+                                         "link_costs", "ref_link_costs", "topology")
+
+    def state_dict(self) -> dict:
+        return {"calls": int(self._calls), "period_index": int(self.period_index),
+                "assigned": [[int(k[0]), str(k[1]), int(src), int(dst), np.asarray(w).tolist()]
+                             for k, chans in self.assigned.items() for (src, dst), w in chans.items()],
+                "ranges": keyed_items(self._ranges, cpu), "dims": keyed_items(self.dims, int),
+                "measured": self._measured_ratios(),
+                "link_costs": _costs_out(self.link_costs), "ref_link_costs": _costs_out(self.ref_link_costs),
+                "topology": _topology_out(self.topology)}
+
+    def load_state_dict(self, state: dict) -> None:
+        st = self._state_keys(state, self._STATE)
+        try:
+            calls, period_index = int(st["calls"]), int(st["period_index"])
+            assigned: dict = {}
+            for layer, direction, src, dst, w in st["assigned"]:
+                assigned.setdefault((int(layer), str(direction)), {})[(int(src), int(dst))] = \
+                    np.asarray(w, dtype=np.int64)
+            ratios = [float(r) for r in st["measured"]]
+            costs, ref = _costs_in(st["link_costs"]), _costs_in(st["ref_link_costs"])
+            topology = _topology_in(st["topology"])
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"{self.name}: the exchange state is damaged ({type(e).__name__}: {e})") from None
+        self._ranges = keyed_dict(st["ranges"], lambda t: t.to(self.device))
+        self.dims = keyed_dict(st["dims"], int)
+        self._calls, self.period_index, self.assigned = calls, period_index, assigned
+        self._measured.clear()
+        self._ratios = ratios
+        self.link_costs, self.ref_link_costs = costs, ref
+        if topology is not None:
+            self.topology, self.hosts_P = topology, topology.hosts_P
+        self._layouts.clear()
+
+    def _measured_ratios(self) -> list[float]:
+        """Measured / predicted time of each exchange since the last re-assignment."""
+        return self._ratios + [clock.seconds(a, b) / p for p, clock, a, b in self._measured]
 
     def to(self, device: torch.device | str) -> "AdaQPExchange":
         device = torch.device(device)
@@ -507,9 +601,10 @@ class AdaQPExchange(HaloExchange):
         theta scaled by the median ratio of measured to predicted exchange time since the
         last assignment (1 without measurements)."""
         costs = self.link_costs if costs is None else costs
-        if not self._measured:
+        ratios = self._measured_ratios()
+        if not ratios:
             return dict(costs)
-        ratio = median(clock.seconds(a, b) / p for p, clock, a, b in self._measured)
+        ratio = median(ratios)
         return {p: (th * ratio, ga) for p, (th, ga) in costs.items()}
 
     def reassign(self, epoch: int) -> None:
@@ -531,6 +626,7 @@ class AdaQPExchange(HaloExchange):
         self.assigned = {k: {c: w for c, w in chans.items() if me in c} for k, chans in table.items()}
         self._layouts.clear()
         self._measured.clear()
+        self._ratios = []
         info = dict(info, epoch=epoch)
         self.assignments.append(info)
 
@@ -570,4 +666,4 @@ class AdaQPExchange(HaloExchange):
         return out
 
 
-__all__ = ["EXCHANGE_COMPILE_MIN_ELEMENTS", "AdaQPExchange"]
+__all__ = ["EXCHANGE_COMPILE_MIN_ELEMENTS", "AdaQPExchange", "plain"]

@@ -28,6 +28,14 @@ Per-pass state -- epoch, training or evaluation, the timer, the byte counters --
 with every call in a :class:`~commsched.gnn.context.PassContext`; an exchange holds only
 what its book and its own schedule determine.
 
+**State across epochs.** What an exchange carries from one epoch to the next (rounding
+counters, error-feedback residuals, stale rows, width assignments) is its
+:meth:`HaloExchange.state_dict`: plain values and CPU tensors, this rank's own. A training
+checkpoint holds every rank's, and a resumed run hands each rank its own back
+(:meth:`HaloExchange.load_state_dict`), so it continues exactly as an uninterrupted run.
+Entries keyed by (layer, direction) are stored as lists (:func:`keyed_items`,
+:func:`keyed_dict`).
+
 **Context.** An exchange is built from one :class:`~commsched.gnn.context.ExchangeContext`
 (book, group, pattern, seed, norm, device, wire dtype), the same for every mode.
 
@@ -48,6 +56,25 @@ from ..context import ExchangeContext, PassContext
 from ..graph.book import PartitionBook
 
 DIRECTIONS = ("forward", "backward")
+
+
+def keyed_items(d: dict, fn: Callable = lambda v: v) -> list[list]:
+    """``{(layer, direction): v}`` as ``[[layer, direction, fn(v)], ...]`` (a checkpoint's
+    plain values; CPU tensors for tensors: :func:`cpu`)."""
+    return [[int(k[0]), str(k[1]), fn(v)] for k, v in d.items()]
+
+
+def keyed_dict(items: list, fn: Callable = lambda v: v) -> dict:
+    """The inverse of :func:`keyed_items` (a ValueError for a malformed list)."""
+    try:
+        return {(int(layer), str(direction)): fn(v) for layer, direction, v in items}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the exchange state is damaged ({type(e).__name__}: {e})") from None
+
+
+def cpu(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t`` that shares nothing with it (what a state dict holds)."""
+    return t.detach().to("cpu", copy=True)
 
 
 class Pending:
@@ -149,6 +176,26 @@ class HaloExchange:
         ``first_epoch`` on took ``epoch_time_s_RE[r][e]`` on rank r (an exchange with
         periodic work adds what it cost); collective-free."""
         return self.report()
+
+    def state_dict(self) -> dict:
+        """What this rank's exchange carries from one epoch to the next, as plain values and
+        CPU tensors (module doc, "State across epochs"); ``{}`` for a stateless exchange.
+        Called between epochs."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict` (between epochs, before the first one run); a
+        ValueError for a state this exchange does not keep (another mode's, or damaged)."""
+        self._state_keys(state, ())
+
+    def _state_keys(self, state: dict, keys: tuple[str, ...]) -> dict:
+        """``state``, checked to hold exactly ``keys`` (else the ValueError of
+        :meth:`load_state_dict`)."""
+        if not isinstance(state, dict) or set(state) != set(keys):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"{self.name}: the exchange state holds {got}, this exchange keeps "
+                             f"{sorted(keys)}: a checkpoint of another mode, or a damaged one")
+        return state
 
     def transfer(self, rows: torch.Tensor, layer: int, direction: str, ctx: PassContext) -> Pending:
         """Move ``rows`` for ``layer`` in ``direction`` during the pass ``ctx``.
@@ -351,4 +398,5 @@ class ZeroExchange(HaloExchange):
         return Pending.ready(self.zeros(rows, direction))
 
 
-__all__ = ["DIRECTIONS", "HaloExchange", "HaloHandle", "Pending", "VanillaExchange", "ZeroExchange"]
+__all__ = ["DIRECTIONS", "HaloExchange", "HaloHandle", "Pending", "VanillaExchange", "ZeroExchange", "cpu",
+           "keyed_dict", "keyed_items"]

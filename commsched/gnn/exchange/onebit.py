@@ -23,7 +23,8 @@ compute. What this module builds, and what it leaves out:
   rows of an exchange are the same nodes in the same order every epoch (the book's
   ``send_idx``, or the remote rows backward), so the error of row k is carried to row k.
   Evaluation passes send full-precision rows (as AdaQP's exchange does) and leave the
-  error untouched.
+  error untouched. The kept errors are the exchange's state (``state_dict``): a checkpoint
+  holds them, so a resumed run sends what an uninterrupted one sends.
 * **Codec.** The fast twin of the spec (``commsched.quant.fast``); on the CPU it is
   compiled at set-up (:meth:`OneBitExchange.prepare`, like AdaQP's codec) for the row
   widths whose exchanges are large enough (``EXCHANGE_COMPILE_MIN_ELEMENTS``), unless
@@ -52,7 +53,7 @@ from ...quant.fast import compile_enabled, say_stderr, warm_sign_codec
 from ..context import ExchangeContext, PassContext
 from ..graph.book import PartitionBook
 from .adaqp import EXCHANGE_COMPILE_MIN_ELEMENTS
-from .halo import HaloExchange, Pending
+from .halo import HaloExchange, Pending, cpu, keyed_dict, keyed_items
 
 
 class OneBitExchange(HaloExchange):
@@ -89,6 +90,14 @@ class OneBitExchange(HaloExchange):
     @property
     def overlaps(self) -> bool:
         return self.overlap
+
+    def state_dict(self) -> dict:
+        """The error-feedback residuals (module doc)."""
+        return {"errors": keyed_items(self.errors, cpu)}
+
+    def load_state_dict(self, state: dict) -> None:
+        st = self._state_keys(state, ("errors",))
+        self.errors = keyed_dict(st["errors"], lambda t: t.to(self.device))
 
     def prepare(self, dims: list[int], *, say: Callable[[str], None] | None = say_stderr) -> None:
         """Compile the CPU sign codec for the row widths whose exchanges hold at least

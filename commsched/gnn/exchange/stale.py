@@ -12,9 +12,10 @@ waited for once, at the end of the epoch (:meth:`PipeGCNExchange.end_epoch`, the
 time counted as "comm").
 
 - **The first epoch is exact**: with nothing from a previous epoch, the first training
-  epoch of the exchange (epoch 0, or the first after ``--resume``: stale rows are not
-  checkpointed) waits for its own rows and gradients, like ``adaqp-p``; what it received
-  is then the stale value of the next epoch.
+  epoch of the exchange (epoch 0) waits for its own rows and gradients, like ``adaqp-p``;
+  what it received is then the stale value of the next epoch. The stale rows are the
+  exchange's state (``state_dict``): a checkpoint holds them, so the first epoch after
+  ``--resume`` uses the rows an uninterrupted run uses.
 - ``delay=0`` uses every epoch's own rows (the same background exchanges, waited at once):
   it trains exactly like ``vanilla`` (the twin the tests compare with).
 - ``smoothing=gamma`` (PipeGCN-GF): the value used in epoch t+1 is the moving average
@@ -33,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..context import ExchangeContext, PassContext
-from .halo import Pending, VanillaExchange
+from .halo import Pending, VanillaExchange, cpu, keyed_dict, keyed_items
 
 
 def check_pattern(pattern: str, mode: str = "pipegcn") -> None:
@@ -91,6 +92,14 @@ class PipeGCNExchange(VanillaExchange):
                 self._stale[key] = got if old is None or gamma == 0.0 else old * gamma + got * (1.0 - gamma)
         self._inflight.clear()
         ctx.timer.add_span("comm", t, ctx.timer.mark())
+
+    def state_dict(self) -> dict:
+        """The rows and gradients the next epoch uses (received, or their moving average)."""
+        return {"stale": keyed_items(self._stale, cpu)}
+
+    def load_state_dict(self, state: dict) -> None:
+        st = self._state_keys(state, ("stale",))
+        self._stale = keyed_dict(st["stale"], lambda t: t.to(self.device))
 
     def report(self) -> dict:
         return {"pipegcn": {"delay": self.options.delay, "smoothing": self.options.smoothing}}

@@ -492,11 +492,42 @@ class Trainer:
         return res
 
     # -- checkpoints ----------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, exchange: list[dict] | None = None) -> dict[str, Any]:
+        """The checkpoint; ``exchange``: every rank's exchange state, in rank order
+        (:meth:`exchange_states`; None: this rank's alone, a one-rank run's)."""
+        if exchange is None:
+            exchange = [self.halo.state_dict()] if self.world == 1 else None
         return {"config": self.cfg.record(), "epoch": self.epoch,
                 "world_size": self.world, "fingerprint": self.part.fingerprint,
                 "model": self.model.state_dict(), "optimizer": self.grad_step.state_dict(),
-                "history": self.history, **({"grad_keys": self._launcher.state_dict()} if self._launcher else {})}
+                "history": self.history, **({"grad_keys": self._launcher.state_dict()} if self._launcher else {}),
+                **({"exchange": exchange} if exchange is not None else {})}
+
+    def exchange_states(self) -> list[dict]:
+        """Every rank's exchange state (:meth:`HaloExchange.state_dict`: rounding counters,
+        residuals, stale rows, assignments), in rank order, on every rank (collective)."""
+        mine = self.halo.state_dict()
+        if self.world == 1:
+            return [mine]
+        return all_gather_object(mine, "gathering the exchanges' state for the checkpoint", self.group)
+
+    def _load_exchange_state(self, states: Any) -> None:
+        """Give this rank's exchange its state from the checkpoint; a problem on any rank is
+        the same ValueError on every rank (collective)."""
+        err = None
+        try:
+            if not isinstance(states, (list, tuple)) or len(states) != self.world:
+                raise ValueError(f"it holds no exchange state for each of the {self.world} ranks")
+            self.halo.load_state_dict(states[self.rank])
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            err = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+        errs = all_gather_object(err, "agreeing on the exchange state to resume from", self.group) \
+            if self.world > 1 else [err]
+        bad = [(r, e) for r, e in enumerate(errs) if e]
+        if bad:
+            r, e = bad[0]
+            raise ValueError(f"--resume: the checkpoint's exchange state does not fit this run "
+                             f"(rank {r}: {e}); start without --resume or use the same options")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = _comparable(self.cfg.record())
@@ -511,6 +542,8 @@ class Trainer:
         self.grad_step.load_state_dict(state["optimizer"])
         if self._launcher is not None:  # the compressed sums' rounding keys go on from the checkpoint's
             self._launcher.load_state_dict(state["grad_keys"])
+        if "exchange" in state:  # and the exchange's own (a checkpoint without it: the exchange starts afresh)
+            self._load_exchange_state(state["exchange"])
         self.epoch = int(state["epoch"])
         # loss and accuracy are global and carry over; timings cover this invocation only
         self.history["loss"] = list(state["history"]["loss"])
@@ -520,10 +553,11 @@ class Trainer:
         """Rank 0 writes (atomically, flushed to the disk); every rank waits so nobody runs
         ahead of the file, and every rank learns if it could not be written (a full disk:
         the same one-line :class:`~commsched.results.OutputError` on every rank)."""
+        exchange = self.exchange_states()  # every rank's, written by rank 0
         err = None
         if self.rank == 0:
             try:
-                save_torch(self.state_dict(), path, what="checkpoint")
+                save_torch(self.state_dict(exchange), path, what="checkpoint")
             except OutputError as e:
                 err = str(e)
         if self.world > 1:

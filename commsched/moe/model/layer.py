@@ -31,7 +31,9 @@ to the experts travel as 8-bit row records of the shared codec (stochastic round
 float32 scale and zero point per row), the rows that come back in bfloat16; ``16``: all
 bfloat16; ``32`` (the default): as today, bit for bit (:func:`commsched.moe.model.dispatch.moe_wires`).
 Each layer's 8-bit key stream is seeded from ``wire_seed`` and the rank's global rank
-(:func:`commsched.quant.rowwire.format_seed`), so ranks and layers never share random bits.
+(:func:`commsched.quant.rowwire.format_seed`), so ranks and layers never share random bits;
+:meth:`MoELayer.key_state` is the stream's position, which a training checkpoint holds so
+that a resumed run draws the keys an uninterrupted one draws.
 """
 
 from __future__ import annotations
@@ -94,6 +96,19 @@ class MoELayer(nn.Module):
         self.wires: MoEWires = moe_wires(self.dispatch.a2a_bits, format_seed(wire_seed, rank))
         self.last_routing: Routing | None = None
         self._lanes: Lanes | None = None  # comm lane of the pipelined exchange, made on first use
+
+    def key_state(self) -> dict | None:
+        """The 8-bit wire's key stream position (:meth:`commsched.quant.rowwire.QuantRows.state_dict`);
+        None at other widths (nothing random on the wire)."""
+        q = self.wires.dispatch.forward if self.wires.bits == 8 else None
+        return q.state_dict() if q is not None else None
+
+    def load_key_state(self, st: dict) -> None:
+        """Continue the key stream of :meth:`key_state` (ValueError when this layer has no
+        8-bit wire, or for a damaged or foreign state)."""
+        if self.wires.bits != 8:
+            raise ValueError(f"this MoE layer's all-to-all is {self.wires.bits}-bit: it has no key stream to restore")
+        self.wires.dispatch.forward.load_state_dict(st)
 
     def close(self) -> None:
         """Stop the comm lane thread of the pipelined exchange, if one was started."""

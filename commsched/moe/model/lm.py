@@ -150,6 +150,28 @@ class MoETransformerLM(nn.Module):
     def moe_layers(self) -> list[nn.Module]:
         return [b.ffn for i, b in enumerate(self.blocks) if self.cfg.is_moe(i)]
 
+    def wire_key_state(self) -> dict[str, dict]:
+        """{MoE layer index: its 8-bit key stream position} (``--a2a-bits 8``; empty at other
+        widths): what a checkpoint holds so that a resumed run rounds as an uninterrupted one."""
+        out = {}
+        for j, layer in enumerate(self.moe_layers()):
+            st = layer.key_state() if hasattr(layer, "key_state") else None
+            if st is not None:
+                out[str(j)] = st
+        return out
+
+    def load_wire_key_state(self, st: dict) -> None:
+        """Continue the key streams of :meth:`wire_key_state` (ValueError when the layers
+        differ from those the state was taken from, or for a damaged state)."""
+        mine = self.wire_key_state()
+        if not isinstance(st, dict) or set(st) != set(mine):
+            got = sorted(st) if isinstance(st, dict) else type(st).__name__
+            raise ValueError(f"the 8-bit key streams saved are of MoE layers {got}, this model's are "
+                             f"{sorted(mine)}")
+        layers = self.moe_layers()
+        for j, s in st.items():
+            layers[int(j)].load_key_state(s)
+
     def close(self) -> None:
         """Stop the helper threads of the MoE layers (the pipelined exchange's comm lanes)."""
         for layer in self.moe_layers():

@@ -85,10 +85,12 @@ def config_mismatch(mine: dict, theirs: dict) -> str | None:
 
 def make_state(*, cfg: Any, step: int, rank: int, world_size: int, ep_size: int,
                model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: list[dict],
-               device: torch.device, grad_keys: dict | None = None) -> dict[str, Any]:
+               device: torch.device, grad_keys: dict | None = None,
+               wire_keys: dict | None = None) -> dict[str, Any]:
     """What one rank's checkpoint holds after ``step`` completed steps (``grad_keys``: the
-    compressed reduction's key counters, ``CompressedLauncher.state_dict``, continued on
-    resume)."""
+    compressed reduction's key counters, ``CompressedLauncher.state_dict``; ``wire_keys``:
+    the 8-bit all-to-all's key streams, ``MoETransformerLM.wire_key_state``; both continued
+    on resume)."""
     rng = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
@@ -99,7 +101,8 @@ def make_state(*, cfg: Any, step: int, rank: int, world_size: int, ep_size: int,
             # the gradient schedule's fallback probe (GradStep.probe_state): a resumed run
             # runs every step in the mode the interrupted one would have
             **({"probe": optimizer.probe_state()} if hasattr(optimizer, "probe_state") else {}),
-            **({"grad_keys": grad_keys} if grad_keys is not None else {})}
+            **({"grad_keys": grad_keys} if grad_keys is not None else {}),
+            **({"wire_keys": wire_keys} if wire_keys else {})}
 
 
 def write_tmp(path: Path, state: dict[str, Any]) -> Path:

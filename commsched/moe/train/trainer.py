@@ -279,7 +279,7 @@ def _resume_state(cfg: TrainConfig, out: Path, ep: int, device: torch.device) ->
 
 
 def _save_state(cfg: TrainConfig, out: Path, step: int, ep: int, model, opt, rows: list[dict],
-                device: torch.device, grad_keys: dict | None = None) -> None:
+                device: torch.device, grad_keys: dict | None = None, wire_keys: dict | None = None) -> None:
     """Every rank writes its file beside the old one (flushed to the disk), the ranks learn
     whether all could (a full disk on any rank is the same one-line error on every rank,
     nothing renamed), then each renames its file into place keeping the old one, and once
@@ -288,7 +288,7 @@ def _save_state(cfg: TrainConfig, out: Path, step: int, ep: int, model, opt, row
     path = train_state.checkpoint_path(out, rank)
     st = train_state.make_state(cfg=cfg, step=step, rank=rank, world_size=dist.get_world_size(), ep_size=ep,
                                 model=model, optimizer=opt, rows=rows, device=device,
-                                grad_keys=grad_keys)
+                                grad_keys=grad_keys, wire_keys=wire_keys)
     tmp, err = None, None
     try:
         tmp = train_state.write_tmp(path, st)
@@ -425,6 +425,8 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
             opt.load_probe_state(st["probe"])
         if launcher is not None and "grad_keys" in st:  # the rounding keys continue from the interrupted run's
             launcher.load_state_dict(st["grad_keys"])
+        if "wire_keys" in st:  # and the 8-bit all-to-all's (--a2a-bits 8)
+            model.load_wire_key_state(st["wire_keys"])
         rows = [dict(r) for r in st["rows"]]
         start = int(st["step"])
         train_state.restore_rng(st, device)
@@ -487,7 +489,8 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
                 timeline = _timeline_dicts(opt.records)
             if ckpt:
                 _save_state(cfg, out, step + 1, ep, model, opt, rows, device,
-                            grad_keys=None if launcher is None else launcher.state_dict())
+                            grad_keys=None if launcher is None else launcher.state_dict(),
+                            wire_keys=model.wire_key_state())
             if on_step is not None:
                 on_step(step + 1)
             bar.update(1)
