@@ -36,7 +36,6 @@ import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
-
 STALL_FACTOR = 3.0  # a probe step slower than this times the median of the counted steps is a stall
 
 

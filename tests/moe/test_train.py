@@ -636,9 +636,12 @@ def test_cli_fills_the_one_schedule_config(tmp_path):
     (["--schedule", "lina", "--bucket-bytes", "64"], "--bucket-bytes belongs to --schedule fifo, not to --schedule lina"),
     (["--schedule", "flat", "--microop-bytes", "64"], "--microop-bytes belongs to --schedule lina, serial, lina-overlap"),
     (["--impl", "deepspeed", "--microop-bytes", "64"], "--microop-bytes belongs to --impl commsched, not to --impl deep"),
-    (["--ds-stage", "1"], "--ds-stage belongs to --impl deepspeed, not to --impl commsched")])
+    (["--ds-stage", "1"], "--ds-stage belongs to --impl deepspeed, not to --impl commsched"),
+    (["--schedule", "lina", "--fallback-probes", "-1"], "--fallback-probes must be a whole number >= 0 (0 turns the "
+                                                        "probe off), got -1")])
 def test_cli_refuses_an_option_of_another_schedule_or_runtime(tmp_path, capsys, args, owner):
-    """One rule for every component's option given to another: exit 2, naming the owner."""
+    """One rule for every component's option given to another: exit 2, naming the owner; a
+    schedule option out of range likewise names its flag, before the run folder is made."""
     from commsched.moe.train.cli import main
 
     assert main([*args, "--out", str(tmp_path / "o")]) == 2
