@@ -921,6 +921,32 @@ def test_namespace_removed_on_signal(tmp_path, sig):
 
 @pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
 @pytest.mark.root
+def test_sigkilled_emulator_takes_its_command_along_and_cleanup_removes_the_namespace(tmp_path):
+    p = _netem(["--rate", "100mbit"], ["sh", "-c", f"ip netns identify $$ > {tmp_path}/ns; echo $$ > {tmp_path}/pid; exec sleep 60"])
+    for _ in range(200):
+        if (tmp_path / "pid").exists() and (tmp_path / "pid").read_text().strip():
+            break
+        time.sleep(0.05)
+    ns, child = (tmp_path / "ns").read_text().strip(), int((tmp_path / "pid").read_text())
+    p.kill()  # no clean-up runs: the namespace stays, the command must not
+    p.communicate(timeout=30)
+    for _ in range(200):
+        try:
+            if Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the emulated command outlived its SIGKILLed emulator")
+    clean = subprocess.run([sys.executable, "-c", emulation._STANDALONE, netem.__file__, "--cleanup"],
+                           capture_output=True, text=True, timeout=60)
+    assert clean.returncode == 0 and ns in clean.stdout and ns not in _namespaces()
+
+
+@pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+@pytest.mark.root
 def test_delay_supported_or_refused_clearly():
     before = _namespaces()
     p = _netem(["--rate", "100mbit", "--delay", "5"], ["true"])
