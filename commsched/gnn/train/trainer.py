@@ -81,7 +81,15 @@ from ...priority.runtime.buckets import LOCAL
 from ...priority.step import GradStep, make_grad_step
 from ...quant.allreduce import GRAD_BITS, CompressedLauncher, check_grad_bits
 from ...quant.rowwire import format_seed
-from ...results import DivergenceGuard, OutputError, Progress, load_torch_file, median, read_error, save_torch
+from ...results import (
+    DivergenceGuard,
+    OutputError,
+    Progress,
+    load_torch_file,
+    median,
+    read_error,
+    save_torch,
+)
 from ..context import PassContext
 from ..exchange.halo import HaloExchange
 from ..exchange.modes import MODES, ExchangeConfig, recorded_options, resolve_config
