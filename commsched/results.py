@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import statistics
 import sys
@@ -82,12 +83,31 @@ def write_atomic(path: str | os.PathLike, write: Callable[[Any], None], *, what:
     return path
 
 
+def finite_json(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, +-inf; numpy's too) replaced by None, mappings
+    and sequences walked, so that strict JSON (``allow_nan=False``) can hold it: a diverged
+    run's loss is ``null``, never a bare ``NaN`` token that strict parsers reject."""
+    if isinstance(obj, Mapping):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    if isinstance(obj, numbers.Real) and not isinstance(obj, numbers.Integral):
+        return float(obj) if math.isfinite(obj) else None
+    return obj
+
+
+def dumps_json(obj: Any, *, indent: int | None = None) -> str:
+    """``obj`` as strict JSON (:func:`finite_json`; dataclasses as their fields, other
+    unknown values as ``str``): what every file and line of results commsched writes holds."""
+    return json.dumps(finite_json(_plain(obj)), indent=indent, default=str, allow_nan=False)
+
+
 def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2) -> Path:
-    """Write ``obj`` as JSON to ``path`` atomically (:func:`write_atomic`: a temporary file
-    flushed and renamed into place; a full disk is an :class:`OutputError` naming the file);
-    parent folders are made. Dataclasses are written as their fields; other unknown values
-    as ``str``."""
-    data = json.dumps(_plain(obj), indent=indent, default=str).encode()
+    """Write ``obj`` as strict JSON (:func:`dumps_json`: non-finite floats as ``null``) to
+    ``path`` atomically (:func:`write_atomic`: a temporary file flushed and renamed into
+    place; a full disk is an :class:`OutputError` naming the file); parent folders are made.
+    Dataclasses are written as their fields; other unknown values as ``str``."""
+    data = dumps_json(obj, indent=indent).encode()
     return write_atomic(path, lambda f: f.write(data), what="metrics file" if Path(path).name == "metrics.json" else "file")
 
 
@@ -97,6 +117,46 @@ def save_torch(obj: Any, path: str | os.PathLike, what: str = "checkpoint") -> P
     import torch
 
     return write_atomic(path, lambda f: torch.save(obj, f), what=what)
+
+
+# a run whose (agreed) training loss is not finite this many steps or epochs in a row stops:
+# once NaN reaches the parameters through Adam it never leaves them
+NONFINITE_STOP_AFTER = 5
+
+
+class DivergedError(ValueError):
+    """The training loss stayed non-finite for :data:`NONFINITE_STOP_AFTER` steps in a row: one
+    line at the front-ends' edge, exit status 2, the run folder marked FAILED."""
+
+
+class DivergenceGuard:
+    """Watches a run's training loss, the same number on every rank (all-reduced), so that
+    every rank stops at the same step. The first non-finite loss is said once through
+    ``say`` (rank 0's; None: silent) naming the ``unit`` (step, epoch) and its number;
+    ``stop_after`` non-finite ones in a row raise :class:`DivergedError` with ``hint``."""
+
+    def __init__(self, unit: str = "step", *, say: Callable[[str], None] | None = None,
+                 stop_after: int = NONFINITE_STOP_AFTER, hint: str = ""):
+        if stop_after < 1:
+            raise ValueError(f"stop_after must be >= 1, got {stop_after}")
+        self.unit, self.say, self.stop_after, self.hint = unit, say, int(stop_after), hint
+        self.run: list[int] = []  # the numbers of the non-finite ones in a row
+        self.warned = False
+
+    def check(self, number: int, loss: float | None) -> None:
+        """``loss`` of step (epoch) ``number``; None (no loss computed) counts as finite."""
+        if loss is None or math.isfinite(loss):
+            self.run = []
+            return
+        self.run.append(number)
+        if not self.warned and self.say is not None:
+            self.say(f"warning: the training loss is {loss} at {self.unit} {number}: the run is diverging; it "
+                     f"stops after {self.stop_after} non-finite {self.unit}s in a row")
+        self.warned = True
+        if len(self.run) >= self.stop_after:
+            raise DivergedError(f"the training loss was not finite for {len(self.run)} {self.unit}s in a row "
+                                f"({self.unit}s {self.run[0]}-{self.run[-1]}): the run diverged" +
+                                (f"; {self.hint}" if self.hint else ""))
 
 
 FAILED_MARKER = "FAILED"  # the file a failed run leaves in its --out folder
@@ -323,6 +383,7 @@ def pick(d: Mapping[str, Any], dotted: str) -> Any:
     return cur
 
 
-__all__ = ["FAILED_MARKER", "OutputError", "Progress", "Record", "load_torch_file", "mark_failed", "median", "pick",
+__all__ = ["FAILED_MARKER", "NONFINITE_STOP_AFTER", "DivergedError", "DivergenceGuard", "OutputError",
+           "dumps_json", "finite_json", "Progress", "Record", "load_torch_file", "mark_failed", "median", "pick",
            "save_torch", "write_atomic",
            "prepare_out", "read_error", "write_json"]

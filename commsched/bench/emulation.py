@@ -31,9 +31,10 @@ from ..cluster import netem
 from ..cluster.netem import (
     MAX_HOSTS,
     RDZV_PORT,
+    Emulation,
     NetemError,
+    NetSpec,
     check_requirements,
-    delay_supported,
     format_rate,
     parse_optional_rate,
     parse_rate,
@@ -45,6 +46,16 @@ from .runner import RunContext, Workload, torchrun_command
 _STANDALONE = ("import importlib.util as u, sys; s = u.spec_from_file_location('_commsched_netem', sys.argv[1]); "
                "m = u.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m); "
                "sys.exit(m.main(sys.argv[2:]))")
+
+
+def delay_supported() -> bool:
+    """Whether this kernel has the netem qdisc (probed in a throwaway namespace; root)."""
+    spec = NetSpec(rate_bps=None, hosts=1, delay_ms=1.0, tag=f"probe{os.getpid()}")
+    try:
+        with Emulation(spec):
+            return True
+    except NetemError:
+        return False
 
 
 LINK_MODELS = ("collective", "flow")

@@ -52,6 +52,7 @@ MAX_CLASSES = 8                      # --host-classes: subnets 10.213.1.0/24 .. 
 RDZV_PORT = 29400                   # free in a fresh namespace by construction
 STOP_GRACE_S = 10.0                 # SIGTERM -> SIGKILL grace for the command
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+MAX_RATE_BPS = 10**12               # 1tbit: tbf's queue (QUEUE_TIME_S of traffic) must fit in 4 GiB
 
 # placeholders filled in per host in --hosts mode (plain substring replacement)
 PLACEHOLDERS = {
@@ -98,6 +99,9 @@ def parse_rate(text: str) -> int:
     bps = float(num) * _RATE_UNITS[unit]
     if bps < 8000:
         raise ValueError(f"rate {text!r} is below 8kbit; tbf cannot shape that usefully")
+    if bps > MAX_RATE_BPS:
+        raise ValueError(f"rate {text!r} is above 1tbit, the most tc's token bucket takes (its queue of "
+                         f"{QUEUE_TIME_S * 1000:g} ms of traffic must fit in 4 GiB); use --rate none for no limit")
     return int(round(bps))
 
 
@@ -256,40 +260,31 @@ class NetSpec:
     host_classes: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.hosts, int) or not 1 <= self.hosts <= MAX_HOSTS:
-            raise ValueError(f"hosts must be an integer in 1..{MAX_HOSTS}, got {self.hosts!r}")
-        if self.delay_ms is not None and not self.delay_ms >= 0:
-            raise ValueError(f"delay must be >= 0 ms, got {self.delay_ms}")
-        if self.rate_bps is not None and self.rate_bps <= 0:
-            raise ValueError(f"rate must be > 0 bits/s, got {self.rate_bps}")
-        if self.host_rate_bps is not None:
-            if self.hosts < 2:
-                raise ValueError("a host rate (--host-rate) needs --hosts K >= 2: with one host "
-                                 "the loopback is the link and --rate limits it")
-            if self.host_rate_bps <= 0:
-                raise ValueError(f"host rate must be > 0 bits/s, got {self.host_rate_bps}")
-        if self.classes:
-            if parse_class_addresses(self.classes) != tuple(self.classes):
-                raise ValueError(f"classes must be distinct loopback addresses, got {self.classes!r}")
-            if self.hosts != 1:
-                raise ValueError("link classes (--classes) shape the shared loopback: they need --hosts 1")
-            if self.rate_bps is None:
-                raise ValueError("link classes (--classes) share a limited link: give --rate")
-            if self.delay_ms:
-                raise ValueError("link classes (--classes) cannot be combined with --delay")
-        if isinstance(self.host_classes, bool) or not isinstance(self.host_classes, int) or \
-                not 0 <= self.host_classes <= MAX_CLASSES:
-            raise ValueError(f"host_classes must be an integer in 0..{MAX_CLASSES}, got {self.host_classes!r}")
-        if self.host_classes:
-            if self.hosts < 2:
-                raise ValueError("--host-classes gives the emulated hosts' links classes: it needs --hosts K >= 2 "
-                                 "(with one host, --classes ADDR classes the shared loopback)")
-            if self.rate_bps is None:
-                raise ValueError("link classes (--host-classes) share a limited link: give --rate")
-            if self.delay_ms:
-                raise ValueError("link classes (--host-classes) cannot be combined with --delay")
-        if not re.fullmatch(r"[A-Za-z0-9_]*", self.tag):
-            raise ValueError(f"tag must be letters, digits or _, got {self.tag!r}")
+        h, hc, rate, cls, delay = self.hosts, self.host_classes, self.rate_bps, self.classes, self.delay_ms
+        rules = [  # (refused?, why), checked in order: each only once the ones before it hold
+            (lambda: not isinstance(h, int) or not 1 <= h <= MAX_HOSTS, f"hosts must be an integer in 1..{MAX_HOSTS}, "
+                                                                         f"got {h!r}"),
+            (lambda: delay is not None and not delay >= 0, f"delay must be >= 0 ms, got {delay}"),
+            (lambda: rate is not None and rate <= 0, f"rate must be > 0 bits/s, got {rate}"),
+            (lambda: self.host_rate_bps is not None and h < 2, "a host rate (--host-rate) needs --hosts K >= 2: with "
+                                                               "one host the loopback is the link and --rate limits it"),
+            (lambda: self.host_rate_bps is not None and self.host_rate_bps <= 0,
+             f"host rate must be > 0 bits/s, got {self.host_rate_bps}"),
+            (lambda: bool(cls) and parse_class_addresses(cls) != tuple(cls),
+             f"classes must be distinct loopback addresses, got {cls!r}"),
+            (lambda: bool(cls) and h != 1, "link classes (--classes) shape the shared loopback: they need --hosts 1"),
+            (lambda: bool(cls) and rate is None, "link classes (--classes) share a limited link: give --rate"),
+            (lambda: bool(cls) and bool(delay), "link classes (--classes) cannot be combined with --delay"),
+            (lambda: isinstance(hc, bool) or not isinstance(hc, int) or not 0 <= hc <= MAX_CLASSES,
+             f"host_classes must be an integer in 0..{MAX_CLASSES}, got {hc!r}"),
+            (lambda: hc > 0 and h < 2, "--host-classes gives the emulated hosts' links classes: it needs --hosts K "
+                                       ">= 2 (with one host, --classes ADDR classes the shared loopback)"),
+            (lambda: hc > 0 and rate is None, "link classes (--host-classes) share a limited link: give --rate"),
+            (lambda: hc > 0 and bool(delay), "link classes (--host-classes) cannot be combined with --delay"),
+            (lambda: not re.fullmatch(r"[A-Za-z0-9_]*", self.tag), f"tag must be letters, digits or _, got {self.tag!r}")]
+        for refused, why in rules:
+            if refused():
+                raise ValueError(why)
 
 
 @dataclass(frozen=True)
@@ -399,10 +394,7 @@ def fill_placeholders(argv: Sequence[str], host: int, addresses: Sequence[str],
 def child_env(plan: NetPlan, base: dict[str, str]) -> dict[str, str]:
     """The environment of the emulated command: gloo / tensorpipe bound to the emulated
     interface (the machine's hostname resolves to an address that does not exist inside)."""
-    env = dict(base)
-    env["GLOO_SOCKET_IFNAME"] = plan.ifname
-    env["TP_SOCKET_IFNAME"] = plan.ifname
-    return env
+    return {**base, "GLOO_SOCKET_IFNAME": plan.ifname, "TP_SOCKET_IFNAME": plan.ifname}
 
 
 def check_requirements(euid: int, which: Callable[[str], str | None] = shutil.which) -> str | None:
@@ -420,14 +412,7 @@ def check_requirements(euid: int, which: Callable[[str], str | None] = shutil.wh
 
 def exit_code(returncodes: Sequence[int | None]) -> int:
     """One exit status for several commands: the first failure (signals as 128+N), else 0."""
-    for rc in returncodes:
-        if rc is None:
-            continue
-        if rc < 0:
-            return 128 - rc
-        if rc != 0:
-            return rc
-    return 0
+    return next((128 - rc if rc < 0 else rc for rc in returncodes if rc not in (None, 0)), 0)
 
 
 # --------------------------------------------------------------------------- acting
@@ -522,6 +507,22 @@ def _stop_all(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
             p.wait(timeout=5)
 
 
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn``: the kernel sends the child ``sig`` once this process dies, by SIGKILL too
+    (``prctl(PR_SET_PDEATHSIG)``, kept across ``ip netns exec``), so the command never runs on in
+    an orphaned namespace; SIGTERM lets torchrun stop its workers. None without prctl (not Linux)."""
+    try:
+        prctl, parent = __import__("ctypes").CDLL(None, use_errno=True).prctl, os.getpid()
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl: no signal would come
+            os.kill(os.getpid(), sig)
+    return preexec
+
+
 def run_emulated(spec: NetSpec, argv: Sequence[str], env: dict[str, str] | None = None,
                  grace_s: float = STOP_GRACE_S) -> int:
     """Run ``argv`` inside the emulation (once per host in hosts mode); return its status.
@@ -529,8 +530,7 @@ def run_emulated(spec: NetSpec, argv: Sequence[str], env: dict[str, str] | None 
     are deleted; a failing host stops the others (docs/netem.md, "Clean-up guarantees")."""
     if not argv:
         raise ValueError("no command given; put it after --, e.g. commsched netem --rate 1gbit -- python x.py")
-    state = {"armed": True}
-    old: dict[int, object] = {}
+    state, old = {"armed": True}, {}  # old: the signal handlers replaced, restored at the end
 
     def on_signal(signum, frame):
         if state["armed"]:  # later signals must not interrupt the clean-up
@@ -547,7 +547,7 @@ def run_emulated(spec: NetSpec, argv: Sequence[str], env: dict[str, str] | None 
                 e = child_env(em.plan, dict(os.environ if env is None else env))
                 for i, ns in enumerate(em.plan.host_ns):
                     cmd = netns_cmd(ns, fill_placeholders(argv, i, em.plan.addresses, em.plan.class_addresses))
-                    procs.append(subprocess.Popen(cmd, env=e, start_new_session=True))
+                    procs.append(subprocess.Popen(cmd, env=e, start_new_session=True, preexec_fn=die_with_parent()))
                 while True:
                     rcs = [p.poll() for p in procs]
                     if all(rc is not None for rc in rcs):
@@ -570,18 +570,8 @@ def run_emulated(spec: NetSpec, argv: Sequence[str], env: dict[str, str] | None 
             signal.signal(s, h)
 
 
-def delay_supported() -> bool:
-    """Whether this kernel has the netem qdisc (probed in a throwaway namespace; root)."""
-    spec = NetSpec(rate_bps=None, hosts=1, delay_ms=1.0, tag=f"probe{os.getpid()}")
-    try:
-        with Emulation(spec):
-            return True
-    except NetemError:
-        return False
-
-
 # the names commsched netem gives: commsched-<pid>-lo | -br | -h<i> (tag = the pid of the
-# `commsched netem` process, no leading zero) and delay_supported's commsched-probe<pid>-lo
+# `commsched netem` process, no leading zero) and the delay probe's commsched-probe<pid>-lo
 _OWNED_NAME = re.compile(rf"({NETNS_PREFIX}-(?:([1-9][0-9]*)|probe([1-9][0-9]*)))-(lo|br|h[0-9]+)")
 
 
@@ -595,19 +585,24 @@ def namespace_owner(name: str) -> tuple[str, int] | None:
     return m.group(1), int(m.group(2) or m.group(3))
 
 
-def stale_namespaces(names: Sequence[str], alive: Callable[[int], bool],
-                     occupied: Callable[[str], bool] = lambda ns: False) -> list[str]:
-    """Our namespaces (:func:`namespace_owner`) left behind by an emulation that is over: its
-    process not ``alive`` and none of its namespaces ``occupied`` (judged together; docs/netem.md,
-    "Clean-up guarantees"). Pure: both tests are passed in."""
+def cleanup_plan(names: Sequence[str], alive: Callable[[int], bool],
+                 pids: Callable[[str], Sequence[int] | None]) -> tuple[list[str], list[tuple[str, str]]]:
+    """``--cleanup``'s choice: our namespaces (:func:`namespace_owner`) left by an emulation that is over (its
+    process not ``alive``, none of its namespaces holding a process: judged together; docs/netem.md, "Clean-up
+    guarantees"), and each of ours kept with why. ``pids(ns)``: the processes in ``ns``, None: unknown. Pure."""
     groups: dict[tuple[str, int], list[str]] = {}
     for n in names:
-        owner = namespace_owner(n)
-        if owner is not None:
-            groups.setdefault(owner, []).append(n)
-    out = {n for (_, pid), members in groups.items()
-           if not alive(pid) and not any(occupied(m) for m in members) for n in members}
-    return [n for n in names if n in out]
+        if namespace_owner(n) is not None:
+            groups.setdefault(namespace_owner(n), []).append(n)
+    why: dict[str, str] = {}
+    for (_, pid), members in groups.items():
+        inside = {} if alive(pid) else {m: pids(m) for m in members}
+        busy = [m for m, ps in inside.items() if ps is None or ps]
+        for m, ps in ((m, inside.get(m, ())) for m in members):
+            why[m] = (f"its emulator (pid {pid}) still runs" if alive(pid) else "cannot tell whether a process "
+                      "runs in it (`ip netns pids` failed)" if ps is None else f"in use by pid "
+                      f"{', '.join(map(str, ps))}" if ps else f"{busy[0]} of the same emulation is in use" if busy else "")
+    return [n for n in names if why.get(n) == ""], [(n, why[n]) for n in names if why.get(n)]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -620,11 +615,19 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _namespace_occupied(ns: str) -> bool:
-    """Whether a process still runs in namespace ``ns`` (``ip netns pids``); when that
-    cannot be told, yes (a namespace is kept rather than pulled from under a process)."""
+def _namespace_pids(ns: str) -> list[int] | None:
+    """The processes in namespace ``ns`` (``ip netns pids``); None when that cannot be told."""
     p = _run(["ip", "netns", "pids", ns], check=False)
-    return p.returncode != 0 or bool(p.stdout.strip())
+    out = p.stdout.split()
+    return None if p.returncode or not all(t.isdigit() for t in out) else [int(t) for t in out]
+
+
+def _rate_arg(text: str) -> str:
+    try:  # --rate / --host-rate checked as the parser reads them, tc's range included
+        parse_optional_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -634,12 +637,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run COMMAND behind an emulated, rate-limited network (needs root, ip and tc).",
         epilog=f"In --hosts mode COMMAND runs once per host with placeholders filled in: {ph}.",
         allow_abbrev=False)
-    p.add_argument("--rate", help="link rate in tc syntax: 1gbit, 200mbit, 500kbit; 'none' for unlimited links")
+    p.add_argument("--rate", type=_rate_arg, help="link rate in tc syntax: 1gbit, 200mbit, 500kbit; 'none' for unlimited links")
     p.add_argument("--delay", type=float, default=None, metavar="MS",
                    help="one-way delay in milliseconds (needs the netem qdisc; refused when missing)")
     p.add_argument("--hosts", type=int, default=1, metavar="K",
                    help="1 (default): one namespace with a shaped loopback; K >= 2: K hosts on a bridge")
-    p.add_argument("--host-rate", default=None, metavar="RATE",
+    p.add_argument("--host-rate", default=None, metavar="RATE", type=_rate_arg,
                    help="with --hosts K: limit of traffic between the processes of one host (its "
                         "loopback, shared by them), tc syntax; default unlimited")
     p.add_argument("--classes", default=None, metavar="ADDR[,ADDR...]",
@@ -660,18 +663,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-    cmd = list(a.command)
-    if cmd and cmd[0] == "--":
-        cmd = cmd[1:]
+    cmd = list(a.command)[1 if a.command[:1] == ["--"] else 0:]
     problem = check_requirements(os.geteuid())
     if problem:
         print(f"commsched netem: {problem}", file=sys.stderr)
         return 2
     if a.cleanup:
-        gone = stale_namespaces(list_namespaces(), _pid_alive, _namespace_occupied)
+        gone, kept = cleanup_plan(list_namespaces(), _pid_alive, _namespace_pids)
         for ns in gone:
             _run(["ip", "netns", "delete", ns], check=False)
         print(f"commsched netem: deleted {len(gone)} stale namespace(s)" + (f": {', '.join(gone)}" if gone else ""))
+        for ns, why in kept:
+            print(f"commsched netem: kept {ns}: {why}")
         return 0
     if a.rate is None:
         p.error("--rate is required (e.g. --rate 1gbit, or --rate none for unlimited links)")
@@ -690,8 +693,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 __all__ = ["NetSpec", "NetPlan", "NetemError", "TbfParams", "Emulation", "parse_rate",
            "parse_optional_rate", "format_rate", "tbf_params", "parse_class_addresses",
            "class_shaping_commands", "class_address", "plan_network", "teardown_commands",
-           "fill_placeholders", "check_requirements", "run_emulated", "delay_supported", "namespace_owner",
-           "stale_namespaces", "main"]
+           "fill_placeholders", "check_requirements", "run_emulated", "namespace_owner",
+           "cleanup_plan", "die_with_parent", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,8 +12,12 @@ advance which case it is in (the link, the ranks' skew, the model), so it measur
 *fallback* in the order P F F P P F F P ... (so that a steady trend of the step times,
 such as the first steps' warm-up, favours neither) -- every micro-op launched as soon as it is ready, as ``fifo`` launches its
 buckets, and under lina-overlap the whole reduction waited for at the end of the backward
-pass -- and the run keeps whichever took less time per step, on average over its probe
-steps, each step timed as its slowest rank. Ties keep the primary. Under an overlapped
+pass -- and the run keeps whichever took less time per step, each step timed as its slowest
+rank. Ties keep the primary. One stall (a GC pause, a co-tenant, a checkpoint write, a
+rank stopped for seconds) must not decide the run, so each mode's figure is the median of
+its counted steps once any step slower than :data:`STALL_FACTOR` times the median of all
+the counted steps is left out (a mode none of whose steps is left keeps them all): with
+two steps per mode a plain mean, or a median, is the stall's. Under an overlapped
 schedule (lina-overlap) a step run right after a switch of mode carries the other mode's
 tail (the step after P -> F waits for the overlapped reduction of the P step and then for
 its own; the step after F -> P leaves its tail to a step that may not be counted), so with
@@ -28,24 +32,33 @@ the gathered step times. :class:`~commsched.priority.step.GradStep` drives it
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Sequence
+
+STALL_FACTOR = 3.0  # a probe step slower than this times the median of the counted steps is a stall
 
 
 @dataclass(frozen=True)
 class Decision:
-    """The probe's verdict: ``fallback`` (True: fifo's launching from now on), and the mean
-    step times (seconds, slowest rank per step) of the counted primary and fallback steps."""
+    """The probe's verdict: ``fallback`` (True: fifo's launching from now on), and the
+    median step times (seconds, slowest rank per step) of the counted primary and fallback
+    steps, stalls left out; ``stalls``: ``(probe step index, seconds)`` of the steps left
+    out as stalls."""
 
     fallback: bool
     primary_s: float
     fallback_s: float
+    stalls: tuple[tuple[int, float], ...] = ()
 
     def message(self, schedule: str, first: int, last: int) -> str:
         verb = "falls back to fifo's launching" if self.fallback else "keeps its schedule"
-        return (f"{schedule}: probe steps {first}-{last} took {self.primary_s:.3f} s a step as {schedule} "
-                f"against {self.fallback_s:.3f} s with every micro-op launched when ready (fifo's rule); the run "
-                f"{verb} from here on")
+        left = "; ".join(f"step {first + s} ({t:.3f} s)" for s, t in self.stalls)
+        stalls = (f"; left out as stalls (over {STALL_FACTOR:g}x the probe's median step): {left}"
+                  if self.stalls else "")
+        return (f"{schedule}: probe steps {first}-{last} took {self.primary_s:.3f} s a step (median, slowest "
+                f"rank) as {schedule} against {self.fallback_s:.3f} s with every micro-op launched when ready "
+                f"(fifo's rule){stalls}; the run {verb} from here on")
 
 
 PROBE_WARMUP = 2  # steps before the probe: the first ones are slower (connections, allocator)
@@ -100,15 +113,21 @@ class FallbackProbe:
         slowest_S = [max(t[s] for t in times_RS) for s in range(n)]
         fb = [self.fallback_at(self.first + s) for s in range(n)]
         counted = [not self.skip_switches or fb[s] == (fb[s - 1] if s else False) for s in range(n)]
+        # a mode none of whose steps counts (P F): all its steps
+        steps = {mode: [s for s in range(n) if fb[s] == mode and counted[s]] or
+                 [s for s in range(n) if fb[s] == mode] for mode in (False, True)}
+        limit = STALL_FACTOR * statistics.median(slowest_S[s] for s in steps[False] + steps[True])
+        stalls: list[tuple[int, float]] = []
 
-        def mean(mode: bool) -> float:  # a mode none of whose steps counts (P F): all its steps
-            xs = [t for t, f, c in zip(slowest_S, fb, counted) if f == mode and c] or \
-                 [t for t, f in zip(slowest_S, fb) if f == mode]
-            return sum(xs) / len(xs)
+        def figure(mode: bool) -> float:
+            kept = [s for s in steps[mode] if slowest_S[s] <= limit]
+            if kept:
+                stalls.extend((s, slowest_S[s]) for s in steps[mode] if s not in kept)
+            return statistics.median(slowest_S[s] for s in kept or steps[mode])
 
-        primary, fallback = mean(False), mean(True)
-        self.decided = Decision(fallback < primary, primary, fallback)
+        primary, fallback = figure(False), figure(True)
+        self.decided = Decision(fallback < primary, primary, fallback, tuple(sorted(stalls)))
         return self.decided
 
 
-__all__ = ["Decision", "FallbackProbe"]
+__all__ = ["STALL_FACTOR", "Decision", "FallbackProbe"]

@@ -438,6 +438,8 @@ class LinaConfig(MicroOpConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.credit_bytes is None or self.credit_bytes >= 1, f"credit_bytes must be >= 1, got {self.credit_bytes}")
+        check(isinstance(self.fallback_probes, int) and self.fallback_probes >= 0,
+              f"--fallback-probes must be a whole number >= 0 (0 turns the probe off), got {self.fallback_probes!r}")
 
     @property
     def credit(self) -> int:

@@ -22,6 +22,7 @@ from commsched.cluster.netem import (
     check_requirements,
     class_address,
     class_shaping_commands,
+    cleanup_plan,
     exit_code,
     fill_placeholders,
     format_rate,
@@ -31,7 +32,6 @@ from commsched.cluster.netem import (
     parse_rate,
     plan_network,
     shaping_commands,
-    stale_namespaces,
     tbf_params,
     teardown_commands,
 )
@@ -53,6 +53,7 @@ def test_parse_rate(text, bps):
 @pytest.mark.parametrize("text,msg", [
     ("100", "no unit"), ("", "cannot read"), ("fast", "cannot read"), ("1gbyte", "unknown rate unit"),
     ("10bit", "below 8kbit"), ("-1gbit", "cannot read"), ("1 g bit", "cannot read"),
+    ("100000000000000tbit", "above 1tbit"), ("2tbit", "above 1tbit"),
 ])
 def test_parse_rate_rejects(text, msg):
     with pytest.raises(ValueError, match=msg):
@@ -284,11 +285,91 @@ def test_exit_code():
     assert exit_code([]) == 0
 
 
+def stale_namespaces(names, alive, occupied=lambda ns: False):
+    return cleanup_plan(names, alive, lambda ns: [9] if occupied(ns) else [])[0]
+
+
 def test_stale_namespaces():
     names = ["commsched-100-lo", "commsched-200-h0", "commsched-200-br", "commsched-probe300-lo",
              "other-100-lo", "commsched-100-eth"]
     alive = {200}.__contains__
     assert stale_namespaces(names, alive) == ["commsched-100-lo", "commsched-probe300-lo"]
+
+
+def test_cleanup_says_which_namespaces_it_keeps_and_why():
+    """--cleanup names each of commsched's namespaces it keeps: its emulator alive, a process
+    inside (by pid), a sibling of the same emulation in use, or unknown; others' names are
+    not listed."""
+    names = ["commsched-100-br", "commsched-100-h0", "commsched-200-lo", "commsched-300-lo",
+             "commsched-400-lo", "commsched-500-lo", "mine-1-lo"]
+    pids = {"commsched-100-h0": [4242, 4243], "commsched-300-lo": [], "commsched-400-lo": None,
+            "commsched-100-br": [], "commsched-500-lo": []}
+    gone, kept = cleanup_plan(names, {200}.__contains__, pids.__getitem__)
+    assert gone == ["commsched-300-lo", "commsched-500-lo"]
+    assert kept == [("commsched-100-br", "commsched-100-h0 of the same emulation is in use"),
+                    ("commsched-100-h0", "in use by pid 4242, 4243"),
+                    ("commsched-200-lo", "its emulator (pid 200) still runs"),
+                    ("commsched-400-lo", "cannot tell whether a process runs in it (`ip netns pids` failed)")]
+
+
+def test_main_cleanup_prints_what_it_keeps(monkeypatch, capsys):
+    monkeypatch.setattr(netem, "check_requirements", lambda euid: None)
+    monkeypatch.setattr(netem, "list_namespaces", lambda: ["commsched-100-lo", "commsched-300-lo"])
+    monkeypatch.setattr(netem, "_pid_alive", lambda pid: False)
+    monkeypatch.setattr(netem, "_namespace_pids", {"commsched-100-lo": [77], "commsched-300-lo": []}.get)
+    deleted = []
+    monkeypatch.setattr(netem, "_run", lambda cmd, check=True: deleted.append(cmd))
+    assert netem.main(["--cleanup"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["commsched netem: deleted 1 stale namespace(s): commsched-300-lo",
+                   "commsched netem: kept commsched-100-lo: in use by pid 77"]
+    assert deleted == [["ip", "netns", "delete", "commsched-300-lo"]]
+
+
+def test_a_rate_beyond_tc_is_refused_by_the_parser(monkeypatch, capsys):
+    """Checked as the options are read (before root, ip or tc are asked), naming the flag."""
+    monkeypatch.setattr(netem, "check_requirements", lambda euid: pytest.fail("asked for root first"))
+    for flag in ("--rate", "--host-rate"):
+        with pytest.raises(SystemExit) as e:
+            netem.main(["--hosts", "2", "--rate", "1gbit", flag, "100000000000000tbit", "--", "true"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}: rate '100000000000000tbit' is above 1tbit" in err and "Traceback" not in err
+
+
+# a process that starts CMD under die_with_parent(), prints its pid, then waits
+_PARENT = textwrap.dedent("""
+    import subprocess, sys, time
+    from commsched.cluster.netem import die_with_parent
+    p = subprocess.Popen(sys.argv[1:], start_new_session=True, preexec_fn=die_with_parent())
+    print(p.pid, flush=True)
+    time.sleep(60)
+""")
+
+
+def test_the_command_dies_with_a_killed_emulator():
+    """The emulated command gets SIGTERM when the emulator is killed with SIGKILL (no clean-up
+    runs then), so it never runs on in an orphaned namespace. No root needed: the same
+    preexec_fn on a plain child."""
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, "sleep", "30"], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{child}/stat") as f:
+                    if f.read().split(") ")[1].startswith("Z"):  # a zombie: ended, waiting for its reaper
+                        break
+            except FileNotFoundError:  # ended and reaped
+                break
+            time.sleep(0.02)
+        else:
+            os.kill(child, signal.SIGKILL)
+            pytest.fail("the command outlived its emulator")
+    finally:
+        parent.kill()
 
 
 def test_cleanup_never_deletes_a_live_emulation():
@@ -329,9 +410,9 @@ def test_cleanup_asks_ip_whether_a_namespace_is_in_use(monkeypatch):
         return sp.CompletedProcess(cmd, rc, out, "")
 
     monkeypatch.setattr(netem, "_run", fake_run)
-    assert netem._namespace_occupied("commsched-5-lo")       # a process runs inside
-    assert not netem._namespace_occupied("commsched-6-lo")   # empty
-    assert netem._namespace_occupied("commsched-7-lo")       # cannot tell: kept
+    assert netem._namespace_pids("commsched-5-lo") == [4242]   # a process runs inside
+    assert netem._namespace_pids("commsched-6-lo") == []       # empty
+    assert netem._namespace_pids("commsched-7-lo") is None     # cannot tell: kept
 
 
 def test_duplex_probe_listens_on_loopback_unless_inside_emulated_hosts():
@@ -840,11 +921,37 @@ def test_namespace_removed_on_signal(tmp_path, sig):
 
 @pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
 @pytest.mark.root
+def test_sigkilled_emulator_takes_its_command_along_and_cleanup_removes_the_namespace(tmp_path):
+    p = _netem(["--rate", "100mbit"], ["sh", "-c", f"ip netns identify $$ > {tmp_path}/ns; echo $$ > {tmp_path}/pid; exec sleep 60"])
+    for _ in range(200):
+        if (tmp_path / "pid").exists() and (tmp_path / "pid").read_text().strip():
+            break
+        time.sleep(0.05)
+    ns, child = (tmp_path / "ns").read_text().strip(), int((tmp_path / "pid").read_text())
+    p.kill()  # no clean-up runs: the namespace stays, the command must not
+    p.communicate(timeout=30)
+    for _ in range(200):
+        try:
+            if Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the emulated command outlived its SIGKILLed emulator")
+    clean = subprocess.run([sys.executable, "-c", emulation._STANDALONE, netem.__file__, "--cleanup"],
+                           capture_output=True, text=True, timeout=60)
+    assert clean.returncode == 0 and ns in clean.stdout and ns not in _namespaces()
+
+
+@pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+@pytest.mark.root
 def test_delay_supported_or_refused_clearly():
     before = _namespaces()
     p = _netem(["--rate", "100mbit", "--delay", "5"], ["true"])
     _, err = p.communicate(timeout=30)
-    if netem.delay_supported():
+    if emulation.delay_supported():
         assert p.returncode == 0, err
     else:
         assert p.returncode == 2 and "--delay is not supported on this machine" in err

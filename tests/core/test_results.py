@@ -3,8 +3,11 @@ returns), and with one (a tqdm bar)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import sys
+
+import pytest
 
 from commsched import results
 from commsched.results import Progress
@@ -111,3 +114,46 @@ def test_a_full_disk_is_one_line_for_json_and_torch_files(tmp_path):
         assert torch.equal(torch.load(disk / "small.pt", weights_only=True)["w"], torch.ones(8))
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_results_are_strict_json(tmp_path):
+    """Non-finite floats (a diverged loss) are written as null, never as bare NaN/Infinity
+    tokens that strict parsers reject; numpy's floats too."""
+    import json
+
+    import numpy as np
+
+    from commsched.results import Record, dumps_json, write_json
+
+    obj = {"loss": [1.5, float("nan"), float("inf"), -float("inf")], "n": 3, "ok": True,
+           "np": [np.float32("nan"), np.float64(0.25)], "t": (1, float("nan"))}
+    strict = {"loss": [1.5, None, None, None], "n": 3, "ok": True, "np": [None, 0.25], "t": [1, None]}
+    assert json.loads(dumps_json(obj)) == strict
+    write_json(tmp_path / "metrics.json", obj)
+    assert json.loads((tmp_path / "metrics.json").read_text(), parse_constant=pytest.fail) == strict
+
+    @dataclasses.dataclass(frozen=True)
+    class R(Record):
+        loss: list
+
+    R([float("nan"), 2.0]).write(tmp_path / "r.json")
+    assert json.loads((tmp_path / "r.json").read_text(), parse_constant=pytest.fail) == {"loss": [None, 2.0]}
+
+
+def test_divergence_guard_warns_once_and_stops_after_a_run_of_non_finite_losses():
+    from commsched.results import DivergedError, DivergenceGuard
+
+    said: list[str] = []
+    g = DivergenceGuard("step", say=said.append, stop_after=3, hint="lower --lr")
+    for k, loss in enumerate([2.0, float("nan"), float("nan"), 1.0, None, float("inf"), float("nan")], 1):
+        g.check(k, loss)  # a finite loss (or none) in between starts the count again
+    assert said == ["warning: the training loss is nan at step 2: the run is diverging; it stops after 3 "
+                    "non-finite steps in a row"]
+    with pytest.raises(DivergedError, match=r"not finite for 3 steps in a row \(steps 6-8\): the run diverged; "
+                                            r"lower --lr"):
+        g.check(8, float("nan"))
+    quiet = DivergenceGuard("epoch", stop_after=1)  # the other ranks: silent, stop alike
+    with pytest.raises(DivergedError, match=r"epochs 4-4"):
+        quiet.check(4, float("-inf"))
+    with pytest.raises(ValueError, match="stop_after"):
+        DivergenceGuard(stop_after=0)

@@ -72,6 +72,10 @@ MALFORMED = [
     ("labels float", lambda a: a.update(node_labels=np.zeros(5)), "node_labels", "integer"),
     ("labels short", lambda a: a.update(node_labels=np.zeros(4, np.int64)), "node_labels", "shape"),
     ("labels negative", lambda a: a["node_labels"].__setitem__(3, -1), "node_labels", ">= 0"),
+    ("label 2^31-1", lambda a: a["node_labels"].__setitem__(3, 2**31 - 1), "node_labels",
+     "label 2147483647 at node 3 makes 2147483648 classes (labels 0..2147483647) for 4 distinct labels"),
+    ("label 2^40", lambda a: a.update(node_labels=np.array([0, 1, 2, 2**40, 0])), "node_labels", "at node 3"),
+    ("labels sparse", lambda a: a["node_labels"].__setitem__(4, 140), "node_labels", "number the classes 0..K-1"),
     ("edges float", lambda a: a.update(edges=a["edges"].astype(float)), "edges", "integer"),
     ("edges [E,3]", lambda a: a.update(edges=np.zeros((4, 3), np.int64)), "edges", "shape"),
     ("edges [2,E]", lambda a: a.update(edges=a["edges"].T.copy()), "edges", "shape"),
@@ -244,3 +248,11 @@ def test_graph_flags_are_the_synthetic_specs_fields():
     a = p.parse_args(["--syn-nodes", "300", "--syn-edges", "900", "--syn-homophily", "0.5"])
     assert graph_args_given(a)
     assert source_from_args(a).synthetic == SyntheticSpec(num_nodes=300, num_edges=900, homophily=0.5)
+
+
+def test_labels_with_a_few_unused_classes_still_load(tmp_path):
+    """Classes absent from a file (a split of a larger label set) are fine up to the slack:
+    4 distinct labels, classes 0..139 (10 x 4 + 100 = 140; label 140 is refused above)."""
+    a = _good()
+    a["node_labels"][4] = 139
+    assert load_graph(_write(tmp_path, a)).num_classes == 140

@@ -304,3 +304,33 @@ def test_torchrun_cli_with_partition_folder(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_main(["--mode", "no-such-mode"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def _poison_after(epoch: int):
+    """NaN in every parameter once epoch ``epoch`` ended: the loss is NaN from then on."""
+    def on_epoch(tr) -> None:
+        if tr.epoch == epoch:
+            with torch.no_grad():
+                for p in tr.model.parameters():
+                    p.fill_(float("nan"))
+    return on_epoch
+
+
+def test_a_diverged_run_warns_once_stops_and_writes_strict_json(tmp_path, capsys):
+    import json
+
+    from commsched.results import NONFINITE_STOP_AFTER, DivergedError
+
+    g = synthetic_graph(SYN)
+    part = make_parts(g, partition_nodes(g, 1, "metis", 0), 1)[0]
+    cfg = TrainConfig(model="gcn", layers=2, hidden=8, epochs=4, seed=3)
+    m, _ = run_training(cfg, part, out_dir=tmp_path, on_epoch=_poison_after(2))  # 2 NaN epochs: runs on
+    err = capsys.readouterr().err
+    assert err.count("warning: the training loss is nan at epoch 3") == 1, err
+    text = (tmp_path / "metrics.json").read_text()
+    loss = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.json"))["loss"]
+    assert loss[2:] == [None, None] and all(isinstance(x, float) for x in loss[:2])
+    long = dataclasses.replace(cfg, epochs=4 + NONFINITE_STOP_AFTER)
+    with pytest.raises(DivergedError, match=rf"not finite for {NONFINITE_STOP_AFTER} epochs in a row \(epochs "
+                                            rf"3-{2 + NONFINITE_STOP_AFTER}\): the run diverged; lower --lr"):
+        run_training(long, part, on_epoch=_poison_after(2))

@@ -19,7 +19,7 @@ from commsched.moe.train.trainer import TrainConfig, build_commsched, make_group
 from commsched.moe.train.training import DeepSpeedConfig
 from commsched.priority.policy import SCHEDULES, FifoConfig, LinaConfig
 from commsched.priority.runtime.executor import GradScheduler
-from tests.mp import assert_case, run_cases
+from tests.mp import assert_case, run_cases, run_ranks
 from tests.priority import sched_of
 from tests.priority.test_ddp_hook import lina_ddp_with_expert_dp_groups
 from tests.priority.test_hier import HIER_CASES4
@@ -636,9 +636,12 @@ def test_cli_fills_the_one_schedule_config(tmp_path):
     (["--schedule", "lina", "--bucket-bytes", "64"], "--bucket-bytes belongs to --schedule fifo, not to --schedule lina"),
     (["--schedule", "flat", "--microop-bytes", "64"], "--microop-bytes belongs to --schedule lina, serial, lina-overlap"),
     (["--impl", "deepspeed", "--microop-bytes", "64"], "--microop-bytes belongs to --impl commsched, not to --impl deep"),
-    (["--ds-stage", "1"], "--ds-stage belongs to --impl deepspeed, not to --impl commsched")])
+    (["--ds-stage", "1"], "--ds-stage belongs to --impl deepspeed, not to --impl commsched"),
+    (["--schedule", "lina", "--fallback-probes", "-1"], "--fallback-probes must be a whole number >= 0 (0 turns the "
+                                                        "probe off), got -1")])
 def test_cli_refuses_an_option_of_another_schedule_or_runtime(tmp_path, capsys, args, owner):
-    """One rule for every component's option given to another: exit 2, naming the owner."""
+    """One rule for every component's option given to another: exit 2, naming the owner; a
+    schedule option out of range likewise names its flag, before the run folder is made."""
     from commsched.moe.train.cli import main
 
     assert main([*args, "--out", str(tmp_path / "o")]) == 2
@@ -820,3 +823,41 @@ def test_fallback_exchange_switches_the_all_to_all_to_fifos():
     fifo = Listeners()  # already fifo's exchange: nothing to switch
     _fallback_exchange(fifo, model, DispatchConfig())
     assert fifo.fns == []
+
+
+def _diverged(rank: int, world: int, out: str) -> dict:
+    """--lr 1e6: the loss is NaN from the second step on. A run shorter than the guard's
+    patience ends with strict JSON (null for NaN) and one warning on rank 0; a longer one
+    stops on every rank at the same step with one line."""
+    import contextlib
+    import dataclasses
+    import io
+    import json
+
+    from commsched.results import NONFINITE_STOP_AFTER, DivergedError
+
+    cfg = dataclasses.replace(_cfg(world, "lina", steps=4), lr=1e6)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        train(cfg, Path(out), progress=False)
+    dist.barrier()
+    text = (Path(out) / "metrics.json").read_text()
+    loss = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.json"))["loss"]
+    assert None in loss and all(x is None or x == x for x in loss)
+    warned = err.getvalue()
+    if rank == 0:
+        assert warned.count("warning: the training loss is nan at step ") == 1, warned
+    else:
+        assert "warning" not in warned
+    long = dataclasses.replace(cfg, steps=4 + NONFINITE_STOP_AFTER + 3)
+    with pytest.raises(DivergedError) as e, contextlib.redirect_stderr(io.StringIO()):
+        train(long, None, progress=False)
+    return {"msg": str(e.value)}
+
+
+def test_a_diverged_run_warns_stops_and_writes_strict_json(tmp_path):
+    res = run_ranks(2, _diverged, str(tmp_path), timeout_s=240)
+    msgs = {r["msg"] for r in res}
+    assert len(msgs) == 1  # the same step on every rank
+    (msg,) = msgs
+    assert "the training loss was not finite for 5 steps in a row" in msg and "lower --lr (now 1e+06)" in msg

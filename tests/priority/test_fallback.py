@@ -210,3 +210,28 @@ def test_a_damaged_probe_state_is_refused():
             gs.load_probe_state(bad)
     with pytest.raises(ValueError, match="does not fit this schedule"):
         gs.load_probe_state({"step": 3, "times": [1.0] * 5, "decided": None})
+
+
+def test_one_stalled_probe_step_does_not_decide():
+    """A rank stopped for 4 s in one probe step (a GC pause, a co-tenant, a checkpoint
+    write): the step is left out as a stall and each mode's median decides, on every rank
+    alike (the same gathered times). The undisturbed run measured 0.072 s as lina against
+    0.041 s with fifo's launching and fell back; so must the stalled one."""
+    steady = [[0.072, 0.041, 0.041, 0.072], [0.070, 0.040, 0.039, 0.071]]
+    assert FallbackProbe(0, 2).decide(steady).fallback
+    in_fallback = [[0.072, 0.041, 4.05, 0.072], [0.070, 0.040, 0.039, 0.071]]  # P F F P, rank 0 stalls in step 2
+    d = FallbackProbe(0, 2).decide(in_fallback)
+    assert d.fallback and d.fallback_s == pytest.approx(0.041) and d.primary_s == pytest.approx(0.072)
+    assert d.stalls == ((2, 4.05),)
+    msg = d.message("lina", 2, 5)
+    assert "falls back" in msg and "step 4 (4.050 s)" in msg and "0.072 s" in msg and "0.041 s" in msg
+    in_primary = [[0.072, 0.041, 0.041, 0.072], [4.06, 0.040, 0.039, 0.071]]  # rank 1 stalls in step 0
+    d = FallbackProbe(0, 2).decide(in_primary)
+    assert d.fallback and d.primary_s == pytest.approx(0.072) and d.stalls == ((0, 4.06),)
+    # a mode that is really several times slower is a mode, not a stall
+    for p, f in ((1.0, 0.2), (0.2, 1.0)):
+        d = FallbackProbe(0, 2).decide([[p, f, f, p]])
+        assert d.fallback is (f < p) and not d.stalls
+    # an overlapped schedule's counted steps (the first P, the second F) alike
+    d = FallbackProbe(0, 4, skip_switches=True).decide([[0.07, 9, 0.04, 9, 0.07, 9, 5.0, 9]])
+    assert d.fallback and d.stalls == ((6, 5.0),)

@@ -45,6 +45,11 @@ HETEROPHILOUS = ("tolokers", "minesweeper", "squirrel", "chameleon", "roman_empi
                  "amazon_ratings", "questions")
 PYG_HETEROPHILOUS = ("roman_empire", "amazon_ratings", "minesweeper", "tolokers", "questions")
 DATASETS = (*PLANETOID, *HETEROPHILOUS, "synthetic")
+# The classes are the labels 0..max: a file whose largest label leaves most of them unused
+# (more than CLASS_SLACK_FACTOR x the distinct labels + CLASS_SLACK, or over MAX_CLASSES)
+# would give the output layer a row per unused class (2^31 - 1: 137 GB) and is refused
+MAX_CLASSES = 1_000_000
+CLASS_SLACK_FACTOR, CLASS_SLACK = 10, 100
 
 
 # --------------------------------------------------------------------------- Graph
@@ -137,6 +142,13 @@ def _check_arrays(where: str, x: np.ndarray, y: np.ndarray, edges_E2: np.ndarray
         raise _fail(where, ky, f"expected shape [N] = [{N}] (one label per row of {kx}), got {list(y.shape)}")
     if (y < 0).any():
         raise _fail(where, ky, f"labels must be >= 0, found {int(y.min())} at node {int(np.argmin(y))}")
+    distinct = len(np.unique(y))
+    k = int(y.max()) + 1
+    if k > MAX_CLASSES or k > CLASS_SLACK_FACTOR * distinct + CLASS_SLACK:
+        raise _fail(where, ky, f"label {k - 1} at node {int(np.argmax(y))} makes {k} classes (labels 0..{k - 1}) for "
+                               f"{distinct} distinct labels; the output layer has a row per class, so at most "
+                               f"{CLASS_SLACK_FACTOR} x the distinct labels + {CLASS_SLACK} (and {MAX_CLASSES}) are "
+                               "taken: number the classes 0..K-1")
     if not np.issubdtype(edges_E2.dtype, np.integer):
         raise _fail(where, ke, f"expected integer node ids, got dtype {edges_E2.dtype}")
     if edges_E2.ndim != 2 or edges_E2.shape[1] != 2:

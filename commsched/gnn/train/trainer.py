@@ -81,7 +81,15 @@ from ...priority.runtime.buckets import LOCAL
 from ...priority.step import GradStep, make_grad_step
 from ...quant.allreduce import GRAD_BITS, CompressedLauncher, check_grad_bits
 from ...quant.rowwire import format_seed
-from ...results import OutputError, Progress, load_torch_file, median, read_error, save_torch
+from ...results import (
+    DivergenceGuard,
+    OutputError,
+    Progress,
+    load_torch_file,
+    median,
+    read_error,
+    save_torch,
+)
 from ..context import PassContext
 from ..exchange.halo import HaloExchange
 from ..exchange.modes import MODES, ExchangeConfig, recorded_options, resolve_config
@@ -634,8 +642,12 @@ def _run(tr: Trainer, cfg: TrainConfig, part: PartData, out_dir, resume: bool, p
     e0 = tr.epoch  # the first epoch this invocation trains (after a resume: not 0)
     with Progress(cfg.epochs, f"{cfg.mode} {cfg.model}", "epoch", enabled=progress and tr.rank == 0,
                   initial=min(tr.epoch, cfg.epochs)) as bar:
+        # the loss is all-reduced: every rank warns (rank 0 aloud) and stops at the same epoch
+        guard = DivergenceGuard("epoch", say=(lambda m: bar.write(f"commsched: {m}")) if tr.rank == 0 else None,
+                                hint=f"lower --lr (now {cfg.lr:g})")
         while tr.epoch < cfg.epochs:
             loss = tr.train_epoch()
+            guard.check(tr.epoch, loss)
             if tr.epoch % cfg.eval_every == 0 or tr.epoch == cfg.epochs:
                 tr.history["eval"].append(tr.evaluate())
             # every K epochs, and the final state whatever the epoch count

@@ -17,7 +17,6 @@ for ``--batches``). The body runs under :func:`commsched.dist.cli_main`.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -27,7 +26,7 @@ import torch.distributed as dist
 
 from ...configurable import add_arguments, cli_fields, config_of, from_arguments
 from ...dist import cli_main, init_distributed
-from ...results import prepare_out
+from ...results import dumps_json, prepare_out
 from ..record.traces import SyntheticTraceConfig
 from .config import (
     DRIVER_COMPUTES,
@@ -111,7 +110,7 @@ def _run(a: argparse.Namespace, ready: dict[str, Path]) -> int:
               "--compute real computes on the GPU", file=sys.stderr, flush=True)
     m = run(cfg, a.out, device=info.device)
     if dist.get_rank() == 0:
-        print(json.dumps({k: m[k] for k in ("placement", "world_size", "latency_ms", "model_latency_ms",
+        print(dumps_json({k: m[k] for k in ("placement", "world_size", "latency_ms", "model_latency_ms",
                                              "imbalance", "estimation_accuracy", "replan_rate")}), flush=True)
     return 0
 

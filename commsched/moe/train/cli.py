@@ -18,7 +18,6 @@ FAILED, exit status 143.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch.distributed as dist
 from ...configurable import add_arguments, cli_fields, config_of, from_arguments
 from ...dist import barrier, cli_main, init_distributed
 from ...priority.policy import SCHEDULES, ScheduleConfig
-from ...results import prepare_out
+from ...results import dumps_json, prepare_out
 from ..model.layer import DispatchConfig
 from ..model.lm import ModelConfig
 from .trainer import train
@@ -107,7 +106,7 @@ def _run(a: argparse.Namespace, ready: dict[str, Path]) -> int:
             em = m["emulation"]
             line.update({k: em[k] for k in ("device_model", "dilation", "predicted_step_time_s", "startup_s")},
                         host_cpu_share_max=max(em["host_cpu_share"]), peak_rss_mib_max=max(em["peak_rss_mib"]))
-        print(json.dumps(line), flush=True)
+        print(dumps_json(line), flush=True)
     if cfg.impl == "deepspeed":
         # DeepSpeed's CPU backend now and then aborts in its C++ teardown ("terminate called
         # without an active exception") after a run that finished and wrote its results;
