@@ -209,8 +209,11 @@ def lock_folder(path: str | os.PathLike, *, flag: str = "--out") -> FolderLock:
         print(f"commsched: {flag} {p}: this file system has no locks ({read_error(e)}); "
               "the folder is not guarded against a second run", file=sys.stderr, flush=True)
         return FolderLock(None, p)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:  # the pid is for the message a second run prints; a full disk leaves it out
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
     return FolderLock(fd, p)
 
 

@@ -53,6 +53,7 @@ import dataclasses
 import math
 import os
 import resource
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,7 @@ from ...dist import (
     RunGroups,
     all_gather_object,
     barrier,
+    check_replicas,
     check_same_config,
     comm_guard,
     config_digest,
@@ -81,7 +83,17 @@ from ...priority.runtime.buckets import LOCAL
 from ...priority.step import GradStep, make_grad_step
 from ...quant.allreduce import GRAD_BITS, CompressedLauncher, check_grad_bits
 from ...quant.rowwire import format_seed
-from ...results import OutputError, Progress, load_torch_file, median, read_error, save_torch
+from ...results import (
+    DIGESTS,
+    OutputError,
+    Progress,
+    load_torch_file,
+    median,
+    read_error,
+    save_torch,
+    tensor_digests,
+    with_digests,
+)
 from ..context import PassContext
 from ..exchange.halo import HaloExchange
 from ..exchange.modes import MODES, ExchangeConfig, recorded_options, resolve_config
@@ -517,13 +529,14 @@ class Trainer:
         self.history["eval"] = list(state["history"]["eval"])
 
     def save_checkpoint(self, path: Path) -> None:
-        """Rank 0 writes (atomically, flushed to the disk); every rank waits so nobody runs
-        ahead of the file, and every rank learns if it could not be written (a full disk:
-        the same one-line :class:`~commsched.results.OutputError` on every rank)."""
+        """Rank 0 writes (atomically, flushed to the disk, with the digest of every tensor:
+        :func:`~commsched.results.with_digests`); every rank waits so nobody runs ahead of
+        the file, and every rank learns if it could not be written (a full disk: the same
+        one-line :class:`~commsched.results.OutputError` on every rank)."""
         err = None
         if self.rank == 0:
             try:
-                save_torch(self.state_dict(), path, what="checkpoint")
+                save_torch(with_digests(self.state_dict()), path, what="checkpoint")
             except OutputError as e:
                 err = str(e)
         if self.world > 1:
@@ -590,13 +603,20 @@ def _run(tr: Trainer, cfg: TrainConfig, part: PartData, out_dir, resume: bool, p
     if resume:
         if ckpt is None or not ckpt.is_file():
             raise ValueError(f"--resume: no checkpoint at {ckpt} (run with --checkpoint-every K first)")
+        # a tensor whose bytes no longer match the digest written with it: a ValueError naming both
         state = load_torch_file(ckpt, "--resume: checkpoint", map_location=tr.device)
+        if isinstance(state, dict) and DIGESTS not in state:
+            print(f"commsched.gnn.train (rank {tr.rank}): --resume: {ckpt} was written without tensor "
+                  "digests (an earlier commsched): loaded unchecked", file=sys.stderr, flush=True)
         try:
             tr.load_state_dict(state)
         except (KeyError, TypeError, RuntimeError, AttributeError) as e:
             raise ValueError(f"--resume: checkpoint {ckpt} does not fit this run (another model or "
                              f"configuration, or a damaged file: {read_error(e)}); start without "
                              "--resume or use the same options") from None
+        # every rank holds a replica of the whole state: the ranks' copies must agree
+        check_replicas(tensor_digests({"model": tr.model.state_dict(), "optimizer": tr.grad_step.state_dict()}),
+                       f"--resume: the ranks' copies of {ckpt} disagree", group=tr.group)
     e0 = tr.epoch  # the first epoch this invocation trains (after a resume: not 0)
     with Progress(cfg.epochs, f"{cfg.mode} {cfg.model}", "epoch", enabled=progress and tr.rank == 0,
                   initial=min(tr.epoch, cfg.epochs)) as bar:
