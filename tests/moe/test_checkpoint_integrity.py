@@ -70,6 +70,25 @@ def _damage_and_replicas(tmp: str, rank: int, world: int) -> None:
     dist.barrier()
     m, _ = train(longer, d, progress=False, resume=True)  # restored: resumes
     assert m.to_dict()["resumed_from_step"] == 2
+    # expert-parallel size 1: each rank holds every expert, so the experts are replicas too
+    d1 = Path(tmp) / "ep1"
+    ep1 = dataclasses.replace(base._cfg(world, "fifo", steps=2, ep=1), checkpoint_every=2)
+    train(ep1, d1, progress=False)
+    mine = checkpoint_path(d1, rank)
+    good = mine.read_bytes()
+    st = torch.load(mine, weights_only=True)
+    ekey = next(k for k in st["model"] if "expert" in k)
+    if rank == 1:
+        st["model"][ekey] = st["model"][ekey].clone()
+        st["model"][ekey].view(-1)[0] += 1.0
+        del st["digests"]
+        torch.save(with_digests(st), mine)
+    dist.barrier()
+    with pytest.raises(ValueError, match=rf"tensor {ekey} differs between rank 0 and rank 1"):
+        train(dataclasses.replace(ep1, steps=4), d1, progress=False, resume=True)
+    mine.write_bytes(good)
+    dist.barrier()
+    assert train(dataclasses.replace(ep1, steps=4), d1, progress=False, resume=True)[0].to_dict()["resumed_from_step"] == 2
 
 
 def test_damaged_checkpoint_and_disagreeing_replicas_are_refused(tmp_path):
