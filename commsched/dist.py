@@ -638,6 +638,51 @@ def check_same_config(config: Any, group=None, what: str = "configuration") -> N
                          "Start every rank with the same arguments.")
 
 
+def check_replicas(digests: dict[str, int], what: str, *, key: Any = None, group=None) -> None:
+    """Stop every rank with the same ValueError when ranks that hold replicas of the same
+    tensors disagree (collective): every rank gives the digests of its replicated tensors
+    by name (:func:`commsched.results.tensor_digest`, an int64 each); ranks giving the same
+    ``key`` (default: all) must match, the first tensor that differs is named with the two
+    ranks (``WHAT: tensor NAME differs between rank 0 and rank 1``)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    got = all_gather_object((key, list(digests.items())), f"comparing the {what} across ranks", group)
+    for r, (k, items) in enumerate(got):
+        first = next(i for i, (k2, _) in enumerate(got) if k2 == k)
+        ref = dict(got[first][1])
+        bad = next((name for name, d in items if ref.get(name) != d), None)
+        if bad is None and len(ref) != len(items):
+            bad = next(name for name in ref if name not in dict(items))
+        if bad is not None:
+            raise ValueError(f"{what}: tensor {bad} differs between rank {first} and rank {r}")
+
+
+def claim_run_folder(path: Any, *, overwrite: bool = False, resume: bool = False, flag: str = "--out"):
+    """The run folder of a front-end, made and checked before any work (collective): rank 0
+    takes it (:func:`commsched.results.claim_out`: a lock held for the run's life, so a
+    second run into the same folder is refused, ``--out DIR is in use by another run (pid
+    N)``, with nothing of the first touched) and every rank learns whether it could; then the
+    other ranks make it too (:func:`commsched.results.prepare_out`, for folders not shared
+    between hosts). Returns rank 0's :class:`~commsched.results.FolderLock` (None elsewhere):
+    keep it until the run ends."""
+    from .results import claim_out, prepare_out
+
+    rank, world = current_rank(), (dist.get_world_size() if dist.is_initialized() else 1)
+    held, err = None, None
+    if rank == 0:
+        try:
+            held = claim_out(path, overwrite=overwrite, resume=resume, flag=flag)
+        except ValueError as e:
+            err = str(e)
+    if world > 1:
+        err = broadcast_object(err, "claiming the run folder")
+    if err is not None:
+        raise ValueError(err)
+    if rank != 0:
+        prepare_out(path, overwrite=overwrite, resume=resume, flag=flag)
+    return held
+
+
 def _as_dict(config: Any) -> Any:
     import dataclasses
 

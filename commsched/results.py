@@ -159,7 +159,122 @@ class DivergenceGuard:
                                 (f"; {self.hint}" if self.hint else ""))
 
 
+DIGESTS = "digests"  # the key of a checkpoint's per-tensor digests (with_digests)
+
+
+def tensor_digest(t: Any) -> int:
+    """A 64-bit digest (signed, an int64) of a tensor's dtype, shape and bytes (blake2b of
+    its contiguous bytes, read on the host; any device)."""
+    import hashlib
+
+    import torch
+
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=8)
+    h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def tensor_digests(obj: Any, prefix: str = "") -> dict[str, int]:
+    """:func:`tensor_digest` of every tensor inside nested dicts, lists and tuples, keyed by
+    its dotted path (``model.blocks.0.attn.qkv.weight``, ``optimizer.state.3.exp_avg``)."""
+    import torch
+
+    out: dict[str, int] = {}
+
+    def walk(o: Any, name: str) -> None:
+        if isinstance(o, torch.Tensor):
+            out[name] = tensor_digest(o)
+        elif isinstance(o, Mapping):
+            for k, v in o.items():
+                if not (o is obj and k == DIGESTS):
+                    walk(v, f"{name}.{k}" if name else str(k))
+        elif isinstance(o, (list, tuple)):
+            for i, v in enumerate(o):
+                walk(v, f"{name}.{i}" if name else str(i))
+
+    walk(obj, prefix)
+    return out
+
+
+def with_digests(state: dict) -> dict:
+    """``state`` plus :data:`DIGESTS`: the digest of each tensor it holds (what every
+    checkpoint commsched writes carries; :func:`check_digests` verifies it on load)."""
+    return {**state, DIGESTS: tensor_digests(state)}
+
+
+def check_digests(state: Any, path: str | os.PathLike, what: str) -> bool:
+    """Verify the digests a checkpoint ``state`` (read from ``path``) was written with: True
+    when every tensor matches, False when it carries none (written before digests existed);
+    a ValueError naming the file and the first tensor whose bytes changed, or went missing,
+    when the file is damaged."""
+    if not isinstance(state, dict) or not isinstance(state.get(DIGESTS), dict):
+        return False
+    want, got = state[DIGESTS], tensor_digests(state)
+    for name in sorted(set(want) | set(got), key=lambda n: (n not in want, n)):
+        if want.get(name) != got.get(name):
+            how = ("is missing" if name not in got else "is not listed in its digests" if name not in want
+                   else "does not match the digest written with it")
+            raise ValueError(f"{what} {path} is damaged: tensor {name} {how}; restore the file or "
+                             "start the run again without it")
+    return True
+
+
 FAILED_MARKER = "FAILED"  # the file a failed run leaves in its --out folder
+LOCK_FILE = ".lock"  # in a run folder: held (flock) by the run writing there, with its pid
+
+
+class FolderLock:
+    """An exclusive ``flock`` on ``folder/.lock`` (:func:`lock_folder`), held until
+    :meth:`release` or the process ends (the kernel drops it then, so a dead run never
+    blocks the next)."""
+
+    def __init__(self, fd: int | None, folder: Path):
+        self.fd, self.folder = fd, folder
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the file drops the flock
+            self.fd = None
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def lock_folder(path: str | os.PathLike, *, flag: str = "--out") -> FolderLock:
+    """Take the run folder ``path`` (it exists) for this process: an exclusive, non-blocking
+    ``flock`` on ``path/.lock``, which then holds this process's pid. A folder another live
+    process holds is one ValueError line: ``--out DIR is in use by another run (pid N)``.
+    Where the file system has no locks (some network mounts) the run goes on unlocked,
+    said once on stderr."""
+    import errno
+    import fcntl
+
+    p = Path(path)
+    try:
+        fd = os.open(p / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ValueError(f"{flag} {p}: cannot create {LOCK_FILE} ({read_error(e)})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            pid = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ValueError(f"{flag} {p} is in use by another run (pid {pid}); wait for it to end "
+                             "or choose another folder") from None
+        os.close(fd)
+        print(f"commsched: {flag} {p}: this file system has no locks ({read_error(e)}); "
+              "the folder is not guarded against a second run", file=sys.stderr, flush=True)
+        return FolderLock(None, p)
+    try:  # the pid is for the message a second run prints; a full disk leaves it out
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
+    return FolderLock(fd, p)
 
 
 def prepare_out(path: str | os.PathLike, *, overwrite: bool = False, resume: bool = False,
@@ -168,26 +283,50 @@ def prepare_out(path: str | os.PathLike, *, overwrite: bool = False, resume: boo
     a path that cannot be created or written, or a folder that already holds a run's
     ``metrics.json`` (unless ``overwrite``, which removes that file and the old
     ``timeline.json``, or ``resume``, which continues that run). A previous run's
-    :data:`FAILED_MARKER` is removed."""
-    p = Path(path)
+    :data:`FAILED_MARKER` is removed. :func:`claim_out` does the same under a lock."""
+    p = _make_out(Path(path), flag)
+    _clean_out(p, overwrite=overwrite, resume=resume, flag=flag)
+    return p
+
+
+def claim_out(path: str | os.PathLike, *, overwrite: bool = False, resume: bool = False,
+              flag: str = "--out") -> FolderLock:
+    """:func:`prepare_out` for the one process that owns a run (rank 0): the folder is made,
+    then locked (:func:`lock_folder`: a folder another live run holds is refused with
+    ``--out DIR is in use by another run (pid N)``, and nothing in it is touched), then
+    checked and cleaned as :func:`prepare_out` does. Keep the lock for the run's life."""
+    p = _make_out(Path(path), flag)
+    held = lock_folder(p, flag=flag)
+    try:
+        _clean_out(p, overwrite=overwrite, resume=resume, flag=flag)
+    except ValueError:
+        held.release()
+        raise
+    return held
+
+
+def _make_out(p: Path, flag: str) -> Path:
     if p.exists() and not p.is_dir():
         raise ValueError(f"{flag} {p}: exists and is not a folder; give a folder path")
-    if (p / "metrics.json").exists() and not (overwrite or resume):
-        raise ValueError(f"{flag} {p} already holds a run (metrics.json); pass --overwrite to "
-                         "replace it, or choose another folder")
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"{flag} {p}: cannot create the folder ({read_error(e)})") from None
     if not os.access(p, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {p}: the folder is not writable; choose another one")
+    return p
+
+
+def _clean_out(p: Path, *, overwrite: bool, resume: bool, flag: str) -> None:
+    if (p / "metrics.json").exists() and not (overwrite or resume):
+        raise ValueError(f"{flag} {p} already holds a run (metrics.json); pass --overwrite to "
+                         "replace it, or choose another folder")
     stale = [FAILED_MARKER] + (["metrics.json", "timeline.json"] if overwrite and not resume else [])
     for name in stale:
         try:
             (p / name).unlink(missing_ok=True)
         except OSError as e:
             raise ValueError(f"{flag} {p}: cannot remove the old {name} ({read_error(e)})") from None
-    return p
 
 
 def mark_failed(path: str | os.PathLike | None, message: str) -> None:
@@ -215,8 +354,10 @@ def read_error(e: BaseException) -> str:
 
 def load_torch_file(path: str | os.PathLike, what: str, *, map_location: Any = "cpu") -> Any:
     """``torch.load(path, weights_only=True)``, any failure a ValueError naming the file:
-    missing, truncated or garbage, or holding objects that only an unsafe load would
-    build (commsched never retries with ``weights_only=False``)."""
+    missing, truncated or garbage, holding objects that only an unsafe load would build
+    (commsched never retries with ``weights_only=False``), or a dict carrying tensor
+    digests (:func:`with_digests`) whose tensors no longer match them (:func:`check_digests`;
+    torch's reader checks no checksum of the tensor bytes)."""
     import pickle
     import zipfile
 
@@ -226,7 +367,7 @@ def load_torch_file(path: str | os.PathLike, what: str, *, map_location: Any = "
     if not p.is_file():
         raise ValueError(f"{what} {p}: no such file")
     try:
-        return torch.load(p, map_location=map_location, weights_only=True)
+        obj = torch.load(p, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         # torch.save writes a zip archive; bytes that are not one and fail to unpickle are
         # garbage, not a file of unsafe objects
@@ -238,6 +379,8 @@ def load_torch_file(path: str | os.PathLike, what: str, *, map_location: Any = "
     except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad file
         raise ValueError(f"{what} {p}: not a readable torch file (corrupt or truncated: "
                          f"{_without_unsafe_advice(read_error(e))})") from None
+    check_digests(obj, p, what)
+    return obj
 
 
 def _without_unsafe_advice(msg: str) -> str:
@@ -383,7 +526,8 @@ def pick(d: Mapping[str, Any], dotted: str) -> Any:
     return cur
 
 
-__all__ = ["FAILED_MARKER", "NONFINITE_STOP_AFTER", "DivergedError", "DivergenceGuard", "OutputError",
-           "dumps_json", "finite_json", "Progress", "Record", "load_torch_file", "mark_failed", "median", "pick",
-           "save_torch", "write_atomic",
-           "prepare_out", "read_error", "write_json"]
+__all__ = ["DIGESTS", "FAILED_MARKER", "FolderLock", "LOCK_FILE", "NONFINITE_STOP_AFTER", "DivergedError",
+           "DivergenceGuard", "OutputError", "Progress", "Record", "check_digests", "claim_out", "dumps_json",
+           "finite_json", "load_torch_file", "lock_folder", "mark_failed", "median", "pick", "prepare_out",
+           "read_error", "save_torch", "tensor_digest", "tensor_digests", "with_digests", "write_atomic",
+           "write_json"]

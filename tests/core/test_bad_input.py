@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from commsched.dist import CommError, cli_error
-from commsched.results import FAILED_MARKER, load_torch_file, mark_failed, prepare_out
+from commsched.results import FAILED_MARKER, claim_out, load_torch_file, mark_failed, prepare_out
 from tests.mp import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -317,6 +317,37 @@ def test_uncreatable_or_used_out_is_refused_before_any_work(front, tmp_path, mon
     assert time.perf_counter() - t < 30
 
 
+@pytest.mark.parametrize("front", ["gnn", "moe-train"])
+def test_a_folder_held_by_another_run_is_refused_and_left_alone(front, tmp_path, monkeypatch, capsys):
+    """A second training run into a folder another live run holds stops at start with one
+    line naming that run's pid and exit 2, removing nothing (not even with --overwrite) and
+    leaving no FAILED marker there."""
+    monkeypatch.setenv("COMMSCHED_PROGRESS", "0")
+    if front == "gnn":
+        from commsched.gnn.train.cli import main
+        _no_work(monkeypatch, "commsched.gnn.train.cli", "obtain_part")
+        args, prog = ["--device", "cpu", "--epochs", "1"], "commsched.gnn.train"
+    else:
+        from commsched.moe.train.cli import main
+        _no_work(monkeypatch, "commsched.moe.train.cli", "train")
+        args, prog = ["--device", "cpu", "--steps", "1", "--warmup", "0"], "commsched.moe.train"
+    out = tmp_path / "run"
+    first = claim_out(out)  # the first run, alive
+    files = {"metrics.json": "{}", "timeline.json": "[]", "checkpoint.pt": "first run's"}
+    for name, text in files.items():
+        (out / name).write_text(text)
+    for extra in ([], ["--overwrite"], ["--resume"]):
+        assert main(args + extra + ["--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"{prog}: --out {out} is in use by another run (pid {os.getpid()}); wait for it to " \
+                      "end or choose another folder\n", err
+        assert {n: (out / n).read_text() for n in files} == files
+        assert not (out / FAILED_MARKER).exists()
+    first.release()  # the first run ended: the folder is free
+    claim_out(out, overwrite=True).release()
+    assert not (out / "metrics.json").exists()
+
+
 def test_gnn_cli_failed_run_leaves_marker_and_overwrite_replaces(tmp_path, monkeypatch, capsys):
     from commsched.gnn.train.cli import main
 
@@ -583,7 +614,7 @@ def test_moe_checkpoint_on_a_full_disk_is_one_line_and_resumable(tmp_path):
         assert line.startswith("commsched.moe.train: cannot write checkpoint ")
         assert line.endswith("No space left on device (ENOSPC)") and "Traceback" not in r.stderr
         names = sorted(p.name for p in (disk / "run").iterdir())
-        assert names == ["FAILED", "checkpoint-rank0.pt"], names
+        assert names == [".lock", "FAILED", "checkpoint-rank0.pt"], names
         assert (disk / "run" / FAILED_MARKER).read_text().strip() == line
         assert torch.load(disk / "run" / "checkpoint-rank0.pt", weights_only=True)["step"] == 1
     finally:
@@ -608,7 +639,7 @@ def test_gnn_output_on_a_full_disk_is_one_line(tmp_path):
         line = r.stderr.strip().splitlines()[-1]
         assert line == (f"commsched.gnn.train: cannot write checkpoint {disk}/run/checkpoint.pt: "
                         "No space left on device (ENOSPC)"), r.stderr
-        assert sorted(p.name for p in (disk / "run").iterdir()) == ["FAILED"]
+        assert sorted(p.name for p in (disk / "run").iterdir()) == [".lock", "FAILED"]
         assert (disk / "run" / FAILED_MARKER).read_text().strip() == line
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)

@@ -157,3 +157,52 @@ def test_divergence_guard_warns_once_and_stops_after_a_run_of_non_finite_losses(
         quiet.check(4, float("-inf"))
     with pytest.raises(ValueError, match="stop_after"):
         DivergenceGuard(stop_after=0)
+
+
+def test_tensor_digests_name_the_damaged_tensor(tmp_path):
+    import pytest
+    import torch
+
+    from commsched.results import DIGESTS, check_digests, load_torch_file, with_digests
+
+    st = with_digests({"model": {"w": torch.arange(12.0).view(3, 4), "b": torch.ones(2, dtype=torch.bfloat16)},
+                       "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}}, "step": 7})
+    assert set(st[DIGESTS]) == {"model.w", "model.b", "optimizer.state.0.step"}
+    assert check_digests(st, "f", "checkpoint")
+    assert not check_digests({"model": {}}, "f", "checkpoint")  # written before digests: unchecked
+    st["model"]["w"].view(-1)[5] = -5.0  # one bit: the sign of 5.0
+    with pytest.raises(ValueError, match="checkpoint f is damaged: tensor model.w does not match"):
+        check_digests(st, "f", "checkpoint")
+    # the same through a file: torch's reader alone accepts a flipped bit in tensor bytes
+    good = with_digests({"w": torch.full((64,), 0.5)})
+    torch.save(good, tmp_path / "c.pt")
+    data = bytearray((tmp_path / "c.pt").read_bytes())
+    pos = bytes(data).find(good["w"].numpy().tobytes()) + 4 * 32 + 3
+    data[pos] ^= 0x20
+    (tmp_path / "c.pt").write_bytes(bytes(data))
+    assert not torch.equal(torch.load(tmp_path / "c.pt", weights_only=True)["w"], good["w"])
+    with pytest.raises(ValueError, match=r"--resume: checkpoint .*c\.pt is damaged: tensor w does not match"):
+        load_torch_file(tmp_path / "c.pt", "--resume: checkpoint")
+
+
+def test_a_dead_runs_lock_does_not_block_the_next(tmp_path):
+    """The folder lock is a flock: held while its process lives (a second claim is refused
+    naming that pid), dropped by the kernel when it dies, even by SIGKILL."""
+    import subprocess
+
+    import pytest
+
+    from commsched.results import claim_out
+
+    out = tmp_path / "run"
+    code = ("import sys, time; from commsched.results import claim_out; h = claim_out(sys.argv[1]); "
+            "print('held', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match=rf"--out {out} is in use by another run \(pid {p.pid}\)"):
+            claim_out(out)
+    finally:
+        p.kill()
+        p.wait(timeout=30)
+    claim_out(out).release()  # the dead run's lock is gone

@@ -152,6 +152,32 @@ def test_final_state_is_saved_whatever_the_epoch_count(tmp_path):
     assert not (tmp_path / "none" / "checkpoint.pt").exists()
 
 
+def test_damaged_checkpoint_is_refused_naming_the_tensor(tmp_path, capsys):
+    """One flipped bit inside a weight of checkpoint.pt (torch's reader checks no checksum of
+    tensor bytes) is refused on --resume, naming the file and the tensor; a checkpoint
+    written before digests existed resumes, said on stderr."""
+    g = synthetic_graph(SYN)
+    part = make_parts(g, partition_nodes(g, 1, "metis", 0), 1)[0]
+    cfg = TrainConfig(model="gcn", layers=2, hidden=8, epochs=2, seed=3, checkpoint_every=2)
+    run_training(cfg, part, out_dir=tmp_path)
+    ckpt = tmp_path / "checkpoint.pt"
+    good = ckpt.read_bytes()
+    st = torch.load(ckpt, weights_only=True)
+    key = next(k for k, v in st["model"].items() if v.dtype == torch.float32 and v.numel() >= 16)
+    t = st["model"][key]
+    data = bytearray(good)
+    pos = good.find(t.contiguous().numpy().tobytes()) + 4 * (t.numel() // 2) + 3
+    data[pos] ^= 0x20
+    ckpt.write_bytes(bytes(data))
+    longer = dataclasses.replace(cfg, epochs=3)
+    with pytest.raises(ValueError, match=rf"checkpoint {ckpt} is damaged: tensor model\.{key} does not match"):
+        run_training(longer, part, out_dir=tmp_path, resume=True)
+    del st["digests"]
+    torch.save(st, ckpt)  # as an earlier commsched wrote it
+    m, _ = run_training(longer, part, out_dir=tmp_path, resume=True)
+    assert m["epochs_timed"] == 1 and "written without tensor digests" in capsys.readouterr().err
+
+
 def test_roc_auc_on_a_two_class_graph_matches_the_exact_one():
     """The trainer's evaluation on a two-class graph: the histogram ROC AUC of each split
     within 1e-3 of the exact pairwise AUC of the model's class-1 probabilities."""

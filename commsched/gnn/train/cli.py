@@ -13,19 +13,19 @@ import argparse
 import dataclasses
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from ...cluster.topology import Topology
 from ...config import read_env
 from ...configurable import Registry, add_arguments, cli_fields, config_of, from_arguments
 from ...dist import (
     check_same_config,
+    claim_run_folder,
     cli_main,
     init_distributed,
     scatter_object,
 )
 from ...priority.policy import SCHEDULES
-from ...results import prepare_out
 from ..exchange.modes import MODES, mode_config
 from ..graph.data import GraphSource, load_source
 from ..graph.flags import add_graph_args, graph_args_given, source_from_args
@@ -165,17 +165,23 @@ PROG = "commsched.gnn.train"
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    ready: dict[str, str] = {}  # the run folder, once made (a FAILED marker goes there, not before)
-    return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
+    # the run folder once made (a FAILED marker goes there, not before) and rank 0's lock on it
+    ready: dict[str, Any] = {}
+    try:
+        return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
+    finally:
+        if ready.get("lock") is not None:  # the folder is free for the next run
+            ready["lock"].release()
 
 
-def _run(a: argparse.Namespace, ready: dict[str, str]) -> int:
+def _run(a: argparse.Namespace, ready: dict[str, Any]) -> int:
     cfg = config_from_args(a)
     src = source_from_args(a) if (graph_args_given(a) or not a.partition_dir) else None
     di = init_distributed(device="cpu" if cfg.emulated else cfg.device)  # ValueError: --device cuda without (enough) GPUs
     rank, world, device = di.rank, di.world_size, di.device
     # the run folder is made (or refused) before any work
-    prepare_out(a.out, overwrite=a.overwrite, resume=a.resume)
+    # made (or refused) before any work, and held: one run per folder at a time
+    ready["lock"] = claim_run_folder(a.out, overwrite=a.overwrite, resume=a.resume)
     ready["out"] = a.out
     if cfg.exchange.timing_only and rank == 0:
         print("commsched.gnn.train: --mode nocomm is TIMING ONLY: remote rows are replaced by "

@@ -53,6 +53,7 @@ import dataclasses
 import math
 import os
 import resource
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,7 @@ from ...dist import (
     RunGroups,
     all_gather_object,
     barrier,
+    check_replicas,
     check_same_config,
     comm_guard,
     config_digest,
@@ -82,6 +84,7 @@ from ...priority.step import GradStep, make_grad_step
 from ...quant.allreduce import GRAD_BITS, CompressedLauncher, check_grad_bits
 from ...quant.rowwire import format_seed
 from ...results import (
+    DIGESTS,
     DivergenceGuard,
     OutputError,
     Progress,
@@ -89,6 +92,8 @@ from ...results import (
     median,
     read_error,
     save_torch,
+    tensor_digests,
+    with_digests,
 )
 from ..context import PassContext
 from ..exchange.halo import HaloExchange
@@ -529,8 +534,7 @@ class Trainer:
             self.halo.load_state_dict(states[self.rank])
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
             err = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
-        errs = all_gather_object(err, "agreeing on the exchange state to resume from", self.group) \
-            if self.world > 1 else [err]
+        errs = all_gather_object(err, "agreeing on the exchange state to resume from", self.group) if self.world > 1 else [err]
         bad = [(r, e) for r, e in enumerate(errs) if e]
         if bad:
             r, e = bad[0]
@@ -558,14 +562,13 @@ class Trainer:
         self.history["eval"] = list(state["history"]["eval"])
 
     def save_checkpoint(self, path: Path) -> None:
-        """Rank 0 writes (atomically, flushed to the disk); every rank waits so nobody runs
-        ahead of the file, and every rank learns if it could not be written (a full disk:
-        the same one-line :class:`~commsched.results.OutputError` on every rank)."""
+        """Rank 0 writes (atomically, flushed, each tensor's digest: :func:`~commsched.results.with_digests`);
+        every rank waits for the file and learns if it could not be written (one line on every rank)."""
         exchange = self.exchange_states()  # every rank's, written by rank 0
         err = None
         if self.rank == 0:
             try:
-                save_torch(self.state_dict(exchange), path, what="checkpoint")
+                save_torch(with_digests(self.state_dict(exchange)), path, what="checkpoint")
             except OutputError as e:
                 err = str(e)
         if self.world > 1:
@@ -632,13 +635,20 @@ def _run(tr: Trainer, cfg: TrainConfig, part: PartData, out_dir, resume: bool, p
     if resume:
         if ckpt is None or not ckpt.is_file():
             raise ValueError(f"--resume: no checkpoint at {ckpt} (run with --checkpoint-every K first)")
+        # a tensor whose bytes no longer match the digest written with it: a ValueError naming both
         state = load_torch_file(ckpt, "--resume: checkpoint", map_location=tr.device)
+        if isinstance(state, dict) and DIGESTS not in state:
+            print(f"commsched.gnn.train (rank {tr.rank}): --resume: {ckpt} was written without tensor "
+                  "digests (an earlier commsched): loaded unchecked", file=sys.stderr, flush=True)
         try:
             tr.load_state_dict(state)
         except (KeyError, TypeError, RuntimeError, AttributeError) as e:
             raise ValueError(f"--resume: checkpoint {ckpt} does not fit this run (another model or "
                              f"configuration, or a damaged file: {read_error(e)}); start without "
                              "--resume or use the same options") from None
+        # every rank holds a replica of the whole state: the ranks' copies must agree
+        check_replicas(tensor_digests({"model": tr.model.state_dict(), "optimizer": tr.grad_step.state_dict()}),
+                       f"--resume: the ranks' copies of {ckpt} disagree", group=tr.group)
     e0 = tr.epoch  # the first epoch this invocation trains (after a resume: not 0)
     with Progress(cfg.epochs, f"{cfg.mode} {cfg.model}", "epoch", enabled=progress and tr.rank == 0,
                   initial=min(tr.epoch, cfg.epochs)) as bar:

@@ -21,15 +21,15 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ...configurable import add_arguments, cli_fields, config_of, from_arguments
-from ...dist import barrier, cli_main, init_distributed
+from ...dist import barrier, claim_run_folder, cli_main, init_distributed
 from ...priority.policy import SCHEDULES, ScheduleConfig
-from ...results import dumps_json, prepare_out
+from ...results import dumps_json
 from ..model.layer import DispatchConfig
 from ..model.lm import ModelConfig
 from .trainer import train
@@ -86,15 +86,21 @@ def _runtime(a: argparse.Namespace) -> tuple[ScheduleConfig, DeepSpeedConfig]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    ready: dict[str, Path] = {}  # the run folder, once made (a FAILED marker goes there, not before)
-    return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
+    # the run folder once made (a FAILED marker goes there, not before) and rank 0's lock on it
+    ready: dict[str, Any] = {}
+    try:
+        return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
+    finally:
+        if ready.get("lock") is not None:  # the folder is free for the next run
+            ready["lock"].release()
 
 
-def _run(a: argparse.Namespace, ready: dict[str, Path]) -> int:
+def _run(a: argparse.Namespace, ready: dict[str, Any]) -> int:
     cfg = config_from_args(a)
     # ValueError: --device cuda where it cannot run; the emulated device runs on the CPU
     info = init_distributed(device=cfg.run_device)
-    prepare_out(a.out, overwrite=a.overwrite, resume=a.resume)  # made (or refused) before any work
+    # made (or refused) before any work, and held: one run per folder at a time
+    ready["lock"] = claim_run_folder(a.out, overwrite=a.overwrite, resume=a.resume)
     ready["out"] = a.out
     if info.device.type == "cpu":
         torch.set_num_threads(1)  # ranks share the host's cores

@@ -14,9 +14,13 @@ next (its policy starts afresh at every ``begin_step``), so there is none to sav
 
 Files are written atomically: every rank writes ``checkpoint-rank{r}.pt.tmp``, the ranks
 meet at a barrier, then each renames its file over the old one, so a rank killed while
-writing leaves the previous checkpoint whole. They are read with
-``torch.load(weights_only=True)`` only; any failure to read one is a ``ValueError``
-naming the file.
+writing leaves the previous checkpoint whole. Every file carries the digest of each tensor
+it holds (:func:`commsched.results.with_digests`), checked when it is read: torch's reader
+checks no checksum of tensor bytes, so a damaged file would otherwise load. They are read
+with ``torch.load(weights_only=True)`` only; any failure to read one, and a tensor whose
+digest does not match, is a ``ValueError`` naming the file (and the tensor). A file
+written before digests existed is read unchecked, said on stderr; a temporary file counts
+only when its digests verify.
 
 Nothing here touches a process group: :mod:`commsched.moe.train.trainer` does the collective
 parts (the barrier, the agreement of every rank on the step to resume from).
@@ -32,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ...results import save_torch
+from ...results import DIGESTS, check_digests, save_torch, with_digests
 
 FORMAT = "commsched-moe-train-state"
 VERSION = 1
@@ -109,9 +113,14 @@ def write_tmp(path: Path, state: dict[str, Any]) -> Path:
     """Write ``state`` beside ``path`` (``path.tmp``, flushed to the disk); :func:`commit`
     renames it. A full disk is one :class:`~commsched.results.OutputError` line naming the
     file, with nothing half-written left behind."""
-    tmp = path.with_name(path.name + ".tmp")
-    save_torch(state, tmp, what="checkpoint")
+    tmp = temp_path(path)
+    save_torch(with_digests(state), tmp, what="checkpoint")
     return tmp
+
+
+def temp_path(path: Path) -> Path:
+    """Where :func:`write_tmp` writes ``path``'s next state (``checkpoint-rank{r}.pt.tmp``)."""
+    return path.with_name(path.name + ".tmp")
 
 
 def previous_path(path: Path) -> Path:
@@ -148,9 +157,12 @@ def _load_failure(e: Exception) -> str:
     return f"{type(e).__name__}: {first}" if first else f"{type(e).__name__}: truncated or damaged"
 
 
-def read_state(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
+def read_state(path: Path, device: torch.device | str = "cpu", *, complete: bool = False) -> dict[str, Any]:
     """One rank's checkpoint; ValueError naming the file when it is missing, unreadable
-    (truncated, garbage) or not a commsched MoE training state."""
+    (truncated, garbage), not a commsched MoE training state, or damaged (a tensor whose
+    digest does not match: the tensor is named). A file without digests (written by an
+    earlier commsched) is returned unchecked (``DIGESTS`` absent), or, with ``complete``
+    (a temporary file, which counts only when whole), refused."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--resume: no checkpoint at {p} (run with --checkpoint-every K first, "
@@ -169,6 +181,8 @@ def read_state(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]
             or not isinstance(st["rows"], list) or not isinstance(st["rng"], dict) or "cpu" not in st["rng"]:
         raise ValueError(f"--resume: {p} is an incomplete commsched MoE training checkpoint "
                          f"(missing or malformed: {', '.join(missing) or 'step, config, rows or rng'})")
+    if not check_digests(st, p, "--resume: the checkpoint") and complete:
+        raise ValueError(f"--resume: {p} carries no tensor digests, so it cannot be known to be whole")
     return st
 
 
@@ -192,6 +206,6 @@ def restore_rng(st: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(st["rng"]["cuda"].cpu(), device)
 
 
-__all__ = ["FORMAT", "RESUMABLE", "VERSION", "check_state", "checkpoint_path", "commit", "config_mismatch",
-           "config_record", "drop_previous", "make_state", "previous_path", "read_state", "restore_rng",
-           "write_tmp"]
+__all__ = ["DIGESTS", "FORMAT", "RESUMABLE", "VERSION", "check_state", "checkpoint_path", "commit",
+           "config_mismatch", "config_record", "drop_previous", "make_state", "previous_path", "read_state",
+           "restore_rng", "temp_path", "write_tmp"]

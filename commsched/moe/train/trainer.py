@@ -64,6 +64,7 @@ host CPU share and device busy time, the predicted step time on the real cluster
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,7 @@ from ...dist import (
     RunGroups,
     all_gather_object,
     barrier,
+    check_replicas,
     check_same_config,
     comm_guard,
     control_device,
@@ -90,7 +92,7 @@ from ...priority.runtime.executor import LOCAL, GradScheduler
 from ...priority.step import make_grad_step
 from ...quant.allreduce import CompressedLauncher
 from ...quant.rowwire import format_seed
-from ...results import DivergenceGuard, OutputError, Progress, write_json
+from ...results import DivergenceGuard, OutputError, Progress, tensor_digest, write_json
 from ..model.data import Corpus, load_corpus
 from ..model.dispatch import ExpertGroup
 from ..model.experts import is_expert_param
@@ -244,40 +246,79 @@ def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = 
 
 
 def _resume_state(cfg: TrainConfig, out: Path, ep: int, device: torch.device) -> dict:
-    """This rank's checkpoint, checked; every rank learns of any rank's problem and of a
-    step that differs between the ranks' files, and raises the same ValueError (collective).
-    Ranks killed between their peers' renames and their own leave files one step apart: the
-    ranks ahead step back to the previous file they kept (``train_state.commit``)."""
+    """This rank's checkpoint at the newest step every rank holds, checked (collective).
+
+    Each rank looks at its three files: ``checkpoint-rank{r}.pt``, the ``.prev.pt`` kept
+    while the ranks rename (``train_state.commit``) and the ``.pt.tmp`` written before the
+    renames; a temporary file counts only when whole (its tensor digests verify). A kill
+    between the ranks' renames, or between a rank's own two renames, leaves ranks whose
+    newest files differ by a step: the ranks ahead step back, those behind take their
+    temporary file. A damaged or mismatched ``.pt`` / ``.prev.pt`` on any rank stops every
+    rank with the same ValueError; no common step is one line saying what each rank holds."""
     rank, world = dist.get_rank(), dist.get_world_size()
     path = train_state.checkpoint_path(out, rank)
-    prev = train_state.previous_path(path)
-    st, err, prev_step = None, None, None
-    try:
-        st = train_state.read_state(path, device)
-        train_state.check_state(st, path, cfg=cfg, rank=rank, world_size=world, ep_size=ep)
-    except ValueError as e:
-        err = str(e)
-    if prev.is_file():
+    kept, err = None, None
+    steps: dict[int, str] = {}  # step -> the file holding it (.pt before .prev.pt before .pt.tmp)
+    found: list[str] = []       # what this rank holds, in words
+    for f, temp in ((path, False), (train_state.previous_path(path), False), (train_state.temp_path(path), True)):
+        if not f.is_file():
+            continue
         try:
-            prev_step = int(train_state.read_state(prev, "cpu")["step"])
-        except (ValueError, KeyError, TypeError):
-            prev_step = None
-    got = all_gather_object((err, st["step"] if st is not None else None, prev_step),
-                            "agreeing on the checkpoint to resume from")
+            st = train_state.read_state(f, device if f == path else "cpu", complete=temp)
+            train_state.check_state(st, f, cfg=cfg, rank=rank, world_size=world, ep_size=ep)
+        except ValueError as e:
+            if not temp:  # a committed file is never partial: damage or a mismatch stops the run
+                err = err or str(e)
+            found.append(f"{f.name} (not usable)")
+            continue
+        found.append(f"{f.name} (step {st['step']})")
+        steps.setdefault(int(st["step"]), str(f))
+        if f == path:
+            kept = st
+        del st
+    got = all_gather_object((err, steps, found), "agreeing on the checkpoint to resume from")
     bad = [(r, e) for r, (e, _, _) in enumerate(got) if e]
     if bad:
         r, e = bad[0]
         raise ValueError(e if r == rank else f"rank {r}: {e}")
-    steps = [s for _, s, _ in got]
-    if len(set(steps)) > 1:
-        target = min(steps)
-        if not all(s == target or p == target for _, s, p in got):
-            raise ValueError(f"--resume: the ranks' checkpoints in {out} hold different steps {steps} "
-                             "and no common earlier step; they cannot be resumed together")
-        if st["step"] != target:  # this rank renamed before a peer was killed: step back
-            st = train_state.read_state(prev, device)
-            train_state.check_state(st, prev, cfg=cfg, rank=rank, world_size=world, ep_size=ep)
-    return st
+    if not any(f for _, _, f in got):
+        raise ValueError(f"--resume: no checkpoint in {out} (checkpoint-rank{{r}}.pt; run with --checkpoint-every "
+                         "K first, with the same --out and number of ranks)")
+    common = set.intersection(*(set(s) for _, s, _ in got))
+    if not common:
+        held = "; ".join(f"rank {r}: {', '.join(f) or 'nothing'}" for r, (_, _, f) in enumerate(got))
+        raise ValueError(f"--resume: the ranks' checkpoints in {out} hold no step in common ({held}); "
+                         "they cannot be resumed together")
+    chosen = Path(steps[max(common)])
+    if chosen != path:  # this rank steps back, or takes its whole temporary file
+        kept = train_state.read_state(chosen, device, complete=chosen == train_state.temp_path(path))
+    if train_state.DIGESTS not in kept:
+        print(f"commsched.moe.train (rank {rank}): --resume: {chosen} was written without tensor digests "
+              "(an earlier commsched): loaded unchecked", file=sys.stderr, flush=True)
+    return kept
+
+
+def _check_replicas(model: torch.nn.Module, opt, out: Path, ep_rank: int) -> None:
+    """After loading: every rank's replicated (data-parallel) parameters and their Adam
+    state must equal its peers' (each file is whole, but files of different runs or steps,
+    or one edited and re-signed, would leave replicas apart for good: the allreduce keeps
+    them moving together and never brings them back). Expert parameters are compared
+    only between ranks holding the same experts (same expert-parallel rank). Collective."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    inner = getattr(opt, "optimizer", None)
+    opts = getattr(inner, "optimizers", None) or ([inner] if isinstance(inner, torch.optim.Optimizer) else [])
+    shared: dict[str, int] = {}
+    expert: dict[str, int] = {}
+    for n, p in model.named_parameters():
+        (expert if is_expert_param(p) else shared)[n] = tensor_digest(p)
+    for o in opts:
+        for p, s in o.state.items():
+            for k, v in s.items():
+                if id(p) in names and isinstance(v, torch.Tensor):
+                    (expert if is_expert_param(p) else shared)[f"{names[id(p)]} (Adam {k})"] = tensor_digest(v)
+    what = f"--resume: the checkpoints in {out} do not hold one run's replicas"
+    check_replicas(shared, what)
+    check_replicas(expert, what, key=ep_rank)
 
 
 def _save_state(cfg: TrainConfig, out: Path, step: int, ep: int, model, opt, rows: list[dict],
@@ -423,6 +464,7 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
         st = _resume_state(cfg, out, ep, device)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
+        _check_replicas(model, opt, out, rank % ep)
         if "probe" in st:  # checkpoints before the probe state: the probe starts again
             opt.load_probe_state(st["probe"])
         if launcher is not None and "grad_keys" in st:  # the rounding keys continue from the interrupted run's
