@@ -84,7 +84,7 @@ from ...quant.rowwire import format_seed
 from ...results import OutputError, Progress, load_torch_file, median, read_error, save_torch
 from ..context import PassContext
 from ..exchange.halo import HaloExchange
-from ..exchange.modes import MODES, ExchangeConfig, recorded_options, resolve_config
+from ..exchange.modes import MODES, AdaQPConfig, ExchangeConfig, recorded_options, resolve_config
 from ..graph.partition import PartData
 from ..nn.emulated import EmulatedCompute
 from ..nn.layers import DistMessagePassing
@@ -127,7 +127,9 @@ class TrainConfig(Config):
     """
 
     model: str = option("gcn", "layer kind", choices=LAYERS)
-    mode: str = option("vanilla", "exchange mode")
+    mode: str = option("vanilla", "exchange mode (adaqp re-solves its widths every --period epochs, "
+                                  f"default {AdaQPConfig.period}, and sends 8 bits until the first: "
+                                  f"half of a {2 * AdaQPConfig.period}-epoch run)")
     layers: int = option(3, "layers")
     hidden: int = option(256, "hidden width")
     dropout: float = option(0.5, "dropout probability")
