@@ -17,7 +17,7 @@ from typing import Sequence
 
 from ...cluster.topology import Topology
 from ...config import read_env
-from ...configurable import Registry, add_arguments, cli_fields, config_of, from_arguments
+from ...configurable import Registry, add_arguments, cli_fields, config_of, from_arguments, parse_args
 from ...dist import (
     check_same_config,
     cli_main,
@@ -164,7 +164,7 @@ PROG = "commsched.gnn.train"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    a = parse_args(build_parser(), list(sys.argv[1:] if argv is None else argv))
     ready: dict[str, str] = {}  # the run folder, once made (a FAILED marker goes there, not before)
     return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
 

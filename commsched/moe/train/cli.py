@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ...configurable import add_arguments, cli_fields, config_of, from_arguments
+from ...configurable import add_arguments, cli_fields, config_of, from_arguments, parse_args
 from ...dist import barrier, cli_main, init_distributed
 from ...priority.policy import SCHEDULES, ScheduleConfig
 from ...results import prepare_out
@@ -86,7 +86,7 @@ def _runtime(a: argparse.Namespace) -> tuple[ScheduleConfig, DeepSpeedConfig]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    a = parse_args(build_parser(), argv)
     ready: dict[str, Path] = {}  # the run folder, once made (a FAILED marker goes there, not before)
     return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
 
