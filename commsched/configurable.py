@@ -267,6 +267,18 @@ def config_of(registry: Registry, name: str, values: Mapping[str, Any], *, given
     return cls(**{k: v for k, v in values.items() if k in own})
 
 
+def flag_values(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict[str, Any]:
+    """``{flag: value}`` of every option of ``parser`` as parsed into ``ns``, each under its
+    long spelling (``--mode``), in the parser's order: what a rank was started with, in the
+    user's terms (the cross-rank check names the flags that differ first)."""
+    out: dict[str, Any] = {}
+    for a in parser._actions:
+        if a.option_strings and hasattr(ns, a.dest):
+            name = next((o for o in a.option_strings if o.startswith("--")), a.option_strings[0])
+            out[name] = getattr(ns, a.dest)
+    return out
+
+
 def speaks_for_the_node(environ: Mapping[str, str] | None = None) -> bool:
     """Whether this process prints the command line's usage errors: not under torchrun, or
     the process of LOCAL_RANK 0 (RANK 0 when LOCAL_RANK is unset) under it."""
