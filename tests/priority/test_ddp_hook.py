@@ -40,6 +40,7 @@ from commsched.priority import (
     lina_hook,
     set_grad_group,
 )
+from commsched.priority.policy import FlatConfig
 from tests.mp import assert_case, run_cases
 
 MCFG = ModelConfig(d_model=16, n_heads=2, n_layers=2, seq_len=8, d_ff=24, expert_hidden=20, num_experts=4, k=2)
@@ -185,8 +186,8 @@ def _plain_ddp_around_experts_raises(rank: int, world: int) -> None:
         layer.observer = events
     state = LinaState(ddp, LINA, events=events)
     ddp.register_comm_hook(state, lina_hook)
-    with pytest.raises(ValueError, match="fifo"):
-        LinaState(DDP(nn.Linear(2, 2)), FifoConfig())
+    with pytest.raises(ValueError, match="'flat' cannot run in a DDP communication hook.*'fifo'"):
+        LinaState(DDP(nn.Linear(2, 2)), FlatConfig())
     want = _reference_grads(world, 1)
     _loss(ddp, *_tokens(rank, 0)).backward()
     g = model.blocks[0].attn.qkv.weight.grad
