@@ -267,6 +267,44 @@ def config_of(registry: Registry, name: str, values: Mapping[str, Any], *, given
     return cls(**{k: v for k, v in values.items() if k in own})
 
 
+def flag_values(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict[str, Any]:
+    """``{flag: value}`` of every option of ``parser`` as parsed into ``ns``, each under its
+    long spelling (``--mode``), in the parser's order: what a rank was started with, in the
+    user's terms (the cross-rank check names the flags that differ first)."""
+    out: dict[str, Any] = {}
+    for a in parser._actions:
+        if a.option_strings and hasattr(ns, a.dest):
+            name = next((o for o in a.option_strings if o.startswith("--")), a.option_strings[0])
+            out[name] = getattr(ns, a.dest)
+    return out
+
+
+def speaks_for_the_node(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process prints the command line's usage errors: not under torchrun, or
+    the process of LOCAL_RANK 0 (RANK 0 when LOCAL_RANK is unset) under it."""
+    from .config import read_env
+
+    try:
+        env = read_env(dict(environ) if environ is not None else None)
+    except ValueError:  # a malformed variable is reported later, by the run itself
+        return True
+    rank = env.local_rank if env.local_rank is not None else env.rank
+    return rank in (None, 0)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Any = None, *,
+               environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` for a front-end that torchrun starts N times: a wrong flag
+    (or ``--help``) is printed by one process per node (:func:`speaks_for_the_node`); the
+    others exit with the same status (2 for a wrong flag) without a word."""
+    if speaks_for_the_node(environ):
+        return parser.parse_args(argv)
+    import io
+
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        return parser.parse_args(argv)
+
+
 def to_arguments(config: Any, *, prefix: str = "", all: bool = False,
                  defaults: Mapping[str, Any] | None = None) -> list[str]:
     """The flags :func:`add_arguments` made that give ``config`` back through

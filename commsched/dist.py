@@ -610,32 +610,53 @@ def config_differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any,
     return [] if same else [(prefix or "<value>", a, b)]
 
 
-def check_same_config(config: Any, group=None, what: str = "configuration") -> None:
+def check_same_config(config: Any, group=None, what: str = "configuration", *,
+                      flags: Any = None) -> None:
     """Stop every rank with one clear error when ranks were started with different configs.
 
     All ranks take part; those that differ from rank 0 are named, with the first differing
-    keys (dotted for nested ones, e.g. ``adaqp.lam``). Raises the same ValueError on every
-    rank.
+    keys (dotted for nested ones, e.g. ``adaqp.lam``). ``flags``: the command line the rank
+    was started with (``{"--mode": "adaqp", ...}``, :func:`commsched.configurable.flag_values`);
+    the flags that differ are named first, before the settings derived from them. Raises the
+    same ValueError on every rank.
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     digest = config_digest(config)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     with comm_guard(f"comparing the {what} across ranks", group):
-        dist.all_gather_object(gathered, (digest, config if isinstance(_as_dict(config), dict) else None), group=group)
+        dist.all_gather_object(gathered, (digest, config if isinstance(_as_dict(config), dict) else None, flags),
+                               group=group)
     ref = gathered[0][0]
-    bad = [r for r, (d, _) in enumerate(gathered) if d != ref]
+    bad = [r for r, (d, _, _) in enumerate(gathered) if d != ref]
     if bad:
-        detail = ""
-        c0, cb = gathered[0][1], gathered[bad[0]][1]
-        if c0 is not None and cb is not None:
-            diffs = config_differences(c0, cb)
-            if diffs:
-                more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
-                detail = "; differing: " + ", ".join(f"{k}: rank 0 has {v0!r}, rank {bad[0]} has {vb!r}"
-                                                     for k, v0, vb in diffs[:3]) + more
-        raise ValueError(f"ranks {bad} were started with a {what} different from rank 0's{detail}. "
-                         "Start every rank with the same arguments.")
+        b = bad[0]
+        raise ValueError(mismatch_message(what, bad, gathered[0][1], gathered[b][1],
+                                          gathered[0][2], gathered[b][2]))
+
+
+def mismatch_message(what: str, bad: Sequence[int], config0: Any, config_b: Any,
+                     flags0: Any = None, flags_b: Any = None, *, shown: int = 3) -> str:
+    """The error of :func:`check_same_config` (pure): ranks ``bad`` differ from rank 0; the
+    differing flags first (all of them), then at most ``shown`` differing settings."""
+    b = bad[0]
+
+    def listed(diffs: list[tuple[str, Any, Any]]) -> str:
+        return ", ".join(f"{k}: rank 0 has {v0!r}, rank {b} has {vb!r}" for k, v0, vb in diffs)
+
+    detail = ""
+    if flags0 is not None and flags_b is not None:
+        fd = config_differences(flags0, flags_b)
+        if fd:
+            detail += "; differing flags: " + listed(fd)
+    if config0 is not None and config_b is not None:
+        diffs = config_differences(config0, config_b)
+        if diffs:
+            more = f" (and {len(diffs) - shown} more)" if len(diffs) > shown else ""
+            label = "differing settings" if detail else "differing"
+            detail += f"; {label}: " + listed(diffs[:shown]) + more
+    return (f"ranks {list(bad)} were started with a {what} different from rank 0's{detail}. "
+            "Start every rank with the same arguments.")
 
 
 def check_replicas(digests: dict[str, int], what: str, *, key: Any = None, group=None) -> None:

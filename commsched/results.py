@@ -436,6 +436,12 @@ def _is_terminal(stream) -> bool:
         return False
 
 
+def plural(unit: str) -> str:
+    """The English plural of a unit name (``epoch`` -> ``epochs``, ``batch`` -> ``batches``,
+    ``p95 batch`` -> ``p95 batches``)."""
+    return unit + ("es" if unit.endswith(("s", "x", "z", "sh", "tch")) else "s")
+
+
 class Progress:
     """A tqdm bar on stderr when stderr is a terminal; plain lines otherwise (a line at the
     start, at most one every ``LINE_INTERVAL_S`` seconds, one at the end); nothing when
@@ -468,7 +474,7 @@ class Progress:
         el = time.monotonic() - self._t0
         post = f", {self._post}" if self._post else ""
         when = f", done in {el:.0f} s{post}" if final else f" ({el:.0f} s{post})"
-        self.say(f"{self._desc}: {self._n}/{self._total} {self._unit}s{when}")
+        self.say(f"{self._desc}: {self._n}/{self._total} {plural(self._unit)}{when}")
         self._last, self._shown = time.monotonic(), self._n
 
     @property

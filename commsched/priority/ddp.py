@@ -28,8 +28,12 @@ ranks deadlock -- which Lina's holding and credit would do. What the hook
 cannot change is DDP's readiness unit: a micro-op becomes ready when its *bucket* does
 (a smaller ``bucket_cap_mb`` gives the policy finer readiness). The last bucket
 (``bucket.is_last()``) ends the backward pass for the policy, so nothing is held back
-while DDP waits for the futures. Only micro-op policies run here (``lina``, ``serial``):
-``fifo`` is DDP's own bucketed allreduce, which needs no hook.
+while DDP waits for the futures. Schedules: the micro-op ones (``lina``, ``serial``) and
+``fifo`` (:class:`~commsched.priority.policy.FifoConfig`: fused buckets of ``bucket_bytes``
+launched as soon as they are ready, the baseline of an expert-parallel model, whose experts
+a plain DDP cannot hold). An operation can carry gradients of several DDP buckets (fifo's
+buckets are not DDP's); each bucket's future completes after the last operation that
+carries any of its gradients.
 
 Step boundaries follow DDP's: a forward pass of the DDP module with grad enabled outside
 ``no_sync()`` opens a step, and an autograd callback queued by the first hook call closes it
@@ -74,7 +78,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.observe import A2AEvents
 from ..dist import new_group
-from .policy import LinaConfig, MicroOpConfig, ScheduleConfig
+from .policy import FifoConfig, LinaConfig, MicroOpConfig, ScheduleConfig
 from .runtime.executor import GradScheduler, group_size
 
 GRAD_GROUP_ATTR = "_commsched_grad_group"  # on a parameter: its GradGroup
@@ -167,7 +171,7 @@ class LinaState:
     parameters (reported by the hook) and the marked ones (hooked), and the observer the
     MoE layers report their all-to-alls to (``events``: registered with it here).
 
-    ``schedule``: a micro-op schedule (default ``LinaConfig()``); ``timeout_s``:
+    ``schedule``: ``lina``, ``serial`` or ``fifo`` (default ``LinaConfig()``); ``timeout_s``:
     the scheduler's (default ``COMMSCHED_TIMEOUT_S``). ``last_stats``: the timings
     :meth:`GradScheduler.finish` returned for the last step. ``group``: the process group of
     the gradient micro-ops, over DDP's ranks and used by no all-to-all (default: a new one,
@@ -179,9 +183,9 @@ class LinaState:
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"LinaState needs a torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}")
         cfg = schedule or LinaConfig()
-        if not isinstance(cfg, MicroOpConfig):
-            raise ValueError(f"schedule {cfg.name!r} is DDP's own bucketed allreduce; the hook runs micro-op "
-                             "schedules ('lina', 'serial'): for fifo use DistributedDataParallel without a hook")
+        if not isinstance(cfg, (MicroOpConfig, FifoConfig)):
+            raise ValueError(f"schedule {cfg.name!r} cannot run in a DDP communication hook: the hook runs the "
+                             "micro-op schedules ('lina', 'serial') and 'fifo' (buckets launched as soon as ready)")
         if getattr(ddp, STATE_ATTR, None) is not None:
             raise ValueError("this DistributedDataParallel already has a commsched LinaState")
         self.ddp, self.cfg, self.timeout_s = ddp, cfg, timeout_s
@@ -211,7 +215,7 @@ class LinaState:
                     "of ranks that hold the same experts (expert_dp_group)")
         self._lock = threading.Lock()
         self._futs: dict[int, list] = {}  # bucket index -> [future, buffer, operations left]
-        self._bucket_of: dict[int, int] = {}  # operation -> bucket index
+        self._bucket_of: dict[int, list[int]] = {}  # operation -> the buckets it carries gradients of
         self._seen: list[int] = []  # this step's parameter order, as DDP's buckets brought them
         self._queued = False
         self.last_stats: dict | None = None
@@ -296,11 +300,13 @@ class LinaState:
         buf = bucket.buffer()
         params = bucket.parameters()
         fut = torch.futures.Future(devices=[buf.device]) if buf.device.type == "cuda" else torch.futures.Future()
-        ops = [seq for p in params for seq in sched.ops_of(p)]
+        # an operation may carry several parameters, of this bucket and of others (fifo's
+        # buckets are not DDP's): the bucket waits for each of its operations once
+        ops = list(dict.fromkeys(seq for p in params for seq in sched.ops_of(p)))
         with self._lock:
             self._futs[bucket.index()] = [fut, buf, len(ops)]
             for seq in ops:
-                self._bucket_of[seq] = bucket.index()
+                self._bucket_of.setdefault(seq, []).append(bucket.index())
         off = 0
         for p in params:
             self._seen.append(id(p))
@@ -313,19 +319,17 @@ class LinaState:
         return fut
 
     def _op_done(self, seq: int, error: BaseException | None) -> None:
-        """An operation is done (the scheduler's lock held): complete its bucket's future
-        after its last one, or fail it."""
-        b = self._bucket_of.get(seq)
-        if b is None:
-            return  # an operation of a grouped (expert) parameter
-        with self._lock:
-            entry = self._futs.get(b)
-            if entry is None:
-                return
-            entry[2] -= 1
-            last = entry[2] <= 0 or error is not None
-        if last:
-            self._complete(b, error)
+        """An operation is done (the scheduler's lock held): complete the future of each bucket
+        it carries after that bucket's last operation, or fail it."""
+        for b in self._bucket_of.get(seq, ()):  # none: an operation of grouped (expert) parameters
+            with self._lock:
+                entry = self._futs.get(b)
+                if entry is None:
+                    continue
+                entry[2] -= 1
+                last = entry[2] <= 0 or error is not None
+            if last:
+                self._complete(b, error)
 
     def _complete(self, b: int, error: BaseException | None) -> None:
         with self._lock:

@@ -49,6 +49,42 @@ def test_config_mismatch_stops_every_rank_with_the_difference():
         assert m is not None and "ranks [2]" in m and "layers" in m
 
 
+def _mode_mismatch(rank, world):
+    from commsched.configurable import flag_values
+    from commsched.gnn.graph.data import GraphSource
+    from commsched.gnn.train.cli import build_parser, config_from_args, startup_check
+
+    p = build_parser()
+    a = p.parse_args(["--mode", "vanilla" if rank == 0 else "adaqp", "--epochs", "3"])
+    try:
+        startup_check(config_from_args(a), GraphSource(), flags=flag_values(p, a), out="x")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_a_differing_flag_is_named_before_the_settings_it_changes():
+    for m in run_ranks(2, _mode_mismatch, timeout_s=60):
+        assert m is not None and "ranks [1]" in m
+        assert m.index("differing flags: --mode: rank 0 has 'vanilla', rank 1 has 'adaqp'") < m.index("settings")
+        assert "--epochs" not in m  # the same on both ranks
+
+
+def test_mismatch_message_lists_every_differing_flag_then_a_few_settings():
+    from commsched.dist import mismatch_message
+
+    c0 = {"train": {"mode": "vanilla", **{f"k{i}": 0 for i in range(6)}}}
+    c1 = {"train": {"mode": "adaqp", **{f"k{i}": 1 for i in range(6)}}}
+    m = mismatch_message("training configuration", [1], c0, c1, {"--mode": "vanilla", "--lr": 0.1},
+                         {"--mode": "adaqp", "--lr": 0.1})
+    assert m.startswith("ranks [1] were started with a training configuration different from rank 0's; "
+                        "differing flags: --mode: rank 0 has 'vanilla', rank 1 has 'adaqp'; differing settings: "
+                        "train.k0: rank 0 has 0, rank 1 has 1")
+    assert "(and 4 more)" in m and "--lr" not in m
+    assert "differing: train.k0" in mismatch_message("x", [1], c0, c1)  # no flags: as before
+
+
 def test_cli_usage_and_unknown_command(capsys):
     assert cli_main(["--help"]) == 0
     assert "bench WORKLOAD" in capsys.readouterr().out

@@ -164,3 +164,25 @@ def test_to_arguments_is_the_inverse_of_from_arguments():
     assert moe_train.config_from_args(moe_train.build_parser().parse_args(argv)) == moe
     with pytest.raises(ValueError, match="--allreduce-threads: None .* has no command-line form"):
         to_arguments(moe.replace(allreduce_threads=None))
+
+
+@pytest.mark.parametrize("front_end", ["commsched.gnn.train.cli", "commsched.moe.train.cli",
+                                       "commsched.moe.infer.cli"])
+def test_a_wrong_flag_under_torchrun_is_printed_once_per_node(front_end, monkeypatch, capsys):
+    import importlib
+
+    main = importlib.import_module(front_end).main
+    for var in ("RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    for env, speaks in (({}, True), ({"RANK": "0", "LOCAL_RANK": "0"}, True),
+                        ({"RANK": "1", "LOCAL_RANK": "1"}, False), ({"RANK": "5", "LOCAL_RANK": "0"}, True),
+                        ({"RANK": "3"}, False)):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        with pytest.raises(SystemExit) as e:
+            main(["--no-such-flag", "--out", "o"])
+        assert e.value.code == 2
+        out, err = capsys.readouterr()
+        assert out == "" and (("unrecognized arguments: --no-such-flag" in err) if speaks else err == ""), env
+        for k in env:
+            monkeypatch.delenv(k)

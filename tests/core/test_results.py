@@ -28,6 +28,15 @@ def test_progress_without_a_terminal_writes_plain_lines(monkeypatch):
     assert not any("\r" in s for s in lines) and sys.stderr.getvalue() == ""
 
 
+def test_progress_lines_spell_the_plural_of_the_unit(monkeypatch):
+    lines: list[str] = []
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal
+    with Progress(2, "moe-infer", "batch", say=lines.append) as bar:
+        bar.update(2)
+    assert lines[0].startswith("moe-infer: 0/2 batches") and lines[-1].startswith("moe-infer: 2/2 batches")
+    assert results.plural("step") == "steps" and results.plural("epoch") == "epochs" and results.plural("p95 batch") == "p95 batches"
+
+
 def test_progress_on_a_terminal_is_a_tqdm_bar(monkeypatch):
     class Tty(io.StringIO):
         def isatty(self):

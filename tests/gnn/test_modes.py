@@ -110,6 +110,16 @@ def test_train_cli_modes_and_adaqp_flags_come_from_the_table():
     assert config_from_args(p.parse_args(["--no-compile"])).exchange == VanillaConfig(compile=False)
 
 
+def test_mode_help_says_adaqps_period_and_its_start_up_width():
+    from commsched.gnn.train.cli import build_parser
+
+    helps = {a.dest: a.help for a in build_parser()._actions}
+    period = AdaQPConfig().period
+    assert f"every --period epochs, default {period}" in helps["mode"]
+    assert "8 bits" in helps["mode"] and f"{2 * period}-epoch run" in helps["mode"]
+    assert "8 bits" in helps["period"]
+
+
 def _imports(path: Path) -> set[str]:
     """Module names a source file imports (relative ones with their leading dots)."""
     out = set()

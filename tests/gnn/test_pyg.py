@@ -111,6 +111,23 @@ def test_own_layer_with_unknown_norm_is_refused_at_definition():
             norm = "max"
 
 
+def test_history_is_indexed_by_pass_and_by_field():
+    g = synthetic_graph(SYN)
+    dg = DistGraph.from_graph(g)
+    conv = distributed(GCNConv(g.num_features, 3), dg)
+    with pytest.raises(IndexError, match="holds 0 training passes; no pass at position -1"):
+        dg.history[-1]
+    for epoch in (0, 1):
+        with dg.train_pass(epoch):
+            conv(dg.x).sum().backward()
+    last = dg.history[-1]
+    assert last["epoch"] == 1 and last == dg.history.passes[1] and len(dg.history.passes) == 2
+    assert set(last["breakdown_s"]) >= {"comm", "central", "marginal"} and last["bytes_sent"] == 0
+    assert dg.history["epoch"] == [0, 1] and dg.history["bytes_sent"] == [0, 0]  # by field, as before
+    with pytest.raises(KeyError, match="by position .* one of epoch, breakdown_s, bytes_sent"):
+        dg.history["loss"]
+
+
 def test_one_rank_equals_pyg_in_both_forms():
     """One process (no process group): the whole form (vanilla) and the split form (adaqp-p
     overlaps) against the plain layers; a declared kind runs an unknown layer."""

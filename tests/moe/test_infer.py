@@ -373,7 +373,7 @@ def test_static_and_eplb_are_fixed_and_load_once():
     assert st.phase1(0)[1] == ((), ())  # second batch: already resident
     ep = _policy("eplb", HIST)
     p, _ = ep.phase1(1)
-    assert p.replica_counts[3] == 2  # the historically hot expert is replicated
+    assert p.share_counts[3] == 2  # the historically hot expert is replicated
     assert ep.decide(1, p, [0, 0, 0, 8]).placement.device_load == (4.0, 4.0)
     with pytest.raises(ValueError, match="historical load"):
         _policy("lina")
@@ -394,19 +394,19 @@ def test_lina_keeps_phase1_when_estimate_is_right_and_replans_otherwise():
     pol = _policy("lina", HIST, k=1)
     est = np.array([0.0, 0.0, 1.0, 9.0])
     p1, loads = pol.phase1(1, est)
-    assert p1.replica_counts[3] == 2 and sum(len(x) for x in loads) == sum(len(h) for h in p1.device_experts)
+    assert p1.share_counts[3] == 2 and sum(len(x) for x in loads) == sum(len(h) for h in p1.device_experts)
     keep = pol.decide(1, p1, [0, 1, 2, 8], est)  # top-2 {3, 2} as estimated
     assert not keep.replanned and keep.overlap == 1.0 and keep.loads_N == ((), ())
     assert keep.placement.replicas == p1.replicas
     swap = pol.decide(1, p1, [9, 1, 0, 0], est)  # top-2 {0, 1}: overlap 0 -> re-plan
     assert swap.replanned and swap.overlap == 0.0
-    assert swap.placement.replica_counts[0] == 2 and swap.placement.max_load <= 5.0
+    assert swap.placement.share_counts[0] == 2 and swap.placement.max_load <= 5.0
     never = _policy("lina", HIST, k=1, threshold=0.0)
     q, _ = never.phase1(1, est)
     assert not never.decide(1, q, [9, 1, 0, 0], est).replanned
     # layer 0 has no path: phase 1 plans from the historical load
     p0, _ = pol.phase1(0)
-    assert p0.replica_counts[0] >= 1 and placement_digest(p0) == placement_digest(p0.with_load([1, 1, 1, 1]))
+    assert p0.share_counts[0] >= 1 and placement_digest(p0) == placement_digest(p0.with_load([1, 1, 1, 1]))
 
 
 def test_policy_config_errors_speak():
@@ -475,7 +475,7 @@ def test_oracle_strategy_class():
     o = _policy("oracle")
     assert o.phase1(1, np.ones(4)) == (None, ((), ())) and o.planned_from(1, np.ones(4)) is None
     d = o.decide(1, None, [0.0, 0.0, 0.0, 6.0])
-    assert d.replanned and d.overlap is None and d.placement.replica_counts[3] == 2
+    assert d.replanned and d.overlap is None and d.placement.share_counts[3] == 2
     assert d.placement.device_load == (3.0, 3.0)
 
 

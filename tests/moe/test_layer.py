@@ -90,6 +90,21 @@ def test_sort_assignments_orders_by_chunk_then_expert():
     assert a.counts_CE.tolist() == [[1, 1], [1, 1]]
 
 
+def test_a_routing_of_ones_own_top_k_is_two_tensors():
+    from commsched.moe.model.router import Routing
+
+    expert_TK = torch.tensor([[2, 0], [1, 2], [0, 3]])
+    gate_TK = torch.tensor([[0.6, 0.4], [0.5, 0.5], [0.9, 0.1]])
+    r = Routing(expert_TK, gate_TK)  # every choice kept, no auxiliary loss
+    assert r.keep_TK.all() and r.aux_loss is None and r.expert_load(4).tolist() == [2, 1, 2, 1]
+    asg = sort_assignments(r, 4)
+    assert asg.expert_A.tolist() == [0, 0, 1, 2, 2, 3] and asg.token_A.tolist() == [0, 2, 1, 0, 1, 2]
+    with pytest.raises(ValueError, match="one shape"):
+        Routing(expert_TK, gate_TK[:, :1])
+    with pytest.raises(ValueError, match="int64 expert ids"):
+        Routing(expert_TK.float(), gate_TK)
+
+
 def test_local_layer_matches_dense_loop():
     torch.manual_seed(0)
     layer = MoELayer(6, 10, RouterConfig(3, k=2))

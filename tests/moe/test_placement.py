@@ -109,7 +109,7 @@ def test_popular_expert_gets_more_replicas():
     # reachable, (35 + 5) = 40 is.
     load = [100, 10, 10, 10, 5, 5, 5, 5]
     p = plan_placement(load, 4, 3)
-    counts = p.replica_counts
+    counts = p.share_counts
     assert counts[0] == 4 and counts[0] > max(counts[1:])
     assert lower_bound(load, 4, 3) == 37.5
     assert p.max_load == 40.0
@@ -137,7 +137,7 @@ def test_pack_lpt_drops_a_replica_with_no_room_but_keeps_every_expert():
     load = [2, 10, 1.5, 1.2, 1.1]
     p = pack_lpt(load, [2, 1, 1, 1, 1], 2, 3)
     check_valid(p, load, 2, 3)
-    assert p.replica_counts[0] == 1
+    assert p.share_counts[0] == 1
 
 
 def test_static_layout():
@@ -204,13 +204,21 @@ def test_bad_sizes():
         plan_placement([1, 2], 2, 2, max_candidates=0)
 
 
+def test_copies_and_shares_per_expert_are_told_apart():
+    # expert 0: copies on d0 and d1, d0 takes two of its three shares; expert 1: one copy
+    p = Placement(((0, 0, 1), (1,)), (2 / 3 + 0, 1 / 3 + 1), 2)
+    assert p.copy_counts == (2, 1) and p.share_counts == (3, 1)
+    with pytest.warns(DeprecationWarning, match="share_counts .* copy_counts"):
+        assert p.replica_counts == p.share_counts  # the old name: the shares, as it always was
+
+
 def test_placement_rejects_inconsistent_layouts():
     with pytest.raises(ValueError, match="no replica"):
         Placement(((0,), ()), (1.0, 0.0), 2)
     with pytest.raises(ValueError, match="ascending"):
         Placement(((1, 0),), (0.5, 0.5), 2)
     two = Placement(((0, 0, 1),), (2 / 3, 1 / 3), 1)  # two of three shares on d0: one slot
-    assert two.device_experts == ((0,), (0,)) and two.duplicates == 1 and two.replica_counts == (3,)
+    assert two.device_experts == ((0,), (0,)) and two.duplicates == 1 and two.share_counts == (3,)
     with pytest.raises(ValueError, match="outside"):
         Placement(((2,),), (1.0, 0.0), 2)
     with pytest.raises(ValueError, match="more than slots_per_device=1"):

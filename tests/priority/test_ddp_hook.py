@@ -40,6 +40,7 @@ from commsched.priority import (
     lina_hook,
     set_grad_group,
 )
+from commsched.priority.policy import FlatConfig
 from tests.mp import assert_case, run_cases
 
 MCFG = ModelConfig(d_model=16, n_heads=2, n_layers=2, seq_len=8, d_ff=24, expert_hidden=20, num_experts=4, k=2)
@@ -90,7 +91,41 @@ def _lina_ddp_matches_the_single_process_model(rank: int, world: int) -> None:
         _lina_ddp_case(rank, world, cfg, micros, want)
 
 
-def _lina_ddp_case(rank: int, world: int, cfg: ScheduleConfig, micros, want: dict) -> None:
+def _fifo_ddp_matches_the_single_process_model(rank: int, world: int) -> None:
+    """fifo, the baseline, in the same wrapper: two experts per rank, top-2, its buckets
+    (smaller than DDP's, so that they span DDP's buckets and parameters) launched as soon as
+    ready, the same gradients as the single-process model over 1 and 2 micro-batches."""
+    fifo = FifoConfig(bucket_bytes=4096)
+    _lina_ddp_case(rank, world, fifo, (1, 2, 1), {}, a2a_first=False)
+    events = A2AEvents()
+    model = _ep_model(rank, world, events)
+    ddp = LinaDDP(model, schedule=fifo, events=events, bucket_cap_mb=0.01)
+    lina = LinaDDP(_ep_model(rank, world), schedule=LINA, bucket_cap_mb=0.01)
+    try:
+        assert 0 < ddp.lina.scheduler.num_ops < lina.lina.scheduler.num_ops  # fused buckets, not micro-ops
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref = _ep_model(rank, world)  # trains identically to plain averaging by hand
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
+            _loss(ddp, *_tokens(rank, step)).backward()
+            _loss(ref, *_tokens(rank, step)).backward()
+            for n, p in ref.named_parameters():
+                if "experts" not in n:
+                    dist.all_reduce(p.grad)
+                p.grad /= world  # the experts: this rank's share of the global mean
+            opt.step()
+            ref_opt.step()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), n
+    finally:
+        for d, m in ((ddp, model), (lina, lina.module)):
+            d.close()
+            m.close()
+
+
+def _lina_ddp_case(rank: int, world: int, cfg: ScheduleConfig, micros, want: dict, a2a_first: bool = True) -> None:
     events = A2AEvents()
     model = _ep_model(rank, world, events)
     ddp = LinaDDP(model, schedule=cfg, events=events, bucket_cap_mb=0.01)
@@ -117,7 +152,7 @@ def _lina_ddp_case(rank: int, world: int, cfg: ScheduleConfig, micros, want: dic
             assert st["allreduce_count"] == ddp.lina.scheduler.num_ops > 0 and st["a2a_count"] > 0
             recs = ddp.lina.scheduler.records
             a2a = [r for r in recs if r.kind == "a2a"]
-            for r in (r for r in recs if r.kind == "allreduce"):  # all-to-all first
+            for r in (r for r in recs if r.kind == "allreduce" and a2a_first):  # all-to-all first
                 assert not any(a.ready_s < r.start_s < a.end_s for a in a2a), (r, a2a)
     finally:
         ddp.close()
@@ -151,8 +186,8 @@ def _plain_ddp_around_experts_raises(rank: int, world: int) -> None:
         layer.observer = events
     state = LinaState(ddp, LINA, events=events)
     ddp.register_comm_hook(state, lina_hook)
-    with pytest.raises(ValueError, match="fifo"):
-        LinaState(DDP(nn.Linear(2, 2)), FifoConfig())
+    with pytest.raises(ValueError, match="'flat' cannot run in a DDP communication hook.*'fifo'"):
+        LinaState(DDP(nn.Linear(2, 2)), FlatConfig())
     want = _reference_grads(world, 1)
     _loss(ddp, *_tokens(rank, 0)).backward()
     g = model.blocks[0].attn.qkv.weight.grad
@@ -307,6 +342,7 @@ def lina_ddp_with_expert_dp_groups(rank: int, world: int) -> None:
 
 
 CASES2 = [("lina_ddp_matches_the_single_process_model", _lina_ddp_matches_the_single_process_model),
+          ("fifo_ddp_matches_the_single_process_model", _fifo_ddp_matches_the_single_process_model),
           ("plain_ddp_around_experts_raises", _plain_ddp_around_experts_raises),
           ("dense_accumulation_equals_plain_ddp", _dense_accumulation_equals_plain_ddp),
           ("registration_mismatch_is_one_clear_error", _registration_mismatch_is_one_clear_error)]

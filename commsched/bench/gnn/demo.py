@@ -24,10 +24,24 @@ UNSHAPED_NOTE = ("NOTE: no bandwidth emulation here (needs root, ip and tc), so 
                  "--bandwidth RATE to `commsched bench gnn`) to see that regime.")
 
 
+SYN_NODES = 10_000
+
+
+def accuracy_note(epochs: int, nodes: int = SYN_NODES) -> str:
+    """The footnote under the table: what its accuracies are (pure)."""
+    from ...gnn.graph.data import SyntheticSpec
+
+    classes = SyntheticSpec().num_classes
+    return (f"* test accuracy: after {epochs} epochs on a synthetic {nodes:,}-node graph of {classes} "
+            f"classes (chance: {1 / classes:.2f}), enough to time the epochs, not to train the model: "
+            "far from converged. For accuracy, run `commsched bench gnn` with its default epochs, "
+            "or see docs/results.md.")
+
+
 def demo_argv(out: Path, nproc: int, epochs: int, device: str = "auto") -> list[str]:
     """The reduced bench command line (also what the README quotes)."""
     return ["--nproc", str(nproc), "--out", str(out), "--models", "gcn", "--modes", "vanilla,adaqp",
-            "--syn-nodes", "10000", "--syn-edges", "100000", "--epochs", str(epochs),
+            "--syn-nodes", str(SYN_NODES), "--syn-edges", "100000", "--epochs", str(epochs),
             "--eval-every", str(epochs), "--period", "3", "--device", device]
 
 
@@ -47,6 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not meta.get("bandwidth"):
         print(UNSHAPED_NOTE)
     print(summary["extra_tables"]["AdaQP against Vanilla (per model)"])
+    print(accuracy_note(a.epochs))
     print(f"\nsummary: {a.out / 'summary.md'}")
     for path in summary.get("plots", []):
         print(f"plot: {path}")

@@ -14,6 +14,16 @@ from typing import Sequence
 from ...dist import DEVICE_CHOICES
 
 
+def latency_note(batches: int) -> str:
+    """The footnote under the table: where its latencies come from (pure)."""
+    from .infer import DEFAULTS
+
+    return (f"* latencies: {batches} batches of synthetic routing traces; each rank's experts compute on an "
+            f"emulated accelerator, busy {DEFAULTS['us_per_row']:g} us per row it computes (the host sleeps "
+            "meanwhile), while the rows cross the real all-to-all on unshaped loopback: compare the "
+            "placements with each other, not with a GPU's milliseconds (docs/moe_inference.md).")
+
+
 def demo_argv(out: Path, nproc: int, batches: int, device: str = "auto") -> list[str]:
     """The reduced bench command line."""
     return ["--nproc", str(nproc), "--variants", "static,lina", "--batches", str(batches),
@@ -38,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         def f(x):
             return "-" if x is None else f"{x:.4g}"
         print(f"| {v} | {f(m.get('latency_ms.p50'))} | {f(m.get('latency_ms.p95'))} | {f(m.get('imbalance'))} |")
+    print(latency_note(a.batches))
     print(f"\nsummary: {a.out / 'summary.md'}")
     for name in ("heatmap.png", "breakdown.png"):
         if (a.out / name).exists():

@@ -160,7 +160,8 @@ class AdaQPConfig(ExchangeConfig):
     bits: int = option(max(BITS), "the width of --mode uniform", foreign=(
         "--bits is the width of --mode uniform (AdaQP's exchange); --mode {mode} does not "
         "quantize to a chosen width and would ignore --bits {value}: drop it"))
-    period: int = option(50, "AdaQP re-assignment period (epochs)")
+    period: int = option(50, "AdaQP re-assignment period (epochs); the first period sends 8 bits, the "
+                                 "widest, so at the default a 100-epoch run assigns widths for its second half only")
     group_size: int = option(100, "AdaQP message group size")
     lam: float = option(0.5, "AdaQP variance/time trade-off")
     assign_time_limit_s: float = option(2.0, cli=False)

@@ -268,6 +268,47 @@ def _edge_set(book, norm: str, weighted: bool, dtype: torch.dtype, device: torch
 
 
 # --------------------------------------------------------------------------- the graph
+class PassHistory(dict):
+    """What :meth:`DistGraph.train_pass` recorded, one entry per training pass, *this rank's*.
+
+    By position: ``history[i]`` (``history[-1]``: the last pass) is one pass's record,
+    ``{"epoch": e, "breakdown_s": {"comm": s, "quant": s, ...}, "bytes_sent": n}``;
+    :attr:`passes` is all of them, oldest first, and ``len(history.passes)`` their number.
+    By field: ``history["epoch"]``, ``history["breakdown_s"]``, ``history["bytes_sent"]`` are
+    the lists of each. ``bytes_sent`` counts the halo-exchange bytes this rank sent in the pass
+    (every peer, message metadata included; not the gradient allreduce); the whole job's is
+    the sum over the ranks, ``graph.all_sum(torch.tensor(graph.history[-1]["bytes_sent"]))``.
+    ``breakdown_s`` is this rank's seconds per part of the pass (``comm``, ``quant``,
+    ``central``, ``marginal``, ``reduce``, ``assign``)."""
+
+    FIELDS = ("epoch", "breakdown_s", "bytes_sent")
+
+    def __init__(self) -> None:
+        super().__init__({f: [] for f in self.FIELDS})
+
+    def record(self, epoch: int, breakdown_s: dict, bytes_sent: int) -> None:
+        """Append one training pass's record."""
+        for f, v in zip(self.FIELDS, (epoch, breakdown_s, bytes_sent)):
+            dict.__getitem__(self, f).append(v)
+
+    def __getitem__(self, key):
+        if isinstance(key, int) and not isinstance(key, bool):
+            n = len(dict.__getitem__(self, "epoch"))
+            if not -n <= key < n:
+                raise IndexError(f"graph.history holds {n} training pass{'es' if n != 1 else ''}; "
+                                 f"no pass at position {key}")
+            return {f: dict.__getitem__(self, f)[key] for f in self.FIELDS}
+        if key not in self:
+            raise KeyError(f"graph.history has no field {key!r}: index it by position (history[-1]: "
+                           f"the last pass) or by a field, one of {', '.join(self.FIELDS)}")
+        return dict.__getitem__(self, key)
+
+    @property
+    def passes(self) -> list[dict]:
+        """Every pass's record, oldest first."""
+        return [self[i] for i in range(len(dict.__getitem__(self, "epoch")))]
+
+
 class DistGraph:
     """One rank's part of a graph with its halo exchange, for PyG layers and own loops.
 
@@ -322,7 +363,7 @@ class DistGraph:
         self._ctx: PassContext | None = None
         self._ready = False
         self.clock = Clock(self.device)
-        self.history: dict[str, list] = {"breakdown_s": [], "bytes_sent": []}
+        self.history = PassHistory()
 
     @classmethod
     def from_graph(cls, graph, *, group=None, method: str = "metis", partition_seed: int = 0,
@@ -428,8 +469,7 @@ class DistGraph:
             self.halo.end_epoch(ctx)
         finally:
             self._ctx = None
-        self.history["breakdown_s"].append(ctx.timer.as_dict())
-        self.history["bytes_sent"].append(ctx.stats.total_bytes_sent)
+        self.history.record(epoch, ctx.timer.as_dict(), ctx.stats.total_bytes_sent)
 
     @contextlib.contextmanager
     def eval_pass(self, epoch: int = 0) -> Iterator[PassContext]:
@@ -551,4 +591,4 @@ def distributed(conv: nn.Module, graph: DistGraph, *, kind: LayerKind | None = N
     return DistributedLayer(conv, graph, kind)
 
 
-__all__ = ["LAYER_KINDS", "DistGraph", "DistributedLayer", "LayerKind", "distributed", "layer_kind"]
+__all__ = ["LAYER_KINDS", "DistGraph", "DistributedLayer", "LayerKind", "PassHistory", "distributed", "layer_kind"]

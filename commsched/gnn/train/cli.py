@@ -17,7 +17,15 @@ from typing import Any, Sequence
 
 from ...cluster.topology import Topology
 from ...config import read_env
-from ...configurable import Registry, add_arguments, cli_fields, config_of, from_arguments
+from ...configurable import (
+    Registry,
+    add_arguments,
+    cli_fields,
+    config_of,
+    flag_values,
+    from_arguments,
+    parse_args,
+)
 from ...dist import (
     check_same_config,
     claim_run_folder,
@@ -152,29 +160,32 @@ def obtain_part(src: GraphSource | None, rank: int, world: int, *, partition_dir
     return part, info0
 
 
-def startup_check(cfg: TrainConfig, src: GraphSource | None, group=None, **run: object) -> None:
+def startup_check(cfg: TrainConfig, src: GraphSource | None, group=None, *,
+                  flags: dict[str, object] | None = None, **run: object) -> None:
     """Stop every rank with one clear ValueError when the ranks were started with different
-    training configurations, graphs or run options (collective)."""
+    training configurations, graphs or run options (collective); ``flags``: the command
+    line (:func:`commsched.configurable.flag_values`), whose differing flags are named first."""
     check_same_config({"train": cfg.record(),
                        "graph": dataclasses.asdict(src) if src is not None else None, **run},
-                      group=group, what="training configuration")
+                      group=group, what="training configuration", flags=flags)
 
 
 PROG = "commsched.gnn.train"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    p = build_parser()
+    a = parse_args(p, list(sys.argv[1:] if argv is None else argv))
     # the run folder once made (a FAILED marker goes there, not before) and rank 0's lock on it
     ready: dict[str, Any] = {}
     try:
-        return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
+        return cli_main(PROG, lambda: _run(a, ready, flag_values(p, a)), out=lambda: ready.get("out"))
     finally:
         if ready.get("lock") is not None:  # the folder is free for the next run
             ready["lock"].release()
 
 
-def _run(a: argparse.Namespace, ready: dict[str, Any]) -> int:
+def _run(a: argparse.Namespace, ready: dict[str, Any], flags: dict[str, object] | None = None) -> int:
     cfg = config_from_args(a)
     src = source_from_args(a) if (graph_args_given(a) or not a.partition_dir) else None
     di = init_distributed(device="cpu" if cfg.emulated else cfg.device)  # ValueError: --device cuda without (enough) GPUs
@@ -187,7 +198,7 @@ def _run(a: argparse.Namespace, ready: dict[str, Any]) -> int:
         print("commsched.gnn.train: --mode nocomm is TIMING ONLY: remote rows are replaced by "
               "zeros, so the model trained is wrong; it measures the no-communication limit",
               file=sys.stderr)
-    startup_check(cfg, src, partition_dir=a.partition_dir, partition_method=a.partition_method,
+    startup_check(cfg, src, flags=flags, partition_dir=a.partition_dir, partition_method=a.partition_method,
                   partition_seed=a.partition_seed, resume=a.resume, out=a.out)
     # the host of every rank (one all_gather): metis-hosts and the bytes per link class
     hosts_P = Topology.from_env().hosts_P if world > 1 else None

@@ -97,7 +97,7 @@ from ...results import (
 )
 from ..context import PassContext
 from ..exchange.halo import HaloExchange
-from ..exchange.modes import MODES, ExchangeConfig, recorded_options, resolve_config
+from ..exchange.modes import MODES, AdaQPConfig, ExchangeConfig, recorded_options, resolve_config
 from ..graph.partition import PartData
 from ..nn.emulated import EmulatedCompute
 from ..nn.layers import DistMessagePassing
@@ -140,7 +140,9 @@ class TrainConfig(Config):
     """
 
     model: str = option("gcn", "layer kind", choices=LAYERS)
-    mode: str = option("vanilla", "exchange mode")
+    mode: str = option("vanilla", "exchange mode (adaqp re-solves its widths every --period epochs, "
+                                  f"default {AdaQPConfig.period}, and sends 8 bits until the first: "
+                                  f"half of a {2 * AdaQPConfig.period}-epoch run)")
     layers: int = option(3, "layers")
     hidden: int = option(256, "hidden width")
     dropout: float = option(0.5, "dropout probability")

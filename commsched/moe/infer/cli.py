@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ...configurable import add_arguments, cli_fields, config_of, from_arguments
+from ...configurable import add_arguments, cli_fields, config_of, from_arguments, parse_args
 from ...dist import cli_main, init_distributed
 from ...results import dumps_json, prepare_out
 from ..record.traces import SyntheticTraceConfig
@@ -94,7 +94,7 @@ def config_from_args(a: argparse.Namespace) -> InferConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    a = parse_args(build_parser(), argv)
     ready: dict[str, Path] = {}  # the run folder, once made (a FAILED marker goes there, not before)
     return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
 

@@ -50,7 +50,7 @@ def _layer_view(lr: dict, k: int) -> dict:
     own_first = [int(np.ceil(OWN_FIRST_SHARE * recv_matrix(counts, p, d)[1][d].sum())) for d in range(p.num_devices)]
     pf = lr["planned_from"]
     ok = pf is not None and actual.sum() > 0
-    return {"rows": rows, "load": actual, "replicas": p.replica_counts, "replanned": lr["replanned"],
+    return {"rows": rows, "load": actual, "replicas": p.share_counts, "replanned": lr["replanned"],
             "overlap": lr["overlap"], "loads": lr["loads"], "own_first": own_first,
             "acc": topk_overlap(pf, actual, k) if ok else None,
             "acc2k": topk_overlap(pf, actual, 2 * k) if ok else None}

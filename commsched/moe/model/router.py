@@ -63,13 +63,26 @@ class Routing:
     expert_TK: int64 expert of each choice; gate_TK: float32 weight of each choice (0 when
     dropped; differentiable w.r.t. the logits); keep_TK: bool, False for dropped choices;
     aux_loss: scalar load-balancing loss; probs_TE: the softmax probabilities.
+
+    A router of one's own gives its top-k as ``Routing(expert_TK, gate_TK)``: every choice
+    kept, no auxiliary loss or probabilities (what :func:`~commsched.moe.model.dispatch.sort_assignments`
+    and the dispatch read are the first three).
     """
 
     expert_TK: torch.Tensor
     gate_TK: torch.Tensor
-    keep_TK: torch.Tensor
-    aux_loss: torch.Tensor
-    probs_TE: torch.Tensor
+    keep_TK: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    probs_TE: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.expert_TK.dim() != 2 or self.gate_TK.shape != self.expert_TK.shape:
+            raise ValueError(f"Routing needs expert_TK and gate_TK of one shape [tokens, k], got "
+                             f"{list(self.expert_TK.shape)} and {list(self.gate_TK.shape)}")
+        if self.expert_TK.dtype != torch.int64:
+            raise ValueError(f"expert_TK must hold int64 expert ids, got {self.expert_TK.dtype}")
+        if self.keep_TK is None:
+            self.keep_TK = torch.ones_like(self.expert_TK, dtype=torch.bool)
 
     @property
     def num_dropped(self) -> int:

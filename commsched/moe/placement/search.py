@@ -309,7 +309,7 @@ def count_search(p: Placement, load: np.ndarray, max_evals: int, thorough: bool)
     into many small shares that fill the devices of the big ones (tight slots)."""
     N, S, E = p.num_devices, p.slots_per_device, p.num_experts
     lo = [float(x) for x in load]
-    counts = list(p.replica_counts)
+    counts = list(p.share_counts)
     best, best_key = p, p.key
     tol = 1e-12 * max(1.0, float(load.sum()))
     evals = 0
@@ -358,7 +358,7 @@ def count_search(p: Placement, load: np.ndarray, max_evals: int, thorough: bool)
                     evals += j + 1
                     best = (make_placement(matrix_replicas(srch.C[j]), load, N, S) if thorough
                             else make_placement(reps[j], load, N, S))
-                    best_key, counts = k, list(best.replica_counts)
+                    best_key, counts = k, list(best.share_counts)
                     moved = True
                     break
             if moved:

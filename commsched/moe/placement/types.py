@@ -135,9 +135,27 @@ class Placement(DeviceLoads):
         return len(self.replicas)
 
     @property
-    def replica_counts(self) -> tuple[int, ...]:
-        """[E] number of shares (replicas) of each expert, repeats on one device counted."""
+    def copy_counts(self) -> tuple[int, ...]:
+        """[E] copies of each expert: the distinct devices holding its weights."""
+        return tuple(len(set(r)) for r in self.replicas)
+
+    @property
+    def share_counts(self) -> tuple[int, ...]:
+        """[E] equal shares each expert's load is split into (``len(replicas[e])``): its
+        copies, plus one per extra share a device takes of it (a cold expert packed into the
+        gaps of several devices can have many shares on few copies)."""
         return tuple(len(r) for r in self.replicas)
+
+    @property
+    def replica_counts(self) -> tuple[int, ...]:
+        """Deprecated: :attr:`share_counts` (the shares, which it always counted); for the
+        copies of each expert's weights use :attr:`copy_counts`."""
+        import warnings
+
+        warnings.warn("Placement.replica_counts is deprecated: it counts load shares; use "
+                      "share_counts for those, copy_counts for the copies per expert",
+                      DeprecationWarning, stacklevel=2)
+        return self.share_counts
 
     @property
     def duplicates(self) -> int:

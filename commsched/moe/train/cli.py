@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ...configurable import add_arguments, cli_fields, config_of, from_arguments
+from ...configurable import add_arguments, cli_fields, config_of, from_arguments, parse_args
 from ...dist import barrier, claim_run_folder, cli_main, init_distributed
 from ...priority.policy import SCHEDULES, ScheduleConfig
 from ...results import dumps_json
@@ -85,7 +85,7 @@ def _runtime(a: argparse.Namespace) -> tuple[ScheduleConfig, DeepSpeedConfig]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    a = parse_args(build_parser(), argv)
     # the run folder once made (a FAILED marker goes there, not before) and rank 0's lock on it
     ready: dict[str, Any] = {}
     try:
