@@ -13,11 +13,9 @@ told of every backward halo exchange (under ``lina`` no micro-op is launched whi
 in flight: those are on the critical path, the allreduce is not). With ``grad_bits`` below
 32 the sums travel compressed under every schedule
 (:class:`commsched.quant.allreduce.CompressedLauncher`), the loss summed exactly beside
-them; every replica still applies bit-identical sums. Every schedule's sums are the flat
-allreduce's (exact on 2 ranks; on more, up to the order gloo adds the ranks' values in). Every rank applies the same update to the same
-parameters, so the replicas never drift apart. With one rank (and no process group at
-all) the same code is single-process full-graph training, the reference that N-rank
-training is tested against.
+them; every replica applies bit-identical sums, so the replicas never drift apart (every
+schedule's sums are the flat allreduce's: exact on 2 ranks, on more up to gloo's order of
+addition). With one rank (no process group) the same code is the single-process reference.
 
 Each training epoch and each evaluation is one pass with its own
 :class:`~commsched.gnn.context.PassContext` (epoch, training flag, a fresh timer, byte
