@@ -36,6 +36,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..dist import check_same_config, comm_guard
+from ..priority.ddp import check_ddp, set_grad_group
+from ..priority.runtime.executor import LOCAL
+from .model.dispatch import ExpertGroup, MoEWires, ep_moe, format_seed, moe_wires
+from .model.experts import EXPERT_ATTR
+from .model.router import Routing
+
 
 def _installed_kernels_first() -> None:
     """From a source checkout whose root is on ``sys.path``, ``import kernels`` would find
@@ -61,20 +73,9 @@ def _installed_kernels_first() -> None:
 _installed_kernels_first()
 try:
     import transformers
-except ImportError as e:  # pragma: no cover - exercised by the import test with transformers hidden
+except ImportError as e:
     raise ImportError("commsched.moe.hf needs transformers 5.x (>= 5.20, < 6): pip install commsched[hf]") from e
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
-
-from ..dist import check_same_config, comm_guard
-from ..priority.ddp import check_ddp, set_grad_group
-from ..priority.runtime.executor import LOCAL
-from .model.dispatch import ExpertGroup, MoEWires, ep_moe, format_seed, moe_wires
-from .model.experts import EXPERT_ATTR
-from .model.router import Routing
 
 if int(transformers.__version__.split(".")[0]) != 5:
     raise ImportError(f"commsched.moe.hf needs transformers 5.x (>= 5.20, < 6), found {transformers.__version__}: "
@@ -164,11 +165,10 @@ class ExpertParallelExperts(nn.Module):
         if eg.size > 1:
             check_ddp(self, self.parameters())  # a plain DDP would average different experts
         x_TD = hidden_states.reshape(-1, hidden_states.shape[-1])
-        routing = Routing(expert_TK=top_k_index.reshape(x_TD.shape[0], -1),
-                          gate_TK=top_k_weights.reshape(x_TD.shape[0], -1),
-                          keep_TK=torch.ones(top_k_index.shape, dtype=torch.bool, device=top_k_index.device)
-                          .reshape(x_TD.shape[0], -1),
-                          aux_loss=x_TD.new_zeros(()), probs_TE=x_TD.new_zeros((0,)))
+        expert_TK = top_k_index.reshape(x_TD.shape[0], -1)
+        routing = Routing(expert_TK=expert_TK, gate_TK=top_k_weights.reshape(expert_TK.shape),
+                          keep_TK=torch.ones_like(expert_TK, dtype=torch.bool),
+                          aux_loss=x_TD.new_zeros(()), probs_TE=x_TD.new_zeros((0,)))  # the model keeps its own
         y_TD = ep_moe(x_TD, routing, _Shard(self), eg, observer=self.observer, wires=self.wires)  # type: ignore[arg-type]
         return y_TD.to(hidden_states.dtype).reshape(hidden_states.shape)
 

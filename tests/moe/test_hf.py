@@ -21,6 +21,9 @@ from tests.mp import run_ranks  # noqa: E402
 
 TOL = 1e-5  # float32: |ep - ref| <= TOL * (1 + |ref|)
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_skewed")
+# the modeling modules, imported once per pooled rank (it unpickles this module) rather than
+# in every forked run
+SUPPORTED = hf.supported_blocks()
 ATTN = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
 
 
@@ -91,7 +94,7 @@ def _exactness(rank: int, world: int, family: str) -> dict[str, float]:
     assert sum(isinstance(m, hf.ExpertParallelExperts) for m in ep.modules()) == 2
     chosen: list[torch.Tensor] = []
     for m in ep.modules():
-        if type(m) in hf.supported_blocks():
+        if type(m) in SUPPORTED:
             m.gate.register_forward_hook(lambda mod, inp, out: chosen.append(out[2]))
     ids = _batch(rank)
     out_ref = ref(input_ids=ids, labels=ids, output_router_logits=True)
@@ -157,6 +160,7 @@ def _equal_dicts(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_expert_parallel_equals_one_process_and_checkpoints_round_trip():
     sd_in: dict = {}
     seen = {}
