@@ -149,10 +149,26 @@ def _refusals(rank: int, world: int) -> list[str]:
     return msgs
 
 
+def _wires(rank: int, world: int) -> dict[int, tuple[int, int, float]]:
+    """Per ``a2a_bits``: the observer's exchanges and bytes sent in one step, and the loss."""
+    from commsched.comm.observe import A2ATimer
+
+    ids, out = _batch(rank), {}
+    for bits in (32, 8):
+        timer = A2ATimer()
+        ep = hf.expert_parallel(_build("mixtral", seed=1), a2a_bits=bits, observer=timer)
+        res = ep(input_ids=ids, labels=ids)
+        res.loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in ep.parameters())
+        out[bits] = (timer.calls, timer.bytes_sent, float(res.loss))
+    return out
+
+
 def _launch(rank: int, world: int, sd_in: dict) -> dict:
     res: dict = {"exact": {f: _exactness(rank, world, f) for f in FAMILIES}}
     res["sd"] = {f: _round_trip(rank, world, f, sd_in.get(f)) for f in FAMILIES[:4]}
     res["refusals"] = _refusals(rank, world) if world > 1 else []
+    res["wires"] = _wires(rank, world) if world > 1 else {}
     return res
 
 
@@ -174,6 +190,9 @@ def test_expert_parallel_equals_one_process_and_checkpoints_round_trip():
                 split, differ = res["refusals"]
                 assert f"{world + 1} experts" in split and f"{world} ranks" in split
                 assert "different from rank 0" in differ
+                w = res["wires"]  # the observer sees the exchanges; 8-bit rows are shorter, the loss close
+                assert w[32][0] == w[8][0] > 0 and 0 < w[8][1] < w[32][1]
+                assert abs(w[8][2] - w[32][2]) < 0.05
         assert all(results[r]["sd"][f] is None for r in range(1, world) for f in FAMILIES[:4])
         seen[world] = results[0]["sd"]
         sd_in = seen[world]
