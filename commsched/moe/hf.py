@@ -41,11 +41,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..comm.lanes import Lanes
 from ..dist import check_same_config, comm_guard
 from ..priority.ddp import check_ddp, set_grad_group
 from ..priority.runtime.executor import LOCAL
 from .model.dispatch import ExpertGroup, MoEWires, ep_moe, format_seed, moe_wires
 from .model.experts import EXPERT_ATTR
+from .model.layer import DispatchConfig
 from .model.router import Routing
 
 
@@ -127,8 +129,14 @@ class _Shard:
         self.num_experts, self.first, self.num_local = owner.num_experts, owner.first, owner.num_local
 
     def __call__(self, x_RD: torch.Tensor, counts_L) -> torch.Tensor:
-        o = self.owner
-        return _swiglu_experts(x_RD, counts_L, o.gate_up_proj, o.down_proj, o.act_fn)
+        return self.apply_rows(x_RD, counts_L, *self.params())
+
+    def params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.owner.gate_up_proj, self.owner.down_proj
+
+    def apply_rows(self, x_RD: torch.Tensor, counts_L, gate_up_LKD: torch.Tensor,
+                   down_LDI: torch.Tensor) -> torch.Tensor:
+        return _swiglu_experts(x_RD, counts_L, gate_up_LKD, down_LDI, self.owner.act_fn)
 
 
 class ExpertParallelExperts(nn.Module):
@@ -139,8 +147,11 @@ class ExpertParallelExperts(nn.Module):
     the original's; collective on the group: every rank calls the forward pass together.
     """
 
-    def __init__(self, experts: nn.Module, eg: ExpertGroup, wires: MoEWires, observer: Any = None):
+    def __init__(self, experts: nn.Module, eg: ExpertGroup, wires: MoEWires, observer: Any = None,
+                 dispatch: DispatchConfig | None = None):
         super().__init__()
+        self.dispatch = dispatch or DispatchConfig()
+        self._lanes: Lanes | None = None  # comm lane of the pipelined exchange, made on first use
         self.num_experts, self.first, self.num_local = eg.num_experts, eg.first, eg.num_local
         self.expert_group, self.wires, self.observer = eg, wires, observer
         self.source_class = type(experts).__name__
@@ -154,6 +165,12 @@ class ExpertParallelExperts(nn.Module):
             setattr(self, name, p)
         if eg.size > 1:  # summed over the group's batches already: not data-parallel over it
             set_grad_group(self.parameters(), LOCAL, eg.size)
+
+    def close(self) -> None:
+        """Stop the comm lane thread of the pipelined exchange, if one was started."""
+        if self._lanes is not None:
+            self._lanes.close()
+            self._lanes = None
 
     def extra_repr(self) -> str:
         return (f"experts [{self.first}, {self.first + self.num_local}) of {self.num_experts} "
@@ -169,7 +186,12 @@ class ExpertParallelExperts(nn.Module):
         routing = Routing(expert_TK=expert_TK, gate_TK=top_k_weights.reshape(expert_TK.shape),
                           keep_TK=torch.ones_like(expert_TK, dtype=torch.bool),
                           aux_loss=x_TD.new_zeros(()), probs_TE=x_TD.new_zeros((0,)))  # the model keeps its own
-        y_TD = ep_moe(x_TD, routing, _Shard(self), eg, observer=self.observer, wires=self.wires)  # type: ignore[arg-type]
+        dc = self.dispatch
+        if dc.pipeline and (self._lanes is None or self._lanes.device != x_TD.device):
+            self.close()
+            self._lanes = Lanes(x_TD.device, names=("compute", "comm"))
+        y_TD = ep_moe(x_TD, routing, _Shard(self), eg, chunks=dc.chunks, pipeline=dc.pipeline,  # type: ignore[arg-type]
+                      observer=self.observer, lanes=self._lanes, wires=self.wires)
         return y_TD.to(hidden_states.dtype).reshape(hidden_states.shape)
 
 
@@ -213,7 +235,7 @@ def _layout_problem(name: str, block: nn.Module, size: int) -> str | None:
 
 
 def expert_parallel(model: nn.Module, group=None, *, a2a_bits: int = 32, observer: Any = None,
-                    wire_seed: int = 0) -> nn.Module:
+                    chunks: int = 1, pipeline: bool = False, wire_seed: int = 0) -> nn.Module:
     """Make every sparse MoE block of the transformers ``model`` expert-parallel over
     ``group`` (default: the world; without torch.distributed, one rank), in place; returns
     ``model``.
@@ -223,17 +245,23 @@ def expert_parallel(model: nn.Module, group=None, *, a2a_bits: int = 32, observe
     computed, 16 bfloat16, 8 the 8-bit row records; see
     :class:`commsched.moe.model.layer.DispatchConfig`), and ``observer`` (an
     :class:`~commsched.comm.observe.A2AObserver`, e.g. Lina's scheduler) is told about every
-    exchange. Collective: every rank of the group calls it with the same model layout.
+    exchange. ``chunks`` cuts each exchange into that many, and ``pipeline`` overlaps each
+    chunk's exchange with the expert compute of the others (the MoE layer's pipelined
+    exchange; :func:`commsched.moe.model.dispatch.ep_moe`; ``close()`` on each
+    :class:`ExpertParallelExperts` stops its comm lane). Collective: every rank of the
+    group calls it with the same model layout and options.
 
     Raises ValueError (on every rank) for a model with no supported block, an unsupported
     block (naming its class), a block whose experts do not split evenly over the group, or
     ranks whose models differ.
     """
     size, rank = _group_size_rank(group)
-    moe_wires(a2a_bits)  # a bad width is refused before anything else
+    dc = DispatchConfig(chunks=chunks, pipeline=pipeline, a2a_bits=a2a_bits)  # bad options: refused here
+    moe_wires(a2a_bits)
     found, unsupported = _blocks(model)
     layout = {"blocks": [(n, type(b).__name__, tuple(getattr(b.experts, "gate_up_proj", torch.empty(0)).shape))
-                         for n, b, _ in found], "unsupported": unsupported, "a2a_bits": a2a_bits}
+                         for n, b, _ in found], "unsupported": unsupported, "a2a_bits": a2a_bits,
+              "chunks": chunks, "pipeline": pipeline}
     check_same_config(layout, group, what="transformers MoE model")
     if unsupported:
         raise ValueError(f"commsched.moe.hf.expert_parallel does not support {', '.join(unsupported)}; "
@@ -248,7 +276,7 @@ def expert_parallel(model: nn.Module, group=None, *, a2a_bits: int = 32, observe
     for i, (_, block, _) in enumerate(found):
         eg = ExpertGroup(block.experts.gate_up_proj.shape[0], size, rank, group)
         wires = moe_wires(a2a_bits, format_seed(wire_seed + i, global_rank))  # each block its own key stream
-        block.experts = ExpertParallelExperts(block.experts, eg, wires, observer)
+        block.experts = ExpertParallelExperts(block.experts, eg, wires, observer, dc)
     return model
 
 

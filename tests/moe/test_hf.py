@@ -86,11 +86,11 @@ def _excess(a, b) -> float:
     return float(((a - b).abs() - TOL * (1 + b.abs())).max())
 
 
-def _exactness(rank: int, world: int, family: str) -> dict[str, float]:
+def _exactness(rank: int, world: int, family: str, **options) -> dict[str, float]:
     import torch.distributed as dist
 
     ref = _build(family, seed=1)
-    ep = hf.expert_parallel(copy.deepcopy(ref))
+    ep = hf.expert_parallel(copy.deepcopy(ref), **options)
     assert sum(isinstance(m, hf.ExpertParallelExperts) for m in ep.modules()) == 2
     chosen: list[torch.Tensor] = []
     for m in ep.modules():
@@ -125,6 +125,9 @@ def _exactness(rank: int, world: int, family: str) -> dict[str, float]:
         worst = max(worst, _excess(g, g_ref))
     assert sorted(names) == sorted(ref_params)
     d["grads"] = worst
+    for m in ep.modules():
+        if isinstance(m, hf.ExpertParallelExperts):
+            m.close()
     return d
 
 
@@ -166,6 +169,8 @@ def _wires(rank: int, world: int) -> dict[int, tuple[int, int, float]]:
 
 def _launch(rank: int, world: int, sd_in: dict) -> dict:
     res: dict = {"exact": {f: _exactness(rank, world, f) for f in FAMILIES}}
+    if world > 1:  # the pipelined exchange, chunk by chunk
+        res["exact"]["qwen2_moe pipelined"] = _exactness(rank, world, "qwen2_moe", chunks=2, pipeline=True)
     res["sd"] = {f: _round_trip(rank, world, f, sd_in.get(f)) for f in FAMILIES[:4]}
     res["refusals"] = _refusals(rank, world) if world > 1 else []
     res["wires"] = _wires(rank, world) if world > 1 else {}
@@ -214,6 +219,8 @@ def test_unsupported_block_is_named():
         hf.expert_parallel(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     with pytest.raises(ValueError, match="a2a-bits"):
         hf.expert_parallel(_build("mixtral", seed=1), a2a_bits=4)
+    with pytest.raises(ValueError, match="chunks"):
+        hf.expert_parallel(_build("mixtral", seed=1), chunks=0)
 
 
 def test_without_transformers_the_import_names_the_extra(monkeypatch):
