@@ -259,9 +259,9 @@ def expert_parallel(model: nn.Module, group=None, *, a2a_bits: int = 32, observe
     dc = DispatchConfig(chunks=chunks, pipeline=pipeline, a2a_bits=a2a_bits)  # bad options: refused here
     moe_wires(a2a_bits)
     found, unsupported = _blocks(model)
-    layout = {"blocks": [(n, type(b).__name__, tuple(getattr(b.experts, "gate_up_proj", torch.empty(0)).shape))
-                         for n, b, _ in found], "unsupported": unsupported, "a2a_bits": a2a_bits,
-              "chunks": chunks, "pipeline": pipeline}
+    weights = [getattr(b.experts, "gate_up_proj", torch.empty(0)) for _, b, _ in found]
+    layout = {"blocks": [(n, type(b).__name__, tuple(w.shape), str(w.dtype)) for (n, b, _), w in zip(found, weights)],
+              "unsupported": unsupported, "a2a_bits": a2a_bits, "chunks": chunks, "pipeline": pipeline}
     check_same_config(layout, group, what="transformers MoE model")
     if unsupported:
         raise ValueError(f"commsched.moe.hf.expert_parallel does not support {', '.join(unsupported)}; "
