@@ -36,6 +36,7 @@ OPTIONAL: dict[str, tuple[str, str]] = {
     "deepspeed": ("deepspeed", "moe"),  # the DeepSpeed-MoE baseline (--impl deepspeed)
     "triton": ("triton", "gpu"),  # the quantization kernels for CUDA tensors
     "matplotlib": ("matplotlib", "plots"),  # figures of benches and topologies
+    "transformers": ("transformers", "hf"),  # transformers MoE models made expert-parallel
 }
 
 

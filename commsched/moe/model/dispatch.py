@@ -305,8 +305,10 @@ class _Pipeline:
     """
 
     def __init__(self, plans: Sequence[ChunkPlan], eg: ExpertGroup, observer: A2AObserver | None,
-                 lanes: Lanes | None = None, wires: MoEWires | None = None, merge: bool = False):
+                 lanes: Lanes | None = None, wires: MoEWires | None = None, merge: bool = False,
+                 apply=expert_apply):
         self.plans, self.eg, self.observer, self.lanes = list(plans), eg, observer, lanes
+        self.apply = apply  # (rows, counts_L, *expert params) -> rows: the experts' arithmetic
         self.wires = wires or MoEWires()
         self.merge = merge
 
@@ -398,7 +400,7 @@ class _PipelinedExperts(torch.autograd.Function):
         for c, cp in enumerate(plans):
             xe = got(c)[cp.perm_R].requires_grad_(True)
             with torch.enable_grad():
-                y = expert_apply(xe, cp.counts_L, *pd)
+                y = pipe.apply(xe, cp.counts_L, *pd)
             saved.append((xe, y))
             back.add(y.detach()[cp.inv_R], cp.plan.reversed())
         outs = back.results()
@@ -447,7 +449,10 @@ def ep_moe(x_TD: torch.Tensor, routing: Routing, experts: ExpertFFN, eg: ExpertG
     every rank of it must call this, with the same ``chunks``, ``merge`` and wire widths.
     ``lanes`` (pipelined path): run the chunks' exchanges one at a time on its ``comm`` lane.
     ``merge`` (pipelined path): the chunks of each exchange in one all-to-all, the same bits.
-    ``wires``: the exchanges' formats (:func:`moe_wires`; default plain)."""
+    ``wires``: the exchanges' formats (:func:`moe_wires`; default plain). ``experts`` is an
+    :class:`ExpertFFN` or any object with its ``num_experts``, ``first``, ``num_local``, a call
+    on (rows, counts_L) and ``params()``; one with an ``apply_rows(rows, counts_L, *params)`` (the
+    same arithmetic as a function of the parameters) brings its own to the pipelined path."""
     if experts.num_experts != eg.num_experts or experts.first != eg.first or experts.num_local != eg.num_local:
         raise ValueError(f"this rank holds experts [{experts.first}, {experts.first + experts.num_local}) "
                          f"but the expert group places [{eg.first}, {eg.first + eg.num_local}) here")
@@ -457,7 +462,8 @@ def ep_moe(x_TD: torch.Tensor, routing: Routing, experts: ExpertFFN, eg: ExpertG
     plans = build_chunk_plans(asg, eg, observer)
     x_send = x_TD[asg.token_A]
     if pipeline:
-        y_send = _PipelinedExperts.apply(x_send, _Pipeline(plans, eg, observer, lanes, wires, merge), *experts.params())
+        pipe = _Pipeline(plans, eg, observer, lanes, wires, merge, getattr(experts, "apply_rows", expert_apply))
+        y_send = _PipelinedExperts.apply(x_send, pipe, *experts.params())
     else:
         y_send = _plain_chunks(x_send, plans, experts, eg, observer, wires)
     return combine(y_send, asg, x_TD.shape[0])
