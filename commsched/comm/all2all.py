@@ -375,19 +375,21 @@ def _prepare(x: torch.Tensor, send_counts, group, observer, block, wire):
         _check_bound(w, send_counts)
         return wire, w, send_counts
     w = encode_rows(x, _fmt(wire, "forward"))
+    if isinstance(send_counts, A2APlan):  # built by the caller: checked against the peers' (A2APlan)
+        plan = send_counts
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            # every rank takes part: a 0-d tensor is a row total that matches no plan (-1)
+            _agree(plan.send_counts, group=group, rows=w.shape[0] if w.dim() else -1,
+                   dtype=w.dtype if w.dtype in _DTYPE_CODES else None, row_numel=_row_numel(w),
+                   recv_counts=plan.recv_counts, device=w.device, plan_rank=plan.rank)
+        _check_x(w, plan)
+        return wire, w, plan
     if w.dtype not in _DTYPE_CODES:
         raise TypeError(f"all_to_all: unsupported dtype {w.dtype}")
     if w.dim() < 1:
         raise ValueError("all_to_all expects a tensor of at least one dimension (rows first)")
-    if not isinstance(send_counts, A2APlan):
-        return wire, w, make_plan(send_counts, group=group, rows=w.shape[0], dtype=w.dtype,
-                                  row_numel=_row_numel(w), device=w.device)
-    plan = send_counts  # built by the caller: checked against the peers' (A2APlan)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        _agree(plan.send_counts, group=group, rows=w.shape[0], dtype=w.dtype, row_numel=_row_numel(w),
-               recv_counts=plan.recv_counts, device=w.device, plan_rank=plan.rank)
-    _check_x(w, plan)
-    return wire, w, plan
+    return wire, w, make_plan(send_counts, group=group, rows=w.shape[0], dtype=w.dtype,
+                              row_numel=_row_numel(w), device=w.device)
 
 
 def _check_bound(w: torch.Tensor, plan: A2APlan) -> None:

@@ -337,6 +337,8 @@ def _disagreeing_plans(rank: int, world: int) -> None:
     lie = A2APlan((1, 1), (1, 2), 0) if rank == 0 else ones  # rank 0 expects 2 rows from rank 1
     with pytest.raises(ValueError, match=r"rank 0 expects to receive \(1, 2\) rows but its peers send \(1, 1\)"):
         all_to_all(torch.zeros(2, 3), lie)
+    with pytest.raises(ValueError, match=r"rank 1's send counts sum to a different number of rows than its tensor has \(3\)"):
+        all_to_all(torch.zeros(2 + rank, 3), ones)  # rows that do not match the plan, on one rank
     with pytest.raises(ValueError, match="rank 1 passed a plan made for rank 0"):
         all_to_all(torch.zeros(2, 3), A2APlan((1, 1), (1, 1), 0))
     with pytest.raises(ValueError, match="rank 0's send count 0 is not a whole number"):
