@@ -372,7 +372,7 @@ def _prepare(x: torch.Tensor, send_counts, group, observer, block, wire):
     if isinstance(send_counts, A2APlan) and send_counts.agreed:
         _check_x(x, send_counts)
         w = encode_rows(x, _fmt(wire, "forward"))
-        _check_bound(w, send_counts)
+        _check_bound(w, send_counts, group)
         return wire, w, send_counts
     w = encode_rows(x, _fmt(wire, "forward"))
     if isinstance(send_counts, A2APlan):  # built by the caller: checked against the peers' (A2APlan)
@@ -392,14 +392,25 @@ def _prepare(x: torch.Tensor, send_counts, group, observer, block, wire):
                               row_numel=_row_numel(w), device=w.device)
 
 
-def _check_bound(w: torch.Tensor, plan: A2APlan) -> None:
-    """The rows of an agreed plan: not on the meta device; the dtype and width it is bound to."""
+def _check_bound(w: torch.Tensor, plan: A2APlan, group) -> None:
+    """The rows of an agreed plan: not on the meta device; those it is bound to (a plan of
+    :func:`make_plan` used for the first time, in either direction: checked against the
+    peers' rows now, on every rank alike, then bound)."""
     if w.device.type == "meta":
         raise ValueError("all_to_all: rows on the meta device (no data): pass rows on a real device")
-    if plan._rows is not None and plan._rows != (w.dtype, _row_numel(w)):
-        dtype, numel = plan._rows
-        raise ValueError(f"all_to_all: the plan was made for {dtype} rows of {numel} elements, got "
-                         f"{w.dtype} rows of {_row_numel(w)}: make a plan for these rows (make_plan)")
+    if plan._rows is None:
+        return  # vouched for by its maker (agreed=True)
+    key = (w.dtype, _row_numel(w))
+    bound = plan._rows[0]
+    if bound is None:
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            _agree(plan.send_counts, group=group, rows=w.shape[0],
+                   dtype=w.dtype if w.dtype in _DTYPE_CODES else None, row_numel=key[1],
+                   recv_counts=plan.recv_counts, device=w.device, plan_rank=plan.rank)
+        plan._rows[0] = key
+    elif bound != key:
+        raise ValueError(f"all_to_all: the plan was made for {bound[0]} rows of {bound[1]} elements, got "
+                         f"{w.dtype} rows of {key[1]}: make a plan for these rows (make_plan)")
 
 
 def all_to_all(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *, group=None,

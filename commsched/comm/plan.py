@@ -36,8 +36,10 @@ class A2APlan:
       every call: one small all_gather of its counts and of the rows' dtype and width, so
       that counts, dtypes or row widths that disagree between ranks raise the same
       ValueError on every rank instead of failing inside the backend;
-    * a plan from :func:`make_plan` is agreed (the counts were exchanged); given ``dtype``
-      and ``row_numel`` it is also bound to those rows: a call with other rows is a
+    * a plan from :func:`make_plan` is agreed (the counts were exchanged) and bound to the
+      rows it was made for (``dtype`` and ``row_numel``; not given: the rows of its first
+      use, checked against the peers' then, once), in both directions (its
+      ``reversed()`` carries rows of the same kind back): a call with other rows is a
       ValueError on the rank that passes them, raised before anything is sent (its peers
       then see it stop, a :class:`CommError`);
     * ``agreed=True``: the caller vouches that the counts match the peers' and the rows
@@ -51,7 +53,9 @@ class A2APlan:
     agreed: bool = field(default=False, compare=False)
     send_offsets: tuple[int, ...] = field(init=False, repr=False)
     recv_offsets: tuple[int, ...] = field(init=False, repr=False)
-    _rows: tuple | None = field(default=None, init=False, compare=False, repr=False)
+    # make_plan's plans: [the (dtype, row numel) it is bound to, or None until its first
+    # use], one cell shared with its reversed() copies; None: not bound (agreed=True or local)
+    _rows: list | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.send_counts) != len(self.recv_counts):
@@ -131,7 +135,7 @@ def make_plan(send_counts: Sequence[int], *, group=None, rows: int | None = None
     ``rows``, a dtype / row shape that differs between ranks, rows on the ``meta`` device
     (``device``) or ``recv_counts`` (when given) that differ from what the peers send
     raise the same ValueError on every rank instead of leaving peers hanging. The plan is
-    agreed; given ``dtype`` and ``row_numel`` it is bound to those rows (:class:`A2APlan`).
+    agreed and bound to the rows it carries (:class:`A2APlan`).
     """
     return _agree(send_counts, group=group, rows=rows, dtype=dtype, row_numel=row_numel,
                   recv_counts=recv_counts, device=device)
@@ -198,8 +202,8 @@ def _agree(send_counts, *, group, rows, dtype, row_numel, recv_counts, device,
             f"rank {r} expects to receive {tuple(claimed[r].tolist())} rows but its peers send "
             f"{tuple(matrix[:, r].tolist())}" for r in wrong))
     plan = A2APlan(tuple(counts), tuple(int(matrix[p, me]) for p in range(P)), me, agreed=True)
-    if dtype is not None and row_numel is not None:
-        object.__setattr__(plan, "_rows", (dtype, int(row_numel)))
+    bound = (dtype, int(row_numel)) if dtype is not None and row_numel is not None else None
+    object.__setattr__(plan, "_rows", [bound])
     return plan
 
 

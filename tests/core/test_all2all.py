@@ -351,6 +351,16 @@ def _disagreeing_plans(rank: int, world: int) -> None:
     bound = commsched.make_plan([1, 1], rows=2, dtype=torch.float32, row_numel=3)
     with pytest.raises(ValueError, match="made for torch.float32 rows of 3 elements, got torch.float64 rows of 3"):
         all_to_all(torch.zeros(2, 3, dtype=torch.float64), bound)
+    # a plan made without dtype or row width: its first use checks the rows on every rank
+    free = commsched.make_plan([1, 1], rows=2)
+    with pytest.raises(ValueError, match="different dtypes on different ranks"):
+        all_to_all(torch.zeros(2, 3, dtype=dtype), free)
+    all_to_all(torch.zeros(2, 5), free)  # agreed: bound to float32 rows of 5
+    with pytest.raises(ValueError, match="made for torch.float32 rows of 5 elements, got torch.float32 rows of 3"):
+        all_to_all(torch.zeros(2, 3), free)
+    all_to_all(torch.zeros(2, 5), free.reversed())  # the reverse exchange: rows of the same kind
+    with pytest.raises(ValueError, match="made for torch.float32 rows of 5 elements, got torch.float64 rows of 5"):
+        all_to_all(torch.zeros(2, 5, dtype=torch.float64), free.reversed())
     x = torch.arange(6.0).view(2, 3) + 10 * rank
     want = torch.stack([torch.arange(3.0) + 3 * rank, torch.arange(3.0) + 3 * rank + 10])
     assert torch.equal(all_to_all(x, ones), want)
