@@ -704,6 +704,40 @@ def claim_run_folder(path: Any, *, overwrite: bool = False, resume: bool = False
     return held
 
 
+# dtype codes for headers that ranks all-gather to check they agree (0: none given)
+DTYPE_CODES = {
+    torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4,
+    torch.uint8: 5, torch.int8: 6, torch.int16: 7, torch.int32: 8, torch.int64: 9,
+    torch.bool: 10,
+}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+def check_same_values(values: dict[str, Any], group=None, what: str = "arguments") -> None:
+    """Stop every rank with the same ValueError when ranks pass different small values
+    (ints, bools, dtypes) to a collective, before its backend sees sizes that do not match.
+
+    One all_gather of ``len(values)`` int64 on the group's control device (a host read of
+    the result); the message names each differing value with every rank's."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    P = dist.get_world_size(group)
+    codes = [DTYPE_CODES.get(v, -1) if isinstance(v, torch.dtype) else int(v) for v in values.values()]
+    mine = torch.tensor(codes, dtype=torch.int64, device=control_device(group))
+    allv = [torch.empty_like(mine) for _ in range(P)]
+    with comm_guard(f"comparing the {what} across ranks", group):
+        dist.all_gather(allv, mine, group=group)
+    M = torch.stack(allv).cpu().tolist()  # [P, V]
+    diffs = []
+    for i, (name, v) in enumerate(values.items()):
+        if len({M[r][i] for r in range(P)}) > 1:
+            show = (lambda c: str(CODE_DTYPES.get(c, "?"))) if isinstance(v, torch.dtype) else \
+                (lambda c: str(bool(c))) if isinstance(v, bool) else str
+            diffs.append(f"{name}: " + ", ".join(f"rank {r} has {show(M[r][i])}" for r in range(P)))
+    if diffs:
+        raise ValueError(f"{what}: the ranks disagree ({'; '.join(diffs)}); every rank must pass the same")
+
+
 def _as_dict(config: Any) -> Any:
     import dataclasses
 

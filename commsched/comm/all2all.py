@@ -1,4 +1,5 @@
-"""Uneven all-to-all: plans, the direct and ring patterns, autograd, async handles.
+"""Uneven all-to-all: the direct and ring patterns, autograd, async handles (plans:
+:mod:`commsched.comm.plan`, re-exported here).
 
 Legend: R rows (dim 0), P ranks in the group, S segments per peer, B bytes.
 
@@ -43,8 +44,10 @@ import torch
 import torch.distributed as dist
 
 from ..clock import Clock
-from ..dist import CommError, comm_guard, control_device
+from ..dist import DTYPE_CODES as _DTYPE_CODES
+from ..dist import CommError, comm_guard
 from .observe import A2AObserver, A2AReport, check_observer
+from .plan import A2APlan, _agree, make_plan
 from .transport import (
     TRANSPORTS,
     _RawHandle,
@@ -57,136 +60,6 @@ from .transport import (
 )
 
 PATTERNS = ("direct", "ring")
-
-# dtype codes carried in the plan header so that ranks can check they agree
-_DTYPE_CODES = {
-    torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4,
-    torch.uint8: 5, torch.int8: 6, torch.int16: 7, torch.int32: 8, torch.int64: 9,
-    torch.bool: 10,
-}
-_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
-
-# header status codes (one per rank, all-gathered so every rank raises the same error)
-_OK, _BAD_LEN, _NEGATIVE, _ROWS, _BAD_RECV = 0, 1, 2, 3, 4
-
-
-# --------------------------------------------------------------------------- plans
-@dataclass(frozen=True)
-class A2APlan:
-    """Counts and offsets of one exchange, as seen by one rank; reusable while counts hold.
-
-    send_counts[p]: rows this rank sends to p; recv_counts[p]: rows it receives from p.
-    """
-
-    send_counts: tuple[int, ...]
-    recv_counts: tuple[int, ...]
-    rank: int
-    send_offsets: tuple[int, ...] = field(init=False, repr=False)
-    recv_offsets: tuple[int, ...] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if len(self.send_counts) != len(self.recv_counts):
-            raise ValueError(f"send_counts has {len(self.send_counts)} entries, recv_counts "
-                             f"{len(self.recv_counts)}: both need one per rank")
-        if any(c < 0 for c in self.send_counts) or any(c < 0 for c in self.recv_counts):
-            raise ValueError(f"counts must be >= 0, got send {self.send_counts} recv {self.recv_counts}")
-        if not 0 <= self.rank < len(self.send_counts):
-            raise ValueError(f"rank {self.rank} outside a world of {len(self.send_counts)}")
-        object.__setattr__(self, "send_counts", tuple(int(c) for c in self.send_counts))
-        object.__setattr__(self, "recv_counts", tuple(int(c) for c in self.recv_counts))
-        object.__setattr__(self, "send_offsets", _offsets(self.send_counts))
-        object.__setattr__(self, "recv_offsets", _offsets(self.recv_counts))
-
-    @property
-    def world_size(self) -> int:
-        return len(self.send_counts)
-
-    @property
-    def total_send(self) -> int:
-        return self.send_offsets[-1]
-
-    @property
-    def total_recv(self) -> int:
-        return self.recv_offsets[-1]
-
-    @property
-    def peer_rows(self) -> int:
-        """Rows this rank sends to other ranks (its own rows stay here)."""
-        return self.total_send - self.send_counts[self.rank]
-
-    def reversed(self) -> "A2APlan":
-        """The plan of the reverse exchange (the backward pass)."""
-        return A2APlan(self.recv_counts, self.send_counts, self.rank)
-
-    def ring_rounds(self) -> list[tuple[int, int]]:
-        """[(dst, src)] for rounds 1..P-1 of the ring pattern."""
-        P, r = self.world_size, self.rank
-        return [((r + i) % P, (r - i) % P) for i in range(1, P)]
-
-
-def _offsets(counts: Sequence[int]) -> tuple[int, ...]:
-    out = [0]
-    for c in counts:
-        out.append(out[-1] + int(c))
-    return tuple(out)
-
-
-def make_plan(send_counts: Sequence[int], *, group=None, rows: int | None = None,
-              dtype: torch.dtype | None = None, row_numel: int | None = None,
-              recv_counts: Sequence[int] | None = None) -> A2APlan:
-    """Build a plan by exchanging counts once (one small all_gather).
-
-    Every rank takes part even when its own input is wrong, so that a bad count list,
-    a row total that does not match ``rows``, or a dtype / row shape that differs between
-    ranks raises the same ValueError on every rank instead of leaving peers hanging.
-    ``recv_counts``, when given, is checked against what the peers declare.
-    """
-    P = dist.get_world_size(group)
-    me = dist.get_rank(group)
-    counts = [int(c) for c in send_counts]
-    status = _OK
-    if len(counts) != P:
-        status = _BAD_LEN
-    elif any(c < 0 for c in counts):
-        status = _NEGATIVE
-    elif rows is not None and sum(counts) != rows:
-        status = _ROWS
-    elif recv_counts is not None and len(recv_counts) != P:
-        status = _BAD_RECV
-    head = [status, len(counts), _DTYPE_CODES.get(dtype, 0) if dtype is not None else 0,
-            -1 if row_numel is None else int(row_numel), -1 if rows is None else int(rows)]
-    body = counts if status == _OK else [0] * P
-    mine = torch.tensor(head + body, dtype=torch.int64, device=control_device(group))
-    allv = [torch.empty_like(mine) for _ in range(P)]
-    with comm_guard("exchanging all_to_all counts", group):
-        dist.all_gather(allv, mine, group=group)
-    M = torch.stack(allv).cpu()  # [P, 5 + P]; read on the host once
-    bad = [(r, int(M[r, 0])) for r in range(P) if int(M[r, 0]) != _OK]
-    if bad:
-        why = {
-            _BAD_LEN: lambda r: f"rank {r} gave {int(M[r, 1])} send counts for a group of {P}",
-            _NEGATIVE: lambda r: f"rank {r} gave a negative send count",
-            _ROWS: lambda r: f"rank {r}'s send counts sum to a different number of rows than its tensor has ({int(M[r, 4])})",
-            _BAD_RECV: lambda r: f"rank {r} gave recv_counts of the wrong length",
-        }
-        raise ValueError("all_to_all: counts disagree between ranks: "
-                         + "; ".join(why[s](r) for r, s in bad))
-    codes = {int(M[r, 2]) for r in range(P)} - {0}
-    if len(codes) > 1:
-        names = {r: str(_CODE_DTYPES.get(int(M[r, 2]), "?")) for r in range(P)}
-        raise ValueError(f"all_to_all: tensors have different dtypes on different ranks: {names}")
-    numels = {int(M[r, 3]) for r in range(P)} - {-1}
-    if len(numels) > 1:
-        raise ValueError("all_to_all: rows have different sizes on different ranks "
-                         f"(elements per row: {[int(M[r, 3]) for r in range(P)]}); "
-                         "every rank must send rows of the same trailing shape")
-    matrix = M[:, 5:]
-    recv = tuple(int(matrix[p, me]) for p in range(P))
-    if recv_counts is not None and tuple(int(c) for c in recv_counts) != recv:
-        raise ValueError(f"all_to_all: rank {me} expected to receive {tuple(recv_counts)} rows "
-                         f"but its peers send {recv}")
-    return A2APlan(tuple(counts), recv, me)
-
 
 # --------------------------------------------------------------------------- wire formats
 @runtime_checkable
@@ -496,16 +369,48 @@ def _prepare(x: torch.Tensor, send_counts, group, observer, block, wire):
     wire = _check_wire(wire)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"all_to_all expects a tensor, got {type(x).__name__}")
-    if isinstance(send_counts, A2APlan):
+    if isinstance(send_counts, A2APlan) and send_counts.agreed:
         _check_x(x, send_counts)
-        return wire, encode_rows(x, _fmt(wire, "forward")), send_counts
+        w = encode_rows(x, _fmt(wire, "forward"))
+        _check_bound(w, send_counts, group)
+        return wire, w, send_counts
     w = encode_rows(x, _fmt(wire, "forward"))
+    if isinstance(send_counts, A2APlan):  # built by the caller: checked against the peers' (A2APlan)
+        plan = send_counts
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            # every rank takes part: a 0-d tensor is a row total that matches no plan (-1)
+            _agree(plan.send_counts, group=group, rows=w.shape[0] if w.dim() else -1,
+                   dtype=w.dtype if w.dtype in _DTYPE_CODES else None, row_numel=_row_numel(w),
+                   recv_counts=plan.recv_counts, device=w.device, plan_rank=plan.rank)
+        _check_x(w, plan)
+        return wire, w, plan
     if w.dtype not in _DTYPE_CODES:
         raise TypeError(f"all_to_all: unsupported dtype {w.dtype}")
     if w.dim() < 1:
         raise ValueError("all_to_all expects a tensor of at least one dimension (rows first)")
     return wire, w, make_plan(send_counts, group=group, rows=w.shape[0], dtype=w.dtype,
-                              row_numel=_row_numel(w))
+                              row_numel=_row_numel(w), device=w.device)
+
+
+def _check_bound(w: torch.Tensor, plan: A2APlan, group) -> None:
+    """The rows of an agreed plan: not on the meta device; those it is bound to (a plan of
+    :func:`make_plan` used for the first time, in either direction: checked against the
+    peers' rows now, on every rank alike, then bound)."""
+    if w.device.type == "meta":
+        raise ValueError("all_to_all: rows on the meta device (no data): pass rows on a real device")
+    if plan._rows is None:
+        return  # vouched for by its maker (agreed=True)
+    key = (w.dtype, _row_numel(w))
+    bound = plan._rows[0]
+    if bound is None:
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            _agree(plan.send_counts, group=group, rows=w.shape[0],
+                   dtype=w.dtype if w.dtype in _DTYPE_CODES else None, row_numel=key[1],
+                   recv_counts=plan.recv_counts, device=w.device, plan_rank=plan.rank)
+        plan._rows[0] = key
+    elif bound != key:
+        raise ValueError(f"all_to_all: the plan was made for {bound[0]} rows of {bound[1]} elements, got "
+                         f"{w.dtype} rows of {key[1]}: make a plan for these rows (make_plan)")
 
 
 def all_to_all(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *, group=None,
@@ -515,7 +420,8 @@ def all_to_all(x_RD: torch.Tensor, send_counts: Sequence[int] | A2APlan, *, grou
     """Uneven all-to-all of the rows of ``x_RD`` (see the module docstring).
 
     ``send_counts`` is a list with one count per rank, or an :class:`A2APlan` to reuse
-    (no count exchange then). Returns a new tensor [sum(recv_counts), *x.shape[1:]].
+    (no count exchange for one from :func:`make_plan`; one you built is checked against the
+    peers' at each call: :class:`A2APlan`). Returns a new tensor [sum(recv_counts), *x.shape[1:]].
     Differentiable. Disagreeing counts, dtypes or row shapes raise ValueError on every rank;
     a dead or stuck peer raises :class:`CommError` within the group's timeout.
     ``observer`` / ``backward_block``: who is told about this exchange and its backward

@@ -41,10 +41,12 @@ import datetime
 import queue
 import threading
 import warnings
+import zlib
 
 import torch
 import torch.distributed as dist
 
+from ..dist import check_same_values
 from .codec import IMPLS, decode_records, encode_records
 from .rowwire import format_seed
 from .wire import BITS, record_bytes
@@ -98,7 +100,9 @@ def quantized_all_reduce(flat: torch.Tensor, bits: int = 8, *, group=None, seed:
     """Sum the 1-D floating-point tensor ``flat`` over the ranks of ``group`` in place, its
     messages at ``bits`` (one of :data:`GRAD_BITS`; module docstring), and return it.
 
-    Collective: every rank calls it with a tensor of the same numel, dtype and ``bits``.
+    Collective: every rank calls it with a tensor of the same numel, dtype and ``bits``;
+    ranks that disagree (or a tensor on the meta device) get the same ValueError on every
+    rank, from one small all_gather of those values before the sum (a host read of it).
     ``seed`` keys the stochastic rounding (vary it per call, e.g. with the step).
     ``row_values``: values per row record (one scale per row; smaller rows follow the
     values more closely and cost 8 bytes each). On one rank (or without a process group)
@@ -109,7 +113,13 @@ def quantized_all_reduce(flat: torch.Tensor, bits: int = 8, *, group=None, seed:
     _check_flat(flat)
     if not (dist.is_available() and dist.is_initialized()):
         return flat
-    if (dist.get_world_size(group) == 1 and not force_wire) or flat.numel() == 0:
+    if dist.get_world_size(group) == 1 and not force_wire:
+        return flat
+    check_same_values({"numel": flat.numel(), "bits": bits, "dtype": flat.dtype, "row_values": int(row_values),
+                       "meta tensor": flat.device.type == "meta"}, group, what="quantized_all_reduce")
+    if flat.device.type == "meta":
+        raise ValueError("quantized_all_reduce: the tensor is on the meta device (no data); pass one on a real device")
+    if flat.numel() == 0:
         return flat
     if bits == 32:
         dist.all_reduce(flat, group=group)
@@ -129,7 +139,8 @@ def quantized_all_reduce_many(flats, bits: int = 8, *, group=None, seeds=None,
     of collectives (each pays a latency), never the bits. ``bits=32`` sums each tensor with
     its own ``dist.all_reduce`` (a ring's summation order follows the layout, so fusing
     tensors would change the last bits). Collective: every rank passes the same numels in
-    the same order. Returns ``flats``."""
+    the same order; ranks that disagree get the same ValueError (one small all_gather
+    first, as :func:`quantized_all_reduce`). Returns ``flats``."""
     bits = _check_args(bits, impl, row_values)
     flats = list(flats)
     seeds = list(range(len(flats))) if seeds is None else [int(s) for s in seeds]
@@ -139,6 +150,12 @@ def quantized_all_reduce_many(flats, bits: int = 8, *, group=None, seeds=None,
         _check_flat(flat)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return flats
+    numels = [f.numel() for f in flats]
+    layout = zlib.crc32(repr([(n, str(f.dtype), f.device.type == "meta") for n, f in zip(numels, flats)]).encode())
+    check_same_values({"tensors": len(flats), "numel": sum(numels), "bits": bits, "row_values": int(row_values),
+                       "numels, dtypes and devices (crc32)": layout}, group, what="quantized_all_reduce_many")
+    if any(f.device.type == "meta" for f in flats):
+        raise ValueError("quantized_all_reduce_many: a tensor on the meta device (no data); every rank holds one")
     if bits == 32:
         for flat in flats:
             if flat.numel():

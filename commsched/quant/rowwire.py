@@ -12,6 +12,11 @@ native CPU kernel, the fused torch path or the Triton kernel run it), so a decod
 within one level step of the value sent (``|x' - x| <= scale = (max - min) / (2^b - 1)`` of
 its row, plus float32 rounding) and its expectation is the value sent (unbiased).
 
+Limits (nothing is read back on the host, so nothing is checked): a row holding NaN or inf
+decodes to NaN or inf; so does a finite row whose range max - min overflows float32
+(values spanning more than about 3.4e38, e.g. +3e38 and -3e38): every value of that row
+comes back NaN, the other rows as usual. The codec's ``quantize()`` refuses both by name.
+
 Keys: each encoded message draws its 32-bit key from the format's own host random stream
 (``random.Random(seed)``): a host integer, so encoding never reads the device; the same
 seed and the same sequence of messages give the same bytes. Give each rank and each layer

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import commsched
 from commsched import (
     A2APlan,
     CommError,
@@ -321,3 +322,56 @@ def test_bench_variants_per_transport():
     assert [n for n, _ in names("auto")] == ["direct", "ring"]
     with pytest.raises(ValueError, match="--transports: 'tcp' is not a transport"):
         names("auto,tcp")
+
+
+def _disagreeing_plans(rank: int, world: int) -> None:
+    """Plans built on each rank, rows or counts that disagree between ranks: the same
+    ValueError on every rank (never an abort inside the backend, nor a peer left waiting),
+    and the ranks stay in step for the next exchange."""
+    ones = A2APlan((1, 1), (1, 1), rank)
+    dtype = torch.float64 if rank == 1 else torch.float32
+    with pytest.raises(ValueError, match=r"different dtypes on different ranks: \{0: 'torch.float32', 1: 'torch.float64'\}"):
+        all_to_all(torch.zeros(2, 4, dtype=dtype), ones)
+    with pytest.raises(ValueError, match=r"rows have different sizes .*\[4, 8\]"):
+        all_to_all_async(torch.zeros(2, 4 + 4 * rank), ones).wait()
+    lie = A2APlan((1, 1), (1, 2), 0) if rank == 0 else ones  # rank 0 expects 2 rows from rank 1
+    with pytest.raises(ValueError, match=r"rank 0 expects to receive \(1, 2\) rows but its peers send \(1, 1\)"):
+        all_to_all(torch.zeros(2, 3), lie)
+    with pytest.raises(ValueError, match=r"rank 1's send counts sum to a different number of rows than its tensor has \(3\)"):
+        all_to_all(torch.zeros(2 + rank, 3), ones)  # rows that do not match the plan, on one rank
+    with pytest.raises(ValueError, match="rank 1 passed a plan made for rank 0"):
+        all_to_all(torch.zeros(2, 3), A2APlan((1, 1), (1, 1), 0))
+    with pytest.raises(ValueError, match="rank 0's send count 0 is not a whole number"):
+        all_to_all(torch.zeros(2, 3), [1.7, 0.3] if rank == 0 else [1, 1])
+    x = torch.zeros(2, 3, device="meta") if rank == 1 else torch.zeros(2, 3)
+    for counts in ([1, 1], ones):
+        with pytest.raises(ValueError, match="rank 1 passed a tensor on the meta device"):
+            all_to_all(x, counts)
+    # a plan made for float32 rows of 3 refuses others before anything is sent
+    bound = commsched.make_plan([1, 1], rows=2, dtype=torch.float32, row_numel=3)
+    with pytest.raises(ValueError, match="made for torch.float32 rows of 3 elements, got torch.float64 rows of 3"):
+        all_to_all(torch.zeros(2, 3, dtype=torch.float64), bound)
+    # a plan made without dtype or row width: its first use checks the rows on every rank
+    free = commsched.make_plan([1, 1], rows=2)
+    with pytest.raises(ValueError, match="different dtypes on different ranks"):
+        all_to_all(torch.zeros(2, 3, dtype=dtype), free)
+    all_to_all(torch.zeros(2, 5), free)  # agreed: bound to float32 rows of 5
+    with pytest.raises(ValueError, match="made for torch.float32 rows of 5 elements, got torch.float32 rows of 3"):
+        all_to_all(torch.zeros(2, 3), free)
+    all_to_all(torch.zeros(2, 5), free.reversed())  # the reverse exchange: rows of the same kind
+    with pytest.raises(ValueError, match="made for torch.float32 rows of 5 elements, got torch.float64 rows of 5"):
+        all_to_all(torch.zeros(2, 5, dtype=torch.float64), free.reversed())
+    x = torch.arange(6.0).view(2, 3) + 10 * rank
+    want = torch.stack([torch.arange(3.0) + 3 * rank, torch.arange(3.0) + 3 * rank + 10])
+    assert torch.equal(all_to_all(x, ones), want)
+    assert torch.equal(all_to_all(x, bound), want)
+
+
+def test_disagreeing_plans_raise_the_same_error_on_every_rank():
+    run_ranks(2, _disagreeing_plans, timeout_s=60, pg_timeout_s=20)
+
+
+def test_plan_counts_must_be_whole_numbers():
+    with pytest.raises(ValueError, match=r"send_counts\[0\] is 1.7: counts are whole numbers"):
+        A2APlan((1.7, 2), (1, 2), 0)
+    assert A2APlan((2.0, 1), (1, 2), 0).send_counts == (2, 1)

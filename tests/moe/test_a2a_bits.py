@@ -81,6 +81,24 @@ def test_quant_rows_format_bound_unbiased_and_shapes():
     assert len({format_seed(s, r) for s in range(4) for r in range(4)}) == 16
 
 
+def test_quant_rows_whose_range_overflows_float32_decode_to_nan():
+    """The documented limit of the row records (no host read): a finite row whose max - min
+    overflows float32 comes back NaN in every value, its neighbours untouched; the codec's
+    quantize() refuses the same row by name."""
+    from commsched.quant import quantize
+
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    x[1, :2] = torch.tensor([3e38, -3e38])
+    q = QuantRows(8, seed=3)
+    y = q.decode(q.encode(x), x.shape[1:], torch.float32)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
+    x[1, :2] = torch.tensor([1.7e38, -1.7e38])  # a span just inside float32: finite
+    assert torch.isfinite(q.decode(q.encode(x), x.shape[1:], torch.float32)).all()
+    x[1, :2] = torch.tensor([3e38, -3e38])
+    with pytest.raises(ValueError, match="float32 range"):
+        quantize(x, 8)
+
+
 def _one_rank_plan(R: int) -> A2APlan:
     return A2APlan((R,), (R,), 0)  # a one-rank exchange: the local copy, no process group
 

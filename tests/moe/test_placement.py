@@ -183,6 +183,8 @@ def test_placement_and_eplb_plan_share_their_load_properties():
     ([float("inf"), 1], r"load_E\[0\] is inf"),
     ([], "empty"),
     ([[1, 2], [3, 4]], "one-dimensional"),
+    ([1e308, 1e308, 1.0], r"sums to more than 1e\+150 \(largest: load_E\[0\] = 1e\+308\)"),
+    ([1e149] * 20, r"sums to more than"),
 ])
 def test_bad_loads(load, match):
     with pytest.raises(ValueError, match=match):

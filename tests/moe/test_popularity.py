@@ -361,6 +361,8 @@ def test_topk_and_overlap():
     assert topk_overlap([1, 2, 3], [1, 2, 3], 3) == 1.0
     with pytest.raises(ValueError, match="differ in shape"):
         topk_overlap([1, 2], [1, 2, 3], 1)
+    with pytest.raises(ValueError, match="load vectors are empty"):
+        topk_overlap([], [], 2)
 
 
 def test_phase2_rule():

@@ -281,3 +281,26 @@ def test_program_regime_and_force_wire():
         err, step = res[r]["wire"]
         assert 0 < err <= step * 1.01  # it went through the 8-bit records
         assert res[r]["exact32"]
+
+
+def _disagreeing_sums(rank: int, world: int) -> None:
+    """A numel, width, dtype or layout that differs on one rank: the same ValueError naming it
+    on every rank (not an abort inside gloo), and the ranks stay in step for the next sum."""
+    with pytest.raises(ValueError, match="quantized_all_reduce: the ranks disagree .*numel: rank 0 has 3000, rank 1 has 3300"):
+        quantized_all_reduce(torch.ones(3000 + 300 * rank), 8)
+    with pytest.raises(ValueError, match="bits: rank 0 has 8, rank 1 has 4"):
+        quantized_all_reduce(torch.ones(3000), 8 if rank == 0 else 4)
+    with pytest.raises(ValueError, match="numel: rank 0 has 5, rank 1 has 0"):
+        quantized_all_reduce(torch.ones(5 * (1 - rank)), 32)  # an empty tensor on one rank alone
+    with pytest.raises(ValueError, match="dtype: rank 0 has torch.float32, rank 1 has torch.float64"):
+        quantized_all_reduce(torch.ones(8, dtype=torch.float64 if rank else torch.float32), 32)
+    with pytest.raises(ValueError, match="meta tensor: rank 0 has False, rank 1 has True"):
+        quantized_all_reduce(torch.ones(8, device="meta" if rank else "cpu"), 8)
+    with pytest.raises(ValueError, match="quantized_all_reduce_many: the ranks disagree .*numels, dtypes"):
+        quantized_all_reduce_many([torch.ones(4), torch.ones(6)] if rank else [torch.ones(6), torch.ones(4)], 8)
+    x = torch.ones(600)
+    assert torch.equal(quantized_all_reduce(x, 32), torch.full((600,), 2.0))
+
+
+def test_disagreeing_ranks_get_the_same_error():
+    run_ranks(2, _disagreeing_sums, timeout_s=60, pg_timeout_s=20)

@@ -83,7 +83,7 @@ def measure(pattern: str, size: int, min_time_s: float, max_iters: int,
     P, me = dist.get_world_size(), dist.get_rank()
     rows = max(1, size // 4)
     counts = [rows] * P
-    plan = A2APlan(tuple(counts), tuple(counts), me)
+    plan = A2APlan(tuple(counts), tuple(counts), me, agreed=True)
     clock, ctl = Clock(device), control_device()
     x = torch.randn(rows * P, 1).to(device)
     all_to_all(x, plan, pattern=pattern, transport=transport)  # warm-up

@@ -99,7 +99,7 @@ def duplex_probe(nbytes: int, repeats: int = 2) -> dict[str, float]:
     x = torch.zeros(max(1, nbytes // 4))
     y = torch.empty_like(x)
     n = x.numel()
-    plan = A2APlan((0, n) if me == 0 else (n, 0), (0, n) if me == 0 else (n, 0), me)
+    plan = A2APlan((0, n) if me == 0 else (n, 0), (0, n) if me == 0 else (n, 0), me, agreed=True)
     rates: dict[str, list[float]] = {"one_way_bps": [], "both_ways_bps": [],
                                      "both_ways_two_connections_bps": []}
     all_to_all(x, plan, transport="duplex")  # connects the reverse group outside the timing

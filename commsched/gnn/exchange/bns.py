@@ -97,7 +97,7 @@ def sample_epoch(book: PartitionBook, rate: float, *, seed: int, epoch: int,
     return BoundarySample(send_pos=torch.from_numpy(cat(send_pos, np.int64)).to(dev),
                           recv_pos=torch.from_numpy(cat(recv_pos, np.int64)).to(dev),
                           send_scale=None if bool((sc == 1.0).all()) else torch.from_numpy(sc).to(dev),
-                          plan=A2APlan(send_k, recv_k, me))
+                          plan=A2APlan(send_k, recv_k, me, agreed=True))
 
 
 class BNSExchange(VanillaExchange):

@@ -114,7 +114,8 @@ class HaloExchange:
         """``ctx``: what the exchange is built for (a bare book: the defaults around it)."""
         self.ctx = ctx = ctx if isinstance(ctx, ExchangeContext) else ExchangeContext(ctx)
         self.book, self.group, self.pattern = ctx.book, ctx.group, ctx.pattern
-        self.plan = A2APlan(self.book.send_counts, self.book.recv_counts, self.book.rank)
+        self.plan = A2APlan(self.book.send_counts, self.book.recv_counts, self.book.rank,
+                            agreed=True)  # the books agree: validate() checks it once
         self.device = torch.device("cpu")
         self.send_idx = torch.from_numpy(self.book.send_idx)
         if ctx.device is not None:

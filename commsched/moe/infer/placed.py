@@ -306,7 +306,7 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
         if meanwhile is not None:
             timed("meanwhile", meanwhile)
         recv_N = rows_PM.sum(axis=1)
-        plan = A2APlan(tuple(int(v) for v in send_N), tuple(int(v) for v in recv_N), rank)
+        plan = A2APlan(tuple(int(v) for v in send_N), tuple(int(v) for v in recv_N), rank, agreed=True)
         x_recv = timed("a2a", all_to_all, x_send, plan, group=group, stats=stats)
         if wait_loaded is not None:
             timed("load_wait", wait_loaded)
@@ -326,7 +326,7 @@ def placed_moe(x_TD: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tenso
         rem_PM[rank] = 0
         send_r, recv_r = send_N.copy(), rem_PM.sum(axis=1)
         send_r[rank] = 0
-        plan = A2APlan(tuple(int(v) for v in send_r), tuple(int(v) for v in recv_r), rank)
+        plan = A2APlan(tuple(int(v) for v in send_r), tuple(int(v) for v in recv_r), rank, agreed=True)
         first_M, last_M = own_split(experts_M, own_M, loading)
         zero = np.zeros_like(own_M)
         idx_f = _on(_blocks(own_M, first_M, zero), dev)

@@ -282,6 +282,9 @@ def topk_overlap(estimated_E, actual_E, k: int) -> float:
     est, act = np.asarray(estimated_E), np.asarray(actual_E)
     if est.shape != act.shape:
         raise ValueError(f"estimated and actual loads differ in shape: {est.shape} vs {act.shape}")
+    if est.size == 0:
+        raise ValueError("topk_overlap: the load vectors are empty; give one load per expert "
+                         "(at least one expert)")
     a, b = topk_experts(est, k), topk_experts(act, k)
     return len(set(a.tolist()) & set(b.tolist())) / a.size
 

@@ -179,7 +179,7 @@ class Runtime:
         if self.device.type != "cpu":  # the backend of the job's device carries it (NCCL: CUDA only)
             mine = mine.to(self.device)
         if self.pipelined:
-            plan = A2APlan((1,) * self.world, (1,) * self.world, self.rank)
+            plan = A2APlan((1,) * self.world, (1,) * self.world, self.rank, agreed=True)
             with comm_guard(f"exchanging expert counts of MoE layer {layer}", self.group):
                 M = all_to_all(mine.unsqueeze(0).expand(self.world, -1), plan, group=self.group).cpu().numpy()
         else:

@@ -252,7 +252,7 @@ def exchange_counts(counts_CE: torch.Tensor, eg: ExpertGroup,
     C, E = counts_CE.shape
     P, L = eg.size, eg.num_local
     send = counts_CE.reshape(C, P, L).permute(1, 0, 2).reshape(P, C * L).contiguous()
-    plan = A2APlan((1,) * P, (1,) * P, eg.rank)
+    plan = A2APlan((1,) * P, (1,) * P, eg.rank, agreed=True)  # eg.validate() checked the layout
     got = all_to_all(send, plan, group=eg.group, observer=observer).reshape(P, C, L)
     g = got.permute(1, 0, 2).tolist()  # [C][P][L]
     return g
@@ -271,7 +271,7 @@ def build_chunk_plans(asg: Assignments, eg: ExpertGroup,
         perm, inv = _regroup(recv[c], asg.token_A.device)
         counts_L = [sum(recv[c][p][j] for p in range(P)) for j in range(L)]
         hi = lo + sum(send_P)
-        plans.append(ChunkPlan(A2APlan(tuple(send_P), tuple(recv_P), eg.rank), lo, hi, recv[c],
+        plans.append(ChunkPlan(A2APlan(tuple(send_P), tuple(recv_P), eg.rank, agreed=True), lo, hi, recv[c],
                                counts_L, perm, inv))
         lo = hi
     return plans
@@ -326,7 +326,7 @@ class _Pipeline:
         parts = [w[pl.send_offsets[p]:pl.send_offsets[p + 1]] for p in range(P) for w, pl in zip(ws, plans)]
         send = parts[0] if len(parts) == 1 else torch.cat(parts)
         both = A2APlan(tuple(sum(pl.send_counts[p] for pl in plans) for p in range(P)),
-                       tuple(sum(pl.recv_counts[p] for pl in plans) for p in range(P)), rank)
+                       tuple(sum(pl.recv_counts[p] for pl in plans) for p in range(P)), rank, agreed=True)
         got = all_to_all_async(send, both, group=self.eg.group, observer=self.observer).wait()
         pieces: list[list[torch.Tensor]] = [[] for _ in plans]
         off = 0

@@ -9,6 +9,10 @@ from typing import Sequence
 
 import numpy as np
 
+# The largest total load the planners take: they sum loads and the squares of device loads
+# in float64 (max about 1.8e308), so a total above 1e150 would overflow those sums.
+MAX_TOTAL_LOAD = 1e150
+
 
 def check_positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -38,6 +42,11 @@ def check_load(load_E: Sequence[float] | np.ndarray, name: str = "load_E") -> np
         e = int(np.flatnonzero(arr < 0)[0])
         raise ValueError(f"{name}[{e}] is {arr[e]}: loads must be >= 0 (token counts or "
                          "expected token counts)")
+    total = float(np.sum(arr, dtype=np.float64)) if np.all(arr <= MAX_TOTAL_LOAD) else math.inf
+    if total > MAX_TOTAL_LOAD:
+        e = int(np.argmax(arr))
+        raise ValueError(f"{name} sums to more than {MAX_TOTAL_LOAD:g} (largest: {name}[{e}] = {arr[e]:g}): "
+                         "loads are token counts; scale them down (only their ratios matter)")
     return arr
 
 
@@ -68,4 +77,4 @@ def check_hosts(device_host: Sequence[int], N: int) -> tuple[int, ...]:
 
 
 
-__all__ = ["check_positive_int", "check_load", "check_sizes", "check_hosts"]
+__all__ = ["MAX_TOTAL_LOAD", "check_positive_int", "check_load", "check_sizes", "check_hosts"]

@@ -68,7 +68,7 @@ class _ObservedAllToAll:
         block = "end" if self.calls % 2 == 0 else "begin"  # dispatch closes the backward block
         self.calls += 1
         split = (x.shape[0] // P,) * P
-        return all_to_all(x.contiguous(), A2APlan(split, split, me), group=group, observer=self.observer,
+        return all_to_all(x.contiguous(), A2APlan(split, split, me, agreed=True), group=group, observer=self.observer,
                           backward_block=block)
 
 
