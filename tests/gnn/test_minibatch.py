@@ -5,10 +5,6 @@ and the command line / the time-to-accuracy bench accepting the mode."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,7 +25,6 @@ from commsched.gnn.graph.sample import (
 from commsched.gnn.train.trainer import TrainConfig, run_training
 from tests.mp import run_ranks
 
-ROOT = Path(__file__).resolve().parents[2]
 SYN = SyntheticSpec(num_nodes=300, num_edges=1500, num_features=8, num_classes=3,
                     communities_per_class=2, signal=0.5, seed=3)
 
@@ -137,20 +132,38 @@ def test_two_ranks_train_in_step():
         assert torch.equal(p, q)
 
 
-@pytest.mark.slow
-def test_cli_and_time_to_accuracy_bench_accept_the_mode(tmp_path):
-    env = {**os.environ, "COMMSCHED_PROGRESS": "0", "PYTHONPATH": str(ROOT)}
-    syn = ["--syn-nodes", "200", "--syn-edges", "800", "--syn-features", "8",
-           "--syn-classes", "3"]
-    out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "commsched.gnn.train", *syn, "--mode", "minibatch",
-                        "--layers", "2", "--hidden", "8", "--epochs", "2", "--fanouts", "5,5",
-                        "--batch-size", "32", "--device", "cpu", "--out", str(out)],
-                       capture_output=True, text=True, env=env, timeout=120)
-    assert p.returncode == 0, p.stderr
-    m = json.loads((out / "metrics.json").read_text())
-    assert m["mode"] == "minibatch" and m["minibatch"]["feature_store_bytes_per_rank"] > 0
-    p = subprocess.run([sys.executable, "-m", "commsched.gnn.train", *syn, "--mode", "vanilla",
-                        "--fanouts", "5,5", "--out", str(tmp_path / "bad")],
-                       capture_output=True, text=True, env=env, timeout=120)
-    assert p.returncode == 2 and "--mode minibatch" in p.stderr and "Traceback" not in p.stderr
+def test_cli_and_time_to_accuracy_bench_accept_the_mode(tmp_path, monkeypatch, capsys):
+    """The bench's variants of ``--modes vanilla,minibatch`` run through the training command
+    line (in this process, one rank) and its time-to-accuracy summary takes them."""
+    import argparse
+
+    from commsched.bench.gnn import compare as bench
+    from commsched.gnn.train.cli import main
+
+    monkeypatch.setenv("COMMSCHED_PROGRESS", "0")
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    a = p.parse_args(["--metric", "time-to-acc", "--modes", "vanilla,minibatch", "--models", "sage",
+                      "--syn-nodes", "200", "--syn-edges", "800", "--epochs", "2", "--hidden", "8",
+                      "--layers", "2"])
+    a.bandwidth = "none"
+    runs = {}
+    for v in bench.variants(a):
+        out = tmp_path / v.name
+        argv = [*v.argv, "--syn-features", "8", "--syn-classes", "3", "--device", "cpu", "--out", str(out)]
+        if v.config.mode == "minibatch":
+            argv += ["--fanouts", "5,5", "--batch-size", "32"]
+        assert main(argv) == 0, capsys.readouterr().err
+        runs[v.name] = [json.loads((out / "metrics.json").read_text())]
+    m = runs["sage-minibatch"][0]
+    assert m["mode"] == "minibatch" and m["minibatch"]["fanouts"] == [5, 5]
+    assert m["minibatch"]["feature_store_bytes_per_rank"] > 200 * 8 * 4
+    assert len(m["val_acc_per_eval"]) == 2
+    s = bench.summarize(runs, a, tmp_path)
+    assert "sage-minibatch" in s["time_to_acc"]["rows"] and "Time to accuracy" in s["extra_tables"]
+    # a minibatch option given to another mode: one line, exit 2
+    capsys.readouterr()
+    assert main(["--syn-nodes", "200", "--syn-edges", "800", "--mode", "vanilla", "--fanouts", "5,5",
+                 "--device", "cpu", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "--mode minibatch" in err and "Traceback" not in err
