@@ -22,6 +22,7 @@ from commsched.gnn.graph.sample import (
     sample_neighbours,
     subgraph_book,
 )
+from commsched.gnn.train.minibatch import run_minibatch
 from commsched.gnn.train.trainer import TrainConfig, run_training
 from tests.mp import run_ranks
 
@@ -92,7 +93,7 @@ def test_one_rank_one_full_batch_equals_vanilla(model, layer_norm):
                        dropout=0.3, layer_norm=layer_norm)
     ref, tr_ref = run_training(base, part)
     mb = base.replace(mode="minibatch", exchange=MiniBatchConfig(fanouts="-1,-1", batch_size=10_000))
-    got, tr = run_training(mb, part, graph=g)
+    got, tr = run_minibatch(mb, part, graph=g)
     assert got["mode"] == "minibatch" and got["minibatch"]["steps_per_epoch"] == 1
     np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-10)
     for (_, p), (_, q) in zip(tr_ref.model.named_parameters(), tr.model.named_parameters()):
@@ -104,10 +105,12 @@ def test_minibatch_refuses_what_it_cannot_train():
     g = synthetic_graph(SYN)
     part = _part1(g)
     cfg = TrainConfig(layers=2, hidden=8, epochs=1, mode="minibatch")
-    with pytest.raises(ValueError, match="replicated"):
+    with pytest.raises(ValueError, match="run_minibatch"):
         run_training(cfg, part)
+    with pytest.raises(ValueError, match="replicated"):
+        run_minibatch(cfg, part, graph=None)
     with pytest.raises(ValueError, match="own layers"):
-        run_training(cfg.replace(model="gat"), part, graph=g)
+        run_minibatch(cfg.replace(model="gat"), part, graph=g)
     with pytest.raises(ValueError, match="--fanouts"):
         TrainConfig(mode="vanilla", exchange=MiniBatchConfig(fanouts="5,5"))
 
@@ -117,7 +120,7 @@ def _two_ranks(rank: int, world: int) -> dict:
     part = make_parts(g, partition_nodes(g, world, "metis", 0), world)[rank]
     cfg = TrainConfig(model="sage", layers=2, hidden=16, epochs=6, lr=0.02, seed=1, dropout=0.0,
                       mode="minibatch", exchange=MiniBatchConfig(fanouts="5,3", batch_size=16))
-    m, tr = run_training(cfg, part, graph=g)
+    m, tr = run_minibatch(cfg, part, graph=g)
     return {"loss": m["loss"], "params": [p.detach().clone() for p in tr.model.parameters()],
             "steps": tr.steps_per_epoch, "seeds": len(tr.seeds), "val": m["val_acc"]}
 

@@ -27,6 +27,9 @@ the step count), so one rank with one batch and every fan-out -1 trains exactly 
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -47,7 +50,7 @@ from ..graph.sample import (
 from ..nn.layers import LocalGraph
 from ..nn.models import LAYERS, FastLayer
 from ..timing import Breakdown
-from .trainer import TrainConfig, Trainer
+from .trainer import TrainConfig, Trainer, run_training
 
 _SALT = 0x6D42  # the sampler's stream, apart from other uses of the run's seed
 
@@ -166,4 +169,12 @@ class MiniBatchTrainer(Trainer):
                               "feature_store_bytes_per_rank": self.store_bytes}}
 
 
-__all__ = ["MiniBatchTrainer", "feature_store_bytes"]
+def run_minibatch(cfg: TrainConfig, part: PartData, *, graph: Graph, **kw: Any
+                  ) -> tuple[dict[str, Any], MiniBatchTrainer]:
+    """:func:`~commsched.gnn.train.trainer.run_training` of a ``--mode minibatch`` run:
+    ``graph`` is the whole graph every rank holds (``part`` one of its parts), ``kw`` the
+    other arguments of ``run_training``. Collective."""
+    return run_training(cfg, part, trainer=functools.partial(MiniBatchTrainer, graph=graph), **kw)
+
+
+__all__ = ["MiniBatchTrainer", "feature_store_bytes", "run_minibatch"]

@@ -567,7 +567,7 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
                  exchange: HaloExchange | None = None,
                  device: torch.device | str | None = None,
                  hosts_P: Sequence[str] | None = None,
-                 graph: Any = None) -> tuple[dict[str, Any], Trainer]:
+                 trainer: Callable[..., Trainer] | None = None) -> tuple[dict[str, Any], Trainer]:
     """Train ``cfg.epochs`` epochs (continuing from ``out_dir/checkpoint.pt`` when
     ``resume``; with ``cfg.checkpoint_every`` K > 0 it is written every K epochs and after
     the last one, whatever the epoch count); return (metrics, trainer), metrics being :class:`GNNMetrics` as the dict
@@ -576,16 +576,18 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
     passes the device ``init_distributed`` chose). ``hosts_P`` (the host of every rank)
     adds ``bytes_per_epoch_by_class``: the median over epochs of the bytes sent between
     ranks on one host (``intra``) and on different hosts (``inter``), all ranks summed.
-    ``graph``: the whole graph of which ``part`` is a part, which a mode that samples
-    mini-batches from it (``cfg.exchange.sampled``: ``minibatch``) trains with its own
-    trainer (:class:`commsched.gnn.train.minibatch.MiniBatchTrainer`)."""
+    ``trainer``: makes the rank's trainer from (cfg, part, group=, exchange=, device=)
+    (default :class:`Trainer`; a mode that samples mini-batches from the whole graph,
+    ``cfg.exchange.sampled``, runs through
+    :func:`commsched.gnn.train.minibatch.run_minibatch`, which passes its own)."""
     t_start = time.perf_counter()
-    if cfg.exchange.sampled:
-        from .minibatch import MiniBatchTrainer
-
-        tr: Trainer = MiniBatchTrainer(cfg, part, graph=graph, group=group, exchange=exchange, device=device)
-    else:
-        tr = Trainer(cfg, part, group=group, exchange=exchange, device=device)
+    if trainer is None:
+        if cfg.exchange.sampled:
+            raise ValueError(f"--mode {cfg.mode} samples mini-batches from the whole graph, which "
+                             "every rank holds: train it with commsched.gnn.train.minibatch."
+                             "run_minibatch(cfg, part, graph=GRAPH, ...)")
+        trainer = Trainer
+    tr = trainer(cfg, part, group=group, exchange=exchange, device=device)
     tr.setup_s = time.perf_counter() - t_start
     try:
         return _run(tr, cfg, part, out_dir, resume, progress, dataset, extra, on_epoch, hosts_P, t_start)
