@@ -27,8 +27,8 @@ import numpy as np
 
 from .book import PartitionBook
 
-# the fan-outs of torch_geometric's examples (examples/graph_sage_unsup.py, ogbn_products_sage.py,
-# reddit.py: [25, 10]; [15, 10, 5] for three layers), by layer count
+# the fan-outs of torch_geometric's examples, by layer count (examples/reddit.py: [25, 10] for
+# two layers; examples/ogbn_products_sage.py: [15, 10, 5] for three; both batches of 1024)
 DEFAULT_FANOUTS = {1: (10,), 2: (25, 10), 3: (15, 10, 5)}
 DEFAULT_BATCH_SIZE = 1024  # the batch size of those examples
 ALL = -1  # a fan-out keeping every neighbour
