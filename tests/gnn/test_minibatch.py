@@ -170,3 +170,15 @@ def test_cli_and_time_to_accuracy_bench_accept_the_mode(tmp_path, monkeypatch, c
                  "--device", "cpu", "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert "--mode minibatch" in err and "Traceback" not in err
+
+
+def test_resumed_run_draws_and_trains_as_the_uninterrupted_one(tmp_path):
+    g = synthetic_graph(SYN)
+    part = _part1(g)
+    cfg = TrainConfig(model="sage", layers=2, hidden=8, epochs=4, dtype="float64", seed=3,
+                      mode="minibatch", exchange=MiniBatchConfig(fanouts="4,2", batch_size=40))
+    whole, _ = run_minibatch(cfg, part, graph=g)
+    run_minibatch(cfg.replace(epochs=2, checkpoint_every=1), part, graph=g, out_dir=tmp_path)
+    resumed, _ = run_minibatch(cfg.replace(checkpoint_every=1), part, graph=g, out_dir=tmp_path, resume=True)
+    assert whole["minibatch"]["steps_per_epoch"] > 1
+    assert resumed["loss"] == whole["loss"]
