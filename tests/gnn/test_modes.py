@@ -61,9 +61,10 @@ def test_mode_table_builds_each_modes_exchange(parts):
     _, ps = parts
     book = ps[0].book  # rank 0 of 2; building an exchange needs no process group
     assert MODE_NAMES == ("vanilla", "adaqp", "adaqp-q", "adaqp-p", "uniform", "random", "nocomm",
-                          "onebit", "pipegcn", "bns", "adaptive")
+                          "onebit", "pipegcn", "bns", "adaptive", "minibatch")
     want = {"vanilla": (VanillaExchange, False), "adaqp-p": (VanillaExchange, True),
-            "pipegcn": (PipeGCNExchange, True), "bns": (BNSExchange, False)}
+            "pipegcn": (PipeGCNExchange, True), "bns": (BNSExchange, False),
+            "minibatch": (VanillaExchange, False)}  # minibatch: the full-graph evaluation's
     for mode in MODE_NAMES:
         ex = make_exchange(mode, book, config=AdaQPConfig(bits=4), seed=3, norm="mean")
         if mode in want:
@@ -82,6 +83,7 @@ def test_mode_table_builds_each_modes_exchange(parts):
             assert type(ex) is AdaQPExchange and (ex.scheme, ex.overlap) == (spec.scheme, spec.overlap)
             assert ex.norm == "mean" and ex.seed == 3 and ex.opt.bits == 4
     assert [m for m, s in MODES.items() if s.timing_only] == ["nocomm"]
+    assert [m for m, s in MODES.items() if s.sampled] == ["minibatch"]
     with pytest.raises(ValueError, match="--mode fast is not known"):
         make_exchange("fast", book)
     with pytest.raises(ValueError, match="edge normalisation"):

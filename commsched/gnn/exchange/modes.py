@@ -18,6 +18,10 @@ pipegcn    PipeGCNConfig (stale.py)     full precision in the background; traini
                                         last epoch's halo rows and gradients (PipeGCN)
 bns        BNSConfig (bns.py)           full-precision rows of a random ``--boundary-rate``
                                         share of the boundary nodes per epoch (BNS-GCN)
+minibatch  MiniBatchConfig              no halo rows in training: sampled mini-batches
+                                        from a replicated graph, gradients averaged
+                                        (:mod:`commsched.gnn.train.minibatch`); evaluation
+                                        full-graph, as vanilla
 =========  ===========================  ==============================================
 
 A mode is one :class:`ExchangeConfig` subclass and one entry in :data:`MODES` (a
@@ -65,6 +69,7 @@ from ...quant.reference import BITS
 from ...quant.widths.joint import parse_techniques
 from ..context import ExchangeContext
 from ..graph.book import PartitionBook
+from ..graph.sample import DEFAULT_BATCH_SIZE, default_fanouts, parse_fanouts
 from .adaptive import AdaptiveExchange
 from .adaqp import AdaQPExchange
 from .adaqp_plan import LINK_COST_SOURCES
@@ -89,6 +94,9 @@ class ExchangeConfig(Config):
 
     timing_only: ClassVar[bool] = False
     quantized: ClassVar[bool] = False
+    # trains on sampled mini-batches of a graph every rank holds whole (the trainer of
+    # commsched.gnn.train.minibatch); the exchange serves the full-graph evaluation
+    sampled: ClassVar[bool] = False
 
     def check_run(self, mode: str, *, pattern: str = "direct", mixed: bool = False) -> None:
         """The checks that involve the rest of the run (a ValueError naming the flags)."""
@@ -326,13 +334,51 @@ class BNSConfig(ExchangeConfig):
         return BNSExchange(ctx, self)
 
 
+_MB = "--fanouts and --batch-size are options of --mode minibatch, not of --mode {mode}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MiniBatchConfig(ExchangeConfig):
+    """``minibatch``: data-parallel mini-batch training with neighbour sampling
+    (:class:`commsched.gnn.train.minibatch.MiniBatchTrainer`): ``fanouts`` (``--fanouts``,
+    neighbours per node and hop from the seeds outwards, -1 all; empty: by layer count,
+    :data:`~commsched.gnn.graph.sample.DEFAULT_FANOUTS`), ``batch_size`` (``--batch-size``,
+    seeds per rank and step). Its exchange (Vanilla's) serves the full-graph evaluation."""
+
+    fanouts: str = option("", "--mode minibatch: neighbours sampled per node at each hop, from "
+                          "the seeds outwards, comma-separated, -1 every neighbour (default by "
+                          "--layers: 25,10 for 2, 15,10,5 for 3)", flag="--fanouts", foreign=_MB)
+    batch_size: int = option(DEFAULT_BATCH_SIZE, "--mode minibatch: seed nodes per rank and step",
+                             flag="--batch-size", foreign=_MB)
+
+    sampled: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        parse_fanouts(self.fanouts)
+        check(not isinstance(self.batch_size, bool) and isinstance(self.batch_size, int)
+              and self.batch_size >= 1, f"--batch-size must be an integer >= 1, got {self.batch_size!r}")
+
+    def fanouts_for(self, layers: int) -> tuple[int, ...]:
+        """The fan-out of every hop of an ``layers``-layer model (a ValueError when
+        ``--fanouts`` gives another number of hops)."""
+        got = parse_fanouts(self.fanouts)
+        if not got:
+            return default_fanouts(layers)
+        check(len(got) == layers, f"--fanouts gives {len(got)} hop(s) ({self.fanouts}) for "
+              f"--layers {layers}: give one fan-out per layer")
+        return got
+
+    def build(self, ctx) -> HaloExchange:
+        return VanillaExchange(ctx)
+
+
 def _registry() -> Registry[type[ExchangeConfig]]:
     reg: Registry[type[ExchangeConfig]] = Registry("mode")
     for name, cls in (("vanilla", VanillaConfig), ("adaqp", AdaQPConfig), ("adaqp-q", AdaQPQConfig),
                       ("adaqp-p", AsyncVanillaConfig), ("uniform", UniformConfig),
                       ("random", RandomConfig), ("nocomm", ZeroConfig), ("onebit", OneBitConfig),
                       ("pipegcn", PipeGCNConfig), ("bns", BNSConfig),
-                      ("adaptive", AdaptiveConfig)):
+                      ("adaptive", AdaptiveConfig), ("minibatch", MiniBatchConfig)):
         reg.register(name, cls)
     return reg
 
@@ -435,6 +481,6 @@ def recorded_options(cfg: ExchangeConfig) -> dict[str, dict[str, Any]]:
 
 
 __all__ = ["MODES", "MODE_NAMES", "RECORDED", "AdaQPConfig", "AdaQPQConfig", "AdaptiveConfig", "AsyncVanillaConfig",
-           "BNSConfig", "ExchangeConfig", "OneBitConfig", "PipeGCNConfig", "RandomConfig",
+           "BNSConfig", "ExchangeConfig", "MiniBatchConfig", "OneBitConfig", "PipeGCNConfig", "RandomConfig",
            "UniformConfig", "VanillaConfig", "ZeroConfig", "full_precision_modes", "make_exchange",
            "mode_config", "mode_name", "mode_spec", "modes_copy", "option_owners", "recorded_options", "resolve_config"]

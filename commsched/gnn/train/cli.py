@@ -46,6 +46,7 @@ from ..graph.partition import (
     make_parts,
     partition_nodes,
 )
+from .minibatch import run_minibatch
 from .trainer import TrainConfig, run_training
 
 CLI_DEFAULTS = {"device": "auto"}  # the flags' defaults that are not the config's
@@ -209,9 +210,14 @@ def _run(a: argparse.Namespace, ready: dict[str, Any], flags: dict[str, object] 
     # metrics.json's "partition" is the per-rank books; how they were made goes beside it
     extra = {k: v for k, v in info.items() if k != "partition"}
     extra["partitioning"] = info["partition"]
-    metrics, _ = run_training(cfg, part, out_dir=a.out, resume=a.resume,
-                              progress=read_env().progress, dataset=part.name, extra=extra,
-                              device=device, hosts_P=hosts_P)
+    run, graph = run_training, {}
+    if cfg.exchange.sampled:  # a replicated feature store: every rank loads the whole graph
+        if src is None:
+            raise ValueError(f"--mode {cfg.mode} keeps the whole graph on every rank: give the graph "
+                             "(--dataset, --graph or the synthetic flags) beside --partition-dir")
+        run, graph = run_minibatch, {"graph": load_source(src)}
+    metrics, _ = run(cfg, part, out_dir=a.out, resume=a.resume, progress=read_env().progress,
+                     dataset=part.name, extra=extra, device=device, hosts_P=hosts_P, **graph)
     if rank == 0:
         print(f"{metrics['mode']} {metrics['model']} on {metrics['dataset']} x{metrics['world_size']}: "
               f"loss {metrics['loss'][-1] if metrics['loss'] else float('nan'):.4f}, "

@@ -460,6 +460,10 @@ class Trainer:
         self.epoch += 1
         return loss_all
 
+    def report(self) -> dict[str, Any]:
+        """The trainer's own entries for metrics.json (none here; a subclass adds its own)."""
+        return {}
+
     def _step_ended(self, timings: dict | None) -> None:
         if timings is not None:
             self.last_schedule = timings  # the gradient scheduler's timings of the last step that ended
@@ -607,7 +611,8 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
                  on_epoch: Callable[[Trainer], None] | None = None,
                  exchange: HaloExchange | None = None,
                  device: torch.device | str | None = None,
-                 hosts_P: Sequence[str] | None = None) -> tuple[dict[str, Any], Trainer]:
+                 hosts_P: Sequence[str] | None = None,
+                 trainer: Callable[..., Trainer] | None = None) -> tuple[dict[str, Any], Trainer]:
     """Train ``cfg.epochs`` epochs (continuing from ``out_dir/checkpoint.pt`` when
     ``resume``; with ``cfg.checkpoint_every`` K > 0 it is written every K epochs and after
     the last one, whatever the epoch count); return (metrics, trainer), metrics being :class:`GNNMetrics` as the dict
@@ -615,9 +620,19 @@ def run_training(cfg: TrainConfig, part: PartData, *, out_dir: str | os.PathLike
     ``group`` calls it. ``device``: where to train (default: :func:`run_device`; the CLI
     passes the device ``init_distributed`` chose). ``hosts_P`` (the host of every rank)
     adds ``bytes_per_epoch_by_class``: the median over epochs of the bytes sent between
-    ranks on one host (``intra``) and on different hosts (``inter``), all ranks summed."""
+    ranks on one host (``intra``) and on different hosts (``inter``), all ranks summed.
+    ``trainer``: makes the rank's trainer from (cfg, part, group=, exchange=, device=)
+    (default :class:`Trainer`; a mode that samples mini-batches from the whole graph,
+    ``cfg.exchange.sampled``, runs through
+    :func:`commsched.gnn.train.minibatch.run_minibatch`, which passes its own)."""
     t_start = time.perf_counter()
-    tr = Trainer(cfg, part, group=group, exchange=exchange, device=device)
+    if trainer is None:
+        if cfg.exchange.sampled:
+            raise ValueError(f"--mode {cfg.mode} samples mini-batches from the whole graph, which "
+                             "every rank holds: train it with commsched.gnn.train.minibatch."
+                             "run_minibatch(cfg, part, graph=GRAPH, ...)")
+        trainer = Trainer
+    tr = trainer(cfg, part, group=group, exchange=exchange, device=device)
     tr.setup_s = time.perf_counter() - t_start
     try:
         return _run(tr, cfg, part, out_dir, resume, progress, dataset, extra, on_epoch, hosts_P, t_start)
@@ -679,7 +694,7 @@ def _run(tr: Trainer, cfg: TrainConfig, part: PartData, out_dir, resume: bool, p
     # the exchange's entries, with what its work cost over this invocation (rank 0's wall clock)
     run = tr.halo.run_report(wall_s=time.perf_counter() - t_start, first_epoch=e0,
                              epoch_time_s_RE=[r["epoch_time_s"] for r in per_rank])
-    extra = {**(extra or {}), **run, "device": str(tr.device)}
+    extra = {**(extra or {}), **run, **tr.report(), "device": str(tr.device)}
     if tr.emulated is not None:
         extra["emulated"] = emulated_report(cfg, tr.emulated.clock.model.name,
                                             [r["emulated"] for r in per_rank],
