@@ -27,7 +27,7 @@ _EXPORTS: dict[str, str] = {
     "fit_link_cost": "cluster.costmodel",
     "probe_link_costs": "cluster.costmodel",
     "CommError": "dist",
-    "check_same_config": "dist",
+    "check_same_config": "agree",
     "init_distributed": "dist",
     "LaneEvent": "comm.lanes",
     "Lanes": "comm.lanes",

@@ -290,7 +290,9 @@ import importlib, json, pkgutil, sys
 from commsched._lazy import OPTIONAL
 import commsched
 for m in pkgutil.walk_packages(commsched.__path__, "commsched."):
-    if m.name != "commsched.kernels.quant":  # the Triton kernels themselves (the gpu extra)
+    # the modules that are an extra's feature themselves: the Triton kernels (gpu) and the
+    # transformers models (hf; without it its import names the extra)
+    if m.name not in ("commsched.kernels.quant", "commsched.moe.hf"):
         importlib.import_module(m.name)
 import commsched.cli, commsched.kernels.cpu
 print(json.dumps(sorted(top for top in OPTIONAL if top in sys.modules)))

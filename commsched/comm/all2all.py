@@ -43,8 +43,8 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from ..agree import DTYPE_CODES as _DTYPE_CODES
 from ..clock import Clock
-from ..dist import DTYPE_CODES as _DTYPE_CODES
 from ..dist import CommError, comm_guard
 from .observe import A2AObserver, A2AReport, check_observer
 from .plan import A2APlan, _agree, make_plan

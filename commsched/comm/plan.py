@@ -13,8 +13,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..dist import CODE_DTYPES as _CODE_DTYPES
-from ..dist import DTYPE_CODES as _DTYPE_CODES
+from ..agree import CODE_DTYPES as _CODE_DTYPES
+from ..agree import DTYPE_CODES as _DTYPE_CODES
 from ..dist import comm_guard, control_device
 
 # header status codes (one per rank, all-gathered so every rank raises the same error)

@@ -41,8 +41,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..agree import check_same_config
 from ..comm.lanes import Lanes
-from ..dist import check_same_config, comm_guard
+from ..dist import comm_guard
 from ..priority.ddp import check_ddp, set_grad_group
 from ..priority.runtime.executor import LOCAL
 from .model.dispatch import ExpertGroup, MoEWires, ep_moe, format_seed, moe_wires

@@ -46,7 +46,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ..dist import check_same_values
+from ..agree import check_same_values
 from .codec import IMPLS, decode_records, encode_records
 from .rowwire import format_seed
 from .wire import BITS, record_bytes

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
+from commsched.agree import check_same_config, config_digest
 from commsched.cli import main as cli_main
 from commsched.config import DEFAULT_TIMEOUT_S, read_env
-from commsched.dist import check_same_config, config_digest
 from tests.mp import run_ranks
 
 
@@ -72,7 +72,7 @@ def test_a_differing_flag_is_named_before_the_settings_it_changes():
 
 
 def test_mismatch_message_lists_every_differing_flag_then_a_few_settings():
-    from commsched.dist import mismatch_message
+    from commsched.agree import mismatch_message
 
     c0 = {"train": {"mode": "vanilla", **{f"k{i}": 0 for i in range(6)}}}
     c1 = {"train": {"mode": "adaqp", **{f"k{i}": 1 for i in range(6)}}}

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from commsched.dist import LIVENESS_WAIT_MAX_S, config_differences
+from commsched.agree import config_differences
+from commsched.dist import LIVENESS_WAIT_MAX_S
 from tests.mp import assert_case, run_cases, run_ranks
 from tests.priority import sched_of
 

@@ -771,7 +771,7 @@ def test_ranks_may_bind_the_reduction_to_their_own_host_address():
     """On emulated hosts every host binds the reduction to its own address in the link
     class's subnet (``--reduce-address {caddr1}``): the cross-rank check compares only
     whether an address is set, and every other field as before."""
-    from commsched.dist import config_digest
+    from commsched.agree import config_digest
     from commsched.moe.train.trainer import _comparable
     from commsched.priority.policy import LinaConfig
 

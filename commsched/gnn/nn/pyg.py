@@ -59,9 +59,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..._lazy import require
+from ...agree import check_same_config
 from ...clock import Clock
 from ...comm.all2all import CommStats
-from ...dist import check_same_config, comm_guard
+from ...dist import comm_guard
 from ...quant.allreduce import check_grad_bits, quantized_all_reduce
 from ..context import ExchangeContext, PassContext
 from ..exchange.halo import HaloExchange

@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Any, Sequence
 
+from ...agree import check_same_config
 from ...cluster.topology import Topology
 from ...config import read_env
 from ...configurable import (
@@ -26,13 +27,7 @@ from ...configurable import (
     from_arguments,
     parse_args,
 )
-from ...dist import (
-    check_same_config,
-    claim_run_folder,
-    cli_main,
-    init_distributed,
-    scatter_object,
-)
+from ...dist import claim_run_folder, cli_main, init_distributed, scatter_object
 from ...priority.policy import SCHEDULES
 from ..exchange.modes import MODES, mode_config
 from ..graph.data import GraphSource, load_source

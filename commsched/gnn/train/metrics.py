@@ -145,4 +145,46 @@ def summarize(cfg: Any, loss: Sequence[float], evals: Sequence[dict], per_rank: 
     )
 
 
-__all__ = ["AUC_BINS", "GNNMetrics", "auc_from_histograms", "auc_histograms", "summarize"]
+def bytes_by_class(sent_RES: Sequence[Sequence[Sequence[int]]], hosts_P: Sequence[str]) -> dict[str, float]:
+    """{"intra": bytes, "inter": bytes}: the median over epochs of the bytes all ranks sent
+    to peers on their own host / on another host. ``sent_RES[r][e][p]``: bytes rank r sent
+    to rank p in epoch e; ``hosts_P[r]``: the host of rank r. Only the classes of the
+    layout appear (intra when a host has 2+ ranks, inter when there are 2+ hosts)."""
+    P = len(hosts_P)
+    if len(sent_RES) != P:
+        raise ValueError(f"bytes_by_class: {len(sent_RES)} ranks' bytes for {P} hosts_P entries")
+    E = min((len(r) for r in sent_RES), default=0)
+    out: dict[str, float] = {}
+    for cls, same in (("intra", True), ("inter", False)):
+        pairs = [(a, b) for a in range(P) for b in range(P)
+                 if a != b and (hosts_P[a] == hosts_P[b]) == same]
+        if pairs:
+            out[cls] = float(median([sum(sent_RES[a][e][b] for a, b in pairs) for e in range(E)])) if E else 0.0
+    return out
+
+
+def emulated_report(cfg: Any, model_name: str, epochs_RE: Sequence[Sequence[Sequence[float]]],
+                    epoch_time_s_RE: Sequence[Sequence[float]], *, setup_s: float) -> dict[str, Any]:
+    """metrics.json's ``emulated`` entry of a ``--compute emulated`` run: the device model,
+    the dilation k, each rank's host CPU share over its timed epochs (CPU seconds / wall
+    seconds, :class:`~commsched.cluster.device.HostCPU`), its median device busy time per
+    epoch, and the epoch time (the median over epochs of the slowest rank) with its
+    prediction on the real cluster (measured / k); ``host_cpu_share_per_epoch``: each
+    epoch's largest share over the ranks. ``epochs_RE[r][e]``: rank r's (host CPU s, wall
+    s, device busy s) of epoch e."""
+    k = cfg.dilation
+    share = [sum(e[0] for e in r) / max(sum(e[1] for e in r), 1e-12) for r in epochs_RE]
+    busy = [float(median([e[2] for e in r]) or 0.0) for r in epochs_RE]
+    E = min((len(r) for r in epoch_time_s_RE), default=0)
+    epoch = float(median([max(r[e] for r in epoch_time_s_RE) for e in range(E)]) or 0.0) if E else 0.0
+    per_epoch = [max(r[e][0] / max(r[e][1], 1e-12) for r in epochs_RE) for e in range(E)] if epochs_RE else []
+    return {"device_model": model_name, "dilation": k, "host_cpu_share_per_rank": share,
+            "host_cpu_share_max": max(share, default=0.0), "host_cpu_share_per_epoch": per_epoch,
+            "device_busy_s_per_epoch_per_rank": busy,
+            "device_busy_share_max": max(busy, default=0.0) / epoch if epoch > 0 else 0.0,
+            "epoch_time_s": epoch, "predicted_epoch_time_s": epoch / k,
+            "setup_s": setup_s}
+
+
+__all__ = ["AUC_BINS", "GNNMetrics", "auc_from_histograms", "auc_histograms", "bytes_by_class",
+           "emulated_report", "summarize"]

@@ -34,8 +34,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...agree import check_same_config
 from ...comm.all2all import CommStats
-from ...dist import all_gather_object, check_same_config
+from ...dist import all_gather_object
 from ..context import ExchangeContext, PassContext
 from ..exchange.halo import VanillaExchange
 from ..graph.data import Graph, graph_fingerprint

@@ -50,7 +50,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -61,21 +60,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ...agree import check_replicas, check_same_config, config_digest
 from ...clock import Clock
-from ...cluster.device import DeviceClock, HostCPU, load_device_model
+from ...cluster.device import DeviceClock, HostCPU, load_device_model, peak_rss_mib
 from ...comm.all2all import CommStats
 from ...configurable import Config, option
-from ...dist import (
-    DEVICE_CHOICES,
-    RunGroups,
-    all_gather_object,
-    barrier,
-    check_replicas,
-    check_same_config,
-    comm_guard,
-    config_digest,
-    group_device,
-)
+from ...dist import DEVICE_CHOICES, RunGroups, all_gather_object, barrier, comm_guard, group_device
 from ...priority.policy import SCHEDULES, FlatConfig, ScheduleConfig
 from ...priority.runtime.buckets import LOCAL
 from ...priority.step import GradStep, make_grad_step
@@ -87,7 +77,6 @@ from ...results import (
     OutputError,
     Progress,
     load_torch_file,
-    median,
     read_error,
     save_torch,
     tensor_digests,
@@ -102,7 +91,14 @@ from ..nn.layers import DistMessagePassing
 from ..nn.models import LAYERS, FastLayer
 from ..nn.pyg import DistGraph, _world, allreduce_grads
 from ..timing import Breakdown
-from .metrics import GNNMetrics, auc_from_histograms, auc_histograms, summarize
+from .metrics import (
+    GNNMetrics,
+    auc_from_histograms,
+    auc_histograms,
+    bytes_by_class,
+    emulated_report,
+    summarize,
+)
 
 COMPUTE = ("real", "emulated")
 # fields added after checkpoints were first written, with the value an older record means
@@ -274,29 +270,6 @@ def run_device(cfg: TrainConfig, group=None) -> torch.device:
     """The device of a run with ``cfg`` on ``group``: :func:`commsched.dist.group_device`
     of ``cfg.device`` (``auto`` stays on the CPU on a group without NCCL)."""
     return group_device(cfg.device, group)
-
-
-def bytes_by_class(sent_RES: Sequence[Sequence[Sequence[int]]], hosts_P: Sequence[str]) -> dict[str, float]:
-    """{"intra": bytes, "inter": bytes}: the median over epochs of the bytes all ranks sent
-    to peers on their own host / on another host. ``sent_RES[r][e][p]``: bytes rank r sent
-    to rank p in epoch e; ``hosts_P[r]``: the host of rank r. Only the classes of the
-    layout appear (intra when a host has 2+ ranks, inter when there are 2+ hosts)."""
-    P = len(hosts_P)
-    if len(sent_RES) != P:
-        raise ValueError(f"bytes_by_class: {len(sent_RES)} ranks' bytes for {P} hosts_P entries")
-    E = min((len(r) for r in sent_RES), default=0)
-    out: dict[str, float] = {}
-    for cls, same in (("intra", True), ("inter", False)):
-        pairs = [(a, b) for a in range(P) for b in range(P)
-                 if a != b and (hosts_P[a] == hosts_P[b]) == same]
-        if pairs:
-            out[cls] = float(median([sum(sent_RES[a][e][b] for a, b in pairs) for e in range(E)])) if E else 0.0
-    return out
-
-
-def peak_rss_mib() -> float:
-    """Peak resident memory of this process (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 class Trainer:
@@ -579,29 +552,6 @@ class Trainer:
             err = all_gather_object(err, "agreeing that the checkpoint was written", self.group)[0]
         if err is not None:
             raise OutputError(err if self.rank == 0 else f"rank 0: {err}")
-
-
-def emulated_report(cfg: TrainConfig, model_name: str, epochs_RE: Sequence[Sequence[Sequence[float]]],
-                    epoch_time_s_RE: Sequence[Sequence[float]], *, setup_s: float) -> dict[str, Any]:
-    """metrics.json's ``emulated`` entry of a ``--compute emulated`` run: the device model,
-    the dilation k, each rank's host CPU share over its timed epochs (CPU seconds / wall
-    seconds, :class:`~commsched.cluster.device.HostCPU`), its median device busy time per
-    epoch, and the epoch time (the median over epochs of the slowest rank) with its
-    prediction on the real cluster (measured / k); ``host_cpu_share_per_epoch``: each
-    epoch's largest share over the ranks. ``epochs_RE[r][e]``: rank r's (host CPU s, wall
-    s, device busy s) of epoch e."""
-    k = cfg.dilation
-    share = [sum(e[0] for e in r) / max(sum(e[1] for e in r), 1e-12) for r in epochs_RE]
-    busy = [float(median([e[2] for e in r]) or 0.0) for r in epochs_RE]
-    E = min((len(r) for r in epoch_time_s_RE), default=0)
-    epoch = float(median([max(r[e] for r in epoch_time_s_RE) for e in range(E)]) or 0.0) if E else 0.0
-    per_epoch = [max(r[e][0] / max(r[e][1], 1e-12) for r in epochs_RE) for e in range(E)] if epochs_RE else []
-    return {"device_model": model_name, "dilation": k, "host_cpu_share_per_rank": share,
-            "host_cpu_share_max": max(share, default=0.0), "host_cpu_share_per_epoch": per_epoch,
-            "device_busy_s_per_epoch_per_rank": busy,
-            "device_busy_share_max": max(busy, default=0.0) / epoch if epoch > 0 else 0.0,
-            "epoch_time_s": epoch, "predicted_epoch_time_s": epoch / k,
-            "setup_s": setup_s}
 
 
 # --------------------------------------------------------------------------- a whole run

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from ... import dist as cdist
+from ...agree import check_same_config
 from ...clock import Clock
 from ...cluster.device import HostCPU, peak_rss_mib
 from ...cluster.topology import Topology
 from ...config import read_env
-from ...dist import check_same_config
 from ...results import Progress
 from .config import InferConfig, job_device
 from .drivers import build

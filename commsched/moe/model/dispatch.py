@@ -64,6 +64,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ...agree import check_same_config
 from ...comm.all2all import (
     BF16,
     A2APlan,
@@ -77,7 +78,6 @@ from ...comm.all2all import (
 )
 from ...comm.lanes import Lanes
 from ...comm.observe import A2AObserver, A2AReport
-from ...dist import check_same_config
 from ...quant.rowwire import QuantRows, format_seed
 from .experts import ExpertFFN, expert_apply
 from .router import Routing

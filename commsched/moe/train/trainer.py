@@ -73,19 +73,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
+from ...agree import check_replicas, check_same_config
 from ...clock import Clock
 from ...comm.observe import A2AEvents, A2AObserver
 from ...config import read_env
-from ...dist import (
-    RunGroups,
-    all_gather_object,
-    barrier,
-    check_replicas,
-    check_same_config,
-    comm_guard,
-    control_device,
-    group_device,
-)
+from ...dist import RunGroups, all_gather_object, barrier, comm_guard, control_device, group_device
 from ...priority.hier import HierGroups, make_hier
 from ...priority.policy import MicroOpConfig, SerialConfig
 from ...priority.runtime.executor import LOCAL, GradScheduler
