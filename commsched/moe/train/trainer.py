@@ -68,7 +68,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -185,7 +185,8 @@ def _comparable(cfg: TrainConfig, resume: bool) -> dict:
 def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = None,
           device: torch.device | str | None = None, resume: bool = False,
           on_step: Callable[[int], None] | None = None,
-          topology: Topology | None = None) -> tuple[TrainMetrics, dict[str, torch.Tensor]]:
+          topology: Topology | None = None,
+          flags: dict[str, Any] | None = None) -> tuple[TrainMetrics, dict[str, torch.Tensor]]:
     """Run training on the initialised default process group; returns the metrics (the same
     on all ranks) and this rank's final ``state_dict`` (on the CPU). Rank 0 writes
     ``out/metrics.json`` and ``out/timeline.json`` when ``out`` is given. ``device``: this
@@ -197,6 +198,9 @@ def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = 
     steps and after the last; ``resume`` continues from those files, and the run ends
     bitwise equal (parameters, losses) to one that was never interrupted. ``on_step(k)``
     is called after step k (1-based) completed and its checkpoint, if any, was written.
+    ``flags``: the command line the rank was started with
+    (:func:`commsched.configurable.flag_values`); a configuration that differs between
+    ranks names the differing flags first.
 
     ``topology``: the ranks' hosts for ``cfg.schedule.hier_reduce`` (default:
     ``Topology.from_env()``, collective); with one host or one rank per host the reduction
@@ -212,7 +216,7 @@ def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = 
         raise ValueError("--resume is an option of --impl commsched; DeepSpeed's runs are not checkpointed here")
     if (cfg.checkpoint_every or resume) and out is None:
         raise ValueError("--checkpoint-every and --resume need an output folder (out) for the checkpoints")
-    check_same_config(_comparable(cfg, resume), what="training configuration")
+    check_same_config(_comparable(cfg, resume), what="training configuration", flags=flags)
     ep = cfg.ep_size or dist.get_world_size()
     # the emulated device computes nothing, so it reads no text
     corpus = None if cfg.emulated else load_corpus(cfg.corpus, max_bytes=cfg.max_corpus_bytes)
