@@ -150,6 +150,7 @@ class TrainConfig(Config):
                 raise ValueError("--compute emulated is a GPU emulated on the CPU: use --device cpu (or auto)")
             if self.checkpoint_every:
                 raise ValueError("--checkpoint-every: an emulated run has no weights to save (--compute emulated)")
+            load_device_model(self.device_model)  # an unknown name or a bad file, before any work
         if self.checkpoint_every and self.impl != "commsched":
             raise ValueError("--checkpoint-every is an option of --impl commsched; DeepSpeed's runs "
                              "are not checkpointed here")
