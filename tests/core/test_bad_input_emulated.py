@@ -93,6 +93,15 @@ def test_the_emulated_device_on_cuda_is_refused(front):
     _one_line(str(e.value))
 
 
+@pytest.mark.parametrize("front", ["gnn", "moe-train"])
+@pytest.mark.parametrize("flag", [["--dilation", "2"], ["--device-model", "h100"]])
+def test_emulation_options_without_the_emulated_device_are_refused(front, flag):
+    cli = _front(front)
+    a = cli.build_parser().parse_args(["--compute", "real", *flag, "--out", "x"])
+    with pytest.raises(ValueError, match=r"^--device-model and --dilation are options of --compute emulated$"):
+        cli.config_from_args(a)
+
+
 # --------------------------------------------------------------------------- the front-ends' CLIs
 @pytest.mark.parametrize("front", list(FRONTS))
 def test_the_cli_refuses_a_bad_device_model_before_any_rank_or_folder(front, tmp_path, monkeypatch, capsys):

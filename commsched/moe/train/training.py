@@ -151,6 +151,8 @@ class TrainConfig(Config):
             if self.checkpoint_every:
                 raise ValueError("--checkpoint-every: an emulated run has no weights to save (--compute emulated)")
             load_device_model(self.device_model)  # an unknown name or a bad file, before any work
+        elif self.device_model != "a100" or self.dilation != 1.0:  # not silently ignored
+            raise ValueError("--device-model and --dilation are options of --compute emulated")
         if self.checkpoint_every and self.impl != "commsched":
             raise ValueError("--checkpoint-every is an option of --impl commsched; DeepSpeed's runs "
                              "are not checkpointed here")
