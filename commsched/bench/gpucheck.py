@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 
+from .._lazy import OPTIONAL
 from ..results import write_json
 from .gpucheck_onerank import PATH_CHECKS, RECORD_WIDTHS, check_nccl, check_paths  # noqa: F401 (re-exported)
 
@@ -82,9 +83,23 @@ class _Skip(Exception):
     """A section that cannot run here, and why."""
 
 
+# the tools of the test suite: the ``test`` extra installs them
+TEST_TOOLS = ("pytest",)
+
+
+def not_installed(module: str) -> str:
+    """Why a section that needs ``module`` is skipped: the package is not installed, and the
+    extra of commsched that installs it (:data:`commsched._lazy.OPTIONAL`; the test tools:
+    ``test``)."""
+    top = module.partition(".")[0]
+    extra = OPTIONAL[top][1] if top in OPTIONAL else ("test" if top in TEST_TOOLS else None)
+    how = f"; install it with pip install 'commsched[{extra}]'" if extra else ""
+    return f"{module} is not installed{how}"
+
+
 def _needs(module: str) -> None:
     if importlib.util.find_spec(module) is None:
-        raise _Skip(f"{module} is not installed")
+        raise _Skip(not_installed(module))
 
 
 # --------------------------------------------------------------------------- kernels
@@ -253,7 +268,7 @@ def check_frontends(device: torch.device, quick: bool, out: Path, timeout_s: flo
                          f"{', '.join(CPU_QUICK_RUNS)}); it runs on CUDA and in the CPU's full plan"}
             continue
         if dep is not None and importlib.util.find_spec(dep) is None:
-            res[name] = {"status": "skipped", "reason": f"{dep} is not installed"}
+            res[name] = {"status": "skipped", "reason": not_installed(dep)}
             continue
         left = end - time.monotonic()
         if left < 5:

@@ -38,23 +38,44 @@ README_END = "<!-- results: end -->"
 PENDING = "pending"
 
 
+def read_json(path: str | Path, what: str) -> Any:
+    """The JSON in the file ``path`` (``what`` it is, for the error): one ValueError line
+    naming the file when it cannot be read or is not JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"{what} {path}: cannot read it ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{what} {path}: not readable JSON ({e})") from None
+
+
 def load(path: str | Path = DEFAULT_DATA) -> dict:
-    """The data file as a dict; a clear ValueError when it is not the expected shape."""
-    data = json.loads(Path(path).read_text())
-    check(data)
+    """The data file as a dict; a clear ValueError naming the file when it cannot be read,
+    is not JSON or is not the expected shape."""
+    data = read_json(path, "results data")
+    try:
+        check(data)
+    except ValueError as e:
+        raise ValueError(str(e).replace("results data:", f"results data {path}:", 1)) from None
     return data
 
 
 def check(data: Mapping) -> None:
     """Reject a data file that would render wrongly: sections without rows, rows without an
     id, headline or command, duplicate ids, a figure that is not a number or null."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"results data: expected a JSON object with 'sections', got {type(data).__name__}")
     if not isinstance(data.get("sections"), list) or not data["sections"]:
         raise ValueError("results data: 'sections' must be a non-empty list")
     seen: set[str] = set()
-    for s in data["sections"]:
+    for i, s in enumerate(data["sections"]):
+        if not isinstance(s, Mapping):
+            raise ValueError(f"results data: section {i} must be an object, got {type(s).__name__}")
         for key in ("id", "title", "rows"):
             if key not in s:
                 raise ValueError(f"results data: a section lacks {key!r}")
+        if not isinstance(s["rows"], list) or not all(isinstance(r, Mapping) for r in s["rows"]):
+            raise ValueError(f"results data: section {s['id']!r}: 'rows' must be a list of objects")
         for r in s["rows"]:
             for key in ("id", "headline", "command"):
                 if not r.get(key):
@@ -238,12 +259,14 @@ def import_summary(data: dict, row_id: str, summary: Mapping) -> dict:
 
 
 def write_all(data: Mapping, page: Path, readme: Path | None) -> list[Path]:
-    page.write_text(render_page(data))
-    written = [page]
+    """Write the page and the README's block; both are rendered first, so a README that
+    cannot take the block (no markers) leaves both files as they were."""
+    texts = {page: render_page(data)}
     if readme is not None and readme.exists():
-        readme.write_text(splice_readme(readme.read_text(), render_readme_block(data)))
-        written.append(readme)
-    return written
+        texts[readme] = splice_readme(readme.read_text(), render_readme_block(data))
+    for f, text in texts.items():
+        f.write_text(text)
+    return list(texts)
 
 
 def stale(data: Mapping, page: Path, readme: Path | None) -> list[str]:
@@ -277,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.from_summary or a.row:
             if not (a.from_summary and a.row):
                 raise ValueError("--from-summary and --row go together")
-            r = import_summary(data, a.row, json.loads(a.from_summary.read_text()))
+            r = import_summary(data, a.row, read_json(a.from_summary, "summary"))
             a.data.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
             print(f"commsched results: row {a.row} = {_num(r['figure'])}{r.get('unit', '')} "
                   f"(met: {r.get('met')}) from {a.from_summary}")
@@ -296,4 +319,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["DEFAULT_DATA", "DEFAULT_PAGE", "README_BEGIN", "README_END", "check", "figure_text", "find_row",
-           "import_summary", "load", "lookup", "main", "render_page", "render_readme_block", "splice_readme", "stale"]
+           "import_summary", "load", "lookup", "main", "read_json", "render_page", "render_readme_block", "splice_readme", "stale"]

@@ -180,7 +180,7 @@ def _agree(send_counts, *, group, rows, dtype, row_numel, recv_counts, device,
             _NEGATIVE: lambda r: f"rank {r} gave a negative send count",
             _ROWS: lambda r: f"rank {r}'s send counts sum to a different number of rows than its tensor has ({int(M[r, 4])})",
             _BAD_RECV: lambda r: f"rank {r} gave recv_counts of the wrong length, negative or not whole numbers",
-            _FRACTION: lambda r: f"rank {r}'s send count {int(M[r, 5])} is not a whole number of rows",
+            _FRACTION: lambda r: f"rank {r}'s send count for rank {int(M[r, 5])} is not a whole number of rows",
             _META: lambda r: f"rank {r} passed a tensor on the meta device (no data): pass rows on a real device",
             _BAD_RANK: lambda r: f"rank {r} passed a plan made for rank {int(M[r, 6])}",
         }

@@ -252,10 +252,13 @@ def expert_parallel(model: nn.Module, group=None, *, a2a_bits: int = 32, observe
     :class:`ExpertParallelExperts` stops its comm lane). Collective: every rank of the
     group calls it with the same model layout and options.
 
-    Raises ValueError (on every rank) for a model with no supported block, an unsupported
+    Raises TypeError for a ``model`` that is not a module, ValueError (on every rank) for a
+    model with no supported block, a model made expert-parallel already, an unsupported
     block (naming its class), a block whose experts do not split evenly over the group, or
     ranks whose models differ.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expert_parallel takes a transformers model (a torch.nn.Module), got {type(model).__name__}")
     size, rank = _group_size_rank(group)
     dc = DispatchConfig(chunks=chunks, pipeline=pipeline, a2a_bits=a2a_bits)  # bad options: refused here
     moe_wires(a2a_bits)

@@ -200,3 +200,18 @@ def test_gpucheck_refuses_cuda_without_a_gpu(tmp_path, capsys):
         pytest.skip("this machine has CUDA")
     assert gpucheck.main(["--out", str(tmp_path), "--device", "cuda"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_a_missing_package_names_the_extra_that_installs_it(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m in ("deepspeed", "pytest") else real(m, *a))
+    ds = [r for r in gpucheck.frontend_runs(torch.device("cpu"), False, tmp_path) if r[3] == "deepspeed"]
+    monkeypatch.setattr(gpucheck, "frontend_runs", lambda *a: ds)
+    res = gpucheck.check_frontends(torch.device("cpu"), False, tmp_path)
+    assert res["moe-train-deepspeed"] == {
+        "status": "skipped", "reason": "deepspeed is not installed; install it with pip install 'commsched[moe]'"}
+    with pytest.raises(gpucheck._Skip, match=r"^pytest is not installed; install it with pip install 'commsched\[test\]'$"):
+        gpucheck._needs("pytest")
+    assert gpucheck.not_installed("somepkg") == "somepkg is not installed"  # not an extra of commsched

@@ -127,3 +127,53 @@ def test_cli_imports_a_row_and_checks(tmp_path, data):
                     "--row", "moe-best-vs-fifo"]) == 2
     with pytest.raises(KeyError, match="have: gcn-adaptive, gcn-vanilla"):
         rp.lookup(json.loads(path.read_text()), "time_to_acc/rows/gcn-onebit/reached")
+
+
+def _bad_results_files(d: Path) -> dict[str, tuple[list[str], str]]:
+    """argv tails of `commsched results` that cannot work, each with its one error line."""
+    good = d / "good.json"
+    good.write_text(DATA.read_text())
+    (d / "trunc.json").write_text('{"sections": ')
+    (d / "list.json").write_text("[1]")
+    (d / "rows.json").write_text('{"sections": [{"id": "s", "title": "S", "rows": 5}]}')
+    (d / "section.json").write_text('{"sections": [5]}')
+    (d / "plain.md").write_text("no markers here\n")
+    row = ["--row", "gnn-adaptive-syn-300mbit"]
+    return {
+        "missing data": (["--data", str(d / "nope.json")], f"results data {d / 'nope.json'}: cannot read it "
+                                                           "(No such file or directory)"),
+        "truncated data": (["--data", str(d / "trunc.json")], f"results data {d / 'trunc.json'}: not readable JSON"),
+        "data not an object": (["--data", str(d / "list.json")], f"results data {d / 'list.json'}: expected a "
+                                                                 "JSON object with 'sections', got list"),
+        "rows not a list": (["--data", str(d / "rows.json")], f"results data {d / 'rows.json'}: section 's': "
+                                                              "'rows' must be a list of objects"),
+        "section not an object": (["--data", str(d / "section.json")], "section 0 must be an object, got int"),
+        "data is a folder": (["--data", str(d)], f"results data {d}: cannot read it (Is a directory)"),
+        "missing summary": (["--data", str(good), "--from-summary", str(d / "none.json"), *row],
+                            f"summary {d / 'none.json'}: cannot read it (No such file or directory)"),
+        "truncated summary": (["--data", str(good), "--from-summary", str(d / "trunc.json"), *row],
+                              f"summary {d / 'trunc.json'}: not readable JSON"),
+        "summary not an object": (["--data", str(good), "--from-summary", str(d / "list.json"), *row],
+                                  "no item 'time_to_acc' in a list of 1"),
+        "unknown row": (["--data", str(good), "--from-summary", str(d / "list.json"), "--row", "nope"],
+                        "no row 'nope' in the results data; rows: gnn-adaptive-syn-300mbit"),
+        "summary without row": (["--data", str(good), "--from-summary", str(d / "list.json")],
+                                "--from-summary and --row go together"),
+        "README without markers": (["--data", str(good), "--readme", str(d / "plain.md")],
+                                   "README has no results markers"),
+    }
+
+
+def test_cli_bad_files_are_one_line_exit_2_and_change_nothing(tmp_path, capsys):
+    d = tmp_path / "in"
+    d.mkdir()
+    cases = _bad_results_files(d)
+    before = {f: f.read_bytes() for f in d.iterdir()}
+    page = tmp_path / "results.md"
+    for name, (argv, says) in cases.items():
+        assert rp.main([*argv, "--out", str(page)]) == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith("commsched results: ") and says in err, (name, err)
+        assert err.count("\n") == 1 and "Traceback" not in err, (name, err)
+        assert {f: f.read_bytes() for f in d.iterdir()} == before, name  # the data file is left as it was
+    assert not page.exists()  # nothing rendered from bad input

@@ -71,6 +71,36 @@ def test_a_differing_flag_is_named_before_the_settings_it_changes():
         assert "--epochs" not in m  # the same on both ranks
 
 
+def _moe_flag_mismatch(rank, world, front):
+    from commsched.configurable import flag_values
+
+    if front == "train":
+        from commsched.moe.train.cli import build_parser, config_from_args
+        from commsched.moe.train.trainer import train as go
+        argv = ["--schedule", "fifo" if rank == 0 else "serial", "--steps", "3", "--out", "x"]
+    else:
+        from commsched.moe.infer.cli import build_parser, config_from_args
+        from commsched.moe.infer.loop import run as go
+        argv = ["--placement", "static" if rank == 0 else "lina", "--batches", "3", "--out", "x"]
+    p = build_parser()
+    a = p.parse_args(argv)
+    try:
+        go(config_from_args(a), None, device="cpu", flags=flag_values(p, a))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front", ["train", "infer"])
+def test_moe_fronts_name_a_differing_flag_first(front):
+    flag, v0, v1 = ("--schedule", "fifo", "serial") if front == "train" else ("--placement", "static", "lina")
+    for m in run_ranks(2, _moe_flag_mismatch, front, timeout_s=60):
+        assert m is not None and "ranks [1]" in m, m
+        assert m.index(f"differing flags: {flag}: rank 0 has {v0!r}, rank 1 has {v1!r}") < m.index("settings"), m
+        assert "--out" not in m and "--steps" not in m and "--batches" not in m  # the same on both ranks
+
+
 def test_mismatch_message_lists_every_differing_flag_then_a_few_settings():
     from commsched.agree import mismatch_message
 

@@ -228,3 +228,41 @@ def test_without_transformers_the_import_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     with pytest.raises(ImportError, match=r"pip install commsched\[hf\]"):
         import commsched.moe.hf  # noqa: F401
+
+
+def test_misuse_in_one_process_is_one_clear_error():
+    model = hf.expert_parallel(_build("mixtral", seed=1))
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp is already expert-parallel; "
+                                         r"model\.layers\.1\.mlp is already expert-parallel$"):
+        hf.expert_parallel(model)  # twice on one model
+    for call in (lambda: hf.expert_parallel(_build("mixtral", seed=1), group=object()),
+                 lambda: hf.gather_state_dict(model, group=object())):
+        with pytest.raises(ValueError, match="a process group was given but torch.distributed is not initialised"):
+            call()
+    sd = _build("mixtral", seed=1).state_dict()
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    with pytest.raises(ValueError, match=rf"^{key} in the state dict has shape \(7, 32, 32\), the model's "
+                                         r"experts need \(8, 32, 32\)"):
+        hf.load_state_dict(model, {**sd, key: sd[key][:-1]})  # one expert short
+    with pytest.raises(TypeError, match="expert_parallel takes a transformers model .*got str"):
+        hf.expert_parallel("mixtral")
+    with pytest.raises(ValueError, match="chunks must be a positive integer, got -1"):
+        hf.expert_parallel(_build("mixtral", seed=1), chunks=-1)
+
+
+def _foreign_group(rank: int, world: int) -> str:
+    """Experts split over a one-rank group, gathered over the world: refused on every rank
+    before any collective (no hang)."""
+    import torch.distributed as dist
+
+    mine = [dist.new_group([r]) for r in range(world)][rank]
+    model = hf.expert_parallel(_build("mixtral", seed=1), group=mine)
+    with pytest.raises(ValueError) as e:
+        hf.gather_state_dict(model)
+    return str(e.value)
+
+
+@pytest.mark.slow
+def test_gathering_over_a_group_that_is_not_the_models_is_refused_on_every_rank():
+    for msg in run_ranks(2, _foreign_group, timeout_s=120):
+        assert msg == "model.layers.0.mlp.experts is expert-parallel over 1 ranks, the group given has 2", msg

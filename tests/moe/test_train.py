@@ -861,3 +861,30 @@ def test_a_diverged_run_warns_stops_and_writes_strict_json(tmp_path):
     assert len(msgs) == 1  # the same step on every rank
     (msg,) = msgs
     assert "the training loss was not finite for 5 steps in a row" in msg and "lower --lr (now 1e+06)" in msg
+
+
+def _deepspeed_diverged(rank: int, world: int) -> dict:
+    """--impl deepspeed --lr 1e6: the baseline's loop has the same guard as commsched's."""
+    import contextlib
+    import dataclasses
+    import io
+
+    from commsched.results import NONFINITE_STOP_AFTER, DivergedError
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    cfg = dataclasses.replace(_cfg(world, "fifo", impl="deepspeed", k=1, steps=4 + NONFINITE_STOP_AFTER + 3),
+                              lr=1e6)
+    err = io.StringIO()
+    with pytest.raises(DivergedError) as e, contextlib.redirect_stderr(err):
+        train(cfg, None, progress=True)
+    return {"msg": str(e.value), "warned": err.getvalue().count("warning: the training loss is ")}
+
+
+@pytest.mark.slow
+def test_a_diverged_deepspeed_run_stops_on_every_rank_at_the_same_step():
+    pytest.importorskip("deepspeed")
+    res = run_ranks(2, _deepspeed_diverged, timeout_s=240)
+    assert len({r["msg"] for r in res}) == 1, res  # the same step on every rank
+    assert "the training loss was not finite for 5 steps in a row" in res[0]["msg"] and "lower --lr (now 1e+06)" in res[0]["msg"]
+    assert [r["warned"] for r in res] == [1, 0]  # rank 0 warns, once

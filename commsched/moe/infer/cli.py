@@ -24,7 +24,14 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ...configurable import add_arguments, cli_fields, config_of, from_arguments, parse_args
+from ...configurable import (
+    add_arguments,
+    cli_fields,
+    config_of,
+    flag_values,
+    from_arguments,
+    parse_args,
+)
 from ...dist import cli_main, init_distributed
 from ...results import dumps_json, prepare_out
 from ..record.traces import SyntheticTraceConfig
@@ -94,12 +101,13 @@ def config_from_args(a: argparse.Namespace) -> InferConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = parse_args(build_parser(), argv)
+    p = build_parser()
+    a = parse_args(p, argv)
     ready: dict[str, Path] = {}  # the run folder, once made (a FAILED marker goes there, not before)
-    return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
+    return cli_main(PROG, lambda: _run(a, ready, flag_values(p, a)), out=lambda: ready.get("out"))
 
 
-def _run(a: argparse.Namespace, ready: dict[str, Path]) -> int:
+def _run(a: argparse.Namespace, ready: dict[str, Path], flags: dict | None = None) -> int:
     cfg = config_from_args(a)
     torch.set_num_threads(1)
     info = init_distributed(device=cfg.device_choice)  # ValueError: --device cuda without (enough) GPUs
@@ -108,7 +116,7 @@ def _run(a: argparse.Namespace, ready: dict[str, Path]) -> int:
     if cfg.device == "auto" and cfg.compute == "emulated" and info.rank == 0 and torch.cuda.is_available():
         print("commsched.moe.infer: --compute emulated runs on the CPU (the emulated accelerator); "
               "--compute real computes on the GPU", file=sys.stderr, flush=True)
-    m = run(cfg, a.out, device=info.device)
+    m = run(cfg, a.out, device=info.device, flags=flags)
     if dist.get_rank() == 0:
         print(dumps_json({k: m[k] for k in ("placement", "world_size", "latency_ms", "model_latency_ms",
                                              "imbalance", "estimation_accuracy", "replan_rate")}), flush=True)

@@ -7,6 +7,7 @@ the strategies and planners from their registries).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +45,8 @@ class EmulationConfig(Config):
     def __post_init__(self) -> None:
         if self.us_per_row < 0 or self.load_ms < 0:
             raise ValueError("--us-per-row and --load-ms must be >= 0")
-        if not self.dilation > 0:
-            raise ValueError(f"--dilation must be > 0, got {self.dilation}")
+        if not (self.dilation > 0 and math.isfinite(self.dilation)):
+            raise ValueError(f"--dilation must be a finite number > 0, got {self.dilation}")
         if self.device_model is None and self.dilation != 1.0:
             raise ValueError("--dilation scales a GPU model's times: give --device-model too")
         if self.device_model is not None:

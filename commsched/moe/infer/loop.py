@@ -29,14 +29,16 @@ from .runtime import Runtime, row_cost
 
 
 def run(cfg: InferConfig, out: Path | None = None, *, group=None, device: torch.device | None = None,
-        return_outputs: bool = False) -> dict:
+        return_outputs: bool = False, flags: dict | None = None) -> dict:
     """Run inference on the initialised process group; every rank returns the metrics
     (the dict ``metrics.json`` holds). ``device``: where this rank computes (default:
     :func:`job_device`; the CLI passes the device ``init_distributed`` chose).
     ``return_outputs`` adds this rank's final outputs per batch under ``"outputs"`` (on
-    the device; tests compare them with the single-process model)."""
+    the device; tests compare them with the single-process model). ``flags``: the command
+    line (:func:`commsched.configurable.flag_values`), whose differing flags a configuration
+    that differs between ranks names first."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    check_same_config(dataclasses.asdict(cfg), group, what="inference configuration")
+    check_same_config(dataclasses.asdict(cfg), group, what="inference configuration", flags=flags)
     dev = torch.device(device) if device is not None else job_device(cfg, group)
     t_wall = time.perf_counter()
     topo = Topology.from_env(group)  # the hosts of the ranks (one all_gather of host names)

@@ -26,7 +26,14 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ...configurable import add_arguments, cli_fields, config_of, from_arguments, parse_args
+from ...configurable import (
+    add_arguments,
+    cli_fields,
+    config_of,
+    flag_values,
+    from_arguments,
+    parse_args,
+)
 from ...dist import barrier, claim_run_folder, cli_main, init_distributed
 from ...priority.policy import SCHEDULES, ScheduleConfig
 from ...results import dumps_json
@@ -85,17 +92,18 @@ def _runtime(a: argparse.Namespace) -> tuple[ScheduleConfig, DeepSpeedConfig]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = parse_args(build_parser(), argv)
+    p = build_parser()
+    a = parse_args(p, argv)
     # the run folder once made (a FAILED marker goes there, not before) and rank 0's lock on it
     ready: dict[str, Any] = {}
     try:
-        return cli_main(PROG, lambda: _run(a, ready), out=lambda: ready.get("out"))
+        return cli_main(PROG, lambda: _run(a, ready, flag_values(p, a)), out=lambda: ready.get("out"))
     finally:
         if ready.get("lock") is not None:  # the folder is free for the next run
             ready["lock"].release()
 
 
-def _run(a: argparse.Namespace, ready: dict[str, Any]) -> int:
+def _run(a: argparse.Namespace, ready: dict[str, Any], flags: dict[str, Any] | None = None) -> int:
     cfg = config_from_args(a)
     # ValueError: --device cuda where it cannot run; the emulated device runs on the CPU
     info = init_distributed(device=cfg.run_device)
@@ -104,7 +112,7 @@ def _run(a: argparse.Namespace, ready: dict[str, Any]) -> int:
     ready["out"] = a.out
     if info.device.type == "cpu":
         torch.set_num_threads(1)  # ranks share the host's cores
-    m = train(cfg, a.out, device=info.device, resume=a.resume)[0].to_dict()
+    m = train(cfg, a.out, device=info.device, resume=a.resume, flags=flags)[0].to_dict()
     if dist.get_rank() == 0:
         line = {k: m[k] for k in ("impl", "schedule", "world_size", "step_time_s", "a2a_time_s",
                                   "allreduce_time_s", "a2a_alone_time_s", "val_loss")}

@@ -31,7 +31,7 @@ from ...results import Progress
 from ..model.data import Corpus
 from ..model.layer import MoELayer
 from ..model.lm import MoETransformerLM
-from .training import TrainConfig, a2a_payload_bytes, evaluate, to_device
+from .training import TrainConfig, a2a_payload_bytes, evaluate, loss_guard, to_device
 
 
 class DeepSpeedMoEFFN(nn.Module):
@@ -180,6 +180,7 @@ def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
     rows: list[dict] = []
     seen: set[str] = set()
     clock = Clock(device)  # host clock on the CPU, CUDA events on CUDA
+    guard = loss_guard(cfg, bar, rank)  # a diverged run warns once and stops, as commsched's runtime does
 
     def comm_times() -> tuple[float, float]:
         """Seconds in all-to-all and in other collectives since the last call, from the
@@ -211,6 +212,7 @@ def train_deepspeed(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress,
         rows.append({"step_s": sec(t0, t3), "fwd_s": sec(t0, t1), "bwd_s": sec(t1, t2), "loss": ce.item(),
                      "a2a_s": a2a, "a2a_inflight_s": a2a, "allreduce_s": other,
                      "allreduce_wait_s": sec(t2, t3)})
+        guard(step + 1, rows[-1]["loss"])
         bar.update(1)
         bar.postfix(loss=f"{ce.item():.3f}", step_s=f"{sec(t0, t3):.2f}")
     engine.eval()

@@ -68,7 +68,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -77,14 +77,14 @@ from ...agree import check_replicas, check_same_config
 from ...clock import Clock
 from ...comm.observe import A2AEvents, A2AObserver
 from ...config import read_env
-from ...dist import RunGroups, all_gather_object, barrier, comm_guard, control_device, group_device
+from ...dist import RunGroups, all_gather_object, barrier, group_device
 from ...priority.hier import HierGroups, make_hier
 from ...priority.policy import MicroOpConfig, SerialConfig
 from ...priority.runtime.executor import LOCAL, GradScheduler
 from ...priority.step import make_grad_step
 from ...quant.allreduce import CompressedLauncher
 from ...quant.rowwire import format_seed
-from ...results import DivergenceGuard, OutputError, Progress, tensor_digest, write_json
+from ...results import OutputError, Progress, tensor_digest, write_json
 from ..model.data import Corpus, load_corpus
 from ..model.dispatch import ExpertGroup
 from ..model.experts import is_expert_param
@@ -96,6 +96,7 @@ from .training import (
     TrainMetrics,
     autocast,
     evaluate,
+    loss_guard,
     sizes,
     summarize,
     to_device,
@@ -185,7 +186,8 @@ def _comparable(cfg: TrainConfig, resume: bool) -> dict:
 def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = None,
           device: torch.device | str | None = None, resume: bool = False,
           on_step: Callable[[int], None] | None = None,
-          topology: Topology | None = None) -> tuple[TrainMetrics, dict[str, torch.Tensor]]:
+          topology: Topology | None = None,
+          flags: dict[str, Any] | None = None) -> tuple[TrainMetrics, dict[str, torch.Tensor]]:
     """Run training on the initialised default process group; returns the metrics (the same
     on all ranks) and this rank's final ``state_dict`` (on the CPU). Rank 0 writes
     ``out/metrics.json`` and ``out/timeline.json`` when ``out`` is given. ``device``: this
@@ -197,6 +199,9 @@ def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = 
     steps and after the last; ``resume`` continues from those files, and the run ends
     bitwise equal (parameters, losses) to one that was never interrupted. ``on_step(k)``
     is called after step k (1-based) completed and its checkpoint, if any, was written.
+    ``flags``: the command line the rank was started with
+    (:func:`commsched.configurable.flag_values`); a configuration that differs between
+    ranks names the differing flags first.
 
     ``topology``: the ranks' hosts for ``cfg.schedule.hier_reduce`` (default:
     ``Topology.from_env()``, collective); with one host or one rank per host the reduction
@@ -212,7 +217,7 @@ def train(cfg: TrainConfig, out: Path | None = None, *, progress: bool | None = 
         raise ValueError("--resume is an option of --impl commsched; DeepSpeed's runs are not checkpointed here")
     if (cfg.checkpoint_every or resume) and out is None:
         raise ValueError("--checkpoint-every and --resume need an output folder (out) for the checkpoints")
-    check_same_config(_comparable(cfg, resume), what="training configuration")
+    check_same_config(_comparable(cfg, resume), what="training configuration", flags=flags)
     ep = cfg.ep_size or dist.get_world_size()
     # the emulated device computes nothing, so it reads no text
     corpus = None if cfg.emulated else load_corpus(cfg.corpus, max_bytes=cfg.max_corpus_bytes)
@@ -485,19 +490,7 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
 
     host = None
     t_first = None
-    # a diverged run (the loss NaN or infinite) warns once and stops, on every rank at the same step
-    guard = DivergenceGuard("step", say=(lambda m: bar.write(f"commsched: {m}")) if rank == 0 else None,
-                            hint=f"lower --lr (now {cfg.lr:g})")
-
-    def agreed_loss(step: int, loss: float | None) -> float | None:
-        """The mean over the ranks of step ``step``'s loss (one small all-reduce; non-finite on
-        any rank, non-finite here): the same number on every rank."""
-        if loss is None:  # the emulated device computes no loss (on every rank)
-            return None
-        t = torch.tensor([loss], dtype=torch.float64, device=control_device())
-        with comm_guard(f"allreduce of the loss of step {step}"):
-            dist.all_reduce(t)
-        return float(t.item()) / dist.get_world_size()
+    guard = loss_guard(cfg, bar, rank)
 
     def comm_row(st: dict) -> dict:
         return {"a2a_s": st["a2a_blocked_s"], "a2a_inflight_s": st["a2a_time_s"],
@@ -536,7 +529,7 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
                          **(comm_row(st) if st is not None else {})})
             if step == tl_step and st is not None:
                 timeline = _timeline_dicts(opt.records)
-            guard.check(step + 1, agreed_loss(step + 1, rows[-1]["loss"]))
+            guard(step + 1, rows[-1]["loss"])
             if ckpt:
                 _save_state(cfg, out, step + 1, ep, model, opt, rows, device,
                             grad_keys=None if launcher is None else launcher.state_dict(),

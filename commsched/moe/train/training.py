@@ -10,17 +10,17 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from ...cluster.device import load_device_model
 from ...configurable import Config, check, option
-from ...dist import DEVICE_CHOICES
+from ...dist import DEVICE_CHOICES, comm_guard, control_device
 from ...priority.policy import LinaConfig, OverlapPolicy, ScheduleConfig
 from ...quant.allreduce import DEFAULT_BATCH_BYTES, GRAD_BITS
-from ...results import Record, median
+from ...results import DivergenceGuard, Record, median
 from ..model.data import Corpus
 from ..model.experts import is_expert_param
 from ..model.layer import DispatchConfig
@@ -150,6 +150,9 @@ class TrainConfig(Config):
                 raise ValueError("--compute emulated is a GPU emulated on the CPU: use --device cpu (or auto)")
             if self.checkpoint_every:
                 raise ValueError("--checkpoint-every: an emulated run has no weights to save (--compute emulated)")
+            load_device_model(self.device_model)  # an unknown name or a bad file, before any work
+        elif self.device_model != "a100" or self.dilation != 1.0:  # not silently ignored
+            raise ValueError("--device-model and --dilation are options of --compute emulated")
         if self.checkpoint_every and self.impl != "commsched":
             raise ValueError("--checkpoint-every is an option of --impl commsched; DeepSpeed's runs "
                              "are not checkpointed here")
@@ -288,6 +291,26 @@ def evaluate(model, corpus: Corpus, cfg: TrainConfig, device: torch.device | Non
 
 
 # --------------------------------------------------------------------------- summary
+def loss_guard(cfg: TrainConfig, bar: Any, rank: int) -> Callable[[int, float | None], None]:
+    """The divergence guard of a training loop, either implementation: call it after step k
+    (1-based) with this rank's loss (None: none computed, on every rank). The loss is
+    averaged over the ranks (one small all-reduce; non-finite on any rank, non-finite), so a
+    diverged run (the loss NaN or infinite) warns once on rank 0 through ``bar`` and stops
+    with :class:`commsched.results.DivergedError` on every rank at the same step."""
+    guard = DivergenceGuard("step", say=(lambda m: bar.write(f"commsched: {m}")) if rank == 0 else None,
+                            hint=f"lower --lr (now {cfg.lr:g})")
+
+    def check_loss(step: int, loss: float | None) -> None:
+        if loss is not None:  # the emulated device computes no loss
+            t = torch.tensor([loss], dtype=torch.float64, device=control_device())
+            with comm_guard(f"allreduce of the loss of step {step}"):
+                dist.all_reduce(t)
+            loss = float(t.item()) / dist.get_world_size()
+        guard.check(step, loss)
+
+    return check_loss
+
+
 def summarize(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> TrainMetrics:
     """The metrics of a run from every rank's results (in rank order)."""
     world = len(per_rank)
@@ -385,5 +408,5 @@ def _emulation_summary(cfg: TrainConfig, per_rank: list[dict], step_time_s: floa
     }
 
 
-__all__ = ["COMPUTES", "DTYPES", "DeepSpeedConfig", "FOREIGN_IMPL", "IMPLS", "TrainConfig", "TrainMetrics", "a2a_payload_bytes", "a2a_row_bytes", "autocast",
+__all__ = ["COMPUTES", "DTYPES", "DeepSpeedConfig", "FOREIGN_IMPL", "IMPLS", "TrainConfig", "TrainMetrics", "a2a_payload_bytes", "a2a_row_bytes", "autocast", "loss_guard",
            "evaluate", "sizes", "summarize", "to_device"]
