@@ -7,8 +7,8 @@ each gradient schedule and compressed exchange, and in one process, the loss cur
         --corpus /work/shared/data/text/tinyshakespeare.txt
 
 The model: ``MixtralForCausalLM`` (``--hidden`` 128, ``--experts`` 8, top-``--k`` 2,
-``--layers`` 4, byte-level tokens: vocabulary 256, the router's auxiliary loss included), Adam,
-random windows of a byte-level corpus (:mod:`commsched.moe.model.data`; each rank its own
+``--layers`` 4, byte-level tokens: vocabulary 256, the router's auxiliary loss included),
+``--optim`` (default Adam), random windows of a byte-level corpus (:mod:`commsched.moe.model.data`; each rank its own
 ``--batch-size`` windows per step, drawn from the seed, the step and the rank). A variant is
 ``SCHEDULE[+ddp][+aA][+gB]``: the gradient schedule (``fifo``, ``lina``, ``lina-overlap``,
 ``serial``), reduced by :func:`commsched.priority.step.make_grad_step` (every schedule) or with
@@ -48,7 +48,9 @@ REFERENCE = "one-process"
 MODEL_FLAGS = {  # the model and data flags, passed to every run, with this bench's defaults
     "--hidden": 128, "--experts": 8, "--k": 2, "--layers": 4, "--heads": 4, "--kv-heads": 2,
     "--intermediate": 256, "--seq-len": 64, "--batch-size": 4, "--lr": 1e-3, "--aux-coef": 0.02,
+    "--optim": "adam",
 }
+OPTIMIZERS = ("adam", "sgd")
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,16 @@ def build_model(a: argparse.Namespace, seed: int):
     return tf.MixtralForCausalLM(cfg).float()
 
 
+def make_optimizer(a: argparse.Namespace, params):
+    """``--optim``: Adam (the default) or plain SGD (which, unlike Adam, shows any error of the
+    gradients' scale in the losses), at ``--lr``."""
+    import torch
+
+    if a.optim not in OPTIMIZERS:
+        raise ValueError(f"--optim {a.optim!r}: choose one of {', '.join(OPTIMIZERS)}")
+    return (torch.optim.Adam if a.optim == "adam" else torch.optim.SGD)(list(params), lr=a.lr)
+
+
 def _batch(corpus, a, seed: int, step: int, rank: int, device):
     x, _ = corpus.batch(a.batch_size, a.seq_len, seed=seed, step=step, rank=rank)
     return x.to(device)  # the model shifts its labels itself
@@ -115,12 +127,12 @@ def _batch(corpus, a, seed: int, step: int, rank: int, device):
 
 def reference_curve(a: argparse.Namespace, corpus, seed: int, world: int, device=None) -> list[float]:
     """One process, every expert: each step runs the ``world`` ranks' batches in turn (each
-    loss / world), then one Adam step. Returns the mean loss over the ranks' batches per step."""
+    loss / world), then one optimizer step. Returns the mean loss over the ranks' batches per step."""
     import torch
 
     device = device or torch.device("cpu")
     model = build_model(a, seed).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=a.lr)
+    opt = make_optimizer(a, model.parameters())
     out: list[float] = []
     for step in range(a.steps):
         total = 0.0
@@ -128,7 +140,7 @@ def reference_curve(a: argparse.Namespace, corpus, seed: int, world: int, device
             x = _batch(corpus, a, seed, step, r, device)
             loss = model(input_ids=x, labels=x).loss / world
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append(total)
@@ -163,7 +175,7 @@ def parallel_curve(a: argparse.Namespace, corpus, seed: int, spec: Spec, device)
     try:
         if spec.reducer == "ddp":
             ddp = LinaDDP(model, schedule=cfg, events=events)
-            opt = torch.optim.Adam(ddp.parameters(), lr=a.lr)
+            opt = make_optimizer(a, ddp.parameters())
             try:
                 for step in range(a.steps):
                     t0 = time.perf_counter()
@@ -180,7 +192,7 @@ def parallel_curve(a: argparse.Namespace, corpus, seed: int, spec: Spec, device)
             dp = new_group(list(range(world)))  # the reduction's own group: the all-to-all uses the default one
             named = list(reversed(list(model.named_parameters())))  # about the order the backward pass readies them
             entries = [(p, grad_group(p).group if grad_group(p) is not None else dp, 1.0 / world) for _, p in named]
-            gs = make_grad_step(model, entries, cfg, lambda ps: torch.optim.Adam(ps, lr=a.lr), device=device,
+            gs = make_grad_step(model, entries, cfg, lambda ps: make_optimizer(a, ps), device=device,
                                 names=[n for n, _ in named], **({"launch": launcher} if launcher else {}))
             with gs, events.register(gs.scheduler):
                 for step in range(a.steps):
@@ -245,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     for flag, default in MODEL_FLAGS.items():
-        p.add_argument(flag, type=type(default), default=default)
+        p.add_argument(flag, type=type(default), default=default, **({"choices": OPTIMIZERS} if flag == "--optim" else {}))
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a run under torchrun (internal)
     p.add_argument("--world", type=int, default=None, help=argparse.SUPPRESS)
     return p
@@ -330,7 +342,7 @@ def main(argv=None) -> int:
     return cli_main("hf_parity", lambda: _bench(a, argv))
 
 
-__all__ = ["DDP_SCHEDULES", "MODEL_FLAGS", "REFERENCE", "SCHEDULES", "Spec", "build_model", "build_parser", "main",
+__all__ = ["DDP_SCHEDULES", "MODEL_FLAGS", "REFERENCE", "SCHEDULES", "Spec", "build_model", "build_parser", "main", "make_optimizer",
            "parallel_curve", "parse_variant", "reference_curve"]
 
 
