@@ -23,7 +23,7 @@ TOL = 1e-5  # float32
 def _args(optim: str = "sgd") -> argparse.Namespace:
     # SGD: a gradient of the wrong scale changes the next loss (Adam's update would not see it)
     return argparse.Namespace(hidden=32, experts=4, k=2, layers=2, heads=4, kv_heads=2, intermediate=16, seq_len=16,
-                              batch_size=2, lr=2.0, aux_coef=0.02, steps=2, optim=optim)
+                              batch_size=2, lr=0.5, aux_coef=0.02, steps=2, optim=optim)
 
 
 def _corpus() -> Corpus:
