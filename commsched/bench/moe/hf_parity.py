@@ -1,9 +1,9 @@
-"""Training parity of a transformers MoE model made expert-parallel
-(:func:`commsched.moe.hf.expert_parallel`): the same tiny Mixtral trained on N ranks under
-each gradient schedule and compressed exchange, and in one process, the loss curves compared.
+"""Training parity of a transformers MoE model made expert-parallel (commsched.moe.hf):
+the same tiny Mixtral trained on N ranks under each gradient schedule and compressed
+exchange, and in one process, the loss curves compared.
 
-    python -m commsched.bench.moe.hf_parity --out DIR --steps 100 --seeds 0,1,2 \\
-        --variants fifo,lina,lina-overlap,lina+a8,lina+g8,fifo+ddp,lina+ddp \\
+    python -m commsched.bench.moe.hf_parity --out DIR --steps 55 --seeds 0,1,2 \\
+        --variants fifo+ddp,lina+ddp,lina-overlap,lina+ddp+a8,lina+g8 \\
         --corpus /work/shared/data/text/tinyshakespeare.txt
 
 The model: ``MixtralForCausalLM`` (``--hidden`` 128, ``--experts`` 8, top-``--k`` 2,
@@ -224,13 +224,13 @@ def _worker(a: argparse.Namespace) -> int:
     if a.worker == REFERENCE:
         device = resolve_device(a.device)[0]
         t0 = time.perf_counter()
-        curves = {str(s): reference_curve(a, corpus, s, a.world, device) for s in seeds}
-        metrics = {"variant": REFERENCE, "world_size": 1, "ranks_emulated": a.world, "loss": curves,
+        curves = {str(s): reference_curve(a, corpus, s, a.world or a.nproc, device) for s in seeds}
+        metrics = {"variant": REFERENCE, "world_size": 1, "ranks_emulated": a.world or a.nproc, "loss": curves,
                    "wall_s": time.perf_counter() - t0}
     else:
         spec = parse_variant(a.worker)
         rank, world, device = init_distributed(device=a.device)
-        if world != a.world:
+        if a.world is not None and world != a.world:
             raise ValueError(f"--world {a.world} but torchrun started {world} ranks")
         curves, step_s = {}, {}
         for s in seeds:
@@ -247,19 +247,24 @@ def _worker(a: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m commsched.bench.moe.hf_parity", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=55)
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--variants", default="fifo,lina,lina-overlap,lina+a8,lina+g8,fifo+ddp,lina+ddp",
-                   help="SCHEDULE[+ddp][+aA][+gB], comma-separated (module docstring)")
+    p.add_argument("--variants", default="fifo+ddp,lina+ddp,lina-overlap,lina+ddp+a8,lina+g8",
+                   help="comma-separated SCHEDULE[+ddp][+aA][+gB]: SCHEDULE fifo, lina, lina-overlap or serial "
+                        "(reduced by make_grad_step; +ddp: by LinaDDP, fifo, lina, serial); +a8, +a16: the "
+                        "all-to-all's rows, +g8, +g16: the gradient reduction's sums at that width")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--window", type=int, default=10)
     p.add_argument("--corpus", default=None, help="a text file (default: the Python standard library's sources)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     for flag, default in MODEL_FLAGS.items():
-        p.add_argument(flag, type=type(default), default=default, **({"choices": OPTIMIZERS} if flag == "--optim" else {}))
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a run under torchrun (internal)
-    p.add_argument("--world", type=int, default=None, help=argparse.SUPPRESS)
+        choices = {"choices": OPTIMIZERS} if flag == "--optim" else {}
+        p.add_argument(flag, type=type(default), default=default, **choices)
+    p.add_argument("--worker", default=None, help="internal: run one variant under torchrun (every seed), or "
+                                                  f"{REFERENCE!r}: the reference")
+    p.add_argument("--world", type=int, default=None, help="internal: the ranks of the run (the reference runs "
+                                                           "their batches in one process)")
     return p
 
 
@@ -342,8 +347,8 @@ def main(argv=None) -> int:
     return cli_main("hf_parity", lambda: _bench(a, argv))
 
 
-__all__ = ["DDP_SCHEDULES", "MODEL_FLAGS", "REFERENCE", "SCHEDULES", "Spec", "build_model", "build_parser", "main", "make_optimizer",
-           "parallel_curve", "parse_variant", "reference_curve"]
+__all__ = ["DDP_SCHEDULES", "MODEL_FLAGS", "OPTIMIZERS", "REFERENCE", "SCHEDULES", "Spec", "build_model",
+           "build_parser", "main", "make_optimizer", "parallel_curve", "parse_variant", "reference_curve"]
 
 
 if __name__ == "__main__":
