@@ -37,7 +37,8 @@ _MAIN_MODULES = (
     "commsched.moe.record", "commsched.bench.demo", "commsched.bench.gnn.demo",
     "commsched.bench.moe.demo", "commsched.bench.gnn.sweep", "commsched.bench.gnn.accuracy",
     "commsched.bench.gnn.tta", "commsched.bench.gnn.kipf", "commsched.bench.moe.placement_report",
-    "commsched.bench.moe.a2a_parity", "commsched.bench.micro.overlap_profile", "commsched.bench.micro.all2all",
+    "commsched.bench.moe.a2a_parity", "commsched.bench.moe.hf_parity", "commsched.bench.micro.overlap_profile",
+    "commsched.bench.micro.all2all",
     "commsched.bench.micro.hier_check", "commsched.bench.micro.netem_check", "commsched.bench.gpucheck",
     "commsched.bench.docgen", "commsched.cluster.calibrate",
 )

@@ -78,31 +78,36 @@ def width_label(a2a: int, grad: int) -> str:
     return (str(a2a) if a2a != 32 or grad == 32 else "") + (f"g{grad}" if grad != 32 else "")
 
 
-def plot(curves: dict[tuple[int, str], list[float]], window: int, path: Path) -> Path:
+def plot(curves: dict[tuple[int, str], list[float]], window: int, path: Path, *, ref: str = "32",
+         unit: str = " bits") -> Path:
+    """Each curve's moving average per seed (left) and its relative gap to the ``ref`` curve of
+    the same seed (right); ``curves`` keyed (seed, label), ``unit`` after each label."""
     plt = pyplot()
     seeds = sorted({s for s, _ in curves})
-    widths = sorted({b for _, b in curves}, key=lambda w: (w != "32", w))
+    labels = list(dict.fromkeys(b for _, b in sorted(curves, key=lambda k: k[1] != ref)))
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.8))
     styles = {"32": "-", "16": "--", "8": ":", "g8": "-.", "8g8": (0, (1, 3))}
+    others = ["--", ":", "-.", (0, (1, 3)), (0, (5, 1)), (0, (3, 1, 1, 1)), (0, (1, 1))]
+    style = {b: "-" if b == ref else styles.get(b, others[i % len(others)]) for i, b in enumerate(labels)}
     for s in seeds:
-        for b in widths:
+        for b in labels:
             c = curves.get((s, b))
             if c is None:
                 continue
-            ax.plot(_moving(c, window), linestyle=styles.get(b, "-"), color=f"C{s}", label=f"seed {s}, {b} bits")
-            ref = curves.get((s, "32"))
-            if ref is not None and b != "32":
-                ma, mr = _moving(c, window), _moving(ref, window)
-                bx.plot([100 * (a - r) / r for a, r in zip(ma, mr)], linestyle=styles.get(b, "-"), color=f"C{s}",
-                        label=f"seed {s}, {b} bits")
+            ax.plot(_moving(c, window), linestyle=style[b], color=f"C{s}", label=f"seed {s}, {b}{unit}")
+            r = curves.get((s, ref))
+            if r is not None and b != ref:
+                ma, mr = _moving(c, window), _moving(r, window)
+                bx.plot([100 * (x - y) / y for x, y in zip(ma, mr)], linestyle=style[b], color=f"C{s}",
+                        label=f"seed {s}, {b}{unit}")
     ax.set_xlabel("step")
     ax.set_ylabel(f"train loss ({window}-step moving average)")
     ax.legend(fontsize="x-small")
     bx.axhline(1.0, color="grey", lw=0.8)
     bx.axhline(-1.0, color="grey", lw=0.8)
     bx.set_xlabel("step")
-    bx.set_ylabel("gap to 32 bits, % (moving averages)")
-    bx.legend(fontsize="x-small")
+    bx.set_ylabel(f"gap to {ref}{unit}, % (moving averages)")
+    bx.legend(fontsize="x-small", ncol=2 if len(labels) > 4 else 1)
     save_figure(fig, path)
     return path
 

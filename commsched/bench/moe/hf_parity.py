@@ -1,0 +1,355 @@
+"""Training parity of a transformers MoE model made expert-parallel (commsched.moe.hf):
+the same tiny Mixtral trained on N ranks under each gradient schedule and compressed
+exchange, and in one process, the loss curves compared.
+
+    python -m commsched.bench.moe.hf_parity --out DIR --steps 55 --seeds 0,1,2 \\
+        --variants fifo+ddp,lina+ddp,lina-overlap,lina+ddp+a8,lina+g8 \\
+        --corpus /work/shared/data/text/tinyshakespeare.txt
+
+The model: ``MixtralForCausalLM`` (``--hidden`` 128, ``--experts`` 8, top-``--k`` 2,
+``--layers`` 4, byte-level tokens: vocabulary 256, the router's auxiliary loss included),
+``--optim`` (default Adam), random windows of a byte-level corpus (:mod:`commsched.moe.model.data`; each rank its own
+``--batch-size`` windows per step, drawn from the seed, the step and the rank). A variant is
+``SCHEDULE[+ddp][+aA][+gB]``: the gradient schedule (``fifo``, ``lina``, ``lina-overlap``,
+``serial``), reduced by :func:`commsched.priority.step.make_grad_step` (every schedule) or with
+``+ddp`` by :class:`commsched.priority.LinaDDP` (``fifo``, ``lina``, ``serial``: a DDP
+communication hook, which cannot leave the reduction running into the next forward pass nor
+compress it); ``+a8`` / ``+a16`` the expert all-to-all's rows at 8 / 16 bits
+(``expert_parallel(a2a_bits=...)``), ``+g8`` / ``+g16`` the gradient reduction's sums
+(:class:`commsched.quant.allreduce.CompressedLauncher`). Lina's probe against fifo's launching
+is off: every step runs the schedule named.
+
+Each variant is one ``torchrun`` run of ``--nproc`` ranks (every seed in turn); the reference
+is one process that holds every expert and runs the ranks' batches of each step one after the
+other, each loss divided by the number of ranks (the same global batch, the same seeds and
+weights). For each variant and seed the bench reports the largest per-step relative gap of the
+training loss to the reference's (:func:`commsched.bench.moe.a2a_parity.gaps`: also the gap of
+``--window``-step moving averages and of the last window's mean) and the final losses;
+``summary.json``, ``summary.md`` and ``loss.png`` go to ``--out``. The goal: every gap within 1%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...results import write_json
+from ..runner import RunContext, Variant, run_variant
+from .a2a_parity import gaps, plot
+
+SCHEDULES = ("fifo", "lina", "lina-overlap", "serial")
+DDP_SCHEDULES = ("fifo", "lina", "serial")  # what LinaState accepts in a DDP communication hook
+REFERENCE = "one-process"
+MODEL_FLAGS = {  # the model and data flags, passed to every run, with this bench's defaults
+    "--hidden": 128, "--experts": 8, "--k": 2, "--layers": 4, "--heads": 4, "--kv-heads": 2,
+    "--intermediate": 256, "--seq-len": 64, "--batch-size": 4, "--lr": 1e-3, "--aux-coef": 0.02,
+    "--optim": "adam",
+}
+OPTIMIZERS = ("adam", "sgd")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One variant: its schedule, reducer (``step``: make_grad_step; ``ddp``: LinaDDP) and widths."""
+
+    schedule: str
+    reducer: str = "step"
+    a2a_bits: int = 32
+    grad_bits: int = 32
+
+
+_PART = re.compile(r"^([ag])(\d+)$")
+
+
+def parse_variant(text: str) -> Spec:
+    """``"lina+ddp"`` -> Spec("lina", "ddp"), ``"fifo+a8+g8"`` -> Spec("fifo", "step", 8, 8)
+    (pure; a ValueError naming the forms and the reason for anything else)."""
+    parts = [p.strip() for p in str(text).split("+")]
+    sched, rest = parts[0], parts[1:]
+    form = "SCHEDULE[+ddp][+aA][+gB] (A: 8 or 16, B: 8 or 16)"
+    if sched not in SCHEDULES:
+        raise ValueError(f"--variants: {text!r}: unknown schedule {sched!r}; schedules: {', '.join(SCHEDULES)}; "
+                         f"a variant is {form}")
+    reducer, bits = "step", {"a": 32, "g": 32}
+    for p in rest:
+        m = _PART.match(p)
+        if p == "ddp" and reducer == "step":
+            reducer = "ddp"
+        elif m and int(m.group(2)) in (8, 16) and bits[m.group(1)] == 32:
+            bits[m.group(1)] = int(m.group(2))
+        else:
+            raise ValueError(f"--variants: {text!r}: {p!r} is not a part of a variant {form}")
+    if reducer == "ddp" and sched not in DDP_SCHEDULES:
+        raise ValueError(f"--variants: {text!r}: LinaDDP runs {', '.join(DDP_SCHEDULES)} (a DDP communication hook "
+                         f"waits for the whole reduction at the end of the backward pass); drop +ddp to run {sched} "
+                         "through make_grad_step")
+    if reducer == "ddp" and bits["g"] != 32:
+        raise ValueError(f"--variants: {text!r}: LinaDDP reduces gradients at full width; drop +ddp to compress "
+                         "the reduction (make_grad_step with a CompressedLauncher)")
+    return Spec(sched, reducer, bits["a"], bits["g"])
+
+
+# ---------------------------------------------------------------------------------- training
+def build_model(a: argparse.Namespace, seed: int):
+    """The tiny float32 Mixtral of the flags, its weights drawn from ``seed`` (every rank alike)."""
+    import torch
+
+    from ...moe import hf  # first: it imports transformers past a checkout's own kernels/ folder
+
+    tf = hf.transformers
+    cfg = tf.MixtralConfig(vocab_size=256, hidden_size=a.hidden, intermediate_size=a.intermediate,
+                           num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                           num_local_experts=a.experts, num_experts_per_tok=a.k, max_position_embeddings=a.seq_len,
+                           output_router_logits=a.aux_coef > 0, router_aux_loss_coef=a.aux_coef)
+    torch.manual_seed(seed)
+    return tf.MixtralForCausalLM(cfg).float()
+
+
+def make_optimizer(a: argparse.Namespace, params):
+    """``--optim``: Adam (the default) or plain SGD (which, unlike Adam, shows any error of the
+    gradients' scale in the losses), at ``--lr``."""
+    import torch
+
+    if a.optim not in OPTIMIZERS:
+        raise ValueError(f"--optim {a.optim!r}: choose one of {', '.join(OPTIMIZERS)}")
+    return (torch.optim.Adam if a.optim == "adam" else torch.optim.SGD)(list(params), lr=a.lr)
+
+
+def _batch(corpus, a, seed: int, step: int, rank: int, device):
+    x, _ = corpus.batch(a.batch_size, a.seq_len, seed=seed, step=step, rank=rank)
+    return x.to(device)  # the model shifts its labels itself
+
+
+def reference_curve(a: argparse.Namespace, corpus, seed: int, world: int, device=None) -> list[float]:
+    """One process, every expert: each step runs the ``world`` ranks' batches in turn (each
+    loss / world), then one optimizer step. Returns the mean loss over the ranks' batches per step."""
+    import torch
+
+    device = device or torch.device("cpu")
+    model = build_model(a, seed).to(device)
+    opt = make_optimizer(a, model.parameters())
+    out: list[float] = []
+    for step in range(a.steps):
+        total = 0.0
+        for r in range(world):
+            x = _batch(corpus, a, seed, step, r, device)
+            loss = model(input_ids=x, labels=x).loss / world
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(total)
+    return out
+
+
+def parallel_curve(a: argparse.Namespace, corpus, seed: int, spec: Spec, device) -> tuple[list[float], float]:
+    """This rank's part of the N-rank run of ``spec`` (collective over the default group): the
+    model made expert-parallel, its gradients reduced by the schedule. Returns the mean loss over
+    the ranks per step (on every rank) and the median step time (seconds)."""
+    import torch
+    import torch.distributed as dist
+
+    from ...comm.observe import A2AEvents
+    from ...dist import new_group
+    from ...moe import hf
+    from ...priority.ddp import LinaDDP, grad_group
+    from ...priority.policy import SCHEDULES as SCHED_CONFIGS
+    from ...priority.policy import LinaConfig
+    from ...priority.step import make_grad_step
+    from ...quant.allreduce import CompressedLauncher
+    from ...quant.rowwire import format_seed
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cls = SCHED_CONFIGS[spec.schedule]
+    cfg = cls(fallback_probes=0) if issubclass(cls, LinaConfig) else cls()  # the schedule itself, no A/B
+    events = A2AEvents()
+    model = hf.expert_parallel(build_model(a, seed).to(device), a2a_bits=spec.a2a_bits, observer=events,
+                               wire_seed=seed)
+    losses, times = [], []
+    launcher = CompressedLauncher(spec.grad_bits, seed=format_seed(seed, 0x6AD)) if spec.grad_bits != 32 else None
+    try:
+        if spec.reducer == "ddp":
+            ddp = LinaDDP(model, schedule=cfg, events=events)
+            opt = make_optimizer(a, ddp.parameters())
+            try:
+                for step in range(a.steps):
+                    t0 = time.perf_counter()
+                    x = _batch(corpus, a, seed, step, rank, device)
+                    loss = ddp(input_ids=x, labels=x).loss
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    losses.append(loss.detach())
+                    times.append(time.perf_counter() - t0)
+            finally:
+                ddp.close()
+        else:
+            dp = new_group(list(range(world)))  # the reduction's own group: the all-to-all uses the default one
+            named = list(reversed(list(model.named_parameters())))  # about the order the backward pass readies them
+            entries = [(p, grad_group(p).group if grad_group(p) is not None else dp, 1.0 / world) for _, p in named]
+            gs = make_grad_step(model, entries, cfg, lambda ps: make_optimizer(a, ps), device=device,
+                                names=[n for n, _ in named], **({"launch": launcher} if launcher else {}))
+            with gs, events.register(gs.scheduler):
+                for step in range(a.steps):
+                    t0 = time.perf_counter()
+                    x = _batch(corpus, a, seed, step, rank, device)
+                    gs.before_forward()
+                    loss = model(input_ids=x, labels=x).loss
+                    gs.before_backward()
+                    loss.backward()
+                    gs.after_backward(sync=step == a.steps - 1)
+                    losses.append(loss.detach())
+                    times.append(time.perf_counter() - t0)
+                gs.synchronize()
+    finally:
+        if launcher is not None:
+            launcher.close()
+    curve = torch.stack(losses).float()
+    dist.all_reduce(curve)  # once, after the run: no collective of its own between the steps
+    return (curve / world).tolist(), sorted(times)[len(times) // 2]
+
+
+def _worker(a: argparse.Namespace) -> int:
+    """Under torchrun: ``--worker VARIANT`` (every seed in turn) or ``--worker one-process``."""
+    from ...dist import init_distributed, resolve_device
+    from ...moe.model.data import load_corpus
+
+    corpus = load_corpus(a.corpus)
+    seeds = [int(s) for s in a.seeds.split(",")]
+    if a.worker == REFERENCE:
+        device = resolve_device(a.device)[0]
+        t0 = time.perf_counter()
+        curves = {str(s): reference_curve(a, corpus, s, a.world or a.nproc, device) for s in seeds}
+        metrics = {"variant": REFERENCE, "world_size": 1, "ranks_emulated": a.world or a.nproc, "loss": curves,
+                   "wall_s": time.perf_counter() - t0}
+    else:
+        spec = parse_variant(a.worker)
+        rank, world, device = init_distributed(device=a.device)
+        if a.world is not None and world != a.world:
+            raise ValueError(f"--world {a.world} but torchrun started {world} ranks")
+        curves, step_s = {}, {}
+        for s in seeds:
+            curves[str(s)], step_s[str(s)] = parallel_curve(a, corpus, s, spec, device)
+        metrics = {"variant": a.worker, "world_size": world, "schedule": spec.schedule, "reducer": spec.reducer,
+                   "a2a_bits": spec.a2a_bits, "grad_bits": spec.grad_bits, "loss": curves, "step_time_s": step_s}
+        if rank != 0:
+            return 0
+    write_json(Path(a.out) / "metrics.json", metrics)
+    return 0
+
+
+# ---------------------------------------------------------------------------------- the bench
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m commsched.bench.moe.hf_parity", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=55)
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--variants", default="fifo+ddp,lina+ddp,lina-overlap,lina+ddp+a8,lina+g8",
+                   help="comma-separated SCHEDULE[+ddp][+aA][+gB]: SCHEDULE fifo, lina, lina-overlap or serial "
+                        "(reduced by make_grad_step; +ddp: by LinaDDP, fifo, lina, serial); +a8, +a16: the "
+                        "all-to-all's rows, +g8, +g16: the gradient reduction's sums at that width")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--window", type=int, default=10)
+    p.add_argument("--corpus", default=None, help="a text file (default: the Python standard library's sources)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    for flag, default in MODEL_FLAGS.items():
+        choices = {"choices": OPTIMIZERS} if flag == "--optim" else {}
+        p.add_argument(flag, type=type(default), default=default, **choices)
+    p.add_argument("--worker", default=None, help="internal: run one variant under torchrun (every seed), or "
+                                                  f"{REFERENCE!r}: the reference")
+    p.add_argument("--world", type=int, default=None, help="internal: the ranks of the run (the reference runs "
+                                                           "their batches in one process)")
+    return p
+
+
+def _check(a: argparse.Namespace) -> list[str]:
+    try:
+        seeds = [int(s) for s in a.seeds.split(",")]
+    except ValueError:
+        raise ValueError(f"--seeds: {a.seeds!r} is not a comma-separated list of integers") from None
+    if not seeds or a.steps < 1 or a.nproc < 1 or a.window < 1:
+        raise ValueError("--seeds must name a seed, --steps, --nproc and --window must be >= 1")
+    if a.experts % a.nproc:
+        raise ValueError(f"--experts {a.experts} do not split evenly over --nproc {a.nproc} ranks")
+    names = [v.strip() for v in a.variants.split(",") if v.strip()]
+    for v in names:
+        parse_variant(v)
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"--variants: {a.variants!r}: name each variant once")
+    return names
+
+
+def _args_of(a: argparse.Namespace) -> list[str]:
+    out = ["--steps", str(a.steps), "--seeds", a.seeds, "--device", a.device, "--world", str(a.nproc)]
+    for flag in MODEL_FLAGS:
+        out += [flag, str(getattr(a, flag[2:].replace("-", "_")))]
+    return out + (["--corpus", a.corpus] if a.corpus else [])
+
+
+def _bench(a: argparse.Namespace, argv) -> int:
+    names = _check(a)
+    seeds = [int(s) for s in a.seeds.split(",")]
+    module = "commsched.bench.moe.hf_parity"
+    t0 = time.perf_counter()
+    runs = {}
+    for name in [REFERENCE, *names]:
+        nproc = 1 if name == REFERENCE else a.nproc
+        v = Variant(name, module, ("--worker", name, *_args_of(a)))
+        print(f"[hf-parity] {name} ({nproc} rank{'s' * (nproc > 1)}) ...", flush=True)
+        runs[name] = run_variant(v, nproc, a.out / name.replace("+", "-"), RunContext(), a.timeout)
+    ref = runs[REFERENCE]["loss"]
+    rows = []
+    for name in names:
+        for s in seeds:
+            c, r = runs[name]["loss"][str(s)], ref[str(s)]
+            rows.append({"variant": name, "seed": s, **gaps(c, r, a.window), "final_loss": c[-1],
+                         "final_loss_ref": r[-1], "step_time_s": runs[name]["step_time_s"][str(s)]})
+    worst = {n: max(r["max_step_gap"] for r in rows if r["variant"] == n) for n in names}
+    summary = {"command": shlex.join([sys.executable, "-m", module, *argv]), "steps": a.steps, "seeds": seeds,
+               "nproc": a.nproc, "window": a.window, "gaps": rows, "worst_step_gap": worst,
+               "worst_step_gap_all": max(worst.values()), "curves": {n: m["loss"] for n, m in runs.items()},
+               "wall_s": time.perf_counter() - t0}
+    a.out.mkdir(parents=True, exist_ok=True)
+    write_json(a.out / "summary.json", summary)
+    curves = {(s, n): runs[n]["loss"][str(s)] for n in [REFERENCE, *names] for s in seeds}
+    png = plot(curves, a.window, a.out / "loss.png", ref=REFERENCE, unit="")
+    lines = [f"`{summary['command']}`", "",
+             f"{a.nproc} ranks against one process, {a.steps} steps, seeds {a.seeds}.", "",
+             "| variant | largest per-step gap (any seed) | per seed | largest gap of the moving averages | "
+             f"gap of the last {a.window} steps | final loss | one process's |", "|---|---|---|---|---|---|---|"]
+    for n in names:
+        rs = [r for r in rows if r["variant"] == n]
+
+        def col(key: str, fmt: str, rs=rs) -> str:
+            return ", ".join(format(r[key], fmt) for r in rs)
+        lines.append(f"| {n} | {100 * worst[n]:.3f}% | {col('max_step_gap', '.3%')} | "
+                     f"{100 * max(r['max_smoothed_gap'] for r in rs):.3f}% | {col('final_gap', '+.3%')} | "
+                     f"{col('final_loss', '.4f')} | {col('final_loss_ref', '.4f')} |")
+    lines += ["", f"plot: {png}"]
+    (a.out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    from ...dist import cli_main
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv)
+    if a.worker is not None:
+        return cli_main("hf_parity", lambda: _worker(a), out=lambda: Path(a.out))
+    return cli_main("hf_parity", lambda: _bench(a, argv))
+
+
+__all__ = ["DDP_SCHEDULES", "MODEL_FLAGS", "OPTIMIZERS", "REFERENCE", "SCHEDULES", "Spec", "build_model",
+           "build_parser", "main", "make_optimizer", "parallel_curve", "parse_variant", "reference_curve"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
