@@ -284,6 +284,28 @@ def expert_parallel(model: nn.Module, group=None, *, a2a_bits: int = 32, observe
     return model
 
 
+# the tiny byte-level Mixtral of the training-parity bench and of the trace recorder
+TINY_MIXTRAL: dict[str, Any] = {"hidden": 128, "experts": 8, "k": 2, "layers": 4, "heads": 4, "kv_heads": 2,
+                                "intermediate": 256, "seq_len": 64, "aux_coef": 0.02}
+
+
+def tiny_mixtral(seed: int = 0, **sizes: Any) -> nn.Module:
+    """A float32 ``MixtralForCausalLM`` over bytes (vocabulary 256) of :data:`TINY_MIXTRAL`'s
+    sizes (``sizes`` overrides any of them), its weights drawn from ``seed``; the router's
+    auxiliary loss is on when ``aux_coef`` > 0. An unknown size is a ValueError."""
+    unknown = sorted(set(sizes) - set(TINY_MIXTRAL))
+    if unknown:
+        raise ValueError(f"tiny_mixtral: unknown size {', '.join(unknown)}; sizes: {', '.join(TINY_MIXTRAL)}")
+    z = {**TINY_MIXTRAL, **sizes}
+    cfg = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=z["hidden"], intermediate_size=z["intermediate"], num_hidden_layers=z["layers"],
+        num_attention_heads=z["heads"], num_key_value_heads=z["kv_heads"], num_local_experts=z["experts"],
+        num_experts_per_tok=z["k"], max_position_embeddings=z["seq_len"], output_router_logits=z["aux_coef"] > 0,
+        router_aux_loss_coef=z["aux_coef"])
+    torch.manual_seed(seed)
+    return transformers.MixtralForCausalLM(cfg).float()
+
+
 def _ep_modules(model: nn.Module) -> list[tuple[str, ExpertParallelExperts]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, ExpertParallelExperts)]
 
@@ -330,5 +352,5 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, st
     return model.load_state_dict(sd, strict=strict)
 
 
-__all__ = ["EXPERT_PARAMS", "ExpertParallelExperts", "FAMILIES", "expert_parallel", "gather_state_dict",
-           "load_state_dict", "supported_blocks"]
+__all__ = ["EXPERT_PARAMS", "ExpertParallelExperts", "FAMILIES", "TINY_MIXTRAL", "expert_parallel",
+           "gather_state_dict", "load_state_dict", "supported_blocks", "tiny_mixtral"]

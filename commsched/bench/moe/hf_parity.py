@@ -96,18 +96,11 @@ def parse_variant(text: str) -> Spec:
 
 # ---------------------------------------------------------------------------------- training
 def build_model(a: argparse.Namespace, seed: int):
-    """The tiny float32 Mixtral of the flags, its weights drawn from ``seed`` (every rank alike)."""
-    import torch
-
+    """The tiny float32 Mixtral of the flags (:func:`commsched.moe.hf.tiny_mixtral`), its weights
+    drawn from ``seed`` (every rank alike)."""
     from ...moe import hf  # first: it imports transformers past a checkout's own kernels/ folder
 
-    tf = hf.transformers
-    cfg = tf.MixtralConfig(vocab_size=256, hidden_size=a.hidden, intermediate_size=a.intermediate,
-                           num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                           num_local_experts=a.experts, num_experts_per_tok=a.k, max_position_embeddings=a.seq_len,
-                           output_router_logits=a.aux_coef > 0, router_aux_loss_coef=a.aux_coef)
-    torch.manual_seed(seed)
-    return tf.MixtralForCausalLM(cfg).float()
+    return hf.tiny_mixtral(seed, **{n: getattr(a, n) for n in hf.TINY_MIXTRAL})
 
 
 def make_optimizer(a: argparse.Namespace, params):

@@ -2,6 +2,7 @@
 :mod:`commsched.moe.record.recorder`, the library).
 
     python -m commsched.moe.record --train-steps 300 --save-checkpoint runs/lm.pt --out runs/lm_trace.npz
+    python -m commsched.moe.record --hf-tiny-mixtral --train-steps 300 --out runs/hf_trace.npz
 
 The flags are generated from :class:`~commsched.moe.record.recorder.RecordConfig` and the model's
 :class:`~commsched.moe.model.lm.ModelConfig` (the recorder's model defaults,
@@ -30,10 +31,10 @@ PROG = "commsched.moe.record"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m commsched.moe.record",
-                                description="Record routing traces from the MoE language model; save and load "
-                                            "its checkpoints.")
+                                description="Record routing traces from the MoE language model (or a tiny "
+                                            "transformers Mixtral); save and load its checkpoints.")
     add_arguments(p, RecordConfig)
-    add_arguments(p.add_argument_group("model to train (with --train-steps)"), ModelConfig,
+    add_arguments(p.add_argument_group("model to train (with --train-steps; not --hf-tiny-mixtral)"), ModelConfig,
                   skip=("capacity_factor",), defaults=RECORD_MODEL)
     p.add_argument("--out", type=Path, required=True, help="trace file to write (.npz)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
