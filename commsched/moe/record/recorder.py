@@ -216,7 +216,9 @@ def train_model(model_cfg: ModelConfig, *, steps: int, batch_size: int, lr: floa
 class RecordConfig(Config):
     """What ``-m commsched.moe.record`` does: load ``checkpoint`` or train a model of
     ``model`` for ``train_steps`` steps (exactly one of the two), then record ``tokens``
-    tokens of ``split``. Its flags are generated from these fields (:mod:`commsched.moe.record`)."""
+    tokens of ``split``; with ``hf_tiny_mixtral``, train the tiny transformers Mixtral for
+    ``train_steps`` steps (0: none) instead. Its flags are generated from these fields
+    (:mod:`commsched.moe.record`)."""
 
     checkpoint: str | None = option(None, "a saved model (else --train-steps trains one)")
     train_steps: int | None = option(None, "train a model for this many steps first")
