@@ -48,10 +48,10 @@ def test_summary_from_hand_made_records():
     s = scaling.summarize([big, small])  # any order in, sorted by size out
     assert [r["nodes"] for r in s["sizes"]] == [1000, 8000]
     g = s["growth"]
-    assert g["vanilla/peak_rss_mib_max"]["exponent"] == pytest.approx(1.0)
-    assert g["vanilla/peak_rss_mib_total"]["linear"] is True
-    assert g["vanilla/epoch_time_s"]["exponent"] == pytest.approx(2.0)
-    assert g["vanilla/epoch_time_s"]["linear"] is False
+    assert g["vanilla:peak_rss_mib_max"]["exponent"] == pytest.approx(1.0)
+    assert g["vanilla:peak_rss_mib_total"]["linear"] is True
+    assert g["vanilla:epoch_time_s"]["exponent"] == pytest.approx(2.0)
+    assert g["vanilla:epoch_time_s"]["linear"] is False
     assert g["generate_s"]["exponent"] == pytest.approx(1.0)
     assert g["partition_peak_rss_mib"]["exponent"] == pytest.approx(0.0)
     md = scaling.summary_markdown(s)
@@ -114,7 +114,7 @@ def test_scaling_end_to_end_two_sizes(tmp_path):
         # each rank loaded its own part from the partition folder and reported its memory
         assert m["loaded_part_only"] is True and len(m["load_s_per_rank"]) == 2
         assert len(m["peak_rss_mib_per_rank"]) == 2 and m["epoch_time_s"] > 0
-    assert "vanilla/peak_rss_mib_total" in s["growth"]
+    assert "vanilla:peak_rss_mib_total" in s["growth"]
     assert (out / "scaling.png").stat().st_size > 0 and "Growth from 1,500" in (out / "summary.md").read_text()
     # --collect rebuilds the same sizes from the folders, running nothing
     assert scaling.main(["--collect", "--out", str(out)]) == 0

@@ -93,7 +93,7 @@ def summarize(records: Sequence[dict]) -> dict:
         for key, what in GROWTH_FIGURES:
             y0, y1 = a["modes"][mode].get(key), b["modes"][mode].get(key)
             if y0 and y1:
-                out["growth"][f"{mode}/{key}"] = {"what": f"{mode}: {what}",
+                out["growth"][f"{mode}:{key}"] = {"what": f"{mode}: {what}",
                                                   **growth(a["nodes"], y0, b["nodes"], y1)}
     out["from_nodes"], out["to_nodes"] = a["nodes"], b["nodes"]
     return out
