@@ -56,7 +56,12 @@ def test_summary_from_hand_made_records():
     assert g["partition_peak_rss_mib"]["exponent"] == pytest.approx(0.0)
     md = scaling.summary_markdown(s)
     assert "| 8,000 | 160,000 | 50 | 1.60 |" in md
-    assert "| vanilla: epoch time | 2.00 | 8.00 | no |" in md
+    assert "| vanilla: epoch time | 2.00 | 8.00 | no | 2.00 |" in md
+    # a bend between neighbouring sizes shows in the steepest step, not in the end points
+    mid = _rec(2000, [200.0, 600.0], 8.0, 4.0)  # epoch time x8 from 1000 to 2000: exponent 3
+    g3 = scaling.summarize([small, mid, big])["growth"]["vanilla:epoch_time_s"]
+    assert g3["exponent"] == pytest.approx(2.0) and g3["steepest_step"] == pytest.approx(3.0)
+    assert g3["linear"] is False
     assert scaling.summarize([small])["growth"] == {}  # one size: nothing to compare
 
 

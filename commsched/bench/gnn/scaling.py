@@ -13,7 +13,8 @@ the degree skew of the graph (max / mean degree, Hill's tail exponent). Writes
 against nodes, log-log, with a linear reference through the smallest size), rewritten
 after every size so an interrupted run keeps what it measured; ``--collect`` rebuilds them
 from the size folders without running anything. The summary's growth exponents compare
-the largest size with the smallest: 1.0 is linear.
+the largest size with the smallest (1.0 is linear) and name the steepest step between
+neighbouring sizes.
 """
 
 from __future__ import annotations
@@ -83,18 +84,22 @@ def summarize(records: Sequence[dict]) -> dict:
     if len(recs) < 2:
         return out
     a, b = recs[0], recs[-1]
+
+    def add(name: str, what: str, fig) -> None:  # fig(record) -> the figure or None
+        if not (fig(a) and fig(b)):
+            return
+        g = growth(a["nodes"], fig(a), b["nodes"], fig(b))
+        # the steepest step between neighbouring sizes: a bend the end points average away
+        steps = [growth(r["nodes"], fig(r), q["nodes"], fig(q))["exponent"]
+                 for r, q in zip(recs, recs[1:]) if fig(r) and fig(q)]
+        out["growth"][name] = {"what": what, **g, "steepest_step": max(steps) if steps else None}
+
     for key, what in (("generate_s", "generation time"), ("partition_s", "partition time"),
                       ("partition_peak_rss_mib", "partition step's peak memory")):
-        if a.get(key) and b.get(key):
-            out["growth"][key] = {"what": what, **growth(a["nodes"], a[key], b["nodes"], b[key])}
+        add(key, what, lambda r, k=key: r.get(k))
     for mode in a["modes"]:
-        if mode not in b["modes"]:
-            continue
         for key, what in GROWTH_FIGURES:
-            y0, y1 = a["modes"][mode].get(key), b["modes"][mode].get(key)
-            if y0 and y1:
-                out["growth"][f"{mode}:{key}"] = {"what": f"{mode}: {what}",
-                                                  **growth(a["nodes"], y0, b["nodes"], y1)}
+            add(f"{mode}:{key}", f"{mode}: {what}", lambda r, m=mode, k=key: (r["modes"].get(m) or {}).get(k))
     out["from_nodes"], out["to_nodes"] = a["nodes"], b["nodes"]
     return out
 
@@ -126,10 +131,11 @@ def summary_markdown(s: dict) -> str:
     if s.get("growth"):
         lines += [f"Growth from {s['from_nodes']:,} to {s['to_nodes']:,} nodes (exponent 1.0: linear; "
                   f"per-node ratio: figure per node at the largest size over the smallest):", "",
-                  "| figure | growth exponent | per-node ratio | no faster than linear |", "|---|---|---|---|"]
+                  "| figure | growth exponent | per-node ratio | no faster than linear | steepest step |",
+                  "|---|---|---|---|---|"]
         for g in s["growth"].values():
             lines.append(f"| {g['what']} | {g['exponent']:.2f} | {g['per_node_ratio']:.2f} | "
-                         f"{'yes' if g['linear'] else 'no'} |")
+                         f"{'yes' if g['linear'] else 'no'} | {_f(g.get('steepest_step'), '{:.2f}')} |")
         lines.append("")
     return "\n".join(lines)
 
