@@ -167,6 +167,8 @@ def plot_scaling(s: dict, path: Path) -> Path:
                 ax.plot([x0, max(n)], [y0, y0 * max(n) / x0], ":", color=line.get_color(), linewidth=1)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())  # one label per size measured
+        ax.set_xticks(n, [f"{x / 1e6:g}M" if x >= 100_000 else f"{x:,}" for x in n])
         ax.set_xlabel("nodes")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3, which="both")
@@ -255,13 +257,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _collected(out: Path) -> list[dict]:
+def _collected(out: Path, modes: Sequence[str] = ()) -> list[dict]:
+    """The sizes measured under ``out`` (``OUT/nN/``), their modes in the order of ``modes``."""
     recs = []
     for d in sorted(out.glob("n*")):
         meta = d / "partition" / "meta.json"
         if not meta.is_file() or not d.name[1:].isdigit():
             continue
-        runs = {m.parent.name: json.loads(m.read_text()) for m in sorted(d.glob("*/metrics.json"))}
+        found = sorted(d.glob("*/metrics.json"), key=lambda m: (list(modes).index(m.parent.name)
+                                                                 if m.parent.name in modes else len(modes), m))
+        runs = {m.parent.name: json.loads(m.read_text()) for m in found}
         recs.append(size_record(int(d.name[1:]), json.loads(meta.read_text()), runs))
     return recs
 
@@ -282,14 +287,14 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
     meta = {"command": shlex.join(["python", "-m", "commsched.bench.gnn.scaling", *argv]), "nproc": a.nproc,
             "hidden": a.hidden, "epochs": a.epochs, "edges_per_node": a.edges_per_node, "features": a.features}
     if a.collect:
-        s = write_outputs(_collected(a.out), a.out, meta)
+        s = write_outputs(_collected(a.out, modes), a.out, meta)
         print(summary_markdown(s))
         return 0
     from .compare import bench_run
 
     for m in modes:
         bench_run(m)  # an unknown mode is refused before any work
-    records = [r for r in _collected(a.out) if r["nodes"] not in sizes]  # sizes measured before
+    records = [r for r in _collected(a.out, modes) if r["nodes"] not in sizes]  # sizes measured before
     for nodes in sizes:
         d = a.out / f"n{nodes}"
         t0 = time.perf_counter()
