@@ -10,13 +10,14 @@ library code and parses nothing): the graph options of :mod:`.flags`, ``--parts`
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
 from ...dist import cli_error, cli_main
-from ...results import prepare_out, read_error
+from ...results import prepare_out, read_error, write_json
 from .data import load_source
 from .flags import add_graph_args, source_from_args
 from .partition import METHODS, partition_nodes, save_partition
@@ -53,6 +54,13 @@ def _run(a: argparse.Namespace) -> int:
     except OSError as e:  # the disk filled up, the folder went away
         raise ValueError(f"writing {a.out} failed ({read_error(e)})") from None
     t3 = time.perf_counter()
+    # what the step cost, beside what it made: seconds per stage and this process's peak memory
+    meta["times_s"] = {"load": t1 - t0, "partition": t2 - t1, "write": t3 - t2}
+    meta["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    try:
+        write_json(Path(a.out) / "meta.json", meta, indent=1)
+    except OSError as e:
+        raise ValueError(f"writing {a.out} failed ({read_error(e)})") from None
     gs = meta["graph"]
     print(f"{gs['name']}: {gs['num_nodes']} nodes, {gs['num_edges']} directed edges "
           f"(loaded in {t1 - t0:.1f} s); {a.method} into {a.parts} parts in {t2 - t1:.1f} s; "

@@ -33,6 +33,29 @@ EXACT_GROUPINGS = 20_000
 FORMAT_VERSION = 1
 
 
+# the share of the highest degrees the tail exponent is fitted on (Hill's estimator)
+TAIL_SHARE = 0.01
+
+
+def degree_stats(deg_N: np.ndarray, tail_share: float = TAIL_SHARE) -> dict:
+    """How skewed the degrees ``deg_N`` (int [N]) are: ``mean``, ``max``, ``max_over_mean``
+    and ``tail_exponent``, Hill's estimate of the power-law exponent alpha of the degree
+    tail (P[deg > d] ~ d^-alpha) from the ``tail_share`` highest degrees (at least 10):
+    k / sum_i log(d_i / d_(k+1)) over the k largest d_i. None when there are too few
+    distinct degrees to fit it."""
+    d = np.sort(np.asarray(deg_N, dtype=np.float64))[::-1]
+    if d.size == 0:
+        raise ValueError("degree_stats: no nodes")
+    mean = float(d.mean())
+    k = min(max(10, int(tail_share * d.size)), d.size - 1)
+    alpha = None
+    if k >= 1 and d[k] > 0:
+        s = float(np.log(d[:k] / d[k]).sum())
+        alpha = k / s if s > 0 else None
+    return {"mean": mean, "max": int(d[0]), "max_over_mean": float(d[0]) / mean if mean > 0 else None,
+            "tail_exponent": alpha, "tail_nodes": int(k)}
+
+
 # --------------------------------------------------------------------------- partitioning
 def partition_nodes(g: Graph, num_parts: int, method: str = "metis", seed: int = 0, *,
                     hosts_P: Sequence[str] | None = None) -> np.ndarray:
@@ -282,6 +305,7 @@ def save_partition(folder: str | os.PathLike, g: Graph, parts: np.ndarray, num_p
     meta = {"format": FORMAT_VERSION, "num_parts": num_parts, "method": method, "seed": seed,
             "fingerprint": fp, "source_id": source.identity() if source is not None else None,
             "graph": g.summary(), "edge_cut": edge_cut(g, parts),
+            "degrees": degree_stats(np.bincount(g.edge_index_2E[1].numpy(), minlength=g.num_nodes)),
             "parts": [p.book.summary() for p in pdata]}
     write_json(folder / "meta.json", meta, indent=1)
     return meta

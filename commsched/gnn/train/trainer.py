@@ -637,6 +637,7 @@ def _run(tr: Trainer, cfg: TrainConfig, part: PartData, out_dir, resume: bool, p
             bar.update(1)
     mine = {k: tr.history[k] for k in ("epoch_time_s", "breakdown_s", "bytes_sent", "bytes_sent_P")}
     mine["peak_rss_mib"] = peak_rss_mib()
+    mine["load_time_s"] = (extra or {}).get("load_time_s")  # this rank's wait for its part
     mine["book"] = tr.part.book.summary()
     if tr.emulated is not None:
         mine["emulated"] = tr.history["emulated"]
@@ -644,7 +645,8 @@ def _run(tr: Trainer, cfg: TrainConfig, part: PartData, out_dir, resume: bool, p
     # the exchange's entries, with what its work cost over this invocation (rank 0's wall clock)
     run = tr.halo.run_report(wall_s=time.perf_counter() - t_start, first_epoch=e0,
                              epoch_time_s_RE=[r["epoch_time_s"] for r in per_rank])
-    extra = {**(extra or {}), **run, **tr.report(), "device": str(tr.device)}
+    extra = {**(extra or {}), **run, **tr.report(), "device": str(tr.device),
+             "load_time_s_per_rank": [r.get("load_time_s") for r in per_rank]}
     if tr.emulated is not None:
         extra["emulated"] = emulated_report(cfg, tr.emulated.clock.model.name,
                                             [r["emulated"] for r in per_rank],
