@@ -39,7 +39,8 @@ def _cfg(schedule: str = "lina", *, compute: str = "emulated", dilation: float =
                        dispatch=DispatchConfig(chunks=chunks, pipeline=pipeline, a2a_bits=a2a_bits), steps=steps, batch_size=2,
                        seed=3, warmup=1, probe_steps=1, eval_batches=1, corpus=str(CORPUS),
                        max_corpus_bytes=1 << 16, device="cpu", fallback_exchange=False, compute=compute,
-                       device_model="a100", dilation=dilation, grad_bits=grad_bits)
+                       device_model="a100", dilation=dilation if compute == "emulated" else 1.0,
+                       grad_bits=grad_bits)  # --dilation is refused under --compute real
 
 
 # --------------------------------------------------------------------------- pure
