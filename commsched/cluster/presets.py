@@ -182,11 +182,12 @@ _PAPER_MOE = ("Transformer-XL MoE", "GPT-2 MoE", "BERT-Large MoE", "BERT2GPT2 Mo
 _PAPER_GNN = ("GCN", "GraphSAGE")
 
 
-def _preset(name: str, hosts: int, nic_kind: str, paper: str, models: tuple[str, ...], what: str) -> ClusterPreset:
+def _preset(name: str, hosts: int, nic_kind: str, paper: str, models: tuple[str, ...], what: str,
+            per_host: int = 4) -> ClusterPreset:
     nic = 100 * GBIT
     return ClusterPreset(
-        name=name, description=what, device_model="a100", hosts=hosts, ranks_per_host=4,
-        intra_bps=4 * A100_NVLINK_EACH_WAY_BPS, nic_bps=nic, nic_kind=nic_kind, moe=_GPT2, gnn=_GNN,
+        name=name, description=what, device_model="a100", hosts=hosts, ranks_per_host=per_host,
+        intra_bps=per_host * A100_NVLINK_EACH_WAY_BPS, nic_bps=nic, nic_kind=nic_kind, moe=_GPT2, gnn=_GNN,
         paper_models=models,
         sources={"cluster": paper, "intra_bps": _NVLINK_SRC, "nic_bps": f"100 Gb/s {nic_kind} per host ({paper.split(':')[0]})",
                  "device_model": "commsched.cluster.device's a100 (vendor specs; efficiencies estimated)",
@@ -197,6 +198,10 @@ def _preset(name: str, hosts: int, nic_kind: str, paper: str, models: tuple[str,
 PRESETS: dict[str, ClusterPreset] = {p.name: p for p in (
     _preset("a100x16-ib100", 4, "InfiniBand", _LINA, _PAPER_MOE, "the Lina paper's testbed: 16 A100, 100 Gb/s InfiniBand"),
     _preset("a100x8-ib100", 2, "InfiniBand", _LINA, _PAPER_MOE, "the Lina testbed's 8-GPU half: 8 A100, 100 Gb/s InfiniBand"),
+    # the scaling series' smallest point: 2 hosts of 2, so that the NIC stays the bottleneck
+    # (one host of 4 would put every byte on NVLink, which cannot run at its dilated rate here)
+    _preset("a100x4-ib100", 2, "InfiniBand", _LINA, _PAPER_MOE,
+            "4 A100 of the Lina testbed as 2 hosts x 2, 100 Gb/s InfiniBand", per_host=2),
     _preset("a100x8-eth100", 2, "Ethernet", _ADAQP, _PAPER_GNN, "AdaQP's 2M-4D setting: 2 machines x 4 A100, 100 Gb/s Ethernet"),
     _preset("a100x16-eth100", 4, "Ethernet", _ADAQP, _PAPER_GNN, "AdaQP's setting at 4 machines x 4 A100, 100 Gb/s Ethernet"),
 )}

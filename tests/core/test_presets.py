@@ -41,7 +41,10 @@ def test_dilation_rule_is_the_smallest_125_value_within_the_budget():
 
 def test_registry_has_the_papers_clusters_at_8_and_16_gpus():
     assert {"a100x16-ib100", "a100x8-eth100", "a100x8-ib100"} <= set(CLUSTERS)
-    assert sorted({p.ranks for p in PRESETS.values()}) == [8, 16]
+    assert sorted({p.ranks for p in PRESETS.values()}) == [4, 8, 16]
+    four = load_preset("a100x4-ib100")  # the scaling series' smallest point: the NIC still the bottleneck
+    assert (four.hosts, four.ranks_per_host, four.dilation) == (2, 2, 200)
+    assert four.intra_carried_bps > four.nic_emulated_bps
     lina = load_preset("a100x16-ib100")
     assert (lina.hosts, lina.ranks_per_host, lina.ranks, lina.device_model) == (4, 4, 16, "a100")
     assert lina.nic_bps == 100 * GBIT and "InfiniBand" in lina.nic_kind

@@ -135,6 +135,8 @@ def _every_schedule(rank: int, world: int) -> None:
         _check_emulation(m, cfg, world)
         assert m["schedule"] == s and m["val_loss"] is None and len(m["step_times_s"]) == cfg.steps
         assert m["allreduce_time_s"] is not None and m["a2a_time_s"] is not None
+        c = m.get("a2a_contention")  # only where an exchange ran beside an allreduce
+        assert c is None or (c["exchanges"] >= 1 and 0 < c["median"] <= c["max"]), c
     # the pipelined exchange and the 8-bit rows
     cfg = _cfg("lina", chunks=2, pipeline=True, a2a_bits=8, steps=2)
     _check_emulation(train(cfg, None, progress=False)[0].to_dict(), cfg, world)

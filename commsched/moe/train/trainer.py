@@ -35,6 +35,10 @@ thread was blocked waiting for expert all-to-alls -- what the step pays for them
 wire; larger under pipelining, where compute runs meanwhile), ``allreduce_time_s``
 (time during which a gradient allreduce was in flight), plus ``a2a_alone_time_s``
 (``a2a_time_s`` in extra steps with the allreduce held until after the backward pass),
+``a2a_contention`` (where exchanges of the timeline step ran beside an allreduce for at
+least half their time: each one's time on the wire against the same exchange in the last
+of those extra steps, the median and largest over every rank, and their count -- the
+Lina paper's contention statistic),
 ``allreduce_wait_s`` (time the optimizer waited for allreduce after the backward pass),
 ``allreduce_in_backward_share`` (commsched only: share of the allreduce bytes already
 reduced when the backward pass ended), the configuration and sizes (DeepSpeed runs add
@@ -81,6 +85,7 @@ from ...dist import RunGroups, all_gather_object, barrier, group_device
 from ...priority.hier import HierGroups, make_hier
 from ...priority.policy import MicroOpConfig, SerialConfig
 from ...priority.runtime.executor import LOCAL, GradScheduler
+from ...priority.runtime.records import OpRecord, contended_slowdowns
 from ...priority.step import make_grad_step
 from ...quant.allreduce import CompressedLauncher
 from ...quant.rowwire import format_seed
@@ -550,7 +555,7 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
                         if hasattr(launcher, "wire_bytes_sent") else {})}
     # closed: every update is in (the last step synchronized); lina-overlap's pre-hooks are gone
     # the all-to-all alone: allreduce held until after the backward pass, no optimizer step
-    alone = []
+    alone, alone_recs = [], []
     s = cfg.schedule
     serial = SerialConfig(launch=s.launch, reduce_address=s.reduce_address,
                           **({"microop_bytes": s.microop_bytes} if isinstance(s, MicroOpConfig) else {}))
@@ -562,6 +567,7 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
                 loss = model.loss(x, y)[0]
             loss.backward()
             alone.append(probe.finish()["a2a_blocked_s"])
+            alone_recs = probe.records
             settle()
             model.zero_grad(set_to_none=True)
     if emu is not None:  # synthetic weights: nothing to evaluate or return
@@ -570,6 +576,8 @@ def _train_steps(cfg: TrainConfig, corpus: Corpus, ep: int, bar: Progress, devic
         val = evaluate(model, corpus, cfg, device)
         state = {k: v.detach().cpu().clone() if v.device.type != "cpu" else v.detach().clone()
                  for k, v in model.state_dict().items()}
-    return {"rows": rows, "timeline": timeline, "a2a_alone_s": alone, "val_loss": val,
+    # each exchange of the timeline step that ran beside an allreduce, against itself alone
+    slowdowns = contended_slowdowns([OpRecord(**r) for r in timeline], alone_recs) if timeline else []
+    return {"rows": rows, "timeline": timeline, "a2a_alone_s": alone, "a2a_slowdowns": slowdowns, "val_loss": val,
             "sizes": sizes(model, cfg), "state": state, "resumed_from_step": start if resume else None,
             **({"emulation": emulation} if emulation is not None else {})}

@@ -378,11 +378,23 @@ def summarize(cfg: TrainConfig, per_rank: list[dict], ep: int, source: str) -> T
         wall_clock_s=max(p["wall_clock_s"] for p in per_rank),
         config=json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),
         extra={**({"emulation": _emulation_summary(cfg, per_rank, step_time)} if cfg.emulated else {}),
+               **_contention(per_rank),
                **({"deepspeed_comm_ops": per_rank[0]["ds_comm_ops"]} if "ds_comm_ops" in per_rank[0] else {}),
                **({"comm_times_from": comm_from} if comm_from is not None else {}),
                **({"resumed_from_step": per_rank[0]["resumed_from_step"]}
                   if per_rank[0].get("resumed_from_step") is not None else {})},
     )
+
+
+def _contention(per_rank: list[dict]) -> dict:
+    """``a2a_contention`` of ``metrics.json``: the timeline step's exchanges that ran beside an
+    allreduce for at least half their time, each against the same exchange with no allreduce
+    running (:func:`~commsched.priority.runtime.records.contended_slowdowns`), over every
+    rank: the median and the largest slowdown and how many exchanges; absent when none did."""
+    xs = sorted(x for p in per_rank for x in p.get("a2a_slowdowns") or ())
+    if not xs:
+        return {}
+    return {"a2a_contention": {"median": median(xs), "max": xs[-1], "exchanges": len(xs)}}
 
 
 def _emulation_summary(cfg: TrainConfig, per_rank: list[dict], step_time_s: float | None) -> dict:

@@ -63,6 +63,32 @@ def step_timings(recs: Sequence[OpRecord], *, t_end: float, t_done: float, a2a_b
             "a2a_count": len(a2a), "allreduce_count": len(ar)}
 
 
+def contended_slowdowns(recs: Sequence[OpRecord], alone: Sequence[OpRecord], *,
+                        min_overlap: float = 0.5) -> list[float]:
+    """The slowdown of each all-to-all that ran beside a gradient allreduce (pure): for the
+    i-th exchange of ``recs`` whose time on the wire (launch to end) had an allreduce in
+    flight for at least ``min_overlap`` of it, its time over the i-th exchange's time in
+    ``alone`` (the same step's exchanges with no allreduce running). The Lina paper's
+    contention figure is the median of these (1.83x); empty when the two steps' exchanges
+    do not pair up (another count) or none ran beside an allreduce."""
+    def wire(r: OpRecord) -> tuple[float, float]:
+        return (r.start_s if r.start_s >= 0 else r.ready_s), r.end_s
+
+    a2a = [wire(r) for r in recs if r.kind == "a2a" and r.end_s >= 0]
+    ref = [wire(r) for r in alone if r.kind == "a2a" and r.end_s >= 0]
+    if len(a2a) != len(ref):
+        return []
+    ar = [(r.start_s, r.end_s) for r in recs if r.kind == "allreduce" and r.start_s >= 0 and r.end_s >= 0]
+    out = []
+    for (s, e), (s0, e0) in zip(a2a, ref):
+        if e <= s or e0 <= s0:
+            continue
+        beside = union_s([(max(s, a), min(e, b)) for a, b in ar if a < e and b > s])
+        if beside >= min_overlap * (e - s):
+            out.append((e - s) / (e0 - s0))
+    return out
+
+
 def sort_records(recs: Sequence[OpRecord]) -> list[OpRecord]:
     """The records in timeline order (ready time, kind, key)."""
     return sorted(recs, key=lambda r: (r.ready_s, r.kind, r.key))
@@ -141,4 +167,4 @@ class Recorder:
         return step_timings(recs, t_end=t_end, t_done=t_done, a2a_blocked_s=self.blocked_s)
 
 
-__all__ = ["OpRecord", "Recorder", "sort_records", "step_timings", "union_s"]
+__all__ = ["OpRecord", "Recorder", "contended_slowdowns", "sort_records", "step_timings", "union_s"]
