@@ -38,6 +38,12 @@ def test_moe_train_variants_on_the_emulated_cluster(tmp_path, name):
         assert (c.model.n_layers, c.model.seq_len, c.batch_size, c.dtype) == (
             p.moe.n_layers, p.moe.seq_len, p.moe.batch_size, p.moe.dtype)
         assert c.run_device == "cpu" and c.steps == 4
+    # schedule + compression on emulated hosts: the hierarchical reduction with its phase across
+    # hosts compressed, and with the 8-bit all-to-all as well
+    vs, _ = _variants("moe-train", ["--cluster", name, "--grad-bits", "8", "--a2a-bits", "8"])
+    for n, bits in (("lina-hier-g8", (32, 8)), ("lina-hier-q8-g8", (8, 8))):
+        c = config_from_args(build_parser().parse_args([*vs[n].argv, "--out", str(tmp_path)]))
+        assert c.schedule.hier_reduce and (c.dispatch.a2a_bits, c.grad_bits) == bits
     # an explicit option still wins over the preset's
     vs, _ = _variants("moe-train", ["--cluster", name, "--d-model", "256", "--heads", "4"])
     c = config_from_args(build_parser().parse_args([*vs["fifo"].argv, "--out", str(tmp_path)]))

@@ -167,6 +167,8 @@ def configs(a: argparse.Namespace) -> dict[str, TrainConfig]:
         out["lina-hier"] = lina.replace(schedule=lina.schedule.replace(hier_reduce=True))
         if gbits:  # and its phase across hosts compressed: schedule + compression together
             out[f"lina-hier-g{gbits}"] = out["lina-hier"].replace(**g)
+            if bits:
+                out[f"lina-hier-q{bits}-g{gbits}"] = q(out["lina-hier"]).replace(**g)
     return out
 
 
