@@ -1,5 +1,5 @@
 """The ``commsched`` command: ``bench``, ``netem``, ``partition``, ``datasets``, ``topology``,
-``calibrate``, ``demo``, ``results``.
+``calibrate``, ``demo``, ``scaling``, ``results``.
 
 Command-line parsing lives here and in the ``__main__`` modules only.
 """
@@ -31,6 +31,9 @@ commands:
                   time each op class on this device and write a device model file
                   (the emulated device's efficiencies; on the CPU it calibrates the CPU)
   demo            the main job on the embedded default (what `make demo` runs)
+  scaling RUN... --out DIR [--baseline V]
+                  the scaling table and plot of bench runs on emulated clusters of
+                  different sizes (one run folder per size)
   results [--from-summary SUMMARY_JSON --row ID] [--check]
                   render docs/results.md and the README's results table from
                   docs/results/headlines.json (see `commsched results -h`)
@@ -45,6 +48,7 @@ _COMMANDS = {
     "datasets": "commsched.gnn.graph.cli:datasets_main",
     "demo": "commsched.bench.demo:main",
     "results": "commsched.bench.results_page:main",
+    "scaling": "commsched.bench.plots:scaling_main",
 }
 
 

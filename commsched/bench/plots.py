@@ -52,4 +52,92 @@ def plot_breakdown(medians: dict[str, dict[str, float]], path: Path, title: str 
     return path
 
 
-__all__ = ["plot_breakdown", "pyplot", "save_figure"]
+__all__ = ["plot_breakdown", "pyplot", "save_figure", "scaling_main", "scaling_report"]
+
+
+# ---------------------------------------------------------------------------- scaling series
+def _scaling_point(summary: dict) -> tuple[int, str, str, dict[str, float]]:
+    """(GPUs, cluster, time key, {variant: predicted seconds on the cluster}) of one bench
+    summary on an emulated cluster."""
+    meta = summary.get("meta") or {}
+    emu = meta.get("emulation") or {}
+    hosts = int(meta.get("hosts") or emu.get("hosts") or 1)
+    gpus = hosts * int(meta.get("nproc") or 1)
+    key = next((k for k in ("step_time_s", "epoch_time_s", "p95_s") if
+                any(k in (m or {}) for m in (summary.get("median") or {}).values())), None)
+    cl = summary.get("cluster") or {}
+    k = cl.get("dilation")
+    if key is None or not k:
+        raise ValueError("not a summary of a bench on an emulated cluster (--cluster): it has no time or no k")
+    times = {v: m[key] / k for v, m in (summary.get("median") or {}).items() if (m or {}).get(key)}
+    return gpus, str(emu.get("cluster") or f"{gpus} GPUs"), key, times
+
+
+def scaling_report(summaries: dict[str, dict], out: Path, baseline: str | None = None) -> tuple[str, Path]:
+    """The scaling series of bench runs on emulated clusters of different sizes (``{run
+    folder: summary.json}``): per variant and size the predicted time on the cluster and
+    its ratio to ``baseline`` (default: the runs' own baseline), as a markdown table
+    (returned) and a plot (``out/scaling.png``: the ratio against the GPU count, and the
+    time). Variants missing from a run are shown as '-'."""
+    points = sorted((_scaling_point(s) + (s.get("baseline"), d) for d, s in summaries.items()), key=lambda p: p[0])
+    base = baseline or next((p[4] for p in points if p[4]), None)
+    if base is None:
+        raise ValueError("no baseline variant: name one with --baseline")
+    variants = list(dict.fromkeys(v for p in points for v in p[3]))
+    unit = "ms"
+    head = " | ".join(f"{g} GPUs ({c}): {unit}, {base} / it" for g, c, *_ in points)
+    lines = [f"| variant | {head} |", "|---" * (len(points) + 1) + "|"]
+    ratios: dict[str, list[float | None]] = {}
+    for v in variants:
+        cells, rs = [], []
+        for _, _, _, t, _, _ in points:
+            r = t[base] / t[v] if v in t and base in t else None
+            rs.append(r)
+            cells.append("-" if v not in t else f"{1e3 * t[v]:.4g} / {'-' if r is None else f'{r:.2f}x'}")
+        ratios[v] = rs
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    lines += ["", f"Each cell: the predicted {points[0][2].replace('_s', '')} on the real cluster (measured / k, "
+                  f"median over repeats) and {base}'s time over the variant's (> 1: faster than {base})."]
+    plt = pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    gpus = [p[0] for p in points]
+    for v in variants:
+        ts = [1e3 * p[3][v] if v in p[3] else None for p in points]
+        ax1.plot(gpus, [r if r is not None else float("nan") for r in ratios[v]], marker="o", label=v)
+        ax2.plot(gpus, [t if t is not None else float("nan") for t in ts], marker="o", label=v)
+    ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax1.set(xlabel="emulated GPUs", ylabel=f"{base} time / variant time", xticks=gpus, title="speed-up over " + base)
+    ax2.set(xlabel="emulated GPUs", ylabel=f"predicted time on the cluster ({unit})", xticks=gpus, title="time")
+    ax1.legend(fontsize=7)
+    return "\n".join(lines), save_figure(fig, Path(out) / "scaling.png")
+
+
+def scaling_main(argv=None) -> int:
+    """``commsched scaling RUN... --out DIR [--baseline V]``: the scaling table and plot of
+    bench runs on emulated clusters of different sizes."""
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(prog="commsched scaling", description=scaling_main.__doc__)
+    p.add_argument("runs", nargs="+", help="bench output folders (each with summary.json), one per cluster size")
+    p.add_argument("--out", required=True, help="folder for scaling.md and scaling.png")
+    p.add_argument("--baseline", default=None, help="variant the ratios are against (default: the runs' baseline)")
+    a = p.parse_args(argv)
+    summaries = {}
+    for d in a.runs:
+        f = Path(d) / "summary.json"
+        try:
+            summaries[d] = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            print(f"commsched scaling: cannot read {f}: {e}", file=sys.stderr)
+            return 2
+    try:
+        table, png = scaling_report(summaries, Path(a.out), a.baseline)
+    except ValueError as e:
+        print(f"commsched scaling: {e}", file=sys.stderr)
+        return 2
+    Path(a.out, "scaling.md").write_text(f"{table}\n\n![scaling]({png.name})\n")
+    print(table)
+    print(f"\nwrote {Path(a.out) / 'scaling.md'} and {png}")
+    return 0

@@ -113,3 +113,37 @@ def test_moe_train_summary_on_the_emulated_cluster(tmp_path, monkeypatch):
     table = s["extra_tables"]["Emulated cluster"]
     assert "k = 200" in table and "deepspeed left out" in table and "host-bound" in table
     assert "Loss curves" not in s["extra_tables"]  # an emulated run has no loss values
+
+
+def _summary(hosts: int, nproc: int, k: float, times: dict[str, float], key: str = "step_time_s") -> dict:
+    return {"baseline": "fifo", "median": {v: {key: t} for v, t in times.items()},
+            "cluster": {"dilation": k}, "meta": {"hosts": hosts, "nproc": nproc, "emulation": {"cluster": f"c{hosts * nproc}"}}}
+
+
+def test_scaling_report_orders_sizes_and_gives_time_and_ratio_per_cell(tmp_path):
+    from commsched.bench.plots import scaling_main, scaling_report
+
+    runs = {"r16": _summary(4, 4, 500.0, {"fifo": 50.0, "lina": 40.0}),
+            "r4": _summary(2, 2, 200.0, {"fifo": 10.0, "lina": 12.5, "lina-hier": 5.0})}
+    table, png = scaling_report(runs, tmp_path)
+    assert png.exists() and png.stat().st_size > 0
+    lines = table.splitlines()
+    assert lines[0].index("4 GPUs (c4)") < lines[0].index("16 GPUs (c16)")  # sizes in order
+    row = {ln.split(" | ")[0].strip("| "): ln for ln in lines[2:5]}
+    # fifo at 4 GPUs: 10 s / k 200 = 50 ms; lina 62.5 ms, 0.8x; at 16 GPUs 100 ms and 80 ms, 1.25x
+    assert "50 / 1.00x" in row["fifo"] and "100 / 1.00x" in row["fifo"]
+    assert "62.5 / 0.80x" in row["lina"] and "80 / 1.25x" in row["lina"]
+    assert "25 / 2.00x" in row["lina-hier"] and row["lina-hier"].rstrip(" |").endswith("-")
+    # a GNN run's epochs; a summary that is not an emulated cluster's is refused with a reason
+    t, _ = scaling_report({"g": _summary(2, 4, 200.0, {"vanilla": 2.0, "adaqp": 1.0}, "epoch_time_s")}, tmp_path,
+                          baseline="vanilla")
+    assert "2.00x" in t and "epoch_time" in t
+    with pytest.raises(ValueError, match="emulated cluster"):
+        scaling_report({"x": {"median": {"fifo": {"step_time_s": 1.0}}, "meta": {}}}, tmp_path)
+    # the command: unreadable folder -> status 2 with the path; a good one writes scaling.md
+    assert scaling_main([str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
+    for name, s in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(__import__("json").dumps(s))
+    assert scaling_main([str(tmp_path / "r4"), str(tmp_path / "r16"), "--out", str(tmp_path / "o")]) == 0
+    assert "lina-hier" in (tmp_path / "o" / "scaling.md").read_text()
