@@ -115,6 +115,7 @@ def commands() -> list[Command]:
             Command("commsched partition", partition_parser()),
             Command("commsched datasets", parser_of(importlib.import_module("commsched.gnn.graph.cli").datasets_main)),
             Command("commsched topology", text=cli.TOPOLOGY_HELP),
+            Command("commsched scaling", parser_of(importlib.import_module("commsched.bench.plots").scaling_main)),
             Command("commsched results", parser_of(importlib.import_module("commsched.bench.results_page").main))]
     for mod in _MAIN_MODULES:
         p = parser_of(importlib.import_module(mod).main)
