@@ -204,6 +204,8 @@ PRESETS: dict[str, ClusterPreset] = {p.name: p for p in (
             "4 A100 of the Lina testbed as 2 hosts x 2, 100 Gb/s InfiniBand", per_host=2),
     _preset("a100x8-eth100", 2, "Ethernet", _ADAQP, _PAPER_GNN, "AdaQP's 2M-4D setting: 2 machines x 4 A100, 100 Gb/s Ethernet"),
     _preset("a100x16-eth100", 4, "Ethernet", _ADAQP, _PAPER_GNN, "AdaQP's setting at 4 machines x 4 A100, 100 Gb/s Ethernet"),
+    _preset("a100x4-eth100", 2, "Ethernet", _ADAQP, _PAPER_GNN,
+            "4 A100 in AdaQP's setting as 2 machines x 2, 100 Gb/s Ethernet", per_host=2),
 )}
 CLUSTERS: tuple[str, ...] = tuple(PRESETS)
 
