@@ -38,6 +38,9 @@ def test_moe_train_variants_on_the_emulated_cluster(tmp_path, name):
         assert (c.model.n_layers, c.model.seq_len, c.batch_size, c.dtype) == (
             p.moe.n_layers, p.moe.seq_len, p.moe.batch_size, p.moe.dtype)
         assert c.run_device == "cpu" and c.steps == 4
+        # the schedules sized for the modelled job: DDP's 25 MiB buckets, 4 MiB micro-ops
+        size = getattr(c.schedule, "bucket_bytes", None) or getattr(c.schedule, "microop_bytes", None)
+        assert size == (25 << 20 if c.schedule.policy == "fifo" else 4 << 20), (v.name, size)
     # schedule + compression on emulated hosts: the hierarchical reduction with its phase across
     # hosts compressed, and with the 8-bit all-to-all as well
     vs, _ = _variants("moe-train", ["--cluster", name, "--grad-bits", "8", "--a2a-bits", "8"])

@@ -121,11 +121,24 @@ DEEPSPEED_NOT_EMULATED = ("deepspeed left out: --compute emulated runs --impl co
                           "and MoE layer compute on real tensors and cannot be put on the emulated device)")
 
 
+# the schedules' sizes on a cluster preset, for the modelled job's gradients (220 MiB at
+# GPT-2 small's shape) rather than the CPU-sized defaults: fifo fuses gradients into
+# buckets of PyTorch DDP's default (bucket_cap_mb = 25); lina cuts 4 MiB micro-ops, at the
+# emulated NIC about half one exchange's link time, so that an exchange waits at most that
+# long for a micro-op already on the wire, with 2 of them allowed in flight
+CLUSTER_BUCKET_BYTES = 25 << 20
+CLUSTER_MICROOP_BYTES = 4 << 20
+CLUSTER_CREDIT_BYTES = 2 * CLUSTER_MICROOP_BYTES
+
+
 def cluster_defaults(preset) -> dict:
     """The bench's option defaults on a cluster preset (:mod:`commsched.cluster.presets`):
-    its device model and k, its MoE model with one expert per emulated GPU, on the CPU."""
+    its device model and k, its MoE model with one expert per emulated GPU, on the CPU,
+    and the schedules' sizes for the modelled job (``CLUSTER_*_BYTES``)."""
     m = preset.moe
     return {"compute": "emulated", "device_model": preset.device_model, "dilation": preset.dilation,
+            "bucket_bytes": CLUSTER_BUCKET_BYTES, "microop_bytes": CLUSTER_MICROOP_BYTES,
+            "credit_bytes": CLUSTER_CREDIT_BYTES,
             "device": "cpu", "d_model": m.d_model, "n_heads": m.n_heads, "n_layers": m.n_layers,
             "seq_len": m.seq_len, "d_ff": m.d_ff, "expert_hidden": m.expert_hidden, "num_experts": preset.ranks,
             "k": m.k, "moe_every": m.moe_every, "batch_size": m.batch_size, "dtype": m.dtype}
