@@ -76,13 +76,22 @@ def _scaling_point(summary: dict) -> tuple[int, str, str, dict[str, float]]:
 def scaling_report(summaries: dict[str, dict], out: Path, baseline: str | None = None) -> tuple[str, Path]:
     """The scaling series of bench runs on emulated clusters of different sizes (``{run
     folder: summary.json}``): per variant and size the predicted time on the cluster and
-    its ratio to ``baseline`` (default: the runs' own baseline), as a markdown table
-    (returned) and a plot (``out/scaling.png``: the ratio against the GPU count, and the
-    time). Variants missing from a run are shown as '-'."""
-    points = sorted((_scaling_point(s) + (s.get("baseline"), d) for d, s in summaries.items()), key=lambda p: p[0])
-    base = baseline or next((p[4] for p in points if p[4]), None)
+    its ratio to ``baseline`` (default: the runs' own baseline) in the same run, as a
+    markdown table (returned) and a plot (``out/scaling.png``: the ratio against the GPU
+    count, and the time). Several runs of one size are merged (a variant from the first
+    that has it, its ratio against that run's baseline); a variant missing at a size is '-'."""
+    base = baseline or next((s.get("baseline") for s in summaries.values() if s.get("baseline")), None)
     if base is None:
         raise ValueError("no baseline variant: name one with --baseline")
+    sizes: dict[int, dict] = {}
+    for s in summaries.values():
+        gpus, cluster, key, times = _scaling_point(s)
+        pt = sizes.setdefault(gpus, {"cluster": cluster, "key": key, "times": {}, "ratios": {}})
+        for v, t in times.items():
+            if v not in pt["times"]:
+                pt["times"][v] = t
+                pt["ratios"][v] = times[base] / t if base in times else None
+    points = [(g, p["cluster"], p["key"], p["times"], p["ratios"]) for g, p in sorted(sizes.items())]
     variants = list(dict.fromkeys(v for p in points for v in p[3]))
     unit = "ms"
     head = " | ".join(f"{g} GPUs ({c}): {unit}, {base} / it" for g, c, *_ in points)
@@ -90,14 +99,15 @@ def scaling_report(summaries: dict[str, dict], out: Path, baseline: str | None =
     ratios: dict[str, list[float | None]] = {}
     for v in variants:
         cells, rs = [], []
-        for _, _, _, t, _, _ in points:
-            r = t[base] / t[v] if v in t and base in t else None
+        for _, _, _, t, rr in points:
+            r = rr.get(v)
             rs.append(r)
             cells.append("-" if v not in t else f"{1e3 * t[v]:.4g} / {'-' if r is None else f'{r:.2f}x'}")
         ratios[v] = rs
         lines.append(f"| {v} | " + " | ".join(cells) + " |")
     lines += ["", f"Each cell: the predicted {points[0][2].replace('_s', '')} on the real cluster (measured / k, "
-                  f"median over repeats) and {base}'s time over the variant's (> 1: faster than {base})."]
+                  f"median over repeats) and {base}'s time over the variant's in the same run (> 1: faster than "
+                  f"{base})."]
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     gpus = [p[0] for p in points]

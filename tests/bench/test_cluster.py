@@ -137,12 +137,15 @@ def test_scaling_report_orders_sizes_and_gives_time_and_ratio_per_cell(tmp_path)
     assert "50 / 1.00x" in row["fifo"] and "100 / 1.00x" in row["fifo"]
     assert "62.5 / 0.80x" in row["lina"] and "80 / 1.25x" in row["lina"]
     assert "25 / 2.00x" in row["lina-hier"] and row["lina-hier"].rstrip(" |").endswith("-")
+    # two runs of one size merge: a variant from the first that has it, against its own run's baseline
+    t, _ = scaling_report({**runs, "r4b": _summary(2, 2, 200.0, {"fifo": 20.0, "fifo-g8": 10.0})}, tmp_path)
+    assert t.splitlines()[0].count("4 GPUs") == 1 and "50 / 2.00x" in t and "62.5 / 0.80x" in t
     # a GNN run's epochs; a summary that is not an emulated cluster's is refused with a reason
     t, _ = scaling_report({"g": _summary(2, 4, 200.0, {"vanilla": 2.0, "adaqp": 1.0}, "epoch_time_s")}, tmp_path,
                           baseline="vanilla")
     assert "2.00x" in t and "epoch_time" in t
     with pytest.raises(ValueError, match="emulated cluster"):
-        scaling_report({"x": {"median": {"fifo": {"step_time_s": 1.0}}, "meta": {}}}, tmp_path)
+        scaling_report({"x": {"median": {"fifo": {"step_time_s": 1.0}}, "meta": {}}}, tmp_path, baseline="fifo")
     # the command: unreadable folder -> status 2 with the path; a good one writes scaling.md
     assert scaling_main([str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
     for name, s in runs.items():
