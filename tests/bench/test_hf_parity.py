@@ -53,10 +53,18 @@ def test_variants_parse_and_refusals(tmp_path):
                      ("lina-overlap+ddp", "LinaDDP runs fifo, lina, serial"), ("lina+ddp+g8", "full width")):
         with pytest.raises(ValueError, match=why):
             hp.parse_variant(bad)
+    # the reference, and the reference with its gradients through the codec
+    assert hp.parse_reference("one-process") == (32, "flat") and hp.parse_reference("lina+g8") is None
+    assert hp.parse_reference("one-process+g8") == (8, "flat")
+    assert hp.parse_reference("one-process+g16+p") == (16, "param")
+    for bad in ("one-process+a8", "one-process+g4", "one-process+p"):
+        with pytest.raises(ValueError, match="the reference's forms"):
+            hp.parse_reference(bad)
     # refused before any run: one line, exit 2
     assert hp.main(["--out", str(tmp_path / "a"), "--variants", "fifo,lina-overlap+ddp"]) == 2
     assert hp.main(["--out", str(tmp_path / "b"), "--nproc", "3"]) == 2  # 8 experts over 3 ranks
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert hp.main(["--out", str(tmp_path / "c"), "--variants", "one-process"]) == 2  # the reference itself
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
 
 
 # ------------------------------------------------ commsched bench moe-train --model hf-mixtral-tiny

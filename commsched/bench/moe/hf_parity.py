@@ -17,7 +17,11 @@ communication hook, which cannot leave the reduction running into the next forwa
 compress it); ``+a8`` / ``+a16`` the expert all-to-all's rows at 8 / 16 bits
 (``expert_parallel(a2a_bits=...)``), ``+g8`` / ``+g16`` the gradient reduction's sums
 (:class:`commsched.quant.allreduce.CompressedLauncher`). Lina's probe against fifo's launching
-is off: every step runs the schedule named.
+is off: every step runs the schedule named. ``one-process+gB`` (B: 8 or 16) is the reference with
+its non-expert gradients encoded and decoded by the gradient reduction's codec once a step (one
+quantization, the all-gather's, where N ranks' sums have two), as one tensor whose rows span
+parameters as a fused micro-op's do; ``one-process+gB+p`` with each parameter in its own rows:
+the codec's effect on training apart from the distributed run.
 
 Each variant is one ``torchrun`` run of ``--nproc`` ranks (every seed in turn); the reference
 is one process that holds every expert and runs the ranks' batches of each step one after the
@@ -127,9 +131,51 @@ def _batch(corpus, a, seed: int, step: int, rank: int, device):
     return x.to(device)  # the model shifts its labels itself
 
 
-def reference_curve(a: argparse.Namespace, corpus, seed: int, world: int, device=None) -> list[float]:
+def parse_reference(text: str) -> tuple[int, str] | None:
+    """``"one-process"`` -> (32, "flat"); ``"one-process+g8"`` -> (8, "flat"); ``"one-process+g8+p"``
+    -> (8, "param"): the reference with its non-expert gradients through the codec at that width
+    once a step (:func:`reference_curve`); None for a name that is not the reference's (pure; a
+    ValueError for a reference name of any other form)."""
+    head, _, rest = str(text).partition("+")
+    if head != REFERENCE:
+        return None
+    m = re.fullmatch(r"g(8|16)(\+p)?", rest) if rest else None
+    if rest and not m:
+        raise ValueError(f"--variants: {text!r}: the reference's forms are {REFERENCE}+gB and {REFERENCE}+gB+p "
+                         "(B: 8 or 16; +p: each parameter in its own rows)")
+    return (int(m.group(1)), "param" if m.group(2) else "flat") if m else (32, "flat")
+
+
+def _through_codec(model, bits: int, layout: str, key: tuple[int, ...]) -> None:
+    """The non-expert gradients of ``model`` (one process, every expert) encoded and decoded
+    by the gradient reduction's codec, as a one-rank :func:`quantized_all_reduce` over the wire
+    does (one quantization: the all-gather's): ``flat``, all of them as one tensor in the
+    order the backward pass readies them (the launcher's rows span parameters, as in a fused
+    micro-op), or ``param``, each parameter alone (no row spans two)."""
+    import torch
+
+    from ...moe.hf import EXPERT_PARAMS
+    from ...quant.allreduce import quantized_all_reduce
+    from ...quant.rowwire import format_seed
+
+    ps = [p for n, p in reversed(list(model.named_parameters())) if not n.endswith(EXPERT_PARAMS)]
+    parts = [torch.cat([p.grad.flatten() for p in ps])] if layout == "flat" else [p.grad.flatten() for p in ps]
+    for i, g in enumerate(parts):
+        quantized_all_reduce(g, bits, seed=format_seed(0x6AD, *key, i), force_wire=True)
+    if layout == "flat":
+        for p, g in zip(ps, torch.split(parts[0], [p.numel() for p in ps])):
+            p.grad.copy_(g.view_as(p))
+    else:
+        for p, g in zip(ps, parts):
+            p.grad.copy_(g.view_as(p))
+
+
+def reference_curve(a: argparse.Namespace, corpus, seed: int, world: int, device=None,
+                    codec: tuple[int, str] = (32, "flat")) -> list[float]:
     """One process, every expert: each step runs the ``world`` ranks' batches in turn (each
-    loss / world), then one optimizer step. Returns the mean loss over the ranks' batches per step."""
+    loss / world), then one optimizer step. Returns the mean loss over the ranks' batches per step.
+    ``codec`` (bits, layout) other than 32 bits: the non-expert gradients pass through the 8- or
+    16-bit codec before each step (:func:`_through_codec`; needs a one-rank process group)."""
     import torch
 
     device = device or torch.device("cpu")
@@ -143,6 +189,8 @@ def reference_curve(a: argparse.Namespace, corpus, seed: int, world: int, device
             loss = model(input_ids=x, labels=x).loss / world
             loss.backward()
             total += float(loss.detach())
+        if codec[0] != 32:
+            _through_codec(model, codec[0], codec[1], key=(seed, step))
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append(total)
@@ -256,12 +304,13 @@ def _worker(a: argparse.Namespace) -> int:
 
     corpus = load_corpus(a.corpus)
     seeds = [int(s) for s in a.seeds.split(",")]
-    if a.worker == REFERENCE:
-        device = resolve_device(a.device)[0]
+    codec = parse_reference(a.worker)
+    if codec is not None:
+        device = init_distributed(device=a.device)[2] if codec[0] != 32 else resolve_device(a.device)[0]
         t0 = time.perf_counter()
-        curves = {str(s): reference_curve(a, corpus, s, a.world or a.nproc, device) for s in seeds}
-        metrics = {"variant": REFERENCE, "world_size": 1, "ranks_emulated": a.world or a.nproc, "loss": curves,
-                   "wall_s": time.perf_counter() - t0}
+        curves = {str(s): reference_curve(a, corpus, s, a.world or a.nproc, device, codec) for s in seeds}
+        metrics = {"variant": a.worker, "world_size": 1, "ranks_emulated": a.world or a.nproc, "loss": curves,
+                   "grad_bits": codec[0], "codec_layout": codec[1], "wall_s": time.perf_counter() - t0}
     else:
         spec = parse_variant(a.worker)
         rank, world, device = init_distributed(device=a.device)
@@ -293,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default="fifo+ddp,lina+ddp,lina-overlap,lina+ddp+a8,lina+g8",
                    help="comma-separated SCHEDULE[+ddp][+aA][+gB]: SCHEDULE fifo, lina, lina-overlap or serial "
                         "(reduced by make_grad_step; +ddp: by LinaDDP, fifo, lina, serial); +a8, +a16: the "
-                        "all-to-all's rows, +g8, +g16: the gradient reduction's sums at that width")
+                        "all-to-all's rows, +g8, +g16: the gradient reduction's sums at that width; "
+                        f"{REFERENCE}+gB[+p]: one process, its gradients through the codec")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--window", type=int, default=10)
     p.add_argument("--corpus", default=None, help="a text file (default: the Python standard library's sources)")
@@ -325,7 +375,10 @@ def _check(a: argparse.Namespace) -> list[str]:
         raise ValueError(f"--experts {a.experts} do not split evenly over --nproc {a.nproc} ranks")
     names = [v.strip() for v in a.variants.split(",") if v.strip()]
     for v in names:
-        parse_variant(v)
+        if parse_reference(v) is None:
+            parse_variant(v)
+        elif v == REFERENCE:
+            raise ValueError(f"--variants: {REFERENCE!r} is the reference every run is compared with; name a variant")
     if not names or len(set(names)) != len(names):
         raise ValueError(f"--variants: {a.variants!r}: name each variant once")
     return names
@@ -346,7 +399,7 @@ def _bench(a: argparse.Namespace, argv) -> int:
     t0 = time.perf_counter()
     runs = {}
     for name in [REFERENCE, *names]:
-        nproc = 1 if name == REFERENCE else a.nproc
+        nproc = 1 if parse_reference(name) is not None else a.nproc
         v = Variant(name, module, ("--worker", name, *_args_of(a)))
         print(f"[hf-parity] {name} ({nproc} rank{'s' * (nproc > 1)}) ...", flush=True)
         runs[name] = run_variant(v, nproc, a.out / name.replace("+", "-"), RunContext(), a.timeout)
@@ -356,7 +409,7 @@ def _bench(a: argparse.Namespace, argv) -> int:
         for s in seeds:
             c, r = runs[name]["loss"][str(s)], ref[str(s)]
             rows.append({"variant": name, "seed": s, **gaps(c, r, a.window), "final_loss": c[-1],
-                         "final_loss_ref": r[-1], "step_time_s": runs[name]["step_time_by_seed_s"][str(s)]})
+                         "final_loss_ref": r[-1], "step_time_s": runs[name].get("step_time_by_seed_s", {}).get(str(s))})
     worst = {n: max(r["max_step_gap"] for r in rows if r["variant"] == n) for n in names}
     summary = {"command": shlex.join([sys.executable, "-m", module, *argv]), "steps": a.steps, "seeds": seeds,
                "nproc": a.nproc, "window": a.window, "gaps": rows, "worst_step_gap": worst,
@@ -479,8 +532,8 @@ def main(argv=None) -> int:
 
 
 __all__ = ["DDP_SCHEDULES", "HF_MODELS", "MODEL_FLAGS", "OPTIMIZERS", "REFERENCE", "SCHEDULES", "Curve", "Spec", "bench_summary",
-           "bench_variants", "build_model", "build_parser", "main", "make_optimizer", "parallel_curve", "parse_variant",
-           "reference_curve", "schedule_config"]
+           "bench_variants", "build_model", "build_parser", "main", "make_optimizer", "parallel_curve", "parse_reference",
+           "parse_variant", "reference_curve", "schedule_config"]
 
 
 if __name__ == "__main__":
