@@ -486,9 +486,8 @@ def bench_summary(runs: dict[str, list[dict]], args: argparse.Namespace, out: Pa
     all-to-all time, the median of its per-repeat step-time ratios fifo / variant (repeats
     interleaved), its first and last loss and its loss curve's gaps to fifo's
     (:func:`~commsched.bench.moe.a2a_parity.gaps`, repeat 0: the largest per step, relative,
-    and of the last ``min(10, steps)`` steps' means); the loss curves' plot."""
-    from .train import plot_losses
-
+    and of the last ``min(10, steps)`` steps' means); the loss curves' plot (5-step moving
+    averages and their gaps to fifo's: :func:`~commsched.bench.moe.a2a_parity.plot`)."""
     def med(v: str, key: str):
         return median(r.get(key) for r in runs[v])
 
@@ -498,7 +497,8 @@ def bench_summary(runs: dict[str, list[dict]], args: argparse.Namespace, out: Pa
         return median(f["step_time_s"] / r["step_time_s"] for f, r in zip(runs["fifo"], runs[v])
                       if f.get("step_time_s") and r.get("step_time_s"))
 
-    curves = {v: next(iter(rs[0]["loss"].values())) for v, rs in runs.items()}
+    seed = next(iter(next(iter(runs.values()))[0]["loss"]))  # the run's one seed (repeat 0)
+    curves = {v: rs[0]["loss"][seed] for v, rs in runs.items()}
     window = min(10, len(next(iter(curves.values()))))
     lines = ["| variant | step (s) | step: fifo / variant | all-to-all per step (s) | first loss | last loss | "
              "largest per-step loss gap to fifo | gap of the last steps' mean |", "|---|---|---|---|---|---|---|---|"]
@@ -512,7 +512,7 @@ def bench_summary(runs: dict[str, list[dict]], args: argparse.Namespace, out: Pa
                      + (f"{med(v, 'a2a_time_s'):.3g}" if med(v, "a2a_time_s") is not None else "-")
                      + f" | {c[0]:.4f} | {c[-1]:.4f} | "
                      + (f"{g['max_step_gap']:.3%} | {g['final_gap']:+.3%} |" if g else "- | - |"))
-    png = plot_losses({v: [{"loss": c}] for v, c in curves.items()}, out / "loss.png")
+    png = plot({(int(seed), v): c for v, c in curves.items()}, min(5, window), out / "loss.png", ref="fifo", unit="")
     cfg = (f"model: {HF_MODELS[args.model]}; {args.batch_size} x {MODEL_FLAGS['--seq-len']} tokens per rank per "
            f"step, {MODEL_FLAGS['--optim']} at lr {MODEL_FLAGS['--lr']}; gradients reduced by make_grad_step "
            f"(Lina's probe off); lina and lina-overlap: {args.chunks} chunks pipelined; step times: rank 0's, "
