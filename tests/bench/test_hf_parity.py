@@ -64,6 +64,7 @@ def test_variants_parse_and_refusals(tmp_path):
     assert hp.main(["--out", str(tmp_path / "a"), "--variants", "fifo,lina-overlap+ddp"]) == 2
     assert hp.main(["--out", str(tmp_path / "b"), "--nproc", "3"]) == 2  # 8 experts over 3 ranks
     assert hp.main(["--out", str(tmp_path / "c"), "--variants", "one-process"]) == 2  # the reference itself
+    assert hp.main(["--out", str(tmp_path / "c"), "--chunks", "0"]) == 2
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
 
 

@@ -373,6 +373,8 @@ def _check(a: argparse.Namespace) -> list[str]:
         raise ValueError("--seeds must name a seed, --steps, --nproc and --window must be >= 1")
     if a.experts % a.nproc:
         raise ValueError(f"--experts {a.experts} do not split evenly over --nproc {a.nproc} ranks")
+    if a.chunks < 1 or not 0 <= a.warmup < a.steps:
+        raise ValueError(f"--chunks must be >= 1 and --warmup in 0..--steps - 1, got {a.chunks} and {a.warmup}")
     names = [v.strip() for v in a.variants.split(",") if v.strip()]
     for v in names:
         if parse_reference(v) is None:
