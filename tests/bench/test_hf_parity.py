@@ -32,7 +32,7 @@ def _corpus() -> Corpus:
 
 
 def _curves(rank: int, world: int) -> dict[str, list[float]]:
-    return {v: hp.parallel_curve(_args(), _corpus(), 3, hp.parse_variant(v), torch.device("cpu"))[0]
+    return {v: hp.parallel_curve(_args(), _corpus(), 3, hp.parse_variant(v), torch.device("cpu")).loss
             for v in ("fifo", "fifo+ddp")}
 
 
@@ -53,7 +53,89 @@ def test_variants_parse_and_refusals(tmp_path):
                      ("lina-overlap+ddp", "LinaDDP runs fifo, lina, serial"), ("lina+ddp+g8", "full width")):
         with pytest.raises(ValueError, match=why):
             hp.parse_variant(bad)
+    # the reference, and the reference with its gradients through the codec
+    assert hp.parse_reference("one-process") == (32, "flat") and hp.parse_reference("lina+g8") is None
+    assert hp.parse_reference("one-process+g8") == (8, "flat")
+    assert hp.parse_reference("one-process+g16+p") == (16, "param")
+    for bad in ("one-process+a8", "one-process+g4", "one-process+p"):
+        with pytest.raises(ValueError, match="the reference's forms"):
+            hp.parse_reference(bad)
     # refused before any run: one line, exit 2
     assert hp.main(["--out", str(tmp_path / "a"), "--variants", "fifo,lina-overlap+ddp"]) == 2
     assert hp.main(["--out", str(tmp_path / "b"), "--nproc", "3"]) == 2  # 8 experts over 3 ranks
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert hp.main(["--out", str(tmp_path / "c"), "--variants", "one-process"]) == 2  # the reference itself
+    assert hp.main(["--out", str(tmp_path / "c"), "--chunks", "0"]) == 2
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+# ------------------------------------------------ commsched bench moe-train --model hf-mixtral-tiny
+def _bench_args(*argv: str):
+    from commsched.bench import build_parser, load_workload
+
+    wl = load_workload("moe-train")
+    return wl, build_parser(wl).parse_args(["--model", "hf-mixtral-tiny", *argv])
+
+
+def test_bench_variants_are_the_bench_configs_run_by_the_worker():
+    wl, args = _bench_args("--steps", "6", "--warmup", "2", "--batch-size", "3", "--a2a-bits", "8",
+                           "--grad-bits", "8", "--chunks", "2", "--microop-bytes", "65536")
+    vs = {v.name: v for v in wl.variants(args)}
+    assert list(vs) == ["fifo", "lina", "lina-overlap", "lina-q8", "lina-overlap-q8", "fifo-g8", "lina-g8",
+                        "lina-overlap-g8", "fifo-q8-g8", "lina-q8-g8", "lina-overlap-q8-g8"]  # no DeepSpeed
+    p = hp.build_parser()
+    for name, v in vs.items():
+        assert v.module == "commsched.bench.moe.hf_parity"
+        w = p.parse_args([*v.argv, "--out", "x"])
+        spec = hp.parse_variant(w.worker)
+        assert spec.reducer == "step" and spec.schedule == name.split("-q")[0].split("-g")[0]
+        assert (spec.a2a_bits, spec.grad_bits) == (8 if "-q8" in name else 32, 8 if "-g8" in name else 32)
+        assert (w.steps, w.warmup, w.batch_size, w.seeds, w.world) == (6, 2, 3, "0", 4)
+        assert w.chunks == (1 if name.startswith("fifo") else 2)
+        cfg = hp.schedule_config(spec, w.schedule_options)  # the bench's schedule options reach the worker
+        if spec.schedule != "fifo":
+            assert cfg.microop_bytes == 65536 and cfg.fallback_probes == 0
+    args.reduce_address = "127.0.0.2"  # the collective link model's reduction class
+    for v in wl.variants(args):
+        w = p.parse_args([*v.argv, "--out", "x"])
+        assert hp.schedule_config(hp.parse_variant(w.worker), w.schedule_options).reduce_address == "127.0.0.2"
+
+
+def test_bench_refusals(monkeypatch):
+    from commsched._lazy import MissingExtra
+
+    wl, args = _bench_args("--nproc", "3")
+    with pytest.raises(ValueError, match="8 experts do not split evenly over --nproc 3"):
+        wl.variants(args)
+    wl, args = _bench_args("--dtype", "bfloat16")
+    with pytest.raises(ValueError, match="trains in float32"):
+        wl.variants(args)
+    with pytest.raises(ValueError, match="unknown schedule 'flat'"):
+        hp.parse_variant("flat")
+    with pytest.raises(ValueError, match="schedule lina: .*nope"):
+        hp.schedule_config(hp.Spec("lina"), {"nope": 1})
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)
+    wl, args = _bench_args()
+    with pytest.raises(MissingExtra, match=r"commsched\[hf\]"):
+        wl.variants(args)
+
+
+@pytest.mark.slow
+def test_bench_runs_on_two_ranks_and_summarises(tmp_path):
+    """Two variants, 3 steps, 2 ranks, unshaped: the runs' metrics and the summary's table."""
+    from commsched.bench import run_bench
+
+    s = run_bench("moe-train", ["--model", "hf-mixtral-tiny", "--bandwidth", "none", "--nproc", "2", "--steps", "3",
+                                "--warmup", "1", "--batch-size", "2", "--a2a-bits", "8", "--variants", "fifo,lina-q8",
+                                "--timeout", "240", "--out", str(tmp_path)], progress=lambda line: None)
+    med = s["median"]
+    assert set(med) == {"fifo", "lina-q8"}
+    assert all(0 < med[v]["step_time_s"] < 30 and 0 < med[v]["a2a_time_s"] <= med[v]["step_time_s"] for v in med)
+    r = s["hf_ratios"]["lina-q8"]
+    assert r == pytest.approx(med["fifo"]["step_time_s"] / med["lina-q8"]["step_time_s"])
+    g = s["hf_loss_gaps"]
+    assert g["fifo"]["max_step_gap"] == 0.0 and 0 < g["lina-q8"]["max_step_gap"] < 0.01  # 8-bit rows: close
+    m = __import__("json").loads((tmp_path / "lina-q8" / "rep0" / "metrics.json").read_text())
+    assert len(m["loss"]["0"]) == 3 and m["loss"]["0"][-1] < m["loss"]["0"][0]  # it trains
+    table = (tmp_path / "summary.md").read_text()
+    assert "## hf-mixtral-tiny: the variants side by side" in table and "| lina-q8 |" in table
+    assert (tmp_path / "loss.png").stat().st_size > 0

@@ -2,7 +2,9 @@
 and 4 gloo ranks the expert-parallel model's logits, loss, router logits, aux loss and every
 gradient equal the untouched model's in one process, for Mixtral, Qwen2-MoE, Qwen3-MoE and
 DeepSeek-V3 (and a routing that leaves every rank but rank 0 without tokens); checkpoints
-round-trip 2 -> 4 -> 1 ranks bit for bit; the refusals."""
+round-trip 2 -> 4 -> 1 ranks bit for bit; the expert-parallel Mixtral trained by LinaDDP under
+Lina's schedule on 2 ranks has one process's losses and parameters, its replicas identical; the
+refusals."""
 
 from __future__ import annotations
 
@@ -266,3 +268,84 @@ def _foreign_group(rank: int, world: int) -> str:
 def test_gathering_over_a_group_that_is_not_the_models_is_refused_on_every_rank():
     for msg in run_ranks(2, _foreign_group, timeout_s=120):
         assert msg == "model.layers.0.mlp.experts is expert-parallel over 1 ranks, the group given has 2", msg
+
+
+# ---------------------------------------------------------------- training under LinaDDP
+STEPS, LR = 3, 0.1  # plain SGD: a gradient of the wrong scale or sum changes the next loss and every parameter
+
+
+def _train_reference(world: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """One process, every expert: each step the ranks' batches in turn (each loss / world),
+    then one SGD step. The per-step per-rank losses and the trained parameters."""
+    model = _build("mixtral", seed=3)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        per_rank = []
+        for r in range(world):
+            ids = _batch(r)  # each rank its own batch, the same every step
+            loss = model(input_ids=ids, labels=ids).loss
+            (loss / world).backward()
+            per_rank.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(per_rank)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train_lina_ddp(rank: int, world: int) -> dict:
+    """The same training, expert-parallel over the world and wrapped in LinaDDP under Lina's
+    schedule (small buckets and micro-ops: several of each per step). Per step this rank's
+    loss; after the steps the non-expert parameters (this rank's replica) and every expert
+    (gathered)."""
+    import torch.distributed as dist
+
+    from commsched.comm.observe import A2AEvents
+    from commsched.priority import LinaConfig, LinaDDP
+
+    events = A2AEvents()
+    model = hf.expert_parallel(_build("mixtral", seed=3), observer=events)
+    ddp = LinaDDP(model, schedule=LinaConfig(fallback_probes=0, microop_bytes=4096), events=events,
+                  bucket_cap_mb=0.02)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    losses = []
+    try:
+        for _ in range(STEPS):
+            ids = _batch(rank)
+            loss = ddp(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss))
+    finally:
+        ddp.close()
+    replica = {n: p.detach().clone() for n, p in model.named_parameters() if not is_expert_param(p)}
+    experts = hf.gather_state_dict(model)
+    if experts is not None:
+        experts = {k: v for k, v in experts.items() if k.endswith(hf.EXPERT_PARAMS)}
+    flat = torch.cat([p.flatten() for p in replica.values()])
+    parts = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(parts, flat)
+    return {"losses": losses, "replica": replica, "experts": experts,
+            "replicas_identical": all(torch.equal(parts[0], x) for x in parts[1:])}
+
+
+@pytest.mark.slow
+def test_lina_ddp_trains_the_expert_parallel_mixtral_as_one_process():
+    world = 2
+    ref_losses, ref_params = _train_reference(world)
+    assert sum(ref_losses[-1]) < sum(ref_losses[0])  # it trains
+    results = run_ranks(world, _train_lina_ddp, timeout_s=180)
+    init = _build("mixtral", seed=3).state_dict()
+    for rank, res in enumerate(results):
+        assert res["replicas_identical"], rank
+        for step, (loss, ref) in enumerate(zip(res["losses"], ref_losses)):
+            assert _excess(loss, ref[rank]) <= 0.0, (rank, step, loss, ref[rank])
+        assert res["replica"].keys() == {n for n in ref_params if not n.endswith(hf.EXPERT_PARAMS)}
+        for n, p in res["replica"].items():
+            assert _excess(p, ref_params[n]) <= 0.0, (rank, n, float((p - ref_params[n]).abs().max()))
+            assert not torch.equal(p, init[n]), n  # every parameter was trained
+    experts = results[0]["experts"]
+    assert len(experts) == 4  # 2 layers x (gate_up_proj, down_proj)
+    for n, p in experts.items():
+        assert _excess(p, ref_params[n]) <= 0.0, (n, float((p - ref_params[n]).abs().max()))

@@ -25,6 +25,12 @@ Three variants of the same model, data and seed, each a ``torchrun`` run of
   reduction (``--hier-reduce``: inside each host, across hosts under lina's gate, inside
   again; :mod:`commsched.priority.hier`).
 
+With ``--model hf-mixtral-tiny`` the model is a transformers Mixtral made expert-parallel by
+:mod:`commsched.moe.hf` instead, each commsched variant a run of the worker of
+:mod:`commsched.bench.moe.hf_parity` (:func:`~commsched.bench.moe.hf_parity.bench_variants`;
+DeepSpeed's variant left out), and the summary its step times, their ratios to fifo's and the
+loss curves' gaps to fifo's (:func:`~commsched.bench.moe.hf_parity.bench_summary`).
+
 The summary adds lina's ratios against fifo, its all-to-all time against the all-to-all
 measured with no allreduce running (``a2a_alone_time_s``), the share of a fifo step spent
 in all-to-all, the link's time per step at the emulated rate (:func:`link_times`) and the
@@ -48,6 +54,7 @@ from ...priority.policy import DEFAULT_CREDIT_MICROOPS, FifoConfig, LinaConfig, 
 from ...results import median
 from ..plots import pyplot, save_figure
 from ..runner import Variant, Workload, median_of
+from . import hf_parity
 
 # The benchmark model and link (the documented default regime; see docs/methods/moe_train.md):
 # every other block MoE, 4 experts (one per rank), 800 Mbit/s shared by the 4 ranks -- the
@@ -67,6 +74,13 @@ DEFAULTS = {"steps": 10, "warmup": 3, "device": "auto", "chunks": 4, "microop_by
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     g = p.add_argument_group("model and training (all variants)")
+    g.add_argument("--model", default="commsched", choices=("commsched", *hf_parity.HF_MODELS),
+                   help="commsched: commsched's MoE language model (the model flags below, every variant, "
+                        "DeepSpeed's included); hf-mixtral-tiny: a transformers Mixtral (hidden 128, 8 experts, "
+                        "top-2, 4 layers) made expert-parallel by commsched.moe.hf, under commsched's variants "
+                        "(python -m commsched.bench.moe.hf_parity's worker; the model flags below do not apply, "
+                        "--batch-size, --steps, --warmup, --corpus, --device, --chunks and the schedules' "
+                        "options do; needs the hf extra)")
     add_arguments(g, TrainConfig, defaults=d, skip=tuple(f.name for f in cli_fields(TrainConfig) if f.name not in (
         "steps", "warmup", "batch_size", "corpus", "device", "dtype", "allreduce_threads", "compute",
         "device_model", "dilation")))
@@ -186,6 +200,8 @@ def configs(a: argparse.Namespace) -> dict[str, TrainConfig]:
 
 
 def _variants(a: argparse.Namespace) -> list[Variant]:
+    if a.model != "commsched":  # a transformers model: the same variants, hf_parity's worker
+        return hf_parity.bench_variants(a, configs(a))
     return [Variant(n, "commsched.moe.train", config=c,
                     args=("--schedule", c.schedule.policy) if c.impl == "commsched" else ())
             for n, c in configs(a).items()]
@@ -368,6 +384,8 @@ def _overlap_rows(runs, med, rep_ratio, m_any, P, rate, a2a_link_s, hosts) -> li
 
 
 def _summarize(runs: dict[str, list[dict]], args, out: Path) -> dict:
+    if args.model != "commsched":
+        return hf_parity.bench_summary(runs, args, out)
     start = after_probe_start()
     for rs in runs.values():
         for m in rs:
