@@ -220,6 +220,17 @@ def _write_bench(d, runs_by_seed):
         f.write_text(json.dumps(m))
 
 
+def test_mode_rank_orders_the_pooled_report():
+    from commsched.bench.gnn.tta import TTA_MODES, mode_rank
+
+    ranks = [mode_rank(m) for m in ("vanilla", "vanilla-g8", "vanilla-bf16", "adaptive", "adaptive-g8",
+                                    "adaptive-avg-eb0.5", "minibatch", "minibatch-g8", "nosuchmode")]
+    at = TTA_MODES.index
+    assert ranks == [at("vanilla")] * 2 + [at("vanilla-bf16")] + [at("adaptive")] * 3 + [at("minibatch")] * 2 \
+        + [len(TTA_MODES)]
+    assert at("vanilla") < at("adaptive") < at("minibatch")  # the full-graph modes, then sampling
+
+
 def test_split_seed_reads_the_bench_run_names():
     assert split_seed("gcn-adaqp-s3") == ("gcn-adaqp", 3)
     assert split_seed("gcn-vanilla-bf16-s12") == ("gcn-vanilla-bf16", 12)

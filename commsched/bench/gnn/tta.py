@@ -58,6 +58,16 @@ SCORE_LABEL = {"acc": "accuracy", "auc": "ROC AUC"}
 SEED_MARK = "-s"  # VARIANT-sSEED: one seed's run of VARIANT (bench gnn --seeds)
 
 
+def mode_rank(name: str) -> int:
+    """Where a bench mode name sorts in a report: the position in :data:`TTA_MODES` of the
+    name itself, else of the mode it extends (``adaptive-g8`` after ``adaptive``, with
+    ``-bf16``, ``-g8``, ``-lina`` ... suffixes), else after all of them."""
+    if name in TTA_MODES:
+        return TTA_MODES.index(name)
+    base = max((m for m in TTA_MODES if name.startswith(m + "-")), key=len, default=None)
+    return len(TTA_MODES) if base is None else TTA_MODES.index(base)
+
+
 def split_seed(name: str) -> tuple[str, int] | None:
     """``("VARIANT", SEED)`` from a ``VARIANT-sSEED`` run name, None for a name without it."""
     base, mark, seed = name.rpartition(SEED_MARK)
@@ -340,9 +350,7 @@ def load_bench_runs(dirs: Sequence[str | Path]) -> dict[str, list[dict]]:
             except (OSError, ValueError) as e:
                 raise ValueError(f"{f}: unreadable metrics ({e})") from None
     def order(key: tuple[str, int, str]) -> tuple:
-        mode = key[0].split("-", 1)[-1]
-        return (key[0].split("-", 1)[0], TTA_MODES.index(mode) if mode in TTA_MODES else len(TTA_MODES),
-                *key)
+        return (key[0].split("-", 1)[0], mode_rank(key[0].split("-", 1)[-1]), *key)
 
     runs: dict[str, list[dict]] = {}
     for key in sorted(found, key=order):
@@ -396,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["DEFAULT_TARGET_FRAC", "SAMPLING_MODE", "SCORES", "SEED_MARK", "split_seed", "TTA_MODES", "TimeToTarget", "check_tta_args", "pick_score", "plot_tta", "run_curve", "sampling_lines", "targets", "time_to_target",
+__all__ = ["DEFAULT_TARGET_FRAC", "SAMPLING_MODE", "SCORES", "SEED_MARK", "mode_rank", "split_seed", "TTA_MODES", "TimeToTarget", "check_tta_args", "pick_score", "plot_tta", "run_curve", "sampling_lines", "targets", "time_to_target",
            "tta_rows", "tta_table", "load_bench_runs", "pool_report"]
 
 if __name__ == "__main__":
