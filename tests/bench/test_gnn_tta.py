@@ -13,6 +13,7 @@ from commsched.bench.gnn.tta import (
     TimeToTarget,
     pick_score,
     run_curve,
+    sampling_lines,
     split_seed,
     targets,
     time_to_target,
@@ -93,6 +94,28 @@ def test_rows_target_from_vanilla_and_aggregation():
     assert run_curve(_run([0.1, 0.2], [1.0, 2.0, 3.0], 0.1, 0, ev=[0, 2])) == ([1.0, 6.0], [0.1, 0.2])
 
 
+def test_full_graph_against_sampling_line():
+    """The table says whether the fastest full-graph mode or ``minibatch`` reaches the target
+    first, by the ratio of their speed-ups against Vanilla, seeds reached and test score beside."""
+    runs = _runs()  # onebit: 3.00x Vanilla (seed 0 only)
+    slow = _run([0.5, 0.9, 0.9, 0.9], [2.0] * 4, 0.88, 0)  # at the target after 2 epochs, 4 s: 1.5x
+    runs["gcn-minibatch"] = [slow, _run([0.5, 0.6, 0.7, 0.8], [2.0] * 4, 0.80, 1)]  # seed 1 never
+    rows = tta_rows(runs)
+    assert rows["gcn-minibatch"]["speedup_vs_vanilla"] == 1.5
+    lines = sampling_lines(rows)
+    assert lines[1] == ("- gcn: full-graph reaches the target first: `gcn-onebit` 2.00x sooner than `gcn-minibatch` "
+                        "(`gcn-onebit` 3.00x Vanilla, 1/2 seeds, test 83.00%; "
+                        "`gcn-minibatch` 1.50x Vanilla, 1/2 seeds, test 84.00%)")
+    assert lines[1] in tta_table(rows)
+    runs["gcn-minibatch"][0] = dict(slow, epoch_time_s_per_epoch=[0.5] * 4)  # 1 s to target: 6.0x
+    assert sampling_lines(tta_rows(runs))[1].startswith(
+        "- gcn: sampling reaches the target first: `gcn-minibatch` 2.00x sooner than `gcn-onebit`")
+    # no sampling variant, or one that never reached the target: no line
+    assert sampling_lines(tta_rows(_runs())) == []
+    runs["gcn-minibatch"] = [_run([0.5] * 4, [1.0] * 4, 0.5, 0), _run([0.5] * 4, [1.0] * 4, 0.5, 1)]
+    assert sampling_lines(tta_rows(runs)) == [] and "Full-graph against sampling" not in tta_table(tta_rows(runs))
+
+
 def _auc_runs():
     """The accuracy curves of :func:`_runs` flat at the majority share (a Tolokers), their
     ROC AUC curves carrying the information."""
@@ -136,7 +159,10 @@ def test_bench_variants_and_summary_with_time_to_acc(tmp_path, monkeypatch):
     names = [v.name for v in gnn.variants(a)]
     keep, skipped = gnn.tta_modes()
     assert names == [f"gcn-{m}-s{s}" for s in (0, 1) for m in keep]  # gcn only, the registered modes
-    assert {"vanilla", "vanilla-bf16", "adaqp", "onebit"} <= set(keep)
+    assert {"vanilla", "vanilla-bf16", "adaqp", "onebit", "minibatch"} <= set(keep)
+    # mini-batch training (the peer a user would pick instead) runs beside the full-graph modes, after them
+    mb = next(v for v in gnn.variants(a) if v.name == "gcn-minibatch-s0")
+    assert mb.config.mode == "minibatch" and keep[-1] == "minibatch"
     assert set(keep) | set(skipped) == set(gnn.TTA_MODES)
     from commsched.gnn.train.cli import build_parser as train_parser
     from commsched.gnn.train.cli import config_from_args
@@ -192,6 +218,17 @@ def _write_bench(d, runs_by_seed):
         f = d / name / "rep0" / "metrics.json"
         f.parent.mkdir(parents=True)
         f.write_text(json.dumps(m))
+
+
+def test_mode_rank_orders_the_pooled_report():
+    from commsched.bench.gnn.tta import TTA_MODES, mode_rank
+
+    ranks = [mode_rank(m) for m in ("vanilla", "vanilla-g8", "vanilla-bf16", "adaptive", "adaptive-g8",
+                                    "adaptive-avg-eb0.5", "minibatch", "minibatch-g8", "nosuchmode")]
+    at = TTA_MODES.index
+    assert ranks == [at("vanilla")] * 2 + [at("vanilla-bf16")] + [at("adaptive")] * 3 + [at("minibatch")] * 2 \
+        + [len(TTA_MODES)]
+    assert at("vanilla") < at("adaptive") < at("minibatch")  # the full-graph modes, then sampling
 
 
 def test_split_seed_reads_the_bench_run_names():
