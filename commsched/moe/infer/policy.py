@@ -147,7 +147,7 @@ def keep_resident(order: Sequence[int], held: Sequence[int], capacity: int
     that were not resident (ascending). Pure; ValueError when ``held`` exceeds ``capacity``."""
     want = sorted(set(int(e) for e in held))
     if len(want) > capacity:
-        raise ValueError(f"{len(want)} experts do not fit {capacity} resident slots")
+        raise ValueError(f"{len(want)} experts do not fit {capacity} slots")
     have = set(int(e) for e in order)
     wanted = set(want)
     new = tuple(want) + tuple(int(e) for e in order if int(e) not in wanted)
