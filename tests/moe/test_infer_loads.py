@@ -92,11 +92,12 @@ def test_every_expert_resident_means_no_loads_after_the_first():
         o = _oracle(**kw)
         return [sum(len(x) for x in o.decide(0, None, b).loads_N) for b in batches], o
 
-    cached, o = loads(resident=4)  # R = E: every expert of the layer fits; nothing is ever evicted
-    assert sum(cached) <= 2 * 4  # each device loads each expert at most once
-    assert all(len(r) <= 4 for r in o.resident[0])
-    evicting, _ = loads()  # R = S = 3: experts are evicted and loaded again
-    assert sum(evicting) > sum(cached)
+    cached, o = loads(resident=4)  # R = E: every expert of the layer fits, preloaded: no loads at all
+    assert o.preloaded and cached == [0] * len(batches)
+    assert all(sorted(r) == [0, 1, 2, 3] for r in o.resident[0])
+    assert all(d.replanned for d in (o.decide(0, None, b) for b in batches[:3]))  # nothing stops a re-plan
+    evicting, o3 = loads()  # R = S = 3: experts are evicted and loaded again
+    assert not o3.preloaded and sum(evicting) > 4
     with pytest.raises(ValueError, match="resident experts per layer"):
         _oracle(resident=2)  # fewer than the slots
 
@@ -122,6 +123,31 @@ def test_emulated_bank_loads_the_experts_bytes_over_the_host_link():
     assert [small.ensure(0, h) for h in ([0, 1], [2], [1, 2], [3])] == [2, 1, 0, 1]
     assert small.order[0] == (3, 1, 2) and small.resident[0] == {1, 2, 3}
     small.compute(0)([1, 2], [1, 1], torch.ones(2, 2))  # 1 and 2 are still resident
+    with pytest.raises(ValueError, match="4 experts do not fit 3 slots"):
+        small.preload(0)
+    # every expert fits: preloaded at start-up without a load counted or slept
+    slow = EmulatedBank(2, 4, 2, 4, us_per_row=0.0, load_ms=1e4, seed=0)
+    slow.preload(1)
+    assert slow.resident[1] == {0, 1, 2, 3} and slow.loaded_L == [0, 0]
+    assert slow.ensure(1, [3, 0]) == 0 and slow.resident[1] == {0, 1, 2, 3}  # nothing evicted
+
+
+def test_build_preloads_when_every_expert_fits():
+    from commsched.moe.infer.cli import build_parser, config_from_args
+    from commsched.moe.infer.drivers import build
+
+    def setup(*flags):
+        cfg = config_from_args(build_parser().parse_args(
+            ["--experts", "8", "--layers", "2", "--batches", "2", "--warmup", "0", "--out", "x", *flags]))
+        return build(cfg, 0, 4, "cpu")
+
+    s = setup("--resident", "20")  # more than E: every expert, preloaded
+    assert (s.slots, s.resident) == (4, 8) and s.bank.resident == [set(range(8))] * 2
+    assert s.bank.loaded_L == [0, 0]
+    s = setup()  # R = S = 4 < 8: nothing resident before the first plan
+    assert (s.slots, s.resident) == (4, 4) and s.bank.resident == [set(), set()]
+    with pytest.raises(ValueError, match="at least the slots per device \\(4\\)"):
+        setup("--resident", "3")
 
 
 def test_a_model_file_without_a_host_link_needs_load_ms(tmp_path):

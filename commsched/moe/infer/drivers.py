@@ -249,7 +249,11 @@ def build(cfg: InferConfig, rank: int, world: int, device: torch.device | str = 
     if cfg.resident is not None and cfg.resident < S:
         raise ValueError(f"--resident ({cfg.resident}) must be at least the slots per device ({S})")
     R = S if cfg.resident is None else max(S, min(cfg.resident, drv.E))  # more than E holds nothing more
-    return Setup(drv, drv.model, drv.make_bank(cfg, R, device), S, R)
+    bank = drv.make_bank(cfg, R, device)
+    if R >= drv.E:  # every expert fits: all loaded at start-up, as the strategy assumes
+        for j in range(drv.L):
+            bank.preload(j)
+    return Setup(drv, drv.model, bank, S, R)
 
 
 __all__ = ["Driver", "TraceDriver", "ModelDriver", "DRIVER_CLASSES", "Setup", "build"]

@@ -63,8 +63,9 @@ Resident experts. A placement puts at most S experts of a layer on a device; a d
 keeps at most R >= S experts of each layer resident in its memory (``resident``, default
 S), loaded from host memory: a new placement loads the experts a device lacks, and when
 more than R would be resident the least recently held ones are evicted
-(:func:`keep_resident`). R = E (every expert of every layer fits the GPU's memory) makes
-every expert resident everywhere after its first load. Devices are interchangeable, so before a new plan is used its
+(:func:`keep_resident`). R >= E (every expert of the layer fits the GPU's memory): every
+expert is loaded onto every device at start-up (the banks' ``preload``, outside the timed
+batches), and no placement loads anything. Devices are interchangeable, so before a new plan is used its
 device labels are permuted (:func:`relabel`) to keep as many experts where they already
 are as possible; that lowers the number of loads without changing any device's load.
 The strategy tracks every device's resident set, so all ranks agree on it too. A
@@ -303,8 +304,11 @@ class PlacementStrategy(ABC):
             if hist.shape != (num_layers, num_experts):
                 raise ValueError(f"historical load must be [L, E] = [{num_layers}, {num_experts}], got {hist.shape}")
             self.historical_LE = hist
-        # per layer and device the resident experts, most recently held first (keep_resident)
-        self.resident: list[list[tuple[int, ...]]] = [[()] * num_devices for _ in range(num_layers)]
+        # per layer and device the resident experts, most recently held first (keep_resident);
+        # all of them, preloaded at start-up, when they all fit
+        self.preloaded = R >= num_experts
+        first = tuple(range(num_experts)) if self.preloaded else ()
+        self.resident: list[list[tuple[int, ...]]] = [[first] * num_devices for _ in range(num_layers)]
         self.current: list[Placement | None] = [None] * num_layers  # each layer's last placement
 
     # ---------------------------------------------------------------- loads
