@@ -191,7 +191,9 @@ def derive(base: DeviceModel, measured: dict[str, tuple[Sample, float]], launch_
                            f"of {LAUNCH_KERNELS} back to back")
     sources["calibration"] = f"peaks and bandwidth of {base.name}; efficiencies and launch overhead of {where}"
     model = DeviceModel(name=f"{base.name}-calibrated", peak_flops=base.peak_flops, mem_bw=base.mem_bw,
-                        efficiency=eff, launch_s=launch_s, sources=sources, calibrated=True)
+                        efficiency=eff, launch_s=launch_s, sources=sources, calibrated=True,
+                        memory_bytes=base.memory_bytes, host_link_bw=base.host_link_bw,
+                        host_link_eff=base.host_link_eff)
     return model, rows
 
 

@@ -7,6 +7,11 @@ per kernel. One kernel of class ``op`` moving ``bytes`` and doing ``flops`` take
 
     launch_s + max(flops / (peak_flops[dtype] * eff[op]), bytes / (mem_bw * eff[op]))
 
+A model may also give the GPU's memory (``memory_bytes``) and its host-to-device link
+(``host_link_bw``, bytes/s each way, with the achieved fraction ``host_link_eff``): a copy
+of ``bytes`` from host memory then takes ``launch_s + bytes / (host_link_bw x
+host_link_eff)`` (:meth:`DeviceModel.h2d_time`; the inference runtime's expert loads).
+
 Three models are built in (:data:`DEVICE_MODELS`: ``a100``, ``h100``, ``h200``), each a
 small JSON file beside this module (``devices/NAME.json``) that quotes the source of every
 number; a user's own file of the same form is accepted by :func:`load_device_model`. The
@@ -54,6 +59,8 @@ DEVICES_DIR = Path(__file__).resolve().parent / "devices"
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
                   "half": "fp16"}
 _FIELDS = ("name", "peak_flops", "mem_bw", "efficiency", "launch_s", "sources")
+# optional fields of a model file (older files and calibrations may lack them)
+_OPTIONAL = ("sources", "calibrated", "description", "memory_bytes", "host_link_bw", "host_link_eff")
 
 
 def dtype_name(dtype: Any) -> str:
@@ -77,7 +84,10 @@ class DeviceModel:
     efficiency: op class (every one of :data:`OP_CLASSES`) -> achieved fraction (0, 1] of the
     roofline; launch_s: seconds of overhead per kernel; sources: what each number is and
     where it comes from; calibrated: whether the efficiencies were measured on the GPU
-    (``commsched calibrate``) rather than estimated."""
+    (``commsched calibrate``) rather than estimated. Optional: memory_bytes, the GPU's
+    memory (bytes; what a run may keep resident on it); host_link_bw, the host-to-device
+    link's rate each way (bytes/s; PCIe), of which copies achieve ``host_link_eff``
+    (:meth:`h2d_time`)."""
 
     name: str
     peak_flops: Mapping[str, float]
@@ -86,6 +96,9 @@ class DeviceModel:
     launch_s: float
     sources: Mapping[str, str] = field(default_factory=dict)
     calibrated: bool = False
+    memory_bytes: float | None = None
+    host_link_bw: float | None = None
+    host_link_eff: float = 0.8
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -122,6 +135,26 @@ class DeviceModel:
         if isinstance(lau, bool) or not isinstance(lau, (int, float)) or not math.isfinite(lau) or lau < 0:
             raise ValueError(f"launch_s must be a non-negative number of seconds, not {lau!r}")
         set_(self, "launch_s", float(lau))
+        for f in ("memory_bytes", "host_link_bw"):
+            v = getattr(self, f)
+            if v is not None:
+                set_(self, f, _positive(f, v))
+        eff_h = _positive("host_link_eff", self.host_link_eff)
+        if eff_h > 1:
+            raise ValueError(f"host_link_eff is the achieved fraction of the host link (at most 1), not {eff_h}")
+        set_(self, "host_link_eff", eff_h)
+
+    def h2d_time(self, nbytes: float) -> float:
+        """Seconds of one host-to-device copy of ``nbytes`` on the real GPU (an expert's
+        weights loaded from host memory): ``launch_s + nbytes / (host_link_bw x
+        host_link_eff)``. A model without ``host_link_bw`` cannot say: ValueError."""
+        if self.host_link_bw is None:
+            raise ValueError(f"device model {self.name!r} gives no host_link_bw (the host-to-device link, "
+                             "bytes/s each way): add it to the model file, or give the load time explicitly "
+                             "(--load-ms)")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not nbytes >= 0:
+            raise ValueError(f"bytes copied must be a non-negative number, not {nbytes!r}")
+        return self.launch_s + nbytes / (self.host_link_bw * self.host_link_eff)
 
     def op_time(self, op: str, *, flops: float = 0.0, bytes: float = 0.0, dtype: Any = "bf16") -> float:
         """Roofline seconds of one kernel of class ``op`` on the real GPU:
@@ -141,7 +174,9 @@ class DeviceModel:
         """The JSON form read by :meth:`from_dict` and :func:`load_device_model`."""
         return {"name": self.name, "peak_flops": dict(self.peak_flops), "mem_bw": self.mem_bw,
                 "efficiency": dict(self.efficiency), "launch_s": self.launch_s,
-                "calibrated": self.calibrated, "sources": dict(self.sources)}
+                "calibrated": self.calibrated, "memory_bytes": self.memory_bytes,
+                "host_link_bw": self.host_link_bw, "host_link_eff": self.host_link_eff,
+                "sources": dict(self.sources)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "a device model") -> DeviceModel:
@@ -149,16 +184,17 @@ class DeviceModel:
         what is wrong for anything malformed."""
         if not isinstance(d, Mapping):
             raise ValueError(f"{where}: a device model is a JSON object, not {type(d).__name__}")
-        missing = [k for k in _FIELDS if k not in d and k != "sources"]
-        unknown = sorted(set(d) - set(_FIELDS) - {"calibrated", "description"})
+        missing = [k for k in _FIELDS if k not in d and k not in _OPTIONAL]
+        unknown = sorted(set(d) - set(_FIELDS) - set(_OPTIONAL))
         if missing or unknown:
             raise ValueError(f"{where}: a device model needs the fields {', '.join(_FIELDS[:-1])} "
-                             f"(and may give sources, calibrated, description); missing {missing}, "
-                             f"unknown {unknown}")
+                             f"(and may give {', '.join(_OPTIONAL)}); missing {missing}, unknown {unknown}")
         try:
             return cls(name=d["name"], peak_flops=d["peak_flops"], mem_bw=d["mem_bw"],
                        efficiency=d["efficiency"], launch_s=d["launch_s"],
-                       sources=d.get("sources", {}), calibrated=d.get("calibrated", False))
+                       sources=d.get("sources", {}), calibrated=d.get("calibrated", False),
+                       memory_bytes=d.get("memory_bytes"), host_link_bw=d.get("host_link_bw"),
+                       host_link_eff=d.get("host_link_eff", 0.8))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: {e}") from None
 

@@ -33,6 +33,11 @@ LINK_BUDGET_BPS = 1 * GBIT
 # the most an emulated host's internal link is shaped at (bits/s; see the module text)
 INTRA_CAP_BPS = 4 * GBIT
 
+# the share of a GPU's memory that inference may fill with expert weights: the rest holds the
+# dense layers' weights, the activations and KV cache of the batches, and the communication
+# and framework buffers (a documented choice, not a measurement; see resident_experts)
+EXPERT_MEMORY_SHARE = 0.5
+
 # A100 SXM4: NVLink 3, 12 links x 50 GB/s = 600 GB/s per GPU, both directions together,
 # i.e. 300 GB/s each way; a host of 4 through NVSwitch: 4 x 300 GB/s each way.
 A100_NVLINK_EACH_WAY_BPS = 300e9 * 8
@@ -56,6 +61,25 @@ def dilation_for(hosts: int, nic_bps: float, budget_bps: float = LINK_BUDGET_BPS
             if k >= need * (1 - 1e-12):
                 return float(k)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def resident_experts(memory_bytes: float, experts: int, layers: int, expert_bytes: float,
+                     share: float = EXPERT_MEMORY_SHARE) -> int:
+    """How many experts of each MoE layer one GPU keeps resident in inference: as many as
+    ``share`` of its ``memory_bytes`` holds for all ``layers`` (``expert_bytes`` each), at
+    most ``experts`` (all of them), at least 1 (pure). The Lina paper's devices keep the
+    expert weights in host DRAM and limit what they load onto the GPU only when its memory
+    is scarce; an 80 GB A100 holds every GPT-2-sized expert of 12 layers x 16 experts
+    (1.8 GB) many times over."""
+    for what, v in (("memory_bytes", memory_bytes), ("expert_bytes", expert_bytes)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{what} must be a positive number, got {v!r}")
+    if not 0 < share <= 1:
+        raise ValueError(f"share is a fraction of the memory in (0, 1], got {share}")
+    if experts < 1 or layers < 1:
+        raise ValueError(f"need experts and layers >= 1, got {experts}, {layers}")
+    fit = int(share * memory_bytes // (layers * expert_bytes))
+    return max(1, min(experts, fit))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,5 +242,5 @@ def load_preset(name: str) -> ClusterPreset:
         raise ValueError(f"unknown cluster preset {name!r}; choose one of {', '.join(CLUSTERS)}") from None
 
 
-__all__ = ["CLUSTERS", "ClusterPreset", "GBIT", "GNNShape", "INTRA_CAP_BPS", "LINK_BUDGET_BPS", "MoEShape",
-           "PRESETS", "dilation_for", "load_preset"]
+__all__ = ["CLUSTERS", "ClusterPreset", "EXPERT_MEMORY_SHARE", "GBIT", "GNNShape", "INTRA_CAP_BPS", "LINK_BUDGET_BPS", "MoEShape",
+           "PRESETS", "dilation_for", "load_preset", "resident_experts"]

@@ -88,6 +88,16 @@ def test_moe_infer_variants_on_the_emulated_cluster(tmp_path):
         em = c.emulation
         assert (em.device_model, em.dilation) == ("a100", p.dilation)
         assert em.gpu().name == "a100"
+        # loads from the A100's host link (no set --load-ms); every expert of a layer resident (80 GB)
+        assert em.load_ms is None and c.resident == 16
+    # an explicit --load-ms and --resident still win
+    vs, _ = _variants("moe-infer", ["--cluster", p.name, "--load-ms", "2", "--resident", "6"])
+    c = config_from_args(build_parser().parse_args([*vs["lina"].argv, "--out", str(tmp_path)]))
+    assert (c.emulation.load_ms, c.resident) == (2.0, 6)
+    # without a cluster or a GPU model the bench's set figure
+    vs, _ = _variants("moe-infer", ["--batches", "4"])
+    c = config_from_args(build_parser().parse_args([*vs["lina"].argv, "--out", str(tmp_path)]))
+    assert (c.emulation.load_ms, c.resident) == (1.0, None)
 
 
 def _emulated_metrics(step: float, a2a: float, alone: float, share: float) -> dict:

@@ -215,3 +215,51 @@ def test_the_module_imports_without_torch():
                          cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_host_link_and_memory_of_the_built_in_models():
+    a, h, h2 = (load_device_model(n) for n in ("a100", "h100", "h200"))
+    # PCIe Gen4 x16 (A100) and Gen5 x16 (H100, H200): 32 and 64 GB/s each way; memory 80, 80, 141 GB
+    assert (a.host_link_bw, h.host_link_bw, h2.host_link_bw) == (32e9, 64e9, 64e9)
+    assert (a.memory_bytes, h.memory_bytes, h2.memory_bytes) == (80e9, 80e9, 141e9)
+    for m in (a, h, h2):
+        for k in ("host_link_bw", "host_link_eff", "memory_bytes"):
+            assert m.sources[k]
+        assert "estimate" in m.sources["host_link_eff"]
+    # a GPT-2-sized expert (2 x 768 x 3072 bf16 and biases, 9.44 MB) over ~25.6 GB/s: 0.37 ms
+    nbytes = 2 * (2 * 768 * 3072 + 3072 + 768)
+    assert a.h2d_time(nbytes) == pytest.approx(a.launch_s + nbytes / (32e9 * 0.8))
+    assert 0.3e-3 < a.h2d_time(nbytes) < 0.4e-3
+    assert h.h2d_time(nbytes) < a.h2d_time(nbytes) / 1.9
+
+
+def test_host_link_fields_are_optional_and_checked(tmp_path):
+    m = _model()  # no host link, no memory: a load time cannot be derived
+    assert m.host_link_bw is None and m.memory_bytes is None
+    with pytest.raises(ValueError, match="no host_link_bw.*--load-ms"):
+        m.h2d_time(1e6)
+    m2 = _model(host_link_bw=1e9, host_link_eff=0.5, memory_bytes=1e10)
+    assert m2.h2d_time(1e6) == pytest.approx(1e-6 + 1e6 / 0.5e9)
+    with pytest.raises(ValueError, match="bytes copied"):
+        m2.h2d_time(-1)
+    back = load_device_model(m2.save(tmp_path / "m2.json"))
+    assert back == m2 and back.host_link_bw == 1e9
+    for kw, msg in ((dict(host_link_bw=0), "host_link_bw must be a positive"),
+                    (dict(host_link_bw="fast"), "host_link_bw must be a positive"),
+                    (dict(memory_bytes=-5), "memory_bytes must be a positive"),
+                    (dict(host_link_eff=1.5), "host_link_eff is the achieved fraction"),
+                    (dict(host_link_eff=0), "host_link_eff must be a positive")):
+        with pytest.raises(ValueError, match=msg):
+            _model(**kw)
+        d = _model().to_dict()
+        d.update(kw)
+        p = tmp_path / "bad.json"
+        p.write_text(json.dumps(d))
+        with pytest.raises(ValueError, match=msg) as e:
+            load_device_model(str(p))
+        assert str(p) in str(e.value)
+    d = _model().to_dict()
+    d["pcie_bw"] = 1e9  # a misspelt field is refused, naming the optional ones
+    (tmp_path / "typo.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="host_link_bw.*unknown \\['pcie_bw'\\]"):
+        load_device_model(str(tmp_path / "typo.json"))

@@ -113,3 +113,22 @@ def test_cluster_table_flags_a_host_bound_run():
     assert out["lina"]["host_bound"] and out["lina"]["host_cpu_share_max"] == 0.2
     assert "| lina | 2 | 0.01 | 0.200 | 1/8 **host-bound** |" in md
     assert "k = 200" in md
+
+
+def test_resident_experts_fill_a_share_of_the_gpu_memory():
+    from commsched.cluster.presets import EXPERT_MEMORY_SHARE, resident_experts
+
+    # 80 GB, half for experts: 40 GB / (12 layers x 9.4 MB) = 353 per layer, capped at the 16 experts
+    gpt2 = 2 * (2 * 768 * 3072 + 3072 + 768)
+    assert EXPERT_MEMORY_SHARE == 0.5
+    assert resident_experts(80e9, 16, 12, gpt2) == 16
+    # a small memory limits it: 1 GB / 2 / (12 x 9.44 MB) = 4
+    assert resident_experts(1e9, 16, 12, gpt2) == 4
+    assert resident_experts(1e9, 16, 12, gpt2, share=1.0) == 8
+    assert resident_experts(1e6, 16, 12, gpt2) == 1  # at least one
+    for kw, msg in ((dict(memory_bytes=0), "memory_bytes"), (dict(expert_bytes=-1), "expert_bytes"),
+                    (dict(share=1.5), "share"), (dict(experts=0), "experts and layers")):
+        args = dict(memory_bytes=80e9, experts=16, layers=12, expert_bytes=gpt2)
+        args.update(kw)
+        with pytest.raises(ValueError, match=msg):
+            resident_experts(**args)

@@ -53,11 +53,12 @@ VARIANTS = tuple(v for v in STRATEGIES if v not in HOST_VARIANTS)
 HOSTS_ORDER = ("static", "eplb", "eplb-hier", "lina", "lina-node", "oracle")
 DEFAULTS = {
     "driver": "trace", "compute": "emulated", "batches": 22, "warmup": 2, "tokens_per_batch": 2048,
-    "us_per_row": 100.0, "load_ms": 1.0, "d_model": 64, "experts": 16, "layers": 12, "k": 2,
+    "us_per_row": 100.0, "load_ms": None, "d_model": 64, "experts": 16, "layers": 12, "k": 2,
 }
 KEY_METRICS = ("latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "model_latency_ms.p95", "imbalance",
                "estimation_accuracy", "replan_rate", "expert_loads_per_batch", "inter_host_bytes_per_batch")
 GOAL_SPEEDUP, GOAL_ORACLE, GOAL_IMBALANCE = 1.6, 1.15, 1.25
+LOAD_MS_PLAIN = 1.0  # an expert load without a GPU model (--load-ms not given)
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,6 +70,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batches", type=int, default=d["batches"])
     g.add_argument("--warmup", type=int, default=d["warmup"])
     g.add_argument("--slots", type=int, default=None, help="experts of one layer per device (default ceil(E/N)+2)")
+    g.add_argument("--resident", type=int, default=None,
+                   help="experts of one layer a device keeps in memory (default --slots; --cluster: from the "
+                        "GPU's memory)")
     g.add_argument("--threshold", type=float, default=None, help="lina phase-2 threshold (default: the runtime's)")
     g.add_argument("--path-length", type=int, default=None, help="lina path length l (default 3)")
     g.add_argument("--online-planner", choices=("greedy", "full"), default=None)
@@ -85,7 +89,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where every variant's experts compute (--compute emulated: always the CPU)")
     g = p.add_argument_group("emulated device")
     g.add_argument("--us-per-row", type=float, default=d["us_per_row"])
-    g.add_argument("--load-ms", type=float, default=d["load_ms"])
+    g.add_argument("--load-ms", type=float, default=d["load_ms"],
+                   help=f"one expert's load, ms (default: with --device-model the expert's bytes over the GPU's "
+                        f"host link, else {LOAD_MS_PLAIN})")
     g.add_argument("--device-model", default=None,
                    help="GPU model of the emulated device (a100, h100, h200 or a file; --cluster sets it): each "
                         "expert's rows cost its FFN's GEMMs (--d-model x --expert-hidden) on it")
@@ -108,8 +114,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _common(a: argparse.Namespace) -> list[str]:
     out: list = ["--driver", a.driver, "--batches", a.batches, "--warmup", a.warmup, "--seed", a.seed,
-                 "--device", a.device, "--us-per-row", a.us_per_row, "--load-ms", a.load_ms]
-    opt = {"--compute": a.compute, "--slots": a.slots, "--exchange": a.exchange,
+                 "--device", a.device, "--us-per-row", a.us_per_row]
+    load_ms = a.load_ms  # without a GPU model to derive it from: the bench's set figure
+    if load_ms is None and getattr(a, "device_model", None) is None:
+        load_ms = LOAD_MS_PLAIN
+    opt = {"--compute": a.compute, "--slots": a.slots, "--exchange": a.exchange, "--load-ms": load_ms,
+           "--resident": getattr(a, "resident", None),
            "--device-model": getattr(a, "device_model", None), "--dilation": getattr(a, "dilation", None)}
     if a.driver == "trace":
         out += ["--tokens-per-batch", a.tokens_per_batch, "--d-model", a.d_model, "--experts", a.experts,
@@ -267,11 +277,23 @@ def _summarize(runs: dict[str, list[dict]], args: argparse.Namespace, out: Path)
 def cluster_defaults(preset) -> dict:
     """The bench's option defaults on a cluster preset (:mod:`commsched.cluster.presets`):
     the trace replayed on the preset's device model at its k, with the preset's expert layers
-    (the width and FFN of its MoE model; 16 experts, as the Lina paper's 16-expert models)."""
+    (the width and FFN of its MoE model; 16 experts, as the Lina paper's 16-expert models);
+    expert loads cost the expert's bytes over the GPU's host link, and each device keeps as
+    many experts of a layer resident as its memory holds
+    (:func:`~commsched.cluster.presets.resident_experts`)."""
+    from ...cluster.device import dtype_name, load_device_model
+    from ...cluster.presets import resident_experts
+    from ...moe.infer.banks import expert_bytes
+
+    gpu = load_device_model(preset.device_model)
+    b = 4 if dtype_name(preset.moe.dtype) in ("fp32", "tf32") else 2
+    resident = None if gpu.memory_bytes is None else resident_experts(
+        gpu.memory_bytes, preset.infer_experts, preset.infer_layers,
+        expert_bytes(preset.moe.d_model, preset.moe.expert_hidden, b))
     return {"compute": "emulated", "device_model": preset.device_model, "dilation": preset.dilation,
             "device": "cpu", "experts": preset.infer_experts, "layers": preset.infer_layers,
             "tokens_per_batch": preset.infer_tokens_per_batch, "d_model": preset.moe.d_model,
-            "expert_hidden": preset.moe.expert_hidden}
+            "expert_hidden": preset.moe.expert_hidden, "resident": resident}
 
 
 def _cluster_section(runs: dict[str, list[dict]], args: argparse.Namespace) -> tuple[str, dict]:

@@ -1,11 +1,14 @@
 """Expert banks of the inference runtime: where a device's experts live and how it runs them.
 
-Legend: E experts of a layer, S slots (experts of one layer a device may hold at once),
-D row width, H expert hidden width, R rows.
+Legend: E experts of a layer, S slots (experts of one layer a device keeps resident at
+once: the run's resident budget, at least a placement's slots), D row width, H expert
+hidden width, R rows.
 
 An :class:`ExpertBank` holds every expert of every MoE layer in host memory and per
 layer S device slots; :meth:`~ExpertBank.ensure` makes a set of experts resident (the
-"loads" of a placement), :meth:`~ExpertBank.compute` runs resident experts on their
+"loads" of a placement; the least recently held are evicted when more than S would be
+resident, :func:`~commsched.moe.infer.policy.keep_resident`, as the strategies count
+them), :meth:`~ExpertBank.compute` runs resident experts on their
 rows, :meth:`~ExpertBank.reference` runs any expert straight from host memory (the
 single-process twin). Two banks:
 
@@ -30,8 +33,9 @@ from ...clock import Clock
 from ...cluster.device import DeviceClock, DeviceModel, dtype_name, matmul_cost
 from ..model.experts import expert_ffn
 from .placed import AsyncDevice, ExpertCompute
+from .policy import keep_resident
 
-__all__ = ["ExpertBank", "FFNBank", "EmulatedBank", "ffn_kernels"]
+__all__ = ["ExpertBank", "FFNBank", "EmulatedBank", "ffn_kernels", "expert_bytes"]
 
 
 class ExpertBank(Protocol):
@@ -52,8 +56,13 @@ class ExpertBank(Protocol):
     def device(self) -> AsyncDevice | None: ...
 
     def ensure(self, layer: int, held: Sequence[int]) -> int:
-        """Make exactly the experts ``held`` resident in ``layer``'s slots; returns how many
-        were loaded."""
+        """Make the experts ``held`` resident in ``layer``'s slots (evicting the least
+        recently held beyond the slots); returns how many were loaded."""
+        ...
+
+    def preload(self, layer: int) -> None:
+        """Make every expert of ``layer`` resident at start-up (the slots hold them all),
+        outside the timed batches and not counted in ``loaded_L``."""
         ...
 
     def compute(self, layer: int) -> ExpertCompute:
@@ -66,6 +75,11 @@ class ExpertBank(Protocol):
 
     def row_cost_s(self) -> float:
         """Seconds per computed row of one expert on a dedicated device."""
+        ...
+
+    def load_cost_s(self) -> float:
+        """Seconds to load one expert (0: not known; plans are then not weighed against
+        their loads)."""
         ...
 
 
@@ -111,6 +125,7 @@ class FFNBank:
         self.slot_w = [tuple(torch.empty((slots, *w.shape[1:]), dtype=w.dtype, device=self.on) for w in ws)
                        for ws in self.host]
         self.slot_of: list[dict[int, int]] = [{} for _ in self.host]
+        self.order: list[tuple[int, ...]] = [() for _ in self.host]  # resident, most recently held first
         self.loaded_L = [0] * len(self.host)  # per layer: one thread touches a layer at a time
         # CUDA only: the copy stream, per layer and slot the event after its load, per
         # layer the event after the compute stream's last use of its slots
@@ -123,21 +138,28 @@ class FFNBank:
         return len(self.host)
 
     def ensure(self, layer: int, held: Sequence[int]) -> int:
-        """Make exactly the experts ``held`` resident in ``layer``'s slots (evicting the
-        others); returns how many were loaded (copied from host memory). On CUDA the
-        copies are enqueued on the copy stream and this returns at once."""
-        want = set(int(e) for e in held)
-        if len(want) > self.S:
-            raise ValueError(f"{len(want)} experts do not fit {self.S} slots")
+        """Make the experts ``held`` resident in ``layer``'s slots, evicting the least
+        recently held beyond the S slots (:func:`~commsched.moe.infer.policy.keep_resident`);
+        returns how many were loaded (copied from host memory). On CUDA the copies are
+        enqueued on the copy stream and this returns at once."""
+        order, loaded = keep_resident(self.order[layer], held, self.S)
+        self.order[layer] = order
         cur = self.slot_of[layer]
-        for e in [e for e in cur if e not in want]:
+        for e in [e for e in cur if e not in order]:
             del cur[e]
         free = sorted(set(range(self.S)) - set(cur.values()))
-        new = [(e, free.pop(0)) for e in sorted(want - set(cur))]
+        new = [(e, free.pop(0)) for e in loaded]
         if new:
             self._load(layer, new)
         self.loaded_L[layer] += len(new)
         return len(new)
+
+    def preload(self, layer: int) -> None:
+        E = self.host[layer][0].shape[0]
+        if E > self.S:
+            raise ValueError(f"{E} experts do not fit {self.S} slots: nothing to preload")
+        n = self.ensure(layer, range(E))
+        self.loaded_L[layer] -= n
 
     def _load(self, layer: int, new: list[tuple[int, int]]) -> None:
         """Copy expert e's host weights into slot s for every (e, s) of ``new``."""
@@ -222,6 +244,18 @@ class FFNBank:
             ts.append(clock.seconds(a, clock.mark()))
         return min(ts) / rows
 
+    def load_cost_s(self) -> float:
+        """0: the real bank does not time its loads (its plans are not weighed against them)."""
+        return 0.0
+
+
+def expert_bytes(d: int, hidden: int, dtype_bytes: int = 2) -> int:
+    """Bytes of one expert FFN's weights (w1 [d, hidden], b1 [hidden], w2 [hidden, d],
+    b2 [d]) in elements of ``dtype_bytes``: what loading it from host memory copies."""
+    if min(d, hidden, dtype_bytes) < 1:
+        raise ValueError(f"an expert needs d, hidden and dtype_bytes >= 1, got {d}, {hidden}, {dtype_bytes}")
+    return dtype_bytes * (2 * d * hidden + hidden + d)
+
 
 def ffn_kernels(rows: int, d: int, h: int, dtype_bytes: int = 2) -> list[tuple[float, float]]:
     """(FLOPs, bytes) of each GEMM of one expert FFN over ``rows`` rows of width ``d``,
@@ -234,7 +268,8 @@ class EmulatedBank:
     """An emulated accelerator: expert e of a layer maps a row to ``x * scale[e] + shift[e]``
     (cheap, but distinct per expert, so a row sent to the wrong expert shows), and the
     device is busy ``us_per_row`` microseconds per computed row; loading one expert takes
-    ``load_ms`` (a sleep of the loading thread).
+    ``load_ms`` (a sleep of the loading thread, which a GPU's copy engine runs beside the
+    compute).
 
     The device runs like a GPU stream (:class:`~commsched.moe.infer.placed.AsyncDevice`): a
     computation returns its rows at once and queues its busy time on the device's clock
@@ -246,12 +281,14 @@ class EmulatedBank:
     ``us_per_row`` is not used: each expert's rows cost the two GEMM kernels of its FFN
     (:func:`ffn_kernels` of ``d`` and ``hidden``, in ``dtype``) on that model's roofline
     (``gemm`` class: launch, weights read, the rows' FLOPs and bytes), times the time
-    dilation k (``dilation``); a load then takes ``load_ms`` times k as well."""
+    dilation k (``dilation``); a load then takes ``load_ms`` times k as well, or (``load_ms``
+    None) the expert's bytes (:func:`expert_bytes`) over the model's host-to-device link
+    (:meth:`~commsched.cluster.device.DeviceModel.h2d_time`) times k."""
 
     measures_row_cost = False
 
     def __init__(self, num_layers: int, num_experts: int, d: int, slots: int, us_per_row: float,
-                 load_ms: float, seed: int, device: torch.device | str = "cpu", *,
+                 load_ms: float | None, seed: int, device: torch.device | str = "cpu", *,
                  device_model: DeviceModel | None = None, dilation: float = 1.0,
                  hidden: int | None = None, dtype: str = "bf16"):
         if torch.device(device).type != "cpu":
@@ -266,9 +303,17 @@ class EmulatedBank:
         if device_model is not None and (hidden is None or hidden < 1):
             raise ValueError("the emulated device with a GPU model needs the expert FFN's hidden width "
                              "(--expert-hidden)")
-        self.S, self.us_per_row, self.load_ms = slots, us_per_row, load_ms
+        self.S, self.us_per_row = slots, us_per_row
         self.d, self.hidden, self.dtype = d, hidden, dtype_name(dtype)
+        if load_ms is None:  # the expert's bytes over the GPU model's host link
+            if device_model is None:
+                raise ValueError("give the load time (--load-ms) or a GPU model (--device-model) to derive it from")
+            load_ms = 1e3 * device_model.h2d_time(expert_bytes(d, hidden, 4 if self.dtype in ("fp32", "tf32") else 2))
+        if load_ms < 0:
+            raise ValueError(f"--load-ms must be >= 0, got {load_ms}")
+        self.load_ms = float(load_ms)  # one expert's load on the real device (before k)
         self.resident: list[set[int]] = [set() for _ in range(num_layers)]
+        self.order: list[tuple[int, ...]] = [() for _ in range(num_layers)]  # most recently held first
         self.loaded_L = [0] * num_layers
         self.clock = DeviceClock(device_model, dilation)  # the device's queue of busy time
         if device_model is not None:  # refuse a dtype the model lacks now, not at the first batch
@@ -283,16 +328,28 @@ class EmulatedBank:
         return self
 
     def ensure(self, layer: int, held: Sequence[int]) -> int:
-        want = set(int(e) for e in held)
-        if len(want) > self.S:
-            raise ValueError(f"{len(want)} experts do not fit {self.S} slots")
-        n = len(want - self.resident[layer])
-        self.resident[layer] = self.resident[layer] & want  # evicted at once; the new ones are resident once loaded
-        if n and self.load_ms > 0:
-            time.sleep(n * self.load_ms / 1e3 * self.clock.dilation)
-        self.resident[layer] = want
+        order, loaded = keep_resident(self.order[layer], held, self.S)
+        n = len(loaded)
+        self.order[layer] = order
+        self.resident[layer] = set(order) - set(loaded)  # evicted at once; the new ones are resident once loaded
+        if n:
+            time.sleep(n * self.load_cost_s())
+        self.resident[layer] = set(order)
         self.loaded_L[layer] += n
         return n
+
+    def preload(self, layer: int) -> None:
+        """Every expert resident at once: a start-up copy (1.8 GB of GPT-2-sized experts over
+        a 25 GB/s link: 72 ms) that is not part of serving, so it is not slept."""
+        E = self.scale[layer].shape[0]
+        if E > self.S:
+            raise ValueError(f"{E} experts do not fit {self.S} slots: nothing to preload")
+        self.order[layer] = tuple(range(E))
+        self.resident[layer] = set(range(E))
+
+    def load_cost_s(self) -> float:
+        """Seconds of one expert load on this device: ``load_ms`` times k."""
+        return self.load_ms / 1e3 * self.clock.dilation
 
     def _apply(self, layer: int, experts, counts, x: torch.Tensor) -> torch.Tensor:
         idx = torch.repeat_interleave(torch.tensor(list(experts), dtype=torch.int64),

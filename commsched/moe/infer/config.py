@@ -25,17 +25,24 @@ COMPUTES = ("emulated", "real")
 EXCHANGES = ("pipelined", "sequential")
 
 
+DEFAULT_LOAD_MS = 0.5  # an expert load without a device model (--load-ms not given)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EmulationConfig(Config):
     """The emulated device (``--compute emulated``): busy ``us_per_row`` microseconds per
-    computed row, ``load_ms`` per expert loaded; or, with ``device_model`` (a built-in GPU
-    model or a model file, :func:`~commsched.cluster.device.load_device_model`), each
-    expert's rows cost its FFN's GEMMs on that GPU's roofline (the trace driver's
-    ``d_model`` and ``expert_hidden``), every device time (loads included) times the time
-    dilation ``dilation``."""
+    computed row, ``load_ms`` per expert loaded (None: :data:`DEFAULT_LOAD_MS`); or, with
+    ``device_model`` (a built-in GPU model or a model file,
+    :func:`~commsched.cluster.device.load_device_model`), each expert's rows cost its FFN's
+    GEMMs on that GPU's roofline (the trace driver's ``d_model`` and ``expert_hidden``) and
+    a load costs the expert's bytes over the model's host-to-device link
+    (:meth:`~commsched.cluster.device.DeviceModel.h2d_time`) unless ``load_ms`` is given,
+    every device time (loads included) times the time dilation ``dilation``."""
 
     us_per_row: float = option(20.0, "expert compute per row, microseconds (without --device-model)")
-    load_ms: float = option(0.5, "time to load one expert into a slot")
+    load_ms: float | None = option(
+        None, "time to load one expert into a slot, ms (default: with --device-model the expert's bytes over "
+              f"the model's host link, else {DEFAULT_LOAD_MS})")
     device_model: str | None = option(
         None, "GPU model of the emulated device: a built-in name (a100, h100, h200) or a model file "
               "(JSON); each expert's rows then cost its FFN's GEMMs (--d-model x --expert-hidden) on it")
@@ -43,14 +50,17 @@ class EmulationConfig(Config):
                                   "times k")
 
     def __post_init__(self) -> None:
-        if self.us_per_row < 0 or self.load_ms < 0:
+        if self.us_per_row < 0 or (self.load_ms is not None and self.load_ms < 0):
             raise ValueError("--us-per-row and --load-ms must be >= 0")
         if not (self.dilation > 0 and math.isfinite(self.dilation)):
             raise ValueError(f"--dilation must be a finite number > 0, got {self.dilation}")
         if self.device_model is None and self.dilation != 1.0:
             raise ValueError("--dilation scales a GPU model's times: give --device-model too")
         if self.device_model is not None:
-            self.gpu()  # an unknown name or a malformed file is refused here
+            gpu = self.gpu()  # an unknown name or a malformed file is refused here
+            if self.load_ms is None and gpu.host_link_bw is None:
+                raise ValueError(f"device model {gpu.name!r} gives no host_link_bw, from which an expert's load "
+                                 "time is derived: add it to the model file or give --load-ms")
 
     def gpu(self) -> DeviceModel | None:
         """The GPU model of ``device_model`` (None without one)."""
@@ -98,12 +108,15 @@ class InferConfig(Config):
     """One inference run: the placement strategy (``placement``, a name in
     :data:`~commsched.moe.infer.policy.STRATEGIES`; ``strategy``, its options: the
     strategy's ``Config``, default its defaults), the slots S per device (None: ceil(E/N) +
-    2), the driver, the expert compute, the exchange, the batches, the device (``--device``:
+    2), the experts of a layer a device keeps resident (``resident``, None: S), the driver,
+    the expert compute, the exchange, the batches, the device (``--device``:
     auto, cpu or cuda; see :attr:`device_choice`), and the sub-configs of the emulated device
     and the two drivers."""
 
     placement: str = option("lina", "placement strategy", choices=STRATEGIES)
     slots: int | None = option(None, "experts of one layer per device (default ceil(E/N)+2)")
+    resident: int | None = option(None, "experts of one layer a device keeps in its memory, at least --slots "
+                                        "(default --slots): the least recently held are evicted beyond it")
 
     driver: str = option("trace", "what drives the run: a routing trace or the trained model", choices=DRIVERS)
     compute: str = option("emulated", "expert compute: emulated device or real FFNs (default: emulated for the "
@@ -145,6 +158,12 @@ class InferConfig(Config):
         if self.compute not in DRIVER_COMPUTES[self.driver]:  # the model driver: its real experts only
             raise ValueError(f"--driver {self.driver} computes the model's real experts: use --compute "
                              f"{DRIVER_COMPUTES[self.driver][0]}")
+        for f in ("slots", "resident"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"--{f} must be an int >= 1, got {v!r}")
+        if self.slots is not None and self.resident is not None and self.resident < self.slots:
+            raise ValueError(f"--resident ({self.resident}) must be at least --slots ({self.slots})")
         if self.batches < 1 or not 0 <= self.warmup < self.batches:
             raise ValueError(f"need batches >= 1 and 0 <= warmup < batches, got {self.batches}, {self.warmup}")
 
@@ -161,5 +180,5 @@ def job_device(cfg: InferConfig, group=None) -> torch.device:
     return group_device(cfg.device_choice, group)
 
 
-__all__ = ["DRIVERS", "DRIVER_COMPUTES", "COMPUTES", "EXCHANGES", "EmulationConfig",
+__all__ = ["DEFAULT_LOAD_MS", "DRIVERS", "DRIVER_COMPUTES", "COMPUTES", "EXCHANGES", "EmulationConfig",
            "TraceDriverConfig", "ModelDriverConfig", "InferConfig", "job_device"]

@@ -29,7 +29,7 @@ import torch
 
 from ..record.traces import RoutingTrace, load_trace, synthetic_trace
 from .banks import EmulatedBank, ExpertBank, FFNBank
-from .config import InferConfig, ModelDriverConfig, TraceDriverConfig
+from .config import DEFAULT_LOAD_MS, InferConfig, ModelDriverConfig, TraceDriverConfig
 from .policy import default_slots
 from .runtime import model_forward, model_weights, trace_forward
 
@@ -112,8 +112,10 @@ class TraceDriver(Driver):
         E, L, tc = self.E, self.L, self.cfg
         if cfg.compute == "emulated":
             em = cfg.emulation
-            return EmulatedBank(L, E, tc.d_model, slots, em.us_per_row, em.load_ms, cfg.seed, device=device,
-                                device_model=em.gpu(), dilation=em.dilation, hidden=tc.expert_hidden)
+            gpu = em.gpu()
+            load_ms = em.load_ms if em.load_ms is not None or gpu is not None else DEFAULT_LOAD_MS
+            return EmulatedBank(L, E, tc.d_model, slots, em.us_per_row, load_ms, cfg.seed, device=device,
+                                device_model=gpu, dilation=em.dilation, hidden=tc.expert_hidden)
         g = torch.Generator().manual_seed(cfg.seed + 104729)
         D, H = tc.d_model, tc.expert_hidden
         weights = [(torch.randn(E, D, H, generator=g) * D ** -0.5, torch.zeros(E, H),
@@ -225,7 +227,8 @@ class Setup:
     """What a rank builds before inference, identically on every rank.
 
     driver: the run's :class:`Driver`; model: the language model (model driver, else
-    None); bank: the experts, ``slots`` S of each layer resident per device. The placement
+    None); bank: the experts, ``slots`` S of each layer per device in a placement and
+    ``resident`` of each layer kept in a device's memory (the bank's slots). The placement
     strategy is built after them, from the row cost the bank measures
     (:func:`~commsched.moe.infer.loop.run`)."""
 
@@ -233,6 +236,7 @@ class Setup:
     model: Any
     bank: ExpertBank
     slots: int
+    resident: int
 
 
 def build(cfg: InferConfig, rank: int, world: int, device: torch.device | str = "cpu") -> Setup:
@@ -242,7 +246,14 @@ def build(cfg: InferConfig, rank: int, world: int, device: torch.device | str = 
     device = torch.device(device)
     drv = DRIVER_CLASSES[cfg.driver].from_config(cfg, world, cfg.strategy.strategy.needs_profile, device)
     S = cfg.slots or default_slots(drv.E, world)
-    return Setup(drv, drv.model, drv.make_bank(cfg, S, device), S)
+    if cfg.resident is not None and cfg.resident < S:
+        raise ValueError(f"--resident ({cfg.resident}) must be at least the slots per device ({S})")
+    R = S if cfg.resident is None else max(S, min(cfg.resident, drv.E))  # more than E holds nothing more
+    bank = drv.make_bank(cfg, R, device)
+    if R >= drv.E:  # every expert fits: all loaded at start-up, as the strategy assumes
+        for j in range(drv.L):
+            bank.preload(j)
+    return Setup(drv, drv.model, bank, S, R)
 
 
 __all__ = ["Driver", "TraceDriver", "ModelDriver", "DRIVER_CLASSES", "Setup", "build"]

@@ -50,7 +50,8 @@ def run(cfg: InferConfig, out: Path | None = None, *, group=None, device: torch.
     # measured from: the topology, the row size on the wire (float32 rows) and the row cost
     strategy = cfg.strategy.build(num_experts=drv.E, num_devices=world, num_layers=drv.L, k=drv.k, slots=s.slots,
                                   profile=drv.profile, device_host=host_P, topology=topo,
-                                  row_bytes=4.0 * drv.row_width, row_cost_s=row_cost_s)
+                                  row_bytes=4.0 * drv.row_width, row_cost_s=row_cost_s, resident=s.resident,
+                                  load_cost_s=bank.load_cost_s())
     rt = Runtime(strategy, bank, pipelined=cfg.exchange == "pipelined", rank=rank, world=world, group=group,
                  device=dev)
     clock = Clock(dev)  # batch latency: CUDA events on a GPU, the host clock on the CPU

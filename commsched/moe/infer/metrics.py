@@ -107,6 +107,8 @@ def summarize(cfg: InferConfig, strategy: PlacementStrategy, per_rank: list[dict
             "num_layers": L,
             "k": strategy.k,
             "slots_per_device": strategy.slots,
+            "resident_per_device": strategy.resident_cap,
+            "load_cost_ms": 1e3 * strategy.load_cost_s,
             "threshold": options.get("threshold"),
             "path_length": options.get("path_length"),
             "batches": len(lat),

@@ -59,13 +59,25 @@ Plans made once before inference (eplb) use ``planner`` (default the full
 ``online_planner`` (default the greedy: much faster than the full planner for a maximum
 load under 1% higher; docs/moe_inference.md has the figures).
 
-Resident experts. Every device keeps at most S experts of each layer resident (loaded
-from host memory); a new placement loads the experts a device lacks and evicts the
-ones it no longer holds. Devices are interchangeable, so before a new plan is used its
+Resident experts. A placement puts at most S experts of a layer on a device; a device
+keeps at most R >= S experts of each layer resident in its memory (``resident``, default
+S), loaded from host memory: a new placement loads the experts a device lacks, and when
+more than R would be resident the least recently held ones are evicted
+(:func:`keep_resident`). R >= E (every expert of the layer fits the GPU's memory): every
+expert is loaded onto every device at start-up (the banks' ``preload``, outside the timed
+batches), and no placement loads anything. Devices are interchangeable, so before a new plan is used its
 device labels are permuted (:func:`relabel`) to keep as many experts where they already
 are as possible; that lowers the number of loads without changing any device's load.
 The strategy tracks every device's resident set, so all ranks agree on it too. A
 host-local placement is relabelled within hosts only (a device's host is fixed).
+
+Load cost. A plan made during inference is worth its loads only when the time they take
+is less than the imbalance it removes. Given the seconds per computed row
+(``row_cost_s``) and per expert load (``load_cost_s``, both > 0), an online strategy
+compares the new plan with keeping the current one (lina's phase 1: the layer's previous
+placement; phase 2: phase 1's; oracle: the previous placement) by :func:`plan_cost`, the
+busiest device's rows times the row cost plus its loads times the load cost, and keeps
+the current one unless the new one costs less. With either cost 0 every plan is taken.
 """
 
 from __future__ import annotations
@@ -122,7 +134,38 @@ __all__ = [
     "relabel",
     "placement_digest",
     "default_slots",
+    "keep_resident",
+    "plan_cost",
 ]
+
+
+def keep_resident(order: Sequence[int], held: Sequence[int], capacity: int
+                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One device's resident experts of a layer after it is given the experts ``held``:
+    ``(new order, loaded)``. ``order``: the resident experts, most recently held first;
+    the new order is ``held`` (ascending), then the others of ``order`` in their order, cut
+    at ``capacity`` (the least recently held evicted); ``loaded``: the experts of ``held``
+    that were not resident (ascending). Pure; ValueError when ``held`` exceeds ``capacity``."""
+    want = sorted(set(int(e) for e in held))
+    if len(want) > capacity:
+        raise ValueError(f"{len(want)} experts do not fit {capacity} slots")
+    have = set(int(e) for e in order)
+    wanted = set(want)
+    new = tuple(want) + tuple(int(e) for e in order if int(e) not in wanted)
+    return new[:capacity], tuple(e for e in want if e not in have)
+
+
+def plan_cost(device_load_N: Sequence[float] | np.ndarray, loads_N: Sequence[Sequence[int]], row_cost_s: float,
+              load_cost_s: float) -> float:
+    """Seconds of the busiest device under a placement: max over devices of its rows
+    (``device_load_N``) x ``row_cost_s`` + its expert loads (``len(loads_N[d])``) x
+    ``load_cost_s``. Pure."""
+    dl = np.asarray(device_load_N, dtype=np.float64)
+    if dl.ndim != 1 or len(loads_N) != dl.size:
+        raise ValueError(f"{dl.size} device loads but loads for {len(loads_N)} devices")
+    if row_cost_s < 0 or load_cost_s < 0:
+        raise ValueError(f"costs are non-negative, got row {row_cost_s}, load {load_cost_s}")
+    return float(max(dl[d] * row_cost_s + len(loads_N[d]) * load_cost_s for d in range(dl.size)))
 
 
 def default_slots(num_experts: int, num_devices: int) -> int:
@@ -209,7 +252,10 @@ class PlacementStrategy(ABC):
     ``profile``, a routing trace), required when ``needs_profile`` (eplb plans from it;
     lina uses it for layer 0, which has no path to estimate from), ignored otherwise;
     ``device_host`` [N], the host of each device (None: one host); ``topology``,
-    ``row_bytes`` and ``row_cost_s``, what the node-aware weight is measured from.
+    ``row_bytes`` and ``row_cost_s``, what the node-aware weight is measured from;
+    ``resident`` R, the experts of a layer a device keeps in memory (default S);
+    ``load_cost_s``, seconds per expert load, which with ``row_cost_s`` weighs a new
+    plan's loads against its balance (:func:`plan_cost`; 0: every plan taken).
     """
 
     name: ClassVar[str]
@@ -229,7 +275,7 @@ class PlacementStrategy(ABC):
     def __init__(self, cfg: StrategyConfig, *, num_experts: int, num_devices: int, num_layers: int, k: int,
                  slots: int, historical_LE: np.ndarray | None = None, profile: RoutingTrace | None = None,
                  device_host: Sequence[int] | None = None, topology: Any = None, row_bytes: float = 0.0,
-                 row_cost_s: float = 0.0) -> None:
+                 row_cost_s: float = 0.0, resident: int | None = None, load_cost_s: float = 0.0) -> None:
         self.cfg = cfg
         for key, v in (("num_experts", num_experts), ("num_devices", num_devices), ("num_layers", num_layers),
                        ("k", k), ("slots", slots)):
@@ -238,6 +284,14 @@ class PlacementStrategy(ABC):
                                                   f"experts: raise --slots to at least {math.ceil(num_experts / num_devices)}")
         self.num_experts, self.num_devices, self.num_layers, self.k, self.slots = (
             num_experts, num_devices, num_layers, k, slots)
+        R = slots if resident is None else resident
+        check(not isinstance(R, bool) and isinstance(R, int) and R >= slots,
+              f"resident experts per layer ({R!r}) must be an int >= the slots ({slots})")
+        self.resident_cap = min(R, num_experts)
+        for key, v in (("row_cost_s", row_cost_s), ("load_cost_s", load_cost_s)):
+            check(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0,
+                  f"{key} must be a finite number >= 0, got {v!r}")
+        self.row_cost_s, self.load_cost_s = float(row_cost_s), float(load_cost_s)
         self.device_host = None if device_host is None else check_hosts(device_host, num_devices)
         self.profile = profile
         if historical_LE is None and profile is not None:
@@ -250,29 +304,56 @@ class PlacementStrategy(ABC):
             if hist.shape != (num_layers, num_experts):
                 raise ValueError(f"historical load must be [L, E] = [{num_layers}, {num_experts}], got {hist.shape}")
             self.historical_LE = hist
-        self.resident: list[list[frozenset[int]]] = [[frozenset()] * num_devices for _ in range(num_layers)]
+        # per layer and device the resident experts, most recently held first (keep_resident);
+        # all of them, preloaded at start-up, when they all fit
+        self.preloaded = R >= num_experts
+        first = tuple(range(num_experts)) if self.preloaded else ()
+        self.resident: list[list[tuple[int, ...]]] = [[first] * num_devices for _ in range(num_layers)]
+        self.current: list[Placement | None] = [None] * num_layers  # each layer's last placement
 
     # ---------------------------------------------------------------- loads
     def _no_loads(self) -> tuple[tuple[int, ...], ...]:
         return tuple(() for _ in range(self.num_devices))
 
+    def _loads(self, layer: int, p: Placement) -> tuple[tuple[int, ...], ...]:
+        """The experts each device would load for ``p`` (nothing changes)."""
+        res = self.resident[layer]
+        return tuple(tuple(sorted(set(h) - set(res[d]))) for d, h in enumerate(p.device_experts))
+
     def _commit(self, layer: int, p: Placement) -> tuple[tuple[int, ...], ...]:
-        """Make ``p`` the resident layout of ``layer``; return the experts each device loads."""
-        held = p.device_experts
-        loads = tuple(tuple(sorted(set(held[d]) - self.resident[layer][d])) for d in range(len(held)))
-        self.resident[layer] = [frozenset(h) for h in held]
-        return loads
+        """Make ``p`` ``layer``'s placement (its experts resident, :func:`keep_resident`);
+        return the experts each device loads."""
+        out = [keep_resident(self.resident[layer][d], h, self.resident_cap) for d, h in enumerate(p.device_experts)]
+        self.resident[layer] = [o for o, _ in out]
+        self.current[layer] = p
+        return tuple(x for _, x in out)
+
+    def _worth(self, layer: int, new: Placement, keep: Placement | None, load_E: np.ndarray) -> bool:
+        """Whether ``new`` (planned for ``load_E``) is worth its loads against keeping
+        ``keep`` (:func:`plan_cost`; always without a current plan or a cost)."""
+        if keep is None or self.row_cost_s <= 0 or self.load_cost_s <= 0:
+            return True
+        kept = keep.with_load(load_E)
+        c_new = plan_cost(new.device_load, self._loads(layer, new), self.row_cost_s, self.load_cost_s)
+        c_keep = plan_cost(kept.device_load, self._loads(layer, kept), self.row_cost_s, self.load_cost_s)
+        return c_new < c_keep
 
     def _online(self, load_E: np.ndarray, by_rank_PE: np.ndarray | None) -> Placement:
         """The online planner's plan of ``load_E`` (``by_rank_PE``: the load per rank, when known)."""
         return PLANNERS[self.cfg.online_planner](load_E, self.num_devices, self.slots)
 
-    def _replan(self, layer: int, load_E: np.ndarray, by_rank_PE: np.ndarray | None = None
-                ) -> tuple[Placement, tuple[tuple[int, ...], ...]]:
+    def _replan(self, layer: int, load_E: np.ndarray, by_rank_PE: np.ndarray | None = None,
+                keep: Placement | None = None) -> tuple[Placement, tuple[tuple[int, ...], ...], bool]:
         """An online plan from ``load_E`` (per rank ``by_rank_PE``, when known: the token
-        origin of a node-aware plan), relabelled and made resident, with its loads."""
+        origin of a node-aware plan), relabelled; made resident when it is worth its loads
+        against keeping ``keep`` (:meth:`_worth`), else ``keep`` with the load of
+        ``load_E``. Returns (placement, its loads, whether the new plan was taken)."""
+        load_E = np.asarray(load_E, dtype=np.float64)
         p = relabel(self._online(load_E, by_rank_PE), self.resident[layer], load_E)
-        return p, self._commit(layer, p)
+        if not self._worth(layer, p, keep, load_E):
+            p = keep.with_load(load_E)
+            return p, self._commit(layer, p), False
+        return p, self._commit(layer, p), True
 
     # ---------------------------------------------------------------- phases
     @abstractmethod
@@ -399,7 +480,9 @@ class LinaPlacement(PlacementStrategy):
         return self.historical_LE[layer] if estimated_E is None else np.asarray(estimated_E, dtype=np.float64)
 
     def phase1(self, layer, estimated_E=None, estimated_PE=None):
-        return self._replan(layer, self.estimate(layer, estimated_E), None if estimated_E is None else estimated_PE)
+        p, loads, _ = self._replan(layer, self.estimate(layer, estimated_E),
+                                   None if estimated_E is None else estimated_PE, keep=self.current[layer])
+        return p, loads
 
     def decide(self, layer, phase1, actual_E, estimated_E=None, actual_PE=None):
         assert phase1 is not None, "lina needs its phase-1 placement"
@@ -407,8 +490,8 @@ class LinaPlacement(PlacementStrategy):
         d = phase2_decision(self.estimate(layer, estimated_E), actual, self.k, self.cfg.threshold)
         if not d.replan:
             return LayerDecision(phase1.with_load(actual), False, d.overlap, self._no_loads())
-        p, loads = self._replan(layer, actual, actual_PE)
-        return LayerDecision(p, True, d.overlap, loads)
+        p, loads, taken = self._replan(layer, actual, actual_PE, keep=phase1)
+        return LayerDecision(p, taken, d.overlap, loads)
 
     def planned_from(self, layer, estimated_E):
         return self.estimate(layer, estimated_E)
@@ -428,8 +511,9 @@ class OraclePlacement(PlacementStrategy):
         return None, self._no_loads()
 
     def decide(self, layer, phase1, actual_E, estimated_E=None, actual_PE=None):
-        p, loads = self._replan(layer, np.asarray(actual_E, dtype=np.float64), actual_PE)
-        return LayerDecision(p, True, None, loads)
+        p, loads, taken = self._replan(layer, np.asarray(actual_E, dtype=np.float64), actual_PE,
+                                       keep=self.current[layer])
+        return LayerDecision(p, taken, None, loads)
 
 
 class EplbHierPlacement(EplbPlacement):
