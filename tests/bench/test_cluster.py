@@ -75,6 +75,23 @@ def test_gnn_variants_on_the_emulated_cluster(tmp_path):
         assert "--syn-nodes" in v.argv and str(p.gnn.syn_nodes) in v.argv
     vs, _ = _variants("gnn", ["--cluster", p.name, "--modes", "vanilla", "--models", "gcn"])
     assert list(vs) == ["gcn-vanilla"]
+    # the emulated device computes zeros: time to accuracy is refused, not measured on noise
+    with pytest.raises(ValueError, match="time-to-acc needs accuracies"):
+        _variants("gnn", ["--cluster", p.name, "--metric", "time-to-acc"])
+
+
+def test_gnn_pick_on_the_emulated_cluster_names_the_fastest_epoch_without_an_accuracy():
+    from commsched.bench.gnn.compare import pick_line
+
+    rows = {"gcn-vanilla": {"model": "gcn", "mode": "vanilla", "epoch_time_s": 4.0, "test_acc": None},
+            "gcn-adaqp": {"model": "gcn", "mode": "adaqp", "epoch_time_s": 1.6, "test_acc": None},
+            "gcn-nocomm": {"model": "gcn", "mode": "nocomm", "epoch_time_s": 0.5, "test_acc": None}}
+    line = pick_line(rows, "500mbit")
+    assert "**adaqp** (2.50x Vanilla's)" in line and "no accuracy was measured" in line
+    # with accuracies the rule is unchanged: the fastest mode within 1 pp of Vanilla's
+    rows = {k: dict(r, test_acc=0.8) for k, r in rows.items()}
+    rows["gcn-adaqp"]["test_acc"] = 0.7
+    assert "pick **vanilla**" in pick_line(rows, "500mbit")
 
 
 def test_moe_infer_variants_on_the_emulated_cluster(tmp_path):

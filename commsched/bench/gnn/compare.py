@@ -235,6 +235,10 @@ def variants(a: argparse.Namespace) -> list[Variant]:
     tta = time_to_acc(a)
     if tta:
         check_tta_args(a.target_acc, a.target_frac, a.sustain)
+        if getattr(a, "compute", "real") == "emulated":
+            raise ValueError("--metric time-to-acc needs accuracies, and --compute emulated (as every --cluster "
+                             "preset) times the kernels without computing their values: measure time to "
+                             "accuracy with real compute, and epoch times on the emulated cluster")
     seeds = parse_seeds(getattr(a, "seeds", None))
     if seeds is not None:
         out = []
@@ -403,6 +407,13 @@ def pick_line(rows: dict[str, dict], regime: str) -> str:
         ok = [(v, r) for v, r in mine.items()
               if r["mode"] != "nocomm" and r.get("epoch_time_s") and r.get("test_acc") is not None
               and van.get("test_acc") is not None and r["test_acc"] >= van["test_acc"] - PICK_ACC_TOLERANCE]
+        if not ok and van.get("test_acc") is None:  # no accuracy measured (--compute emulated)
+            v, r = min(((v, r) for v, r in mine.items() if r["mode"] != "nocomm" and r.get("epoch_time_s")),
+                       key=lambda t: t[1]["epoch_time_s"])
+            out.append(f"- {model}: fastest epoch at {regime}: **{r['mode']}** "
+                       f"({van['epoch_time_s'] / r['epoch_time_s']:.2f}x Vanilla's); no accuracy was measured "
+                       f"(emulated compute), so check the pick's accuracy in a run with real compute")
+            continue
         if not ok:
             continue
         v, r = min(ok, key=lambda t: t[1]["epoch_time_s"])

@@ -108,12 +108,15 @@ def summarize(cfg: Any, loss: Sequence[float], evals: Sequence[dict], per_rank: 
 
     Per epoch, time and every breakdown key take the maximum over ranks and bytes the sum;
     the record holds their medians over epochs. Accuracies are those of the best
-    validation epoch (the earliest on ties)."""
+    validation epoch (the earliest on ties); None under ``--compute emulated``, whose
+    kernels return zeros."""
     E = len(per_rank[0]["epoch_time_s"])  # epochs timed in this invocation
     epoch_max = [max(r["epoch_time_s"][e] for r in per_rank) for e in range(E)]
     bd_max = [{k: max(r["breakdown_s"][e].get(k, 0.0) for r in per_rank) for k in BREAKDOWN_KEYS}
               for e in range(E)]
     bytes_ep = [sum(r["bytes_sent"][e] for r in per_rank) for e in range(E)]
+    if getattr(cfg, "compute", "real") == "emulated":
+        evals = []  # the emulated device computes zeros: its accuracies measure nothing
     best = max(evals, key=lambda r: (r["val_acc"], -r["epoch"])) if evals else None
     aucs = [r for r in evals if r.get("val_auc") is not None]
     best_auc = max(aucs, key=lambda r: (r["val_auc"], -r["epoch"])) if aucs else None
