@@ -180,3 +180,27 @@ def test_scaling_report_orders_sizes_and_gives_time_and_ratio_per_cell(tmp_path)
         (tmp_path / name / "summary.json").write_text(__import__("json").dumps(s))
     assert scaling_main([str(tmp_path / "r4"), str(tmp_path / "r16"), "--out", str(tmp_path / "o")]) == 0
     assert "lina-hier" in (tmp_path / "o" / "scaling.md").read_text()
+
+
+def test_gnn_cluster_summary_gives_adaqp_on_its_assigned_widths(tmp_path):
+    """Vanilla / AdaQP and the overlap's gain, on the median epoch and on the epochs from
+    AdaQP's first plan on (before it, every mode sends 8-bit messages)."""
+    import argparse
+
+    from commsched.bench.gnn.compare import summarize
+
+    def run(ep, assigned=None):
+        return {"epoch_time_s": ep, "epoch_time_s_assigned": assigned, "test_acc": None, "loss": [0.0],
+                "bytes_sent_per_epoch": 1.0, "peak_rss_mib_per_rank": [500.0, 510.0],
+                "emulated": {"host_cpu_share_per_rank": [0.05, 0.06], "setup_s": 1.0}}
+
+    runs = {"gcn-vanilla": [run(4.0)], "gcn-adaqp-q": [run(1.6, 1.2)], "gcn-adaqp": [run(1.5, 1.0)]}
+    a = argparse.Namespace(bits=4, bandwidth="500mbit", metric="epoch", target_acc=None, compute="emulated",
+                           cluster=None, dilation=200.0, device_model="a100", nproc=2, hosts=1)
+    res = summarize(runs, a, tmp_path)
+    g = res["cluster"]["gcn_gains"]
+    assert g["vanilla_over_adaqp"] == pytest.approx(4.0 / 1.5)
+    assert g["vanilla_over_adaqp_assigned"] == pytest.approx(4.0)
+    assert g["overlap_gain_adaqp_q_over_adaqp"] == pytest.approx(1.6 / 1.5)
+    assert g["overlap_gain_assigned"] == pytest.approx(1.2)
+    assert "| gcn | 2.67x | 4x | 1.07x | 1.2x |" in res["extra_tables"]["Emulated cluster"]
