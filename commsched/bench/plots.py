@@ -80,17 +80,29 @@ def scaling_report(summaries: dict[str, dict], out: Path, baseline: str | None =
     markdown table (returned) and a plot (``out/scaling.png``: the ratio against the GPU
     count, and the time). Several runs of one size are merged (a variant from the first
     that has it, its ratio against that run's baseline); a variant missing at a size is '-'."""
-    base = baseline or next((s.get("baseline") for s in summaries.values() if s.get("baseline")), None)
-    if base is None:
+    def base_of(s: dict, v: str) -> str | None:
+        """The variant ``v``'s baseline in summary ``s``: ``baseline`` when given, else the
+        run's own (one name, or a name per variant as ``bench gnn`` records it)."""
+        if baseline:
+            return baseline
+        b = s.get("baseline")
+        if isinstance(b, dict):
+            return b.get(v) or (v if v in b.values() else None)
+        return b
+
+    names = {n for s in summaries.values() for v in (s.get("median") or {}) if (n := base_of(s, v))}
+    if not names:
         raise ValueError("no baseline variant: name one with --baseline")
+    base = " / ".join(sorted(names))
     sizes: dict[int, dict] = {}
     for s in summaries.values():
         gpus, cluster, key, times = _scaling_point(s)
         pt = sizes.setdefault(gpus, {"cluster": cluster, "key": key, "times": {}, "ratios": {}})
         for v, t in times.items():
             if v not in pt["times"]:
+                b = base_of(s, v)
                 pt["times"][v] = t
-                pt["ratios"][v] = times[base] / t if base in times else None
+                pt["ratios"][v] = times[b] / t if b in times else None
     points = [(g, p["cluster"], p["key"], p["times"], p["ratios"]) for g, p in sorted(sizes.items())]
     variants = list(dict.fromkeys(v for p in points for v in p[3]))
     unit = "ms"

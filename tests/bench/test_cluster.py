@@ -171,6 +171,11 @@ def test_scaling_report_orders_sizes_and_gives_time_and_ratio_per_cell(tmp_path)
     t, _ = scaling_report({"g": _summary(2, 4, 200.0, {"vanilla": 2.0, "adaqp": 1.0}, "epoch_time_s")}, tmp_path,
                           baseline="vanilla")
     assert "2.00x" in t and "epoch_time" in t
+    # bench gnn records a baseline per variant: each ratio against its own
+    g = _summary(2, 4, 200.0, {"gcn-vanilla": 2.0, "gcn-adaqp": 1.0, "gcn-adaptive": 0.5}, "epoch_time_s")
+    g["baseline"] = {"gcn-adaqp": "gcn-vanilla", "gcn-adaptive": "gcn-vanilla"}
+    t, _ = scaling_report({"g": g}, tmp_path)
+    assert "gcn-vanilla / it" in t and "5 / 2.00x" in t and "2.5 / 4.00x" in t and "10 / 1.00x" in t
     with pytest.raises(ValueError, match="emulated cluster"):
         scaling_report({"x": {"median": {"fifo": {"step_time_s": 1.0}}, "meta": {}}}, tmp_path, baseline="fifo")
     # the command: unreadable folder -> status 2 with the path; a good one writes scaling.md
