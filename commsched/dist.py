@@ -37,6 +37,11 @@ def current_rank() -> int:
 # same; the ranks that never do are the ones that stopped answering.
 LIVENESS_KEY = "commsched/failed/{rank}"
 LIVENESS_WAIT_MAX_S = 10.0
+# one rank's one-off work before a collective (rank 0 partitioning a large graph) may take
+# longer than the collective timeout: the other ranks wait for it on the store this long
+LONG_WORK_WAIT_S = 4 * 3600.0
+LONG_WORK_KEY = "commsched/done/{seq}"
+_long_work_seq = [0]
 
 
 @contextmanager
@@ -114,6 +119,37 @@ def unresponsive_ranks(group=None, wait_s: float | None = None) -> list[int] | N
             store.set_timeout(old)
         except Exception:  # noqa: BLE001
             pass
+
+
+def long_work_done(what: str, src: int = 0, *, wait_s: float | None = None) -> None:
+    """Every rank calls this where rank ``src`` has finished one-off work that the others
+    wait for (rank 0 partitioning the graph before it scatters the parts): ``src`` marks
+    it done in the default store at once; the others wait for that mark for up to
+    ``wait_s`` seconds (default the larger of :data:`LONG_WORK_WAIT_S` and the collective
+    timeout), so the collective that follows does not time out while ``src`` is still
+    working. ``src`` calls it whether its work succeeded or not (the collective carries the
+    error). A wait past the deadline, or a store that went away with its host, raises
+    RuntimeError naming ``what``. Calls pair up by their order on each rank; a no-op
+    without a process group of more than one rank."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    _long_work_seq[0] += 1
+    key = LONG_WORK_KEY.format(seq=_long_work_seq[0])
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == src:
+        store.set(key, "1")
+        return
+    wait = max(LONG_WORK_WAIT_S, read_env().timeout_s) if wait_s is None else float(wait_s)
+    deadline = time.monotonic() + wait
+    try:
+        while not store.check([key]):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"{what}: rank {src} did not finish within {wait:g} s")
+            time.sleep(0.2)
+    except RuntimeError as e:
+        if str(e).startswith(what):
+            raise
+        raise RuntimeError(f"{what}: rank {src} went away while the others waited for it ({e})") from e
 
 
 def unresponsive_note(group=None) -> str:

@@ -329,3 +329,30 @@ def test_only_a_peer_failure_asks_who_is_alive():
         with comm_guard("step x"):
             raise RuntimeError("bad sizes")
     assert time.monotonic() - t < 1.0
+
+
+def _slow_rank0_then_scatter(rank: int, world: int, work_s: float, wait_s: float | None) -> str:
+    """Rank 0 works longer than the collective timeout, then scatters; the others wait on
+    the store (long_work_done) and return what they got, or the error they raised."""
+    from commsched.dist import long_work_done, scatter_object
+
+    if rank == 0:
+        time.sleep(work_s)
+    try:
+        long_work_done("partitioning on rank 0", wait_s=wait_s)
+    except RuntimeError as e:
+        return f"error: {e}"
+    if wait_s is not None:
+        return "waited"
+    return scatter_object([f"part {r}" for r in range(world)] if rank == 0 else None, "scattering", 0)
+
+
+def test_one_rank_working_past_the_timeout_does_not_time_out_the_others():
+    """The collective after one rank's long one-off work (rank 0 partitioning a large graph)
+    waits for it past COMMSCHED_TIMEOUT_S; a wait past its own deadline names the work."""
+    got = run_ranks(2, _slow_rank0_then_scatter, 3 * TIMEOUT_S / 5 + 4.0, None, pg_timeout_s=3.0,
+                    env={"COMMSCHED_TIMEOUT_S": "3"})
+    assert got == ["part 0", "part 1"]
+    got = run_ranks(2, _slow_rank0_then_scatter, 3.0, 0.5, pg_timeout_s=3.0, env={"COMMSCHED_TIMEOUT_S": "3"})
+    assert got[0] == "waited"
+    assert got[1] == "error: partitioning on rank 0: rank 0 did not finish within 0.5 s"

@@ -27,7 +27,7 @@ from ...configurable import (
     from_arguments,
     parse_args,
 )
-from ...dist import claim_run_folder, cli_main, init_distributed, scatter_object
+from ...dist import claim_run_folder, cli_main, init_distributed, long_work_done, scatter_object
 from ...priority.policy import SCHEDULES
 from ..exchange.modes import MODES, mode_config
 from ..graph.data import GraphSource, load_source
@@ -149,6 +149,8 @@ def obtain_part(src: GraphSource | None, rank: int, world: int, *, partition_dir
         if err:
             raise ValueError(err)
         return parts_list[0], info
+    # a large graph takes rank 0 longer to load and cut than the collective timeout
+    long_work_done("loading and partitioning the graph on rank 0")
     payload = [(err, p, info) for p in parts_list] if rank == 0 else None
     err, part, info0 = scatter_object(payload, "scattering the partitions", 0, group)
     if err:
